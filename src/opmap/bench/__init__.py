@@ -1,0 +1,1 @@
+"""Benchmark harness: cases with FLOPs and minimal bytes, peers timed in the same run."""

@@ -1,0 +1,1 @@
+"""Correctness suite: cases per op family, runnable from the CLI (`opmap check`) and pytest."""

@@ -1,0 +1,42 @@
+"""What a correctness case is. Each op family lists its cases in ``opmap.check.cases.<family>``
+through a function ``cases(device: str, quick: bool) -> list[CheckCase]``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+SECTIONS = {
+    "parity": "Reference parity",
+    "sampling": "Sampling statistics",
+    "graph": "Eager vs CUDA graph",
+    "boundaries": "Boundaries",
+    "gqa-mla": "GQA and MLA paths",
+    "quant": "Quantisation gates",
+    "structured": "Structured output",
+    "sanitizer": "Memory safety (compute-sanitizer)",
+    "input": "Bad input is a clear error",
+}
+
+
+@dataclass
+class Outcome:
+    passed: bool
+    figure: str  # the number(s) behind the verdict, e.g. "max_abs=2e-3 worst/tol=0.21"
+    value: Optional[float] = None  # the headline figure (worst error ratio, p-value, cosine...)
+    limit: Optional[float] = None  # what value is compared against
+
+
+@dataclass
+class CheckCase:
+    section: str  # a key of SECTIONS
+    op: str  # registry op name
+    backend: str  # registry backend name ("-" when the case is not about one backend)
+    case: str  # the shape as key=value pairs
+    run: Callable[[], Outcome]
+    device: str = "any"  # "cpu", "cuda" or "any": where the case can run
+    quick: bool = True  # part of --quick
+    tags: tuple = field(default_factory=tuple)  # e.g. ("gqa",), ("mla",), ("moe",)
+
+    @property
+    def title(self) -> str:
+        return f"{self.op}/{self.backend} {self.case}"

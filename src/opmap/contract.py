@@ -1,0 +1,86 @@
+"""Input validation shared by every launcher: each error names the argument, what was given
+and what was expected, and is raised before anything launches."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+
+class InputError(ValueError):
+    """Bad input to a public op. The message names the argument."""
+
+    def __init__(self, arg: str, given, expected):
+        self.arg, self.given, self.expected = arg, given, expected
+        super().__init__(f"{arg}: got {given}, expected {expected}")
+
+
+DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8",
+    torch.int8: "int8",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.bool: "bool",
+}
+TORCH_DTYPES = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dt, str(dt).replace("torch.", ""))
+
+
+def expect(cond: bool, arg: str, given, expected) -> None:
+    if not cond:
+        raise InputError(arg, given, expected)
+
+
+def expect_tensor(
+    arg: str,
+    t,
+    *,
+    dtype: Union[None, torch.dtype, Sequence[torch.dtype]] = None,
+    ndim: Optional[int] = None,
+    shape: Optional[Sequence[Optional[int]]] = None,
+    device: Optional[torch.device] = None,
+    contiguous: bool = False,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Check a tensor argument. ``shape`` entries of None match any size."""
+    if not isinstance(t, torch.Tensor):
+        raise InputError(arg, type(t).__name__, "a torch.Tensor")
+    if dtype is not None:
+        allowed = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
+        if t.dtype not in allowed:
+            raise InputError(arg, f"dtype {dtype_name(t.dtype)}",
+                             "dtype " + " or ".join(dtype_name(d) for d in allowed))
+    if ndim is not None and t.dim() != ndim:
+        raise InputError(arg, f"{t.dim()} dims {tuple(t.shape)}", f"{ndim} dims")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape)):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise InputError(arg, f"shape {tuple(t.shape)}", f"shape {want}")
+    if device is not None and t.device != torch.device(device):
+        raise InputError(arg, f"device {t.device}", f"device {device}")
+    if contiguous and not t.is_contiguous():
+        raise InputError(arg, f"strides {t.stride()}", "a contiguous tensor")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise InputError(arg, f"strides {t.stride()}", "stride 1 in the last dimension")
+    return t
+
+
+def expect_same_device(**tensors: torch.Tensor) -> torch.device:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    dev = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != dev:
+            raise InputError(k, f"device {v.device}", f"device {dev} (same as {items[0][0]})")
+    return dev
+
+
+def expect_in(arg: str, value, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise InputError(arg, repr(value), "one of " + ", ".join(repr(a) for a in allowed))

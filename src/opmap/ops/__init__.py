@@ -1,0 +1,1 @@
+"""Op families: one package each (reference, Triton kernels, peer adapters, backends)."""

@@ -1,0 +1,1 @@
+"""attention op family."""

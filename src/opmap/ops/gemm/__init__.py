@@ -1,0 +1,1 @@
+"""gemm op family."""

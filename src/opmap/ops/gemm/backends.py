@@ -1,0 +1,1 @@
+"""Backend registrations of the gemm family."""

@@ -1,0 +1,1 @@
+"""mla op family."""

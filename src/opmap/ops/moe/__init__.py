@@ -1,0 +1,1 @@
+"""moe op family."""

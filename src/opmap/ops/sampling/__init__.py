@@ -1,0 +1,1 @@
+"""sampling op family."""

@@ -1,0 +1,219 @@
+"""Model presets with real models' shapes, their tiny CPU versions, and the operator map of
+one step of each as specs (what the report and the checks ask the selector about).
+
+Shapes follow the models' published config.json files. ``tiny-*`` presets keep the
+architecture (GQA ratio, MoE routing, MLA ranks scaled down, RoPE style) at sizes a CPU runs
+in seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from . import specs as S
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    arch: str  # llama / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek_v2
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_position: int = 8192
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    rope_style: str = "neox"
+    rms_eps: float = 1e-5
+    attention_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    # MoE
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate: int = 0
+    shared_experts: int = 0
+    norm_topk_prob: bool = True
+    router: str = "softmax"
+    first_dense_layers: int = 0
+    routed_scaling: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    # MLA
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None
+    qk_nope_dim: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def weight_bytes(self, bytes_per_param: float = 2.0) -> float:
+        """Bytes of the weights one decode step reads (MoE: all experts counted)."""
+        return self.num_params() * bytes_per_param
+
+    def num_params(self) -> int:
+        h, L = self.hidden, self.layers
+        if self.is_mla:
+            qk = self.qk_nope_dim + self.qk_rope_dim
+            attn = (h * self.heads * qk + h * (self.kv_lora_rank + self.qk_rope_dim)
+                    + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
+                    + self.heads * self.v_head_dim * h)
+        else:
+            attn = h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h
+        dense_mlp = 3 * h * self.intermediate
+        if self.is_moe:
+            moe = self.num_experts * 3 * h * self.moe_intermediate + h * self.num_experts
+            moe += self.shared_experts * 3 * h * self.moe_intermediate
+            mlp_total = self.first_dense_layers * dense_mlp + (L - self.first_dense_layers) * moe
+        else:
+            mlp_total = L * dense_mlp
+        emb = self.vocab * h * (1 if self.tie_embeddings else 2)
+        return L * attn + mlp_total + emb
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+DSV2_LITE_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                  "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+
+PRESETS: dict[str, ModelConfig] = {}
+
+
+def _add(cfg: ModelConfig) -> ModelConfig:
+    PRESETS[cfg.name] = cfg
+    return cfg
+
+
+_add(ModelConfig("llama3-8b", "llama", 4096, 32, 32, 8, 128, 14336, 128256, max_position=131072,
+                 rope_theta=500000.0, rope_scaling=LLAMA3_SCALING))
+_add(ModelConfig("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 128, 18944, 152064, max_position=32768,
+                 rope_theta=1e6, rms_eps=1e-6, attention_bias=True))
+_add(ModelConfig("qwen3-8b", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936, max_position=40960,
+                 rope_theta=1e6, rms_eps=1e-6, qk_norm=True))
+_add(ModelConfig("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 128, 14336, 32000, max_position=32768,
+                 rope_theta=1e6, num_experts=8, top_k=2, moe_intermediate=14336))
+_add(ModelConfig("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, max_position=40960,
+                 rope_theta=1e6, rms_eps=1e-6, qk_norm=True, num_experts=128, top_k=8,
+                 moe_intermediate=768))
+_add(ModelConfig("deepseek-v2-lite", "deepseek_v2", 2048, 27, 16, 16, 192, 10944, 102400,
+                 max_position=163840, rope_theta=10000.0, rope_scaling=DSV2_LITE_YARN, rms_eps=1e-6,
+                 rope_style="gptj", num_experts=64, top_k=6, moe_intermediate=1408, shared_experts=2,
+                 norm_topk_prob=False, first_dense_layers=1, kv_lora_rank=512, qk_nope_dim=128,
+                 qk_rope_dim=64, v_head_dim=128))
+
+
+def _tiny(base: str, **kw) -> ModelConfig:
+    cfg = dataclasses.replace(PRESETS[base], name="tiny-" + base.split("-")[0].replace(".5", ""), **kw)
+    return _add(cfg)
+
+
+_TINY_COMMON = dict(hidden=64, layers=2, head_dim=16, intermediate=128, vocab=512, max_position=2048)
+_tiny("llama3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-llama3
+_tiny("qwen2.5-7b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen2
+_tiny("qwen3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen3
+_tiny("mixtral-8x7b", heads=4, kv_heads=2, num_experts=4, top_k=2, moe_intermediate=96,
+      **_TINY_COMMON)  # tiny-mixtral
+PRESETS["tiny-qwen3moe"] = dataclasses.replace(
+    PRESETS["qwen3-30b-a3b"], name="tiny-qwen3moe", heads=4, kv_heads=2, num_experts=8, top_k=2,
+    moe_intermediate=32, **_TINY_COMMON)
+PRESETS["tiny-deepseek"] = dataclasses.replace(
+    PRESETS["deepseek-v2-lite"], name="tiny-deepseek", hidden=64, layers=2, heads=4, kv_heads=4,
+    head_dim=24, intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2,
+    moe_intermediate=32, shared_experts=1, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
+    v_head_dim=16)
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+
+def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_size: int = 16,
+           kv_dtype: Optional[str] = None, cuda_graph: Optional[bool] = None,
+           tokens: Optional[int] = None) -> list[tuple[str, str, S.Spec]]:
+    """The operators of one step of ``cfg`` in ``phase`` as (op, label, spec), in map order."""
+    kv_dtype = kv_dtype or dtype
+    graph = (phase == "decode") if cuda_graph is None else cuda_graph
+    if tokens is None:
+        tokens = 1 if phase == "decode" else 1024
+    base = dict(arch=arch, phase=phase)
+    out: list[tuple[str, str, S.Spec]] = []
+    h = cfg.hidden
+    out.append(("rmsnorm", "input RMSNorm", S.NormSpec(hidden=h, dtype=dtype, **base)))
+    if cfg.is_mla:
+        qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+        out.append(("gemm", "q proj", S.GemmSpec(m=tokens, n=cfg.heads * qk, k=h, dtype=dtype, **base)))
+        out.append(("gemm", "kv_a proj", S.GemmSpec(m=tokens, n=cfg.kv_lora_rank + cfg.qk_rope_dim, k=h,
+                                                     dtype=dtype, **base)))
+        out.append(("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype, **base)))
+        out.append(("rope", "RoPE(q_pe, k_pe)", S.RopeSpec(head_dim=cfg.qk_rope_dim, style=cfg.rope_style,
+                                                          scaling=_scaling(cfg), dtype=dtype, **base)))
+        out.append(("kv_append", "latent KV append", S.KVAppendSpec(
+            kind="mla", num_kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, page_size=page_size,
+            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, arch=arch, phase=phase)))
+        attn_dim, attn_v = cfg.kv_lora_rank + cfg.qk_rope_dim, cfg.kv_lora_rank
+        out.append(("attention", "MLA attention", S.AttentionSpec(
+            kind="mla", num_heads=cfg.heads, num_kv_heads=1, head_dim=attn_dim, head_dim_v=attn_v,
+            page_size=page_size, dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, **base)))
+        out.append(("gemm", "o proj", S.GemmSpec(m=tokens, n=h, k=cfg.heads * cfg.v_head_dim, dtype=dtype,
+                                                 **base)))
+    else:
+        qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+        out.append(("gemm", "QKV proj", S.GemmSpec(m=tokens, n=qkv_n, k=h, dtype=dtype,
+                                                   bias=cfg.attention_bias, **base)))
+        if cfg.qk_norm:
+            out.append(("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base)))
+        out.append(("rope", "RoPE(q, k)", S.RopeSpec(head_dim=cfg.head_dim, style=cfg.rope_style,
+                                                    scaling=_scaling(cfg), dtype=dtype, **base)))
+        out.append(("kv_append", "KV append", S.KVAppendSpec(
+            num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
+            kv_dtype=kv_dtype, cuda_graph=graph, arch=arch, phase=phase)))
+        out.append(("attention", "attention (paged)", S.AttentionSpec(
+            num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size,
+            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, **base)))
+        out.append(("gemm", "O proj", S.GemmSpec(m=tokens, n=h, k=cfg.heads * cfg.head_dim, dtype=dtype,
+                                                 **base)))
+    out.append(("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True, **base)))
+    if cfg.is_moe:
+        out.append(("moe", "MoE (router, grouped GEMM, combine)", S.MoESpec(
+            num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
+            router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, tokens=tokens, **base)))
+    if not cfg.is_moe or cfg.first_dense_layers:
+        inter = cfg.intermediate
+        out.append(("gemm", "gate/up proj", S.GemmSpec(m=tokens, n=2 * inter, k=h, dtype=dtype, **base)))
+        out.append(("activation", "SiLU * mul", S.ActivationSpec(hidden=inter, dtype=dtype, **base)))
+        out.append(("gemm", "down proj", S.GemmSpec(m=tokens, n=h, k=inter, dtype=dtype, **base)))
+    out.append(("rmsnorm", "final norm", S.NormSpec(hidden=h, dtype=dtype, **base)))
+    lm_m = tokens if phase == "decode" else 1  # prefill computes logits for the last token only
+    out.append(("gemm", "LM head", S.GemmSpec(m=lm_m, n=cfg.vocab, k=h, dtype=dtype, **base)))
+    if phase != "prefill":
+        out.append(("logits", "logits processors", S.LogitsSpec(vocab=cfg.vocab, penalties=True,
+                                                              cuda_graph=graph, **base)))
+        out.append(("grammar_mask", "grammar bitmask", S.GrammarMaskSpec(vocab=cfg.vocab, cuda_graph=graph,
+                                                                         **base)))
+        out.append(("sampling", "sample (top-k/top-p/min-p)", S.SamplingSpec(
+            vocab=cfg.vocab, top_k=True, top_p=True, min_p=True, cuda_graph=graph, **base)))
+    return out
+
+
+def _scaling(cfg: ModelConfig) -> str:
+    if not cfg.rope_scaling:
+        return "none"
+    t = cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")
+    return {"llama3": "llama3", "yarn": "yarn"}.get(t, "none")
