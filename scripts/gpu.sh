@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, offline, from the checkout: the GPU tests, `opmap check` and
+# `opmap bench`, writing logs and result files to OUTDIR.
+#   scripts/gpu.sh OUTDIR            # everything
+#   STEPS="tests bench" scripts/gpu.sh OUTDIR
+#   BENCH_ARGS="--op attention" TEST_ARGS="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
+# Each step's log is OUTDIR/<step>.log; results: gpu-tests.xml, check-*.json, bench JSON/MD/PNG.
+set -uo pipefail
+out=${1:?usage: scripts/gpu.sh OUTDIR}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+STEPS=${STEPS:-"env tests check bench"}
+MODELS=${MODELS:-"llama3-8b"}
+status=0
+step() { echo "== $1 ($(date -u +%T))"; }
+for s in $STEPS; do
+  case $s in
+    env)
+      step env
+      python3 -m opmap.cli env 2>&1 | tee "$out/env.log" || status=1 ;;
+    tests)
+      step tests
+      timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" \
+        ${TEST_ARGS:-tests/gpu} 2>&1 | tee "$out/tests.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    check)
+      for m in $MODELS; do
+        step "check $m"
+        timeout ${CHECK_TIMEOUT:-300} python3 -m opmap.cli check --model "$m" --json "$out/check-$m.json" \
+          ${CHECK_ARGS:-} 2>&1 | tee "$out/check-$m.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done ;;
+    bench)
+      step bench
+      timeout ${BENCH_TIMEOUT:-420} python3 -m opmap.cli bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    *) echo "unknown step $s"; status=1 ;;
+  esac
+done
+echo "== done, status $status"
+exit $status
