@@ -1,0 +1,322 @@
+"""The `opmap` command: env, select, matrix, check, bench, report (and run / profile from the
+engine when it is importable)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Optional
+
+from . import specs as S
+
+# Short flag names for the fields people type most (the field name works too).
+ALIASES = {"heads": "num_heads", "kv_heads": "num_kv_heads", "experts": "num_experts"}
+
+
+class CLIError(Exception):
+    """A user error: printed without a traceback, exit status 2."""
+
+
+# ---- spec fields as flags -------------------------------------------------------------------
+
+def _all_fields() -> dict:
+    """Field name -> {op: annotation} over every spec class (one flag may mean different types
+    for different ops, e.g. top_k is an int for moe and a bool for sampling)."""
+    out: dict[str, dict] = {}
+    for op, cls in S.OP_SPECS.items():
+        for f in dataclasses.fields(cls):
+            if f.name in ("arch", "phase"):
+                continue
+            out.setdefault(f.name, {})[op] = str(f.type)
+    return out
+
+
+def _convert(op: str, field: str, text: str, ftype: str):
+    t = ftype.replace(" ", "")
+    optional = t.startswith("Optional[")
+    base = t[len("Optional["):-1] if optional else t
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    try:
+        if base == "bool":
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if base == "int":
+            return int(text)
+        if base == "float":
+            return float(text)
+    except ValueError:
+        raise CLIError(f"{op}.{field}: cannot read {text!r} as {base}") from None
+    return text
+
+
+def add_spec_flags(p: argparse.ArgumentParser) -> None:
+    fields = _all_fields()
+    rev = {v: k for k, v in ALIASES.items()}
+    g = p.add_argument_group("spec fields (those of the chosen op; see `opmap select OP --fields`)")
+    for name, types in sorted(fields.items()):
+        flags = ["--" + name.replace("_", "-")]
+        if name in rev:
+            flags.insert(0, "--" + rev[name].replace("_", "-"))
+        is_bool = all(t == "bool" for t in types.values())
+        if is_bool:
+            g.add_argument(*flags, dest="f_" + name, nargs="?", const="true", metavar="BOOL")
+            g.add_argument("--no-" + name.replace("_", "-"), dest="f_" + name, action="store_const",
+                           const="false", help=argparse.SUPPRESS)
+        else:
+            # A flag that is a bool for one op and a number for another may be given bare.
+            if "bool" in types.values():
+                g.add_argument(*flags, dest="f_" + name, nargs="?", const="true", metavar="V")
+            else:
+                g.add_argument(*flags, dest="f_" + name, metavar="V")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="any spec field, e.g. --set head_dim_v=512")
+
+
+def spec_from_args(op: str, args, arch: str) -> S.Spec:
+    if op not in S.OP_SPECS:
+        raise CLIError(f"unknown op {op!r}; known ops: {', '.join(S.OP_SPECS)}")
+    types = {f.name: str(f.type) for f in dataclasses.fields(S.OP_SPECS[op])}
+    given: dict[str, str] = {}
+    for name in _all_fields():
+        v = getattr(args, "f_" + name, None)
+        if v is not None:
+            given[name] = v
+    for item in args.set:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise CLIError(f"--set {item!r}: expected FIELD=VALUE")
+        given[ALIASES.get(k.strip(), k.strip()).replace("-", "_")] = v.strip()
+    kw = {}
+    for name, text in given.items():
+        if name not in types or name in ("arch", "phase"):
+            fields = ", ".join(f for f in types if f not in ("arch", "phase"))
+            raise CLIError(f"{name!r} is not a field of the {op} spec; its fields: {fields}")
+        kw[name] = _convert(op, name, text, types[name])
+    try:
+        return S.spec_for(op, arch=arch, phase=args.phase, **kw)
+    except (TypeError, ValueError) as e:
+        raise CLIError(f"bad {op} spec: {e}") from None
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+def load_registry() -> None:
+    """Import every family's backends; a broken family module is an error that says which."""
+    from . import registry
+
+    try:
+        registry.load_all()
+    except Exception as e:
+        raise CLIError(f"loading the backend registry failed: {type(e).__name__}: {e}") from e
+
+
+def cmd_env(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import hw
+
+    info = hw.detect()
+    out = {"device": dataclasses.asdict(info)}
+    t = Table(title="opmap env", show_header=False, title_justify="left")
+    for k, v in info.lines():
+        t.add_row(k, v)
+    if info.kind == "cuda":
+        c = hw.ceilings(measure=True, refresh=args.refresh)
+        out["ceilings"] = c.as_dict()
+        t.add_row("HBM read ceiling", f"{c.read_tbps:.2f} TB/s (large sum)")
+        t.add_row("copy ceiling", f"{c.copy_tbps:.2f} TB/s (read + write)")
+        t.add_row("bf16 GEMM ceiling", f"{c.bf16_tflops:.0f} TFLOP/s (8192^3)")
+        t.add_row("ceilings measured", f"{c.measured_at}, cached in {hw.cache_dir()}")
+    else:
+        out["ceilings"] = None
+        t.add_row("ceilings", "not measured: no GPU (read / copy / GEMM ceilings need one)")
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        Console().print(t)
+    return 0
+
+
+def cmd_select(args) -> int:
+    from . import hw, registry
+    from .select import BackendError, select
+
+    if args.fields:
+        cls = S.OP_SPECS.get(args.op)
+        if cls is None:
+            raise CLIError(f"unknown op {args.op!r}; known ops: {', '.join(S.OP_SPECS)}")
+        for f in dataclasses.fields(cls):
+            print(f"  {f.name:<16} {str(f.type):<16} default {f.default!r}")
+        return 0
+    arch = args.arch or hw.local_arch()
+    spec = spec_from_args(args.op, args, arch)
+    print(f"spec: {args.op} [{spec.describe()}]")
+    load_registry()
+    if not registry.backends(args.op):
+        raise CLIError(f"{args.op}: no backend can serve this spec: none is registered for this op "
+                       "(families register theirs in opmap.ops.<family>.backends)")
+    try:
+        choice = select(args.op, spec, backend=args.backend)
+    except BackendError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(choice.explain())
+    return 0
+
+
+def cmd_matrix(args) -> int:
+    from . import hw
+    from . import matrix as M
+
+    load_registry()
+    arch = args.arch or hw.local_arch()
+    mats = M.build(arch, args.op or None)
+    M.print_rich(mats)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(M.to_markdown(mats))
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .check import runner
+
+    return runner.main(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import runner
+
+    return runner.main(args)
+
+
+def cmd_report(args) -> int:
+    from . import report
+
+    return report.main(args)
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+def _engine_parsers(sub) -> None:
+    """`opmap run` / `opmap profile` come from the engine. When it cannot be imported the
+    commands still exist and say why they are unavailable (never a silent absence)."""
+    for name, factory in (("run", "add_run_parser"), ("profile", "add_profile_parser")):
+        why = None
+        try:
+            import importlib
+
+            mod = None
+            for modname in ("opmap.engine.cli", "opmap.engine"):
+                try:
+                    m = importlib.import_module(modname)
+                except ModuleNotFoundError as e:
+                    if e.name != modname:  # the module exists but one of its imports failed
+                        raise
+                    continue
+                if hasattr(m, factory):
+                    mod = m
+                    break
+            if mod is None:
+                why = f"the engine provides no {factory} (looked in opmap.engine.cli, opmap.engine)"
+            else:
+                getattr(mod, factory)(sub)
+                continue
+        except Exception as e:  # an incomplete engine must not take the whole CLI down
+            why = f"importing the engine failed: {type(e).__name__}: {e}"
+        p = sub.add_parser(name, help=f"(unavailable: {why})", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_unavailable(name, why))
+
+
+def _unavailable(name: str, why: str):
+    def run(args) -> int:
+        print(f"opmap {name} is unavailable: {why}", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="opmap", description="The operator layer of LLM inference: which "
+                                "kernel runs each operator, is it right, how fast against the alternatives.")
+    p.add_argument("--version", action="version", version=f"opmap {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("env", help="device facts and measured ceilings")
+    e.add_argument("--refresh", action="store_true", help="measure the ceilings again")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=cmd_env)
+
+    s = sub.add_parser("select", help="which backend serves a spec, and why (with every rejection)")
+    s.add_argument("op", help=f"one of {', '.join(S.OP_SPECS)}")
+    s.add_argument("--phase", default="decode", choices=S.PHASES)
+    s.add_argument("--arch", help="GPU arch such as sm90 or sm80, or cpu (default: this device)")
+    s.add_argument("--backend", help="force a backend by name (error if it cannot serve the spec)")
+    s.add_argument("--fields", action="store_true", help="list the spec fields of the op")
+    add_spec_flags(s)
+    s.set_defaults(func=cmd_select)
+
+    m = sub.add_parser("matrix", help="capability matrix generated from the registry")
+    m.add_argument("--arch", help="GPU arch to show (default: this device)")
+    m.add_argument("--op", action="append", help="only these ops (repeatable)")
+    m.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
+    m.set_defaults(func=cmd_matrix)
+
+    c = sub.add_parser("check", help="correctness checklist against the references")
+    c.add_argument("--model", help="preset: check the backends the selector picks for its op map")
+    c.add_argument("--backend", nargs="+", help="only cases of these backends")
+    c.add_argument("--op", action="append", help="only cases of these ops")
+    c.add_argument("--quick", action="store_true", help="the quick subset (under a minute on a CPU)")
+    c.add_argument("--section", action="append", help="only these sections (repeatable)")
+    c.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    c.add_argument("--markdown", metavar="FILE", help="write the results as Markdown")
+    c.add_argument("--sanitizer", action="store_true",
+                   help="also run each GPU case in its own process under compute-sanitizer")
+    c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
+    c.set_defaults(func=cmd_check)
+
+    b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")
+    b.add_argument("--op", action="append", help="only these bench ops (prefix match, e.g. attention)")
+    b.add_argument("--model", help="only the cases of the ops of this preset")
+    b.add_argument("--quick", action="store_true")
+    b.add_argument("--out", default="bench/results", metavar="DIR")
+    b.add_argument("--no-png", action="store_true", help="skip the roofline PNG")
+    b.set_defaults(func=cmd_bench)
+
+    r = sub.add_parser("report", help="the main job: the operator map of a model on this device")
+    r.add_argument("--model", required=True, help="preset name, e.g. llama3-8b or tiny-llama3")
+    r.add_argument("--out", metavar="DIR", help="output folder (default reports/<model>-<arch>)")
+    r.add_argument("--no-check", action="store_true", help="skip the correctness lines")
+    r.add_argument("--no-bench", action="store_true", help="skip the benchmarks (GPU only anyway)")
+    r.add_argument("--full", action="store_true", help="full check and bench instead of --quick")
+    r.set_defaults(func=cmd_report)
+
+    _engine_parsers(sub)
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except CLIError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return rc or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
