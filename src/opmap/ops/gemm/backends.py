@@ -1,1 +1,78 @@
-"""Backend registrations of the gemm family."""
+"""Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
+weight-only fp8-e4m3 / int8 with per-output-channel scales)."""
+from opmap import registry
+from opmap.registry import Backend, Check, Req
+
+_FLOAT = ("fp32", "fp16", "bf16")
+_MOD = "opmap.ops.gemm"
+
+
+def _dense(spec):
+    if spec.weight_dtype != spec.dtype:
+        return f"weight_dtype={spec.weight_dtype} differs from dtype={spec.dtype} (needs dense weights in the activation dtype)"
+    return None
+
+
+def _act_is_dtype(spec):
+    if spec.act_dtype != spec.dtype:
+        return f"act_dtype={spec.act_dtype} (needs activations in dtype={spec.dtype}, not quantised)"
+    return None
+
+
+def _mult16(spec):
+    bad = [f"{d}={getattr(spec, d)}" for d in ("n", "k") if getattr(spec, d) % 16]
+    return f"{', '.join(bad)} not a multiple of 16 (cuBLASLt fp8)" if bad else None
+
+
+_SAME_ACT = Check("act_dtype == dtype", _act_is_dtype, "act_dtype")
+
+registry.register(Backend(
+    op="gemm", name="reference", provider="torch", version=registry.torch_version,
+    priority=dict(registry.REFERENCE_PRIORITY),
+    impl={"linear": f"{_MOD}.reference:linear"},
+    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))],
+    checks=[_SAME_ACT],
+    notes="plain PyTorch fp32 matmul on the dequantised weight",
+))
+
+registry.register(Backend(
+    op="gemm", name="cublas", provider="cublas", version=registry.torch_version,
+    priority={"cpu": 20, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
+    impl={"linear": f"{_MOD}.torch_peer:linear"},
+    reqs=[Req("dtype", _FLOAT)],
+    checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
+    notes="torch.nn.functional.linear (cuBLAS on a GPU, the CPU BLAS on a CPU)",
+))
+
+registry.register(Backend(
+    op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
+    impl={"linear": f"{_MOD}.triton_gemm:linear"},
+    reqs=[Req("dtype", _FLOAT),
+          Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
+    checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
+    available=registry.triton_available,
+    notes="small-M GEMM: many narrow N tiles (split-K when N is small) so that every SM streams weight",
+))
+
+registry.register(Backend(
+    op="gemm", name="triton-wo", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
+    impl={"linear": f"{_MOD}.triton_gemm:linear"},
+    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
+    checks=[_SAME_ACT],
+    available=registry.triton_available,
+    notes="weight-only fp8/int8: the weight tile is converted in registers, the per-channel "
+          "scale applied in the epilogue; no dequantised copy",
+))
+
+registry.register(Backend(
+    op="gemm", name="scaled-mm", provider="cublaslt-fp8", version=registry.torch_version,
+    priority={"sm89": 45, "sm90": 45, "sm100": 45},
+    impl={"linear": f"{_MOD}.scaled_mm:linear"},
+    reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",)),
+          Req("act_dtype", ("fp8",), "fp8 activations (per-token dynamic scales)")],
+    checks=[Check("N, K multiples of 16", _mult16, "k")],
+    available=registry.needs_cuda,
+    notes="torch._scaled_mm: x quantised per token to fp8, fp8 x fp8 on cuBLASLt (sm89+)",
+))

@@ -1,1 +1,29 @@
-"""Backend registrations of the rope family."""
+"""Backend registrations of the rope family (entry "rope", in place on q and k).
+
+HF transformers' apply_rotary_pos_emb is a benchmark peer (opmap.bench.cases.rope), not a
+backend: it is out of place and NeoX-only.
+"""
+from opmap import registry
+from opmap.registry import Backend, Req
+
+_FLOAT = ("fp32", "fp16", "bf16")
+_MOD = "opmap.ops.rope"
+
+registry.register(Backend(
+    op="rope", name="reference", provider="torch", version=registry.torch_version,
+    priority=dict(registry.REFERENCE_PRIORITY),
+    impl={"rope": f"{_MOD}.reference:rope"},
+    reqs=[Req("dtype", _FLOAT), Req("style", ("neox", "gptj")), Req("scaling", ("none", "llama3", "yarn")),
+          Req("rotary_dim", lambda r: r is not None and r > 0 and r % 2 == 0, "rotary_dim even")],
+    notes="plain PyTorch, fp32 math; scaling is folded into the cos/sin cache (cos_sin_cache)",
+))
+
+registry.register(Backend(
+    op="rope", name="triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
+    impl={"rope": f"{_MOD}.triton_rope:rope"},
+    reqs=[Req("dtype", _FLOAT), Req("style", ("neox", "gptj")), Req("scaling", ("none", "llama3", "yarn")),
+          Req("rotary_dim", lambda r: r is not None and r > 0 and r % 2 == 0, "rotary_dim even")],
+    available=registry.triton_available,
+    notes="q and k of one token in one program, in place; any position ids; partial rotary",
+))

@@ -1,0 +1,28 @@
+"""Input checks shared by every rmsnorm backend, so that all of them reject the same inputs
+with the same InputError before anything runs."""
+from __future__ import annotations
+
+import torch
+
+from opmap.contract import InputError, expect, expect_same_device, expect_tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_norm(x, weight, eps, residual=None, out=None) -> int:
+    """Validate the arguments of rmsnorm / add_rmsnorm; returns the hidden size."""
+    expect_tensor("x", x, dtype=FLOAT_DTYPES, last_dim_contiguous=True)
+    expect(x.dim() >= 1, "x", f"{x.dim()} dims", ">= 1 dims [..., H]")
+    hidden = x.shape[-1]
+    expect(hidden > 0, "x", f"hidden size {hidden}", "hidden size > 0")
+    # The weight may be kept in fp32 even when activations are half precision.
+    expect_tensor("weight", weight, dtype=(x.dtype, torch.float32), ndim=1)
+    expect(weight.shape[0] == hidden, "weight", f"shape {tuple(weight.shape)}",
+           f"shape ({hidden},) (the hidden size of x)")
+    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+    if residual is not None:
+        expect_tensor("residual", residual, dtype=x.dtype, shape=tuple(x.shape), last_dim_contiguous=True)
+    if out is not None:
+        expect_tensor("out", out, dtype=x.dtype, shape=tuple(x.shape), last_dim_contiguous=True)
+    expect_same_device(x=x, weight=weight, residual=residual, out=out)
+    return hidden
