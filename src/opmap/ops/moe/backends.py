@@ -1,1 +1,87 @@
-"""Backend registrations of the moe family."""
+"""Backend registrations of the moe family.
+
+Every backend serves the two entries of docs/OPS_API.md: ``moe`` (routed experts: route,
+dispatch, gate/up GEMM, SiLU-and-mul, down GEMM, weighted combine) and ``route``. Routing is
+one shared fp32 function (``routing.route``) so that all backends pick the same experts.
+None of them serves quantised (fp8 / int8) expert weights.
+Importing this module imports no kernel module and no peer.
+"""
+from __future__ import annotations
+
+from opmap import registry
+from opmap.registry import Backend, Check, Req
+
+_ROUTE = "opmap.ops.moe.routing:route"
+_FLOAT = ("fp32", "fp16", "bf16")
+_ROUTERS = ("softmax", "sigmoid", "sigmoid_grouped")
+
+
+def _top_k_le_experts(spec):
+    if not 1 <= spec.top_k <= spec.num_experts:
+        return f"top_k={spec.top_k} outside 1..num_experts={spec.num_experts}"
+    return None
+
+
+_COMMON_CHECKS = (
+    Check("1 <= top_k <= num_experts", _top_k_le_experts, "top_k"),
+)
+_COMMON_REQS = (
+    Req("dtype", _FLOAT),
+    Req("router", _ROUTERS),
+    # fp8 / int8 expert weights are not served; the entry takes the weights in x.dtype
+    # (MoESpec's weight_dtype defaults to bf16 whatever dtype says, so only its kind is checked).
+    Req("weight_dtype", _FLOAT, "float expert weights (no fp8 / int8), in x.dtype"),
+)
+
+
+def _grouped_mm_cuda_dtype(spec):
+    # The CUTLASS grouped GEMM behind torch._grouped_mm takes bf16 only on CUDA; the CPU
+    # build has a kernel for every float dtype.
+    if spec.arch != "cpu" and spec.dtype != "bf16":
+        return f"dtype={spec.dtype}: torch._grouped_mm on CUDA takes bf16 only"
+    return None
+
+
+def _grouped_mm_alignment(spec):
+    # Row strides of both operands must be multiples of 16 bytes.
+    if spec.arch != "cpu" and (spec.hidden % 8 or spec.intermediate % 8):
+        return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: torch._grouped_mm needs "
+                "both to be multiples of 8 (16-byte aligned rows)")
+    return None
+
+
+def _grouped_mm_available():
+    from opmap.ops.moe.torch_grouped import available
+
+    return available()
+
+
+registry.register(Backend(
+    op="moe", name="reference", provider="torch", version=registry.torch_version,
+    priority=dict(registry.REFERENCE_PRIORITY),
+    impl={"moe": "opmap.ops.moe.reference:moe", "route": _ROUTE},
+    reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
+    notes="fp32 per-expert loop (gather, gate/up, SiLU*up, down, weighted scatter-add); the oracle",
+))
+
+registry.register(Backend(
+    op="moe", name="torch-loop", provider="torch", version=registry.torch_version,
+    # The fallback engines use when no grouped kernel exists: on GPUs below our kernels.
+    priority={"cpu": 50, "sm80": 20, "sm89": 20, "sm90": 20, "sm100": 20},
+    impl={"moe": "opmap.ops.moe.torch_loop:moe", "route": _ROUTE},
+    reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
+    notes="per-expert loop of cuBLAS GEMMs in the input dtype; one host sync for the expert counts",
+))
+
+registry.register(Backend(
+    op="moe", name="torch-grouped-mm", provider="torch", version=registry.torch_version,
+    priority={"cpu": 40, "sm80": 30, "sm90": 40, "sm100": 40},
+    impl={"moe": "opmap.ops.moe.torch_grouped:moe", "route": _ROUTE},
+    reqs=_COMMON_REQS,
+    checks=_COMMON_CHECKS + (
+        Check("CUDA: bf16 only", _grouped_mm_cuda_dtype, "dtype"),
+        Check("CUDA: hidden and intermediate multiples of 8", _grouped_mm_alignment, "hidden"),
+    ),
+    available=_grouped_mm_available,
+    notes="torch._grouped_mm (CUTLASS grouped GEMM); no host sync",
+))

@@ -1,0 +1,45 @@
+"""Plain-PyTorch fp32 reference of the MoE block (routed experts only), the oracle.
+
+A per-expert loop: for each expert, gather the tokens routed to it, gate/up projection,
+SiLU(gate) * up, down projection, scale by the routing weight, scatter-add into an fp32
+output. Weights are ``w13[E, 2I, H]`` (rows [:I] = gate, [I:] = up, as HF transformers 5.x
+``gate_up_proj``) and ``w2[E, H, I]`` (HF ``down_proj``). Shared experts are a dense MLP that
+the model adds; they are not part of this entry.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .routing import check_moe_args, route
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
+        router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
+        routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """-> [T, H] in x.dtype, computed in fp32."""
+    T, H, E, inter = check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
+    weights, ids = route(router_logits, top_k, router=router, renormalize=renormalize, n_group=n_group,
+                         topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias)
+    return moe_from_routing(x, weights, ids, w13, w2).to(x.dtype)
+
+
+def moe_from_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor) -> torch.Tensor:
+    """The expert computation for a given routing, in fp32; returns fp32 [T, H]."""
+    T, H = x.shape
+    inter = w2.shape[2]
+    xf = x.float()
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    ids = topk_ids.long()
+    for e in range(w13.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:  # an expert that receives no token does no work
+            continue
+        h = xf[tok] @ w13[e].float().t()
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        y = a @ w2[e].float().t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    return out
