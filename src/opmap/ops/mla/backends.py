@@ -1,1 +1,140 @@
-"""Backend registrations of the mla family."""
+"""Backend registrations of the MLA family (ops "attention" and "kv_append", kind="mla").
+
+Every declaration here requires kind == "mla", so MLA backends never claim a GQA spec; the GQA
+backends (ops/attention) must in turn reject kind == "mla". Names carry an ``mla-`` prefix
+because they share the "attention" and "kv_append" ops with the GQA family.
+
+Spec mapping: head_dim = R + Dr (576 = 512 + 64 for DeepSeek), head_dim_v = R (512),
+num_kv_heads = 1 (one latent shared by every head). Phase "mixed" is served by ``mla_prefill``
+(a decode token is a one-token prefill over its cached prefix).
+"""
+from __future__ import annotations
+
+from ... import registry
+from ...registry import Backend, Check, Req
+
+_MOD = "opmap.ops.mla"
+
+
+def _impl(mod: str, names) -> dict:
+    return {n: f"{_MOD}.{mod}:{n}" for n in names}
+
+
+def _rope_part(spec):
+    if spec.head_dim <= spec.head_dim_v:
+        return (f"head_dim={spec.head_dim} must exceed head_dim_v={spec.head_dim_v} "
+                "(head_dim = latent rank + RoPE dim)")
+    return None
+
+
+def _sparse_decode_only(spec):
+    if spec.sparse and spec.phase != "decode":
+        return f"sparse MLA is a decode kernel (phase={spec.phase})"
+    return None
+
+
+def _graph_decode_only(spec):
+    if spec.cuda_graph and spec.phase != "decode":
+        return f"{spec.phase} plans its chunks on the host (reads lengths): not CUDA-graph capturable"
+    return None
+
+
+def _dims_at_most(rank: int, rope: int):
+    def fn(spec):
+        r, d = spec.head_dim_v, spec.head_dim - spec.head_dim_v
+        if r > rank or d > rope:
+            return f"latent rank {r} / rope dim {d} exceed the kernel tiles ({rank} / {rope})"
+        return None
+
+    return fn
+
+
+MLA_KIND = Req("kind", ("mla",), "kind = mla")
+ONE_KV = Req("num_kv_heads", (1,), "one latent KV head (num_kv_heads = 1)")
+PAGED = Req("paged", (True,), "paged latent cache")
+NO_WINDOW = Req("sliding_window", (False,), "no sliding window")
+NO_CAP = Req("soft_cap", (False,), "no logit soft-cap")
+ROPE = Check("head_dim = R + Dr > head_dim_v = R", _rope_part, "head_dim")
+SPARSE = Check("sparse only in decode", _sparse_decode_only, "sparse")
+GRAPH = Check("CUDA graph: decode only", _graph_decode_only, "cuda_graph")
+ENTRIES = ("mla_decode", "mla_prefill", "mla_sparse_decode")
+
+registry.register(Backend(
+    op="attention", name="mla-reference", provider="torch", version=registry.torch_version,
+    priority=dict(registry.REFERENCE_PRIORITY),
+    impl=_impl("reference", ENTRIES),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
+          Req("cuda_graph", (False,), "eager only (host loop over sequences)")),
+    checks=(ROPE, SPARSE),
+    notes="plain PyTorch, fp32 accumulation, loop over sequences: the oracle",
+))
+
+registry.register(Backend(
+    op="attention", name="mla-triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl={**_impl("decode", ("mla_decode", "mla_sparse_decode", "make_workspace")),
+          **_impl("prefill", ("mla_prefill",))},
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
+          Req("kv_dtype", ("fp32", "fp16", "bf16", "fp8"), "KV bf16 / fp16 / fp32 / fp8-e4m3 + scale"),
+          Req("batch_invariant", (False,), "split-KV count depends on the batch size")),
+    checks=(ROPE, SPARSE, GRAPH, Check("R <= 512, Dr <= 64", _dims_at_most(512, 64), "head_dim")),
+    available=registry.triton_available,
+    notes="absorbed split-KV decode (device-side split plan, persistent workspace), sparse top-k "
+          "decode, non-absorbed chunked prefill; any page size",
+))
+
+registry.register(Backend(
+    op="attention", name="mla-sdpa", provider="torch-sdpa", version=registry.torch_version,
+    priority={"cpu": 5, "sm80": 20, "sm90": 20},
+    impl=_impl("sdpa", ENTRIES),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
+          Req("cuda_graph", (False,), "eager only (gathers pages on the host side)")),
+    checks=(ROPE, SPARSE),
+    notes="gathers the latent per sequence and calls F.scaled_dot_product_attention (decode: "
+          "absorbed MQA, head dim R + Dr; prefill: K/V expanded per head by kv_b)",
+))
+
+
+def _flashinfer_dims(spec):
+    if (spec.head_dim_v, spec.head_dim) != (512, 576):
+        return f"FlashInfer MLA kernels are built for R=512, Dr=64 (got {spec.head_dim_v}/{spec.head_dim})"
+    return None
+
+
+registry.register(Backend(
+    op="attention", name="mla-flashinfer", provider="flashinfer",
+    version=registry.package_version("flashinfer-python"),
+    priority={"sm80": 40, "sm90": 40},
+    impl=_impl("flashinfer", ("mla_decode",)),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
+          Req("phase", ("decode",), "decode only (our prefill entry is the non-absorbed form)"),
+          Req("sparse", (False,), "dense only"),
+          Req("dtype", ("fp16", "bf16"), "q bf16 / fp16"),
+          Req("kv_dtype", ("fp16", "bf16"), "KV bf16 / fp16 (same as q)"),
+          Req("cuda_graph", (False,), "adapter plans per call")),
+    checks=(Check("R=512, Dr=64", _flashinfer_dims, "head_dim"),),
+    available=registry.all_of(registry.needs_cuda, registry.package_available("flashinfer")),
+    notes="BatchMLAPagedAttentionWrapper (plan + run) on ckv / kpe views of our cache",
+))
+
+# ---- latent KV append --------------------------------------------------------------------------
+
+_APPEND_KIND = Req("kind", ("mla",), "kind = mla")
+
+registry.register(Backend(
+    op="kv_append", name="mla-reference", provider="torch", version=registry.torch_version,
+    priority=dict(registry.REFERENCE_PRIORITY),
+    impl=_impl("reference", ("append_mla",)),
+    reqs=(_APPEND_KIND, ONE_KV, Req("cuda_graph", (False,), "eager only (boolean indexing)")),
+    notes="index_put of [ckv, kpe] rows; fp8 stores value / scale clamped to +-448",
+))
+
+registry.register(Backend(
+    op="kv_append", name="mla-triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl=_impl("append", ("append_mla",)),
+    reqs=(_APPEND_KIND, ONE_KV,
+          Req("kv_dtype", ("fp32", "fp16", "bf16", "fp8"), "KV bf16 / fp16 / fp32 / fp8-e4m3 + scale")),
+    available=registry.triton_available,
+    notes="one program per token; slot -1 = skip (CUDA-graph padding)",
+))
