@@ -1,0 +1,120 @@
+"""Per-row tensors of a batch, built from a list of ``SamplingParams``: ``SamplingTensors``.
+
+    st = SamplingTensors.build(params_list, vocab=V, device="cuda")
+    ids, invalid = sample_fn(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, positions)
+
+``positions[B]`` int64 (the index in the sequence of the token being drawn) changes every step
+and so is not part of this object; with ``seeds`` it keys the random stream, so a seeded row
+draws the same tokens whatever else is in its batch. For CUDA graphs keep one instance per
+graph bucket and ``copy_from`` a new batch into it (same tensors, new values).
+
+Host-side flags (``any_penalties``, ``all_greedy``, ...) are computed from the Python values
+while building, so that deciding which stages to run never reads a GPU tensor.
+
+Penalty state: ``prompt_mask[B, V]`` bool (tokens of the prompt) and ``output_counts[B, V]``
+int32 (occurrences in the output so far) come from ``penalty_state``; after each step the engine
+calls ``update_output_counts`` (a scatter-add on the device, no host sync).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+import torch
+
+from ...contract import InputError
+from .params import SamplingParams
+
+__all__ = ["SamplingTensors", "penalty_state", "update_output_counts"]
+
+
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # fp32 [B]; 0 = greedy
+    top_k: torch.Tensor  # int32 [B]; 0 = off (also stored as 0 when >= vocab)
+    top_p: torch.Tensor  # fp32 [B]; 1 = off
+    min_p: torch.Tensor  # fp32 [B]; 0 = off
+    repetition: torch.Tensor  # fp32 [B]
+    frequency: torch.Tensor  # fp32 [B]
+    presence: torch.Tensor  # fp32 [B]
+    seeds: torch.Tensor  # int64 [B]
+    any_penalties: bool = False
+    all_greedy: bool = False
+    any_filters: bool = False
+    seeds_used: tuple = ()  # the Python seeds (drawn ones included), for logging / replay
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], vocab: int, device="cpu") -> "SamplingTensors":
+        if not params:
+            raise InputError("params", "an empty list", "at least one SamplingParams")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InputError(f"params[{i}]", type(p).__name__, "a SamplingParams")
+        seeds = tuple(p.seed if p.seed is not None else _fresh_seed() for p in params)
+        top_k = [0 if p.top_k >= vocab else p.top_k for p in params]
+        f32 = dict(dtype=torch.float32, device=device)
+        st = cls(
+            temperature=torch.tensor([float(p.temperature) for p in params], **f32),
+            top_k=torch.tensor(top_k, dtype=torch.int32, device=device),
+            top_p=torch.tensor([float(p.top_p) for p in params], **f32),
+            min_p=torch.tensor([float(p.min_p) for p in params], **f32),
+            repetition=torch.tensor([float(p.repetition_penalty) for p in params], **f32),
+            frequency=torch.tensor([float(p.frequency_penalty) for p in params], **f32),
+            presence=torch.tensor([float(p.presence_penalty) for p in params], **f32),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            any_penalties=any(p.has_penalties for p in params),
+            all_greedy=all(p.greedy for p in params),
+            any_filters=any((0 < k) or p.top_p < 1 or p.min_p > 0 for p, k in zip(params, top_k)),
+            seeds_used=seeds,
+        )
+        return st
+
+    @property
+    def batch(self) -> int:
+        return self.temperature.shape[0]
+
+    def copy_from(self, other: "SamplingTensors") -> None:
+        """Copy ``other``'s values into these tensors (same batch size), for CUDA-graph buffers."""
+        if other.batch != self.batch:
+            raise InputError("other", f"batch {other.batch}", f"batch {self.batch}")
+        for f in fields(self):
+            v = getattr(other, f.name)
+            if isinstance(v, torch.Tensor):
+                getattr(self, f.name).copy_(v, non_blocking=True)
+            else:
+                setattr(self, f.name, v)
+
+
+def penalty_state(prompts: Sequence[Sequence[int]], outputs: Optional[Sequence[Sequence[int]]],
+                  vocab: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_mask[B, V] bool, output_counts[B, V] int32) from token-id lists."""
+    B = len(prompts)
+    outputs = outputs if outputs is not None else [[] for _ in range(B)]
+    if len(outputs) != B:
+        raise InputError("outputs", f"{len(outputs)} lists", f"{B} (one per prompt)")
+    mask = torch.zeros((B, vocab), dtype=torch.bool, device=device)
+    counts = torch.zeros((B, vocab), dtype=torch.int32, device=device)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        for name, ids in (("prompts", p), ("outputs", o)):
+            if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in ids):
+                raise InputError(f"{name}[{b}]", "a token id outside the vocabulary", f"ids in [0, {vocab})")
+        if p:
+            mask[b, torch.tensor(list(p), device=device)] = True
+        if o:
+            idx = torch.tensor(list(o), dtype=torch.int64, device=device)
+            counts[b].scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
+    return mask, counts
+
+
+def update_output_counts(output_counts: torch.Tensor, new_ids: torch.Tensor,
+                         valid: Optional[torch.Tensor] = None) -> None:
+    """output_counts[b, new_ids[b]] += 1 for each row (where ``valid[b]``), on the device."""
+    inc = torch.ones_like(new_ids, dtype=output_counts.dtype)
+    if valid is not None:
+        inc = inc * valid.to(inc.dtype)
+    output_counts.scatter_add_(1, new_ids.to(torch.int64)[:, None], inc[:, None])
