@@ -1,1 +1,162 @@
-"""Backend registrations of the attention family."""
+"""Backend registrations of the attention family: ops "kv_append" (kind gqa), "attention"
+(MHA/GQA/MQA; prefill / decode / mixed) and "attention_merge".
+
+Declarations only: importing this module imports no kernel module and no peer package (the
+``impl`` strings are resolved on first call). MLA lives in ``opmap.ops.mla``.
+"""
+from __future__ import annotations
+
+from ...registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Req, needs_cuda,
+                         package_available, package_version, register, torch_version, triton_available,
+                         triton_version)
+
+PKG = "opmap.ops.attention"
+NOT_MLA = Req("kind", ("mha", "gqa", "mqa"), "kind in {mha, gqa, mqa} (MLA: opmap.ops.mla)")
+TRITON_PRIORITY = {"cpu": TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50}
+TRITON_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+TRITON_HEAD_DIMS = (64, 128, 256)
+
+
+def _kv_same_or_fp8(spec):
+    if spec.kv_dtype not in (spec.dtype, "fp8"):
+        return f"kv_dtype={spec.kv_dtype} with dtype={spec.dtype} (needs kv_dtype == dtype or fp8)"
+    return None
+
+
+def _kv_same(spec):
+    if spec.kv_dtype != spec.dtype:
+        return f"kv_dtype={spec.kv_dtype} differs from dtype={spec.dtype} (needs the same dtype; no fp8 KV)"
+    return None
+
+
+def _dv_same(spec):
+    if spec.head_dim_v != spec.head_dim:
+        return f"head_dim_v={spec.head_dim_v} != head_dim={spec.head_dim}"
+    return None
+
+
+KV_CHECK = Check("kv_dtype == dtype or fp8 (e4m3, per-kv-head scales)", _kv_same_or_fp8, "kv_dtype")
+KV_SAME = Check("kv_dtype == dtype (no fp8 KV)", _kv_same, "kv_dtype")
+DV_SAME = Check("head_dim_v == head_dim", _dv_same, "head_dim_v")
+
+# ---- kv_append ------------------------------------------------------------------------------
+
+register(Backend(
+    op="kv_append", name="reference", provider="torch", version=torch_version,
+    priority=dict(REFERENCE_PRIORITY),
+    impl={"append": f"{PKG}.reference:append"},
+    reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
+          Req("cuda_graph", (False,), "no CUDA-graph capture (index_put on a boolean selection syncs)")),
+    notes="plain PyTorch index_put; fp8 saturates to +-448 and rounds to nearest",
+))
+
+register(Backend(
+    op="kv_append", name="triton", provider="opmap-triton", version=triton_version,
+    priority=dict(TRITON_PRIORITY), available=triton_available,
+    impl={"append": f"{PKG}.kv_append:append"},
+    reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
+          Req("dtype", ("fp32", "fp16", "bf16")),
+          Req("page_size", lambda p: 1 <= p <= 4096, "1 <= page_size <= 4096")),
+    checks=(KV_CHECK,),
+    notes="one program per token; slot -1 = skip, so padded CUDA-graph batches need no special case",
+))
+
+# ---- attention --------------------------------------------------------------------------------
+
+register(Backend(
+    op="attention", name="reference", provider="torch", version=torch_version,
+    priority=dict(REFERENCE_PRIORITY),
+    impl={"prefill": f"{PKG}.reference:prefill", "decode": f"{PKG}.reference:decode",
+          "mixed": f"{PKG}.reference:mixed"},
+    reqs=(NOT_MLA, Req("sparse", (False,), "dense attention only"),
+          Req("cuda_graph", (False,), "no CUDA-graph capture (loops over sequences on the host)")),
+    checks=(KV_CHECK,),
+    notes="fp32 accumulation; a contiguous cache is a paged one with one page per sequence",
+))
+
+register(Backend(
+    op="attention", name="triton", provider="opmap-triton", version=triton_version,
+    priority=dict(TRITON_PRIORITY), available=triton_available,
+    impl={"prefill": f"{PKG}.prefill:prefill", "decode": f"{PKG}.decode:decode",
+          "mixed": f"{PKG}.mixed:mixed", "make_workspace": f"{PKG}.decode:make_workspace"},
+    reqs=(NOT_MLA, Req("paged", (True,), "paged KV (contiguous KV: one page per sequence of a listed size)"),
+          Req("page_size", TRITON_PAGE_SIZES),
+          Req("dtype", ("fp32", "fp16", "bf16")),
+          Req("head_dim", TRITON_HEAD_DIMS),
+          Req("sparse", (False,), "dense attention only")),
+    checks=(KV_CHECK, DV_SAME),
+    notes=("prefill: FlashAttention-2 style varlen kernel reading pages, GQA heads packed per tile; "
+           "decode: query heads of a KV head packed in one tile, split-KV planned on the device "
+           "(static grid, persistent workspace); batch_invariant uses a fixed split size in tokens"),
+))
+
+_SDPA = (
+    # name, provider, SDPBackend member, priority, dtypes, head-dim condition
+    ("sdpa_cudnn", "cudnn-sdpa", "CUDNN_ATTENTION", {"sm90": 40},
+     ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 128, "head_dim <= 128, multiple of 8")),
+    ("sdpa_flash", "torch-sdpa-flash", "FLASH_ATTENTION", {"sm80": 30, "sm90": 30},
+     ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 256, "head_dim <= 256, multiple of 8")),
+    ("sdpa_efficient", "torch-sdpa-efficient", "EFFICIENT_ATTENTION", {"sm80": 20, "sm90": 20},
+     ("fp32", "fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 256, "head_dim <= 256, multiple of 8")),
+)
+for name, provider, member, prio, dts, (dfn, dtext) in _SDPA:
+    register(Backend(
+        op="attention", name=name, provider=provider, version=torch_version, priority=prio,
+        available=needs_cuda,
+        impl={e: f"{PKG}.sdpa:{name}_{e}" for e in ("prefill", "decode", "mixed")},
+        reqs=(NOT_MLA, Req("paged", (False,), "contiguous KV only ([B, S, Hk, D], one page per sequence)"),
+              Req("dtype", dts), Req("head_dim", dfn, dtext),
+              Req("sliding_window", (False,), "no sliding window (no mask passed to this backend)"),
+              Req("soft_cap", (False,), "no logit soft-cap"),
+              Req("sparse", (False,)),
+              Req("return_lse", (False,), "no LSE through the public SDPA API"),
+              Req("cuda_graph", (False,), "no CUDA-graph capture (per-sequence host loop over lengths)"),
+              Req("batch_invariant", (False,), "not batch invariant (kernel heuristics depend on the batch)")),
+        checks=(KV_SAME, DV_SAME),
+        notes=f"torch.nn.functional.scaled_dot_product_attention under sdpa_kernel({member}); "
+              "bottom-right causal via torch.nn.attention.bias.causal_lower_right",
+    ))
+
+register(Backend(
+    op="attention", name="flex", provider="torch-flex", version=torch_version,
+    priority={"cpu": 5, "sm80": 15, "sm90": 15},
+    available=package_available("torch.nn.attention.flex_attention"),
+    impl={e: f"{PKG}.flex:{e}" for e in ("prefill", "decode", "mixed")},
+    reqs=(NOT_MLA, Req("dtype", ("fp32", "fp16", "bf16")), Req("head_dim", (64, 128, 256)),
+          Req("sparse", (False,)),
+          Req("cuda_graph", (False,), "no CUDA-graph capture (block mask built from host lengths per call)"),
+          Req("batch_invariant", (False,))),
+    checks=(KV_SAME, DV_SAME),
+    notes=("FlexAttention over the whole paged cache as one KV sequence, with a block mask mapping "
+           "each query to the pages of its sequence; torch.compile on GPU, eager on CPU"),
+))
+
+register(Backend(
+    op="attention", name="flashinfer", provider="flashinfer", version=package_version("flashinfer-python"),
+    priority={"sm80": 40, "sm90": 40},
+    available=package_available("flashinfer"),
+    impl={"prefill": f"{PKG}.flashinfer:prefill", "decode": f"{PKG}.flashinfer:decode",
+          "mixed": f"{PKG}.flashinfer:prefill"},
+    reqs=(NOT_MLA, Req("paged", (True,), "paged KV"), Req("dtype", ("fp16", "bf16")),
+          Req("head_dim", (64, 128, 256)), Req("sparse", (False,)),
+          Req("cuda_graph", (False,), "no CUDA-graph capture through this adapter (plan() per call)"),
+          Req("batch_invariant", (False,))),
+    checks=(KV_SAME, DV_SAME),
+    notes=("FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper (JIT-built); not installed on "
+           "the H200 machine, so untested there; fp8 KV not declared: FlashInfer takes one scalar "
+           "scale per cache, opmap's fp8 KV has per-kv-head scales"),
+))
+
+# ---- attention_merge ---------------------------------------------------------------------------
+
+register(Backend(
+    op="attention_merge", name="reference", provider="torch", version=torch_version,
+    priority=dict(REFERENCE_PRIORITY), impl={"merge": f"{PKG}.reference:merge"},
+))
+
+register(Backend(
+    op="attention_merge", name="triton", provider="opmap-triton", version=triton_version,
+    priority=dict(TRITON_PRIORITY), available=triton_available,
+    impl={"merge": f"{PKG}.merge:merge"},
+    reqs=(Req("dtype", ("fp32", "fp16", "bf16")), Req("head_dim", lambda d: 1 <= d <= 1024, "head_dim <= 1024")),
+))
