@@ -85,3 +85,13 @@ registry.register(Backend(
     available=_grouped_mm_available,
     notes="torch._grouped_mm (CUTLASS grouped GEMM); no host sync",
 ))
+
+registry.register(Backend(
+    op="moe", name="triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": _ROUTE},
+    reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
+    available=registry.triton_available,
+    notes="device-side sort/align by expert padded to the row tile, grouped GEMM gate/up with fused "
+          "SiLU*mul, grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync",
+))

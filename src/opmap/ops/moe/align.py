@@ -1,0 +1,75 @@
+"""Token sort / align by expert with padding to the GEMM tile, on the device, one launch.
+
+Input: the routing ids ``topk_ids[T, k]`` (pair p = t * k + j). Output, for a tile height BM:
+- ``sorted_ids[max_padded]`` int32: pair indices grouped by expert, each expert's segment padded
+  to a multiple of BM with the sentinel ``T * k`` (a padding row the GEMMs skip);
+- ``block_expert[max_blocks]`` int32: the expert of each BM-row block;
+- ``total[1]`` int32: the padded length actually used. Blocks at or past it are empty: the
+  GEMM grid is sized by the static bound below and those programs exit at once, so nothing
+  here needs the host to read a count (no synchronisation, CUDA-graph safe).
+
+Static bound: at most min(E, T*k) experts are hit, each wastes at most BM - 1 padding rows.
+The kernel runs one program per expert; each scans the ids twice (a histogram of all experts
+to find its own start, then a cumulative sum of its own matches to place them in order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
+                  BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.program_id(0)
+    experts = tl.arange(0, E_POW2)
+    # Pass 1: per-expert counts (every program computes all of them: E is small and this
+    # avoids a second launch and a global barrier).
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for c in range(0, n_pairs, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=0)
+        counts += tl.histogram(ids, E_POW2, mask=offs < n_pairs)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    # Pass 2: place this expert's pairs in token order.
+    placed = 0
+    for c in range(0, n_pairs, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=-1)
+        hit = (ids == e).to(tl.int32)
+        pos = start + placed + tl.cumsum(hit, axis=0) - 1
+        tl.store(sorted_ptr + pos, offs, mask=hit != 0)
+        placed += tl.sum(hit, axis=0)
+    # Padding rows of this expert's last block, and the block -> expert table.
+    pad = start + mine + tl.arange(0, BM)
+    tl.store(sorted_ptr + pad, tl.zeros([BM], dtype=tl.int32) + n_pairs, mask=pad < start + my_padded)
+    for b in range(0, my_padded // BM, CHUNK):
+        blk = b + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + start // BM + blk, tl.zeros([CHUNK], dtype=tl.int32) + e,
+                 mask=blk < my_padded // BM)
+
+
+def max_padded(n_pairs: int, num_experts: int, bm: int) -> int:
+    return n_pairs + min(num_experts, n_pairs) * (bm - 1)
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
+    """-> (sorted_ids [max_padded] int32, block_expert [max_blocks] int32, total [1] int32)."""
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    n = ids.numel()
+    cap = max_padded(n, num_experts, bm)
+    nblocks = triton.cdiv(cap, bm)
+    dev = ids.device
+    sorted_ids = torch.empty(nblocks * bm, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    chunk = min(1024, max(16, triton.next_power_of_2(n)))
+    _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
+                                  E_POW2=max(2, triton.next_power_of_2(num_experts)), CHUNK=chunk)
+    return sorted_ids, block_expert, total
