@@ -1,0 +1,110 @@
+"""RMSNorm and fused residual-add + RMSNorm in Triton (HF numerics).
+
+One program per row. Rows up to ONE_PASS_MAX elements are held in registers: one read of x
+(and of the residual), one write of the output (and of the residual): the minimum traffic.
+Wider rows take two passes over chunks (sum of squares, then normalise); the second read of
+the row mostly hits L2. Row offsets are int64, so tensors over 2^31 elements are safe.
+
+Numerics as HF LlamaRMSNorm: fp32 sum of squares, ``(x * rsqrt(mean + eps))`` cast to
+x.dtype, then multiplied by the weight in fp32 and rounded once. The fused add rounds
+``x + residual`` to the residual dtype, stores it, and normalises that rounded value (the
+same value the next layer reads as its residual).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import check_norm
+
+ONE_PASS_MAX = 16384
+CHUNK = 4096
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, H, eps,
+                    HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    o_row = o_ptr + row * stride_o
+    dt = o_ptr.dtype.element_ty
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            s = (v + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(r_row + offs, s, mask=mask)
+            v = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (v * rstd).to(dt).to(tl.float32) * w
+        tl.store(o_row + offs, y.to(dt), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < H
+            v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                s = (v + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+                tl.store(r_row + offs, s, mask=mask)
+                v = s.to(tl.float32)
+            acc += v * v
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
+        # Pass 2 re-reads what pass 1 stored (the summed residual): make those stores visible.
+        tl.debug_barrier()
+        for start in range(0, H, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < H
+            if HAS_RES:
+                v = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (v * rstd).to(dt).to(tl.float32) * w
+            tl.store(o_row + offs, y.to(dt), mask=mask)
+
+
+def _rows(t: torch.Tensor, arg: str, may_copy: bool) -> torch.Tensor:
+    """[..., H] -> a [R, H] view (or, for a pure input, a copy when no view exists)."""
+    H = t.shape[-1]
+    try:
+        return t.view(-1, H)
+    except RuntimeError:
+        if may_copy:
+            return t.reshape(-1, H).contiguous()
+        from opmap.contract import InputError
+
+        raise InputError(arg, f"strides {t.stride()}", "leading dims that flatten to one row stride") from None
+
+
+def _launch(x, weight, eps, residual, out):
+    H = check_norm(x, weight, eps, residual=residual, out=out)
+    x2 = _rows(x, "x", may_copy=residual is None)
+    r2 = _rows(residual, "residual", may_copy=False) if residual is not None else x2
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = _rows(out, "out", may_copy=False)
+    R = x2.shape[0]
+    if R == 0:
+        return out
+    one_pass = H <= ONE_PASS_MAX
+    block = triton.next_power_of_2(H) if one_pass else CHUNK
+    num_warps = min(max(block // 512, 1), 16) if one_pass else 8
+    _rmsnorm_kernel[(R,)](x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), H, float(eps),
+                          HAS_RES=residual is not None, ONE_PASS=one_pass, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out=None) -> torch.Tensor:
+    """out = rmsnorm(x) * weight; ``out`` may be x itself (in place)."""
+    return _launch(x, weight, eps, None, out)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                *, out=None) -> torch.Tensor:
+    """``residual += x`` in place, then returns rmsnorm(residual) * weight."""
+    return _launch(x, weight, eps, residual, out)

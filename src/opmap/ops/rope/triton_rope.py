@@ -1,0 +1,73 @@
+"""RoPE in Triton, in place on q and k (NeoX or GPT-J layout, partial rotary, any positions).
+
+Grid (tokens, head blocks): a program loads the cos/sin row of its token's position once and
+rotates a block of q heads and the same block of k heads, so cos/sin are read once per token
+rather than once per head. Only the first ``rotary_dim`` dims of a head are read and written;
+the rest (partial rotary) are not touched. Math in fp32, one rounding to the tensor's dtype.
+q and k may be strided views (e.g. slices of a fused qkv output) as long as head_dim is
+contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import check_rope
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, h0, nheads, c, s, HALF, IS_NEOX: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    heads = h0 + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < nheads) & (d[None, :] < HALF)
+    if IS_NEOX:
+        i1 = d
+        i2 = d + HALF
+    else:
+        i1 = 2 * d
+        i2 = 2 * d + 1
+    p = base + heads[:, None].to(tl.int64) * stride_h
+    x1 = tl.load(p + i1[None, :], mask=mask, other=0.0)
+    x2 = tl.load(p + i2[None, :], mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    tl.store(p + i1[None, :], (a * c - b * s).to(x1.dtype), mask=mask)
+    tl.store(p + i2[None, :], (b * c + a * s).to(x2.dtype), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
+                 HQ, HK, HALF, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BLOCK_H
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    cs_row = cs_ptr + pos * (2 * HALF)
+    c = tl.load(cs_row + d, mask=d < HALF, other=0.0)[None, :]
+    s = tl.load(cs_row + HALF + d, mask=d < HALF, other=0.0)[None, :]
+    if h0 < HQ:
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
+    if h0 < HK:
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, h0, HK, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+         style: str = "neox") -> None:
+    r = check_rope(q, k, positions, cos_sin, style)
+    T, HQ, _ = q.shape
+    HK = k.shape[1]
+    if T == 0:
+        return None
+    half = r // 2
+    block_d = triton.next_power_of_2(half)
+    # About 2048 elements per half-tile: all heads of a token in one program for common
+    # shapes (32 x 64), fewer heads when head_dim is large.
+    block_h = max(1, min(triton.next_power_of_2(max(HQ, HK)), 2048 // block_d))
+    grid = (T, triton.cdiv(max(HQ, HK), block_h))
+    num_warps = 4 if block_h * block_d >= 1024 else 2
+    _rope_kernel[grid](q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                       HQ, HK, half, IS_NEOX=style == "neox", BLOCK_H=block_h, BLOCK_D=block_d,
+                       num_warps=num_warps)
+    return None
