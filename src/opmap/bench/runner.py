@@ -1,0 +1,197 @@
+"""`opmap bench`: every provider of every BenchCase timed in the same run on the same inputs,
+as a fraction of this GPU's measured ceilings; results to bench/results/<date>-<gpu>.json + .md
++ roofline .png. On a machine without a GPU it says so and writes nothing."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+import torch
+
+from .. import registry
+from .base import BenchCase, Provider
+from .cases import FAMILIES
+
+
+def collect(quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]]:
+    cases, errors = [], []
+    for fam in families:
+        modname = f"opmap.bench.cases.{fam}"
+        try:
+            mod = importlib.import_module(modname)
+            cases += list(mod.cases(quick))
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
+        except Exception as e:
+            errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
+    return cases, errors
+
+
+def op_root(case: BenchCase) -> str:
+    return case.op.split(".", 1)[0]
+
+
+def keep(case: BenchCase, ops: Optional[list], model_ops: Optional[set]) -> bool:
+    if ops and not any(case.op == o or case.op.startswith(o + ".") or op_root(case) == o for o in ops):
+        return False
+    if model_ops is not None:
+        backend_ops = {p.backend[0] for p in case.providers if p.backend}
+        return op_root(case) in model_ops or bool(backend_ops & model_ops) or case.op == "e2e"
+    return True
+
+
+def why_not(p: Provider, case: BenchCase) -> Optional[str]:
+    """Why this provider cannot be timed on this case here (None = it can)."""
+    if p.available is not None:
+        r = p.available()
+        if r:
+            return r
+    if p.backend is not None:
+        op, name = p.backend
+        try:
+            b = registry.get(op, name)
+        except KeyError as e:
+            return str(e)
+        if case.spec is not None:
+            reasons = b.validate(case.spec, runtime=True)
+            if reasons:
+                return "; ".join(reasons)
+        elif b.available is not None and b.available():
+            return b.available()
+    return None
+
+
+def selected_backend(case: BenchCase) -> Optional[str]:
+    if case.spec is None:
+        return None
+    ops = {p.backend[0] for p in case.providers if p.backend}
+    if len(ops) != 1:
+        return None
+    from ..select import BackendError, select
+
+    try:
+        return select(ops.pop(), case.spec).name
+    except BackendError:
+        return None
+
+
+def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], list[dict]]:
+    from . import timing
+
+    recs, skipped = [], []
+    runnable = []
+    for p in case.providers:
+        r = why_not(p, case)
+        if r:
+            skipped.append({"op": case.op, "case": case.case, "provider": p.name, "reason": r})
+        else:
+            runnable.append(p)
+    if not runnable:
+        return recs, skipped
+    n = timing.num_sets(case.bytes, max_sets=4 if quick else timing.MAX_SETS)
+    sets = []
+    try:
+        for _ in range(n):
+            sets.append(case.setup(device))
+    except torch.cuda.OutOfMemoryError:
+        if not sets:
+            raise
+        torch.cuda.empty_cache()  # fewer sets: still timed, with the count recorded
+    chosen = selected_backend(case)
+    for p in runnable:
+        try:
+            calls = [p.make(inp) for inp in sets]
+            t = timing.time_calls(calls, graph=case.graph, rep_ms=40 if quick else 100)
+        except Exception as e:  # one provider failing must not hide the others' numbers
+            torch.cuda.synchronize()
+            skipped.append({"op": case.op, "case": case.case, "provider": p.name,
+                            "reason": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+            continue
+        rec = {"op": case.op, "case": case.case, "provider": p.name, "median_us": round(t.median_us, 3),
+               **timing.figures(t.median_us, case.flops, case.bytes, case.bound, ceil),
+               "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "method": t.method,
+               "input_sets": t.sets, "backend": "/".join(p.backend) if p.backend else None,
+               "selected": bool(chosen and p.backend and p.backend[1] == chosen)}
+        if t.note:
+            rec["note"] = t.note
+        recs.append(rec)
+    del sets
+    torch.cuda.empty_cache()
+    return recs, skipped
+
+
+def bench(ops=None, model=None, quick=False, progress=True) -> dict:
+    """Run the cases on this GPU; returns the result document (not yet written)."""
+    from .. import hw, presets
+    from .report import environment
+
+    ceil = hw.ceilings(measure=True)
+    model_ops = None
+    if model:
+        cfg = presets.get_preset(model)
+        arch = hw.local_arch()
+        model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
+    cases, errors = collect(quick)
+    cases = [c for c in cases if keep(c, ops, model_ops)]
+    results, skipped = [], []
+    device = torch.device("cuda")
+    for i, c in enumerate(cases):
+        if progress:
+            print(f"[bench {i + 1}/{len(cases)}] {c.op} {c.case}", file=sys.stderr, flush=True)
+        try:
+            r, s = run_case(c, ceil, device, quick)
+        except Exception as e:
+            r, s = [], [{"op": c.op, "case": c.case, "provider": "*", "reason": f"setup failed: {e}"[:300]}]
+        results += r
+        skipped += s
+    return {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
+            "skipped": skipped, "load_errors": errors}
+
+
+def print_table(doc: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title="opmap bench", title_justify="left")
+    for h in ("op", "case", "provider", "median us", "TB/s", "TFLOP/s", "of ceiling"):
+        t.add_column(h, justify="left" if h in ("op", "case", "provider") else "right")
+    f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
+    for r in doc["results"]:
+        t.add_row(r["op"], r["case"], r["provider"] + (" *" if r.get("selected") else ""),
+                  f"{r['median_us']:.2f}", f(r["tbps"], ".3f"), f(r["tflops"], ".1f"),
+                  f(r["frac_of_ceiling"], ".1%"))
+    console.print(t)
+    if any(r.get("selected") for r in doc["results"]):
+        console.print("* = the backend the selector picks for the case's spec")
+    for s in doc["skipped"]:
+        console.print(f"not timed: {s['op']} {s['case']} {s['provider']}: {s['reason']}", highlight=False)
+    for e in doc["load_errors"]:
+        console.print(f"[red]bench cases of {e['family']} failed to load: {e['error']}[/red]")
+
+
+def main(args) -> int:
+    from .. import hw
+    from . import report
+
+    info = hw.detect()
+    if info.kind != "cuda":
+        cases, errors = collect(args.quick)
+        n = sum(keep(c, args.op, None) for c in cases)
+        print(f"opmap bench: GPU timings need a GPU, and this machine has none ({info.name}, arch cpu).\n"
+              f"Nothing was timed and no result file was written ({n} benchmark cases are defined; "
+              "run `opmap bench` on a CUDA GPU to time them).")
+        for e in errors:
+            print(f"note: bench cases of {e['family']} failed to load: {e['error']}")
+        return 0
+    doc = bench(args.op, args.model, args.quick)
+    print_table(doc)
+    if not doc["results"]:
+        print("no benchmark result (no case matched, or no provider could run)")
+        return 1
+    paths = report.write(doc, args.out, png=not args.no_png)
+    for k, v in paths.items():
+        print(f"{k}: {v}")
+    return 1 if doc["load_errors"] else 0

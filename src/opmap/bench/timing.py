@@ -1,0 +1,106 @@
+"""Timing on the GPU: ``triton.testing.do_bench`` median after warm-up, with inputs rotated past
+the L2 cache and, for small launches, CUDA-graph replay.
+
+Rotation: the case's ``setup(device)`` is called several times to build independent input sets
+whose bytes together exceed a few times the L2 size, and each timed call uses the next set, so a
+call never finds its inputs left in L2 by the previous one (do_bench also clears the L2 between
+its timed calls; rotation covers what that flush leaves, e.g. weights re-read in the same
+call). The number of sets is capped so small cases do not allocate thousands of copies.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+MAX_SETS = 16
+L2_FACTOR = 3  # rotate through at least this many L2 sizes of input
+
+
+@dataclass
+class Timing:
+    median_us: float
+    method: str  # "do_bench" or "do_bench+graph"
+    sets: int
+    note: str = ""
+
+
+def l2_bytes() -> int:
+    from ..hw import detect
+
+    return detect().l2_bytes or 50 * 2**20
+
+
+def num_sets(case_bytes: float, max_sets: int = MAX_SETS) -> int:
+    if case_bytes <= 0:
+        return max_sets
+    return max(1, min(max_sets, math.ceil(L2_FACTOR * l2_bytes() / case_bytes)))
+
+
+def _cycle(calls: list[Callable[[], object]]) -> Callable[[], None]:
+    n = len(calls)
+    if n == 1:
+        return calls[0]
+    state = [0]
+
+    def fn():
+        i = state[0]
+        state[0] = i + 1 if i + 1 < n else 0
+        calls[i]()
+
+    return fn
+
+
+def _graphs(calls: list[Callable[[], object]]) -> list[Callable[[], None]]:
+    """One CUDA graph per input set; replay has no per-launch CPU cost."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm-up outside capture (compiles, autotunes, allocates workspaces)
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    out = []
+    for c in calls:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            c()
+        out.append(g.replay)
+    torch.cuda.synchronize()
+    return out
+
+
+def time_calls(calls: list[Callable[[], object]], graph: bool = False, warmup_ms: float = 25,
+               rep_ms: float = 100) -> Timing:
+    """Median time of one call, cycling through ``calls`` (one per input set)."""
+    import triton.testing
+
+    note = ""
+    method = "do_bench"
+    fns = calls
+    if graph:
+        try:
+            fns = _graphs(calls)
+            method = "do_bench+graph"
+        except Exception as e:  # not capturable (a host sync inside): time it eagerly, and say so
+            torch.cuda.synchronize()
+            note = f"graph capture failed ({type(e).__name__}: {str(e)[:120]}); timed eagerly"
+    ms = triton.testing.do_bench(_cycle(fns), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    return Timing(ms * 1e3, method, len(calls), note)
+
+
+def figures(median_us: float, flops: float, nbytes: float, bound: str, ceil) -> dict:
+    """TB/s, TFLOP/s and the fraction of the ceiling that bounds the case."""
+    t = median_us * 1e-6
+    tbps = nbytes / t / 1e12 if nbytes else None
+    tflops = flops / t / 1e12 if flops else None
+    frac: Optional[float] = None
+    if ceil is not None:
+        if bound == "compute" and tflops is not None:
+            frac = tflops / ceil.bf16_tflops
+        elif tbps is not None:
+            frac = tbps / ceil.read_tbps
+    r = lambda v, d: None if v is None else round(v, d)  # noqa: E731
+    return {"tbps": r(tbps, 4), "tflops": r(tflops, 3), "frac_of_ceiling": r(frac, 4)}

@@ -1,0 +1,273 @@
+"""`opmap check`: collect the CheckCases of every family, filter them to what was asked (a model
+preset's selected backends plus the references, named backends, ops, sections), run them with a
+progress bar, print one table per section and write JSON / Markdown.
+
+A case that raises is a failure with the exception as its figure; a family whose cases module
+fails to import is a failure too (it would otherwise silently shrink the checklist).
+"""
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from .. import presets, registry
+from ..select import BackendError, select
+from .base import SECTIONS, CheckCase
+from .cases import FAMILIES
+
+
+@dataclass
+class Result:
+    section: str
+    op: str
+    backend: str
+    case: str
+    passed: bool
+    figure: str
+    value: Optional[float] = None
+    limit: Optional[float] = None
+    seconds: float = 0.0
+    family: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"{self.op}/{self.backend} {self.case}"
+
+
+def local_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def collect(device: str, quick: bool, families=FAMILIES) -> tuple[list, list]:
+    """(family, case) pairs from every family's cases module, and load failures as Results."""
+    out, errors = [], []
+    for fam in families:
+        modname = f"opmap.check.cases.{fam}"
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name == modname:
+                continue  # the family has no check cases (yet); `missing_families` reports it
+            errors.append(_load_error(fam, e))
+            continue
+        except Exception as e:
+            errors.append(_load_error(fam, e))
+            continue
+        try:
+            for c in mod.cases(device, quick):
+                if c.device in ("any", device) and (c.quick or not quick):
+                    out.append((fam, c))
+        except Exception as e:
+            errors.append(_load_error(fam, e))
+    return out, errors
+
+
+def missing_families(families=FAMILIES) -> list[str]:
+    import importlib.util
+
+    return [f for f in families if importlib.util.find_spec(f"opmap.check.cases.{f}") is None]
+
+
+def _load_error(fam: str, e: Exception) -> Result:
+    return Result("parity", fam, "-", "(loading the family's check cases)", False,
+                  f"{type(e).__name__}: {e}"[:300], family=fam)
+
+
+@dataclass
+class Targets:
+    """What a model preset asks of the selector on this device."""
+
+    pairs: set  # (op, backend name): chosen in prefill or decode, plus every op's reference
+    ops: set
+    choices: list  # (phase, op, label, Choice or None, error or None)
+    cfg: presets.ModelConfig
+
+
+def model_targets(model: str, arch: Optional[str] = None) -> Targets:
+    from ..hw import local_arch
+
+    cfg = presets.get_preset(model)
+    arch = arch or local_arch()
+    pairs, ops, choices = set(), set(), []
+    for phase in ("prefill", "decode"):
+        for op, label, spec in presets.op_map(cfg, phase, arch):
+            ops.add(op)
+            pairs.add((op, "reference"))
+            try:
+                ch = select(op, spec)
+                pairs.add((op, ch.name))
+                choices.append((phase, op, label, ch, None))
+            except BackendError as e:
+                choices.append((phase, op, label, None, str(e)))
+    return Targets(pairs, ops, choices, cfg)
+
+
+def keep(case: CheckCase, targets: Optional[Targets], backends=None, ops=None, sections=None) -> bool:
+    if sections and case.section not in sections:
+        return False
+    if ops and case.op not in ops:
+        return False
+    if backends and case.backend not in backends:
+        return False
+    if targets is not None:
+        cfg = targets.cfg
+        if "mla" in case.tags and not cfg.is_mla or "moe" in case.tags and not cfg.is_moe:
+            return False
+        if case.backend == "-":
+            # Not about one backend (e.g. an end-to-end or statistics case): kept when it is about
+            # an op of the model, or about no registry op at all (engine cases).
+            return case.op in targets.ops or case.op not in registry.ops()
+        return (case.op, case.backend) in targets.pairs
+    return True
+
+
+def run_case(fam: str, c: CheckCase) -> Result:
+    t0 = time.perf_counter()
+    try:
+        o = c.run()
+        r = Result(c.section, c.op, c.backend, c.case, bool(o.passed), o.figure, o.value, o.limit, family=fam)
+    except Exception as e:
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+        r = Result(c.section, c.op, c.backend, c.case, False,
+                   f"raised {type(e).__name__}: {e}{where}"[:400], family=fam)
+    r.seconds = time.perf_counter() - t0
+    return r
+
+
+def run(selected: list, progress: bool = True) -> list[Result]:
+    results = []
+    if not progress:
+        return [run_case(f, c) for f, c in selected]
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    cols = (TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.description}"))
+    with Progress(*cols, transient=True) as prog:
+        task = prog.add_task("", total=len(selected))
+        for fam, c in selected:
+            prog.update(task, description=c.title[:70])
+            results.append(run_case(fam, c))
+            prog.advance(task)
+    return results
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+def print_tables(results: list[Result], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    for sec, title in SECTIONS.items():
+        rows = [r for r in results if r.section == sec]
+        if not rows:
+            continue
+        t = Table(title=f"{title} ({sum(r.passed for r in rows)}/{len(rows)} pass)", title_justify="left")
+        t.add_column("case")
+        t.add_column("figure")
+        t.add_column("result", no_wrap=True)
+        t.add_column("s", justify="right")
+        for r in rows:
+            verdict = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
+            t.add_row(r.title, r.figure, verdict, f"{r.seconds:.2f}")
+        console.print(t)
+
+
+def to_markdown(results: list[Result], heading: str = "##") -> str:
+    out = []
+    for sec, title in SECTIONS.items():
+        rows = [r for r in results if r.section == sec]
+        if not rows:
+            continue
+        out += [f"{heading} {title} ({sum(r.passed for r in rows)}/{len(rows)} pass)", "",
+                "| case | figure | result |", "|---|---|---|"]
+        for r in rows:
+            fig = r.figure.replace("|", "\\|").replace("\n", " ")
+            out.append(f"| `{r.title}` | {fig} | {'pass' if r.passed else '**FAIL**'} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def summary(results: list[Result]) -> dict:
+    return {"passed": sum(r.passed for r in results), "failed": sum(not r.passed for r in results),
+            "total": len(results)}
+
+
+def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
+    from ..bench.report import environment
+
+    d = {"environment": environment(), **(extra or {}), "summary": summary(results),
+         "results": [asdict(r) for r in results]}
+    return d
+
+
+def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
+          sanitizer=False, timeout=300.0, console=None) -> tuple[list[Result], dict]:
+    """Run the checklist; returns the results and facts for the JSON (selection, notes)."""
+    device = device or local_device()
+    targets = model_targets(model) if model else None
+    found, errors = collect(device, quick)
+    selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
+    results = list(errors) + run(selected, progress)
+    notes = []
+    if targets is not None:
+        for phase, op, label, ch, err in targets.choices:
+            if err is not None:
+                results.append(Result("parity", op, "-", f"select {label} [{phase}]", False,
+                                      "no backend: " + err.splitlines()[0], family="select"))
+    if sanitizer:
+        from . import sanitizer as san
+
+        if device != "cuda":
+            notes.append("--sanitizer: compute-sanitizer needs a GPU; no case was run under it")
+        else:
+            gpu = [(f, c) for f, c in selected if san.wants_sanitizer(c)]
+            results += san.run_all(gpu, quick, timeout, progress)
+    missing = missing_families()
+    if missing:
+        notes.append("families without check cases: " + ", ".join(missing))
+    extra = {"device": device, "quick": quick, "model": model, "notes": notes,
+             "selection": [{"phase": p, "op": op, "label": lb, "backend": ch.name if ch else None,
+                            "why": ch.why() if ch else err} for p, op, lb, ch, err in
+                           (targets.choices if targets else [])]}
+    return results, extra
+
+
+def main(args) -> int:
+    import json
+    import sys
+
+    from rich.console import Console
+
+    console = Console()
+    try:
+        results, extra = check(args.model, args.backend, args.op, args.section, args.quick,
+                               sanitizer=args.sanitizer, timeout=args.timeout, console=console)
+    except ValueError as e:  # unknown preset
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_tables(results, console)
+    for n in extra["notes"]:
+        console.print(f"note: {n}", highlight=False)
+    s = summary(results)
+    if args.json:
+        extra["command"] = " ".join(sys.argv)
+        with open(args.json, "w") as f:
+            json.dump(as_json(results, extra), f, indent=1)
+        console.print(f"wrote {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("# opmap check\n\n" + to_markdown(results))
+        console.print(f"wrote {args.markdown}")
+    if not results:
+        console.print("no check case matched (nothing was checked)")
+        return 1
+    console.print(f"opmap check: {s['passed']} of {s['total']} cases pass, {s['failed']} fail",
+                  highlight=False)
+    return 0 if s["failed"] == 0 else 1
