@@ -1,0 +1,211 @@
+"""One internal model config (``opmap.presets.ModelConfig``) from a preset name or a Hugging Face
+``config.json``; the engine's own knobs (``EngineConfig``); and the way back: an HF transformers
+config and a random-weight HF model for a preset, saved with ``save_pretrained`` so that tests
+exercise the real checkpoint-loading path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ..presets import PRESETS, ModelConfig, get_preset
+
+# HF model_type -> our arch name (the presets use the same names).
+HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+            "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2"}
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine (not of the model)."""
+
+    dtype: str = "auto"  # auto = bf16 on a GPU, fp32 on the CPU
+    page_size: int = 16
+    max_num_seqs: int = 64  # sequences per step (and the largest CUDA-graph bucket)
+    max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
+    max_model_len: Optional[int] = None  # None = the model's max_position
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV + activations)
+    num_pages: Optional[int] = None  # force the KV page count (default: from free memory; CPU: 256)
+    enforce_eager: bool = False  # no CUDA graphs for decode
+    seed: int = 0  # random weights for presets
+    device: Optional[str] = None  # None = cuda if available else cpu
+    backends: Optional[dict] = None  # op -> forced backend name (passed to the selector)
+
+    def validate(self) -> None:
+        from ..contract import InputError
+
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise InputError("page_size", self.page_size, "a positive power of two")
+        if self.max_num_seqs <= 0:
+            raise InputError("max_num_seqs", self.max_num_seqs, "> 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise InputError("max_num_batched_tokens", self.max_num_batched_tokens,
+                             f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
+        if not 0.05 <= self.gpu_memory_fraction <= 0.99:
+            raise InputError("gpu_memory_fraction", self.gpu_memory_fraction, "in [0.05, 0.99]")
+
+
+def _rope(d: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields."""
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp, dict) and "rope_theta" not in rp and rp:  # per-layer-type dict (not used here)
+        rp = next(iter(rp.values()))
+    theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling = d.get("rope_scaling") or None
+    if scaling is None and rp.get("rope_type", "default") not in ("default", None):
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) in ("default", None):
+        scaling = None
+    return theta, scaling
+
+
+def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
+    """Our ModelConfig from the dict of an HF config.json."""
+    from ..contract import InputError
+
+    mt = d.get("model_type")
+    if mt not in HF_TYPES:
+        raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
+    arch = HF_TYPES[mt]
+    heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    theta, scaling = _rope(d)
+    kw = dict(name=name, arch=arch, hidden=hidden, layers=d["num_hidden_layers"], heads=heads,
+              kv_heads=d.get("num_key_value_heads") or heads,
+              head_dim=d.get("head_dim") or hidden // heads, intermediate=d["intermediate_size"],
+              vocab=d["vocab_size"], max_position=d.get("max_position_embeddings", 8192),
+              rope_theta=theta, rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
+              tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+              attention_bias=bool(d.get("attention_bias", False)))
+    if arch == "qwen2":
+        kw["attention_bias"] = True  # Qwen2 always has q/k/v biases (no config switch)
+    if arch in ("qwen3", "qwen3_moe"):
+        kw["qk_norm"] = True
+    if arch == "mixtral":
+        kw.update(num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["intermediate_size"], norm_topk_prob=True)
+    if arch == "qwen3_moe":
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise InputError("config.json mlp_only_layers/decoder_sparse_step",
+                             (d.get("mlp_only_layers"), d.get("decoder_sparse_step")), "[] and 1 (all layers MoE)")
+        kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+    if arch == "deepseek_v2":
+        kw.update(num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], shared_experts=d.get("n_shared_experts") or 0,
+                  norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                  first_dense_layers=d.get("first_k_dense_replace", 0),
+                  routed_scaling=float(d.get("routed_scaling_factor", 1.0)),
+                  n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+                  router="sigmoid_grouped" if d.get("topk_method") == "noaux_tc" else "softmax",
+                  kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
+                  qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"],
+                  v_head_dim=d["v_head_dim"], rope_style="gptj",
+                  head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"])
+    return ModelConfig(**kw)
+
+
+def resolve_model(model: str) -> tuple[ModelConfig, Optional[str]]:
+    """A preset name or a local checkpoint directory -> (config, checkpoint dir or None)."""
+    from ..contract import InputError
+
+    if model in PRESETS:
+        return get_preset(model), None
+    if os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise InputError("model", repr(model), "a directory with a config.json")
+        with open(path) as f:
+            return from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(model))), model
+    raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + ") or a checkpoint directory")
+
+
+# ---- the way back: HF config and model for a preset -----------------------------------------------
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    rp = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rp.update({k: v for k, v in cfg.rope_scaling.items() if k != "type"})
+    return rp
+
+
+def to_hf_config(cfg: ModelConfig, **overrides):
+    """The transformers config of the same model (transformers 5.x classes)."""
+    import transformers as T
+
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                  max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.rms_eps,
+                  rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                  hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    a = cfg.arch
+    if a == "llama":
+        c = T.LlamaConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                          attention_bias=cfg.attention_bias, **common)
+    elif a == "qwen2":
+        c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
+    elif a == "qwen3":
+        c = T.Qwen3Config(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                          attention_bias=cfg.attention_bias, **common)
+    elif a == "mixtral":
+        c = T.MixtralConfig(intermediate_size=cfg.moe_intermediate, head_dim=cfg.head_dim,
+                            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, **common)
+    elif a == "qwen3_moe":
+        c = T.Qwen3MoeConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                             moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.num_experts,
+                             num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
+                             decoder_sparse_step=1, mlp_only_layers=[], **common)
+    elif a == "deepseek_v2":
+        c = T.DeepseekV2Config(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts,
+                               num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate,
+                               n_shared_experts=cfg.shared_experts, first_k_dense_replace=cfg.first_dense_layers,
+                               norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
+                               kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                               qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
+                               v_head_dim=cfg.v_head_dim, topk_method="greedy", n_group=cfg.n_group,
+                               topk_group=cfg.topk_group, **common)
+    else:
+        raise ValueError(f"no HF config for arch {a!r}")
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    return c
+
+
+def make_hf_model(cfg: ModelConfig, seed: int = 0, dtype=None, device="cpu", std: float = 0.05):
+    """A random-weight HF model of ``cfg``. Every parameter is drawn (biases included: HF inits
+    them to zero, which would leave the bias path untested); norm weights are drawn around 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    hf_cfg = to_hf_config(cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * r)
+            else:
+                p.copy_(std * r)
+    return model.eval()
+
+
+def save_checkpoint(cfg: ModelConfig, path: str, seed: int = 0, tokenizer=None, max_shard_size="200KB"):
+    """Save a random HF model of ``cfg`` (sharded, with its index) and an optional
+    ``tokenizers.Tokenizer`` as tokenizer.json. Returns the HF model (for parity runs)."""
+    model = make_hf_model(cfg, seed=seed)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(path, "tokenizer.json"))
+    return model
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    return dataclasses.replace(cfg, **kw)

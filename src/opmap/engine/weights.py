@@ -1,0 +1,174 @@
+"""Weights: from a local Hugging Face checkpoint directory (config.json, sharded *.safetensors with
+their index, tokenizer.json) straight to the device, one tensor at a time (``safe_open`` maps the
+file; no full CPU copy of the model is ever made), from an in-memory state dict (an HF model in
+the same process, for parity tests), or drawn at random on the device for a preset.
+
+The model allocates its own (fused) parameters on the device; a ``Loader`` fills them from HF
+tensor names: plain copies, concatenations along dim 0 (QKV, gate+up) and stacked experts in
+either the on-disk per-expert layout (``experts.{e}.w1`` / ``gate_proj``...) or the fused layout
+of transformers 5.x (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterable, Optional
+
+import torch
+
+from ..contract import InputError
+
+
+class SafetensorsSource:
+    """Tensors of a checkpoint directory by HF name, read one at a time."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+            self.where = {k: os.path.join(path, v) for k, v in wm.items()}
+        else:
+            from safetensors import safe_open
+
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                raise InputError("model", repr(path), "a directory with *.safetensors files")
+            self.where = {}
+            for fn in files:
+                with safe_open(fn, framework="pt") as f:
+                    for k in f.keys():
+                        self.where[k] = fn
+        self._open: dict = {}
+
+    def names(self) -> set:
+        return set(self.where)
+
+    def get(self, name: str, device, dtype) -> torch.Tensor:
+        from safetensors import safe_open
+
+        fn = self.where[name]
+        f = self._open.get(fn)
+        if f is None:
+            # device= makes safetensors place each tensor on the device as it is read.
+            dev = str(device) if torch.device(device).type == "cuda" else "cpu"
+            f = self._open[fn] = safe_open(fn, framework="pt", device=dev)
+        return f.get_tensor(name).to(device=device, dtype=dtype)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+class StateDictSource:
+    """Tensors of a model already in memory (an HF model's state_dict)."""
+
+    def __init__(self, state: dict):
+        self.state = state
+
+    def names(self) -> set:
+        return set(self.state)
+
+    def get(self, name: str, device, dtype) -> torch.Tensor:
+        return self.state[name].detach().to(device=device, dtype=dtype)
+
+    def close(self) -> None:
+        pass
+
+
+class Loader:
+    """Fills the model's device tensors from a source; records which source names were used."""
+
+    def __init__(self, source, device, dtype):
+        self.src, self.device, self.dtype = source, device, dtype
+        self.names = source.names()
+        self.used: set = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def _get(self, name: str, shape=None) -> torch.Tensor:
+        if name not in self.names:
+            raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this architecture")
+        t = self.src.get(name, self.device, self.dtype)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise InputError(f"checkpoint tensor {name}", f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
+        self.used.add(name)
+        return t
+
+    @torch.no_grad()
+    def copy(self, dst: torch.Tensor, name: str) -> None:
+        dst.copy_(self._get(name, dst.shape))
+
+    @torch.no_grad()
+    def cat(self, dst: torch.Tensor, names: Iterable[str]) -> None:
+        """dst = cat(names, dim 0), each part copied into its slice (no temporary of the whole)."""
+        o = 0
+        for n in names:
+            t = self._get(n)
+            dst[o:o + t.shape[0]].copy_(t)
+            o += t.shape[0]
+            del t
+        if o != dst.shape[0]:
+            raise InputError("checkpoint", f"{o} rows for a fused tensor of {dst.shape[0]}", "matching sizes")
+
+    @torch.no_grad()
+    def experts(self, w13: torch.Tensor, w2: torch.Tensor, prefix: str, legacy: tuple) -> None:
+        """w13[E, 2I, H] (gate; up) and w2[E, H, I] from ``prefix.experts.*``.
+        ``legacy`` = names of (gate, up, down) in the per-expert layout, e.g. ("w1", "w3", "w2")."""
+        if self.has(f"{prefix}.experts.gate_up_proj"):
+            self.copy(w13, f"{prefix}.experts.gate_up_proj")
+            self.copy(w2, f"{prefix}.experts.down_proj")
+            return
+        g, u, d = legacy
+        for e in range(w13.shape[0]):
+            self.cat(w13[e], [f"{prefix}.experts.{e}.{g}.weight", f"{prefix}.experts.{e}.{u}.weight"])
+            self.copy(w2[e], f"{prefix}.experts.{e}.{d}.weight")
+
+    def unused(self) -> list:
+        # Rotary caches some checkpoints carry are recomputed, not loaded.
+        return sorted(n for n in self.names - self.used if "rotary_emb" not in n)
+
+
+def open_source(path: str) -> SafetensorsSource:
+    return SafetensorsSource(path)
+
+
+@torch.no_grad()
+def fill_random(params: dict, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights on the device, in place: norms around 1, everything else N(0, std)."""
+    for i, (name, t) in enumerate(sorted(params.items())):
+        g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
+        if t.dtype.is_floating_point and t.element_size() >= 2:
+            t.normal_(0.0, std, generator=g)
+            if "norm" in name:
+                t.mul_(5.0).add_(1.0)  # ~1 +- 0.1
+        else:
+            raise ValueError(f"cannot draw random values for {name} of dtype {t.dtype}")
+
+
+def load_tokenizer(path: Optional[str]):
+    """A ``tokenizers.Tokenizer`` from path/tokenizer.json, or None when there is none."""
+    if path is None:
+        return None
+    fn = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(fn):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(fn)
+
+
+def eos_token_ids(path: Optional[str]) -> list:
+    """EOS ids from generation_config.json / config.json of a checkpoint ([] when none)."""
+    ids: list = []
+    for fn in ("generation_config.json", "config.json"):
+        p = os.path.join(path, fn) if path else None
+        if p and os.path.isfile(p):
+            with open(p) as f:
+                v = json.load(f).get("eos_token_id")
+            if v is not None:
+                ids = v if isinstance(v, list) else [v]
+                break
+    return [int(i) for i in ids]
