@@ -1,0 +1,191 @@
+"""Linear in Triton for decode-shaped GEMMs, with dense or weight-only fp8-e4m3 / int8 weights.
+
+``linear(x[M, K], w[N, K], bias=None, w_scale=None) -> [M, N]`` in x.dtype.
+
+Design (the weight is the traffic; at decode M the activations are noise):
+- Swap AB: each program computes a ``[BLOCK_N, BLOCK_M]`` tile of out^T = w @ x^T. The weight
+  tile is the MMA's A operand, so a converted (fp8 / int8 -> x.dtype) weight tile can feed the
+  tensor cores from registers, and a 64-row weight tile matches one Hopper warpgroup MMA
+  even when M = 1 (x is padded to 16 columns, which costs no memory traffic).
+- Many narrow N tiles (BLOCK_N = 64: 448 programs for N = 28672) so every SM streams weight;
+  when N is too small for that (fewer tiles than SMs), split K: each split writes fp32
+  partials to a workspace, and a small kernel sums them, scales, adds bias and casts.
+  Deterministic (no atomics).
+- Weight-only formats are converted tile by tile in registers; the per-output-channel scale
+  multiplies the fp32 accumulator in the epilogue (it is constant along K), so no dequantised
+  copy of the weight ever exists. On GPUs before sm89 (no fp8 conversion instruction) the
+  fp8 bits are decoded with integer ops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .validate import check_linear
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k0 = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k0 + K_PER_SPLIT, K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
+    xdt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if W_KIND == 3:
+            # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
+            # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
+            u = w.to(tl.int16) & 0xFF
+            wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+            wv = (wv * 256.0).to(xdt)
+        else:
+            wv = w.to(xdt)
+        acc = tl.dot(wv, xt, acc, input_precision=PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SPLIT == 1:
+        if HAS_SCALE:
+            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        # Partials [SPLIT, M, N] fp32; scale and bias are applied once, in the reduction.
+        ws = o_ptr + (pid_k.to(tl.int64) * M + offs_m[None, :].to(tl.int64)) * N + offs_n[:, None]
+        tl.store(ws, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _splitk_reduce(ws_ptr, s_ptr, b_ptr, o_ptr, M, N, stride_om, SPLIT: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + m * stride_om + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def _configs(small_m: bool):
+    if small_m:
+        shapes = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (512, 4, 3)]
+    else:
+        shapes = [(64, 4, 4), (64, 8, 3)]
+    return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
+
+
+_TUNED = {}
+
+
+def _tuned(small_m: bool):
+    """Autotuned variants (GPU only; the interpreter runs one fixed config). Few configs:
+    compile time counts. Keyed on the shape class, not on M, so decode batches of any size
+    reuse the choice."""
+    if small_m not in _TUNED:
+        _TUNED[small_m] = triton.autotune(
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"])(_gemm_kernel)
+    return _TUNED[small_m]
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 8
+
+
+def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
+    if w.dtype == torch.int8:
+        return W_INT8
+    if w.dtype == torch.float8_e4m3fn:
+        if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device) < (8, 9):
+            return W_FP8_BITS
+        return W_FP8
+    return W_SAME
+
+
+def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
+    """Tile shape and split-K for a problem (BLOCK_K is autotuned on a GPU)."""
+    small = M <= 64
+    bm = max(16, triton.next_power_of_2(M)) if small else 64
+    bn = 64 if small else 128
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = 1
+    if small and tiles < sms:
+        # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
+        want = triton.next_power_of_2(triton.cdiv(2 * sms, tiles))
+        split = max(1, min(want, K // 1024))
+    d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
+    if interp:
+        d["BLOCK_K"] = max(16, min(64, triton.next_power_of_2(K)))
+    return d
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None) -> torch.Tensor:
+    M, N, K = check_linear(x, w, bias, w_scale)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(x.dtype)
+        return out
+    p = dict(_plan) if _plan else plan(M, N, K, _sm_count(x.device))
+    split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
+    kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
+    wk = w.view(torch.uint8) if kind == W_FP8_BITS else w
+    dummy = out  # never read when the HAS_* flag is off
+    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn)
+    fixed_k = "BLOCK_K" in p
+    # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (512 at most when tuned);
+    # then a K that is a multiple of it too needs no K masks.
+    kq = p["BLOCK_K"] if fixed_k else 512
+    k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
+    even = K % kq == 0
+    target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, target,
+            M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
+    if fixed_k:
+        _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
+    else:
+        _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
+    if split > 1:
+        blk = min(1024, triton.next_power_of_2(N))
+        _splitk_reduce[(M, triton.cdiv(N, blk))](
+            target, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
+            M, N, out.stride(0), SPLIT=split, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
+            BLOCK=blk, num_warps=4)
+    return out
