@@ -209,7 +209,9 @@ def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_si
                                                                          **base)))
         out.append(("sampling", "sample (top-k/top-p/min-p)", S.SamplingSpec(
             vocab=cfg.vocab, top_k=True, top_p=True, min_p=True, cuda_graph=graph, **base)))
-    return out
+    # The model's dense weights are in its dtype (the specs' weight_dtype default is bf16 whatever
+    # the activation dtype is, which made every fp32 / fp16 GEMM look like a mixed-dtype one).
+    return [(op, lb, sp.replace(weight_dtype=dtype) if op in ("gemm", "moe") else sp) for op, lb, sp in out]
 
 
 def _scaling(cfg: ModelConfig) -> str:
