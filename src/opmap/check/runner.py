@@ -88,14 +88,22 @@ class Targets:
     cfg: presets.ModelConfig
 
 
+def step_maps(cfg: presets.ModelConfig, arch: str) -> dict:
+    """The op map of one prefill and one decode step as this device would run it: bf16 with
+    CUDA-graph decode on a GPU; fp32 and eager on the CPU (the engine's defaults there)."""
+    cpu = arch == "cpu"
+    kw = dict(dtype="fp32", cuda_graph=False) if cpu else {}
+    return {ph: presets.op_map(cfg, ph, arch, **kw) for ph in ("prefill", "decode")}
+
+
 def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     from ..hw import local_arch
 
     cfg = presets.get_preset(model)
     arch = arch or local_arch()
     pairs, ops, choices = set(), set(), []
-    for phase in ("prefill", "decode"):
-        for op, label, spec in presets.op_map(cfg, phase, arch):
+    for phase, entries in step_maps(cfg, arch).items():
+        for op, label, spec in entries:
             ops.add(op)
             pairs.add((op, "reference"))
             try:
@@ -210,6 +218,8 @@ def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
 def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
           sanitizer=False, timeout=300.0, console=None) -> tuple[list[Result], dict]:
     """Run the checklist; returns the results and facts for the JSON (selection, notes)."""
+    from ..report import short_error
+
     device = device or local_device()
     targets = model_targets(model) if model else None
     found, errors = collect(device, quick)
@@ -220,7 +230,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
         for phase, op, label, ch, err in targets.choices:
             if err is not None:
                 results.append(Result("parity", op, "-", f"select {label} [{phase}]", False,
-                                      "no backend: " + err.splitlines()[0], family="select"))
+                                      "no backend: " + short_error(err), family="select"))
     if sanitizer:
         from . import sanitizer as san
 

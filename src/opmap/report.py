@@ -1,0 +1,252 @@
+"""`opmap report --model PRESET`, the main job: for one model on this device, every operator of
+one step in prefill and in decode with the backend the selector picks and why; the answers to
+the report questions of DESIGN.md (attention paths, where the sampler pipeline lives and how it
+falls back, MoE grouped vs loop, quantised paths); the quick correctness check of those
+backends; on a GPU the benchmarks of those ops (and the engine's TTFT / TPOT when it is there).
+Writes report.md and report.json."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from . import presets, registry
+from .select import BackendError, Choice, select
+from .specs import AttentionSpec
+
+
+def _choice_dict(phase: str, op: str, label: str, spec) -> dict:
+    d = {"phase": phase, "op": op, "label": label, "spec": spec.describe()}
+    try:
+        ch = select(op, spec)
+    except BackendError as e:
+        return {**d, "backend": None, "error": str(e)}
+    b = ch.backend
+    return {**d, "backend": b.name, "provider": b.provider, "version": b.provider_version(), "why": ch.why(),
+            "fallbacks": [c.name for c in ch.trace[1:] if c.valid],
+            "rejected": [{"name": c.name, "level": c.level, "reasons": list(c.reasons)}
+                         for c in ch.trace if not c.valid],
+            "planned_only": not ch.runtime}
+
+
+def short_error(msg: str) -> str:
+    """A BackendError in one line: each rejected candidate with the level where it fell."""
+    lines = msg.splitlines()
+    rej = [ln.strip()[2:].split(":", 1)[0] for ln in lines[1:] if ln.strip().startswith("- ")]
+    if "no backend can serve" in lines[0]:
+        return "rejected: " + ", ".join(rej) if rej else "no backend is registered for this op"
+    return lines[0]
+
+
+def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
+    try:
+        return select(op, spec), None
+    except BackendError as e:
+        return None, short_error(str(e))
+
+
+def _name(ch: Optional[Choice], err: Optional[str]) -> str:
+    return f"`{ch.name}` ({ch.backend.provider})" if ch else f"no backend ({err})"
+
+
+def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
+    """The report questions, each answered from the selector (never from prose written here)."""
+    find = lambda phase, op: [(lb, s) for o, lb, s in maps[phase] if o == op]  # noqa: E731
+    qs = []
+    # 1. Attention paths.
+    (pl, ps), (dl, ds) = find("prefill", "attention")[0], find("decode", "attention")[0]
+    pc, pe = _try("attention", ps)
+    dc, de = _try("attention", ds)
+    contiguous, ce = _try("attention", ds.replace(paged=False))
+    lines = [f"prefill ({pl}): {_name(pc, pe)}", f"decode ({dl}, paged, page {ds.page_size}): {_name(dc, de)}",
+             f"decode on contiguous KV (not paged): {_name(contiguous, ce)}"]
+    if pc and dc:
+        lines.append("paged decode runs the same backend as prefill" if pc.name == dc.name else
+                     f"paged decode runs a different backend from prefill ({dc.name} vs {pc.name})")
+    if cfg.is_mla:
+        mla = ds
+    else:  # DeepSeek-V2 shapes: 16 heads over a 512-rank latent plus a 64-dim RoPE part
+        mla = AttentionSpec(arch=arch, phase="decode", kind="mla", num_heads=16, num_kv_heads=1, head_dim=576,
+                            head_dim_v=512, page_size=ds.page_size, cuda_graph=ds.cuda_graph)
+    mc, me = _try("attention", mla)
+    sc, se = _try("attention", mla.replace(sparse=True))
+    lines.append(f"MLA decode ({'this model' if cfg.is_mla else 'DeepSeek-V2 shapes'}): {_name(mc, me)}")
+    lines.append(f"sparse MLA decode: {_name(sc, se)}")
+    qs.append({"question": "Which attention backend runs prefill and which decode; is paged decode the same "
+                           "path; does MLA have its own?", "answer": lines})
+    # 2. Sampler pipeline.
+    lines = []
+    for op in ("logits", "grammar_mask", "sampling"):
+        for lb, spec in find("decode", op):
+            ch, err = _try(op, spec)
+            if ch is None:
+                lines.append(f"{lb}: {_name(ch, err)}")
+                continue
+            fb = [c.name for c in ch.trace[1:] if c.valid]
+            eager, _ = _try(op, spec.replace(cuda_graph=False)) if hasattr(spec, "cuda_graph") else (None, None)
+            lines.append(f"{lb}: `{ch.name}` ({ch.backend.provider}); when it cannot serve, the next valid "
+                         f"by priority: {', '.join(fb) or 'none'}"
+                         + (f"; without CUDA-graph capture: `{eager.name}`" if eager else ""))
+    lines.append("stop conditions are not a registry op: they are checked by the engine after sampling")
+    lines.append("a forced backend (argument or OPMAP_<OP>_BACKEND) that cannot serve raises BackendError: "
+                 "there is no silent fallback")
+    qs.append({"question": "Where do logits processors, the grammar bitmask, sampling and stop live, and how "
+                           "does each fall back?", "answer": lines})
+    # 3. MoE.
+    if cfg.is_moe:
+        lines = []
+        for phase in ("prefill", "decode"):
+            for lb, spec in find(phase, "moe"):
+                ch, err = _try("moe", spec)
+                lines.append(f"{phase}: {_name(ch, err)}: {_moe_kind(ch) if ch else ''}")
+    else:
+        lines = ["dense model: no MoE layer"]
+    qs.append({"question": "Is MoE a grouped GEMM or a loop of per-expert GEMMs?", "answer": lines})
+    # 4. Quantised paths, asked of the selector with the model's own decode / prefill GEMM shapes.
+    lines = []
+    for phase in ("decode", "prefill"):
+        lb, g = find(phase, "gemm")[0]
+        for wd in ("fp8", "int8"):
+            ch, err = _try("gemm", g.replace(weight_dtype=wd))
+            lines.append(f"{phase} {lb} (m={g.m}) with {wd} weights: {_name(ch, err)}")
+    kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
+    lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
+    lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
+                 "GPU profile: `opmap profile` on a GPU")
+    qs.append({"question": "With quantised weights or KV, which kernels run?", "answer": lines})
+    return qs
+
+
+def _moe_kind(ch: Choice) -> str:
+    text = f"{ch.name} {ch.backend.notes}".lower()
+    if "loop" in text:
+        return "a loop of per-expert GEMMs (declared: " + (ch.backend.notes or ch.name) + ")"
+    if "group" in text:
+        return "a grouped GEMM (declared: " + (ch.backend.notes or ch.name) + ")"
+    return "not declared by the backend (notes: " + (ch.backend.notes or "none") + ")"
+
+
+def _engine_section(model: str, on_gpu: bool) -> dict:
+    """TTFT / TPOT and the profile summary from the engine, when it offers them."""
+    if not on_gpu:
+        return {"status": "skipped", "why": "TTFT / TPOT are measured on a GPU; this machine has none"}
+    try:
+        from .engine import report_hook  # the engine's summary for a report, when it exists
+    except Exception as e:
+        return {"status": "unavailable", "why": f"the engine offers no report hook ({type(e).__name__}: {e})"}
+    try:
+        return {"status": "ok", **report_hook.summary(model)}
+    except Exception as e:
+        return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
+
+
+def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool = False,
+          progress: bool = True) -> dict:
+    from .bench.report import environment
+    from .hw import ceilings, detect, local_arch
+
+    t0 = time.perf_counter()
+    cfg = presets.get_preset(model)
+    registry.load_all()
+    arch = local_arch()
+    on_gpu = detect().kind == "cuda"
+    from .check.runner import step_maps
+
+    maps = step_maps(cfg, arch)
+    doc = {"model": model, "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
+           "environment": environment(ceilings(measure=True) if on_gpu else None),
+           "operators": {ph: [_choice_dict(ph, op, lb, s) for op, lb, s in m] for ph, m in maps.items()},
+           "questions": questions(cfg, arch, maps)}
+    if run_check:
+        from .check import runner
+
+        results, extra = runner.check(model=model, quick=not full, progress=progress)
+        doc["check"] = {"summary": runner.summary(results), "notes": extra["notes"],
+                        "results": [vars(r) for r in results]}
+    if run_bench and on_gpu:
+        from .bench import runner as bench_runner
+
+        doc["bench"] = bench_runner.bench(model=model, quick=not full, progress=progress)
+    elif run_bench:
+        doc["bench"] = {"status": "skipped", "why": "GPU timings need a GPU; this machine has none"}
+    doc["engine"] = _engine_section(model, on_gpu)
+    doc["seconds"] = round(time.perf_counter() - t0, 2)
+    return doc
+
+
+def to_markdown(doc: dict) -> str:
+    from .check.runner import Result, to_markdown as check_md
+
+    env, cfg = doc["environment"], doc["config"]
+    out = [f"# opmap report: {doc['model']} on {env['device']} ({env['arch']})", "",
+           f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit `{env['commit']}`, "
+           f"{env['date']}. Command: `{env['command']}`", "",
+           f"Model: {cfg['arch']}, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
+           f"{cfg['kv_heads']} KV heads, head dim {cfg['head_dim']}, vocab {cfg['vocab']}"
+           + (f", {cfg['num_experts']} experts top-{cfg['top_k']}" if cfg["num_experts"] else "")
+           + (f", MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_dim']}" if cfg["kv_lora_rank"] else ""), ""]
+    if env.get("ceilings"):
+        c = env["ceilings"]
+        out += [f"Ceilings: read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, bf16 GEMM "
+                f"{c['bf16_tflops']} TFLOP/s.", ""]
+    for ph, rows in doc["operators"].items():
+        out += [f"## Operator map, {ph}", "", "| # | operator | op | backend | why | rejected |", "|---|---|---|---|---|---|"]
+        for i, r in enumerate(rows, 1):
+            if r["backend"] is None:
+                out.append(f"| {i} | {r['label']} | {r['op']} | **none** | no backend can serve | "
+                           f"{_md(short_error(r['error']))} |")
+                continue
+            rej = "; ".join(f"{x['name']} ({x['level']})" for x in r["rejected"])
+            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}) | "
+                       f"{_md(r['why'])} | {_md(rej)} |")
+        out.append("")
+    out += ["## Questions", ""]
+    for q in doc["questions"]:
+        out += [f"**{q['question']}**", ""] + [f"- {_md(a)}" for a in q["answer"]] + [""]
+    if "check" in doc:
+        s = doc["check"]["summary"]
+        out += [f"## Correctness ({s['passed']} of {s['total']} pass)", ""]
+        out.append(check_md([Result(**r) for r in doc["check"]["results"]], heading="###"))
+        out += [f"- note: {n}" for n in doc["check"]["notes"]] + [""]
+    b = doc.get("bench")
+    if b is not None:
+        out += ["## Benchmarks", ""]
+        if "results" in b:
+            from .bench.report import to_markdown as bench_md
+
+            out.append(bench_md(b).split("\n", 2)[2])
+        else:
+            out += [f"Not run: {b['why']}.", ""]
+    e = doc["engine"]
+    out += ["## Engine (TTFT / TPOT, profile)", ""]
+    out += ([f"- {k}: {v}" for k, v in e.items() if k != "status"] if e["status"] == "ok"
+            else [f"Not run: {e['why']}."])
+    out += ["", f"Report built in {doc['seconds']} s."]
+    return "\n".join(out) + "\n"
+
+
+def _md(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def main(args) -> int:
+    from .hw import local_arch
+
+    try:
+        presets.get_preset(args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out or f"reports/{args.model}-{local_arch()}")
+    doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
+    md = to_markdown(doc)
+    (out / "report.md").write_text(md)
+    print(md)
+    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+    failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
+    missing = sum(r["backend"] is None for rows in doc["operators"].values() for r in rows)
+    return 1 if failed or missing else 0
