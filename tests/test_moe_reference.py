@@ -49,7 +49,7 @@ def test_reference_matches_hf_mixtral(T):
     logits = F.linear(x[0], block.gate.weight)
     w13, w2 = _experts_of(block)
     got = reference.moe(x[0], logits, w13, w2, 2)
-    assert_close(got, want, torch.float32, scale=10, what="reference vs HF Mixtral")
+    assert_close(got, want, torch.float32, scale=2, what="reference vs HF Mixtral")
 
 
 def test_reference_matches_hf_qwen3_moe_without_renormalisation():
@@ -95,7 +95,7 @@ def test_route_matches_hf_deepseek_v2_group_limited_greedy():
     w13, w2 = _experts_of(block)
     got = reference.moe(x[0], logits.detach(), w13, w2, 3, renormalize=False, n_group=4, topk_group=2,
                         routed_scaling=2.5) + shared
-    assert_close(got, want, torch.float32, scale=10, what="reference vs HF DeepSeek-V2 MoE")
+    assert_close(got, want, torch.float32, scale=2, what="reference vs HF DeepSeek-V2 MoE")
 
 
 def test_route_matches_hf_deepseek_v3_sigmoid_bias_grouped():
@@ -169,7 +169,7 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("name", ["reference", "torch-loop", "torch-grouped-mm"])
+@pytest.mark.parametrize("name", ["reference", "torch-loop", "torch-grouped-mm", "triton"])
 @pytest.mark.parametrize("bad,arg", BAD, ids=[a for _, a in BAD])
 def test_bad_input_names_the_argument(name, bad, arg):
     args = dict(x=torch.randn(3, 16), router_logits=torch.randn(3, 4), w13=torch.randn(4, 16, 16),
