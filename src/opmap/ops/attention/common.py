@@ -1,0 +1,75 @@
+"""What the Triton attention launchers share: the contract they enforce before launching, the
+tile configurations per device, and the scale pointers."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+
+from . import validate as V
+
+LOG2E = 1.4426950408889634
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+HEAD_DIMS = (64, 128, 256)
+
+
+def check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale,
+                    cu_seqlens_q=None):
+    """The whole input contract of the Triton prefill / decode entries; returns (P, page, Hk, D, Dv, B)."""
+    P, page, hk, d, dv = V.check_cache(k_cache, v_cache, page_sizes=PAGE_SIZES, head_dims=HEAD_DIMS)
+    V.check_q(q, k_cache, hk, d)
+    V.check_scales(k_scale, v_scale, k_cache, hk)
+    V.check_scale_args(scale, window, soft_cap)
+    if cu_seqlens_q is None:
+        B = V.check_meta(seq_lens, block_tables, q.device, batch=q.shape[0])
+        V.check_values(seq_lens, block_tables, P, page)
+    else:
+        B = V.check_meta(seq_lens, block_tables, q.device)
+        V.check_cu(cu_seqlens_q, q.shape[0], B, q.device)
+        V.check_values(seq_lens, block_tables, P, page, cu_seqlens_q, q.shape[0])
+    return P, page, hk, d, dv, B
+
+
+def interpreted(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def kernel_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
+    """Tile sizes. GPU values are the FlashAttention-2 starting points for sm90 (BLOCK_M 128 /
+    BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
+    interpreter gets small tiles because its cost grows with the tile, not the grid."""
+    gp = triton.next_power_of_2(group)
+    if interpreted(device):
+        if kind == "prefill":
+            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1)
+    if kind == "prefill":
+        if head_dim <= 128:
+            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2)
+    bn = 64 if head_dim <= 128 else 32
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3)
+
+
+def prepare_scales(k_cache, k_scale, v_scale):
+    """Pointers for the scale arguments: the scales for fp8, any tensor otherwise (never read)."""
+    if k_cache.dtype == V.FP8:
+        return k_scale, v_scale
+    return k_cache, k_cache
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 8  # the interpreter: a small pretend GPU, so split-KV is exercised at small sizes
+
+
+_SM = {}
+
+
+def _sm_count(index: int) -> int:
+    if index not in _SM:
+        _SM[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM[index]

@@ -1,0 +1,59 @@
+"""Merge of two partial attention states by their LSE (natural log, fp32), in Triton.
+
+o = (o_a e^{lse_a} + o_b e^{lse_b}) / (e^{lse_a} + e^{lse_b}); a state with LSE -inf
+contributes nothing, two empty states give zeros and -inf (as the reference).
+One program per (token, head block); the D-vector is read once from each state.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...contract import expect, expect_tensor
+from . import validate as V
+
+
+@triton.jit
+def _merge_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, H, D,
+                  s_oat, s_oah, s_obt, s_obh, s_ot, s_oh, s_lat, s_lbt,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mh = h < H
+    m2 = mh[:, None] & (d[None, :] < D)
+    la = tl.load(la_ptr + t * s_lat + h, mask=mh, other=float("-inf"))
+    lb = tl.load(lb_ptr + t * s_lbt + h, mask=mh, other=float("-inf"))
+    m = tl.maximum(la, lb)
+    safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - safe)
+    wb = tl.exp(lb - safe)
+    tot = wa + wb
+    lse = tl.where(tot > 0, safe + tl.log(tot), float("-inf"))
+    inv = tl.where(tot > 0, 1.0 / tot, 0.0)
+    oa = tl.load(oa_ptr + t * s_oat + h[:, None] * s_oah + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    ob = tl.load(ob_ptr + t * s_obt + h[:, None] * s_obh + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    o = oa * (wa * inv)[:, None] + ob * (wb * inv)[:, None]
+    tl.store(o_ptr + t * s_ot + h[:, None] * s_oh + d[None, :], o.to(o_ptr.dtype.element_ty), mask=m2)
+    tl.store(l_ptr + t * H + h, lse, mask=mh)
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    expect_tensor("o_a", o_a, ndim=3, dtype=V.Q_DTYPES, last_dim_contiguous=True)
+    T, H, D = o_a.shape
+    expect(D <= 1024, "o_a", f"head_dim {D}", "<= 1024")
+    expect_tensor("o_b", o_b, dtype=o_a.dtype, shape=(T, H, D), device=o_a.device, last_dim_contiguous=True)
+    expect_tensor("lse_a", lse_a, dtype=torch.float32, shape=(T, H), device=o_a.device, last_dim_contiguous=True)
+    expect_tensor("lse_b", lse_b, dtype=torch.float32, shape=(T, H), device=o_a.device, last_dim_contiguous=True)
+    o = torch.empty(T, H, D, dtype=o_a.dtype, device=o_a.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=o_a.device)
+    if T == 0:
+        return o, lse
+    bd = triton.next_power_of_2(D)
+    bh = max(1, min(triton.next_power_of_2(H), 4096 // bd))
+    _merge_kernel[(T, triton.cdiv(H, bh))](o_a, lse_a, o_b, lse_b, o, lse, H, D,
+                                           o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
+                                           o.stride(0), o.stride(1), lse_a.stride(0), lse_b.stride(0),
+                                           BLOCK_H=bh, BLOCK_D=bd, num_warps=4)
+    return o, lse

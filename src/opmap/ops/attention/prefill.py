@@ -1,0 +1,177 @@
+"""Varlen paged prefill in Triton (FlashAttention-2 style), MHA / GQA / MQA.
+
+Grid: (T // BLOCK_Q + B, Hk), static from the shapes (no host synchronisation, CUDA-graph safe).
+Each program finds its sequence by a binary search over cu_seqlens (sequence b owns programs
+[cu[b] // BLOCK_Q + b, ...)), and takes BLOCK_Q query tokens x all GROUP query heads of one KV
+head: BLOCK_M = BLOCK_Q * GROUP rows share every K/V tile, so GQA reads each tile once per
+group. K/V tiles are gathered token by token through the block table (any page size). Scores
+use exp2 with log2(e) folded into the scale; fp8 K/V are converted in the inner loop and their
+per-kv-head scales folded into the score scale (K) and the output (V). Causal is bottom-right
+aligned: the query of sequence b sits at the last q_len positions of its seq_lens[b] keys, so a
+cached prefix is attended to (chunked prefill, prefix reuse). Tiles wholly below the diagonal
+run without masks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E, check_attention, kernel_config, prepare_scales
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp: works in the interpreter and compiles to ex2 on the GPU.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, hi, qpos, kv_off_k, kv_off_v, s_kp, s_ks,
+          s_vp, s_vs, qk_scale, scale, soft_cap, window, d, dv,
+          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+          HAS_CAP: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    j = start + tl.arange(0, BLOCK_N)
+    mj = j < hi
+    pg = tl.load(bt_row + j // PAGE, mask=mj, other=0).to(tl.int64)
+    slot = j % PAGE
+    k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kv_off_k)[:, None] + d[None, :], mask=mj[:, None], other=0.0)
+    v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kv_off_v)[:, None] + dv[None, :], mask=mj[:, None], other=0.0)
+    k = k.to(q.dtype)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if HAS_CAP:
+        s = soft_cap * _tanh(s * (scale / soft_cap)) * 1.4426950408889634
+    else:
+        s = s * qk_scale
+    if MASK:
+        ok = mj[None, :]
+        if CAUSAL:
+            ok = ok & (j[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (j[None, :] > qpos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v.to(q.dtype)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
+                    scale, soft_cap, window, B,
+                    s_qt, s_qh, s_ot, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, FP8: tl.constexpr,
+                    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    # Which sequence owns this program: the largest b with cu[b] // BLOCK_Q + b <= pid.
+    lo = pid * 0
+    hi = pid * 0 + B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        st = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        go = st <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    b = lo
+    q0 = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q0
+    local = pid - (q0 // BLOCK_Q + b)
+    if local * BLOCK_Q >= q_len:
+        return
+    L = tl.load(sl_ptr + b)
+    r = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    qpos = L - q_len + tok
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    t64 = (q0 + tok).to(tl.int64)
+    q = tl.load(q_ptr + (t64 * s_qt + head * s_qh)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
+    k_mul = 1.0
+    v_mul = 1.0
+    if FP8:
+        k_mul = tl.load(ks_ptr + kvh)
+        v_mul = tl.load(vs_ptr + kvh)
+    qk_scale = scale * k_mul * 1.4426950408889634
+    sc = scale * k_mul
+    first_pos = L - q_len + local * BLOCK_Q
+    last_pos = L - q_len + tl.minimum((local + 1) * BLOCK_Q, q_len) - 1
+    kv_hi = L
+    if CAUSAL:
+        kv_hi = tl.minimum(L, last_pos + 1)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    # Tiles below every row's diagonal (and inside L) need no mask.
+    full_end = kv_lo
+    if not HAS_WINDOW:
+        if CAUSAL:
+            full_end = tl.minimum(first_pos + 1, L) // BLOCK_N * BLOCK_N
+        else:
+            full_end = L // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for start in range(kv_lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, kv_hi, qpos, kvh * s_kh,
+                              kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
+                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, False, IEEE)
+    for start in range(full_end, kv_hi, BLOCK_N):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, kv_hi, qpos, kvh * s_kh,
+                              kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
+                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True, IEEE)
+    inv = tl.where(l_i > 0, v_mul / l_i, 0.0)
+    out = acc * inv[:, None]
+    tl.store(o_ptr + (t64 * s_ot + head * s_oh)[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    if RETURN_LSE:
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + t64 * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
+
+
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
+            window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False):
+    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
+                                            k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
+    T, hq, _ = q.shape
+    group = hq // hk
+    out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
+    if T > 0 and B > 0:
+        cfg = kernel_config("prefill", d, group, q.device)
+        bm = cfg["BLOCK_M"]
+        grid = (T // (bm // group) + B, hk)
+        ks, vs = prepare_scales(k_cache, k_scale, v_scale)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, ks, vs,
+            float(scale), float(soft_cap or 1.0), int(window or 0), B,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            GROUP=group, D=d, DV=dv, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+            HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+            RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    elif return_lse:
+        lse.fill_(float("-inf"))
+    return (out, lse) if return_lse else out
