@@ -1,0 +1,134 @@
+"""MoE on the GPU (bf16, real model shapes): our Triton path and the torch peers against the
+fp32 reference; no host synchronisation (CUDA-graph capture and sync-debug mode); int64 offsets.
+Run with: PYTHONPATH=src python -m pytest tests/gpu/test_moe_gpu.py -m gpu -q
+"""
+import pytest
+import torch
+
+from opmap import registry
+from opmap.ops.moe import reference
+from opmap.tolerance import assert_close, cosine
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    # The fp32 reference must not silently run in TF32.
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _weights(E, H, I, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, device=DEV, generator=g) / H ** 0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, device=DEV, generator=g) / I ** 0.5).to(dtype)
+    return w13, w2
+
+
+def _inputs(T, H, E, dtype=torch.bfloat16, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return (torch.randn(T, H, device=DEV, generator=g).to(dtype),
+            torch.randn(T, E, device=DEV, generator=g))
+
+
+def _check(out, x, logits, w13, w2, k, what, **kw):
+    want = reference.moe(x.float(), logits, w13.float(), w2.float(), k, **kw)
+    assert out.dtype == x.dtype and out.shape == want.shape
+    assert cosine(out, want) > 0.9999, what
+    assert_close(out, want, x.dtype, scale=2, what=what)
+
+
+SHAPES = {  # name: (E, top_k, hidden, intermediate)
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 17, 64, 1000])
+@pytest.mark.parametrize("backend", ["triton", "torch-grouped-mm", "torch-loop"])
+def test_real_shapes_bf16(model, T, backend):
+    E, k, H, I = SHAPES[model]
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    if T >= 64:
+        logits[:, 3] = -1e4  # one expert receives no token
+    out = registry.get("moe", backend)("moe", x, logits, w13, w2, k)
+    _check(out, x, logits, w13, w2, k, f"{backend} {model} T={T}")
+
+
+def test_triton_deepseek_sigmoid_grouped_routing_bf16():
+    E, k, H, I = 64, 6, 2048, 1408
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(200, H, E)
+    kw = dict(router="sigmoid", n_group=8, topk_group=3, routed_scaling=2.5,
+              score_bias=torch.randn(E, device=DEV) * 0.05)
+    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k, **kw)
+    _check(out, x, logits, w13, w2, k, "triton deepseek routing", **kw)
+
+
+@pytest.mark.parametrize("T", [64, 4096])
+def test_triton_all_tokens_on_one_expert_bf16(T):
+    E, k, H, I = 8, 2, 1024, 2048
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    logits[:, 5] += 100.0  # expert 5 in every token's top-2: one expert gets T rows
+    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
+    _check(out, x, logits, w13, w2, k, "triton one hot expert")
+
+
+def test_triton_fp16_odd_sizes():
+    E, k, H, I = 6, 3, 1000, 700  # neither a multiple of the tiles
+    w13, w2 = _weights(E, H, I, torch.float16)
+    x, logits = _inputs(33, H, E, torch.float16)
+    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
+    _check(out, x, logits, w13, w2, k, "triton fp16 odd sizes")
+
+
+def test_triton_no_host_sync_and_cuda_graph_replay():
+    from opmap.ops.moe.triton_moe import moe
+
+    E, k, H, I, T = 16, 4, 512, 256, 48
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    moe(x, logits, w13, w2, k)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x, logits, w13, w2, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x, logits, w13, w2, k)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, logits, w13, w2, k)
+    for seed in (5, 6):  # new routing each replay: the captured grid must cover any routing
+        x2, l2 = _inputs(T, H, E, seed=seed)
+        if seed == 6:
+            l2[:, 0] += 100.0
+        x.copy_(x2)
+        logits.copy_(l2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, logits, w13, w2, k, f"graph replay seed={seed}")
+
+
+def test_triton_int64_offsets():
+    # x and the per-pair output hold more than 2**31 elements: row offsets must be int64.
+    E, k, H, I = 4, 1, 8192, 32
+    T = 2 ** 31 // H + 1024
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
+    tail = slice(T - 2048, T)  # the rows past the int32 range
+    want = reference.moe(x[tail].float(), logits[tail], w13.float(), w2.float(), k)
+    assert_close(out[tail], want, torch.bfloat16, scale=2, what="rows past 2**31 elements")
