@@ -1,0 +1,260 @@
+"""MLA decode in Triton: absorbed form, split-KV with an LSE merge, dense or top-k sparse.
+
+Entries (signatures in reference.py): ``mla_decode``, ``mla_sparse_decode``, ``make_workspace``.
+
+Every head attends to the same latent rows, so one program takes a block of BLOCK_H heads and
+loads each [BLOCK_N, R + Dr] tile of the cache once for all of them: the scores are two dots
+(q_nope . ckv + q_pe . kpe) and the value dot reuses the ckv tile already in registers/SMEM.
+
+Split-KV plan, device-side: the grid is fixed by (batch, head blocks, ``num_splits``) so that a
+captured CUDA graph replays for any lengths; each program derives from ``seq_lens[b]`` (read on
+the device) how many splits this sequence uses (one per ``split_min`` tokens, at most
+``num_splits``) and which token range is its own. Programs past the used splits exit at once.
+With one split the kernel writes the output directly; otherwise partial outputs and LSEs go to the
+persistent workspace and ``_merge_kernel`` combines them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...contract import expect
+from .validate import check_decode, check_sparse_indices
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class Workspace:
+    """Persistent split-KV buffers: allocate once (per batch bucket) and reuse across steps."""
+
+    part_o: torch.Tensor  # [max_batch, H, num_splits, R] fp32
+    part_lse: torch.Tensor  # [max_batch, H, num_splits] fp32
+    num_splits: int
+    split_min: int  # fewest tokens per split (the device-side plan never cuts finer)
+
+    @property
+    def max_batch(self) -> int:
+        return self.part_o.shape[0]
+
+
+def _sm_count(device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: any small number exercises the split path
+
+
+def plan_splits(batch: int, num_heads: int, device, block_h: int = 16) -> int:
+    """Splits per sequence so that the grid fills the GPU about twice (at most 64)."""
+    progs = max(batch, 1) * triton.cdiv(num_heads, block_h)
+    return max(1, min(64, triton.cdiv(2 * _sm_count(device), progs)))
+
+
+def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
+                   num_splits: Optional[int] = None, split_min: int = 256) -> Workspace:
+    s = num_splits or plan_splits(max_batch, num_heads, device, _config(num_heads, rank)[0])
+    expect(s >= 1, "num_splits", s, ">= 1")
+    expect(split_min >= 1, "split_min", split_min, ">= 1")
+    return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
+                     torch.empty(max_batch, num_heads, s, dtype=torch.float32, device=device), s,
+                     split_min)
+
+
+def _config(H: int, R: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s" overrides
+    it for tuning on a GPU without editing code."""
+    env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
+    if env:
+        return tuple(int(x) for x in env.split(","))  # type: ignore[return-value]
+    # 16 heads x 32 tokens x 512 keeps the fp32 accumulator at 64 registers per thread (4 warps);
+    # larger head blocks re-read less KV from L2 but spill on R = 512.
+    return (16, 32, 4, 2) if R >= 256 else (16, 64, 4, 2)
+
+
+@triton.jit
+def _decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
+                   sm_scale, kv_scale, H, R, DR, PAGE, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
+                   s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_ib, s_ob, s_oh,
+                   s_pob, s_poh, s_pos, s_plb, s_plh,
+                   BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
+                   FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr):
+    hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(SEQ_LENS + b)
+    if SPARSE:
+        total = seq_len * 0 + K_SPARSE
+    else:
+        total = seq_len
+    # at least one split, so that an empty sequence still writes zeros and lse = -inf
+    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)
+    if split >= used:
+        return
+    chunk = tl.cdiv(tl.cdiv(total, used), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_DR)
+    mh, mr, md = offs_h < H, offs_r < R, offs_d < DR
+    qn = tl.load(QN + b * s_qnb + offs_h[:, None] * s_qnh + offs_r[None, :],
+                 mask=mh[:, None] & mr[None, :], other=0.0)
+    qp = tl.load(QP + b * s_qpb + offs_h[:, None] * s_qph + offs_d[None, :],
+                 mask=mh[:, None] & md[None, :], other=0.0)
+    if FP8:
+        if SCALE_FROM_PTR:
+            ks = tl.load(SCALE_PTR)
+        else:
+            ks = kv_scale
+    else:
+        ks = 1.0
+    qk_scale = sm_scale * ks * 1.4426950408889634  # exp2 domain; the fp8 scale folds in here
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        if SPARSE:
+            pos = tl.load(INDICES + b * s_ib + offs_n, mask=valid, other=-1)
+            valid = valid & (pos >= 0) & (pos < seq_len)
+        else:
+            pos = offs_n
+        pidx = pos // PAGE
+        valid = valid & (pidx < MAXP)
+        page_id = tl.load(TABLES + b * s_tb + pidx, mask=valid, other=0)
+        valid = valid & (page_id >= 0) & (page_id < NPAGES)
+        row = page_id.to(tl.int64) * s_cp + (pos % PAGE).to(tl.int64) * s_cr
+        kv = tl.load(CACHE + row[:, None] + offs_r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
+        kpe = tl.load(CACHE + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :],
+                      other=0.0)
+        if FP8:  # e4m3 -> q dtype is exact; the scale is applied to scores and output instead
+            kv = kv.to(qn.dtype)
+            kpe = kpe.to(qn.dtype)
+        if IEEE:
+            s = tl.dot(qn, tl.trans(kv), input_precision="ieee")
+            s += tl.dot(qp, tl.trans(kpe), input_precision="ieee")
+        else:
+            s = tl.dot(qn, tl.trans(kv))
+            s += tl.dot(qp, tl.trans(kpe))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+
+    # natural-log LSE of the scores (sm_scale * q.k); -inf where nothing was attended
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    acc = acc * (ks / l_safe)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(O + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :], acc.to(O.dtype.element_ty),
+                 mask=mh[:, None] & mr[None, :])
+        tl.store(LSE + b * H + offs_h, lse, mask=mh)
+    else:
+        tl.store(PO + b * s_pob + offs_h[:, None] * s_poh + split * s_pos + offs_r[None, :], acc,
+                 mask=mh[:, None] & mr[None, :])
+        tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
+
+
+@triton.jit
+def _merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
+                  s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
+                  BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    if SPARSE:
+        total = tl.load(SEQ_LENS + b) * 0 + K_SPARSE
+    else:
+        total = tl.load(SEQ_LENS + b)
+    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)  # the same plan
+    offs_r = tl.arange(0, BLOCK_R)
+    mr = offs_r < R
+    m = tl.full([], -1.0e30, tl.float32)  # finite: an empty split (lse -inf) gets weight 0, no NaN
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, used):
+        lse_s = tl.load(PLSE + b * s_plb + h * s_plh + s)
+        o_s = tl.load(PO + b * s_pob + h * s_poh + s * s_pos + offs_r, mask=mr, other=0.0)
+        m_new = tl.maximum(m, lse_s)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse_s - m_new)
+        acc = acc * alpha + w * o_s
+        l = l * alpha + w
+        m = m_new
+    l_safe = tl.where(l > 0, l, 1.0)
+    tl.store(O + b * s_ob + h * s_oh + offs_r, (acc / l_safe).to(O.dtype.element_ty), mask=mr)
+    tl.store(LSE + b * H + h, tl.where(l > 0, m + tl.log(l_safe), float("-inf")))
+
+
+def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
+            workspace, config=None):
+    B, H, R = q_nope.shape
+    Dr = q_pe.shape[2]
+    expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
+           f"{q_nope.dtype} (as q) or float8_e4m3fn")
+    bh, bn, warps, stages = config or _config(H, R)
+    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
+    if workspace is None:
+        workspace = make_workspace(B, H, R, q_nope.device, num_splits=plan_splits(B, H, q_nope.device, bh))
+    expect(workspace.max_batch >= B and workspace.part_o.shape[1] == H and workspace.part_o.shape[3] == R,
+           "workspace", f"buffers {tuple(workspace.part_o.shape)}", f"at least ({B}, {H}, splits, {R})")
+    expect(workspace.part_o.device == q_nope.device, "workspace", str(workspace.part_o.device),
+           str(q_nope.device))
+    if B == 0:
+        return (out, lse) if return_lse else out
+    S = workspace.num_splits
+    split_min = max(workspace.split_min, bn)
+    sparse = indices is not None
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
+    scale_ptr = kv_scale if from_ptr else seq_lens  # any pointer when unused
+    po, pl = workspace.part_o, workspace.part_lse
+    k_sparse = indices.shape[1] if sparse else 0
+    grid = (triton.cdiv(H, bh), S, B)
+    _decode_kernel[grid](
+        q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
+        out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
+        H, R, Dr, cache.shape[1], block_tables.shape[1], cache.shape[0], k_sparse, split_min,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+        cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,
+        out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
+        BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
+        IEEE=q_nope.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    if S > 1:
+        _merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
+                              po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+                              out.stride(0), out.stride(1), BLOCK_R=triton.next_power_of_2(R),
+                              NUM_SPLITS=S, SPARSE=sparse, num_warps=4)
+    return (out, lse) if return_lse else out
+
+
+def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
+               return_lse: bool = False, workspace: Optional[Workspace] = None, config=None):
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    return _launch(q_nope, q_pe, cache, seq_lens, block_tables, None, scale, kv_scale, return_lse,
+                   workspace, config)
+
+
+def mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices, *, scale: float,
+                      kv_scale=None, return_lse: bool = False, workspace: Optional[Workspace] = None,
+                      config=None):
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_sparse_indices(indices, seq_lens)
+    return _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
+                   workspace, config)
