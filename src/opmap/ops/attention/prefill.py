@@ -140,12 +140,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
         acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, kv_hi, qpos, kvh * s_kh,
                               kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
                               PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True, IEEE)
-    inv = tl.where(l_i > 0, v_mul / l_i, 0.0)
+    inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     tl.store(o_ptr + (t64 * s_ot + head * s_oh)[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
              mask=row_ok[:, None])
     if RETURN_LSE:
-        lse = tl.where(l_i > 0, (m_i + tl.log2(l_i)) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(l_i > 0, (m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + t64 * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
 
 

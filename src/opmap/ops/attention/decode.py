@@ -1,0 +1,243 @@
+"""Paged decode in Triton with split-KV (FlashDecoding), MHA / GQA / MQA.
+
+Grid: (B, Hk, max_splits), static for a given batch size, so a captured CUDA graph can be
+replayed after the engine rewrites seq_lens and block_tables in place. Each program packs the
+GROUP query heads of one KV head into a tile of BLOCK_H >= 16 rows (tensor cores at decode;
+every K/V tile is read once per group) and walks its range of keys page by page through the
+block table.
+
+The split plan is a pure function of one sequence's length, evaluated *on the device* by both
+kernels (no host synchronisation, nothing to rebuild when lengths change):
+- auto mode: n = min(max_splits, ceil(E / min_chunk)) splits of equal size (rounded up to
+  BLOCK_N) over the E keys the query sees; ``max_splits`` is chosen on the host from B, Hk and
+  the SM count (~2 waves), so long contexts at small batch fill the GPU;
+- fixed mode (batch invariant): splits of exactly ``split_tokens`` keys; a sequence's result
+  depends on its own length only, never on the batch it runs in.
+A sequence with one split writes its output directly; with more, each split writes a
+normalised partial and its LSE (log2) into the persistent workspace and ``_combine_kernel``
+merges them by LSE. Length 0 writes zeros (LSE -inf).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...contract import expect, expect_tensor
+from .common import check_attention, kernel_config, prepare_scales, sm_count
+from .prefill import _tanh
+
+MAX_SPLITS_AUTO = 32
+MIN_CHUNK = 256
+SPLIT_TOKENS_FIXED = 1024
+
+
+@dataclass
+class DecodeWorkspace:
+    """Persistent split-KV buffers (allocate once per batch bucket; safe to capture)."""
+
+    part_o: torch.Tensor  # [max_batch, Hq, max_splits, Dv] fp32, normalised partial outputs
+    part_lse: torch.Tensor  # [max_batch, Hq, max_splits] fp32, log2 domain
+    max_splits: int
+    split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
+    min_chunk: int
+
+
+def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
+                   batch_invariant: bool = False, split_tokens: Optional[int] = None,
+                   max_splits: Optional[int] = None, min_chunk: int = MIN_CHUNK) -> DecodeWorkspace:
+    expect(max_batch >= 1, "max_batch", max_batch, ">= 1")
+    fixed = 0
+    if batch_invariant or split_tokens:
+        fixed = int(split_tokens or SPLIT_TOKENS_FIXED)
+        expect(fixed >= 1, "split_tokens", fixed, ">= 1")
+        expect(max_seq_len is not None and max_seq_len >= 1, "max_seq_len", max_seq_len,
+               "the longest context (sizes the fixed-split workspace)")
+        splits = triton.cdiv(max_seq_len, fixed)
+    else:
+        splits = int(max_splits or MAX_SPLITS_AUTO)
+    expect(splits >= 1, "max_splits", splits, ">= 1")
+    dev = torch.device(device)
+    return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
+                           torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
+                           splits, fixed, int(min_chunk))
+
+
+@triton.jit
+def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """(chunk, n): n splits of ``chunk`` keys cover the E keys a query sees."""
+    if split_tokens > 0:
+        chunk = split_tokens
+    else:
+        n = tl.minimum(tl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
+        chunk = tl.maximum(((E + n - 1) // n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    return chunk, (E + chunk - 1) // chunk
+
+
+@triton.jit
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
+                   scale, soft_cap, window, split_tokens, max_splits, min_chunk,
+                   s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
+                   s_pob, s_poh, s_pos, s_plb, s_plh,
+                   GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    L = tl.load(sl_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
+    if sp >= tl.maximum(n, 1):
+        return
+    start0 = lo + sp * chunk
+    end = tl.minimum(start0 + chunk, L)
+    r = tl.arange(0, BLOCK_H)
+    head = kvh * GROUP + r
+    row_ok = r < GROUP
+    d = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    k_mul = 1.0
+    v_mul = 1.0
+    if FP8:
+        k_mul = tl.load(ks_ptr + kvh)
+        v_mul = tl.load(vs_ptr + kvh)
+    qk_scale = scale * k_mul * 1.4426950408889634
+    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    bt_row = bt_ptr + b * s_bt
+    for start in range(start0, end, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        mj = j < end
+        pg = tl.load(bt_row + j // PAGE, mask=mj, other=0).to(tl.int64)
+        slot = j % PAGE
+        k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=mj[:, None],
+                    other=0.0).to(q.dtype)
+        v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
+                    other=0.0).to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if HAS_CAP:
+            s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
+        else:
+            s = s * qk_scale
+        s = tl.where(mj[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
+    out = acc * tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
+    lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    if n <= 1:
+        tl.store(o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        if RETURN_LSE:
+            tl.store(lse_ptr + b * (GROUP * tl.num_programs(1)) + head, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        tl.store(po_ptr + b * s_pob + head[:, None] * s_poh + sp * s_pos + dv[None, :], out, mask=row_ok[:, None])
+        tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, window, split_tokens, max_splits, min_chunk,
+                    s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
+                    DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    L = tl.load(sl_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
+    if n <= 1:
+        return  # the decode kernel wrote this row itself
+    dv = tl.arange(0, DV)
+    # Splits in a fixed order: the same bits whatever the batch (fixed mode is batch invariant).
+    m = tl.load(pl_ptr + b * s_plb + h * s_plh)
+    acc = tl.load(po_ptr + b * s_pob + h * s_poh + dv)
+    tot = m * 0.0 + 1.0
+    for s in range(1, n):
+        ls = tl.load(pl_ptr + b * s_plb + h * s_plh + s)
+        os = tl.load(po_ptr + b * s_pob + h * s_poh + s * s_pos + dv)
+        m_new = tl.maximum(m, ls)
+        a = tl.exp2(m - m_new)
+        w = tl.exp2(ls - m_new)
+        tot = tot * a + w
+        acc = acc * a + w * os
+        m = m_new
+    tl.store(o_ptr + b * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
+    if RETURN_LSE:
+        tl.store(lse_ptr + b * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
+
+
+def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence so that B * Hk * splits is about two waves of the GPU's SMs."""
+    return max(1, min(MAX_SPLITS_AUTO, triton.cdiv(2 * sm_count(device), max(1, batch * num_kv_heads))))
+
+
+def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
+           k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None):
+    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
+                                            k_scale, v_scale)
+    hq = q.shape[1]
+    group = hq // hk
+    out = torch.empty(B, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, hq, dtype=torch.float32, device=q.device) if return_lse else out
+    if B == 0:
+        return (out, lse) if return_lse else out
+    cfg = kernel_config("decode", d, group, q.device)
+    if workspace is not None:
+        expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
+               "a DecodeWorkspace from make_workspace")
+        expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=q.device)
+        expect(workspace.part_o.shape[0] >= B and workspace.part_o.shape[1] == hq and workspace.part_o.shape[3] == dv,
+               "workspace", f"part_o {tuple(workspace.part_o.shape)}", f"(>= {B}, {hq}, *, {dv})")
+        fixed, min_chunk = workspace.split_tokens, workspace.min_chunk
+        if fixed:
+            splits = triton.cdiv(block_tables.shape[1] * page, fixed)
+            expect(splits <= workspace.max_splits, "workspace", f"{workspace.max_splits} splits",
+                   f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
+        else:
+            splits = min(workspace.max_splits, auto_max_splits(B, hk, q.device))
+        po, pl = workspace.part_o, workspace.part_lse
+    else:
+        fixed, min_chunk = 0, MIN_CHUNK
+        splits = auto_max_splits(B, hk, q.device)
+        # A split plan needs partial buffers; without a workspace they are allocated here.
+        po = torch.empty(B, hq, splits, dv, dtype=torch.float32, device=q.device) if splits > 1 else out
+        pl = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else lse
+    po4 = po if po.dim() == 4 else po.view(B, hq, 1, dv)
+    pl3 = pl if pl.dim() == 3 else torch.empty(1, 1, 1, device=q.device)
+    ks, vs = prepare_scales(k_cache, k_scale, v_scale)
+    common = dict(window=int(window or 0), split_tokens=fixed, max_splits=splits, min_chunk=min_chunk)
+    _decode_kernel[(B, hk, splits)](
+        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs,
+        float(scale), float(soft_cap or 1.0), common["window"], fixed, splits, min_chunk,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
+        GROUP=group, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    if splits > 1:
+        _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, common["window"], fixed, splits, min_chunk,
+                                 out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
+                                 pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
+                                 HAS_WINDOW=window is not None, RETURN_LSE=return_lse, num_warps=4)
+    return (out, lse) if return_lse else out
