@@ -1,0 +1,170 @@
+"""The selector: traces in tree order, priority per arch, memoisation, forced backends (argument
+and environment) with their errors, runtime availability. Uses test-local fake attention
+backends (the real ones are swapped out for the test and put back after)."""
+import pytest
+
+from opmap import registry, select as sel
+from opmap.registry import Backend, Check, Req
+from opmap.specs import AttentionSpec, NormSpec
+
+
+def _fake(name, priority, reqs=(), checks=(), available=None):
+    return Backend(op="attention", name=name, provider="fake", version="0.0", priority=priority,
+                   impl={"decode": "math:sqrt"}, reqs=reqs, checks=checks, available=available)
+
+
+@pytest.fixture
+def fake_attention():
+    registry.load_all()
+    saved = dict(registry._REGISTRY["attention"])
+    registry._REGISTRY["attention"].clear()
+    sel.clear_cache()
+    fakes = [
+        _fake("fast-paged", {"sm90": 80, "sm80": 60},
+              reqs=(Req("kind", ("gqa", "mha", "mqa"), "no MLA"),
+                    Req("kv_dtype", ("bf16", "fp16"), "16-bit KV only"),
+                    Req("page_size", lambda p: p in (16, 32, 64), "page_size in {16, 32, 64}"))),
+        _fake("fp8-decode", {"sm90": 70},
+              reqs=(Req("phase", ("decode",), "decode only"),),
+              checks=(Check("head_dim <= 128", lambda s: None if s.head_dim <= 128 else
+                            f"head_dim={s.head_dim} > 128", "head_dim"),)),
+        _fake("eager-only", {"sm90": 90, "sm80": 90, "cpu": 5},
+              reqs=(Req("cuda_graph", (False,), "no CUDA-graph capture"),)),
+        _fake("mla-only", {"sm90": 95}, reqs=(Req("kind", ("mla",), "MLA only"),)),
+        _fake("needs-pkg", {"sm90": 60, "cpu": 120}, available=lambda: "package 'nope' is not installed"),
+        _fake("fallback", {"sm90": 1, "sm80": 1, "cpu": 100}),
+    ]
+    for b in fakes:
+        registry.register(b)
+    yield {b.name: b for b in fakes}
+    registry._REGISTRY["attention"].clear()
+    registry._REGISTRY["attention"].update(saved)
+    sel.clear_cache()
+
+
+EXAMPLE = dict(arch="sm90", phase="decode", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+               kv_dtype="fp8", cuda_graph=True)
+
+
+def test_issue_example_trace(fake_attention):
+    # The spec of `opmap select attention --phase decode ... --kv-dtype fp8 --cuda-graph --arch sm90`.
+    ch = sel.select("attention", AttentionSpec(**EXAMPLE), runtime=False)
+    assert ch.name == "fp8-decode"
+    assert ch.forced_by is None and not ch.runtime
+    by = {c.name: c for c in ch.trace}
+    assert [c.name for c in ch.trace][0] == "fp8-decode"
+    assert set(by) == set(fake_attention)  # every candidate is in the trace
+    assert by["fast-paged"].level == "kv_dtype" and "16-bit KV only" in by["fast-paged"].reasons[0]
+    assert by["eager-only"].level == "cuda_graph"
+    assert by["mla-only"].level == "kind"
+    # Not runtime: availability is not consulted for another device, so needs-pkg stays valid.
+    assert by["needs-pkg"].valid
+    text = ch.explain()
+    assert "planned for another device" in text and "at kv_dtype" in text
+
+
+def test_priority_and_levels_follow_tree(fake_attention):
+    spec = AttentionSpec(arch="sm90", phase="prefill", kind="mla", num_heads=16, num_kv_heads=1,
+                         head_dim=576, head_dim_v=512, kv_dtype="fp8", page_size=8, cuda_graph=True)
+    ch = sel.select("attention", spec, runtime=False)
+    assert ch.name == "mla-only"
+    by = {c.name: c for c in ch.trace}
+    # fast-paged fails at kind (first in the tree) although kv_dtype and page_size fail too.
+    assert by["fast-paged"].level == "kind" and len(by["fast-paged"].reasons) == 3
+    assert by["fp8-decode"].level == "phase"
+    assert by["fp8-decode"].reasons[1].startswith("head_dim=576")
+    # Valid candidates come right after the choice, by priority.
+    valid = [c.name for c in ch.trace if c.valid]
+    assert valid == ["mla-only", "needs-pkg", "fallback"]
+    assert "highest sm90 priority (95)" in ch.why()
+
+
+def test_other_arch_and_unserved_arch(fake_attention):
+    ch = sel.select("attention", AttentionSpec(arch="sm80", cuda_graph=False), runtime=False)
+    assert ch.name == "eager-only"
+    by = {c.name: c for c in ch.trace}
+    assert by["fp8-decode"].level == "arch" and "not served" in by["fp8-decode"].reasons[0]
+
+
+def test_runtime_availability(fake_attention):
+    spec = AttentionSpec(arch="cpu", phase="decode", cuda_graph=True)
+    ch = sel.select("attention", spec, runtime=True)
+    by = {c.name: c for c in ch.trace}
+    assert ch.name == "fallback"
+    assert by["needs-pkg"].level == "runtime" and "not installed" in by["needs-pkg"].reasons[0]
+    assert sel.select("attention", spec, runtime=False).name == "needs-pkg"
+
+
+def test_memoised_per_spec(fake_attention):
+    spec = AttentionSpec(**EXAMPLE)
+    a = sel.select("attention", spec, runtime=False)
+    info = sel._select.cache_info()
+    b = sel.select("attention", AttentionSpec(**EXAMPLE), runtime=False)  # equal spec, new object
+    assert a is b
+    assert sel._select.cache_info().hits == info.hits + 1
+    c = sel.select("attention", spec.replace(kv_dtype="bf16"), runtime=False)
+    assert c is not a and c.name == "fast-paged"
+
+
+def test_forced_by_argument(fake_attention):
+    spec = AttentionSpec(**EXAMPLE)
+    ch = sel.select("attention", spec, backend="fallback", runtime=False)
+    assert ch.name == "fallback" and ch.forced_by == "argument" and ch.why() == "forced by argument"
+    with pytest.raises(sel.BackendError) as e:
+        sel.select("attention", spec, backend="fast-paged", runtime=False)
+    msg = str(e.value)
+    assert "forced backend 'fast-paged' (argument) cannot serve" in msg
+    assert "16-bit KV only" in msg
+    assert "backends that could: fp8-decode, needs-pkg, fallback" in msg
+    with pytest.raises(sel.BackendError, match="not registered"):
+        sel.select("attention", spec, backend="no-such", runtime=False)
+
+
+def test_forced_by_env(fake_attention, monkeypatch):
+    spec = AttentionSpec(**EXAMPLE)
+    monkeypatch.setenv("OPMAP_ATTENTION_BACKEND", "eager-only")
+    with pytest.raises(sel.BackendError) as e:
+        sel.select("attention", spec, runtime=False)
+    assert "env OPMAP_ATTENTION_BACKEND=eager-only" in str(e.value)
+    assert "cuda_graph=True not supported" in str(e.value)
+    # The phase-specific variable wins over the op-wide one.
+    monkeypatch.setenv("OPMAP_ATTENTION_DECODE_BACKEND", "fallback")
+    ch = sel.select("attention", spec, runtime=False)
+    assert ch.name == "fallback" and ch.forced_by == "env OPMAP_ATTENTION_DECODE_BACKEND=fallback"
+    # The argument wins over the environment.
+    assert sel.select("attention", spec, backend="fp8-decode", runtime=False).forced_by == "argument"
+    # Another phase sees only the op-wide variable.
+    with pytest.raises(sel.BackendError, match="eager-only"):
+        sel.select("attention", spec.replace(phase="prefill"), runtime=False)
+
+
+def test_no_backend_lists_every_rejection(fake_attention):
+    spec = AttentionSpec(arch="sm100", phase="decode")
+    with pytest.raises(sel.BackendError) as e:
+        sel.select("attention", spec, runtime=False)
+    msg = str(e.value)
+    assert msg.startswith("attention: no backend can serve")
+    for name in fake_attention:
+        assert f"- {name} at arch" in msg
+
+
+def test_real_registry_traces_cover_every_backend():
+    """Representative real specs: the trace names every registered backend, and each rejection
+    carries its level and at least one reason."""
+    registry.load_all()
+    specs = [("attention", AttentionSpec(**EXAMPLE)),
+             ("attention", AttentionSpec(arch="sm90", phase="prefill", kind="mla", num_heads=16, num_kv_heads=1,
+                                         head_dim=576, head_dim_v=512)),
+             ("rmsnorm", NormSpec(arch="sm90", phase="decode", hidden=4096, fused_add=True))]
+    for op, spec in specs:
+        names = {b.name for b in registry.backends(op)}
+        assert names, f"no backend registered for {op}"
+        try:
+            ch = sel.select(op, spec, runtime=False)
+            trace = ch.trace
+        except sel.BackendError as e:
+            pytest.fail(f"{op}: nothing serves a representative sm90 spec: {e}")
+        assert {c.name for c in trace} == names
+        for c in trace:
+            if not c.valid:
+                assert c.level and all(isinstance(r, str) and r for r in c.reasons)
