@@ -177,7 +177,10 @@ def cmd_matrix(args) -> int:
 
     load_registry()
     arch = args.arch or hw.local_arch()
-    mats = M.build(arch, args.op or None)
+    try:
+        mats = M.build(arch, args.op or None)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     M.print_rich(mats)
     if args.markdown:
         with open(args.markdown, "w") as f:
