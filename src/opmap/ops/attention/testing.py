@@ -69,17 +69,16 @@ def make_paged(seq_lens: Sequence[int], num_kv_heads: int, head_dim: int, page_s
     k = torch.randn(P, page_size, num_kv_heads, head_dim, generator=g, dtype=scale_dt)
     v = torch.randn(P, page_size, num_kv_heads, dv, generator=g, dtype=scale_dt)
     if poison:
+        # Slots no sequence reads (past the last token of a page, across all its sharers) and
+        # pages no sequence owns hold NaN: a kernel that reads them poisons its output.
+        fill = torch.zeros(P, dtype=torch.int64)
         for b, L in enumerate(seq_lens):
-            n = need[b]
-            if n and L % page_size:
-                last = int(bt[b, n - 1])
-                k[last, L % page_size:] = float("nan")
-                v[last, L % page_size:] = float("nan")
-        used = set(int(p) for p in bt.flatten().tolist() if p >= 0)
+            for i in range(need[b]):
+                p = int(bt[b, i])
+                fill[p] = max(int(fill[p]), min(page_size, L - i * page_size))
         for p in range(P):
-            if p not in used:
-                k[p] = float("nan")
-                v[p] = float("nan")
+            k[p, int(fill[p]):] = float("nan")
+            v[p, int(fill[p]):] = float("nan")
     k_scale = v_scale = None
     if fp8:
         k_scale = (torch.rand(num_kv_heads, generator=g) * 0.5 + 0.25).to(device)

@@ -1,0 +1,119 @@
+"""Triton prefill / decode / mixed against the fp32 reference, in the interpreter (fp16/fp32).
+
+Each case is one point of the issue's grid (batch {1, 3, 17}; KV length {1, page-1, page,
+page+1, 300}; a sequence with no new query tokens inside a varlen batch; page size {1, 16};
+heads 8/8, 8/2, 8/1; head dim 64 and 128; shuffled and shared pages in a cache of many pages;
+window, soft-cap, split-KV and fp8 KV on and off), chosen so that every value appears without
+running the full product in the interpreter.
+"""
+import pytest
+import torch
+
+from opmap.ops.attention import decode as D
+from opmap.ops.attention import prefill as P
+from opmap.ops.attention import reference as R
+from opmap.ops.attention.mixed import mixed
+from opmap.ops.attention.testing import make_paged, make_query
+from opmap.tolerance import assert_close
+
+F16, F32 = torch.float16, torch.float32
+
+
+def _ref(fn, q, pc, *args, **kw):
+    """The reference on fp32 copies of the inputs (fp8 caches stay fp8: the reference dequantises)."""
+    kc, vc = pc.k_cache, pc.v_cache
+    if kc.dtype != torch.float8_e4m3fn:
+        kc, vc = kc.float(), vc.float()
+    return fn(q.float(), kc, vc, *args, **kw)
+
+
+def _check(out, lse, ref, ref_lse, dtype, fp8):
+    # fp16 runs cast the softmax weights to fp16 for the PV product; fp8 adds its own rounding of
+    # the fp16 query-side product (the cache values themselves are exact in both).
+    scale = 1.0 if dtype == F32 else (4.0 if fp8 else 2.0)
+    assert_close(out, ref, dtype, scale=scale)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "LSE -inf pattern"
+    assert_close(lse[fin], ref_lse[fin], F32, scale=100.0 if dtype == F16 else 10.0, what="lse")
+
+
+DECODE = [
+    # id, seq_lens, page, heads, kv_heads, head_dim, dtype, window, soft_cap, fp8, workspace
+    ("b1-300-split", [300], 16, 8, 2, 64, F16, None, None, False, dict(min_chunk=16)),
+    ("b3-page-edges-mha", [15, 16, 17], 16, 8, 8, 128, F32, None, None, False, dict(max_splits=1)),
+    ("b17-mqa-window-split", [1, 0, 300, 15, 16, 17, 2, 31, 33, 64, 100, 1, 5, 250, 7, 0, 48], 16, 8, 1, 64,
+     F16, 20, None, False, dict(min_chunk=32)),
+    ("b3-page1-cap-fp8", [1, 5, 300], 1, 8, 2, 64, F16, None, 30.0, True, dict(min_chunk=64)),
+    ("b3-d128-fp8-split-window", [300, 17, 1], 16, 8, 2, 128, F16, 50, None, True, dict(min_chunk=16)),
+    ("b3-no-workspace", [300, 0, 16], 16, 8, 8, 64, F32, None, 10.0, False, None),
+]
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
+def test_decode(case):
+    _, seq, page, hq, hk, d, dt, win, cap, fp8, ws = case
+    pc = make_paged(seq, hk, d, page, dtype=dt, fp8=fp8, shared=True, poison=True)
+    q, _ = make_query([1] * len(seq), hq, d, dtype=dt)
+    w = D.make_workspace(len(seq), hq, d, device="cpu", **ws) if ws is not None else None
+    out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                        soft_cap=cap, return_lse=True, workspace=w, **pc.kw)
+    ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                        soft_cap=cap, return_lse=True, **pc.kw)
+    _check(out, lse, ref, ref_lse, dt, fp8)
+    assert torch.all(out[pc.seq_lens == 0] == 0)
+
+
+def test_decode_fixed_split_is_batch_invariant():
+    """Rows of a sub-batch are bitwise equal to the same rows run inside a larger batch."""
+    seq = [300, 17, 0, 64, 129]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True)
+    q, _ = make_query([1] * 5, 8, 64, dtype=F16)
+    kw = dict(device="cpu", batch_invariant=True, split_tokens=64, max_seq_len=pc.block_tables.shape[1] * 16)
+    full = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.125,
+                    workspace=D.make_workspace(5, 8, 64, **kw))
+    sub = [3, 0]
+    part = D.decode(q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.125,
+                    workspace=D.make_workspace(2, 8, 64, **kw))
+    assert torch.equal(part, full[sub])
+    ref = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=0.125)
+    assert_close(full, ref, F16, scale=2.0)
+
+
+PREFILL = [
+    # id, seq_lens, q_lens, page, heads, kv_heads, head_dim, dtype, causal, window, soft_cap, fp8
+    ("b1-300-chunk", [300], [100], 16, 8, 2, 64, F16, True, None, None, False),
+    ("b3-chunked-zero-q-mha", [15, 16, 17], [5, 0, 17], 16, 8, 8, 128, F32, True, None, None, False),
+    ("b17-mqa-mixed-lens", [1, 16, 40, 15, 17, 3, 33, 2, 9, 20, 1, 6, 12, 18, 7, 4, 30],
+     [1, 3, 0, 15, 1, 3, 2, 2, 9, 1, 1, 0, 5, 18, 7, 1, 4], 16, 8, 1, 64, F16, True, 6, None, False),
+    ("b3-page1-cap-fp8", [1, 40, 21], [1, 20, 21], 1, 8, 2, 64, F16, True, None, 20.0, True),
+    ("b3-d128-fp8-window", [70, 17, 33], [70, 3, 10], 16, 8, 2, 128, F16, True, 25, None, True),
+    ("b3-noncausal", [20, 33, 5], [20, 1, 4], 16, 8, 2, 64, F32, False, None, None, False),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=[c[0] for c in PREFILL])
+def test_prefill(case):
+    _, seq, ql, page, hq, hk, d, dt, causal, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=dt, fp8=fp8, shared=True, poison=True)
+    q, cu = make_query(ql, hq, d, dtype=dt)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=d ** -0.5,
+                         causal=causal, window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, scale=d ** -0.5, causal=causal,
+                        window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    _check(out, lse, ref, ref_lse, dt, fp8)
+    if len(seq) == 3:  # without return_lse the same kernel runs without the LSE store
+        plain = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=d ** -0.5,
+                          causal=causal, window=win, soft_cap=cap, **pc.kw)
+        assert torch.equal(plain, out)
+
+
+def test_mixed_batch_matches_decode_and_prefill():
+    """A chunked-prefill step: prefill chunks and decode tokens in one varlen batch."""
+    seq, ql = [40, 17, 1, 300], [8, 1, 1, 1]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True)
+    q, cu = make_query(ql, 8, 64, dtype=F16)
+    out = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.125)
+    ref = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=0.125)
+    assert_close(out, ref, F16, scale=2.0)
+    dec = D.decode(q[8:], pc.k_cache, pc.v_cache, pc.seq_lens[1:], pc.block_tables[1:], scale=0.125)
+    assert_close(out[8:], dec.float(), F16, scale=2.0)
