@@ -1,0 +1,51 @@
+"""Every class of bad input gives an InputError that names the argument, what was given and what
+was expected."""
+import pytest
+import torch
+
+from opmap.contract import InputError, expect, expect_in, expect_same_device, expect_tensor
+
+
+def _err(fn):
+    with pytest.raises(InputError) as e:
+        fn()
+    return e.value
+
+
+def test_expect_tensor_each_class():
+    x = torch.randn(4, 6)
+    e = _err(lambda: expect_tensor("x", [1, 2]))
+    assert (e.arg, e.given, e.expected) == ("x", "list", "a torch.Tensor")
+    e = _err(lambda: expect_tensor("x", x.half(), dtype=(torch.float32, torch.bfloat16)))
+    assert str(e) == "x: got dtype fp16, expected dtype fp32 or bf16"
+    e = _err(lambda: expect_tensor("w", x, ndim=3))
+    assert str(e) == "w: got 2 dims (4, 6), expected 3 dims"
+    e = _err(lambda: expect_tensor("w", x, shape=(4, 7)))
+    assert str(e) == "w: got shape (4, 6), expected shape (4, 7)"
+    e = _err(lambda: expect_tensor("w", x, shape=(None, 6, None)))
+    assert e.expected == "shape (*, 6, *)"
+    e = _err(lambda: expect_tensor("q", x, device="meta"))
+    assert str(e) == "q: got device cpu, expected device meta"
+    e = _err(lambda: expect_tensor("q", x.t(), contiguous=True))
+    assert e.arg == "q" and "strides (1, 6)" in e.given
+    e = _err(lambda: expect_tensor("q", x[:, ::2], last_dim_contiguous=True))
+    assert e.expected == "stride 1 in the last dimension"
+    assert expect_tensor("q", x, dtype=torch.float32, ndim=2, shape=(4, None), contiguous=True) is x
+    # A last dimension of size 1 has no meaningful stride.
+    expect_tensor("q", torch.randn(4, 6)[:, :1], last_dim_contiguous=True)
+
+
+def test_expect_helpers():
+    e = _err(lambda: expect(False, "page_size", 0, "a positive int"))
+    assert str(e) == "page_size: got 0, expected a positive int"
+    expect(True, "a", 1, "anything")
+    e = _err(lambda: expect_in("style", "rot", ("neox", "gptj")))
+    assert str(e) == "style: got 'rot', expected one of 'neox', 'gptj'"
+    a = torch.zeros(2)
+    e = _err(lambda: expect_same_device(a=a, b=None, c=torch.zeros(2, device="meta")))
+    assert e.arg == "c" and "same as a" in e.expected
+    assert expect_same_device(a=a, b=torch.zeros(3)) == a.device
+
+
+def test_input_error_is_a_value_error():
+    assert issubclass(InputError, ValueError)

@@ -1,0 +1,58 @@
+"""Model presets: shapes against the published parameter counts, tiny versions, and the operator
+map of one step per phase."""
+import pytest
+
+from opmap import presets
+from opmap.specs import AttentionSpec, GemmSpec
+
+# Total parameters as published on the models' Hugging Face pages (safetensors metadata).
+PUBLISHED = {"llama3-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
+             "mixtral-8x7b": 46_702_792_704, "qwen3-30b-a3b": 30_532_122_624,
+             "deepseek-v2-lite": 15_706_484_224}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shapes_match_published_parameter_counts(name):
+    # Norm weights and biases are not counted (they are < 0.01% of any of these models).
+    n = presets.get_preset(name).num_params()
+    assert abs(n / PUBLISHED[name] - 1) < 1e-3, n
+
+
+def test_tiny_presets_keep_the_architecture():
+    for name in PUBLISHED:
+        cfg = presets.get_preset(name)
+        tiny = [t for t in presets.PRESETS.values() if t.name.startswith("tiny-") and t.arch == cfg.arch]
+        assert len(tiny) == 1, name
+        t = tiny[0]
+        assert t.num_params() < 500_000
+        assert (t.is_moe, t.is_mla, t.rope_style, t.qk_norm) == (cfg.is_moe, cfg.is_mla, cfg.rope_style, cfg.qk_norm)
+        assert t.heads % t.kv_heads == 0
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        presets.get_preset("nope")
+
+
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+@pytest.mark.parametrize("arch", ["sm90", "cpu"])
+def test_op_map(name, arch):
+    cfg = presets.get_preset(name)
+    pre = presets.op_map(cfg, "prefill", arch)
+    dec = presets.op_map(cfg, "decode", arch, dtype="fp32")
+    for phase, m in (("prefill", pre), ("decode", dec)):
+        ops = [op for op, _, _ in m]
+        assert ops[0] == "rmsnorm" and all(s.phase == phase and s.arch == arch for _, _, s in m)
+        assert ops.count("attention") == 1 and ops.count("kv_append") == 1
+        assert ("moe" in ops) == cfg.is_moe
+        assert ("activation" in ops) == (not cfg.is_moe or cfg.first_dense_layers > 0)
+        att = next(s for op, _, s in m if op == "attention")
+        assert isinstance(att, AttentionSpec) and att.kind == ("mla" if cfg.is_mla else
+                                                               "gqa" if cfg.kv_heads < cfg.heads else "mha")
+        for op, _, s in m:
+            if op in ("gemm", "moe"):
+                assert s.weight_dtype == s.dtype  # dense weights in the model dtype
+    assert not {"logits", "sampling", "grammar_mask"} & {op for op, _, _ in pre}
+    assert [op for op, _, _ in dec][-3:] == ["logits", "grammar_mask", "sampling"]
+    # Decode is captured in a CUDA graph by default, prefill is not; prefill's LM head is one row.
+    assert next(s for op, _, s in dec if op == "attention").cuda_graph
+    assert not next(s for op, _, s in pre if op == "attention").cuda_graph
+    lm = [s for op, lb, s in pre if lb == "LM head"][0]
+    assert isinstance(lm, GemmSpec) and lm.m == 1 and lm.n == cfg.vocab
