@@ -1,0 +1,141 @@
+"""Linear: reference vs an fp64 matmul, Triton (dense / int8 / fp8, split-K, the fp8
+bit-decoding path) vs reference at odd shapes, bad input, registry, custom op."""
+import pytest
+import torch
+
+from opmap import registry
+from opmap.contract import InputError
+from opmap.ops.gemm import quant
+from opmap.ops.gemm import reference as ref
+from opmap.ops.gemm import triton_gemm as tri
+from opmap.tolerance import assert_close
+
+
+def _inputs(M, N, K, dtype, fmt, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    if fmt is None:
+        return x, w, b, None
+    wq, s = quant.quantize_weight(w, fmt)
+    return x, wq, b, s
+
+
+def test_reference_matches_fp64_matmul():
+    x, wq, b, s = _inputs(5, 33, 70, torch.float32, "int8", True, 0)
+    exp = x.double() @ (wq.double() * s.double()[:, None]).t() + b.double()
+    assert_close(ref.linear(x, wq, b, s), exp.float())
+
+
+# M covers decode sizes and a prefill size; N includes a vocab-like odd width (interpreter:
+# small K); K includes widths that are not multiples of the K tile.
+@pytest.mark.parametrize("M,N,K", [(1, 32001, 16), (3, 130, 200), (17, 64, 95), (64, 96, 128), (1000, 40, 48)])
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8"])
+def test_triton_matches_reference(M, N, K, fmt):
+    for dtype in ([torch.float16, torch.float32] if M == 3 else [torch.float16]):
+        x, w, b, s = _inputs(M, N, K, dtype, fmt, bias=M % 2 == 1, seed=M + N)
+        assert_close(tri.linear(x, w, b, s), ref.linear(x, w, b, s), scale=2.0)
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_triton_split_k(fmt):
+    # Few N tiles -> split K; the partials are reduced deterministically with scale and bias.
+    x, w, b, s = _inputs(2, 48, 1024 + 64, torch.float16, fmt, bias=True, seed=7)
+    p = tri.plan(2, 48, 1088, sms=8)
+    p["SPLIT"] = 3
+    out = tri.linear(x, w, b, s, _plan=p)
+    assert_close(out, ref.linear(x, w, b, s), scale=2.0)
+    assert torch.equal(out, tri.linear(x, w, b, s, _plan=p))  # deterministic
+    assert tri.plan(1, 4096, 14336, sms=132)["SPLIT"] > 1  # a real decode shape that splits
+    assert tri.plan(1, 28672, 4096, sms=132)["SPLIT"] == 1  # enough N tiles already
+
+
+def test_triton_fp8_bit_decoding_path():
+    # The path used on GPUs without an fp8 conversion instruction (sm80): covers every
+    # fp8 byte that quantisation can produce, subnormals and both signs included.
+    vals = torch.arange(0, 256, dtype=torch.int32).to(torch.uint8)
+    vals = vals[(vals & 0x7F) != 0x7F]  # drop the two NaN encodings
+    wq = vals.view(torch.float8_e4m3fn).reshape(2, -1)[:, :112].contiguous()
+    s = torch.tensor([0.5, 2.0])
+    x = torch.randn(3, 112, dtype=torch.float16)
+    p = tri.plan(3, 2, 112, sms=8)
+    p["W_KIND"] = tri.W_FP8_BITS
+    assert_close(tri.linear(x, wq, None, s, _plan=p), ref.linear(x, wq, None, s), scale=2.0)
+
+
+def test_quantize_weight_roundtrip_and_zero_rows():
+    torch.manual_seed(0)
+    w = torch.randn(5, 300, dtype=torch.bfloat16)
+    w[2] = 0
+    for fmt, dt, tol in (("fp8", torch.float8_e4m3fn, 0.07), ("int8", torch.int8, 0.005)):
+        wq, s = quant.quantize_weight(w, fmt)
+        assert wq.dtype == dt and s.dtype == torch.float32 and s.shape == (5,)
+        back = quant.dequantize_weight(wq, s)
+        assert torch.isfinite(back).all() and torch.all(back[2] == 0)
+        rel = (back - w.float()).abs().amax(1) / w.float().abs().amax(1).clamp_min(1e-9)
+        assert float(rel.max()) <= tol
+        # the largest magnitude of each row is represented exactly
+        assert torch.allclose(back.abs().amax(1), w.float().abs().amax(1), rtol=1e-2)
+
+
+@pytest.mark.parametrize("impl", [ref, tri])
+def test_bad_input_is_input_error(impl):
+    x = torch.randn(4, 64, dtype=torch.float16)
+    w = torch.randn(32, 64, dtype=torch.float16)
+    wq, s = quant.quantize_weight(w, "int8")
+    with pytest.raises(InputError, match="w"):
+        impl.linear(x, torch.randn(32, 63, dtype=torch.float16))  # mismatched K
+    with pytest.raises(InputError, match="w"):
+        impl.linear(x, w.float())  # dtype differs from x and is not a quantised format
+    with pytest.raises(InputError, match="x"):
+        impl.linear(x.to(torch.int32), w)
+    with pytest.raises(InputError, match="x"):
+        impl.linear(x[None], w)  # 3-D
+    with pytest.raises(InputError, match="w_scale"):
+        impl.linear(x, wq)  # quantised weight without its scale
+    with pytest.raises(InputError, match="w_scale"):
+        impl.linear(x, wq, None, s[:31])  # scale of the wrong shape
+    with pytest.raises(InputError, match="w_scale"):
+        impl.linear(x, wq, None, s[:, None])
+    with pytest.raises(InputError, match="w_scale"):
+        impl.linear(x, wq, None, s.half())
+    with pytest.raises(InputError, match="w_scale"):
+        impl.linear(x, w, None, s)  # a scale for dense weights
+    with pytest.raises(InputError, match="bias"):
+        impl.linear(x, w, torch.randn(31, dtype=torch.float16))
+
+
+def test_registry_declarations():
+    from opmap.select import select
+    from opmap.specs import GemmSpec
+
+    names = {b.name for b in registry.backends("gemm")}
+    assert {"reference", "cublas", "triton-decode", "triton-wo", "scaled-mm"} <= names
+    assert select("gemm", GemmSpec(arch="sm90", m=1), runtime=False).name == "triton-decode"
+    assert select("gemm", GemmSpec(arch="sm90", m=4096), runtime=False).name == "cublas"
+    assert select("gemm", GemmSpec(arch="sm90", m=1, weight_dtype="int8"), runtime=False).name == "triton-wo"
+    fp8act = GemmSpec(arch="sm90", m=64, weight_dtype="fp8", act_dtype="fp8")
+    assert select("gemm", fp8act, runtime=False).name == "scaled-mm"
+    sm = registry.get("gemm", "scaled-mm")
+    assert any("multiple of 16" in r for r in sm.validate(fp8act.replace(n=32001)))
+    assert any("arch" in r for r in sm.validate(fp8act.replace(arch="sm80")))
+    # cuBLAS never silently takes a quantised weight
+    assert registry.get("gemm", "cublas").validate(GemmSpec(weight_dtype="fp8"))
+
+
+def test_cublas_peer_rejects_quantised_weight():
+    x = torch.randn(2, 32)
+    wq, s = quant.quantize_weight(torch.randn(16, 32), "fp8")
+    with pytest.raises(InputError, match="w"):
+        registry.get("gemm", "cublas")("linear", x, wq, None, s)
+    w = torch.randn(16, 32)
+    assert_close(registry.get("gemm", "cublas")("linear", x, w), ref.linear(x, w))
+
+
+def test_custom_op_opcheck():
+    from opmap.ops.gemm import custom_ops  # noqa: F401
+
+    x, wq, b, s = _inputs(2, 16, 32, torch.float32, "int8", True, 3)
+    torch.library.opcheck(torch.ops.opmap.linear, (x, wq, b, s))
+    assert_close(torch.ops.opmap.linear(x, wq, b, s), ref.linear(x, wq, b, s))
