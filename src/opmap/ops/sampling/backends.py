@@ -28,3 +28,13 @@ registry.register(Backend(
     notes="sort-based exact probabilities (fp64) + torch.multinomial with a generator per row "
           "seeded from (seed, position); slow, the oracle",
 ))
+
+registry.register(Backend(
+    op="sampling", name="triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl={"sample": "opmap.ops.sampling.sampler:sample"},
+    available=registry.triton_available,
+    notes="one program per row: key bisection for the top-k / top-p boundary (exact ties), "
+          "register compaction once <= 2048 candidates remain, Gumbel race with Philox keyed by "
+          "(seed, position, token); no sort, no host sync, batch-invariant",
+))

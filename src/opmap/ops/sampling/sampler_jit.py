@@ -1,0 +1,188 @@
+"""Triton building blocks of the sorting-free sampler (see ``sampler.py`` for the algorithm).
+
+Values are compared through a monotone int32 *key* of the fp32 value (the float's bits with the
+magnitude bits flipped when negative), so that bisection runs over keys: at most 32 halvings
+reach a single representable float, whatever the spread of the logits, and ties are exact.
+Row values are z = (x - max) / temperature, so z <= 0 and exp(z) never overflows.
+"""
+import triton
+import triton.language as tl
+
+KEY_NEG_INF: tl.constexpr = -2139095041  # _key(-inf)
+INT_MAX: tl.constexpr = 2147483647
+INT_MIN: tl.constexpr = -2147483648
+
+
+@triton.jit
+def _key(z):
+    b = z.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _unkey(k):
+    b = tl.where(k < 0, k ^ 0x7FFFFFFF, k)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_z(row_ptr, offs, V, m, inv_t):
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    # + 0.0 turns a -0.0 into +0.0 so that equal values have equal keys.
+    return (x - m) * inv_t + 0.0
+
+
+@triton.jit
+def _gumbel(seed, pos, ids):
+    """Gumbel noise from Philox keyed by (seed; token id, position): a token's noise depends on
+    its request's seed and step only, never on the batch or on which pass computes it."""
+    c0 = ids.to(tl.uint32)
+    zero = c0 * 0
+    c1 = zero + (pos & 0xFFFFFFFF).to(tl.uint32)
+    c2 = zero + ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
+    # 24 random bits, centred: u in (0, 1) strictly, so both logs are finite.
+    u = ((r >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _stats(z, ok, mid, c_ge, w_ge, s_up, n_up, s_dn, n_dn):
+    """Fold one block into the figures of an evaluation at key ``mid``: count and mass of the
+    values >= mid, the smallest such key with its multiplicity, the largest key below mid with
+    its multiplicity."""
+    k = _key(z)
+    ge = ok & (k >= mid)
+    lt = ok & (k < mid) & (k > KEY_NEG_INF)
+    c_ge += tl.sum(ge.to(tl.int32), 0)
+    w_ge += tl.sum(tl.where(ge, tl.exp(z), 0.0), 0)
+    bu = tl.min(tl.where(ge, k, INT_MAX), 0)
+    bnu = tl.sum((ge & (k == bu)).to(tl.int32), 0)
+    n_up = tl.where(bu < s_up, bnu, tl.where(bu == s_up, n_up + bnu, n_up))
+    s_up = tl.minimum(s_up, bu)
+    bd = tl.max(tl.where(lt, k, INT_MIN), 0)
+    bnd = tl.sum((lt & (k == bd)).to(tl.int32), 0)
+    n_dn = tl.where(bd > s_dn, bnd, tl.where(bd == s_dn, n_dn + bnd, n_dn))
+    s_dn = tl.maximum(s_dn, bd)
+    return c_ge, w_ge, s_up, n_up, s_dn, n_dn
+
+
+@triton.jit
+def _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK: tl.constexpr):
+    c_ge = tl.zeros([], tl.int32)
+    w_ge = tl.zeros([], tl.float32)
+    s_up = tl.full([], INT_MAX, tl.int32)
+    n_up = tl.zeros([], tl.int32)
+    s_dn = tl.full([], INT_MIN, tl.int32)
+    n_dn = tl.zeros([], tl.int32)
+    if compacted != 0:
+        c_ge, w_ge, s_up, n_up, s_dn, n_dn = _stats(zc, zc > float("-inf"), mid, c_ge, w_ge, s_up, n_up,
+                                                    s_dn, n_dn)
+    else:
+        for start in range(0, V, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            z = _load_z(row_ptr, offs, V, m, inv_t)
+            c_ge, w_ge, s_up, n_up, s_dn, n_dn = _stats(z, offs < V, mid, c_ge, w_ge, s_up, n_up, s_dn, n_dn)
+    return c_ge, w_ge, s_up, n_up, s_dn, n_dn
+
+
+@triton.jit
+def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the values with key >= lo (at most CAND of them, in id order) to this row's scratch
+    and load them back into registers: later evaluations and the draw read no more memory."""
+    base = tl.zeros([], tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        z = _load_z(row_ptr, offs, V, m, inv_t)
+        sel = (offs < V) & (_key(z) >= lo)
+        pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+        ok = sel & (pos < CAND)
+        tl.store(sz_ptr + pos, z, mask=ok)
+        tl.store(si_ptr + pos, offs, mask=ok)
+        base += tl.sum(sel.to(tl.int32), 0)
+    tl.debug_barrier()  # the stores of every thread are visible to the loads below
+    j = tl.arange(0, CAND)
+    zc = tl.load(sz_ptr + j, mask=j < base, other=float("-inf"))
+    ic = tl.load(si_ptr + j, mask=j < base, other=V)
+    return zc, ic
+
+
+@triton.jit
+def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at_lo,
+            compacted, zc, ic, sz_ptr, si_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Find t = the largest key in [lo, hi] whose metric_ge(t) >= target, where the metric is the
+    count (use_mass == 0) or the mass exp(z) of the values with key >= t. Returns
+    (found, t, count_gt(t), mass_gt(t), multiplicity of t, lo, c_lo, m_lo, compacted, zc, ic).
+    c_lo / m_lo are upper bounds of the count / mass of the values with key >= lo."""
+    found = tl.zeros([], tl.int32)
+    done = tl.zeros([], tl.int32)
+    t = lo
+    c_gt = tl.zeros([], tl.int32)
+    w_gt = tl.zeros([], tl.float32)
+    n_eq = tl.zeros([], tl.int32)
+    it = tl.zeros([], tl.int32)
+    while done == 0:
+        metric_lo = tl.where(use_mass != 0, m_lo, c_lo.to(tl.float32))
+        at_lo = (it == 0) & (first_at_lo != 0)  # a first evaluation at lo gives exact figures there
+        if ((metric_lo < target) & (at_lo == 0)) | (lo > hi) | (it >= 80):
+            done = 1
+        else:
+            if (compacted == 0) & (c_lo <= CAND):
+                zc, ic = _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND, BLOCK)
+                compacted = 1
+            mid = tl.where(at_lo, lo, ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32))
+            c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK)
+            if at_lo:
+                c_lo = c_ge
+                m_lo = w_ge
+            w_up = tl.exp(_unkey(s_up))
+            w_dn = tl.exp(_unkey(s_dn))
+            met_ge = tl.where(use_mass != 0, w_ge, c_ge.to(tl.float32))
+            if met_ge >= target:
+                # t >= s_up; s_up is t when dropping its copies falls below the target.
+                met_gt = met_ge - n_up.to(tl.float32) * tl.where(use_mass != 0, w_up, 1.0)
+                if met_gt < target:
+                    found = 1
+                    done = 1
+                    t = s_up
+                    c_gt = c_ge - n_up
+                    w_gt = w_ge - n_up.to(tl.float32) * w_up
+                    n_eq = n_up
+                else:
+                    lo = s_up + 1
+                    c_lo = c_ge - n_up
+                    m_lo = w_ge - n_up.to(tl.float32) * w_up
+            else:
+                # t < mid, so t <= s_dn: either s_dn is t or t lies below it.
+                if s_dn < lo:
+                    done = 1
+                else:
+                    met_dn = met_ge + n_dn.to(tl.float32) * tl.where(use_mass != 0, w_dn, 1.0)
+                    if met_dn >= target:
+                        found = 1
+                        done = 1
+                        t = s_dn
+                        c_gt = c_ge
+                        w_gt = w_ge
+                        n_eq = n_dn
+                    else:
+                        hi = s_dn - 1
+            it += 1
+    return found, t, c_gt, w_gt, n_eq, lo, c_lo, m_lo, compacted, zc, ic
+
+
+@triton.jit
+def _race_block(z, ids, ok, t, n, carry, seed, pos, best, best_id):
+    """Exponential race (Gumbel-max) over the support {key > t} + the first n ids with key == t."""
+    k = _key(z)
+    tie = ok & (k == t)
+    rank = carry + tl.cumsum(tie.to(tl.int32), 0) - 1
+    keep = ok & ((k > t) | (tie & (rank < n)))
+    g = tl.where(keep, z + _gumbel(seed, pos, ids), float("-inf"))
+    bk = tl.max(g, 0)
+    bid = tl.min(tl.where(keep & (g == bk), ids, INT_MAX), 0)
+    better = (bk > best) & (bid < INT_MAX)
+    best_id = tl.where(better, bid, best_id)
+    best = tl.where(better, bk, best)
+    carry += tl.sum(tie.to(tl.int32), 0)
+    return best, best_id, carry
