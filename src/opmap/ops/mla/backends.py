@@ -88,7 +88,8 @@ registry.register(Backend(
     priority={"cpu": 5, "sm80": 20, "sm90": 20},
     impl=_impl("sdpa", ENTRIES),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
-          Req("cuda_graph", (False,), "eager only (gathers pages on the host side)")),
+          Req("cuda_graph", (False,), "eager only (gathers pages on the host side)"),
+          Req("return_lse", (False,), "no LSE (SDPA does not return it)")),
     checks=(ROPE, SPARSE),
     notes="gathers the latent per sequence and calls F.scaled_dot_product_attention (decode: "
           "absorbed MQA, head dim R + Dr; prefill: K/V expanded per head by kv_b)",

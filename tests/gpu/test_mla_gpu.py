@@ -1,0 +1,163 @@
+"""MLA on the GPU (bf16, DeepSeek shapes: R = 512, Dr = 64; 16 and 128 heads) against the fp32
+reference: page sizes 1/16/64 with shuffled pages and lengths at page boundaries, 1 and 32k;
+fp8 cache (cosine >= 0.999 vs bf16); sparse top-k 2048; CUDA-graph replay after re-planning;
+chunked prefill with a cached prefix; append bit-exact vs torch; the SDPA peer."""
+import pytest
+import torch
+
+from opmap.contract import InputError
+from opmap.ops.mla import append as ap
+from opmap.ops.mla import decode as dec
+from opmap.ops.mla import prefill as pf
+from opmap.ops.mla import reference as ref
+from opmap.ops.mla.testing import make_cache, sparse_indices
+from opmap.tolerance import assert_close, cosine
+
+pytestmark = pytest.mark.gpu
+R, DR = 512, 64
+BF = torch.bfloat16
+SCALE = 192 ** -0.5  # DeepSeek's softmax scale (qk_nope 128 + rope 64), before YaRN mscale
+
+
+def _q(B, H, g, dt=BF):
+    qn = torch.randn(B, H, R, generator=g, device="cuda").to(dt)
+    qp = torch.randn(B, H, DR, generator=g, device="cuda").to(dt)
+    return qn, qp
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _cache(lens, page, seed, fp8=False):
+    return make_cache(lens, R, DR, page, BF, device="cuda", fp8=fp8,
+                      gen=torch.Generator().manual_seed(seed), std=0.5)
+
+
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_decode_bf16_pages(H, page):
+    lens = [1, page, page + 1, 2 * page - 1, 1000, 0, 4096 + 3]
+    pc = _cache(lens, page, page + H)
+    qn, qp = _q(len(lens), H, _gen(1))
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_long_context_split(H):
+    lens = [32768]
+    pc = _cache(lens, 64, 5)
+    qn, qp = _q(1, H, _gen(2))
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    ws = dec.make_workspace(1, H, R, "cuda")
+    assert ws.num_splits > 1  # B=1 must split the context to fill the GPU
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
+                         workspace=ws)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_decode_fp8_cosine(H):
+    lens = [100, 2048, 5000]
+    pc = _cache(lens, 64, 6, fp8=True)
+    qn, qp = _q(3, H, _gen(3))
+    bf = dec.mla_decode(qn, qp, pc.values.to(BF), pc.seq_lens, pc.block_tables, scale=SCALE)
+    q8 = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    assert cosine(q8, bf) >= 0.999
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    assert_close(q8, want)
+
+
+def test_decode_cuda_graph_replay_after_replanning():
+    H, B, page, maxp = 16, 4, 64, 80
+    P = B * maxp + 4
+    g = _gen(4)
+    cache = (torch.randn(P, page, R + DR, generator=g, device="cuda") * 0.5).to(BF)
+    qn, qp = _q(B, H, g)
+    seq_lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
+    ws = dec.make_workspace(B, H, R, "cuda")
+    run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, workspace=ws)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens in ([5, 64, 65, 700], [4096, 1, 0, 5000], [3000, 2999, 64, 128]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp))
+        qn.copy_(torch.randn(B, H, R, generator=g, device="cuda"))
+        graph.replay()
+        want = ref.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE)
+        assert_close(out, want, what=f"replay lens={lens}")
+
+
+@pytest.mark.parametrize("ctx", [32768, 131072])
+def test_sparse_decode_topk_2048(ctx):
+    lens = [ctx, 1500]  # the second sequence is shorter than k: -1 padded
+    pc = _cache(lens, 64, 7)
+    qn, qp = _q(2, 128, _gen(5))
+    idx = sparse_indices(lens, 2048, gen=torch.Generator().manual_seed(8), device="cuda")
+    want = ref.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=SCALE,
+                                 return_lse=True)
+    got = dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=SCALE,
+                                return_lse=True)
+    assert_close(got[0], want[0])
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+    bad = idx.clone()
+    bad[1, 0] = 1500
+    with pytest.raises(InputError, match="indices"):
+        dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, bad, scale=SCALE)
+
+
+@pytest.mark.parametrize("H,chunk", [(16, None), (128, 1024)])
+def test_prefill_bf16_prefix_chunked(H, chunk):
+    Dn, Dv = 128, 128
+    lens, qlens = [3000, 517, 64], [1000, 517, 1]  # cached prefix, whole prompt, one token
+    pc = _cache(lens, 64, 9)
+    g = _gen(6)
+    T = sum(qlens)
+    qn = torch.randn(T, H, Dn, generator=g, device="cuda").to(BF)
+    qp = torch.randn(T, H, DR, generator=g, device="cuda").to(BF)
+    wk = (torch.randn(H, Dn, R, generator=g, device="cuda") / 16).to(BF)
+    wv = (torch.randn(H, Dv, R, generator=g, device="cuda") / 16).to(BF)
+    cu = torch.tensor([0, 1000, 1517, 1518], dtype=torch.int32, device="cuda")
+    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+    want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
+    got = pf.mla_prefill(*args, scale=SCALE, return_lse=True, chunk_size=chunk)
+    assert_close(got[0], want[0], scale=2.0)  # K/V rounded to bf16 after the kv_b GEMM, as in HF
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_append_exact(fp8):
+    g = _gen(10)
+    T, P, page = 300, 8, 64
+    ckv = torch.randn(T, R, generator=g, device="cuda").to(BF) * 3
+    kpe = torch.randn(T, DR, generator=g, device="cuda").to(BF) * 3
+    dt = torch.float8_e4m3fn if fp8 else BF
+    base = torch.randn(P, page, R + DR, generator=g, device="cuda").to(dt)
+    slots = torch.randperm(P * page, device="cuda")[:T].to(torch.int32)
+    slots[::7] = -1
+    scale = torch.tensor([0.02], device="cuda") if fp8 else None
+    a, b = base.clone(), base.clone()
+    ref.append_mla(ckv, kpe, a, slots, scale)
+    ap.append_mla(ckv, kpe, b, slots, scale)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_sdpa_peer_matches_reference():
+    from opmap.ops.mla import sdpa
+
+    lens = [1, 64, 1000]
+    pc = _cache(lens, 16, 11)
+    qn, qp = _q(3, 16, _gen(7))
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
+    assert_close(sdpa.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE), want)
