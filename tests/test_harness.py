@@ -1,0 +1,187 @@
+"""The check runner (collection, filters, failures, output) and the bench helpers (figures, L2
+rotation sizing, result files, Markdown, roofline), with fake cases."""
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+from opmap.bench import report as bench_report
+from opmap.bench import runner as bench_runner
+from opmap.bench import timing
+from opmap.bench.base import BenchCase, Provider
+from opmap.check import runner
+from opmap.check.base import CheckCase, Outcome
+
+
+def _case(section, op, backend, ok=True, raises=None, **kw):
+    def run():
+        if raises:
+            raise raises
+        return Outcome(ok, f"worst/tol={0.5 if ok else 3.0}", 0.5 if ok else 3.0, 1.0)
+
+    return CheckCase(section, op, backend, "T=7,H=64,dtype=fp32", run, **kw)
+
+
+@pytest.fixture
+def fake_family(monkeypatch):
+    mod = types.ModuleType("opmap.check.cases.fakefam")
+    mod.cases = lambda device, quick: [
+        _case("parity", "rmsnorm", "reference"),
+        _case("parity", "rmsnorm", "triton", ok=False),
+        _case("boundaries", "rmsnorm", "torch-rms_norm", raises=RuntimeError("kernel blew up")),
+        _case("parity", "rmsnorm", "reference", device="cuda"),
+        _case("gqa-mla", "attention", "reference", tags=("mla",)),
+        _case("parity", "rmsnorm", "reference", quick=False),
+        _case("structured", "e2e", "-"),
+    ]
+    broken = types.ModuleType("opmap.check.cases.brokenfam")
+    broken.cases = lambda device, quick: 1 / 0
+    monkeypatch.setitem(sys.modules, "opmap.check.cases.fakefam", mod)
+    monkeypatch.setitem(sys.modules, "opmap.check.cases.brokenfam", broken)
+    return mod
+
+
+def test_collect_filters_device_and_quick(fake_family):
+    found, errors = runner.collect("cpu", quick=True, families=("fakefam", "brokenfam", "nosuchfam"))
+    assert len(found) == 5  # the cuda-only and the non-quick cases are left out
+    assert len(errors) == 1 and not errors[0].passed and "ZeroDivisionError" in errors[0].figure
+    found_full, _ = runner.collect("cpu", quick=False, families=("fakefam",))
+    assert len(found_full) == 6
+    found_gpu, _ = runner.collect("cuda", quick=True, families=("fakefam",))
+    assert len(found_gpu) == 6
+
+
+def test_run_records_pass_fail_and_exceptions(fake_family):
+    found, _ = runner.collect("cpu", True, families=("fakefam",))
+    res = runner.run(found, progress=False)
+    by = {(r.section, r.backend): r for r in res}
+    assert by[("parity", "reference")].passed and by[("parity", "reference")].value == 0.5
+    assert not by[("parity", "triton")].passed
+    boom = by[("boundaries", "torch-rms_norm")]
+    assert not boom.passed and boom.figure.startswith("raised RuntimeError: kernel blew up at test_harness.py:")
+    assert all(r.seconds >= 0 and r.family == "fakefam" for r in res)
+    md = runner.to_markdown(res)
+    assert "## Reference parity (1/2 pass)" in md and "**FAIL**" in md and "## Boundaries (0/1 pass)" in md
+    d = runner.as_json(res, {"model": None})
+    assert d["summary"] == {"passed": 3, "failed": 2, "total": 5}
+    assert {"section", "op", "backend", "case", "passed", "figure", "value", "limit"} <= set(d["results"][0])
+    json.dumps(d)
+    runner.print_tables(res)  # renders without error
+
+
+def test_model_filter_keeps_selected_backends_and_references(fake_family):
+    t = runner.model_targets("tiny-llama3", "cpu")
+    assert ("rmsnorm", "reference") in t.pairs and "attention" in t.ops
+    chosen = {(op, ch.name) for _, op, _, ch, _ in t.choices if ch}
+    assert chosen <= t.pairs
+    keep = lambda c: runner.keep(c, t)  # noqa: E731
+    assert keep(_case("parity", "rmsnorm", "reference"))
+    assert not keep(_case("gqa-mla", "attention", "reference", tags=("mla",)))  # llama3 has no MLA
+    assert keep(_case("structured", "e2e", "-"))  # not a registry op: an engine case
+    assert not keep(_case("parity", "moe", "reference"))  # not an op of a dense model
+    unchosen = [(op, b) for op in ("rmsnorm",) for b in ("triton", "torch-rms_norm") if (op, b) not in t.pairs]
+    for op, b in unchosen:
+        assert not keep(_case("parity", op, b))
+    assert runner.keep(_case("parity", "rmsnorm", "triton"), None, backends=["triton"])
+    assert not runner.keep(_case("parity", "rmsnorm", "triton"), None, sections=["quant"])
+    assert not runner.keep(_case("parity", "rmsnorm", "triton"), None, ops=["gemm"])
+
+
+def test_check_sanitizer_without_gpu_says_so(fake_family, monkeypatch):
+    monkeypatch.setattr(runner, "collect", lambda device, quick: ([], []))
+    res, extra = runner.check(sections=["parity"], device="cpu", progress=False, sanitizer=True)
+    assert res == [] and any("compute-sanitizer needs a GPU" in n for n in extra["notes"])
+
+
+# ---- bench ----------------------------------------------------------------------------------
+
+class _Ceil:
+    read_tbps, copy_tbps, bf16_tflops = 4.0, 4.0, 800.0
+
+
+def test_figures():
+    f = timing.figures(10.0, flops=8e9, nbytes=4e7, bound="memory", ceil=_Ceil)
+    assert f["tbps"] == pytest.approx(4.0) and f["tflops"] == pytest.approx(800.0)
+    assert f["frac_of_ceiling"] == pytest.approx(1.0)
+    f = timing.figures(20.0, flops=8e9, nbytes=0, bound="compute", ceil=_Ceil)
+    assert f["tbps"] is None and f["frac_of_ceiling"] == pytest.approx(0.5)
+    assert timing.figures(20.0, 1.0, 1.0, "memory", None)["frac_of_ceiling"] is None
+
+
+def test_rotation_sets(monkeypatch):
+    monkeypatch.setattr(timing, "l2_bytes", lambda: 50 * 2**20)
+    assert timing.num_sets(1024) == timing.MAX_SETS  # tiny inputs: capped
+    assert timing.num_sets(2 * 2**30) == 1  # far past the L2 already
+    assert timing.num_sets(60 * 2**20) == 3  # 3 x L2 / 60 MiB -> 3 sets
+    calls = []
+    fn = timing._cycle([lambda i=i: calls.append(i) for i in range(3)])
+    for _ in range(7):
+        fn()
+    assert calls == [0, 1, 2, 0, 1, 2, 0]
+
+
+def _doc():
+    env = bench_report.environment(_Ceil_dc())
+    env["gpu"] = "NVIDIA H200"
+    recs = [{"op": "rmsnorm", "case": "T=8192,H=8192,dtype=bf16", "provider": p, "median_us": us,
+             **timing.figures(us, 3 * 8192 * 8192, 2 * 2 * 8192 * 8192, "memory", _Ceil), "selected": p == "opmap-triton"}
+            for p, us in (("opmap-triton", 70.0), ("torch", 130.0))]
+    recs.append({"op": "gemm", "case": "M=4096,N=4096,K=4096", "provider": "cublas", "median_us": 250.0,
+                 **timing.figures(250.0, 2 * 4096**3, 3 * 2 * 4096**2, "compute", _Ceil)})
+    return {"environment": env, "results": recs,
+            "skipped": [{"op": "gemm", "case": "M=1", "provider": "flashinfer", "reason": "not installed"}]}
+
+
+def _Ceil_dc():
+    from opmap.hw import Ceilings
+
+    return Ceilings(4.0, 4.0, 800.0, "NVIDIA H200", "580.1", "2026-01-01T00:00:00+00:00")
+
+
+def test_result_files(tmp_path):
+    doc = _doc()
+    assert bench_report.gpu_slug("NVIDIA H200") == "h200"
+    assert bench_report.gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    p1 = bench_report.write(doc, str(tmp_path))
+    p2 = bench_report.write(doc, str(tmp_path), png=False)
+    assert p1["json"].endswith("-h200.json") and p2["json"].endswith("-h200-2.json")  # never overwritten
+    d = json.loads(open(p1["json"]).read())
+    for k in ("gpu", "driver", "torch", "triton", "cuda", "commit", "command", "ceilings"):
+        assert k in d["environment"]
+    for r in d["results"]:
+        assert {"op", "case", "provider", "median_us", "frac_of_ceiling"} <= set(r) and (r["tbps"] or r["tflops"])
+    md = open(p1["markdown"]).read()
+    assert "| rmsnorm | `T=8192,H=8192,dtype=bf16` | opmap-triton (selected) | 70.00 |" in md
+    assert "flashinfer: not installed" in md
+    if "png" in p1:
+        with open(p1["png"], "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "matplotlib" in p1["png_skipped"]
+
+
+def test_bench_case_filters_and_provider_reasons():
+    prov_ok = Provider("torch", make=lambda inp: (lambda: None))
+    prov_pkg = Provider("peer", make=lambda inp: (lambda: None), available=lambda: "package 'peer' is not installed")
+    prov_reg = Provider("opmap-triton", make=lambda inp: (lambda: None), backend=("rmsnorm", "no-such"))
+    case = BenchCase("rmsnorm.fused", "T=1,H=4096", 0, 16384, setup=lambda d: None,
+                     providers=[prov_ok, prov_pkg, prov_reg])
+    assert bench_runner.why_not(prov_ok, case) is None
+    assert bench_runner.why_not(prov_pkg, case) == "package 'peer' is not installed"
+    assert "no backend 'no-such'" in bench_runner.why_not(prov_reg, case)
+    assert bench_runner.keep(case, ["rmsnorm"], None) and bench_runner.keep(case, ["rmsnorm.fused"], None)
+    assert not bench_runner.keep(case, ["gemm"], None)
+    assert bench_runner.keep(case, None, {"rmsnorm", "gemm"}) and not bench_runner.keep(case, None, {"gemm"})
+
+
+def test_bench_cases_of_families_are_well_formed():
+    """Every family's bench cases declare FLOPs / bytes and providers (no timing on the CPU)."""
+    cases, errors = bench_runner.collect(quick=True)
+    assert errors == [], errors
+    for c in cases:
+        assert c.op and "=" in c.case and c.bytes > 0 and c.flops >= 0 and c.bound in ("memory", "compute")
+        assert c.providers and len({p.name for p in c.providers}) == len(c.providers), c.case
+    if torch.cuda.is_available():
+        pytest.skip("CPU-side check only")

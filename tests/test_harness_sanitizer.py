@@ -1,0 +1,122 @@
+"""The compute-sanitizer driver: output parsing, case selection, and the whole parent/child path
+run on the CPU with a stand-in for the sanitizer binary (a script that runs the command it is
+given and prints the summary the real tool prints)."""
+import os
+import stat
+import sys
+import textwrap
+
+import pytest
+
+from opmap.check import sanitizer as san
+from opmap.check.base import CheckCase, Outcome
+
+MEMCHECK_ERR = """========= COMPUTE-SANITIZER
+========= Invalid __global__ write of size 4 bytes
+=========     at _rmsnorm_fwd_kernel+0x2d0 in /src/opmap/ops/norm/triton_norm.py:57
+=========     by thread (31,0,0) in block (3,0,0)
+=========     Address 0x7f3a00001000 is out of bounds
+=========
+========= ERROR SUMMARY: 1 error
+"""
+
+
+def test_parse():
+    assert san.parse("memcheck", MEMCHECK_ERR) == (1, ["_rmsnorm_fwd_kernel"], ["Invalid __global__ write of size 4 bytes"])
+    assert san.parse("memcheck", "========= ERROR SUMMARY: 0 errors\n")[0] == 0
+    assert san.parse("memcheck", "python crashed before the tool printed anything")[0] == -1
+    race = "========= Error: Race reported between Write access at _k+0x10\n========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)\n"
+    assert san.parse("racecheck", race)[0] == 2
+
+
+def test_which_cases_and_tools():
+    mk = lambda backend, **kw: CheckCase("parity", "rmsnorm", backend, "T=1", lambda: None, **kw)  # noqa: E731
+    from opmap import registry
+
+    provs = {b.name: b.provider for b in registry.backends("rmsnorm")}
+    for name, prov in provs.items():
+        assert san.wants_sanitizer(mk(name)) == (prov == "opmap-triton")
+    assert not san.wants_sanitizer(mk("-"))
+    assert not san.wants_sanitizer(mk("no-such-backend"))
+    assert san.tools_for(mk("triton")) == ["memcheck"]
+    assert san.tools_for(mk("triton", tags=("racecheck",))) == ["memcheck", "racecheck"]
+
+
+CASES_MODULE = """
+from opmap.check.base import CheckCase, Outcome
+import os, time
+
+def _ok():
+    assert os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1"
+    return Outcome(True, "max_abs=0")
+
+def cases(device, quick):
+    return [CheckCase("parity", "rmsnorm", "triton", "T=3", _ok),
+            CheckCase("parity", "rmsnorm", "triton", "T=4", lambda: Outcome(False, "worst/tol=9")),
+            CheckCase("parity", "rmsnorm", "triton", "T=5", lambda: time.sleep(60))]
+"""
+
+FAKE_TOOL = """#!/bin/sh
+# Stand-in for compute-sanitizer: drop '--tool X --report-api-errors no --print-limit N', run the rest.
+shift 6
+"$@"
+rc=$?
+if [ -n "$FAKE_SANITIZER_ERROR" ]; then
+cat <<'X'
+{err}X
+else
+echo "========= ERROR SUMMARY: 0 errors"
+fi
+exit $rc
+"""
+
+
+@pytest.fixture
+def fake_tool(tmp_path, monkeypatch):
+    pkg = tmp_path / "fakesan_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "cases.py").write_text(textwrap.dedent(CASES_MODULE))
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(FAKE_TOOL.replace("{err}", MEMCHECK_ERR))
+    tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path)] + sys.path))
+    sys.path.insert(0, str(tmp_path))
+    import fakesan_pkg.cases as mod
+
+    yield str(tool), mod.cases("cpu", True)
+    sys.path.remove(str(tmp_path))
+    for m in ("fakesan_pkg", "fakesan_pkg.cases"):
+        sys.modules.pop(m, None)
+
+
+def test_parent_child_clean_and_failing_case(fake_tool):
+    tool, cases = fake_tool
+    r = san.run_one("fakesan_pkg.cases", cases[0], True, "memcheck", 120, tool)
+    assert r.passed and r.section == "sanitizer" and r.case == "T=3 [memcheck]"
+    assert r.figure.startswith("memcheck: 0 errors (the case passed under the tool")
+    r = san.run_one("fakesan_pkg.cases", cases[1], True, "memcheck", 120, tool)
+    assert not r.passed and "FAILED" in r.figure and "worst/tol=9" in r.figure
+
+
+def test_parent_reports_kernel_of_error(fake_tool, monkeypatch):
+    tool, cases = fake_tool
+    monkeypatch.setenv("FAKE_SANITIZER_ERROR", "1")
+    r = san.run_one("fakesan_pkg.cases", cases[0], True, "memcheck", 120, tool)
+    assert not r.passed and r.value == 1.0
+    assert r.figure.startswith("memcheck: 1 errors in _rmsnorm_fwd_kernel: Invalid __global__ write")
+    assert r.title == "rmsnorm/triton T=3 [memcheck]"
+
+
+def test_timeout_and_missing_tool(fake_tool, monkeypatch):
+    tool, cases = fake_tool
+    r = san.run_one("fakesan_pkg.cases", cases[2], True, "memcheck", 0.5, tool)
+    assert not r.passed and r.figure.startswith("timed out after")
+    monkeypatch.setattr(san, "find_sanitizer", lambda: None)
+    out = san.run_all([("fakesan_pkg.cases", cases[0])], True, 10, progress=False)
+    assert len(out) == 1 and not out[0].passed and "compute-sanitizer not found" in out[0].figure
+
+
+def test_child_unknown_case(fake_tool, capsys):
+    rc = san._child(["--family", "fakesan_pkg.cases", "--section", "parity", "--title", "rmsnorm/triton T=99"])
+    assert rc == 3 and "no case parity:'rmsnorm/triton T=99'" in capsys.readouterr().err
