@@ -30,8 +30,10 @@ def _merge_kernel(oa_ptr, la_ptr, ob_ptr, lb_ptr, o_ptr, l_ptr, H, D,
     wa = tl.exp(la - safe)
     wb = tl.exp(lb - safe)
     tot = wa + wb
-    lse = tl.where(tot > 0, safe + tl.log(tot), float("-inf"))
-    inv = tl.where(tot > 0, 1.0 / tot, 0.0)
+    pos = tot > 0
+    tot1 = tl.where(pos, tot, 1.0)
+    lse = tl.where(pos, safe + tl.log(tot1), float("-inf"))
+    inv = tl.where(pos, 1.0 / tot1, 0.0)
     oa = tl.load(oa_ptr + t * s_oat + h[:, None] * s_oah + d[None, :], mask=m2, other=0.0).to(tl.float32)
     ob = tl.load(ob_ptr + t * s_obt + h[:, None] * s_obh + d[None, :], mask=m2, other=0.0).to(tl.float32)
     o = oa * (wa * inv)[:, None] + ob * (wb * inv)[:, None]
