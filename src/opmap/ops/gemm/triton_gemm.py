@@ -99,13 +99,33 @@ def _splitk_reduce(ws_ptr, s_ptr, b_ptr, o_ptr, M, N, stride_om, SPLIT: tl.const
 
 def _configs(small_m: bool):
     if small_m:
+        # 4 warps: a 64-row weight tile is one Hopper warpgroup MMA. Deep pipelines keep
+        # enough weight bytes in flight per SM to cover HBM latency.
         shapes = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (512, 4, 3)]
     else:
         shapes = [(64, 4, 4), (64, 8, 3)]
     return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
 
 
+SMEM_BUDGET = 200 * 1024  # below the 227 KiB of sm90 / 163 KiB of sm80 is checked by Triton
+
+
+def _prune(configs, named_args, **kw):
+    """Drop configs whose pipelined tiles cannot fit in shared memory: compiling them only to
+    fail costs seconds each."""
+    wb = named_args["w_ptr"].element_size()
+    xb = named_args["x_ptr"].element_size()
+    bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
+    fit = [c for c in configs
+           if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
+    return fit or configs[:1]
+
+
 _TUNED = {}
+# OPMAP_GEMM_AUTOTUNE=0: run the default config of each regime without autotuning (tests that
+# sweep many shapes use it to spare compile time; benchmarks keep autotuning on).
+AUTOTUNE = os.environ.get("OPMAP_GEMM_AUTOTUNE", "1") != "0"
+DEFAULT = {True: (256, 4, 3), False: (64, 4, 4)}  # small-M / large-M: BLOCK_K, warps, stages
 
 
 def _tuned(small_m: bool):
@@ -114,7 +134,8 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"])(_gemm_kernel)
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
+            prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
 
@@ -180,6 +201,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
             M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
+    elif not AUTOTUNE:
+        bk, nw, ns = DEFAULT[p["small"]]
+        _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
     if split > 1:
