@@ -1,0 +1,220 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...)) -> list[RequestOutput]``.
+
+Bad requests (empty prompt, prompt at or over the context, token ids outside the vocabulary,
+invalid sampling parameters, a constraint that cannot be compiled) end with
+``finish_reason="error"`` and a message; the other requests of the batch run normally. A row
+whose logits hold NaN/inf ends its request with an error state too. Running out of KV pages
+preempts (free and recompute); it never fails a request that fits the cache alone.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ..contract import InputError
+from ..ops.sampling.params import SamplingParams
+from .block_manager import BlockManager
+from .config import EngineConfig, resolve_model
+from .grammar_glue import GrammarGlue
+from .metrics import StepStats, summarize
+from .runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stop import check_stop
+from .tokenizer import make_tokenizer
+from .weights import SafetensorsSource, eos_token_ids
+
+log = logging.getLogger("opmap.engine")
+
+
+@dataclass
+class RequestOutput:
+    index: int
+    prompt: Optional[str]
+    prompt_token_ids: list
+    text: str
+    token_ids: list
+    finish_reason: str  # stop / length / error
+    stop_reason: Any = None
+    error: Optional[str] = None
+    ttft: Optional[float] = None  # seconds from submission to the first token
+    tpot: Optional[float] = None  # mean seconds per output token after the first
+    latency: Optional[float] = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    logprobs: list = field(default_factory=list)
+
+
+class LLM:
+    def __init__(self, model: str, source=None, tokenizer=None, eos_ids: Optional[list] = None, **engine_kw):
+        """``model``: a preset name or a checkpoint directory. ``source``: weights from elsewhere
+        (e.g. ``StateDictSource`` of an HF model in memory) with ``model`` a preset or config."""
+        self.ecfg = EngineConfig(**engine_kw)
+        self.ecfg.validate()
+        if isinstance(model, str):
+            cfg, path = resolve_model(model)
+        else:  # a ModelConfig
+            cfg, path = model, None
+        if source is None and path is not None:
+            source = SafetensorsSource(path)
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg, self.ecfg, source)
+        self.tokenizer = tokenizer or make_tokenizer(path, cfg.vocab)
+        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path)
+        self.max_model_len = self.runner.max_model_len
+        self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
+        self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
+                                   self.ecfg.chunked_prefill)
+        self.sampler = Sampler(cfg.vocab, self.runner.device, self.runner.arch, self.ecfg.backends)
+        for line in self.sampler.condensed():
+            log.info("%s", line)
+        self.grammar = GrammarGlue(self.tokenizer, cfg.vocab, self.runner.device)
+        self.stats = StepStats()
+        self.last_summary: Optional[dict] = None
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def _make(self, i: int, prompt, params) -> Union[Sequence, RequestOutput]:
+        text = prompt if isinstance(prompt, str) else None
+        ids: list = []
+        try:
+            if isinstance(params, dict):
+                params = SamplingParams(**params)
+            if not isinstance(params, SamplingParams):
+                raise InputError("params", type(params).__name__, "a SamplingParams or a dict of its fields")
+            if isinstance(prompt, str):
+                ids = self.tokenizer.encode(prompt)
+            elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompt):
+                ids = list(prompt)
+            else:
+                raise InputError("prompt", type(prompt).__name__, "a string or a list of token ids")
+            if not ids:
+                raise InputError("prompt", "an empty prompt", "at least one token")
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab]
+            if bad:
+                raise InputError("prompt", f"token id {bad[0]}", f"ids in [0, {self.cfg.vocab})")
+            if len(ids) >= self.max_model_len:
+                raise InputError("prompt", f"{len(ids)} tokens",
+                                 f"fewer than max_model_len={self.max_model_len} (room for one new token)")
+            seq = Sequence(ids, params, prompt=text, index=i)
+            if params.structured is not None:
+                self.grammar.attach(seq)  # raises InputError when the constraint cannot be compiled
+            return seq
+        except (InputError, ValueError, TypeError) as e:
+            return RequestOutput(i, text, ids, "", [], "error", error=str(e))
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        out_ids = s.output_token_ids
+        text = s.text
+        if s.finish_reason != "error" and not (s.params.stop and s.stop_reason in s.params.stop):
+            shown = out_ids[:-1] if s.finish_reason == "stop" and isinstance(s.stop_reason, int) else out_ids
+            text = self.tokenizer.decode(shown)
+        now = time.perf_counter()
+        return RequestOutput(s.index, s.prompt, s.token_ids[:s.num_prompt_tokens], text, out_ids, s.finish_reason,
+                             s.stop_reason, s.error, s.ttft(), s.tpot(),
+                             (s.token_times[-1] if s.token_times else now) - s.arrival, s.num_cached_tokens,
+                             s.num_preemptions, s.logprobs)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if params is not None else SamplingParams()
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InputError("params", f"{len(plist)} entries", f"one per prompt ({len(prompts)}) or a single one")
+        t0 = time.perf_counter()
+        results: dict = {}
+        live = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            r = self._make(i, p, sp)
+            if isinstance(r, RequestOutput):
+                results[i] = r
+            else:
+                live.append(r)
+                self.scheduler.add(r)
+        bar = _progress(len(live)) if use_tqdm else None
+        self.stats = StepStats()
+        try:
+            while self.scheduler.has_unfinished():
+                for s in self.step():
+                    results[s.index] = self._output(s)
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        outs = [results[i] for i in range(len(prompts))]
+        self.last_summary = summarize(outs, time.perf_counter() - t0, self.stats, self.runner.model.weight_bytes(),
+                                      self.runner.model.kv_bytes_per_page(1))
+        return outs
+
+    def step(self) -> list:
+        """One engine step; returns the sequences that finished in it."""
+        sch = self.scheduler
+        batch = sch.schedule()
+        done = []
+        self.stats.preemptions += len(batch.preempted)
+        for s in batch.failed:
+            s.error = (f"the sequence needs {self.bm.blocks_for(s.num_tokens)} KV pages, the cache has "
+                       f"{self.bm.num_blocks}")
+            sch.finish(s, "error")
+            done.append(s)
+        if not batch.items:
+            return done
+        t0 = time.perf_counter()
+        logits = self.runner.run(batch)
+        sch.update(batch)
+        sampled = [it.seq for it in batch.items if it.samples]
+        if sampled:
+            ids, invalid, lps = self.sampler(logits, sampled, self.grammar if self.grammar.active(sampled) else None)
+            for s, tok, bad, lp in zip(sampled, ids, invalid, lps):
+                if bad:
+                    s.error = "the logits of this step hold NaN or +inf (no valid token to sample)"
+                    sch.finish(s, "error")
+                    done.append(s)
+                    continue
+                s.append(tok)
+                if lp is not None:
+                    s.logprobs.append(lp)
+                err = self.grammar.advance(s, tok)
+                if err:
+                    s.error = err
+                    sch.finish(s, "error")
+                    done.append(s)
+                    continue
+                r = check_stop(s, self.eos_ids, self.max_model_len, self.tokenizer)
+                if r is None and self.grammar.terminated(s):
+                    r = ("stop", "grammar")
+                if r is not None:
+                    sch.finish(s, r[0])
+                    s.stop_reason = r[1]
+                    done.append(s)
+        kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
+        self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
+        return done
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+    except ImportError:  # tqdm is optional; rich is a dependency
+        from rich.progress import Progress
+
+        p = Progress()
+        p.start()
+        task = p.add_task("requests", total=total)
+
+        class _Bar:
+            def update(self, n):
+                p.update(task, advance=n)
+
+            def close(self):
+                p.stop()
+
+        return _Bar()

@@ -1,0 +1,75 @@
+"""Run metrics: TTFT / TPOT percentiles, throughput, and the bandwidth decode achieved.
+
+Decode bandwidth: each decode step reads every weight once (MoE: the experts the batch routes
+to are not tracked, so all of them are counted: an upper bound on bytes) plus the KV of every
+sequence; bytes over the measured step time (host wall clock between the step's start and its
+sampled tokens reaching the host, so launch and sampling overheads are included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def percentile(xs: list, q: float):
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class StepStats:
+    steps: dict = field(default_factory=lambda: {"prefill": 0, "mixed": 0, "decode": 0})
+    seconds: dict = field(default_factory=lambda: {"prefill": 0.0, "mixed": 0.0, "decode": 0.0})
+    decode_kv_tokens: int = 0  # sum over decode steps of the KV tokens read
+    decode_rows: int = 0
+    preemptions: int = 0
+
+    def add(self, phase: str, seconds: float, kv_tokens: int = 0, rows: int = 0) -> None:
+        self.steps[phase] += 1
+        self.seconds[phase] += seconds
+        if phase == "decode":
+            self.decode_kv_tokens += kv_tokens
+            self.decode_rows += rows
+
+
+def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: float, kv_bytes_per_token: float) -> dict:
+    ok = [o for o in outputs if o.error is None]
+    ttft = [o.ttft * 1e3 for o in ok if o.ttft is not None]
+    tpot = [o.tpot * 1e3 for o in ok if o.tpot is not None]
+    out_tok = sum(len(o.token_ids) for o in ok)
+    in_tok = sum(len(o.prompt_token_ids) for o in ok)
+    d = {
+        "requests": len(outputs), "errors": len(outputs) - len(ok),
+        "input_tokens": in_tok, "output_tokens": out_tok, "wall_s": wall_s,
+        "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p99": percentile(ttft, 99),
+        "tpot_ms_p50": percentile(tpot, 50), "tpot_ms_p99": percentile(tpot, 99),
+        "output_tok_per_s": out_tok / wall_s if wall_s > 0 else None,
+        "total_tok_per_s": (out_tok + in_tok) / wall_s if wall_s > 0 else None,
+        "steps": dict(stats.steps), "step_seconds": dict(stats.seconds), "preemptions": stats.preemptions,
+    }
+    n, t = stats.steps["decode"], stats.seconds["decode"]
+    if n and t > 0:
+        d["decode_step_ms"] = t / n * 1e3
+        d["decode_weight_tbps"] = weight_bytes * n / t / 1e12
+        d["decode_kv_tbps"] = kv_bytes_per_token * stats.decode_kv_tokens / t / 1e12
+    return d
+
+
+def format_summary(d: dict) -> list:
+    f = lambda v, unit="", nd=2: "n/a" if v is None else f"{v:.{nd}f}{unit}"  # noqa: E731
+    lines = [
+        f"requests {d['requests']} ({d['errors']} errors), {d['input_tokens']} prompt + {d['output_tokens']} "
+        f"generated tokens in {d['wall_s']:.2f} s",
+        f"TTFT p50 {f(d['ttft_ms_p50'], ' ms')}  p99 {f(d['ttft_ms_p99'], ' ms')}",
+        f"TPOT p50 {f(d['tpot_ms_p50'], ' ms')}  p99 {f(d['tpot_ms_p99'], ' ms')}",
+        f"throughput {f(d['output_tok_per_s'], ' tok/s', 1)} generated, {f(d['total_tok_per_s'], ' tok/s', 1)} total",
+        "steps: " + ", ".join(f"{k} {v} ({d['step_seconds'][k]:.2f} s)" for k, v in d["steps"].items())
+        + f"; preemptions {d['preemptions']}",
+    ]
+    if "decode_step_ms" in d:
+        lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s, "
+                     f"KV at {d['decode_kv_tbps']:.3f} TB/s (host wall clock per step)")
+    return lines

@@ -1,0 +1,212 @@
+"""Decoder models built only from opmap operators (resolved through the selector in an OpSet):
+Llama / Llama-3, Qwen2 (q/k/v bias), Qwen3 (q/k RMSNorm), Mixtral and Qwen3-MoE (routed MoE);
+DeepSeek-V2 (MLA + shared experts) lives in ``model_mla``.
+
+Parameters are fused at load time: QKV in one [(Hq + 2 Hk) D, H] matrix, gate+up in one
+[2I, H], experts as w13[E, 2I, H] / w2[E, H, I]. Token embedding lookup is a plain index (there is
+no operator family for it; it moves H values per token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..presets import ModelConfig
+from .weights import Loader, fill_random
+
+
+@dataclass
+class Step:
+    """Step metadata shared by all layers (views of the runner's persistent buffers)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding
+    seq_lens: torch.Tensor  # [B] int32, including this step's tokens
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    cu_seqlens_q: Optional[torch.Tensor]  # [B + 1] int32 (None in decode)
+    logits_idx: Optional[torch.Tensor]  # rows whose logits are wanted (None = every row)
+    is_decode: bool
+    workspace: Any = None
+
+
+class DecoderModel:
+    """GQA decoder (Llama family); MoE layers for Mixtral / Qwen3-MoE."""
+
+    def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype):
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.params: dict = {}
+        h, d = cfg.hidden, cfg.head_dim
+        self.scale = d ** -0.5
+        self._p("embed", cfg.vocab, h)
+        for i in range(cfg.layers):
+            self.declare_layer(i)
+        self._p("norm", h)
+        if not cfg.tie_embeddings:
+            self._p("lm_head", cfg.vocab, h)
+
+    def _p(self, name: str, *shape) -> torch.Tensor:
+        t = torch.empty(shape, device=self.device, dtype=self.dtype)
+        self.params[name] = t
+        return t
+
+    def declare_layer(self, i: int) -> None:
+        c = self.cfg
+        h, d = c.hidden, c.head_dim
+        self._p(f"{i}.in_norm", h)
+        self._p(f"{i}.post_norm", h)
+        self._p(f"{i}.qkv", (c.heads + 2 * c.kv_heads) * d, h)
+        if c.attention_bias:
+            self._p(f"{i}.qkv_bias", (c.heads + 2 * c.kv_heads) * d)
+        if c.qk_norm:
+            self._p(f"{i}.q_norm", d)
+            self._p(f"{i}.k_norm", d)
+        self._p(f"{i}.o", h, c.heads * d)
+        self.declare_mlp(i)
+
+    def declare_mlp(self, i: int) -> None:
+        c = self.cfg
+        if c.is_moe and i >= c.first_dense_layers:
+            self._p(f"{i}.router", c.num_experts, c.hidden)
+            self._p(f"{i}.w13", c.num_experts, 2 * c.moe_intermediate, c.hidden)
+            self._p(f"{i}.w2", c.num_experts, c.hidden, c.moe_intermediate)
+            if c.shared_experts:
+                si = c.shared_experts * c.moe_intermediate
+                self._p(f"{i}.shared_gate_up", 2 * si, c.hidden)
+                self._p(f"{i}.shared_down", c.hidden, si)
+        else:
+            self._p(f"{i}.gate_up", 2 * c.intermediate, c.hidden)
+            self._p(f"{i}.down", c.hidden, c.intermediate)
+
+    # ---- weights --------------------------------------------------------------------------
+    def random_(self, seed: int = 0, std: float = 0.02) -> None:
+        fill_random(self.params, seed=seed, std=std)
+
+    def load(self, source) -> list:
+        """Fill every parameter from an HF-named source; returns source names left unused."""
+        L = Loader(source, self.device, self.dtype)
+        P = self.params
+        L.copy(P["embed"], "model.embed_tokens.weight")
+        for i in range(self.cfg.layers):
+            self.load_layer(L, i)
+        L.copy(P["norm"], "model.norm.weight")
+        if "lm_head" in P:
+            L.copy(P["lm_head"], "lm_head.weight")
+        source.close()
+        return L.unused()
+
+    def load_layer(self, L: Loader, i: int) -> None:
+        P, pre = self.params, f"model.layers.{i}"
+        L.copy(P[f"{i}.in_norm"], f"{pre}.input_layernorm.weight")
+        L.copy(P[f"{i}.post_norm"], f"{pre}.post_attention_layernorm.weight")
+        a = f"{pre}.self_attn"
+        L.cat(P[f"{i}.qkv"], [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"])
+        if self.cfg.attention_bias:
+            L.cat(P[f"{i}.qkv_bias"], [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"])
+        if self.cfg.qk_norm:
+            L.copy(P[f"{i}.q_norm"], f"{a}.q_norm.weight")
+            L.copy(P[f"{i}.k_norm"], f"{a}.k_norm.weight")
+        L.copy(P[f"{i}.o"], f"{a}.o_proj.weight")
+        self.load_mlp(L, i)
+
+    def load_mlp(self, L: Loader, i: int) -> None:
+        P, c = self.params, self.cfg
+        pre = f"model.layers.{i}.mlp"
+        if f"{i}.w13" in P:
+            if c.arch == "mixtral" and not L.has(f"{pre}.gate.weight"):
+                pre, legacy = f"model.layers.{i}.block_sparse_moe", ("w1", "w3", "w2")
+            else:
+                legacy = ("gate_proj", "up_proj", "down_proj")
+            L.copy(P[f"{i}.router"], f"{pre}.gate.weight")
+            L.experts(P[f"{i}.w13"], P[f"{i}.w2"], pre, legacy)
+            if c.shared_experts:
+                s = f"{pre}.shared_experts"
+                L.cat(P[f"{i}.shared_gate_up"], [f"{s}.gate_proj.weight", f"{s}.up_proj.weight"])
+                L.copy(P[f"{i}.shared_down"], f"{s}.down_proj.weight")
+        else:
+            L.cat(P[f"{i}.gate_up"], [f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"])
+            L.copy(P[f"{i}.down"], f"{pre}.down_proj.weight")
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
+        """Logits (fp32) of the rows ``st.logits_idx`` (all rows when None)."""
+        P, c = self.params, self.cfg
+        eps = c.rms_eps
+        residual = P["embed"][st.input_ids]  # a fresh tensor: add_rmsnorm may update it in place
+        h = ops.rmsnorm(residual, P["0.in_norm"], eps)
+        out = None
+        for i in range(c.layers):
+            if i > 0:
+                h = ops.add_rmsnorm(out, residual, P[f"{i}.in_norm"], eps)
+            a = self.attention(ops, st, kv[i], i, h)
+            h = ops.add_rmsnorm(a, residual, P[f"{i}.post_norm"], eps)
+            out = self.mlp(ops, i, h)
+        if st.logits_idx is not None:
+            out, residual = out[st.logits_idx], residual[st.logits_idx]
+        h = ops.add_rmsnorm(out, residual, P["norm"], eps)
+        logits = ops.gemm["lm_head"](h, P.get("lm_head", P["embed"]))
+        return logits.float()
+
+    def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:
+        P, c = self.params, self.cfg
+        T, d = h.shape[0], c.head_dim
+        qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"))
+        qd, kd = c.heads * d, c.kv_heads * d
+        q = qkv[:, :qd].view(T, c.heads, d)
+        k = qkv[:, qd:qd + kd].view(T, c.kv_heads, d)
+        v = qkv[:, qd + kd:].view(T, c.kv_heads, d)
+        if c.qk_norm:
+            q = ops.qk_norm(q, P[f"{i}.q_norm"], c.rms_eps)
+            k = ops.qk_norm(k, P[f"{i}.k_norm"], c.rms_eps)
+        ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
+        k_cache, v_cache = kv
+        ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
+        if st.is_decode:
+            kw = {"workspace": st.workspace} if st.workspace is not None else {}
+            o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw)
+        else:
+            o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
+                              scale=self.scale)
+        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"])
+
+    def mlp(self, ops, i: int, h: torch.Tensor) -> torch.Tensor:
+        P, c = self.params, self.cfg
+        if f"{i}.w13" in P:
+            logits = ops.gemm["router"](h, P[f"{i}.router"]).float()
+            out = ops.moe(h, logits, P[f"{i}.w13"], P[f"{i}.w2"], c.top_k, router=c.router,
+                          renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
+                          routed_scaling=c.routed_scaling)
+            if c.shared_experts:
+                s = ops.gemm["shared_down"](ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"])),
+                                            P[f"{i}.shared_down"])
+                out = out + s
+            return out
+        return ops.gemm["down"](ops.act(ops.gemm["gate_up"](h, P[f"{i}.gate_up"])), P[f"{i}.down"])
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def kv_bytes_per_page(self, page_size: int) -> int:
+        c = self.cfg
+        return 2 * c.layers * page_size * c.kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    def make_kv(self, num_pages: int, page_size: int) -> list:
+        c = self.cfg
+        shape = (c.layers, num_pages, page_size, c.kv_heads, c.head_dim)
+        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        return [(k[i], v[i]) for i in range(c.layers)]
+
+    def rope_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.params.values())
+
+
+def build_model(cfg: ModelConfig, device, dtype):
+    if cfg.is_mla:
+        from .model_mla import MLAModel
+
+        return MLAModel(cfg, device, dtype)
+    return DecoderModel(cfg, device, dtype)

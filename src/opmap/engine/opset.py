@@ -1,0 +1,112 @@
+"""The operators of one model step, resolved once through the selector.
+
+An ``OpSet`` holds, for one phase (prefill / mixed / decode) and one row count, the callable of
+every operator the model runs: ``select(op, spec).backend.fn(entry)``. It is built when the model
+is built, never per step; the engine logs each choice once per op and phase
+(``Choice.condensed()``). On the CPU the selector picks the fp32 references; the same code picks
+Triton / cuBLAS / ... on a GPU.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from .. import specs as S
+from ..presets import ModelConfig, _scaling
+from ..select import select
+
+log = logging.getLogger("opmap.engine")
+
+
+class OpSet:
+    def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
+                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None):
+        self.phase, self.m, self.cuda_graph = phase, m, cuda_graph
+        self.choices: list = []  # (label, entry, Choice)
+        self._forced = forced or {}
+        base = dict(arch=arch, phase=phase)
+        h = cfg.hidden
+        self.rmsnorm = self._pick("rmsnorm", "RMSNorm", S.NormSpec(hidden=h, dtype=dtype, **base), "rmsnorm")
+        self.add_rmsnorm = self._pick("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True,
+                                                                             **base), "add_rmsnorm")
+        gemm = lambda label, n, k, bias=False: self._pick(  # noqa: E731
+            "gemm", label, S.GemmSpec(m=m, n=n, k=k, dtype=dtype, weight_dtype=dtype, bias=bias, **base), "linear")
+        rope_dim = cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim
+        self.rope = self._pick("rope", "RoPE", S.RopeSpec(head_dim=rope_dim, style=cfg.rope_style,
+                                                          scaling=_scaling(cfg), dtype=dtype, **base), "rope")
+        self.gemm: dict = {}
+        if cfg.is_mla:
+            qk = cfg.qk_nope_dim + cfg.qk_rope_dim
+            self.gemm["q"] = gemm("q proj", cfg.heads * qk, h)
+            self.gemm["kv_a"] = gemm("kv_a proj", cfg.kv_lora_rank + cfg.qk_rope_dim, h)
+            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.v_head_dim)
+            self.latent_norm = self._pick("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype,
+                                                                             **base), "rmsnorm")
+            self.kv_append = self._pick("kv_append", "latent KV append", S.KVAppendSpec(
+                kind="mla", num_kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, page_size=page_size,
+                dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append_mla")
+            aspec = S.AttentionSpec(kind="mla", num_heads=cfg.heads, num_kv_heads=1,
+                                    head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, head_dim_v=cfg.kv_lora_rank,
+                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
+            self.attention = self._pick("attention", "MLA attention", aspec,
+                                        "mla_decode" if phase == "decode" else "mla_prefill")
+        else:
+            qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
+            self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias)
+            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim)
+            if cfg.qk_norm:
+                self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
+                                          "rmsnorm")
+            self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
+                num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
+                kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")
+            aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
+            self.attention = self._pick("attention", "attention (paged)", aspec, phase)
+        self.attn_backend = self.choices[-1][2].backend
+        self.make_workspace = (self.attn_backend.fn("make_workspace")
+                               if "make_workspace" in self.attn_backend.impl else None)
+        if cfg.is_moe:
+            self.gemm["router"] = gemm("router", cfg.num_experts, h)
+            self.moe = self._pick("moe", "MoE", S.MoESpec(
+                num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
+                router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, weight_dtype=dtype,
+                tokens=m, **base), "moe")
+            if cfg.shared_experts:
+                si = cfg.shared_experts * cfg.moe_intermediate
+                self.gemm["shared_gate_up"] = gemm("shared gate/up proj", 2 * si, h)
+                self.gemm["shared_down"] = gemm("shared down proj", h, si)
+                self.shared_act = self._pick("activation", "shared SiLU * mul",
+                                             S.ActivationSpec(hidden=si, dtype=dtype, **base), "silu_mul")
+        if not cfg.is_moe or cfg.first_dense_layers:
+            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h)
+            self.gemm["down"] = gemm("down proj", h, cfg.intermediate)
+            self.act = self._pick("activation", "SiLU * mul", S.ActivationSpec(hidden=cfg.intermediate, dtype=dtype,
+                                                                              **base), "silu_mul")
+        # Prefill computes logits for the sampled rows only; decode for every row.
+        self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h)
+
+    def _pick(self, op: str, label: str, spec, entry: str):
+        choice = select(op, spec, backend=self._forced.get(op))
+        self.choices.append((label, entry, choice))
+        return choice.backend.fn(entry)
+
+    def summary(self) -> list:
+        """(op, phase, label, backend, condensed trace) per operator, in map order."""
+        return [(c.op, c.spec.phase, label, c.backend.name, c.condensed()) for label, _, c in self.choices]
+
+
+def log_choices(opsets, logger=log, seen: Optional[set] = None) -> list:
+    """Log each (op, phase, label, backend) once; returns the lines logged."""
+    seen = set() if seen is None else seen
+    lines = []
+    for ops in opsets:
+        for op, phase, label, backend, text in ops.summary():
+            key = (op, phase, label, backend)
+            if key in seen:
+                continue
+            seen.add(key)
+            line = f"{label:<22} {text}"
+            lines.append(line)
+            logger.info("%s", line)
+    return lines

@@ -1,0 +1,251 @@
+"""ModelRunner: owns the model, the KV cache and the step metadata buffers; runs one step.
+
+- Operators are resolved once here (one OpSet for prefill, one for mixed steps, one per decode
+  batch bucket) and logged once per op and phase.
+- Step metadata (input ids, positions, slot mapping, seq lens, cu_seqlens, block tables, logits
+  rows) is built on the host once per step and copied into persistent device buffers; every layer
+  reads views of them, so a captured decode graph replays with new values.
+- KV cache: on a GPU, sized from memory after a warm-up prefill of the full token budget
+  (``gpu_memory_fraction`` of the total, minus what the weights, the warm-up's peak and other
+  processes hold); on the CPU a fixed number of pages (``num_pages``, default 256).
+- Decode steps are captured in CUDA graphs per batch bucket (padding rows: slot -1, length 0,
+  which the kernels treat as "nothing to do") unless ``enforce_eager``; a bucket whose capture
+  fails runs eagerly and the reason is logged (``opmap profile`` reports it).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from ..contract import dtype_name
+from ..hw import local_arch
+from ..ops.rope.reference import cos_sin_cache
+from .config import EngineConfig
+from .model import Step, build_model
+from .opset import OpSet, log_choices
+from .scheduler import Batch
+
+log = logging.getLogger("opmap.engine")
+CPU_PAGES = 256
+
+
+def buckets(max_seqs: int) -> list:
+    out = [b for b in (1, 2, 4, 8) if b < max_seqs] + list(range(16, max_seqs, 16)) + [max_seqs]
+    return sorted(set(out))
+
+
+class ModelRunner:
+    def __init__(self, cfg, ecfg: EngineConfig, source=None):
+        self.cfg, self.ecfg = cfg, ecfg
+        self.device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        on_gpu = self.device.type == "cuda"
+        dt = ecfg.dtype if ecfg.dtype != "auto" else ("bf16" if on_gpu else "fp32")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+        self.arch = local_arch() if on_gpu else "cpu"
+        self.page = ecfg.page_size
+        t0 = time.perf_counter()
+        self.model = build_model(cfg, self.device, self.dtype)
+        if source is None:
+            self.model.random_(seed=ecfg.seed)
+            self.unused = []
+        else:
+            self.unused = self.model.load(source)
+            if self.unused:
+                log.warning("checkpoint tensors not used: %s", ", ".join(self.unused[:8]))
+        self.load_s = time.perf_counter() - t0
+        self.max_seqs = ecfg.max_num_seqs
+        self.buckets = buckets(self.max_seqs)
+        self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
+        self.use_graphs = on_gpu and not ecfg.enforce_eager
+        dn, forced = dtype_name(self.dtype), ecfg.backends
+        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced) for p in ("prefill", "mixed")}
+        self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced)
+                           for b in self.buckets}
+        self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
+        self._alloc_meta(cfg.max_position)
+        self.num_pages = self._size_kv()
+        cap = self.num_pages * self.page
+        self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
+        self.max_pages_per_seq = -(-self.max_model_len // self.page)
+        self.block_tables = torch.zeros(self.max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        self.kv = self.model.make_kv(self.num_pages, self.page)
+        self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), self.max_model_len, cfg.rope_theta,
+                                           cfg.rope_scaling, device=self.device)
+        self.workspace = {}
+        for b, ops in self.decode_ops.items():
+            if ops.make_workspace is not None:
+                width = cfg.kv_lora_rank if cfg.is_mla else cfg.head_dim
+                self.workspace[b] = ops.make_workspace(b, cfg.heads, width, device=self.device)
+        self.graphs: dict = {}
+        self.graph_errors: dict = {}
+        if self.use_graphs:
+            self._capture()
+
+    # ---- buffers ------------------------------------------------------------------------------
+    def _alloc_meta(self, max_len: int) -> None:
+        d, T, B = self.device, self.max_tokens, self.max_seqs
+        i64 = dict(dtype=torch.int64, device=d)
+        self.input_ids = torch.zeros(T, **i64)
+        self.positions = torch.zeros(T, **i64)
+        self.slots = torch.full((T,), -1, **i64)
+        self.seq_lens = torch.zeros(B, dtype=torch.int32, device=d)
+        self.cu = torch.zeros(B + 1, dtype=torch.int32, device=d)
+        self.logits_idx = torch.zeros(B, **i64)
+        pin = self.device.type == "cuda"
+        self.h_i64 = torch.zeros(3, T, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self.h_i32 = torch.zeros(2 * B + 1, dtype=torch.int32, pin_memory=pin)  # seq_lens, cu
+        self.h_idx = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+
+    def _fill(self, items, pad_to: int = 0):
+        """Host metadata -> device buffers; returns (T, B, rows that sample)."""
+        ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
+        page = self.page
+        width = 1
+        for it in items:
+            s, n, a = it.seq, it.num_tokens, it.start
+            ids += s.token_ids[a:a + n]
+            bt = s.block_table
+            for p in range(a, a + n):
+                pos.append(p)
+                slots.append(bt[p // page] * page + p % page)
+            lens.append(a + n)
+            cu.append(cu[-1] + n)
+            width = max(width, len(bt))
+            if it.samples:
+                rows.append(cu[-1] - 1)
+        T, B = len(ids), len(items)
+        Tp = max(T, pad_to)
+        pad = Tp - T
+        h = self.h_i64
+        h[0, :Tp] = torch.tensor(ids + [0] * pad)
+        h[1, :Tp] = torch.tensor(pos + [0] * pad)
+        h[2, :Tp] = torch.tensor(slots + [-1] * pad)
+        Bp = max(B, pad_to)
+        self.h_i32[:Bp] = torch.tensor(lens + [0] * (Bp - B), dtype=torch.int32)
+        self.h_i32[self.max_seqs:self.max_seqs + B + 1] = torch.tensor(cu, dtype=torch.int32)
+        self.input_ids[:Tp].copy_(h[0, :Tp], non_blocking=True)
+        self.positions[:Tp].copy_(h[1, :Tp], non_blocking=True)
+        self.slots[:Tp].copy_(h[2, :Tp], non_blocking=True)
+        self.seq_lens[:Bp].copy_(self.h_i32[:Bp], non_blocking=True)
+        self.cu[:B + 1].copy_(self.h_i32[self.max_seqs:self.max_seqs + B + 1], non_blocking=True)
+        bt = torch.zeros(Bp, width, dtype=torch.int32)
+        for i, it in enumerate(items):
+            bt[i, :len(it.seq.block_table)] = torch.tensor(it.seq.block_table, dtype=torch.int32)
+        self.block_tables[:Bp, :width].copy_(bt.pin_memory() if self.device.type == "cuda" else bt,
+                                             non_blocking=True)
+        if rows:
+            self.h_idx[:len(rows)] = torch.tensor(rows)
+            self.logits_idx[:len(rows)].copy_(self.h_idx[:len(rows)], non_blocking=True)
+        return T, B, width, rows
+
+    def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None) -> Step:
+        return Step(self.input_ids[:T], self.positions[:T], self.slots[:T], self.seq_lens[:B],
+                    self.block_tables[:B] if width is None else self.block_tables[:B, :width],
+                    None if decode else self.cu[:B + 1],
+                    None if nrows is None else self.logits_idx[:nrows], decode,
+                    self.workspace.get(bucket) if decode else None)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def bucket_for(self, b: int) -> int:
+        for x in self.buckets:
+            if x >= b:
+                return x
+        raise ValueError(f"decode batch {b} > max_num_seqs {self.max_seqs}")
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> Optional[torch.Tensor]:
+        """fp32 logits of the items that sample, in batch order (None when none samples)."""
+        items = batch.items
+        if batch.is_decode:
+            bs = self.bucket_for(len(items))
+            T, B, _, rows = self._fill(items, pad_to=bs)
+            if bs in self.graphs:
+                graph, out = self.graphs[bs]
+                graph.replay()
+                logits = out
+            else:
+                logits = self.model.forward(self.decode_ops[bs], self._step(bs, bs, None, True, None, bs), self.kv)
+            if not rows:
+                return None
+            return logits[:B] if len(rows) == B else logits[torch.tensor(rows, device=logits.device)]
+        T, B, width, rows = self._fill(items)
+        ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
+        if not rows:
+            self._forward_no_logits(ops, self._step(T, B, width, False, 0))
+            return None
+        return self.model.forward(ops, self._step(T, B, width, False, len(rows)), self.kv)
+
+    def _forward_no_logits(self, ops, st: Step) -> None:
+        # A prefill chunk that samples nothing still needs the logits of one row to run the
+        # graph of layers; computing the LM head of a single row is negligible.
+        self.h_idx[0] = 0
+        self.logits_idx[:1].copy_(self.h_idx[:1], non_blocking=True)
+        st.logits_idx = self.logits_idx[:1]
+        self.model.forward(ops, st, self.kv)
+
+    # ---- KV sizing and CUDA graphs ------------------------------------------------------------
+    def _size_kv(self) -> int:
+        if self.ecfg.num_pages:
+            return int(self.ecfg.num_pages)
+        if self.device.type != "cuda":
+            return CPU_PAGES
+        # Warm-up prefill of the whole token budget into a small scratch cache, to measure the
+        # activation peak (and to compile the prefill kernels before any request arrives).
+        T = self.ecfg.max_num_batched_tokens
+        pages = -(-T // self.page) + 1
+        kv = self.model.make_kv(pages, self.page)
+        self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), max(T, 1), self.cfg.rope_theta,
+                                           self.cfg.rope_scaling, device=self.device)
+        self.block_tables = torch.arange(pages, dtype=torch.int32, device=self.device)[None, :].repeat(self.max_seqs, 1)
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            self.input_ids[:T].random_(0, self.cfg.vocab)
+            self.positions[:T].copy_(torch.arange(T, device=self.device))
+            self.slots[:T].copy_(torch.arange(T, device=self.device))
+            self.seq_lens[:1].fill_(T)
+            self.cu[:2].copy_(torch.tensor([0, T], dtype=torch.int32))
+            self.logits_idx[:1].fill_(T - 1)
+            self.model.forward(self.ops["prefill"], self._step(T, 1, pages, False, 1), kv)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        others = total - free - torch.cuda.memory_reserved()  # other processes / CUDA context
+        avail = total * self.ecfg.gpu_memory_fraction - others - peak
+        n = int(avail // self.model.kv_bytes_per_page(self.page))
+        if n < 2:
+            raise RuntimeError(f"no memory left for the KV cache: {avail / 2**30:.2f} GiB available after "
+                               f"weights ({self.model.weight_bytes() / 2**30:.1f} GiB) and a warm-up peak of "
+                               f"{peak / 2**30:.1f} GiB; raise gpu_memory_fraction or lower max_num_batched_tokens")
+        log.info("KV cache: %d pages of %d tokens (%.1f GiB); warm-up peak %.1f GiB", n, self.page,
+                 n * self.model.kv_bytes_per_page(self.page) / 2**30, peak / 2**30)
+        return n
+
+    def _capture(self) -> None:
+        pool = None
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
+        self.input_ids.zero_()
+        self.positions.zero_()
+        for bs in reversed(self.buckets):
+            ops = self.decode_ops[bs]
+            st = self._step(bs, bs, None, True, None, bs)
+            try:
+                with torch.inference_mode():
+                    self.model.forward(ops, st, self.kv)  # warm-up: compiles kernels outside the graph
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        out = self.model.forward(ops, st, self.kv)
+                pool = g.pool()
+                self.graphs[bs] = (g, out)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot be captured runs eagerly
+                self.graph_errors[bs] = f"{type(e).__name__}: {e}"
+                log.warning("decode bucket %d: CUDA graph capture failed, runs eagerly (%s)", bs,
+                            self.graph_errors[bs].splitlines()[0])
+        torch.cuda.synchronize()
+        log.info("decode CUDA graphs captured for batch buckets %s", sorted(self.graphs))

@@ -1,0 +1,70 @@
+"""The sampler pipeline of one step: logits processors -> grammar bitmask -> sample -> (stop, in
+``stop.py``). Every stage is an opmap operator resolved once through the selector:
+``logits.apply_penalties``, ``grammar_mask.apply_bitmask``, ``sampling.sample``,
+``logits.logprobs``. Parameters are per-row tensors built from the requests' ``SamplingParams``
+(``opmap.ops.sampling.batch.SamplingTensors``); the random stream is keyed by (seed, position),
+so a seeded request draws the same tokens alone or inside any batch.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import specs as S
+from ..ops.sampling.batch import SamplingTensors, penalty_state
+from ..select import select
+
+
+class Sampler:
+    def __init__(self, vocab: int, device, arch: str, forced: Optional[dict] = None):
+        forced = forced or {}
+        self.vocab, self.device = vocab, torch.device(device)
+        base = dict(arch=arch, phase="decode")
+        self.choices = []
+
+        def pick(op, spec, entry):
+            c = select(op, spec, backend=forced.get(op))
+            self.choices.append((entry, c))
+            return c.backend.fn(entry)
+
+        lspec = S.LogitsSpec(vocab=vocab, penalties=True, **base)
+        self.penalties = pick("logits", lspec, "apply_penalties")
+        self.logprobs = pick("logits", lspec, "logprobs")
+        self.sample = pick("sampling", S.SamplingSpec(vocab=vocab, top_k=True, top_p=True, min_p=True, **base),
+                           "sample")
+        self.bitmask = pick("grammar_mask", S.GrammarMaskSpec(vocab=vocab, **base), "apply_bitmask")
+
+    def condensed(self) -> list:
+        return [c.condensed() for _, c in self.choices]
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list, grammar=None):
+        """-> (ids list[int], invalid list[bool], logprobs list or None per row).
+
+        ``grammar`` (optional) fills a bitmask for the rows with a structured-output constraint:
+        ``grammar.fill(seqs) -> (bitmask[B, ceil(V/32)] int32 on the device, rows) | None``."""
+        params = [s.params for s in seqs]
+        st = SamplingTensors.build(params, self.vocab, device=logits.device)
+        want_lp = [p.logprobs for p in params]
+        raw = logits.clone() if any(n is not None for n in want_lp) else None
+        if st.any_penalties:
+            mask, counts = penalty_state([s.token_ids[:s.num_prompt_tokens] for s in seqs],
+                                         [s.output_token_ids for s in seqs], self.vocab, device=logits.device)
+            self.penalties(logits, mask, counts, st.repetition, st.frequency, st.presence)
+        if grammar is not None:
+            filled = grammar.fill(seqs)
+            if filled is not None:
+                bitmask, rows = filled
+                self.bitmask(logits, bitmask, rows)
+        positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=logits.device)
+        ids, invalid = self.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, positions)
+        lps: list = [None] * len(seqs)
+        if raw is not None:
+            n = max(x for x in want_lp if x is not None)
+            chosen, tv, ti = self.logprobs(raw, ids, n)
+            chosen, tv, ti = chosen.tolist(), tv.tolist(), ti.tolist()
+            for b, k in enumerate(want_lp):
+                if k is not None:
+                    lps[b] = {"token": chosen[b], "top": list(zip(ti[b][:k], tv[b][:k]))}
+        return ids.tolist(), invalid.tolist(), lps
