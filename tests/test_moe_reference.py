@@ -194,3 +194,13 @@ def test_declarations_and_selection():
     assert registry.get("moe", "triton").validate(MoESpec(top_k=9, num_experts=8))
     with pytest.raises(BackendError, match="fp8"):
         select("moe", MoESpec(arch="sm90", weight_dtype="fp8"), backend="triton", runtime=False)
+
+
+def test_grouped_mm_unaligned_rows_are_an_input_error():
+    w13, w2 = _weights(4, 16, 20, torch.float16)  # 20 fp16 = 40-byte rows: not 16-byte aligned
+    x, logits = torch.randn(3, 16).half(), torch.randn(3, 4)
+    with pytest.raises(InputError) as e:
+        torch_grouped.moe(x, logits, w13, w2, 2)
+    assert e.value.arg == "w2"
+    assert registry.get("moe", "torch-grouped-mm").validate(
+        MoESpec(arch="cpu", dtype="fp16", weight_dtype="fp16", hidden=16, intermediate=20))

@@ -34,9 +34,8 @@ def _experts_hit(logits: torch.Tensor, k: int) -> int:
     return int(logits.topk(k, dim=-1).indices.unique().numel())
 
 
-def _setup(T, E, k, H, I, seed):
+def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
     def setup(device):
-        dt = torch.bfloat16
         w13 = (torch.randn(E, 2 * I, H, device=device, dtype=dt) / H ** 0.5)
         w2 = (torch.randn(E, H, I, device=device, dtype=dt) / I ** 0.5)
         x = torch.randn(T, H, device=device, dtype=dt)

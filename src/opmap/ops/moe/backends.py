@@ -43,10 +43,11 @@ def _grouped_mm_cuda_dtype(spec):
 
 
 def _grouped_mm_alignment(spec):
-    # Row strides of both operands must be multiples of 16 bytes.
-    if spec.arch != "cpu" and (spec.hidden % 8 or spec.intermediate % 8):
+    # Row strides of both operands must be multiples of 16 bytes (CPU and CUDA kernels alike).
+    per16 = 4 if spec.dtype == "fp32" else 8
+    if spec.hidden % per16 or spec.intermediate % per16:
         return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: torch._grouped_mm needs "
-                "both to be multiples of 8 (16-byte aligned rows)")
+                f"both to be multiples of {per16} for {spec.dtype} (16-byte rows)")
     return None
 
 
@@ -80,7 +81,7 @@ registry.register(Backend(
     reqs=_COMMON_REQS,
     checks=_COMMON_CHECKS + (
         Check("CUDA: bf16 only", _grouped_mm_cuda_dtype, "dtype"),
-        Check("CUDA: hidden and intermediate multiples of 8", _grouped_mm_alignment, "hidden"),
+        Check("hidden, intermediate: 16-byte rows", _grouped_mm_alignment, "hidden"),
     ),
     available=_grouped_mm_available,
     notes="torch._grouped_mm (CUTLASS grouped GEMM); no host sync",
