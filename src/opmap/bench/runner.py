@@ -151,10 +151,11 @@ def bench(ops=None, model=None, quick=False, progress=True) -> dict:
 
 
 def print_table(doc: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from ..check.runner import wide_console
+
+    console = console or wide_console()
     t = Table(title="opmap bench", title_justify="left")
     for h in ("op", "case", "provider", "median us", "TB/s", "TFLOP/s", "of ceiling"):
         t.add_column(h, justify="left" if h in ("op", "case", "provider") else "right")

@@ -39,6 +39,15 @@ class Result:
         return f"{self.op}/{self.backend} {self.case}"
 
 
+def wide_console():
+    """Off a terminal (CI logs, files) rich assumes 80 columns, which wraps every figure."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
 def local_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -168,10 +177,9 @@ def run(selected: list, progress: bool = True) -> list[Result]:
 # ---- output ---------------------------------------------------------------------------------
 
 def print_tables(results: list[Result], console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or wide_console()
     for sec, title in SECTIONS.items():
         rows = [r for r in results if r.section == sec]
         if not rows:
@@ -253,9 +261,7 @@ def main(args) -> int:
     import json
     import sys
 
-    from rich.console import Console
-
-    console = Console()
+    console = wide_console()
     try:
         results, extra = check(args.model, args.backend, args.op, args.section, args.quick,
                                sanitizer=args.sanitizer, timeout=args.timeout, console=console)
