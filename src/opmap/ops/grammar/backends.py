@@ -15,3 +15,19 @@ registry.register(Backend(
     impl={"apply_bitmask": "opmap.ops.grammar.reference:apply_bitmask"},
     notes="unpacks the bits to a bool mask, then masked_fill (-inf where the bit is clear)",
 ))
+
+registry.register(Backend(
+    op="grammar_mask", name="triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl={"apply_bitmask": "opmap.ops.grammar.bitmask:apply_bitmask"},
+    available=registry.triton_available,
+    notes="reads the packed words, writes -inf only where a bit is clear (never reads the logits)",
+))
+
+registry.register(Backend(
+    op="grammar_mask", name="xgrammar", provider="xgrammar", version=registry.package_version("xgrammar"),
+    priority={"cpu": 50, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
+    impl={"apply_bitmask": "opmap.ops.grammar.xgrammar_apply:apply_bitmask"},
+    available=registry.package_available("xgrammar"),
+    notes="xgrammar.apply_token_bitmask_inplace (its CUDA/Triton kernel on a GPU, its C++ on a CPU)",
+))

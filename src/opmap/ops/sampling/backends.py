@@ -38,3 +38,57 @@ registry.register(Backend(
           "register compaction once <= 2048 candidates remain, Gumbel race with Philox keyed by "
           "(seed, position, token); no sort, no host sync, batch-invariant",
 ))
+
+registry.register(Backend(
+    op="logits", name="triton", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    impl={"apply_penalties": "opmap.ops.sampling.processors:apply_penalties",
+          "apply_temperature": "opmap.ops.sampling.processors:apply_temperature",
+          "apply_filters": f"{_REF}:apply_filters", "logprobs": f"{_REF}:logprobs"},
+    available=registry.triton_available,
+    notes="Triton kernels for apply_penalties and apply_temperature (elementwise); apply_filters "
+          "and logprobs are the shared PyTorch code (the sampler filters inside its own kernel)",
+))
+
+_UNSEEDED = (
+    Req("seeded", (False,), "unseeded only (one generator for the whole batch)"),
+    Req("batch_invariant", (False,), "a row's token depends on the batch (shared generator)"),
+    Req("cuda_graph", (False,), "eager only (host-side checks of the batch's parameters)"),
+)
+
+registry.register(Backend(
+    op="sampling", name="torch-sort", provider="torch-sort", version=registry.torch_version,
+    priority={"cpu": 20, "sm80": 5, "sm89": 5, "sm90": 5, "sm100": 5},
+    impl={"sample": "opmap.ops.sampling.torch_peers:sample_sort"},
+    reqs=_UNSEEDED,
+    notes="sort + cumsum + mask + torch.multinomial: the fallback engines use",
+))
+
+registry.register(Backend(
+    op="sampling", name="torch-race", provider="torch-race", version=registry.torch_version,
+    priority={"cpu": 30, "sm80": 10, "sm89": 10, "sm90": 10, "sm100": 10},
+    impl={"sample": "opmap.ops.sampling.torch_peers:sample_race"},
+    reqs=_UNSEEDED,
+    notes="argmax(p / Exp(1)) over the support; the support sorts only when a row has a filter",
+))
+
+
+def _one_filter_family(spec):
+    if spec.min_p and (spec.top_k or spec.top_p):
+        return "min_p together with top_k/top_p is not one FlashInfer kernel"
+    if spec.top_k and spec.top_p:
+        return ("top_k + top_p: FlashInfer's 'joint' order keeps another support than ours "
+                "(top-p renormalised over top-k); its 'top_k_first' JIT build did not finish")
+    return None
+
+
+registry.register(Backend(
+    op="sampling", name="flashinfer", provider="flashinfer", version=registry.package_version("flashinfer-python"),
+    priority={"sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
+    impl={"sample": "opmap.ops.sampling.flashinfer_peer:sample",
+          "sample_joint": "opmap.ops.sampling.flashinfer_peer:sample_joint"},
+    reqs=_UNSEEDED,
+    checks=(Check("one filter kind per batch (top-k, top-p or min-p)", _one_filter_family, "top_k"),),
+    available=registry.all_of(registry.needs_cuda, registry.package_available("flashinfer")),
+    notes="FlashInfer rejection sampling from probabilities (softmax first, in PyTorch)",
+))
