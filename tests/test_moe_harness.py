@@ -11,8 +11,16 @@ def test_check_cases_pass_on_cpu():
     sections = {c.section for c in cs}
     assert {"parity", "boundaries", "input"} <= sections
     assert {c.backend for c in cs} >= {"reference", "torch-loop", "torch-grouped-mm"}
-    failed = []
+    # One case per (backend, section, dtype): the shapes themselves are covered by the other
+    # MoE test files; this checks that the cases run and pass as `opmap check` runs them.
+    seen, picked = set(), []
     for c in cs:
+        key = (c.backend, c.section, c.case.rsplit("dtype=", 1)[-1])
+        if key not in seen:
+            seen.add(key)
+            picked.append(c)
+    failed = []
+    for c in picked:
         o = c.run()
         if not o.passed:
             failed.append(f"{c.title}: {o.figure}")
