@@ -89,7 +89,7 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
             lines.append(f"{lb}: `{ch.name}` ({ch.backend.provider}); when it cannot serve, the next valid "
                          f"by priority: {', '.join(fb) or 'none'}"
                          + (f"; without CUDA-graph capture: `{eager.name}`" if eager else ""))
-    lines.append("stop conditions are not a registry op: they are checked by the engine after sampling")
+    lines.append(_stop_line())
     lines.append("a forced backend (argument or OPMAP_<OP>_BACKEND) that cannot serve raises BackendError: "
                  "there is no silent fallback")
     qs.append({"question": "Where do logits processors, the grammar bitmask, sampling and stop live, and how "
@@ -119,6 +119,19 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
     return qs
 
 
+def _stop_line() -> str:
+    """Stop is not a registry op; say where the engine checks it, from that module's own docstring."""
+    try:
+        import importlib
+
+        mod = importlib.import_module("opmap.engine.stop")
+        fn = next(n for n in ("check_stop", "check") if hasattr(mod, n))
+        doc = " ".join((mod.__doc__ or "").split())
+        return f"stop: not a registry op; on the host after each sampled token, `{mod.__name__}.{fn}`: {doc}"
+    except Exception as e:
+        return f"stop: not a registry op; the engine's stop module is not importable here ({type(e).__name__})"
+
+
 def _moe_kind(ch: Choice) -> str:
     text = f"{ch.name} {ch.backend.notes}".lower()
     if "loop" in text:
@@ -128,18 +141,51 @@ def _moe_kind(ch: Choice) -> str:
     return "not declared by the backend (notes: " + (ch.backend.notes or "none") + ")"
 
 
+E2E_PROMPT, E2E_NEW = 1024, 128  # TARGETS.md's end-to-end case: batch 1, prompt 1024, 128 new tokens
+
+
 def _engine_section(model: str, on_gpu: bool) -> dict:
-    """TTFT / TPOT and the profile summary from the engine, when it offers them."""
+    """TTFT / TPOT of the engine on random weights of the preset's shapes (GPU only), and the
+    profile summary when the engine offers one."""
     if not on_gpu:
         return {"status": "skipped", "why": "TTFT / TPOT are measured on a GPU; this machine has none"}
     try:
-        from .engine import report_hook  # the engine's summary for a report, when it exists
+        import torch
+
+        from .engine.llm import LLM
+        from .engine.metrics import format_summary
+        from .ops.sampling.params import SamplingParams
     except Exception as e:
-        return {"status": "unavailable", "why": f"the engine offers no report hook ({type(e).__name__}: {e})"}
+        return {"status": "unavailable", "why": f"the engine cannot be imported ({type(e).__name__}: {e})"[:400]}
     try:
-        return {"status": "ok", **report_hook.summary(model)}
+        llm = LLM(model)
+        n = min(E2E_PROMPT, llm.max_model_len - E2E_NEW - 1)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist()
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        llm.generate([prompt[:32]], SamplingParams(max_tokens=8, **greedy))  # compile, capture graphs
+        llm.generate([prompt], SamplingParams(max_tokens=E2E_NEW, **greedy))
+        d = dict(llm.last_summary)
+        out = {"status": "ok", "workload": f"batch 1, prompt {n}, {E2E_NEW} new tokens, greedy, random weights",
+               "summary": d, "lines": format_summary(d)}
     except Exception as e:
         return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
+    out["profile"] = _profile_summary(model)
+    return out
+
+
+def _profile_summary(model: str) -> dict:
+    try:
+        from . import profile  # the profiler view, when the engine side provides it
+    except Exception as e:
+        return {"status": "unavailable", "why": f"no opmap.profile ({type(e).__name__}: {e})"[:300]}
+    fn = getattr(profile, "report_summary", None)
+    if fn is None:
+        return {"status": "unavailable", "why": "opmap.profile has no report_summary(model)"}
+    try:
+        return {"status": "ok", **fn(model)}
+    except Exception as e:
+        return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:300]}
 
 
 def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool = False,
@@ -221,8 +267,13 @@ def to_markdown(doc: dict) -> str:
             out += [f"Not run: {b['why']}.", ""]
     e = doc["engine"]
     out += ["## Engine (TTFT / TPOT, profile)", ""]
-    out += ([f"- {k}: {v}" for k, v in e.items() if k != "status"] if e["status"] == "ok"
-            else [f"Not run: {e['why']}."])
+    if e["status"] == "ok":
+        out += [f"Workload: {e['workload']}.", ""] + [f"- {ln}" for ln in e["lines"]]
+        p = e["profile"]
+        out += [""] + ([f"- {ln}" for ln in p.get("lines", [])] if p["status"] == "ok"
+                       else [f"Profile: not available ({p['why']})."])
+    else:
+        out += [f"Not run: {e['why']}."]
     out += ["", f"Report built in {doc['seconds']} s."]
     return "\n".join(out) + "\n"
 
