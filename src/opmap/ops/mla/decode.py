@@ -50,9 +50,10 @@ def _sm_count(device) -> int:
 
 
 def plan_splits(batch: int, num_heads: int, device, block_h: int = 16) -> int:
-    """Splits per sequence so that the grid fills the GPU about twice (at most 64)."""
+    """Splits per sequence: as many as fit in one wave of two programs per SM (floor, so that a
+    partial second wave does not double the time), at most 128."""
     progs = max(batch, 1) * triton.cdiv(num_heads, block_h)
-    return max(1, min(64, triton.cdiv(2 * _sm_count(device), progs)))
+    return max(1, min(128, 2 * _sm_count(device) // progs))
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,

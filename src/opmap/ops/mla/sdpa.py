@@ -4,7 +4,7 @@ memory-efficient / math, whichever SDPA picks for the shapes).
 Same entries and signatures as reference.py. The latent pages of each sequence are gathered into
 a contiguous tensor, then:
 - decode (dense and sparse): absorbed form as multi-query attention, key = [ckv | kpe] (head dim
-  R + Dr = 576), value = ckv, the one latent head expanded to every query head;
+  R + Dr = 576), value = ckv, the query heads laid out as query positions of the one latent head;
 - prefill: non-absorbed form, K/V expanded per head by kv_b (``w_kc``, ``w_vc``), causal mask
   bottom-right aligned when a cached prefix precedes the new tokens.
 SDPA does not return the LSE, so ``return_lse=True`` is refused (declared in backends.py).
@@ -33,11 +33,15 @@ def _no_lse(return_lse):
 
 
 def mqa_latent(q_nope, q_pe, rows, scale):
-    """q_nope[B, H, R], q_pe[B, H, Dr], rows[B, n, R + Dr] -> out[B, H, R] (one SDPA call)."""
+    """q_nope[B, H, R], q_pe[B, H, Dr], rows[B, n, R + Dr] -> out[B, H, R] (one SDPA call).
+
+    One decode token per sequence and one latent head: the H query heads are laid out as H query
+    *positions* of a single non-causal head, so the latent is never copied per head (expanding it
+    would cost H x the cache: 600 GB at B=128, H=128, 32k)."""
     R = q_nope.shape[-1]
-    q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, R + Dr]
-    k = rows.unsqueeze(1).expand(-1, q.shape[1], -1, -1)  # the latent, per head (a view)
-    return F.scaled_dot_product_attention(q, k, k[..., :R], scale=scale).squeeze(2)
+    q = torch.cat([q_nope, q_pe], dim=-1).unsqueeze(1)  # [B, 1, H, R + Dr]
+    k = rows.unsqueeze(1)  # [B, 1, n, R + Dr]
+    return F.scaled_dot_product_attention(q, k, k[..., :R], scale=scale).squeeze(1)
 
 
 def _decode(q_nope, q_pe, cache, block_tables, positions, scale, kv_scale):

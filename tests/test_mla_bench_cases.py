@@ -1,0 +1,37 @@
+"""The MLA benchmark cases are well-formed and their providers agree with each other on tiny
+versions of the same setups (the GPU run times the real sizes)."""
+import pytest
+import torch
+
+from opmap.bench.cases import mla as bm
+from opmap.tolerance import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_case_grid():
+    full = bm.cases(quick=False)
+    dec = [c for c in full if c.op == "attention.mla_decode"]
+    assert len(dec) == 2 * 2 * 4 * 4  # heads x kv dtype x batch x context
+    assert {c.bound for c in dec if "h=16" in c.case and "bf16" in c.case} == {"memory"}
+    assert {c.bound for c in dec if "h=128" in c.case and "bf16" in c.case} == {"compute"}
+    sparse = [c for c in full if c.op == "attention.mla_sparse_decode"]
+    assert {c.case.split(",")[1] for c in sparse} == {"kv=32768", "kv=131072"}
+    for c in full:
+        assert c.flops > 0 and c.bytes > 0 and c.providers and c.spec.kind == "mla"
+    assert 0 < len(bm.cases(quick=True)) < len(full)
+
+
+def test_providers_agree_on_tiny_inputs():
+    dec = bm._decode_case(2, 16, 96, False, quick=False)
+    inp = bm._setup(2, 16, 96, False, dt=torch.float16)("cpu")
+    outs = {p.name: p.make(inp)() for p in dec.providers if p.name != "flashinfer"}
+    ref = outs.pop("opmap-triton")
+    for name, o in outs.items():
+        assert_close(o, ref, what=name)
+    sp = bm._sparse_case(1, 200, 64, False)
+    inp = bm._setup(1, 128, 200, False, k=64, dt=torch.float16)("cpu")
+    o = [p.make(inp)() for p in sp.providers]
+    assert_close(o[0], o[1])
+    f8 = bm._setup(1, 16, 64, True, dt=torch.float16)("cpu")
+    assert f8["cache"].dtype == torch.float8_e4m3fn and f8["kv_scale"].shape == (1,)
