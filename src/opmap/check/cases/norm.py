@@ -1,0 +1,128 @@
+"""RMSNorm check cases: the reference against HF LlamaRMSNorm (bitwise), every runnable
+backend against the reference (plain and fused add, residual included), boundaries (hidden 1,
+odd widths, rows wider than one register tile, strided rows), bad input."""
+from __future__ import annotations
+
+import torch
+
+from opmap import registry
+from opmap.check.base import CheckCase, Outcome
+from opmap.contract import InputError
+from opmap.specs import NormSpec
+from opmap.tolerance import compare
+
+_DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BACKENDS = ("triton", "torch-rms_norm")
+
+
+def _arch(device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    from opmap.hw import local_arch
+
+    return local_arch()
+
+
+def _data(device, rows, H, dtype, seed, row_stride=None):
+    g = torch.Generator().manual_seed(seed)
+    width = row_stride or H
+    x = (torch.randn(rows, width, generator=g) * 2 + 0.3).to(device, dtype)[:, :H]
+    return x, torch.randn(H, generator=g).to(device, dtype), torch.randn(rows, H, generator=g).to(device, dtype)
+
+
+def _parity(backend, device, rows, H, dtype, fused, row_stride=None):
+    def run():
+        from opmap.ops.norm import reference
+
+        x, w, r = _data(device, rows, H, dtype, seed=rows * 7 + H, row_stride=row_stride)
+        b = registry.get("rmsnorm", backend)
+        if fused:
+            r2 = r.clone()
+            out = b("add_rmsnorm", x, r, w, 1e-6)
+            want = reference.add_rmsnorm(x, r2, w, 1e-6)
+            er = compare(r, r2, dtype)
+        else:
+            out, want, er = b("rmsnorm", x, w, 1e-6), reference.rmsnorm(x, w, 1e-6), None
+        # Both sides round x*rstd to x.dtype before the weight multiply; one rsqrt ulp can flip
+        # that rounding, hence 2x the dtype tolerance.
+        e = compare(out, want, dtype, scale=2.0)
+        ok = e.ok and (er is None or er.ok)
+        fig = str(e) + (f"; residual {er}" if er is not None else "")
+        return Outcome(ok, fig, e.worst_ratio, 1.0)
+
+    return run
+
+
+def _vs_hf(device):
+    def run():
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from opmap.ops.norm import reference
+
+        x, w, _ = _data(device, 9, 5120, torch.bfloat16, 11)
+        m = LlamaRMSNorm(5120, eps=1e-5).to(device)
+        m.weight.data = w.clone()
+        with torch.no_grad():
+            want = m(x)
+        out = reference.rmsnorm(x, w, 1e-5)
+        diff = int((out != want).sum())
+        return Outcome(diff == 0, f"{diff} of {out.numel()} elements differ (bitwise)", float(diff), 0.0)
+
+    return run
+
+
+def _bad_input(backend, device):
+    def run():
+        b = registry.get("rmsnorm", backend)
+        x = torch.randn(4, 64, device=device)
+        w = torch.randn(64, device=device)
+        probes = {"weight": lambda: b("rmsnorm", x, w[:63], 1e-6),
+                  "x": lambda: b("rmsnorm", x.to(torch.int32), w, 1e-6),
+                  "residual": lambda: b("add_rmsnorm", x, torch.randn(4, 65, device=device), w, 1e-6),
+                  "eps": lambda: b("rmsnorm", x, w, -1.0)}
+        missed = []
+        for arg, probe in probes.items():
+            try:
+                probe()
+                missed.append(f"{arg}: no error")
+            except InputError as e:
+                if e.arg != arg:
+                    missed.append(f"{arg}: error named {e.arg!r}")
+        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+
+    return run
+
+
+def cases(device: str, quick: bool) -> list[CheckCase]:
+    arch = _arch(device)
+    dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
+    out = []
+    try:
+        import transformers  # noqa: F401
+
+        out.append(CheckCase("parity", "rmsnorm", "reference", "vs HF LlamaRMSNorm,rows=9,H=5120,dtype=bf16",
+                             _vs_hf(device)))
+    except ImportError:
+        pass
+    shapes = [(3, 4095), (2, 5120)] if device == "cpu" else [(1, 4096), (64, 8192), (17, 5120), (8192, 8192)]
+    for name in BACKENDS:
+        b = registry.get("rmsnorm", name)
+        for dt in dtypes:
+            d = _DT[dt]
+            for fused in (False, True):
+                if b.validate(NormSpec(arch=arch, dtype=dt, fused_add=fused), runtime=True):
+                    continue
+                entry = "add_rmsnorm" if fused else "rmsnorm"
+                for rows, H in shapes:
+                    out.append(CheckCase("parity", "rmsnorm", name, f"{entry},rows={rows},H={H},dtype={dt}",
+                                         _parity(name, device, rows, H, d, fused), quick=rows * H <= 2 ** 20))
+                bnd = [("H=1,rows=5", 5, 1, None), ("wide row (two passes),rows=2,H=20001", 2, 20001, None),
+                       ("strided rows,rows=6,H=257,stride=300", 6, 257, 300)]
+                for label, rows, H, stride in bnd:
+                    out.append(CheckCase("boundaries", "rmsnorm", name, f"{entry},{label},dtype={dt}",
+                                         _parity(name, device, rows, H, d, fused, stride)))
+        out.append(CheckCase("input", "rmsnorm", name, "hidden mismatch, wrong dtype, residual shape, eps",
+                             _bad_input(name, device)))
+    out.append(CheckCase("input", "rmsnorm", "reference", "hidden mismatch, wrong dtype, residual shape, eps",
+                         _bad_input("reference", device)))
+    return out
