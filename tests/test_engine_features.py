@@ -1,0 +1,146 @@
+"""Engine behaviour on the CPU (fp32 references): chunked prefill, prefix caching and preemption
+give the same tokens; bad requests fail alone; seeded sampling is batch independent; stops."""
+import math
+
+import pytest
+import torch
+
+from opmap.engine.config import save_checkpoint
+from opmap.engine.llm import LLM
+from opmap.engine.weights import StateDictSource
+from opmap.ops.sampling.params import SamplingParams
+from opmap.presets import PRESETS
+
+from test_engine_util import random_prompts, single_thread, word_tokenizer  # noqa: F401
+
+CFG = PRESETS["tiny-llama3"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny-llama3")
+    save_checkpoint(CFG, str(d), seed=11, tokenizer=word_tokenizer(CFG.vocab))
+    return str(d)
+
+
+def tokens(outs):
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(CFG.vocab, (5, 40, 77, 16, 33), seed=1)
+
+
+@pytest.fixture(scope="module")
+def whole(ckpt, prompts):
+    llm = LLM(ckpt, max_num_batched_tokens=512, max_num_seqs=8, prefix_caching=False)
+    return tokens(llm.generate(prompts, GREEDY))
+
+
+@pytest.mark.parametrize("budget", [8, 17, 64])
+def test_chunked_prefill_equals_whole_prefill(ckpt, prompts, whole, budget, single_thread):
+    llm = LLM(ckpt, max_num_batched_tokens=budget, max_num_seqs=8, prefix_caching=False)
+    assert tokens(llm.generate(prompts, GREEDY)) == whole
+    assert llm.stats.steps["prefill"] + llm.stats.steps["mixed"] > 1
+
+
+def test_no_chunking_equals_whole(ckpt, prompts, whole, single_thread):
+    llm = LLM(ckpt, max_num_batched_tokens=80, max_num_seqs=8, chunked_prefill=False, prefix_caching=False)
+    assert tokens(llm.generate(prompts, GREEDY)) == whole
+
+
+def test_prefix_cache_hits_equal_misses(ckpt, single_thread):
+    shared = random_prompts(CFG.vocab, (48,), seed=5)[0]
+    tails = random_prompts(CFG.vocab, (3, 9, 1), seed=6)
+    ps = [shared + t for t in tails]
+    off = LLM(ckpt, max_num_seqs=4, prefix_caching=False)
+    ref = tokens(off.generate(ps, GREEDY))
+    on = LLM(ckpt, max_num_seqs=4, prefix_caching=True)
+    on.generate([shared + [7]], GREEDY)  # warms the cache with the shared prefix
+    outs = on.generate(ps, GREEDY)
+    assert tokens(outs) == ref
+    assert all(o.num_cached_tokens == 48 for o in outs)  # 3 full pages of 16 reused, never recomputed
+    again = on.generate(ps, GREEDY)  # a second pass hits its own pages (prompt + generated blocks)
+    assert tokens(again) == ref and all(o.num_cached_tokens >= 48 for o in again)
+
+
+def test_preemption_gives_same_tokens(ckpt, prompts, whole, single_thread):
+    # 12 pages of 16 tokens cannot hold the five sequences at once (they need 17): some are
+    # preempted (freed and recomputed) and every request still finishes with the same tokens.
+    llm = LLM(ckpt, max_num_batched_tokens=64, max_num_seqs=8, num_pages=12, prefix_caching=False)
+    outs = llm.generate(prompts, GREEDY)
+    assert tokens(outs) == whole
+    assert llm.stats.preemptions > 0 and any(o.num_preemptions for o in outs)
+    with_cache = LLM(ckpt, max_num_batched_tokens=64, max_num_seqs=8, num_pages=12, prefix_caching=True)
+    assert tokens(with_cache.generate(prompts, GREEDY)) == whole
+
+
+def test_bad_requests_fail_alone(ckpt, prompts, whole, single_thread):
+    llm = LLM(ckpt, max_num_seqs=8, max_model_len=100)
+    batch = [prompts[0], [], list(range(1, 101)), prompts[1], [CFG.vocab + 3], "w1 w2 w3", 3.5]
+    params = [GREEDY, GREEDY, GREEDY, {"temperature": -1.0}, GREEDY, GREEDY, GREEDY]
+    outs = llm.generate(batch, params)
+    assert outs[0].error is None and outs[0].token_ids == whole[0]
+    assert "empty" in outs[1].error and outs[1].finish_reason == "error"
+    assert "max_model_len=100" in outs[2].error
+    assert outs[3].error.startswith("temperature")
+    assert "outside" not in outs[4].error and f"[0, {CFG.vocab})" in outs[4].error
+    assert outs[5].error is None and len(outs[5].token_ids) == 12  # a text prompt through tokenizer.json
+    assert outs[6].error.startswith("prompt")
+
+
+def test_nan_logits_end_one_request(ckpt, prompts, whole, single_thread):
+    llm = LLM(ckpt, max_num_seqs=8)
+    poison = 499
+    llm.runner.model.params["embed"][poison] = float("nan")
+    outs = llm.generate([prompts[0], prompts[1][:-1] + [poison], prompts[2]], GREEDY)
+    assert outs[1].finish_reason == "error" and "NaN" in outs[1].error
+    assert outs[0].token_ids == whole[0] and outs[2].token_ids == whole[2]
+
+
+def test_seeded_sampling_is_batch_independent(ckpt, prompts, single_thread):
+    llm = LLM(ckpt, max_num_seqs=8)
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_k=50, top_p=0.9, seed=1234)
+    alone = tokens(llm.generate([prompts[2]], sp))[0]
+    others = [SamplingParams(max_tokens=8, temperature=1.0, seed=s) for s in (1, 2, 3, 4)]
+    mixed = llm.generate([prompts[0], prompts[1], prompts[2], prompts[3], prompts[4]],
+                         [others[0], others[1], sp, others[2], others[3]])
+    assert tokens(mixed)[2] == alone
+    unseeded = llm.generate([prompts[2]] * 2, SamplingParams(max_tokens=8, temperature=1.0))
+    assert all(len(o.token_ids) == 8 for o in unseeded)
+
+
+def test_stops_and_logprobs(ckpt, prompts, whole, single_thread):
+    llm = LLM(ckpt, max_num_seqs=8, eos_ids=[whole[1][5]])
+    ref = whole[0]
+    o = llm.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[ref[3]],
+                                                  logprobs=2))[0]
+    k = ref.index(ref[3])
+    assert o.token_ids == ref[:k + 1] and o.finish_reason == "stop" and o.stop_reason == ref[3]
+    assert len(o.logprobs) == k + 1 and len(o.logprobs[0]["top"]) == 2
+    assert o.logprobs[0]["top"][0][0] == ref[0] and math.isclose(o.logprobs[0]["token"], o.logprobs[0]["top"][0][1])
+    e = llm.generate([prompts[1]], GREEDY)[0]  # EOS from eos_ids
+    assert e.token_ids == whole[1][:whole[1].index(whole[1][5]) + 1] and e.finish_reason == "stop"
+    word = f"w{ref[4]}"
+    s = llm.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.0, stop=[word]))[0]
+    assert s.finish_reason == "stop" and s.stop_reason == word and word not in s.text
+    assert s.text.rstrip() == " ".join(f"w{t}" for t in ref[:ref.index(ref[4])])  # cut before the stop
+    n = llm.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert len(n.token_ids) == 12
+
+
+def test_state_dict_source_and_random_preset(ckpt, single_thread):
+    from opmap.engine.config import make_hf_model
+
+    hf = make_hf_model(CFG, seed=11)
+    a = LLM(CFG, source=StateDictSource(hf.state_dict()), tokenizer=None, max_num_seqs=2)
+    b = LLM(ckpt, max_num_seqs=2)
+    p = random_prompts(CFG.vocab, (9,), seed=2)
+    assert tokens(a.generate(p, GREEDY)) == tokens(b.generate(p, GREEDY))
+    r = LLM("tiny-llama3", max_num_seqs=2)  # random weights, byte tokenizer
+    o = r.generate("hello", SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert o.error is None and len(o.token_ids) == 4 and o.ttft is not None and o.tpot is not None
+    assert r.last_summary["output_tokens"] == 4
