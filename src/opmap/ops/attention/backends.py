@@ -99,12 +99,15 @@ _SDPA = (
     ("sdpa_efficient", "torch-sdpa-efficient", "EFFICIENT_ATTENTION", {"sm80": 20, "sm90": 20},
      ("fp32", "fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 256, "head_dim <= 256, multiple of 8")),
 )
+CUDNN_PHASES = Req("phase", ("prefill", "decode"),
+                   "prefill of whole prompts or decode (no bottom-right causal mask: no chunk over a cached prefix)")
 for name, provider, member, prio, dts, (dfn, dtext) in _SDPA:
     register(Backend(
         op="attention", name=name, provider=provider, version=torch_version, priority=prio,
         available=needs_cuda,
         impl={e: f"{PKG}.sdpa:{name}_{e}" for e in ("prefill", "decode", "mixed")},
-        reqs=(NOT_MLA, Req("paged", (False,), "contiguous KV only ([B, S, Hk, D], one page per sequence)"),
+        reqs=(NOT_MLA, *((CUDNN_PHASES,) if name == "sdpa_cudnn" else ()),
+              Req("paged", (False,), "contiguous KV only ([B, S, Hk, D], one page per sequence)"),
               Req("dtype", dts), Req("head_dim", dfn, dtext),
               Req("sliding_window", (False,), "no sliding window (no mask passed to this backend)"),
               Req("soft_cap", (False,), "no logit soft-cap"),
