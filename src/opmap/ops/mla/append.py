@@ -29,11 +29,12 @@ def _append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOTS, s
     kpe = tl.load(KPE + t * s_kpe + offs_d, mask=offs_d < DR, other=0.0)
     if FP8:
         if SCALE_FROM_PTR:
-            inv = 1.0 / tl.load(SCALE_PTR)
+            ks = tl.load(SCALE_PTR)
         else:
-            inv = 1.0 / kv_scale
-        ckv = tl.clamp(ckv.to(tl.float32) * inv, -448.0, 448.0)
-        kpe = tl.clamp(kpe.to(tl.float32) * inv, -448.0, 448.0)
+            ks = kv_scale
+        # a correctly rounded division (not x * (1/s)), so that the stored bytes equal torch's
+        ckv = tl.clamp(tl.math.div_rn(ckv.to(tl.float32), ks), -448.0, 448.0)
+        kpe = tl.clamp(tl.math.div_rn(kpe.to(tl.float32), ks), -448.0, 448.0)
     dst = CACHE + slot * s_row
     tl.store(dst + offs_r, ckv.to(CACHE.dtype.element_ty), mask=offs_r < R)
     tl.store(dst + R + offs_d, kpe.to(CACHE.dtype.element_ty), mask=offs_d < DR)

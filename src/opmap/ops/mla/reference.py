@@ -45,6 +45,14 @@ from .validate import (check_append, check_decode, check_prefill, check_sparse_i
 FP8_MAX = 448.0
 
 
+def split_kv_b(kv_b_weight: torch.Tensor, num_heads: int, qk_nope_dim: int, v_dim: int):
+    """HF ``kv_b_proj.weight`` [H * (Dn + Dv), R] -> (w_kc[H, Dn, R], w_vc[H, Dv, R]), contiguous.
+    Absorbed decode: q_nope_abs = einsum("bhd,hdr->bhr", q_nope, w_kc); out = einsum("bhr,hvr->bhv",
+    latent_out, w_vc)."""
+    w = kv_b_weight.view(num_heads, qk_nope_dim + v_dim, -1)
+    return w[:, :qk_nope_dim].contiguous(), w[:, qk_nope_dim:].contiguous()
+
+
 def dequant(cache: torch.Tensor, kv_scale) -> torch.Tensor:
     """The cache as fp32 values (fp8 times its scale)."""
     c = cache.float()
