@@ -152,3 +152,24 @@ def test_declarations_split_mla_from_gqa():
     assert "sparse" in " ".join(registry.get("attention", "mla-triton").validate(sparse_prefill))
     app = KVAppendSpec(kind="mla", num_kv_heads=1, head_dim=576, page_size=64, kv_dtype="fp8")
     assert select.select("kv_append", app, runtime=False).name == "mla-triton"
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_absorbed_decode_equals_non_absorbed_prefill(impl):
+    """The MLA identity: for the last token, W_UV(decode(q_nope W_UK)) == non-absorbed attention."""
+    import importlib
+
+    dec = importlib.import_module("opmap.ops.mla." + ("reference" if impl == "reference" else "decode"))
+    pre = importlib.import_module("opmap.ops.mla." + ("reference" if impl == "reference" else "prefill"))
+    g = torch.Generator().manual_seed(6)
+    Dn, Dv, lens = 8, 12, [9, 33]
+    pc = make_cache(lens, R, DR, 16, torch.float32, gen=g)
+    kv_b = torch.randn(H * (Dn + Dv), R, generator=g) / 4
+    wk, wv = ref.split_kv_b(kv_b, H, Dn, Dv)
+    qn, qp = torch.randn(2, H, Dn, generator=g), torch.randn(2, H, DR, generator=g)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    want = pre.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2)
+    lat = dec.mla_decode(torch.einsum("bhd,hdr->bhr", qn, wk).contiguous(), qp, pc.cache, pc.seq_lens,
+                         pc.block_tables, scale=0.2)
+    assert_close(torch.einsum("bhr,hvr->bhv", lat, wv), want)
