@@ -161,3 +161,23 @@ def test_sdpa_peer_matches_reference():
     qn, qp = _q(3, 16, _gen(7))
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
     assert_close(sdpa.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE), want)
+
+
+def test_absorbed_decode_equals_non_absorbed_prefill_bf16():
+    """DeepSeek-V2-Lite shapes: W_UV(decode(q_nope W_UK)) == the non-absorbed prefill of the last token."""
+    H, Dn, Dv = 16, 128, 128
+    lens = [700, 4097]
+    pc = _cache(lens, 64, 12)
+    g = _gen(13)
+    kv_b = (torch.randn(H * (Dn + Dv), R, generator=g, device="cuda") / 16).to(BF)
+    wk, wv = ref.split_kv_b(kv_b, H, Dn, Dv)
+    qn = torch.randn(2, H, Dn, generator=g, device="cuda").to(BF)
+    qp = torch.randn(2, H, DR, generator=g, device="cuda").to(BF)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    want = ref.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=SCALE)
+    q_abs = torch.einsum("bhd,hdr->bhr", qn.float(), wk.float()).to(BF)
+    lat = dec.mla_decode(q_abs, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
+    got = torch.einsum("bhr,hvr->bhv", lat.float(), wv.float())
+    assert_close(got, want, dtype=BF, scale=2.0)  # q_abs and the latent output rounded to bf16
+    pre = pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=SCALE)
+    assert_close(pre, want, scale=2.0)
