@@ -52,8 +52,11 @@ def _check(q, k_cache, v_cache, seq_lens, window, soft_cap, k_scale, v_scale, re
 def _one(member, qb, kb, vb, n, L, scale, causal):
     """qb [1, Hq, n, D], kb/vb [1, Hk, L, D] -> [1, Hq, n, Dv]."""
     g = qb.shape[1] // kb.shape[1]
-    if member != SDPBackend.FLASH_ATTENTION and g > 1:
-        kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+    if member != SDPBackend.FLASH_ATTENTION:
+        # Dense [1, H, L, D] operands: the layouts every version of these kernels accepts.
+        qb = qb.contiguous()
+        kb, vb = ((kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)) if g > 1
+                  else (kb.contiguous(), vb.contiguous()))
     gqa = kb.shape[1] != qb.shape[1]
     if not causal or n == 1:
         return F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=gqa)

@@ -1,0 +1,292 @@
+"""Attention on the GPU (bf16, real shapes): Triton prefill / decode / mixed / KV append / merge
+against the fp32 reference, NaN-poisoned unused slots, CUDA-graph capture with re-planning,
+batch invariance of the fixed-split mode, the fp8 quality gate, and the peer adapters.
+
+Run: PYTHONPATH=src python -m pytest tests/gpu/test_attention_gpu.py -m gpu -q
+"""
+import pytest
+import torch
+
+from opmap.ops.attention import decode as D
+from opmap.ops.attention import kv_append as A
+from opmap.ops.attention import merge as M
+from opmap.ops.attention import prefill as P
+from opmap.ops.attention import reference as R
+from opmap.ops.attention.mixed import mixed
+from opmap.ops.attention.testing import make_paged, make_query
+from opmap.tolerance import assert_close, cosine
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def _ref(fn, q, pc, *args, **kw):
+    kc, vc = pc.k_cache, pc.v_cache
+    if kc.dtype != torch.float8_e4m3fn:
+        kc, vc = kc.float(), vc.float()
+    return fn(q.float(), kc, vc, *args, **kw)
+
+
+def _lse_ok(lse, ref_lse):
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert_close(lse[fin], ref_lse[fin], torch.float32, scale=300.0, what="lse")
+
+
+DECODE = [
+    # id, seq_lens, page, heads, kv_heads, head_dim, window, soft_cap, fp8
+    ("b1-32768-split", [32768], 16, 32, 8, 128, None, None, False),
+    ("b8-edges-page32", [1, 15, 16, 17, 300, 4097, 8192, 0], 32, 32, 8, 128, None, None, False),
+    ("b64-4096", [4096] * 64, 16, 32, 8, 128, None, None, False),
+    ("b3-d256-mqa-page64", [300, 2049, 17], 64, 8, 1, 256, None, None, False),
+    ("b17-d64-mha-window-cap", [1, 2, 63, 64, 65, 700, 1999, 0, 31, 5, 1024, 513, 77, 100, 2000, 3, 9], 16, 8, 8,
+     64, 256, 30.0, False),
+    ("b8-fp8", [1, 15, 16, 17, 300, 4097, 32768, 0], 16, 32, 8, 128, None, None, True),
+]
+
+
+@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
+def test_decode(case):
+    _, seq, page, hq, hk, d, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
+    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV)):
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                            soft_cap=cap, return_lse=True, workspace=ws, **pc.kw)
+        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                            soft_cap=cap, return_lse=True, **pc.kw)
+        assert_close(out, ref, BF, scale=2.0 if fp8 else 1.0)
+        _lse_ok(lse, ref_lse)
+
+
+PREFILL = [
+    # id, seq_lens, q_lens, page, heads, kv_heads, head_dim, window, soft_cap, fp8
+    ("b1-2048-full", [2048], [2048], 16, 32, 8, 128, None, None, False),
+    ("b4-gqa-chunks-page64", [32768, 1000, 17, 0], [256, 1000, 1, 0], 64, 32, 8, 128, None, None, False),
+    ("b2-d256-page32-window-cap", [700, 300], [700, 100], 32, 8, 2, 256, 128, 50.0, False),
+    ("b2-d64-page1-mha", [100, 37], [100, 37], 1, 8, 8, 64, None, None, False),
+    ("b1-fp8-chunk", [2048], [512], 16, 32, 8, 128, None, None, True),
+]
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=[c[0] for c in PREFILL])
+def test_prefill(case):
+    _, seq, ql, page, hq, hk, d, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                         soft_cap=cap, return_lse=True, **pc.kw)
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                        soft_cap=cap, return_lse=True, **pc.kw)
+    assert_close(out, ref, BF, scale=2.0 if fp8 else 1.0)
+    _lse_ok(lse, ref_lse)
+
+
+def test_mixed_step():
+    seq, ql = [3000, 17, 1, 9000, 64], [512, 1, 1, 1, 64]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, poison=True, device=DEV)
+    q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
+    out = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5)
+    assert_close(out, _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5), BF)
+
+
+def _rand_step(B, max_pages, num_pages, page, g, lens=None):
+    if lens is None:
+        lens = torch.randint(0, max_pages * page + 1, (B,), generator=g)
+        lens[0] = 0
+        lens[1 % B] = max_pages * page
+    bt = torch.stack([torch.randperm(num_pages, generator=g)[:max_pages] for _ in range(B)]).int()
+    return lens.int(), bt
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["auto-split", "fixed-split"])
+def test_decode_cuda_graph_replan(fixed):
+    """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
+    is checked against the reference (split counts change with the lengths, on the device)."""
+    B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    lens, bt = _rand_step(B, max_pages, num_pages, page, g)
+    sl_buf, bt_buf = lens.to(DEV), bt.to(DEV)
+    q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
+    ws = D.make_workspace(B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
+    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws)  # noqa
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up: compiles, and checks the metadata values outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for step in range(4):
+        fixed_lens = torch.tensor([1, 16, 17, 8191, 0, 300, 4096, 5000]) if step == 3 else None
+        lens, bt = _rand_step(B, max_pages, num_pages, page, g, fixed_lens)
+        sl_buf.copy_(lens)
+        bt_buf.copy_(bt)
+        q_buf.copy_(torch.randn(B, hq, d, generator=g).to(BF))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, ref_lse = R.decode(q_buf.float(), kc.float(), vc.float(), sl_buf, bt_buf, scale=d ** -0.5,
+                                return_lse=True)
+        assert_close(out, ref, BF, what=f"replay {step}")
+        _lse_ok(lse, ref_lse)
+
+
+def test_prefill_and_append_cuda_graph_replan():
+    T, B, hq, hk, d, page, num_pages = 96, 4, 32, 8, 128, 16, 512
+    g = torch.Generator().manual_seed(8)
+    kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    q_buf = torch.randn(T, hq, d, generator=g).to(DEV, BF)
+    k_new = torch.randn(T, hk, d, generator=g).to(DEV, BF)
+    cu_buf = torch.tensor([0, 40, 40, 95, 96], dtype=torch.int32, device=DEV)
+    sl_buf = torch.tensor([500, 7, 55, 1000], dtype=torch.int32, device=DEV)
+    bt_buf = torch.randperm(num_pages, generator=g)[:4 * 64].view(4, 64).int().to(DEV)
+    slots = torch.randperm(num_pages * page, generator=g)[:T].to(DEV)
+    slots[::7] = -1
+
+    def run():
+        A.append(k_new, k_new, kc, vc, slots)
+        return P.prefill(q_buf, kc, vc, cu_buf, sl_buf, bt_buf, scale=d ** -0.5)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for cu, sl in (([0, 1, 2, 3, 96], [1, 16, 17, 1000]), ([0, 96, 96, 96, 96], [96, 0, 5, 1])):
+        cu_buf.copy_(torch.tensor(cu))
+        sl_buf.copy_(torch.tensor(sl))
+        bt_buf.copy_(torch.randperm(num_pages, generator=g)[:4 * 64].view(4, 64).int())
+        slots.copy_(torch.randperm(num_pages * page, generator=g)[:T])
+        slots[::5] = -1
+        k_new.copy_(torch.randn(T, hk, d, generator=g).to(BF))
+        rk, rv = kc.clone(), vc.clone()
+        R.append(k_new, k_new, rk, rv, slots)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(kc, rk) and torch.equal(vc, rv)
+        ref = R.prefill(q_buf.float(), kc.float(), vc.float(), cu_buf, sl_buf, bt_buf, scale=d ** -0.5)
+        assert_close(out, ref, BF)
+
+
+def test_fixed_split_batch_invariance_bitwise():
+    g = torch.Generator().manual_seed(9)
+    seq = torch.randint(1, 8192, (32,), generator=g).tolist()
+    seq[5] = 0
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True)
+    q, _ = make_query([1] * 32, 32, 128, dtype=BF, device=DEV)
+    mk = lambda B: D.make_workspace(B, 32, 128, device=DEV, batch_invariant=True,  # noqa: E731
+                                    max_seq_len=pc.block_tables.shape[1] * 16)
+    full = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.088, workspace=mk(32))
+    for sub in ([3], [7, 0, 5], list(range(0, 32, 3))):
+        part = D.decode(q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.088,
+                        workspace=mk(len(sub)))
+        assert torch.equal(part, full[sub]), f"rows {sub} differ from the same rows in the batch of 32"
+
+
+def test_fp8_quality_gate():
+    """fp8 KV (per-kv-head scales from the absolute max) against the bf16 result on random data."""
+    seq = [4096] * 8
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV)
+    amax = lambda c: c.float().abs().amax(dim=(0, 1, 3))  # noqa: E731
+    ks, vs = amax(pc.k_cache) / 448.0, amax(pc.v_cache) / 448.0
+    k8 = R.quantize_fp8(pc.k_cache.view(-1, 8, 128), ks).view(pc.k_cache.shape)
+    v8 = R.quantize_fp8(pc.v_cache.view(-1, 8, 128), vs).view(pc.v_cache.shape)
+    q, cu = make_query([1] * 8, 32, 128, dtype=BF, device=DEV)
+    a = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.088)
+    b = D.decode(q, k8, v8, pc.seq_lens, pc.block_tables, scale=0.088, k_scale=ks, v_scale=vs)
+    c = cosine(a, b)
+    print(f"fp8 decode: cosine {c:.6f}, max abs err {float((a.float() - b.float()).abs().max()):.4g}")
+    assert c >= 0.999
+    qp, cup = make_query([512], 32, 128, dtype=BF, device=DEV)
+    one = lambda kc, vc, **kw: P.prefill(qp, kc, vc, cup, pc.seq_lens[:1], pc.block_tables[:1], scale=0.088, **kw)  # noqa
+    a, b = one(pc.k_cache, pc.v_cache), one(k8, v8, k_scale=ks, v_scale=vs)
+    c = cosine(a, b)
+    print(f"fp8 prefill: cosine {c:.6f}, max abs err {float((a.float() - b.float()).abs().max()):.4g}")
+    assert c >= 0.999
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_append_bitwise(fp8):
+    g = torch.Generator().manual_seed(10)
+    P_, page, hk, d, T = 300, 16, 8, 128, 1000
+    dt = torch.float8_e4m3fn if fp8 else BF
+    kc = torch.randn(P_, page, hk, d, generator=g).to(DEV).to(dt)
+    vc = kc.clone()
+    qkv = (torch.randn(T, 48, d, generator=g) * 4).to(DEV, BF)
+    k, v = qkv[:, 32:40], qkv[:, 40:]
+    slots = torch.randperm(P_ * page, generator=g)[:T].to(DEV)
+    slots[::5] = -1
+    sc = dict(k_scale=torch.rand(hk, device=DEV) + 0.01, v_scale=torch.rand(hk, device=DEV) + 0.01) if fp8 else {}
+    rk, rv = kc.clone(), vc.clone()
+    A.append(k, v, kc, vc, slots, **sc)
+    R.append(k, v, rk, rv, slots, **sc)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+def test_merge_bf16():
+    g = torch.Generator().manual_seed(11)
+    oa, ob = (torch.randn(333, 32, 128, generator=g).to(DEV, BF) for _ in range(2))
+    la, lb = (torch.randn(333, 32, generator=g).to(DEV) * 5 for _ in range(2))
+    la[0] = float("-inf")
+    o, lse = M.merge(oa, la, ob, lb)
+    ro, rl = R.merge(oa.float(), la, ob.float(), lb)
+    assert_close(o, ro, BF)
+    assert_close(lse, rl, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"])
+def test_sdpa_peers_contiguous(name):
+    from opmap.contract import InputError
+    from opmap.ops.attention import sdpa
+
+    seq = [300, 128, 1]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV)
+    k, v = pc.contiguous()
+    pre = getattr(sdpa, f"{name}_prefill")
+    dec = getattr(sdpa, f"{name}_decode")
+    q, cu = make_query(seq, 32, 128, dtype=BF, device=DEV)
+    ref = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, scale=0.088)
+    assert_close(pre(q, k, v, cu, pc.seq_lens, None, scale=0.088), ref, BF)
+    qd, _ = make_query([1] * 3, 32, 128, dtype=BF, device=DEV)
+    ref = _ref(R.decode, qd, pc, pc.seq_lens, pc.block_tables, scale=0.088)
+    assert_close(dec(qd, k, v, pc.seq_lens, None, scale=0.088), ref, BF)
+    qc, cuc = make_query([20, 7, 1], 32, 128, dtype=BF, device=DEV)
+    if name == "sdpa_cudnn":
+        with pytest.raises(InputError, match="cu_seqlens_q"):
+            pre(qc, k, v, cuc, pc.seq_lens, None, scale=0.088)
+    else:
+        ref = _ref(R.prefill, qc, pc, cuc, pc.seq_lens, pc.block_tables, scale=0.088)
+        assert_close(pre(qc, k, v, cuc, pc.seq_lens, None, scale=0.088), ref, BF)
+
+
+def test_flex_paged_compiled():
+    from opmap.ops.attention import flex
+
+    seq, ql = [1000, 300, 17], [1000, 44, 1]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True)
+    q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
+    out, lse = flex.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.088,
+                            window=256, soft_cap=30.0, return_lse=True)
+    ref, rl = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, scale=0.088, window=256, soft_cap=30.0,
+                   return_lse=True)
+    assert_close(out, ref, BF, scale=2.0)
+    _lse_ok(lse, rl)
+
+
+def test_selected_on_this_gpu():
+    from opmap import select, specs
+    from opmap.hw import local_arch
+
+    arch = local_arch()
+    for phase in ("prefill", "decode", "mixed"):
+        ch = select.select("attention", specs.AttentionSpec(arch=arch, phase=phase, kv_dtype="fp8", cuda_graph=True))
+        assert ch.name == "triton", ch.explain()
