@@ -25,6 +25,14 @@ def _q(B, H, g, dt=BF):
     return qn, qp
 
 
+def _agree(got, want, scale=1.0, what="output"):
+    """bf16 tolerance plus a cosine gate: long-context outputs are averages of many rows and can be
+    smaller than bf16's absolute tolerance, where assert_close alone would not notice a wrong answer."""
+    assert_close(got, want, dtype=BF, scale=scale, what=what)
+    c = cosine(got, want)
+    assert c >= 0.9995, f"{what}: cosine {c:.6f}"
+
+
 def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
@@ -42,7 +50,7 @@ def test_decode_bf16_pages(H, page):
     qn, qp = _q(len(lens), H, _gen(1))
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
     got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
-    assert_close(got[0], want[0])
+    _agree(got[0], want[0])
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
@@ -56,7 +64,7 @@ def test_decode_long_context_split(H):
     assert ws.num_splits > 1  # B=1 must split the context to fill the GPU
     got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
                          workspace=ws)
-    assert_close(got[0], want[0])
+    _agree(got[0], want[0])
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
@@ -69,7 +77,7 @@ def test_decode_fp8_cosine(H):
     q8 = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
     assert cosine(q8, bf) >= 0.999
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
-    assert_close(q8, want)
+    _agree(q8, want)
 
 
 def test_decode_cuda_graph_replay_after_replanning():
@@ -96,7 +104,7 @@ def test_decode_cuda_graph_replay_after_replanning():
         qn.copy_(torch.randn(B, H, R, generator=g, device="cuda"))
         graph.replay()
         want = ref.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE)
-        assert_close(out, want, what=f"replay lens={lens}")
+        _agree(out, want, what=f"replay lens={lens}")
 
 
 @pytest.mark.parametrize("ctx", [32768, 131072])
@@ -109,7 +117,7 @@ def test_sparse_decode_topk_2048(ctx):
                                  return_lse=True)
     got = dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=SCALE,
                                 return_lse=True)
-    assert_close(got[0], want[0])
+    _agree(got[0], want[0])
     assert_close(got[1], want[1], dtype=BF, what="lse")
     bad = idx.clone()
     bad[1, 0] = 1500
@@ -132,7 +140,7 @@ def test_prefill_bf16_prefix_chunked(H, chunk):
     args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
     want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
     got = pf.mla_prefill(*args, scale=SCALE, return_lse=True, chunk_size=chunk)
-    assert_close(got[0], want[0], scale=2.0)  # K/V rounded to bf16 after the kv_b GEMM, as in HF
+    _agree(got[0], want[0], scale=2.0)  # K/V rounded to bf16 after the kv_b GEMM, as in HF
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
@@ -160,7 +168,7 @@ def test_sdpa_peer_matches_reference():
     pc = _cache(lens, 16, 11)
     qn, qp = _q(3, 16, _gen(7))
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
-    assert_close(sdpa.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE), want)
+    _agree(sdpa.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE), want)
 
 
 def test_absorbed_decode_equals_non_absorbed_prefill_bf16():
@@ -178,6 +186,6 @@ def test_absorbed_decode_equals_non_absorbed_prefill_bf16():
     q_abs = torch.einsum("bhd,hdr->bhr", qn.float(), wk.float()).to(BF)
     lat = dec.mla_decode(q_abs, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
     got = torch.einsum("bhr,hvr->bhv", lat.float(), wv.float())
-    assert_close(got, want, dtype=BF, scale=2.0)  # q_abs and the latent output rounded to bf16
+    _agree(got, want, scale=2.0)  # q_abs and the latent output rounded to bf16
     pre = pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=SCALE)
-    assert_close(pre, want, scale=2.0)
+    _agree(pre, want, scale=2.0)

@@ -34,8 +34,11 @@ def _problem(device, s, seed, lens=None, page=None, fp8=False, H=None):
 
 
 def _vs(out, want, dt, scale=1.0) -> Outcome:
+    # plus a cosine gate: long-context outputs average many rows and can fall below bf16's
+    # absolute tolerance, where the elementwise bound alone would pass a wrong answer
     e = compare(out, want, dt, scale=scale)
-    return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
+    c = cosine(out, want)
+    return Outcome(e.ok and c >= 0.9995, f"{e} cosine={c:.6f}", e.worst_ratio, 1.0)
 
 
 def _decode(device, name, page, H=None):
@@ -147,14 +150,16 @@ def _graph_replay(name):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = call()
-        worst = 0.0
+        worst, cos = 0.0, 1.0
         for new in ([2000, 1, 0, 2559], [64, 128, 192, 256]):
             lens.copy_(torch.tensor(new, dtype=torch.int32))
             tables.copy_(torch.randperm(P, device="cuda").view(B, maxp))
             g.replay()
-            worst = max(worst, compare(out, ref.mla_decode(qn, qp, cache, lens, tables, scale=0.05),
-                                       s["dt"]).worst_ratio)
-        return Outcome(worst <= 1.0, f"worst/tol={worst:.3g} over 2 re-plans", worst, 1.0)
+            want = ref.mla_decode(qn, qp, cache, lens, tables, scale=0.05)
+            worst = max(worst, compare(out, want, s["dt"]).worst_ratio)
+            cos = min(cos, cosine(out, want))
+        return Outcome(worst <= 1.0 and cos >= 0.9995, f"worst/tol={worst:.3g} cosine>={cos:.6f} over 2 re-plans",
+                       worst, 1.0)
 
     return run
 
