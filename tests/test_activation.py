@@ -78,3 +78,17 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.opmap.silu_mul, (x,))
     torch.library.opcheck(torch.ops.opmap.gelu_tanh_mul, (x,))
     assert_close(torch.ops.opmap.gelu_tanh_mul(x), ref.gelu_tanh_mul(x))
+
+
+def test_bench_cases_providers_run_and_agree(monkeypatch):
+    from opmap.bench.cases import activation as bench
+
+    monkeypatch.setattr(bench, "SHAPES", [(2, 14336)])
+    for c in bench.cases(quick=True):
+        entry = c.case.split(",")[0].split("=")[1]
+        assert c.bytes == 3 * 2 * 14336 * 2
+        for p in c.providers:
+            if p.name == "torch-compile":
+                continue
+            inp = {k: v.float() for k, v in c.setup("cpu").items()}
+            assert_close(p.make(inp)(), getattr(ref, entry)(inp["x"]), scale=10.0, what=f"{p.name} {c.case}")

@@ -139,3 +139,25 @@ def test_custom_op_opcheck():
     x, wq, b, s = _inputs(2, 16, 32, torch.float32, "int8", True, 3)
     torch.library.opcheck(torch.ops.opmap.linear, (x, wq, b, s))
     assert_close(torch.ops.opmap.linear(x, wq, b, s), ref.linear(x, wq, b, s))
+
+
+def test_bench_cases_providers_run_and_agree(monkeypatch):
+    from opmap.bench.cases import gemm as bench
+
+    monkeypatch.setattr(bench, "SHAPES", [(64, 48)])
+    monkeypatch.setattr(bench, "MS", (1, 3))
+    cs = bench.cases(quick=True)
+    assert len(cs) == 6
+    for c in cs:
+        fmt = None if "w=bf16" in c.case else c.case.split("w=")[1].split(",")[0]
+        wbytes = 48 * 64 * (1 if fmt else 2) + (48 * 4 if fmt else 0)
+        assert c.bytes == wbytes + int(c.case.split(",")[0][2:]) * (64 + 48) * 2
+        for p in c.providers:
+            if p.available is not None and p.available():
+                continue  # scaled-mm: sm89+ GPU only
+            raw = c.setup("cpu")
+            inp = {k: (v.half() if v.dtype == torch.bfloat16 else v) for k, v in raw.items()}
+            out = p.make(inp)()
+            want = ref.linear(inp["x"], inp["w"])  # vs the unquantised weight
+            tol = 2.0 if fmt is None or "bf16" in p.name else 60.0  # quantisation error
+            assert_close(out, want, scale=tol, what=f"{p.name} {c.case}")

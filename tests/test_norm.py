@@ -133,3 +133,24 @@ def test_custom_ops_opcheck():
     out = torch.ops.opmap.add_rmsnorm(x, r, w, 1e-6)
     assert_close(r, r0 + x)
     assert_close(out, ref.rmsnorm(r0 + x, w, 1e-6))
+
+
+def test_bench_cases_providers_run_and_agree(monkeypatch):
+    # Shrunk shapes; each eager provider runs once on the CPU and agrees with the reference
+    # (torch.compile providers need a GPU toolchain and are only constructed here).
+    from opmap.bench.cases import norm as bench
+
+    monkeypatch.setattr(bench, "SHAPES", [(3, 40)])
+    cs = bench.cases(quick=True)
+    assert {c.case for c in cs} == {"R=3,H=40,fused_add=0,dtype=bf16", "R=3,H=40,fused_add=1,dtype=bf16"}
+    for c in cs:
+        fused = "fused_add=1" in c.case
+        assert c.bytes == (4 if fused else 2) * 3 * 40 * 2 + 80
+        for p in c.providers:
+            if p.name == "torch-compile":
+                continue
+            inp = {k: v.float() for k, v in c.setup("cpu").items()}
+            res0 = inp["res"].clone() if fused else None
+            out = p.make(inp)()
+            want = ref.rmsnorm(inp["x"] + res0 if fused else inp["x"], inp["w"], bench.EPS)
+            assert_close(out, want, scale=2.0, what=f"{p.name} {c.case}")

@@ -183,3 +183,26 @@ def test_custom_op_opcheck():
     torch.ops.opmap.rope(*args)
     ref.rope(q, k, args[2], cs, "gptj")
     assert_close(args[0], q)
+
+
+def test_bench_cases_providers_run_and_agree(monkeypatch):
+    from opmap.bench.cases import rope as bench
+
+    monkeypatch.setattr(bench, "CASES", [(5, 4, 2, 128, 128, "neox"), (3, 2, 1, 192, 64, "gptj")])
+    monkeypatch.setattr(bench, "MAX_POS", 512)
+    cs = bench.cases(quick=True)
+    assert [len(c.providers) for c in cs] == [2, 1]  # HF only for full-rotary NeoX
+    for c in cs:
+        style = "gptj" if "gptj" in c.case else "neox"
+        for p in c.providers:
+            inp = c.setup("cpu")
+            inp["q"], inp["k"] = inp["q"].float(), inp["k"].float()  # interpreter: no bf16
+            inp["hf_cos"], inp["hf_sin"] = inp["hf_cos"].float(), inp["hf_sin"].float()
+            q0, k0 = inp["q"].clone(), inp["k"].clone()
+            res = p.make(inp)()
+            if res is not None:  # HF is out of place
+                inp["q"], inp["k"] = res
+            ref.rope(q0, k0, inp["pos"], inp["cs"], style)
+            dt = torch.bfloat16 if p.name == "hf-transformers" else None  # HF: bf16-rounded cos/sin
+            assert_close(inp["q"], q0, dtype=dt, what=f"{p.name} {c.case}")
+            assert_close(inp["k"], k0, dtype=dt, what=f"{p.name} {c.case}")

@@ -1,0 +1,107 @@
+"""Decode GEMM benchmark cases: M in {1, 16, 64, 256} for the Llama-3-8B MLP shapes
+(K=4096, N=28672: gate+up; K=14336, N=4096: down), bf16 / fp8-e4m3 / int8 weights with
+per-output-channel scales, bf16 activations.
+
+Providers, timed in the same run on the same inputs:
+- bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
+- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"); cuBLAS bf16 on the same
+  weights kept in bf16 (the baseline of the "fp8 weight-only >= 1.8x cuBLAS bf16" target);
+  "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
+  path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
+  fp8, then torch._scaled_mm on cuBLASLt).
+Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written once.
+Decode sizes (M <= 64) are timed by CUDA-graph replay (launch costs out; the case is the
+weight stream), M = 256 eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from opmap.bench.base import BenchCase, Provider
+from opmap.specs import GemmSpec
+
+SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
+MS = (1, 16, 64, 256)
+RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
+
+
+def _setup(M, N, K, fmt):
+    def setup(device):
+        from opmap.ops.gemm.quant import quantize_weight
+
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
+        d = dict(x=x, w=w)  # quantised cases keep the bf16 weight for the cuBLAS-bf16 baseline
+        if fmt:
+            d["wq"], d["s"] = quantize_weight(w, fmt)
+        return d
+
+    return setup
+
+
+def _ours(backend, quantised):
+    def make(inp):
+        from opmap import registry
+
+        fn = registry.get("gemm", backend).fn("linear")
+        if quantised:
+            return lambda: fn(inp["x"], inp["wq"], None, inp["s"])
+        return lambda: fn(inp["x"], inp["w"])
+
+    return make
+
+
+def _cublas(inp):
+    import torch.nn.functional as F
+
+    return lambda: F.linear(inp["x"], inp["w"])
+
+
+def _dequant_cublas(inp):
+    import torch.nn.functional as F
+
+    wq, s, x = inp["wq"], inp["s"], inp["x"]
+    return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
+
+
+def _scaled_mm(inp):
+    from opmap.ops.gemm.scaled_mm import linear
+
+    return lambda: linear(inp["x"], inp["wq"], None, inp["s"])
+
+
+def _sm89():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return "torch._scaled_mm fp8 needs an sm89+ GPU"
+    return None
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    from opmap.hw import local_arch
+
+    arch = local_arch()
+    out = []
+    for fmt in (None, "fp8", "int8"):
+        for K, N in SHAPES:
+            for M in MS:
+                wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
+                nbytes = wbytes + M * K * 2 + M * N * 2
+                flops = 2.0 * M * N * K
+                wd = fmt or "bf16"
+                if fmt is None:
+                    provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode")),
+                             Provider("cublas", _cublas)]
+                else:
+                    provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
+                             Provider("cublas-bf16-weights", _cublas),
+                             Provider("dequant+cublas", _dequant_cublas)]
+                    if fmt == "fp8":
+                        provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89))
+                out.append(BenchCase(
+                    op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
+                    setup=_setup(M, N, K, fmt), providers=provs,
+                    bound="compute" if flops / nbytes > RIDGE else "memory", graph=M <= 64,
+                    spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
+                                  dtype="bf16", weight_dtype=wd),
+                    tags=("gemm",)))
+    return out
