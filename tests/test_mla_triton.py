@@ -204,3 +204,19 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.opmap.append_mla.default,
                           (torch.randn(2, r), torch.randn(2, dr), pc.cache.clone(),
                            torch.tensor([4, -1], dtype=torch.int32)))
+
+
+def test_append_scale_keyword_alias():
+    """docs/OPS_API.md names the fp8 scale of append_mla ``scale``; both names work, not both at once."""
+    g = torch.Generator().manual_seed(16)
+    ckv = ((torch.randn(3, R, generator=g) * 4).to(torch.float8_e4m3fn).float() / 4).half()
+    kpe = ((torch.randn(3, DR, generator=g) * 4).to(torch.float8_e4m3fn).float() / 4).half()
+    slots = torch.tensor([1, 2, 3], dtype=torch.int32)
+    a = torch.zeros(2, 4, R + DR, dtype=torch.float8_e4m3fn)
+    b = a.clone()
+    s = torch.tensor([0.25])
+    ap.append_mla(ckv, kpe, a, slots, scale=s)
+    ref.append_mla(ckv, kpe, b, slots, kv_scale=s)
+    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(InputError, match="scale"):
+        ap.append_mla(ckv, kpe, a, slots, s, scale=s)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .validate import check_append
+from .validate import check_append, scale_alias
 
 
 @triton.jit
@@ -40,7 +40,8 @@ def _append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOTS, s
     tl.store(dst + R + offs_d, kpe.to(CACHE.dtype.element_ty), mask=offs_d < DR)
 
 
-def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None) -> None:
+def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> None:
+    kv_scale = scale_alias(kv_scale, scale)
     check_append(ckv, kpe, cache, slot_mapping, kv_scale)
     T, R = ckv.shape
     if T == 0:

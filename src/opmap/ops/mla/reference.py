@@ -10,7 +10,7 @@ Entries (the same signatures for every backend of the family):
 
 ``append_mla(ckv[T, R], kpe[T, Dr], cache[P, page, R + Dr], slot_mapping[T] int32|int64,
 kv_scale=None) -> None``: writes token i at slot ``slot_mapping[i]`` = page_id * page + offset;
--1 = skip.
+-1 = skip. (``scale=`` is accepted as a keyword alias of ``kv_scale``: docs/OPS_API.md's name.)
 
 ``mla_decode(q_nope[B, H, R], q_pe[B, H, Dr], cache, seq_lens[B] int32, block_tables[B, maxp]
 int32, *, scale, kv_scale=None, return_lse=False, workspace=None) -> out[B, H, R]`` (or
@@ -40,7 +40,7 @@ from typing import Optional, Union
 import torch
 
 from .validate import (check_append, check_decode, check_prefill, check_sparse_indices,
-                       scale_value)
+                       scale_alias, scale_value)
 
 FP8_MAX = 448.0
 
@@ -69,7 +69,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, kv_scale) -> torch.Tensor:
     return x.to(dtype)
 
 
-def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None) -> None:
+def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> None:
+    kv_scale = scale_alias(kv_scale, scale)
     check_append(ckv, kpe, cache, slot_mapping, kv_scale)
     keep = slot_mapping.long() >= 0
     slots = slot_mapping.long()[keep]

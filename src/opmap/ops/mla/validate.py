@@ -20,6 +20,14 @@ def values_checkable(t: torch.Tensor) -> bool:
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
+def scale_alias(kv_scale, scale):
+    """``append_mla(..., scale=s)`` (docs/OPS_API.md's keyword) is ``kv_scale=s``."""
+    if scale is None:
+        return kv_scale
+    expect(kv_scale is None, "scale", "both scale and kv_scale", "one of them (the same argument)")
+    return scale
+
+
 def scale_value(kv_scale, device) -> torch.Tensor:
     return torch.as_tensor(kv_scale, dtype=torch.float32, device=device).reshape(())
 
