@@ -79,12 +79,13 @@ def _config(H: int, R: int) -> tuple[int, int, int, int]:
 
 @triton.jit
 def _decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
-                   sm_scale, kv_scale, H, R, DR, PAGE, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
+                   sm_scale, kv_scale, H, R, DR, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_ib, s_ob, s_oh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
-                   FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr):
+                   FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
+                   PAGE: tl.constexpr):  # constexpr: // and % by a power of two are shifts
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -230,13 +231,13 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     _decode_kernel[grid](
         q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
         out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
-        H, R, Dr, cache.shape[1], block_tables.shape[1], cache.shape[0], k_sparse, split_min,
+        H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,
         out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
         BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        IEEE=q_nope.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
     if S > 1:
         _merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
                               po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
