@@ -35,6 +35,7 @@ class EngineConfig:
     seed: int = 0  # random weights for presets
     device: Optional[str] = None  # None = cuda if available else cpu
     backends: Optional[dict] = None  # op -> forced backend name (passed to the selector)
+    trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
 
     def validate(self) -> None:
         from ..contract import InputError

@@ -127,15 +127,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise InputError("params", f"{len(plist)} entries", f"one per prompt ({len(prompts)}) or a single one")
         t0 = time.perf_counter()
-        results: dict = {}
-        live = []
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            r = self._make(i, p, sp)
-            if isinstance(r, RequestOutput):
-                results[i] = r
-            else:
-                live.append(r)
-                self.scheduler.add(r)
+        results, live = self.add_requests(prompts, plist)
         bar = _progress(len(live)) if use_tqdm else None
         self.stats = StepStats()
         try:
@@ -152,6 +144,19 @@ class LLM:
                                       self.runner.model.kv_bytes_per_page(1))
         return outs
 
+    def add_requests(self, prompts: list, plist: list) -> tuple:
+        """Validate and queue requests: ({index: error output}, [queued sequences])."""
+        results: dict = {}
+        live = []
+        for i, (p, sp) in enumerate(zip(prompts, plist)):
+            r = self._make(i, p, sp)
+            if isinstance(r, RequestOutput):
+                results[i] = r
+            else:
+                live.append(r)
+                self.scheduler.add(r)
+        return results, live
+
     def step(self) -> list:
         """One engine step; returns the sequences that finished in it."""
         sch = self.scheduler
@@ -166,6 +171,19 @@ class LLM:
         if not batch.items:
             return done
         t0 = time.perf_counter()
+        if self.ecfg.trace_ops:
+            import torch
+
+            with torch.profiler.record_function(f"opmap::step::{batch.phase}"):
+                done += self._execute(batch)
+        else:
+            done += self._execute(batch)
+        kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
+        self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
+        return done
+
+    def _execute(self, batch) -> list:
+        sch, done = self.scheduler, []
         logits = self.runner.run(batch)
         sch.update(batch)
         sampled = [it.seq for it in batch.items if it.samples]
@@ -193,8 +211,6 @@ class LLM:
                     sch.finish(s, r[0])
                     s.stop_reason = r[1]
                     done.append(s)
-        kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
-        self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
         return done
 
 

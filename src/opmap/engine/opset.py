@@ -20,8 +20,8 @@ log = logging.getLogger("opmap.engine")
 
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
-                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None):
-        self.phase, self.m, self.cuda_graph = phase, m, cuda_graph
+                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False):
+        self.phase, self.m, self.cuda_graph, self.trace = phase, m, cuda_graph, trace
         self.choices: list = []  # (label, entry, Choice)
         self._forced = forced or {}
         base = dict(arch=arch, phase=phase)
@@ -89,11 +89,30 @@ class OpSet:
     def _pick(self, op: str, label: str, spec, entry: str):
         choice = select(op, spec, backend=self._forced.get(op))
         self.choices.append((label, entry, choice))
-        return choice.backend.fn(entry)
+        fn = choice.backend.fn(entry)
+        return _ranged(fn, f"opmap::{op}::{label}::{choice.backend.name}") if self.trace else fn
 
     def summary(self) -> list:
         """(op, phase, label, backend, condensed trace) per operator, in map order."""
         return [(c.op, c.spec.phase, label, c.backend.name, c.condensed()) for label, _, c in self.choices]
+
+
+def _ranged(fn, name: str):
+    """fn inside a torch.profiler range and an NVTX range (for Nsight), both named ``name``."""
+    import torch
+
+    def wrapped(*args, **kw):
+        nvtx = torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+        if nvtx:
+            torch.cuda.nvtx.range_push(name)
+        try:
+            with torch.profiler.record_function(name):
+                return fn(*args, **kw)
+        finally:
+            if nvtx:
+                torch.cuda.nvtx.range_pop()
+
+    return wrapped
 
 
 def log_choices(opsets, logger=log, seen: Optional[set] = None) -> list:

@@ -61,8 +61,9 @@ class ModelRunner:
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
-        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced) for p in ("prefill", "mixed")}
-        self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced)
+        tr = ecfg.trace_ops
+        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr) for p in ("prefill", "mixed")}
+        self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr)
                            for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)

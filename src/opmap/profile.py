@@ -1,0 +1,238 @@
+"""`opmap profile`: engine steps under torch.profiler, GPU time per operator category and phase.
+
+Every engine step runs inside a range ``opmap::step::<phase>`` and every operator call inside
+``opmap::<op>::<label>::<backend>`` (also an NVTX range, for Nsight Systems). The Chrome trace
+the profiler writes is then read back: a GPU kernel belongs to the step whose host range contains
+its start (a step ends by reading its sampled tokens on the host, so its kernels are done by then)
+and to the operator whose GPU-projected range contains it; a kernel outside any operator range (a
+replayed CUDA graph, the sampler's internals) is classified by its symbol. On a CPU the operator
+ranges themselves are timed (host time of the reference ops).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections import Counter, defaultdict
+
+CATEGORIES = ("attention", "GEMM", "norm", "RoPE", "activation", "MoE", "sampling", "grammar", "memory copies",
+              "other")
+OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
+               "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
+               "sampling": "sampling", "grammar_mask": "grammar"}
+# Kernel symbol -> category, first match wins: opmap's Triton kernels, then the peers' symbols.
+SYMBOL_RULES = [
+    ("grammar", r"bitmask"),
+    ("MoE", r"_align_kernel|grouped_gemm|_combine_kernel|moe|expert|topk_gating"),
+    ("sampling", r"_sample_kernel|_penalty_kernel|_temperature_kernel|_gumbel|_race|sampling|multinomial|"
+                 r"radix(Sort|Select)|argmax|ArgMax|cumsum|softmax_warp|SoftMax|log_softmax"),
+    ("attention", r"_decode_kernel|_prefill_kernel|_append_kernel|_merge_kernel|flash|fmha|attn|attention|"
+                  r"sdpa|cudnn|mla"),
+    ("norm", r"rmsnorm|rms_norm|_norm_kernel|layer_norm|RowwiseMoments"),
+    ("RoPE", r"rope|rotary|_rotate"),
+    ("activation", r"_act_mul|silu|gelu|act_and_mul"),
+    ("GEMM", r"_gemm_kernel|splitk|gemm|Gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm80_|ampere_|wgmma|"
+             r"_scaled_mm"),
+    ("memory copies", r"[Mm]emcpy|[Mm]emset|copy_|CatArray|index_select|gather|scatter|fill_|elementwise_kernel"),
+]
+_RULES = [(c, re.compile(r)) for c, r in SYMBOL_RULES]
+
+
+def categorize(symbol: str) -> str:
+    for cat, rx in _RULES:
+        if rx.search(symbol):
+            return cat
+    return "other"
+
+
+def _op_of(name: str):
+    """'opmap::gemm::QKV proj::cublas' -> ('gemm', 'QKV proj', 'cublas')."""
+    parts = name.split("::")
+    return tuple(parts[1:4]) if len(parts) >= 4 and parts[0] == "opmap" and parts[1] != "step" else None
+
+
+def analyse(trace: dict) -> dict:
+    """Per phase: steps, host wall, GPU busy and idle, time per category with kernels and backends."""
+    evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    steps = [e for e in evs if e.get("cat") == "user_annotation" and e["name"].startswith("opmap::step::")]
+    steps.sort(key=lambda e: e["ts"])
+    kernels = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    gpu_ops = [e for e in evs if e.get("cat") == "gpu_user_annotation" and _op_of(e["name"])]
+    cpu_ops = [e for e in evs if e.get("cat") == "user_annotation" and _op_of(e["name"])]
+    on_gpu = bool(kernels)
+    phases: dict = {}
+    starts = [s["ts"] for s in steps]
+
+    def step_of(ts):
+        import bisect
+
+        i = bisect.bisect_right(starts, ts) - 1
+        if i >= 0 and ts <= steps[i]["ts"] + steps[i]["dur"]:
+            return steps[i]
+        return None
+
+    for s in steps:
+        ph = phases.setdefault(s["name"].split("::")[2], {
+            "steps": 0, "wall_us": 0.0, "busy_us": 0.0, "by_category": Counter(), "symbols": defaultdict(Counter),
+            "backends": defaultdict(set)})
+        ph["steps"] += 1
+        ph["wall_us"] += s["dur"]
+    gpu_ops.sort(key=lambda e: e["ts"])
+    op_starts = [o["ts"] for o in gpu_ops]
+    for ev in (kernels if on_gpu else cpu_ops):
+        s = step_of(ev["ts"])
+        if s is None:
+            continue
+        ph = phases[s["name"].split("::")[2]]
+        if on_gpu:
+            import bisect
+
+            j = bisect.bisect_right(op_starts, ev["ts"]) - 1
+            owner = gpu_ops[j] if j >= 0 and ev["ts"] <= gpu_ops[j]["ts"] + gpu_ops[j]["dur"] else None
+            op = _op_of(owner["name"]) if owner else None
+            cat = OP_CATEGORY.get(op[0], "other") if op else categorize(ev["name"])
+            sym = ev["name"]
+        else:
+            op = _op_of(ev["name"])
+            cat, sym = OP_CATEGORY.get(op[0], "other"), f"{op[1]} (host)"
+        ph["by_category"][cat] += ev["dur"]
+        ph["symbols"][cat][sym[:90]] += ev["dur"]
+        if op:
+            ph["backends"][cat].add(op[2])
+    for ph, d in phases.items():
+        steps_of_ph = [s for s in steps if s["name"].endswith("::" + ph)]
+        d["busy_us"] = _union_inside(kernels, steps_of_ph) if on_gpu else sum(d["by_category"].values())
+        d["idle_us"] = max(d["wall_us"] - d["busy_us"], 0.0) if on_gpu else None
+    return {"on_gpu": on_gpu, "phases": phases}
+
+
+def _union_inside(kernels: list, steps: list) -> float:
+    total = 0.0
+    for s in steps:
+        a, b = s["ts"], s["ts"] + s["dur"]
+        iv = sorted((max(k["ts"], a), min(k["ts"] + k["dur"], b)) for k in kernels if a <= k["ts"] <= b)
+        end = a
+        for x, y in iv:
+            if y > end:
+                total += y - max(x, end)
+                end = y
+    return total
+
+
+def diagnose(res: dict, llm, phase_backends: dict) -> list:
+    """Rules from the measured breakdown (and the engine's state) to what to look at next."""
+    out = []
+    ph = res["phases"]
+    if not res["on_gpu"]:
+        out.append("CPU run: category times are host times of the reference operators; GPU idle and graph "
+                   "replay do not apply here")
+    d = ph.get("decode")
+    if d and res["on_gpu"] and d["busy_us"] > 0:
+        cat = d["by_category"]
+        share = (cat["attention"] + cat["memory copies"]) / d["busy_us"]
+        if share > 0.5:
+            out.append(f"decode: attention + copies take {share:.0%} of GPU time -> check the KV layout and the paged "
+                       f"decode kernel ({', '.join(sorted(d['backends'].get('attention', ()))) or 'graph-replayed'}), "
+                       f"or the batch is too small to fill the GPU")
+        if cat["GEMM"] / d["busy_us"] > 0.5:
+            floor = _weight_floor_ms(llm)
+            per = cat["GEMM"] / d["steps"] / 1e3
+            extra = f" (weight-read floor {floor:.3f} ms/step)" if floor else ""
+            out.append(f"decode: GEMM takes {cat['GEMM'] / d['busy_us']:.0%} of GPU time, {per:.3f} ms/step{extra}: "
+                       "weight-bandwidth bound; a faster decode GEMM or fp8 weights move it")
+    for name, p in ph.items():
+        if res["on_gpu"] and p["wall_us"] > 0 and p["idle_us"] / p["wall_us"] > 0.3:
+            why = ["host-side scheduling / Python overhead"]
+            r = llm.runner
+            if name == "decode" and (not r.use_graphs or len(r.graphs) < len(r.buckets)):
+                why.append("decode CUDA graphs not captured" + (
+                    f" ({len(r.graph_errors)} buckets failed: {next(iter(r.graph_errors.values()))[:80]})"
+                    if r.graph_errors else " (enforce_eager)"))
+            if phase_backends.get(("sampling", "decode")) == "reference":
+                why.append("sampler fallback (sampling runs the reference host loop)")
+            if any("matcher" in s.state for s in llm.scheduler.running):
+                why.append("grammar bitmask filled on the CPU critical path")
+            out.append(f"{name}: GPU idle {p['idle_us'] / p['wall_us']:.0%} of the step time -> " + "; ".join(why))
+    return out
+
+
+def _weight_floor_ms(llm):
+    from .hw import ceilings
+
+    c = ceilings(measure=False)
+    return llm.runner.model.weight_bytes() / (c.read_tbps * 1e12) * 1e3 if c else None
+
+
+def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> dict:
+    """Run up to ``steps`` engine steps of a workload under torch.profiler, then finish it unprofiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    llm.add_requests(prompts, plist)
+    n = 0
+    with profile(activities=acts) as prof:
+        while llm.scheduler.has_unfinished() and n < steps:
+            llm.step()
+            n += 1
+    while llm.scheduler.has_unfinished():
+        llm.step()
+    path = trace_path or os.path.join(tempfile.mkdtemp(prefix="opmap-profile-"), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        res = analyse(json.load(f))
+    if trace_path is None:
+        os.remove(path)
+    res["profiled_steps"] = n
+    res["trace"] = trace_path
+    return res
+
+
+def phase_backends(llm) -> dict:
+    out = {}
+    r = llm.runner
+    for ops in [*r.ops.values(), *r.decode_ops.values()]:
+        for label, _, c in ops.choices:
+            out.setdefault((c.op, c.spec.phase), c.backend.name)
+    for _, c in llm.sampler.choices:
+        out.setdefault((c.op, "decode"), c.backend.name)
+    return out
+
+
+def format_profile(res: dict) -> list:
+    lines = []
+    for name, p in res["phases"].items():
+        n = max(p["steps"], 1)
+        head = f"[{name}] {p['steps']} steps, {p['wall_us'] / n / 1e3:.3f} ms/step host wall"
+        if res["on_gpu"]:
+            head += f", GPU busy {p['busy_us'] / n / 1e3:.3f} ms/step, idle {p['idle_us'] / n / 1e3:.3f} ms/step"
+        lines.append(head)
+        total = sum(p["by_category"].values()) or 1.0
+        for cat in CATEGORIES:
+            t = p["by_category"].get(cat, 0.0)
+            if not t:
+                continue
+            be = ",".join(sorted(p["backends"].get(cat, ()))) or "graph/unattributed"
+            top = ", ".join(s for s, _ in p["symbols"][cat].most_common(3))
+            lines.append(f"  {cat:<14} {t / n / 1e3:9.3f} ms/step {t / total:6.1%}  [{be}]  {top}")
+    return lines
+
+
+def report_summary(model: str) -> dict:
+    """The profile of a short batch-8 workload on random weights (for `opmap report`)."""
+    import torch
+
+    from .engine.llm import LLM
+    from .ops.sampling.params import SamplingParams
+
+    llm = LLM(model, trace_ops=True)
+    g = torch.Generator().manual_seed(0)
+    n = min(512, llm.max_model_len // 2)
+    prompts = [torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist() for _ in range(8)]
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    res = profile_engine(llm, prompts, sp, steps=40)
+    lines = format_profile(res) + diagnose(res, llm, phase_backends(llm))
+    return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines}
