@@ -189,3 +189,30 @@ def test_absorbed_decode_equals_non_absorbed_prefill_bf16():
     _agree(got, want, scale=2.0)  # q_abs and the latent output rounded to bf16
     pre = pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=SCALE)
     _agree(pre, want, scale=2.0)
+
+
+def test_sparse_decode_cuda_graph_replay_new_indices():
+    """Index validation reads the host, so it is skipped while capturing; the replay must still
+    follow new indices and lengths (and masked positions cannot read outside the cache)."""
+    H, B, page, maxp, k = 128, 2, 64, 64, 256
+    P = B * maxp
+    g = _gen(14)
+    cache = (torch.randn(P, page, R + DR, generator=g, device="cuda") * 0.5).to(BF)
+    qn, qp = _q(B, H, g)
+    seq_lens = torch.tensor([4096, 300], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(P, device="cuda").view(B, maxp).to(torch.int32).contiguous()
+    idx = sparse_indices([4096, 300], k, gen=torch.Generator().manual_seed(1), device="cuda")
+    ws = dec.make_workspace(B, H, R, "cuda")
+    run = lambda: dec.mla_sparse_decode(qn, qp, cache, seq_lens, tables, idx, scale=SCALE,  # noqa: E731
+                                        workspace=ws)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed, lens in ((2, [1000, 4000]), (3, [17, 4096])):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        idx.copy_(sparse_indices(lens, k, gen=torch.Generator().manual_seed(seed), device="cuda"))
+        graph.replay()
+        want = ref.mla_sparse_decode(qn, qp, cache, seq_lens, tables, idx, scale=SCALE)
+        _agree(out, want, what=f"sparse replay lens={lens}")
