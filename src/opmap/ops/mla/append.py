@@ -16,7 +16,7 @@ from .validate import check_append, scale_alias
 
 
 @triton.jit
-def _append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOTS, s_ckv, s_kpe, s_row,
+def _mla_append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOTS, s_ckv, s_kpe, s_row,
                    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, FP8: tl.constexpr,
                    SCALE_FROM_PTR: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -48,7 +48,7 @@ def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> N
         return
     fp8 = cache.dtype == torch.float8_e4m3fn
     from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
-    _append_kernel[(T,)](
+    _mla_append_kernel[(T,)](
         ckv, kpe, cache, slot_mapping, kv_scale if from_ptr else slot_mapping,
         float(kv_scale) if fp8 and not from_ptr else 1.0, R, kpe.shape[1],
         cache.shape[0] * cache.shape[1], ckv.stride(0), kpe.stride(0), cache.stride(1),

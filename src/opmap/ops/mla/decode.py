@@ -11,7 +11,7 @@ captured CUDA graph replays for any lengths; each program derives from ``seq_len
 the device) how many splits this sequence uses (one per ``split_min`` tokens, at most
 ``num_splits``) and which token range is its own. Programs past the used splits exit at once.
 With one split the kernel writes the output directly; otherwise partial outputs and LSEs go to the
-persistent workspace and ``_merge_kernel`` combines them.
+persistent workspace and ``_mla_merge_kernel`` combines them.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _config(H: int, R: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
+def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
                    sm_scale, kv_scale, H, R, DR, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_ib, s_ob, s_oh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
@@ -173,7 +173,7 @@ def _decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, 
 
 
 @triton.jit
-def _merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
+def _mla_merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
                   s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
                   BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr):
     h = tl.program_id(0)
@@ -228,7 +228,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
-    _decode_kernel[grid](
+    _mla_decode_kernel[grid](
         q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
         out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
         H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
@@ -239,7 +239,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
         BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
         IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
     if S > 1:
-        _merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
+        _mla_merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
                               po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
                               out.stride(0), out.stride(1), BLOCK_R=triton.next_power_of_2(R),
                               NUM_SPLITS=S, SPARSE=sparse, num_warps=4)

@@ -7,7 +7,7 @@ non-absorbed form is the cheaper one (per head a 192-dim key and 128-dim value i
 
 Chunking bounds memory: the context is walked in chunks of ``chunk_size`` token positions (the
 same positions for every sequence of the batch); each chunk is gathered from the pages, expanded,
-and attended to by ``_prefill_kernel``, which *continues* the online softmax from the running
+and attended to by ``_mla_prefill_kernel``, which *continues* the online softmax from the running
 (normalised output, LSE) state of the previous chunks kept in fp32 buffers, so no separate merge
 pass is needed. The plan (number of chunks, query blocks) reads ``max_q_len`` / ``max_seq_len``
 from the host (give them to skip that read); prefill is therefore not CUDA-graph capturable.
@@ -27,7 +27,7 @@ CHUNK_BUDGET_BYTES = 512 * 2**20  # expanded K/V of one chunk
 
 
 @triton.jit
-def _prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, chunk_len, sm_scale,
+def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, chunk_len, sm_scale,
                     H, DN, DR, DV,
                     s_qnt, s_qnh, s_qpt, s_qph, s_knb, s_knn, s_knh, s_kpb, s_kpn,
                     s_vb, s_vn, s_vh, s_ot, s_oh, s_lt,
@@ -145,7 +145,7 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
             kn, v = kv[..., :Dn], kv[..., Dn:]
             kp = rows[..., R:]
             grid = (triton.cdiv(max_q_len, BLOCK_M), B, H)
-            _prefill_kernel[grid](
+            _mla_prefill_kernel[grid](
                 q_nope, q_pe, kn, kp, v, o, lse, cu_seqlens_q, seq_lens, c0, n, float(scale),
                 H, Dn, Dr, Dv, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                 kn.stride(0), kn.stride(1), kn.stride(2), kp.stride(0), kp.stride(1),
