@@ -1,0 +1,46 @@
+"""The engine on opmap's Triton kernels (forced through the selector, run by the Triton
+interpreter on the CPU): the same greedy tokens as HF transformers. This is the code path the
+GPU takes, checked here for its calling conventions (strided q/k views of the fused QKV output,
+split-KV workspaces, MLA absorbed decode) before any GPU time is spent."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from opmap.engine.config import make_hf_model
+from opmap.engine.llm import LLM
+from opmap.engine.weights import StateDictSource
+from opmap.ops.sampling.params import SamplingParams
+from opmap.presets import PRESETS
+
+from test_engine_util import hf_greedy, random_prompts, single_thread  # noqa: F401
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                                reason="Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+
+
+def forced(cfg) -> dict:
+    f = dict(rmsnorm="triton", rope="triton", activation="triton", sampling="triton", logits="triton")
+    f.update(attention="mla-triton", kv_append="mla-triton") if cfg.is_mla else f.update(attention="triton",
+                                                                                      kv_append="triton")
+    if cfg.is_moe:
+        f["moe"] = "triton"
+    return f
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe"])
+def test_triton_path_matches_hf(name, single_thread):
+    cfg = PRESETS[name]
+    if not cfg.is_mla:
+        cfg = dataclasses.replace(cfg, head_dim=64)  # the Triton attention serves head_dim 64/128/256
+    hf = make_hf_model(cfg, seed=5)
+    llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=4,
+              backends=forced(cfg))
+    chosen = {c.op: c.backend.name for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
+              for _, _, c in ops.choices}
+    assert chosen["attention"] in ("triton", "mla-triton") and chosen["rmsnorm"] == "triton"
+    prompts = random_prompts(cfg.vocab, (5, 40), seed=9)  # 40 > budget 32: a chunked prefill
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 5)
