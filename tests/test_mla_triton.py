@@ -220,3 +220,16 @@ def test_append_scale_keyword_alias():
     assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     with pytest.raises(InputError, match="scale"):
         ap.append_mla(ckv, kpe, a, slots, s, scale=s)
+
+
+def test_prefill_empty_sequence_with_padding_table_row():
+    """A sequence with no new tokens and no pages may carry -1 padding in its table row."""
+    g = torch.Generator().manual_seed(17)
+    pc = make_cache([20, 0], R, DR, 16, torch.float32, gen=g)
+    tables = pc.block_tables.clone()
+    tables[1] = -1
+    qn, qp = torch.randn(4, H, 8, generator=g), torch.randn(4, H, DR, generator=g)
+    wk, wv = torch.randn(H, 8, R, generator=g) / 4, torch.randn(H, 8, R, generator=g) / 4
+    cu = torch.tensor([0, 4, 4], dtype=torch.int32)
+    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, tables)
+    assert_close(pf.mla_prefill(*args, scale=0.2), ref.mla_prefill(*args, scale=0.2))

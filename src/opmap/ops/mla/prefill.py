@@ -135,10 +135,11 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
         for c0 in range(0, max_seq_len, chunk):
             n = min(chunk, max_seq_len - c0)
             pos = c0 + torch.arange(n, device=dev)
-            # positions past a sequence's end read its page 0 (any page it owns), masked in the kernel
+            # positions past a sequence's end read cache page 0 (whatever the table holds there,
+            # e.g. -1 padding, is never used as an index); the kernel masks them
             pidx = (pos // page).clamp(max=maxp - 1)[None, :].expand(B, n)
             own = pos[None, :] < seq_lens[:, None]
-            pages = torch.where(own, block_tables.gather(1, pidx), block_tables[:, :1]).long()
+            pages = torch.where(own, block_tables.gather(1, pidx), 0).long().clamp_(0, cache.shape[0] - 1)
             rows = cache[pages, (pos % page)[None, :].expand(B, n)]  # [B, n, R + Dr]
             rows = rows.to(dt) if kscale is None else (rows.float() * kscale).to(dt)
             kv = (rows[..., :R] @ w.T).view(B, n, H, Dn + Dv)

@@ -22,8 +22,8 @@ def make_cache(lens, R, Dr, page, dtype=torch.float16, device="cpu", fp8=False, 
                gen: Optional[torch.Generator] = None, std=1.0) -> Paged:
     """A paged latent cache holding random tokens for sequences of ``lens``, pages shuffled.
 
-    Unused table entries point to page 0 ... but never beyond a sequence's own pages; pages not
-    owned by any sequence hold random junk too (so reading them would show)."""
+    Table entries past a sequence's pages are 0 (a page some other sequence may own); pages owned
+    by no sequence hold random values too, so reading a wrong page changes the result."""
     B = len(lens)
     need = [(n + page - 1) // page for n in lens]
     maxp = max(max(need, default=0), 1)
