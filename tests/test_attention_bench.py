@@ -1,0 +1,42 @@
+"""The attention benchmark cases are well formed, and their providers' plumbing (ours, SDPA on
+contiguous K/V, flex on the paged cache) computes the same attention, on a tiny CPU instance."""
+import warnings
+
+import torch
+
+from opmap.bench.cases import attention as BA
+from opmap.ops.attention import reference as R
+from opmap.tolerance import assert_close
+
+warnings.filterwarnings("ignore", message=".*flex_attention.*")
+
+
+def test_cases_are_well_formed():
+    for quick in (True, False):
+        cs = BA.cases(quick)
+        assert cs and len({(c.op, c.case) for c in cs}) == len(cs)
+        for c in cs:
+            assert c.bytes > 0 and c.providers and c.spec is not None
+            assert c.flops > 0 or c.op == "kv_append"
+    full = {c.case for c in BA.cases(False) if c.op == "attention.decode"}
+    assert "B=64,kv=4096,h=32/8,d=128,page=16,dtype=bf16" in full
+    assert "B=1,kv=32768,h=32/8,d=128,page=16,dtype=fp8" in full
+    names = {p.name for c in BA.cases(True) if c.op == "attention.decode" for p in c.providers}
+    assert {"opmap-triton", "cudnn-sdpa", "torch-sdpa-flash", "torch-flex", "flashinfer"} <= names
+
+
+def test_providers_agree_on_a_tiny_instance():
+    torch.manual_seed(0)
+    for q_lens, L in (([1, 1], 40), ([24, 24], 24)):
+        inp = BA._paged(2, L, 8, q_lens, 32, False, "cpu", dt=torch.float32)
+        ref = R.prefill(inp["q"], inp["kc"], inp["vc"], inp["cu"], inp["seq_lens"], inp["bt"], scale=inp["scale"])
+        phase = "decode" if q_lens[0] == 1 else "prefill"
+        if phase == "decode":
+            inp["q"] = inp["q"].view(2, 32, BA.D)
+        ours = BA._ours(phase)(inp)().reshape(ref.shape)
+        assert_close(ours, ref, torch.float32, scale=4.0)
+        flash = BA._sdpa("FLASH_ATTENTION", causal=phase == "prefill")(inp)()  # [B, Hq, S_q, D]
+        assert_close(flash.transpose(1, 2).reshape(ref.shape), ref, torch.float32, scale=4.0)
+        inp["q"] = inp["q"].reshape(ref.shape)
+        flex = BA._flex(inp)()
+        assert_close(flex[0].transpose(0, 1), ref, torch.float32, scale=4.0)
