@@ -27,7 +27,7 @@ def test_cases_are_well_formed():
 
 def test_providers_agree_on_a_tiny_instance():
     torch.manual_seed(0)
-    for q_lens, L in (([1, 1], 40), ([24, 24], 24)):
+    for q_lens, L in (([1, 1], 20), ([16, 16], 16)):
         inp = BA._paged(2, L, 8, q_lens, 32, False, "cpu", dt=torch.float32)
         ref = R.prefill(inp["q"], inp["kc"], inp["vc"], inp["cu"], inp["seq_lens"], inp["bt"], scale=inp["scale"])
         phase = "decode" if q_lens[0] == 1 else "prefill"
