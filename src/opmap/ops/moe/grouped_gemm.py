@@ -24,9 +24,9 @@ import triton.language as tl
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
-    n_pairs, N, K, a_row_div,
+    n_pairs, N, K, a_row_div, rows_bucket,
     stride_am, stride_we, stride_wn, stride_om,
-    GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -51,28 +51,30 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BK)
+    # Loads need no row or column masks: padding rows read row 0 and the column tail wraps
+    # around (offs_n % N); neither result is stored. Masks cost registers and pipelining.
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     w_base = w_ptr + expert * stride_we
-    g_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    g_ptrs = w_base + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     if GATED:
         u_ptrs = g_ptrs + N * stride_wn
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for kk in range(0, tl.cdiv(K, BK)):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            g = tl.load(g_ptrs, mask=n_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs)
+            g = tl.load(g_ptrs)
         else:
             k_ok = offs_k < K - kk * BK
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, g, acc)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, g, acc, input_precision=PRECISION)
         if GATED:
             if EVEN_K:
-                u = tl.load(u_ptrs, mask=n_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs)
             else:
-                u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_u = tl.dot(a, u, acc_u)
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
             u_ptrs += BK
         a_ptrs += BK
         g_ptrs += BK
@@ -103,43 +105,73 @@ def _interpreting() -> bool:
 def pick_bm(n_pairs: int, num_experts: int) -> int:
     """Row-block height from the expected rows per expert (known on the host: no sync).
     Decode (a few rows per expert) wants the smallest tile tl.dot takes; prefill wants tall
-    tiles to reuse each weight tile across many rows."""
+    tiles to reuse each weight tile across many rows, but every expert's last block is padded,
+    so the tile stays below about half the rows an expert gets (Qwen3-30B-A3B prefill: ~256 rows
+    per expert -> 64, Mixtral: ~1000 -> 128)."""
     if _interpreting():
         return 16
     per_expert = n_pairs / num_experts
-    if per_expert <= 16:
+    if per_expert <= 24:
         return 16
-    if per_expert <= 48:
+    if per_expert <= 64:
         return 32
-    if per_expert <= 96:
+    if per_expert <= 512:
         return 64
     return 128
 
 
-def _config(bm: int, gated: bool, N: int, K: int, elem: int) -> dict:
-    if _interpreting():  # small tiles keep the interpreter fast; speed is not measured there
-        return dict(BN=32, BK=32, GROUP_M=4, num_warps=4, num_stages=1)
-    if bm <= 32:  # weight-bandwidth bound: many narrow column tiles, deep pipelining
-        bn = 64 if (gated or N >= 8192) else 32
-        return dict(BN=bn, BK=128 if elem == 2 else 64, GROUP_M=1, num_warps=4,
-                    num_stages=3 if gated else 4)
-    bn = 64 if gated else 128  # gated: two accumulators, so half-width tiles
-    return dict(BN=bn, BK=64 if elem == 2 else 32, GROUP_M=8, num_warps=8 if bm >= 128 else 4,
-                num_stages=4 if bm <= 64 else 3)
+def _c(bn, bk, warps, stages, group_m):
+    return triton.Config(dict(BN=bn, BK=bk, GROUP_M=group_m), num_warps=warps, num_stages=stages)
+
+
+# A few configs per regime (compile time counts): decode tiles are narrow and deep along K, to
+# spread the weight stream over many CTAs; prefill tiles feed wgmma (BM >= 64). Configs whose
+# accumulators spill on sm90 (seen with ptxas: 128x128 with 4 warps, 128x256 with 8, gated
+# 2x128x128 with 8) are left out.
+_DECODE = {True: [_c(32, 128, 4, 4, 1), _c(64, 128, 4, 3, 1), _c(32, 256, 4, 3, 1)],
+           False: [_c(32, 128, 4, 4, 1), _c(64, 128, 4, 4, 1), _c(16, 256, 4, 3, 1)]}
+_BM64 = {True: [_c(64, 64, 4, 4, 8), _c(64, 128, 4, 3, 8)],
+         False: [_c(128, 64, 4, 4, 8), _c(128, 128, 4, 3, 8)]}
+_BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
+          False: [_c(128, 64, 8, 3, 8), _c(128, 64, 8, 4, 8)]}
+
+
+def _prune(configs, named_args, **kw):
+    bm = kw["BM"]
+    table = _DECODE if bm <= 32 else (_BM64 if bm == 64 else _BM128)
+    want = table[bool(kw["GATED"])]
+    k = named_args["K"]
+    return [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
+
+
+_ALL_CONFIGS = list(dict.fromkeys(c for t in (_DECODE, _BM64, _BM128) for cs in t.values() for c in cs))
+_tuned_kernel = triton.autotune(_ALL_CONFIGS, key=["N", "K", "rows_bucket", "BM", "GATED"],
+                                prune_configs_by={"early_config_prune": _prune})(
+    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_grouped_gemm_kernel))
 
 
 def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div, bm, *, gated, weights=None):
     """out[pair] = f(a[pair // a_row_div] @ w[e].T) for every pair of every expert block."""
     E, n_rows, K = w.shape
     N = n_rows // 2 if gated else n_rows
-    cfg = _config(bm, gated, N, K, a.element_size())
     nblocks = block_expert.numel()
-    grid = (nblocks * triton.cdiv(N, cfg["BN"]),)
-    _grouped_gemm_kernel[grid](
-        a, w, out, weights if weights is not None else out, sorted_ids, block_expert, total,
-        n_pairs, N, K, a_row_div, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        GATED=gated, WEIGHTED=weights is not None, EVEN_K=K % cfg["BK"] == 0, BM=bm, BN=cfg["BN"],
-        BK=cfg["BK"], GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    args = (a, w, out, weights if weights is not None else out, sorted_ids, block_expert, total,
+            n_pairs, N, K, a_row_div, triton.next_power_of_2(max(1, n_pairs)),
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
+    flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
+                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
+    if _interpreting() or a.dtype == torch.float32:
+        # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
+        # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
+        bn, bk = 32, 32
+        _grouped_gemm_kernel[(nblocks * triton.cdiv(N, bn),)](
+            *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, num_warps=4,
+            num_stages=1 if _interpreting() else 2)
+        return
+    # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.
+    grid = lambda meta: (nblocks * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    _tuned_kernel[grid](*args, **flags)
 
 
 def combine(y: torch.Tensor, T: int, top_k: int, out: torch.Tensor) -> torch.Tensor:
