@@ -4,7 +4,8 @@ per-output-channel scales, bf16 activations.
 
 Providers, timed in the same run on the same inputs:
 - bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
-- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"); cuBLAS bf16 on the same
+- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"; for fp8 also with Triton's own
+  fp8 -> bf16 cast instead of our bit-move conversion, to measure that choice); cuBLAS bf16 on the same
   weights kept in bf16 (the baseline of the "fp8 weight-only >= 1.8x cuBLAS bf16" target);
   "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
   path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
@@ -49,6 +50,14 @@ def _ours(backend, quantised):
         return lambda: fn(inp["x"], inp["w"])
 
     return make
+
+
+def _ours_native_fp8_cvt(inp):
+    """Our weight-only kernel with Triton's own fp8 -> bf16 cast instead of the bit-move asm."""
+    from opmap.ops.gemm import triton_gemm
+
+    plan = {"W_KIND": triton_gemm.W_FP8}
+    return lambda: triton_gemm.linear(inp["x"], inp["wq"], None, inp["s"], _plan=plan)
 
 
 def _cublas(inp):
@@ -96,6 +105,8 @@ def cases(quick: bool) -> list[BenchCase]:
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
                     if fmt == "fp8":
+                        provs.append(Provider("opmap-triton-native-cvt", _ours_native_fp8_cvt,
+                                              backend=("gemm", "triton-wo"), available=_sm89))
                         provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89))
                 out.append(BenchCase(
                     op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),

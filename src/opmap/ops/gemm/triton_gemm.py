@@ -27,7 +27,33 @@ import triton.language as tl
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
+W_SAME, W_INT8, W_FP8, W_FP8_BITS, W_FP8_ASM = 0, 1, 2, 3, 4
+# fp8 -> bf16 conversion on a GPU: "asm" (integer bit moves + one bf16x2 FMA per pair, see
+# _e4m3_to_bf16) or "native" (Triton's cast: cvt e4m3x2 -> f16x2, then one cvt per element to
+# bf16, ~1.5 conversions per weight, which the conversion units' 16/clk/SM cap at ~2.8 T
+# weights/s on an H200, below the HBM rate for 1-byte weights). Both are tested and timed.
+FP8_CVT = os.environ.get("OPMAP_GEMM_FP8_CVT", "asm")
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    """4 e4m3 bytes per 32-bit register -> 4 bf16: move sign, exponent and mantissa into bf16
+    position (value x 2^-120, subnormals included), then multiply by 2^120 (exact)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 a0, a1, b0, b1, e, z;\n"
+        "mov.b32 e, 0x7b807b80;\n"  # bf16x2 (2^120, 2^120)
+        "mov.b32 z, 0x80008000;\n"  # bf16x2 (-0, -0): x * 2^120 + -0 == x * 2^120
+        "prmt.b32 a0, 0, $2, 0x5140;\n"  # bytes 0, 1 into the high byte of each half
+        "prmt.b32 a1, 0, $2, 0x7362;\n"  # bytes 2, 3
+        "and.b32 b0, a0, 0x7fff7fff;\n"
+        "and.b32 b1, a1, 0x7fff7fff;\n"
+        "shr.b32 b0, b0, 4;\n"
+        "shr.b32 b1, b1, 4;\n"
+        "lop3.b32 b0, b0, a0, 0x80008000, 0xf8;\n"  # b0 | (a0 & sign bits)
+        "lop3.b32 b1, b1, a1, 0x80008000, 0xf8;\n"
+        "fma.rn.bf16x2 $0, b0, e, z;\n"
+        "fma.rn.bf16x2 $1, b1, e, z; }",
+        "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -57,7 +83,9 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if W_KIND == 3:
+        if W_KIND == 4:
+            wv = _e4m3_to_bf16(w)
+        elif W_KIND == 3:
             # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
             # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
             u = w.to(tl.int16) & 0xFF
@@ -149,7 +177,11 @@ def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
     if w.dtype == torch.int8:
         return W_INT8
     if w.dtype == torch.float8_e4m3fn:
-        if w.device.type == "cuda" and torch.cuda.get_device_capability(w.device) < (8, 9):
+        if w.device.type != "cuda":
+            return W_FP8
+        if x.dtype == torch.bfloat16 and FP8_CVT == "asm":
+            return W_FP8_ASM  # fma.bf16x2: sm80+
+        if torch.cuda.get_device_capability(w.device) < (8, 9):
             return W_FP8_BITS
         return W_FP8
     return W_SAME
@@ -173,6 +205,7 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None) -> torch.Tensor:
+    """``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}."""
     M, N, K = check_linear(x, w, bias, w_scale)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -182,10 +215,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
         if bias is not None:
             out += bias.to(x.dtype)
         return out
-    p = dict(_plan) if _plan else plan(M, N, K, _sm_count(x.device))
+    p = plan(M, N, K, _sm_count(x.device))
+    p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
     split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
     kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
-    wk = w.view(torch.uint8) if kind == W_FP8_BITS else w
+    wk = w.view(torch.uint8) if kind in (W_FP8_BITS, W_FP8_ASM) else w
     dummy = out  # never read when the HAS_* flag is off
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn)
