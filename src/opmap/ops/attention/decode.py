@@ -69,11 +69,9 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
 @triton.jit
 def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
     """(chunk, n): n splits of ``chunk`` keys cover the E keys a query sees."""
-    if split_tokens > 0:
-        chunk = split_tokens
-    else:
-        n = tl.minimum(tl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
-        chunk = tl.maximum(((E + n - 1) // n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    n = tl.minimum(tl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
+    auto = tl.maximum(((E + n - 1) // n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    chunk = tl.where(split_tokens > 0, split_tokens, auto)
     return chunk, (E + chunk - 1) // chunk
 
 

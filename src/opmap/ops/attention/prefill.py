@@ -79,7 +79,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
                     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, FP8: tl.constexpr,
                     RETURN_LSE: tl.constexpr, IEEE: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
-    pid = tl.program_id(0)
+    # Reversed order: under causal masking the last query blocks of a sequence carry the most
+    # keys; starting them first shortens the tail of the grid.
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     # Which sequence owns this program: the largest b with cu[b] // BLOCK_Q + b <= pid.
     lo = pid * 0
