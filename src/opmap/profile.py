@@ -148,7 +148,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
             if name == "decode" and (not r.use_graphs or len(r.graphs) < len(r.buckets)):
                 why.append("decode CUDA graphs not captured" + (
                     f" ({len(r.graph_errors)} buckets failed: {next(iter(r.graph_errors.values()))[:80]})"
-                    if r.graph_errors else " (enforce_eager)"))
+                    if r.graph_errors else f" ({r.graphs_off_reason})"))
             if phase_backends.get(("sampling", "decode")) == "reference":
                 why.append("sampler fallback (sampling runs the reference host loop)")
             if any("matcher" in s.state for s in llm.scheduler.running):

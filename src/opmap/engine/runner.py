@@ -23,6 +23,7 @@ import torch
 from ..contract import dtype_name
 from ..hw import local_arch
 from ..ops.rope.reference import cos_sin_cache
+from ..select import BackendError
 from .config import EngineConfig
 from .model import Step, build_model
 from .opset import OpSet, log_choices
@@ -63,8 +64,20 @@ class ModelRunner:
         dn, forced = dtype_name(self.dtype), ecfg.backends
         tr = ecfg.trace_ops
         self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr) for p in ("prefill", "mixed")}
-        self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr)
-                           for b in self.buckets}
+        self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
+        try:
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr)
+                               for b in self.buckets}
+        except BackendError as e:
+            if not self.use_graphs:
+                raise
+            # No backend of some op can be captured for this model (e.g. a head_dim only the
+            # reference serves): decode runs eagerly, and says why.
+            self.use_graphs = False
+            self.graphs_off_reason = str(e).splitlines()[0]
+            log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr)
+                               for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         self.num_pages = self._size_kv()
