@@ -83,7 +83,10 @@ register(Backend(
           Req("page_size", TRITON_PAGE_SIZES),
           Req("dtype", ("fp32", "fp16", "bf16")),
           Req("head_dim", TRITON_HEAD_DIMS),
-          Req("sparse", (False,), "dense attention only")),
+          Req("sparse", (False,), "dense attention only"),
+          Req("cuda_graph", (False, True), "decode: workspace from make_workspace, allocated before capture"),
+          Req("batch_invariant", (False, True),
+              "decode: make_workspace(batch_invariant=True) (fixed split size); prefill always")),
     checks=(KV_CHECK, DV_SAME),
     notes=("prefill: FlashAttention-2 style varlen kernel reading pages, GQA heads packed per tile; "
            "decode: query heads of a KV head packed in one tile, split-KV planned on the device "
