@@ -112,9 +112,12 @@ class ModelRunner:
         self.h_i64 = torch.zeros(3, T, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.h_i32 = torch.zeros(2 * B + 1, dtype=torch.int32, pin_memory=pin)  # seq_lens, cu
         self.h_idx = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self._copied = None  # CUDA event after the last step's copies out of the pinned buffers
 
     def _fill(self, items, pad_to: int = 0):
         """Host metadata -> device buffers; returns (T, B, rows that sample)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's host->device copies have read the pinned buffers
         ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
         page = self.page
         width = 1
@@ -153,6 +156,9 @@ class ModelRunner:
         if rows:
             self.h_idx[:len(rows)] = torch.tensor(rows)
             self.logits_idx[:len(rows)].copy_(self.h_idx[:len(rows)], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return T, B, width, rows
 
     def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None) -> Step:
@@ -195,6 +201,8 @@ class ModelRunner:
     def _forward_no_logits(self, ops, st: Step) -> None:
         # A prefill chunk that samples nothing still needs the logits of one row to run the
         # graph of layers; computing the LM head of a single row is negligible.
+        if self._copied is not None:
+            self._copied.synchronize()
         self.h_idx[0] = 0
         self.logits_idx[:1].copy_(self.h_idx[:1], non_blocking=True)
         st.logits_idx = self.logits_idx[:1]

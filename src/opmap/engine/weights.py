@@ -53,7 +53,8 @@ class SafetensorsSource:
         f = self._open.get(fn)
         if f is None:
             # device= makes safetensors place each tensor on the device as it is read.
-            dev = str(device) if torch.device(device).type == "cuda" else "cpu"
+            d = torch.device(device)
+            dev = f"cuda:{d.index if d.index is not None else torch.cuda.current_device()}" if d.type == "cuda" else "cpu"
             f = self._open[fn] = safe_open(fn, framework="pt", device=dev)
         return f.get_tensor(name).to(device=device, dtype=dtype)
 

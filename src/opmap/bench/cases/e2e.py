@@ -1,0 +1,203 @@
+"""End-to-end benchmark records (op ``e2e``): the engine on random bf16 weights of a preset's
+shapes, and HF transformers eager on the same shapes in the same run.
+
+Each record carries ``ttft_ms``, ``tpot_ms`` (p50 over requests), ``tok_per_s`` (generated tokens
+per second over the whole run; for batch runs the decode throughput), and ``weight_floor_ms``:
+the bytes of the weights one decode step must read (MoE: the experts a batch of that size routes
+to in expectation, uniform routing) over this GPU's measured read ceiling. ``median_us`` is the
+TPOT, ``tbps`` the weight bytes over it, so the markdown table shows the fraction of the read
+ceiling a decode step reaches.
+
+These are not ``BenchCase`` timings (a whole generate call is the unit): ``records(quick)`` runs
+them; ``python -m opmap.bench.cases.e2e [--quick] [--out DIR]`` writes a result file with them.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+
+QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128)]
+FULL = QUICK + [("llama3-8b", "workload", None, None), ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
+                ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128), ("llama3-8b", "json32", 512, 128)]
+
+
+def cases(quick: bool) -> list:
+    """No BenchCase: end-to-end runs are records (see ``records``), not per-call timings."""
+    return []
+
+
+def active_weight_bytes(cfg, batch: int, bytes_per_param: float = 2.0) -> float:
+    """Bytes one decode step of ``batch`` rows reads: all dense weights, the LM head, and for MoE
+    the expected number of distinct routed experts, E * (1 - (1 - k/E)^batch), per layer."""
+    if not cfg.is_moe:
+        return cfg.weight_bytes(bytes_per_param) - cfg.vocab * cfg.hidden * bytes_per_param * (0 if cfg.tie_embeddings else 1)
+    E, k = cfg.num_experts, cfg.top_k
+    used = E * (1 - (1 - k / E) ** batch)
+    expert = 3 * cfg.hidden * cfg.moe_intermediate
+    moe_layers = cfg.layers - cfg.first_dense_layers
+    total = cfg.num_params() - moe_layers * (E - used) * expert - cfg.vocab * cfg.hidden  # embedding rows: negligible
+    return total * bytes_per_param
+
+
+def _prompts(vocab, n, length, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ceil, note=""):
+    tbps = wbytes / (tpot_ms * 1e-3) / 1e12 if tpot_ms else None
+    return {"op": "e2e", "case": case, "provider": provider, "model": model,
+            "median_us": round(tpot_ms * 1e3, 3) if tpot_ms else None, "tbps": tbps, "tflops": None,
+            "frac_of_ceiling": tbps / ceil.read_tbps if tbps and ceil else None, "bound": "memory",
+            "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "tok_per_s": tok_s, "weight_floor_ms": floor_ms,
+            "tpot_over_floor": tpot_ms / floor_ms if tpot_ms and floor_ms else None, "method": "wall clock, synced",
+            "note": note}
+
+
+def _engine(model, cases_of_model, ceil, out, skipped):
+    import torch
+
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+    from opmap.presets import get_preset
+
+    cfg = get_preset(model)
+    llm = LLM(model, max_num_seqs=max(32, max(b for _, b, _, _ in cases_of_model if isinstance(b, int))),
+              max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.6)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(cfg.vocab, 2, 600, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
+    for _, b, plen, new in cases_of_model:
+        if b == "workload":
+            import random
+
+            rng = random.Random(0)
+            ps = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
+            sps = [SamplingParams(max_tokens=rng.randint(100, 1024), **greedy) for _ in range(256)]
+            llm.generate(ps, sps)
+            d = llm.last_summary
+            case = f"model={model},requests=256,input=100:1024,output=100:1024"
+            floor = active_weight_bytes(cfg, llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
+            out.append(_record(model, case, "opmap-engine", d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
+                               floor, active_weight_bytes(cfg, llm.ecfg.max_num_seqs), ceil,
+                               f"tok_per_s = total (prompt + generated); {d['preemptions']} preemptions"))
+            skipped.append({"op": "e2e", "case": case, "provider": "hf-transformers-eager",
+                            "reason": "HF generate has no continuous batching: 256 mixed-length requests are not comparable"})
+            continue
+        if b == "json32":
+            case = f"model={model},B=32,prompt={plen},new={new},json_schema=half"
+            try:
+                import xgrammar  # noqa: F401
+            except ImportError as e:
+                skipped.append({"op": "e2e", "case": case, "provider": "opmap-engine",
+                                "reason": f"structured output needs xgrammar ({e}) and a real tokenizer"})
+                continue
+            skipped.append({"op": "e2e", "case": case, "provider": "opmap-engine",
+                            "reason": "random-weight presets have no tokenizer.json to compile a JSON schema against"})
+            continue
+        ps = _prompts(cfg.vocab, b, plen, seed=b)
+        llm.generate(ps, SamplingParams(max_tokens=new, **greedy))
+        d = llm.last_summary
+        dec = d["step_seconds"]["decode"]
+        tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
+        wb = active_weight_bytes(cfg, b)
+        floor = wb / (ceil.read_tbps * 1e12) * 1e3
+        out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "opmap-engine",
+                           d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
+                           "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _hf(model, cases_of_model, ceil, out, skipped):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from opmap.engine.config import to_hf_config
+    from opmap.presets import get_preset
+
+    cfg = get_preset(model)
+    torch.manual_seed(0)
+    hfc = to_hf_config(cfg)
+    hfc._attn_implementation = "eager"
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(hfc, dtype=torch.bfloat16).eval()
+
+    def timed(ids, n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(torch.tensor(_prompts(cfg.vocab, 1, 32, 1), device="cuda"), 4)  # warm-up
+    for _, b, plen, new in cases_of_model:
+        if not isinstance(b, int):
+            continue
+        ids = torch.tensor(_prompts(cfg.vocab, b, plen, seed=b), device="cuda")
+        t1 = timed(ids, 1)
+        tn = timed(ids, new)
+        tpot = (tn - t1) / (new - 1) * 1e3
+        wb = active_weight_bytes(cfg, b)
+        out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "hf-transformers-eager",
+                           t1 * 1e3, tpot, b * (new - 1) / (tn - t1), wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
+                           "HF generate, eager attention; TTFT = generate(1 token), TPOT = (t(new) - t(1)) / (new - 1)"))
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def records(quick: bool = True, progress: bool = True) -> tuple:
+    """(records, skipped) of the end-to-end cases; needs a GPU."""
+    import torch
+
+    from opmap import hw
+
+    if not torch.cuda.is_available():
+        return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
+    ceil = hw.ceilings(measure=True)
+    out, skipped = [], []
+    todo = QUICK if quick else FULL
+    for model in dict.fromkeys(m for m, *_ in todo):
+        mine = [c for c in todo if c[0] == model]
+        for who, fn in (("opmap-engine", _engine), ("hf-transformers-eager", _hf)):
+            if progress:
+                print(f"[e2e] {model}: {who}", file=sys.stderr, flush=True)
+            try:
+                fn(model, mine, ceil, out, skipped)
+            except Exception as e:  # one side failing must not hide the other's figures
+                skipped.append({"op": "e2e", "case": f"model={model}", "provider": who,
+                                "reason": f"failed: {type(e).__name__}: {str(e)[:300]}"})
+                gc.collect()
+                torch.cuda.empty_cache()
+    return out, skipped
+
+
+def main(argv=None) -> int:
+    from opmap import hw
+    from opmap.bench.report import environment, write
+
+    ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers eager)")
+    ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
+    ap.add_argument("--out", default="bench/results")
+    a = ap.parse_args(argv)
+    recs, skipped = records(quick=a.quick)
+    doc = {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
+           "results": recs, "skipped": skipped, "load_errors": []}
+    for r in recs:
+        print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
+              f"{r['tok_per_s']:.0f} tok/s  floor {r['weight_floor_ms']:.2f} ms")
+    for s in skipped:
+        print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
+    if recs:
+        print(write(doc, a.out, png=False))
+    return 0 if recs else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
