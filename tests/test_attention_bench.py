@@ -40,3 +40,25 @@ def test_providers_agree_on_a_tiny_instance():
         inp["q"] = inp["q"].reshape(ref.shape)
         flex = BA._flex(inp)()
         assert_close(flex[0].transpose(0, 1), ref, torch.float32, scale=4.0)
+
+
+def test_tile_variants_run_and_agree():
+    """The tile overrides the full benchmark run times give the same result (interpreter)."""
+    from opmap.contract import InputError
+    from opmap.ops.attention import decode as Dm
+    from opmap.ops.attention import prefill as Pf
+    from opmap.ops.attention.testing import make_paged, make_query
+    import pytest
+
+    pc = make_paged([40, 3], 2, 64, 16, dtype=torch.float16)
+    q, cu = make_query([1, 1], 8, 64, dtype=torch.float16)
+    a = Dm.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.125)
+    b = Dm.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.125, config=dict(BLOCK_N=32))
+    assert_close(b, a.float(), torch.float16, scale=2.0)
+    qp, cup = make_query([40, 3], 8, 64, dtype=torch.float16)
+    a = Pf.prefill(qp, pc.k_cache, pc.v_cache, cup, pc.seq_lens, pc.block_tables, scale=0.125)
+    b = Pf.prefill(qp, pc.k_cache, pc.v_cache, cup, pc.seq_lens, pc.block_tables, scale=0.125,
+                   config=dict(BLOCK_M=16, BLOCK_N=32))
+    assert_close(b, a.float(), torch.float16, scale=2.0)
+    with pytest.raises(InputError, match="config"):
+        Pf.prefill(qp, pc.k_cache, pc.v_cache, cup, pc.seq_lens, pc.block_tables, scale=0.125, config=dict(BM=1))

@@ -67,7 +67,17 @@ def _contiguous(inp, repeat=False):
     return inp[key]
 
 
-def _ours(phase, fixed=False):
+# Alternative tiles timed in the full run (ours only), so one GPU run also tunes the defaults.
+VARIANTS = {"decode": [dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=128, num_stages=2), dict(num_warps=8)],
+            "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4)]}
+
+
+def _tag(cfg):
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s"}
+    return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
+
+
+def _ours(phase, fixed=False, config=None):
     def make(inp):
         from opmap.ops.attention import decode as Dm
         from opmap.ops.attention import mixed as Mx
@@ -78,7 +88,10 @@ def _ours(phase, fixed=False):
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
                                    max_seq_len=inp["bt"].shape[1] * PAGE)
-            return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws, **kw)
+            return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
+                                     config=config, **kw)
+        if phase == "prefill":
+            kw["config"] = config
         fn = Pf.prefill if phase == "prefill" else Mx.mixed
         return lambda: fn(inp["q"], inp["kc"], inp["vc"], inp["cu"], inp["seq_lens"], inp["bt"], **kw)
 
@@ -173,6 +186,8 @@ def _decode_case(B, L, fp8, quick):
     provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
+        if not fp8:
+            provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))
@@ -185,10 +200,12 @@ def _decode_case(B, L, fp8, quick):
                      spec=_spec("decode", HK, fp8, True))
 
 
-def _prefill_case(B, S, hk):
+def _prefill_case(B, S, hk, quick=True):
     pairs = B * S * (S + 1) / 2
     nbytes = B * S * (HQ * 2 + hk * 2) * D * 2
     provs = [Provider("opmap-triton", _ours("prefill"), backend=("attention", "triton"))]
+    if not quick:
+        provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("prefill", config=c)) for c in VARIANTS["prefill"]]
     provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
     if hk != HQ:
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
@@ -259,8 +276,8 @@ def cases(quick: bool) -> list[BenchCase]:
         grid = [(B, L) for B in (1, 8, 32, 64, 128) for L in (512, 2048, 8192, 32768)] + [(64, 4096)]
     out = [_decode_case(B, L, fp8, quick) for fp8 in (False, True) for B, L in grid]
     for S in ((8192,) if quick else (512, 2048, 8192, 16384)):
-        out.append(_prefill_case(1, S, HQ))
-    out.append(_prefill_case(4, 4096, HK))
+        out.append(_prefill_case(1, S, HQ, quick))
+    out.append(_prefill_case(4, 4096, HK, quick))
     if not quick:
         out.append(_mixed_case())
     out += [_append_case(T, fp8) for T in ((64, 8192) if not quick else (64,)) for fp8 in (False, True)]

@@ -36,7 +36,23 @@ def interpreted(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def kernel_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
+def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, override=None) -> dict:
+    """``override`` (a dict of the same keys) replaces defaults: the benchmarks time a few
+    alternatives in one GPU run so the defaults can follow measurement."""
+    cfg = _default_config(kind, head_dim, group, device)
+    if override:
+        from ...contract import expect
+
+        bad = set(override) - set(cfg)
+        expect(not bad, "config", sorted(bad), f"keys among {sorted(cfg)}")
+        cfg.update(override)
+        rows = cfg.get("BLOCK_M", cfg.get("BLOCK_H"))
+        expect(rows >= group and rows >= 16 and cfg["BLOCK_N"] >= 16, "config", override,
+               f"row block >= max(16, group={group}) and BLOCK_N >= 16")
+    return cfg
+
+
+def _default_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
     """Tile sizes. GPU values are the FlashAttention-2 starting points for sm90 (BLOCK_M 128 /
     BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
     interpreter gets small tiles because its cost grows with the tile, not the grid."""

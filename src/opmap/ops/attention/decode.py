@@ -189,7 +189,9 @@ def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
-           k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None):
+           k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None,
+           config=None):
+    """``config``: optional tile override (BLOCK_H, BLOCK_N, num_warps, num_stages), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale)
     hq = q.shape[1]
@@ -198,7 +200,7 @@ def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=
     lse = torch.empty(B, hq, dtype=torch.float32, device=q.device) if return_lse else out
     if B == 0:
         return (out, lse) if return_lse else out
-    cfg = kernel_config("decode", d, group, q.device)
+    cfg = kernel_config("decode", d, group, q.device, config)
     if workspace is not None:
         expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
                "a DecodeWorkspace from make_workspace")

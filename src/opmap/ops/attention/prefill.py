@@ -152,7 +152,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
 
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
-            window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False):
+            window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
+    """``config``: optional tile override (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
     T, hq, _ = q.shape
@@ -160,7 +161,7 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale:
     out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
     if T > 0 and B > 0:
-        cfg = kernel_config("prefill", d, group, q.device)
+        cfg = kernel_config("prefill", d, group, q.device, config)
         bm = cfg["BLOCK_M"]
         grid = (T // (bm // group) + B, hk)
         ks, vs = prepare_scales(k_cache, k_scale, v_scale)
