@@ -108,3 +108,29 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.opmap.moe.default, (x, logits, w13, w2, 2))
     out = torch.ops.opmap.moe(x, logits, w13, w2, 2)
     assert_close(out, reference.moe(x.float(), logits, w13.float(), w2.float(), 2), torch.float16, scale=2)
+
+
+ROUTES = [
+    (5, 8, 2, {}),  # Mixtral
+    (7, 128, 8, dict(renormalize=False)),  # Qwen3-MoE without norm_topk_prob
+    (6, 16, 3, dict(renormalize=False, n_group=4, topk_group=2, routed_scaling=2.5)),  # DeepSeek-V2
+    (9, 32, 4, dict(router="sigmoid_grouped", n_group=8, topk_group=3, routed_scaling=2.5, bias=True)),  # V3
+    (4, 12, 3, dict(router="sigmoid", n_group=3, topk_group=2, bias=True)),  # groups: not a power of two
+    (3, 6, 6, {}),  # top_k == experts, experts not a power of two
+    (5, 8, 3, dict(router="sigmoid", n_group=8, topk_group=4, bias=True)),  # groups of one expert
+]
+
+
+@pytest.mark.parametrize("T,E,k,kw", ROUTES, ids=[f"T{r[0]}-E{r[1]}-k{r[2]}" for r in ROUTES])
+def test_fused_routing_matches_torch_routing(T, E, k, kw):
+    from opmap.ops.moe.route_triton import route as route_triton
+
+    kw = dict(kw)
+    if kw.pop("bias", False):
+        kw["score_bias"] = torch.randn(E) * 0.1
+    logits = torch.randn(T, E)
+    w, ids = route_triton(logits, k, **kw)
+    w_ref, ids_ref = route(logits, k, **kw)
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref, torch.float32)

@@ -1,8 +1,9 @@
 """Backend registrations of the moe family.
 
 Every backend serves the two entries of docs/OPS_API.md: ``moe`` (routed experts: route,
-dispatch, gate/up GEMM, SiLU-and-mul, down GEMM, weighted combine) and ``route``. Routing is
-one shared fp32 function (``routing.route``) so that all backends pick the same experts.
+dispatch, gate/up GEMM, SiLU-and-mul, down GEMM, weighted combine) and ``route``. The torch
+backends share one fp32 routing function (``routing.route``); ours fuses the same rules into one
+Triton kernel (``route_triton.route``, tested to pick the same experts).
 None of them serves quantised (fp8 / int8) expert weights.
 Importing this module imports no kernel module and no peer.
 """
@@ -90,9 +91,9 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": _ROUTE},
+    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": "opmap.ops.moe.route_triton:route"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     available=registry.triton_available,
-    notes="device-side sort/align by expert padded to the row tile, grouped GEMM gate/up with fused "
+    notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM gate/up with fused "
           "SiLU*mul, grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync",
 ))

@@ -1,8 +1,9 @@
-"""Our MoE: route (shared fp32 routing), device-side align by expert, grouped GEMM gate/up with
-fused SiLU-and-mul, grouped GEMM down with the routing weight in its epilogue, combine.
+"""Our MoE: fused routing (route_triton.py), device-side align by expert, grouped GEMM gate/up
+with fused SiLU-and-mul, grouped GEMM down with the routing weight in its epilogue, combine.
 
-Five launches plus the routing ops, no host synchronisation (the grids are sized by static
-bounds, see align.py), so the whole op can be captured in a CUDA graph.
+Five launches, no host synchronisation (the grids are sized by static bounds, see align.py),
+so the whole op can be captured in a CUDA graph. First calls for a new shape autotune the
+GEMMs (grouped_gemm.py): warm up before capturing a graph.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from .align import align
 from .grouped_gemm import combine, grouped_gemm, pick_bm
-from .routing import check_moe_args, expect_tensor, route
+from .route_triton import route
+from .routing import check_moe_args
 
 
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -42,7 +44,6 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
-    expect_tensor("x", x, dtype=(torch.float16, torch.bfloat16, torch.float32))
     weights, ids = route(router_logits, top_k, router=router, renormalize=renormalize, n_group=n_group,
                          topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias)
     return experts(x, weights, ids, w13, w2)
