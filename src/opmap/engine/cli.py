@@ -8,6 +8,8 @@ import logging
 import random
 import sys
 
+from ..contract import InputError
+
 
 def _range(s: str) -> tuple:
     a, _, b = s.partition(":")
@@ -108,7 +110,11 @@ def cli_run(args) -> int:
     from .metrics import format_summary
 
     _setup_logging()
-    llm = _build(args)
+    try:
+        llm = _build(args)
+    except InputError as e:
+        print(f"opmap run: {e}", file=sys.stderr)
+        return 2
     prompts, params = workload(llm, args)
     llm.generate([prompts[0] if isinstance(prompts[0], list) else "warm up"][:1],
                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # compile / capture first
@@ -133,7 +139,11 @@ def cli_profile(args) -> int:
     from ..ops.sampling.params import SamplingParams
 
     _setup_logging()
-    llm = _build(args, trace_ops=True)
+    try:
+        llm = _build(args, trace_ops=True)
+    except InputError as e:
+        print(f"opmap profile: {e}", file=sys.stderr)
+        return 2
     prompts, params = workload(llm, args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
     res = P.profile_engine(llm, prompts, params, args.steps, args.trace)

@@ -44,9 +44,8 @@ class EngineConfig:
             raise InputError("page_size", self.page_size, "a positive power of two")
         if self.max_num_seqs <= 0:
             raise InputError("max_num_seqs", self.max_num_seqs, "> 0")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise InputError("max_num_batched_tokens", self.max_num_batched_tokens,
-                             f">= max_num_seqs ({self.max_num_seqs}) so every running sequence can decode")
+        if self.max_num_batched_tokens <= 0:
+            raise InputError("max_num_batched_tokens", self.max_num_batched_tokens, "> 0")
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
             raise InputError("gpu_memory_fraction", self.gpu_memory_fraction, "in [0.05, 0.99]")
 

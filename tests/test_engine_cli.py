@@ -1,0 +1,108 @@
+"""`opmap run` / `opmap profile` through their parser factories, and the profile analysis of a GPU
+trace (kernels, GPU-projected operator ranges, graph-replayed kernels) on a synthetic trace."""
+import argparse
+import json
+
+from opmap import profile as P
+from opmap.engine import add_profile_parser, add_run_parser
+
+from test_engine_util import single_thread  # noqa: F401
+
+
+def parse(*argv):
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers()
+    add_run_parser(sub)
+    add_profile_parser(sub)
+    return ap.parse_args(list(argv))
+
+
+def test_run_synthetic_workload(tmp_path, capsys, single_thread):
+    out = tmp_path / "run.json"
+    a = parse("run", "--model", "tiny-qwen3", "--num-requests", "6", "--input-len", "4:40", "--output-len", "2:6",
+              "--max-num-batched-tokens", "32", "--no-progress", "--json", str(out))
+    assert a.func(a) == 0
+    text = capsys.readouterr().out
+    assert "TTFT p50" in text and "TPOT p50" in text and "requests 6 (0 errors)" in text
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["requests"] == 6 and len(doc["backends"]) > 5
+    assert all(2 <= o["num_tokens"] <= 6 for o in doc["outputs"])
+
+
+def test_run_prompt_text(capsys, single_thread):
+    a = parse("run", "--model", "tiny-llama3", "--prompt", "hi there", "--max-tokens", "3", "--no-progress")
+    assert a.func(a) == 0
+    assert "--- prompt 0: length" in capsys.readouterr().out
+
+
+def test_profile_cpu(tmp_path, capsys, single_thread):
+    trace = tmp_path / "t.json"
+    a = parse("profile", "--model", "tiny-llama3", "--num-requests", "2", "--input-len", "20", "--output-len", "4",
+              "--steps", "3", "--trace", str(trace))
+    assert a.func(a) == 0
+    text = capsys.readouterr().out
+    assert "[prefill] 1 steps" in text and "[decode] 2 steps" in text
+    assert "attention" in text and "GEMM" in text and "[reference]" in text
+    assert "diagnosis: CPU run" in text and trace.exists()
+
+
+def _x(cat, name, ts, dur):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_analyse_gpu_trace_and_diagnosis():
+    ev = [
+        _x("user_annotation", "opmap::step::decode", 0, 100),
+        _x("user_annotation", "opmap::step::decode", 200, 100),
+        # step 1, eager: kernels inside GPU-projected operator ranges
+        _x("gpu_user_annotation", "opmap::attention::attention (paged)::triton", 10, 30),
+        _x("kernel", "_decode_kernel", 12, 25),
+        _x("gpu_user_annotation", "opmap::gemm::QKV proj::cublas", 45, 10),
+        _x("kernel", "nvjet_tst_128x64", 46, 8),
+        _x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 60, 5),
+        # step 2, graph replay: no operator ranges, classified by symbol
+        _x("kernel", "_decode_kernel", 210, 20),
+        _x("kernel", "_rmsnorm_kernel", 231, 2),
+        _x("kernel", "_sample_kernel", 240, 5),
+        _x("kernel", "mystery", 250, 1),
+        _x("kernel", "outside_any_step", 500, 50),
+    ]
+    res = P.analyse({"traceEvents": ev})
+    d = res["phases"]["decode"]
+    assert res["on_gpu"] and d["steps"] == 2 and d["wall_us"] == 200
+    c = d["by_category"]
+    assert c["attention"] == 45 and c["GEMM"] == 8 and c["memory copies"] == 5
+    assert c["norm"] == 2 and c["sampling"] == 5 and c["other"] == 1
+    assert d["busy_us"] == 66 and d["idle_us"] == 134
+    assert d["backends"]["attention"] == {"triton"} and d["backends"]["GEMM"] == {"cublas"}
+
+    class R:  # the runner state the rules read
+        use_graphs, graphs, buckets, graph_errors, graphs_off_reason = True, {1: 0}, [1, 2], {}, None
+
+    class L:
+        runner = R()
+
+        class scheduler:
+            running = []
+
+    lines = P.diagnose(res, L(), {("sampling", "decode"): "reference"})
+    assert any("attention + copies take 76%" in x for x in lines)
+    idle = [x for x in lines if "GPU idle 67%" in x][0]
+    assert "decode CUDA graphs not captured" in idle and "sampler fallback" in idle
+    assert any("1 steps" in x or "ms/step" in x for x in P.format_profile(res))
+
+
+def test_categorize_symbols():
+    cases = {"_prefill_kernel": "attention", "flash_fwd_kernel": "attention", "_append_kernel": "attention",
+             "sm90_xmma_gemm_bf16bf16": "GEMM", "_gemm_kernel": "GEMM", "_grouped_gemm_kernel": "MoE",
+             "_align_kernel": "MoE", "_rope_kernel": "RoPE", "_act_mul_kernel": "activation",
+             "_bitmask_kernel": "grammar", "Memset (Device)": "memory copies", "void at::native::foo": "other"}
+    assert {k: P.categorize(k) for k in cases} == cases
+
+
+def test_bad_engine_arguments_are_clean_errors(capsys):
+    a = parse("run", "--model", "no-such-model", "--no-progress")
+    assert a.func(a) == 2
+    assert "opmap run: model: got 'no-such-model'" in capsys.readouterr().err
+    a = parse("run", "--model", "tiny-llama3", "--page-size", "12")
+    assert a.func(a) == 2
