@@ -72,6 +72,25 @@ def test_triton_deepseek_sigmoid_grouped_routing_bf16():
     _check(out, x, logits, w13, w2, k, "triton deepseek routing", **kw)
 
 
+@pytest.mark.parametrize("T,E,k,kw", [
+    (4096, 128, 8, {}),
+    (1000, 256, 8, dict(router="sigmoid", n_group=8, topk_group=4, routed_scaling=2.5, bias=True)),
+    (333, 64, 6, dict(renormalize=False, n_group=8, topk_group=3)),
+])
+def test_fused_routing_matches_torch_routing(T, E, k, kw):
+    from opmap.ops.moe.route_triton import route as route_triton
+    from opmap.ops.moe.routing import route
+
+    kw = dict(kw)
+    if kw.pop("bias", False):
+        kw["score_bias"] = torch.randn(E, device=DEV) * 0.05
+    logits = torch.randn(T, E, device=DEV)
+    w, ids = route_triton(logits, k, **kw)
+    w_ref, ids_ref = route(logits, k, **kw)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref, torch.float32, scale=2)
+
+
 @pytest.mark.parametrize("T", [64, 4096])
 def test_triton_all_tokens_on_one_expert_bf16(T):
     E, k, H, I = 8, 2, 1024, 2048
