@@ -24,9 +24,8 @@ registry.register(Backend(
     op="sampling", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
     impl={"sample": f"{_REF}:sample", "filtered_probs": f"{_REF}:filtered_probs"},
-    reqs=(Req("cuda_graph", (False,), "eager only (a host loop with one generator per row)"),),
-    notes="sort-based exact probabilities (fp64) + torch.multinomial with a generator per row "
-          "seeded from (seed, position); slow, the oracle",
+    notes="exact support by a stable sort (fp64), then the exponential race with the kernel's "
+          "Philox stream written in PyTorch (philox.py): same tokens as the Triton sampler; slow",
 ))
 
 registry.register(Backend(

@@ -30,10 +30,11 @@ import math
 import torch
 
 from ...contract import expect, expect_tensor
+from .philox import gumbel
 from .validate import INTS, check_logits, check_penalty_args, check_row_params, check_sample_args
 
 __all__ = ["apply_penalties", "apply_temperature", "apply_filters", "logprobs", "filtered_probs",
-           "support_mask", "invalid_rows", "sample", "mix_seed"]
+           "support_mask", "invalid_rows", "sample", "race", "kernel_z", "greedy_ids"]
 
 
 def apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence) -> None:
@@ -114,38 +115,38 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     return torch.where(invalid_rows(logits)[:, None], 0.0, p)
 
 
-_M64 = (1 << 64) - 1
+def kernel_z(logits, temperature) -> torch.Tensor:
+    """z = (x - max) / T in fp32, rounded exactly as the Triton sampler rounds it."""
+    x = logits.float()
+    m = torch.nan_to_num(x, nan=-math.inf).amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    t = temperature.float()[:, None]
+    inv_t = torch.where(t > 0, 1.0 / torch.where(t > 0, t, 1.0), 1.0)
+    return (x - m) * inv_t + 0.0
 
 
-def mix_seed(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): the per-(request, step) seed of the reference's generator."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _M64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _M64
-    x ^= x >> 31
-    return x & ((1 << 63) - 1)
+def race(z, keep, seeds, positions, ids=None) -> torch.Tensor:
+    """Exponential race (Gumbel-max) over ``keep``: argmax of z + Gumbel(seed, position, id), the
+    lowest id winning a tie. ``ids[B, n]`` names the columns of z when it is a subset of the
+    vocabulary. Returns the winning token ids [B]."""
+    if ids is None:
+        ids = torch.arange(z.shape[-1], device=z.device).expand(z.shape[0], -1)
+    key = torch.where(keep, z + gumbel(seeds, positions, ids), -math.inf)
+    return ids.gather(1, torch.argmax(key, -1, keepdim=True))[:, 0]
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
-    """Row by row: a generator seeded from (seed, position) draws from ``filtered_probs``. Slow
-    (host loop): it is the oracle, not a fast path."""
+    """The exact support (sort, fp64) and an exponential race with the counter-based stream of
+    ``philox.py``: no host loop, no host sync; draws the same tokens as the Triton sampler."""
     check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    probs = filtered_probs(logits, temperature, top_k, top_p, min_p)
     invalid = invalid_rows(logits)
     greedy = (temperature == 0) | (top_k.to(torch.int64) == 1)
-    ids = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
-    gid = greedy_ids(logits)
-    for b in range(logits.shape[0]):
-        if bool(invalid[b]):
-            continue
-        if bool(greedy[b]):
-            ids[b] = gid[b]
-            continue
-        g = torch.Generator(device="cpu").manual_seed(mix_seed(int(seeds[b]), int(positions[b])))
-        ids[b] = torch.multinomial(probs[b].cpu(), 1, generator=g)[0].to(ids.device)
-    return ids, invalid
+    l = logits.double()
+    t = temperature.double()[:, None]
+    keep = support_mask(l / torch.where(t > 0, t, 1.0), top_k, top_p, min_p)
+    ids = race(kernel_z(logits, temperature), keep, seeds, positions)
+    ids = torch.where(greedy, greedy_ids(logits), ids)
+    return torch.where(invalid, 0, ids), invalid
 
 
 def logprobs(logits, token_ids, n: int):
