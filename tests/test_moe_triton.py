@@ -34,7 +34,8 @@ def _check_alignment(ids, E, bm):
         start += int(padded[e])
 
 
-@pytest.mark.parametrize("T,k,E,bm", [(1, 2, 8, 16), (3, 4, 4, 16), (17, 3, 8, 4), (64, 8, 32, 16)])
+@pytest.mark.parametrize("T,k,E,bm", [(1, 2, 8, 16), (3, 4, 4, 16), (17, 3, 8, 4), (64, 8, 32, 16),
+                                      (700, 8, 16, 64)])  # 5600 pairs: several 4096-wide chunks
 def test_align_random_routing(T, k, E, bm):
     g = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)

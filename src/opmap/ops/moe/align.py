@@ -69,7 +69,10 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
     sorted_ids = torch.empty(nblocks * bm, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
-    chunk = min(1024, max(16, triton.next_power_of_2(n)))
+    # Prefill (tens of thousands of pairs): wide chunks and 8 warps cut the serial iterations of
+    # each program's two scans; decode fits in one chunk.
+    chunk = min(4096, max(16, triton.next_power_of_2(n)))
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
-                                  E_POW2=max(2, triton.next_power_of_2(num_experts)), CHUNK=chunk)
+                                  E_POW2=max(2, triton.next_power_of_2(num_experts)), CHUNK=chunk,
+                                  num_warps=8 if chunk >= 2048 else 4)
     return sorted_ids, block_expert, total
