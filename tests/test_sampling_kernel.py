@@ -1,0 +1,174 @@
+"""Triton sampler vs the reference: exact support, same tokens, edge cases, invalid rows,
+batch invariance, dtypes/strides, bad input. Small shapes: the interpreter runs one program per
+row at a time."""
+import math
+
+import pytest
+import torch
+
+from opmap.contract import InputError
+from opmap.ops.sampling import reference as R
+from opmap.ops.sampling import sampler
+
+INF = math.inf
+
+
+def _params(B, T=1.0, k=0, p=1.0, mp=0.0, seed=0):
+    f = lambda v, dt=torch.float32: torch.full((B,), v, dtype=dt)  # noqa: E731
+    return (f(T), f(k, torch.int32), f(p), f(mp), torch.arange(B, dtype=torch.int64) + seed,
+            torch.arange(B, dtype=torch.int64) * 7 + 3)
+
+
+def _random_case(seed, B, V, scale, ties):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, V, generator=g) * scale
+    if ties:
+        x = torch.round(x * 4) / 4
+    x[torch.rand(B, V, generator=g) < 0.1] = -INF
+    T = torch.rand(B, generator=g) + 0.3
+    k = (torch.randint(0, V + 5, (B,), generator=g) * (torch.rand(B, generator=g) < 0.6)).int()
+    k[0] = min(3000, V - 1)
+    p = torch.where(torch.rand(B, generator=g) < 0.6, torch.rand(B, generator=g) * 0.98 + 0.01, torch.ones(B))
+    mp = torch.where(torch.rand(B, generator=g) < 0.4, torch.rand(B, generator=g) * 0.3, torch.zeros(B))
+    mp[1], p[2] = 1.0, 0.999
+    seeds = torch.randint(0, 2**62, (B,), generator=g)
+    pos = torch.randint(0, 2**40, (B,), generator=g)
+    return x, T, k, p, mp, seeds, pos
+
+
+# V=5000 with top_k 3000 / top_p 0.999 keeps > 2048 candidates: the path without compaction.
+@pytest.mark.parametrize("seed,V,scale,ties", [(0, 111, 1.0, True), (1, 1000, 3.0, False),
+                                                (2, 5000, 0.3, True), (3, 4097, 1.0, False)])
+def test_support_and_tokens_match_reference(seed, V, scale, ties):
+    x, T, k, p, mp, seeds, pos = _random_case(seed, 6, V, scale, ties)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True)
+    mask = sampler.support_from_boundary(x, T, sup)
+    ref = R.support_mask(x.double() / T.double()[:, None], k, p, mp)
+    filtered = ((k > 1) & (k < V)) | (p < 1) | (mp > 0)
+    for b in range(x.shape[0]):
+        if filtered[b]:
+            assert torch.equal(mask[b], ref[b]), f"row {b}: support {int(mask[b].sum())} vs {int(ref[b].sum())}"
+        assert ref[b, ids[b]]
+    rids, rinv = R.sample(x, T, k, p, mp, seeds, pos)
+    assert torch.equal(ids, rids) and not invalid.any() and not rinv.any()
+
+
+def test_no_op_filters_change_nothing():
+    V = 300
+    x = torch.randn(4, V) * 2
+    base = sampler.sample(x, *_params(4))[0]
+    for kw in (dict(p=1.0), dict(k=V), dict(k=V + 10), dict(k=0, p=1.0, mp=0.0)):
+        assert torch.equal(sampler.sample(x, *_params(4, **kw))[0], base), kw
+
+
+def test_single_finite_logit_always_chosen():
+    V = 200
+    x = torch.full((6, V), -INF)
+    hot = torch.tensor([0, 5, 199, 77, 128, 3])
+    x[torch.arange(6), hot] = torch.randn(6)
+    for kw in (dict(), dict(k=10), dict(p=0.3), dict(mp=0.5), dict(k=50, p=0.9, mp=0.1), dict(T=0.0)):
+        ids, invalid = sampler.sample(x, *_params(6, **kw))
+        assert torch.equal(ids, hot) and not invalid.any(), kw
+
+
+def test_equal_logits_keep_lowest_ids():
+    V = 100
+    x = torch.full((8, V), 0.5)
+    ids, _, sup = sampler.sample(x, *_params(8, k=5), return_support=True)
+    assert (ids < 5).all()
+    assert sampler.support_from_boundary(x, torch.ones(8), sup)[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    ids, _ = sampler.sample(x, *_params(8, p=0.1))  # 10 tokens of mass 0.01 each are needed
+    assert (ids < 10).all()
+    assert (sampler.sample(x, *_params(8, T=0.0))[0] == 0).all()
+
+
+def test_k1_and_temperature0_are_greedy_with_ties():
+    x = torch.randn(4, 500)
+    x[:, 7] = x[:, 300] = x.max() + 1.0  # tie at the maximum: the lowest id wins
+    for kw in (dict(T=0.0), dict(k=1), dict(k=1, p=0.5, mp=0.3), dict(T=0.0, k=40)):
+        ids, _ = sampler.sample(x, *_params(4, **kw))
+        assert (ids == 7).all(), kw
+
+
+def test_min_p_one_keeps_only_the_maximum():
+    x = torch.randn(3, 400)
+    ids, _ = sampler.sample(x, *_params(3, mp=1.0))
+    assert torch.equal(ids, x.argmax(-1))
+    x[:, 10] = x[:, 20] = x.max() + 1
+    ids, _, sup = sampler.sample(x, *_params(3, mp=1.0), return_support=True)
+    assert set(ids.tolist()) <= {10, 20}
+    assert sampler.support_from_boundary(x, torch.ones(3), sup).sum(-1).tolist() == [2, 2, 2]
+
+
+def test_invalid_rows_are_flagged_and_others_unaffected():
+    V = 150
+    x = torch.randn(5, V)
+    x[1, 17] = float("nan")
+    x[2, 3] = INF
+    x[3] = -INF
+    params = _params(5, k=20, p=0.9)
+    ids, invalid = sampler.sample(x, *params)
+    assert invalid.tolist() == [False, True, True, True, False]
+    assert ids[1:4].tolist() == [0, 0, 0]
+    alone = sampler.sample(x[[0, 4]].clone(), *[t[[0, 4]] for t in params])[0]
+    assert torch.equal(ids[[0, 4]], alone)
+    gids, ginv = sampler.sample(x, *_params(5, T=0.0))
+    assert torch.equal(ginv, invalid) and gids[1:4].tolist() == [0, 0, 0]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    V = 256
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, V, generator=g)
+    T = torch.tensor([1.0, 0.7, 0.0, 1.2, 0.9, 1.0])
+    k = torch.tensor([0, 20, 0, 50, 0, 5], dtype=torch.int32)
+    p = torch.tensor([1.0, 0.9, 1.0, 0.8, 0.6, 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.1])
+    seeds = torch.tensor([11, 22, 33, 44, 55, 66])
+    pos = torch.tensor([0, 1, 2, 3, 4, 5])
+    full = sampler.sample(x, T, k, p, mp, seeds, pos)[0]
+    perm = torch.tensor([4, 2, 0, 5])
+    sub = sampler.sample(x[perm], T[perm], k[perm], p[perm], mp[perm], seeds[perm], pos[perm])[0]
+    assert torch.equal(sub, full[perm])
+    # A different position is a different draw of the same row (the stream is keyed by it).
+    draws = {int(sampler.sample(x[:1], T[:1], k[:1], p[:1], mp[:1], seeds[:1], torch.tensor([q]))[0]) for q in range(12)}
+    assert len(draws) > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_dtypes_and_strided_rows(dtype):
+    wide = (torch.randn(4, 1100) * 2).to(dtype)
+    x = wide[:, 37:1037]  # row stride 1100, last-dim stride 1
+    params = (torch.tensor([1.0, 0.5, 0.0, 2.0]), torch.tensor([0, 30, 0, 100], dtype=torch.int64),
+              torch.tensor([0.9, 1.0, 1.0, 0.7]), torch.tensor([0.0, 0.1, 0.0, 0.0]),
+              torch.tensor([1, 2, 3, 4]), torch.tensor([9, 8, 7, 6]))
+    ids, invalid = sampler.sample(x, *params)
+    rids, _ = R.sample(x, *params)
+    assert torch.equal(ids, rids) and not invalid.any()
+
+
+def test_empty_batch():
+    ids, invalid = sampler.sample(torch.randn(0, 10), *_params(0))
+    assert ids.shape == (0,) and invalid.shape == (0,)
+
+
+@pytest.mark.parametrize("fn", [sampler.sample, R.sample])
+def test_bad_input_names_the_argument(fn):
+    x = torch.randn(3, 50)
+    good = list(_params(3))
+    names = ["temperature", "top_k", "top_p", "min_p", "seeds", "positions"]
+    with pytest.raises(InputError, match="^logits"):
+        fn(x[0], *good)
+    with pytest.raises(InputError, match="^logits"):
+        fn(x.int(), *good)
+    with pytest.raises(InputError, match="^logits"):
+        fn(torch.randn(50, 3).t(), *good)  # last dim not contiguous
+    for i, name in enumerate(names):
+        bad = list(good)
+        bad[i] = bad[i][:2]
+        with pytest.raises(InputError, match=f"^{name}"):
+            fn(x, *bad)
+        bad = list(good)
+        bad[i] = bad[i].to(torch.float64)
+        with pytest.raises(InputError, match=f"^{name}"):
+            fn(x, *bad)
