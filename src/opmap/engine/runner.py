@@ -85,6 +85,9 @@ class ModelRunner:
         self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
         self.block_tables = torch.zeros(self.max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        self.h_bt = torch.zeros(self.max_seqs * self.max_pages_per_seq, dtype=torch.int32,
+                                pin_memory=self.device.type == "cuda")
+        self.h_bt_np = self.h_bt.numpy()
         self.kv = self.model.make_kv(self.num_pages, self.page)
         self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), self.max_model_len, cfg.rope_theta,
                                            cfg.rope_scaling, device=self.device)
@@ -112,50 +115,57 @@ class ModelRunner:
         self.h_i64 = torch.zeros(3, T, dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self.h_i32 = torch.zeros(2 * B + 1, dtype=torch.int32, pin_memory=pin)  # seq_lens, cu
         self.h_idx = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self.h_i64_np, self.h_i32_np, self.h_idx_np = self.h_i64.numpy(), self.h_i32.numpy(), self.h_idx.numpy()
         self._copied = None  # CUDA event after the last step's copies out of the pinned buffers
 
     def _fill(self, items, pad_to: int = 0):
-        """Host metadata -> device buffers; returns (T, B, rows that sample)."""
+        """Host metadata -> device buffers; returns (T, B, block-table width, rows that sample).
+        The pinned staging tensors are written through numpy views (no per-row tensors)."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's host->device copies have read the pinned buffers
-        ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
         page = self.page
+        ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
         width = 1
         for it in items:
             s, n, a = it.seq, it.num_tokens, it.start
-            ids += s.token_ids[a:a + n]
             bt = s.block_table
-            for p in range(a, a + n):
-                pos.append(p)
-                slots.append(bt[p // page] * page + p % page)
+            if n == 1:
+                ids.append(s.token_ids[a])
+                pos.append(a)
+                slots.append(bt[a // page] * page + a % page)
+            else:
+                ids += s.token_ids[a:a + n]
+                pos += range(a, a + n)
+                slots += [bt[p // page] * page + p % page for p in range(a, a + n)]
             lens.append(a + n)
             cu.append(cu[-1] + n)
             width = max(width, len(bt))
             if it.samples:
                 rows.append(cu[-1] - 1)
         T, B = len(ids), len(items)
-        Tp = max(T, pad_to)
-        pad = Tp - T
-        h = self.h_i64
-        h[0, :Tp] = torch.tensor(ids + [0] * pad)
-        h[1, :Tp] = torch.tensor(pos + [0] * pad)
-        h[2, :Tp] = torch.tensor(slots + [-1] * pad)
-        Bp = max(B, pad_to)
-        self.h_i32[:Bp] = torch.tensor(lens + [0] * (Bp - B), dtype=torch.int32)
-        self.h_i32[self.max_seqs:self.max_seqs + B + 1] = torch.tensor(cu, dtype=torch.int32)
-        self.input_ids[:Tp].copy_(h[0, :Tp], non_blocking=True)
-        self.positions[:Tp].copy_(h[1, :Tp], non_blocking=True)
-        self.slots[:Tp].copy_(h[2, :Tp], non_blocking=True)
-        self.seq_lens[:Bp].copy_(self.h_i32[:Bp], non_blocking=True)
-        self.cu[:B + 1].copy_(self.h_i32[self.max_seqs:self.max_seqs + B + 1], non_blocking=True)
-        bt = torch.zeros(Bp, width, dtype=torch.int32)
+        Tp, Bp = max(T, pad_to), max(B, pad_to)
+        h = self.h_i64_np
+        h[0, :T], h[1, :T], h[2, :T] = ids, pos, slots
+        h[0, T:Tp], h[1, T:Tp], h[2, T:Tp] = 0, 0, -1
+        m = self.max_seqs
+        self.h_i32_np[:B], self.h_i32_np[B:Bp] = lens, 0
+        self.h_i32_np[m:m + B + 1] = cu
+        bt_h = self.h_bt_np[:Bp * width].reshape(Bp, width)
+        bt_h[B:] = 0
         for i, it in enumerate(items):
-            bt[i, :len(it.seq.block_table)] = torch.tensor(it.seq.block_table, dtype=torch.int32)
-        self.block_tables[:Bp, :width].copy_(bt.pin_memory() if self.device.type == "cuda" else bt,
-                                             non_blocking=True)
+            t = it.seq.block_table
+            bt_h[i, :len(t)] = t
+            bt_h[i, len(t):] = 0
+        nb = dict(non_blocking=True)
+        self.input_ids[:Tp].copy_(self.h_i64[0, :Tp], **nb)
+        self.positions[:Tp].copy_(self.h_i64[1, :Tp], **nb)
+        self.slots[:Tp].copy_(self.h_i64[2, :Tp], **nb)
+        self.seq_lens[:Bp].copy_(self.h_i32[:Bp], **nb)
+        self.cu[:B + 1].copy_(self.h_i32[m:m + B + 1], **nb)
+        self.block_tables[:Bp, :width].copy_(self.h_bt[:Bp * width].view(Bp, width), **nb)
         if rows:
-            self.h_idx[:len(rows)] = torch.tensor(rows)
-            self.logits_idx[:len(rows)].copy_(self.h_idx[:len(rows)], non_blocking=True)
+            self.h_idx_np[:len(rows)] = rows
+            self.logits_idx[:len(rows)].copy_(self.h_idx[:len(rows)], **nb)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
@@ -203,7 +213,7 @@ class ModelRunner:
         # graph of layers; computing the LM head of a single row is negligible.
         if self._copied is not None:
             self._copied.synchronize()
-        self.h_idx[0] = 0
+        self.h_idx_np[0] = 0
         self.logits_idx[:1].copy_(self.h_idx[:1], non_blocking=True)
         st.logits_idx = self.logits_idx[:1]
         self.model.forward(ops, st, self.kv)

@@ -34,6 +34,7 @@ class Sampler:
         self.sample = pick("sampling", S.SamplingSpec(vocab=vocab, top_k=True, top_p=True, min_p=True, **base),
                            "sample")
         self.bitmask = pick("grammar_mask", S.GrammarMaskSpec(vocab=vocab, **base), "apply_bitmask")
+        self._key, self._st = None, None
 
     def condensed(self) -> list:
         return [c.condensed() for _, c in self.choices]
@@ -45,7 +46,10 @@ class Sampler:
         ``grammar`` (optional) fills a bitmask for the rows with a structured-output constraint:
         ``grammar.fill(seqs) -> (bitmask[B, ceil(V/32)] int32 on the device, rows) | None``."""
         params = [s.params for s in seqs]
-        st = SamplingTensors.build(params, self.vocab, device=logits.device)
+        key = tuple(s.seq_id for s in seqs)
+        if key != self._key:  # steady decode keeps its batch: the per-row tensors are reused
+            self._key, self._st = key, SamplingTensors.build(params, self.vocab, device=logits.device)
+        st = self._st
         want_lp = [p.logprobs for p in params]
         raw = logits.clone() if any(n is not None for n in want_lp) else None
         if st.any_penalties:
