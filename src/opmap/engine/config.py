@@ -173,6 +173,11 @@ def to_hf_config(cfg: ModelConfig, **overrides):
         raise ValueError(f"no HF config for arch {a!r}")
     for k, v in overrides.items():
         setattr(c, k, v)
+    got = getattr(c, "rope_parameters", None) or {}
+    if float(got.get("rope_theta", -1)) != float(cfg.rope_theta):
+        # A transformers without rope_parameters would silently keep its default theta.
+        raise RuntimeError(f"transformers {T.__version__} did not take rope_parameters (got {got!r}); "
+                           "this helper needs transformers 5.x")
     return c
 
 
