@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
                   BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     e = tl.program_id(0)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
     n_pairs, N, K, a_row_div, rows_bucket,
