@@ -3,7 +3,8 @@
 One program per (token, chunk of the Hk*D row): a token's row is contiguous in the cache
 (one page slot holds all KV heads), so each program is one contiguous read and one contiguous
 write. Slot -1 means skip (CUDA-graph padding needs no special case). fp8 caches store
-value / scale per kv head, saturated to +-448 (the reference does the same).
+value / scale per kv head (IEEE division, as torch's, so the bytes match the reference),
+saturated to +-448 (the reference does the same).
 """
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ def _append_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     x = tl.load(k_ptr + t * stride_kt + offs, mask=mk, other=0.0)
     if FP8:
         s = tl.load(ks_ptr + offs // D, mask=mk, other=1.0)
-        x = tl.clamp(x.to(tl.float32) / s, -448.0, 448.0)
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), s), -448.0, 448.0)
     tl.store(kc_ptr + slot * ROW_K + offs, x.to(kc_ptr.dtype.element_ty), mask=mk)
     mv = offs < ROW_V
     y = tl.load(v_ptr + t * stride_vt + offs, mask=mv, other=0.0)
     if FP8:
         s = tl.load(vs_ptr + offs // DV, mask=mv, other=1.0)
-        y = tl.clamp(y.to(tl.float32) / s, -448.0, 448.0)
+        y = tl.clamp(tl.math.div_rn(y.to(tl.float32), s), -448.0, 448.0)
     tl.store(vc_ptr + slot * ROW_V + offs, y.to(vc_ptr.dtype.element_ty), mask=mv)
 
 
