@@ -135,3 +135,16 @@ def test_fused_routing_matches_torch_routing(T, E, k, kw):
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
     assert torch.equal(ids, ids_ref)
     assert_close(w, w_ref, torch.float32)
+
+
+def test_tile_choice_per_regime():
+    from opmap.ops.moe import grouped_gemm as gg
+
+    for bm in (16, 32, 64, 128):
+        for gated in (True, False):
+            for K in (768, 4096, 32):
+                got = gg._prune(gg._ALL_CONFIGS, {"K": K}, BM=bm, GATED=gated)
+                table = gg._DECODE if bm <= 32 else (gg._BM64 if bm == 64 else gg._BM128)
+                assert got and all(c in table[gated] for c in got)
+                if K >= 256:
+                    assert all(c.kwargs["BK"] <= K for c in got)

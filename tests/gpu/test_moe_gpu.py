@@ -154,3 +154,19 @@ def test_triton_int64_offsets():
     tail = slice(T - 2048, T)  # the rows past the int32 range
     want = reference.moe(x[tail].float(), logits[tail], w13.float(), w2.float(), k)
     assert_close(out[tail], want, torch.bfloat16, scale=2, what="rows past 2**31 elements")
+
+
+def test_custom_op_under_torch_compile():
+    from opmap.ops.moe import custom_ops  # noqa: F401  (registers opmap::moe)
+
+    E, k, H, I = 16, 4, 512, 256
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(40, H, E)
+
+    @torch.compile(fullgraph=True)
+    def block(x, logits):
+        return torch.ops.opmap.moe(x, logits, w13, w2, k) + x
+
+    out = block(x, logits)
+    want = reference.moe(x.float(), logits, w13.float(), w2.float(), k) + x.float()
+    assert_close(out, want, torch.bfloat16, scale=2, what="opmap::moe under torch.compile")
