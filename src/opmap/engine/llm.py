@@ -108,10 +108,11 @@ class LLM:
 
     def _output(self, s: Sequence) -> RequestOutput:
         out_ids = s.output_token_ids
-        text = s.text
-        if s.finish_reason != "error" and not (s.params.stop and s.stop_reason in s.params.stop):
+        if s.params.stop and s.stop_reason in s.params.stop:
+            text = s.text  # already cut before the stop string
+        else:  # a stop token id is not part of the text
             shown = out_ids[:-1] if s.finish_reason == "stop" and isinstance(s.stop_reason, int) else out_ids
-            text = self.tokenizer.decode(shown)
+            text = self.tokenizer.decode(shown) if shown else ""
         now = time.perf_counter()
         return RequestOutput(s.index, s.prompt, s.token_ids[:s.num_prompt_tokens], text, out_ids, s.finish_reason,
                              s.stop_reason, s.error, s.ttft(), s.tpot(),
