@@ -1,7 +1,8 @@
 """RMSNorm and fused residual-add + RMSNorm in Triton (HF numerics).
 
-One program per row. Rows up to ONE_PASS_MAX elements are held in registers: one read of x
-(and of the residual), one write of the output (and of the residual): the minimum traffic.
+One program per row (several rows when they are short). Rows up to ONE_PASS_MAX elements are
+held in registers: one read of x (and of the residual), one write of the output (and of the
+residual): the minimum traffic.
 Wider rows take two passes over chunks (sum of squares, then normalise); the second read of
 the row mostly hits L2. Row offsets are int64, so tensors over 2^31 elements are safe.
 
@@ -23,26 +24,31 @@ CHUNK = 4096
 
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, H, eps,
-                    HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x
-    r_row = r_ptr + row * stride_r
-    o_row = o_ptr + row * stride_o
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R, H, eps,
+                    HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     dt = o_ptr.dtype.element_ty
     if ONE_PASS:
+        # ROWS rows per program (short rows, e.g. per-head q/k norms, would otherwise leave
+        # most lanes idle and launch one program per 128 elements).
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
-        mask = offs < H
-        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        mask = (rows[:, None] < R) & (offs[None, :] < H)
+        xp = x_ptr + rows[:, None] * stride_x + offs[None, :]
+        v = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
-            s = (v + tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-            tl.store(r_row + offs, s, mask=mask)
+            rp = r_ptr + rows[:, None] * stride_r + offs[None, :]
+            s = (v + tl.load(rp, mask=mask, other=0.0).to(tl.float32)).to(dt)
+            tl.store(rp, s, mask=mask)
             v = s.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = (v * rstd).to(dt).to(tl.float32) * w
-        tl.store(o_row + offs, y.to(dt), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / H + eps)
+        w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
+        y = (v * rstd[:, None]).to(dt).to(tl.float32) * w[None, :]
+        tl.store(o_ptr + rows[:, None] * stride_o + offs[None, :], y.to(dt), mask=mask)
     else:
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        r_row = r_ptr + row * stride_r
+        o_row = o_ptr + row * stride_o
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, H, BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -93,9 +99,12 @@ def _launch(x, weight, eps, residual, out):
         return out
     one_pass = H <= ONE_PASS_MAX
     block = triton.next_power_of_2(H) if one_pass else CHUNK
-    num_warps = min(max(block // 512, 1), 16) if one_pass else 8
-    _rmsnorm_kernel[(R,)](x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), H, float(eps),
-                          HAS_RES=residual is not None, ONE_PASS=one_pass, BLOCK=block, num_warps=num_warps)
+    # Rows shorter than 1024 are packed so that a program holds ~1024 elements.
+    rows = min(max(1024 // block, 1), triton.next_power_of_2(R)) if one_pass else 1
+    num_warps = min(max(block * rows // 512, 1), 16) if one_pass else 8
+    _rmsnorm_kernel[(triton.cdiv(R, rows),)](
+        x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), R, H, float(eps),
+        HAS_RES=residual is not None, ONE_PASS=one_pass, ROWS=rows, BLOCK=block, num_warps=num_warps)
     return out
 
 
