@@ -22,19 +22,19 @@ def _free():
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("name,layers", [("llama3-8b", 4), ("qwen3-30b-a3b", 4), ("deepseek-v2-lite", 3),
-                                         ("mixtral-8x7b", 2)])
+@pytest.mark.parametrize("name,layers", [("llama3-8b", 2), ("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 2)])
 def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
     from opmap.engine.llm import LLM
     from opmap.ops.sampling.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS[name], layers=layers)  # real widths, fewer layers
-    prompts = _prompts(cfg.vocab, (7, 100, 300, 33, 1, 64))
-    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 5 + [
+    prompts = _prompts(cfg.vocab, (7, 100, 300, 33, 1))
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 4 + [
         SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9, seed=7, ignore_eos=True)]
     runs = {}
     for eager in (True, False):
-        llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
+        # 5 requests over at most 4 running sequences: decode batches of 4, then 1 (buckets 1, 2, 4).
+        llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
                   gpu_memory_fraction=0.5, seed=1)
         if not eager:
             r = llm.runner
