@@ -148,3 +148,15 @@ def test_tile_choice_per_regime():
                 assert got and all(c in table[gated] for c in got)
                 if K >= 256:
                     assert all(c.kwargs["BK"] <= K for c in got)
+
+
+@pytest.mark.parametrize("bm", [32, 64])
+def test_prefill_row_tiles(bm):
+    # On a GPU prefill uses 32..128-row tiles; the interpreter defaults to 16, so force them here.
+    E, H, I, T, k = 4, 32, 16, 50, 2
+    w13, w2 = _weights(E, H, I, torch.float16)
+    x, logits = torch.randn(T, H).half(), torch.randn(T, E)
+    w, ids = route(logits, k)
+    got = triton_moe.experts(x, w, ids, w13, w2, bm=bm)
+    want = reference.moe(x.float(), logits, w13.float(), w2.float(), k)
+    assert_close(got, want, torch.float16, scale=2)

@@ -18,8 +18,9 @@ from .routing import check_moe_args
 
 
 def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-            w2: torch.Tensor) -> torch.Tensor:
-    """The expert part for a given routing: -> [T, H] in x.dtype."""
+            w2: torch.Tensor, bm: Optional[int] = None) -> torch.Tensor:
+    """The expert part for a given routing: -> [T, H] in x.dtype. ``bm`` overrides the row tile
+    (tests use it to cover the prefill tiles in the interpreter)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -30,7 +31,7 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     n_pairs = T * top_k
-    bm = pick_bm(n_pairs, E)
+    bm = bm or pick_bm(n_pairs, E)
     sorted_ids, block_expert, total = align(topk_ids, E, bm)
     inter = torch.empty(n_pairs, two_i // 2, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, inter, sorted_ids, block_expert, total, n_pairs, top_k, bm, gated=True)
