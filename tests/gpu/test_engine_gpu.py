@@ -42,10 +42,13 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
             assert sorted(r.graphs) == r.buckets
         outs = llm.generate(prompts, params)
         assert all(o.error is None and len(o.token_ids) == 24 for o in outs), [o.error for o in outs]
-        runs[eager] = [o.token_ids for o in outs]
+        chosen = sorted({(c.op, label, c.backend.name) for ops in llm.runner.decode_ops.values()
+                         for label, _, c in ops.choices})
+        runs[eager] = ([o.token_ids for o in outs], chosen)
         del llm
         _free()
-    assert runs[True] == runs[False]
+    assert runs[True][1] == runs[False][1], "eager and graph decode chose different backends"
+    assert runs[True][0] == runs[False][0]
 
 
 @torch.no_grad()
