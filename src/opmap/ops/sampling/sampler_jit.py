@@ -8,9 +8,9 @@ Row values are z = (x - max) / temperature, so z <= 0 and exp(z) never overflows
 import triton
 import triton.language as tl
 
-KEY_NEG_INF: tl.constexpr = -2139095041  # _key(-inf)
-INT_MAX: tl.constexpr = 2147483647
-INT_MIN: tl.constexpr = -2147483648
+KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
+INT_MAX = tl.constexpr(2147483647)
+INT_MIN = tl.constexpr(-2147483648)
 
 
 @triton.jit
