@@ -152,7 +152,9 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                     continue
                 out.append(CheckCase("boundaries", "moe", name, f"{label},dtype={dt}",
                                      _parity(name, device, dtype=d, **kw), tags=("moe",)))
-        # Errors are raised before anything launches, so every registered backend is probed.
+
+    # Errors are raised before anything launches, so every registered backend is probed.
+    for name in ("reference", "triton", "torch-grouped-mm", "torch-loop"):
         out.append(CheckCase("input", "moe", name, "top_k > E, hidden mismatch, wrong shapes",
                              _bad_input(name, device), tags=("moe",)))
     if device == "cuda" and _runnable("triton", MoESpec(arch=arch)):
