@@ -86,7 +86,7 @@ def test_prefill_query_errors():
             fn(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.1, window=0)
 
 
-@pytest.mark.parametrize("d,page,match", [(80, 16, "head_dim 80"), (64, 3, "page_size 3"), (32, 16, "head_dim 32")])
+@pytest.mark.parametrize("d,page,match", [(80, 16, "head_dim 80"), (64, 3, "page_size 3"), (48, 16, "head_dim 48")])
 def test_triton_limits_are_errors_and_declared(d, page, match):
     q, pc, cu = _args(seq=(5,), ql=(5,), d=d, page=page)
     with pytest.raises(InputError, match=match):

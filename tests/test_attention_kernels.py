@@ -45,6 +45,7 @@ DECODE = [
      F16, 20, None, False, dict(min_chunk=32)),
     ("b3-page1-cap-fp8", [1, 5, 300], 1, 8, 2, 64, F16, None, 30.0, True, dict(min_chunk=64)),
     ("b3-d128-fp8-split-window", [300, 17, 1], 16, 8, 2, 128, F16, 50, None, True, dict(min_chunk=16)),
+    ("b3-d16-tiny-preset", [33, 1, 16], 16, 4, 2, 16, F16, None, None, False, dict(min_chunk=16)),
     ("b3-no-workspace-group6", [300, 0, 16], 16, 6, 1, 64, F32, None, 10.0, False, None),
 ]
 
@@ -87,6 +88,7 @@ PREFILL = [
      [1, 3, 0, 15, 1, 3, 2, 2, 9, 1, 1, 0, 5, 18, 7, 1, 4], 16, 8, 1, 64, F16, True, 6, None, False),
     ("b3-page1-cap-fp8", [1, 40, 21], [1, 20, 21], 1, 8, 2, 64, F16, True, None, 20.0, True),
     ("b3-d128-fp8-window", [70, 17, 33], [70, 3, 10], 16, 8, 2, 128, F16, True, 25, None, True),
+    ("b2-d32", [40, 9], [12, 9], 16, 4, 2, 32, F16, True, None, None, False),
     ("b3-noncausal-group3", [20, 33, 5], [20, 1, 4], 16, 6, 2, 64, F32, False, None, None, False),
 ]
 

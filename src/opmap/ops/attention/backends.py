@@ -14,7 +14,7 @@ PKG = "opmap.ops.attention"
 NOT_MLA = Req("kind", ("mha", "gqa", "mqa"), "kind in {mha, gqa, mqa} (MLA: opmap.ops.mla)")
 TRITON_PRIORITY = {"cpu": TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50}
 TRITON_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-TRITON_HEAD_DIMS = (64, 128, 256)
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _kv_same_or_fp8(spec):

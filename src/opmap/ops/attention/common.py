@@ -12,7 +12,7 @@ from . import validate as V
 
 LOG2E = 1.4426950408889634
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tl.arange over D; >= 16 for tl.dot
 
 
 def check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale,
