@@ -38,7 +38,8 @@ def _randn(*shape, dtype=BF16, scale=1.0, seed=0):
 
 # ---- RMSNorm ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,H", [(1, 4096), (64, 8192), (8192, 8192), (17, 5120), (33, 4095), (3, 262145)])
+@pytest.mark.parametrize("rows,H", [(1, 4096), (64, 8192), (8192, 8192), (17, 5120), (33, 4095), (3, 262145),
+                                    (131071, 128)])  # last: per-head q/k norm, 8 rows per program
 @pytest.mark.parametrize("fused", [False, True])
 def test_rmsnorm_bf16(rows, H, fused):
     x, w = _randn(rows, H, seed=1), _randn(H, seed=2)
