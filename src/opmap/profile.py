@@ -227,9 +227,11 @@ def report_summary(model: str) -> dict:
     from .engine.llm import LLM
     from .ops.sampling.params import SamplingParams
 
-    llm = LLM(model, trace_ops=True)
+    # A fixed small cache (8 x 544 tokens, with room to spare): the caller may still hold another
+    # engine, whose KV cache would leave a from-free-memory sizing nothing.
+    llm = LLM(model, trace_ops=True, max_num_seqs=8, num_pages=8 * 40, max_model_len=640)
     g = torch.Generator().manual_seed(0)
-    n = min(512, llm.max_model_len // 2)
+    n = min(512, llm.max_model_len - 40)
     prompts = [torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist() for _ in range(8)]
     sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up

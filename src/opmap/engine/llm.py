@@ -68,7 +68,8 @@ class LLM:
         self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
         self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
                                    self.ecfg.chunked_prefill)
-        self.sampler = Sampler(cfg.vocab, self.runner.device, self.runner.arch, self.ecfg.backends)
+        self.sampler = Sampler(cfg.vocab, self.runner.device, self.runner.arch, self.ecfg.backends,
+                               trace=self.ecfg.trace_ops)
         for line in self.sampler.condensed():
             log.info("%s", line)
         self.grammar = GrammarGlue(self.tokenizer, cfg.vocab, self.runner.device)

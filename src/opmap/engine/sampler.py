@@ -14,10 +14,11 @@ import torch
 from .. import specs as S
 from ..ops.sampling.batch import SamplingTensors, penalty_state
 from ..select import select
+from .opset import _ranged
 
 
 class Sampler:
-    def __init__(self, vocab: int, device, arch: str, forced: Optional[dict] = None):
+    def __init__(self, vocab: int, device, arch: str, forced: Optional[dict] = None, trace: bool = False):
         forced = forced or {}
         self.vocab, self.device = vocab, torch.device(device)
         base = dict(arch=arch, phase="decode")
@@ -26,7 +27,8 @@ class Sampler:
         def pick(op, spec, entry):
             c = select(op, spec, backend=forced.get(op))
             self.choices.append((entry, c))
-            return c.backend.fn(entry)
+            fn = c.backend.fn(entry)
+            return _ranged(fn, f"opmap::{op}::{entry}::{c.backend.name}") if trace else fn
 
         lspec = S.LogitsSpec(vocab=vocab, penalties=True, **base)
         self.penalties = pick("logits", lspec, "apply_penalties")
