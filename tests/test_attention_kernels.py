@@ -119,3 +119,14 @@ def test_mixed_batch_matches_decode_and_prefill():
     assert_close(out, ref, F16, scale=2.0)
     dec = D.decode(q[8:], pc.k_cache, pc.v_cache, pc.seq_lens[1:], pc.block_tables[1:], scale=0.125)
     assert_close(out[8:], dec.float(), F16, scale=2.0)
+
+
+def test_prefill_is_batch_invariant():
+    """A sequence's prefill rows do not depend on the other sequences of the batch (bitwise)."""
+    seq, ql = [40, 17, 33], [12, 17, 5]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True)
+    q, cu = make_query(ql, 8, 64, dtype=F16)
+    full = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.125)
+    one = P.prefill(q[12:29], pc.k_cache, pc.v_cache, torch.tensor([0, 17], dtype=torch.int32), pc.seq_lens[1:2],
+                    pc.block_tables[1:2], scale=0.125)
+    assert torch.equal(one, full[12:29])

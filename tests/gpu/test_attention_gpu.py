@@ -191,6 +191,16 @@ def test_fixed_split_batch_invariance_bitwise():
         assert torch.equal(part, full[sub]), f"rows {sub} differ from the same rows in the batch of 32"
 
 
+def test_prefill_batch_invariance_bitwise():
+    seq, ql = [3000, 700, 5000], [1000, 700, 33]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True)
+    q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
+    full = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.088)
+    one = P.prefill(q[1000:1700], pc.k_cache, pc.v_cache, torch.tensor([0, 700], dtype=torch.int32, device=DEV),
+                    pc.seq_lens[1:2], pc.block_tables[1:2], scale=0.088)
+    assert torch.equal(one, full[1000:1700])
+
+
 def test_fp8_quality_gate():
     """fp8 KV (per-kv-head scales from the absolute max) against the bf16 result on random data."""
     seq = [4096] * 8
