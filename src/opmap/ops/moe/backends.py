@@ -94,6 +94,7 @@ registry.register(Backend(
     impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": "opmap.ops.moe.route_triton:route"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     available=registry.triton_available,
-    notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM gate/up with fused "
-          "SiLU*mul, grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync",
+    notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM "
+          "gate/up with fused SiLU*mul, grouped GEMM down with the routing weight in its epilogue, fp32 "
+          "combine; no host sync",
 ))

@@ -89,6 +89,7 @@ def route(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", r
     _route_kernel[(T,)](logits, bias, w, ids, E, logits.stride(0), float(routed_scaling), TOP_K=top_k,
                         K_POW2=max(2, triton.next_power_of_2(top_k)), E_POW2=e_pow2,
                         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None,
-                        N_GROUP=n_group, G_POW2=max(2, triton.next_power_of_2(n_group)), TOPK_GROUP=topk_group, RENORM=bool(renormalize),
+                        N_GROUP=n_group, G_POW2=max(2, triton.next_power_of_2(n_group)),
+                        TOPK_GROUP=topk_group, RENORM=bool(renormalize),
                         num_warps=4 if e_pow2 <= 256 else 8)
     return w, ids
