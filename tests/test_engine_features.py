@@ -144,3 +144,21 @@ def test_state_dict_source_and_random_preset(ckpt, single_thread):
     o = r.generate("hello", SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert o.error is None and len(o.token_ids) == 4 and o.ttft is not None and o.tpot is not None
     assert r.last_summary["output_tokens"] == 4
+
+
+def test_interrupt_frees_everything(ckpt, prompts, whole, single_thread, monkeypatch):
+    llm = LLM(ckpt, max_num_seqs=8)
+    calls = {"n": 0}
+    real = llm.runner.run
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(batch)
+
+    monkeypatch.setattr(llm.runner, "run", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY)
+    assert not llm.scheduler.has_unfinished() and llm.bm.num_free_blocks == llm.bm.num_blocks
+    assert tokens(llm.generate(prompts, GREEDY)) == whole  # still usable, same tokens

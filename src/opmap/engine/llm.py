@@ -138,6 +138,9 @@ class LLM:
                     results[s.index] = self._output(s)
                     if bar is not None:
                         bar.update(1)
+        except BaseException:
+            self.abort_all()  # Ctrl-C / an error: free every page so the engine stays usable
+            raise
         finally:
             if bar is not None:
                 bar.close()
@@ -158,6 +161,10 @@ class LLM:
                 live.append(r)
                 self.scheduler.add(r)
         return results, live
+
+    def abort_all(self) -> None:
+        for s in [*self.scheduler.running, *self.scheduler.waiting]:
+            self.scheduler.finish(s, "abort")
 
     def step(self) -> list:
         """One engine step; returns the sequences that finished in it."""
