@@ -109,16 +109,26 @@ def test_prefill(case):
         assert torch.equal(plain, out)
 
 
-def test_mixed_batch_matches_decode_and_prefill():
-    """A chunked-prefill step: prefill chunks and decode tokens in one varlen batch."""
-    seq, ql = [40, 17, 1, 300], [8, 1, 1, 1]
-    pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True)
-    q, cu = make_query(ql, 8, 64, dtype=F16)
-    out = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.125)
-    ref = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=0.125)
-    assert_close(out, ref, F16, scale=2.0)
-    dec = D.decode(q[8:], pc.k_cache, pc.v_cache, pc.seq_lens[1:], pc.block_tables[1:], scale=0.125)
-    assert_close(out[8:], dec.float(), F16, scale=2.0)
+MIXED = [
+    # id, seq_lens, q_lens, dtype, window, soft_cap, fp8, workspace
+    ("fp16", [40, 17, 1, 300, 16], [8, 1, 1, 1, 0], F16, None, None, False, None),
+    ("split-window-cap-fp8", [300, 33, 200, 5], [1, 9, 1, 5], F16, 50, 20.0, True, dict(min_chunk=16)),
+]
+
+
+@pytest.mark.parametrize("case", MIXED, ids=[c[0] for c in MIXED])
+def test_mixed_batch(case):
+    """A chunked-prefill step: prefill chunks (prefill kernel) and decode tokens (split-KV decode
+    kernel, rows found through cu_seqlens) in one varlen batch, a one-token prompt and a sequence
+    with no new token included."""
+    _, seq, ql, dt, win, cap, fp8, ws = case
+    pc = make_paged(seq, 2, 64, 16, dtype=dt, fp8=fp8, shared=True, poison=True)
+    q, cu = make_query(ql, 8, 64, dtype=dt)
+    w = D.make_workspace(len(seq), 8, 64, device="cpu", **ws) if ws else None
+    kw = dict(scale=0.125, window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    out, lse = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, workspace=w, **kw)
+    ref, ref_lse = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _check(out, lse, ref, ref_lse, dt, fp8)
 
 
 def test_prefill_is_batch_invariant():

@@ -87,8 +87,12 @@ def test_mixed_step():
     seq, ql = [3000, 17, 1, 9000, 64], [512, 1, 1, 1, 64]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, poison=True, device=DEV)
     q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
-    out = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5)
-    assert_close(out, _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5), BF)
+    ws = D.make_workspace(len(seq), 32, 128, device=DEV)
+    out, lse = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5,
+                     return_lse=True, workspace=ws)
+    ref, ref_lse = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5, return_lse=True)
+    assert_close(out, ref, BF)
+    _lse_ok(lse, ref_lse)
 
 
 def _rand_step(B, max_pages, num_pages, page, g, lens=None):

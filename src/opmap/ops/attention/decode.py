@@ -76,13 +76,14 @@ def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
                    scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr):
+                   HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
+                   Q_FROM_CU: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -91,7 +92,13 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     if HAS_WINDOW:
         lo = tl.maximum(L - window, 0)
     chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
-    if sp >= tl.maximum(n, 1):
+    skip = sp >= tl.maximum(n, 1)
+    row = b  # query / output row; partials are indexed by the sequence b
+    if Q_FROM_CU:  # mixed batches: serve the sequences with exactly one query token, at row cu[b]
+        r0 = tl.load(cu_ptr + b)
+        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
+        row = r0.to(tl.int64)
+    if skip:
         return
     start0 = lo + sp * chunk
     end = tl.minimum(start0 + chunk, L)
@@ -100,7 +107,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     row_ok = r < GROUP
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    q = tl.load(q_ptr + b * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul = 1.0
     v_mul = 1.0
     if FP8:
@@ -142,19 +149,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     out = acc * tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
     if n <= 1:
-        tl.store(o_ptr + b * s_ob + head[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
+        tl.store(o_ptr + row * s_ob + head[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None])
         if RETURN_LSE:
-            tl.store(lse_ptr + b * (GROUP * tl.num_programs(1)) + head, lse2 * 0.6931471805599453, mask=row_ok)
+            tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + head, lse2 * 0.6931471805599453, mask=row_ok)
     else:
         tl.store(po_ptr + b * s_pob + head[:, None] * s_poh + sp * s_pos + dv[None, :], out, mask=row_ok[:, None])
         tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, window, split_tokens, max_splits, min_chunk,
+def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
                     s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
-                    DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr):
+                    DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
+                    Q_FROM_CU: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     L = tl.load(sl_ptr + b)
@@ -162,8 +170,14 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, window, split_tokens
     if HAS_WINDOW:
         lo = tl.maximum(L - window, 0)
     chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
-    if n <= 1:
-        return  # the decode kernel wrote this row itself
+    skip = n <= 1  # the decode kernel wrote this row itself
+    row = b
+    if Q_FROM_CU:
+        r0 = tl.load(cu_ptr + b)
+        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
+        row = r0.to(tl.int64)
+    if skip:
+        return
     dv = tl.arange(0, DV)
     # Splits in a fixed order: the same bits whatever the batch (fixed mode is batch invariant).
     m = tl.load(pl_ptr + b * s_plb + h * s_plh)
@@ -178,14 +192,71 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, window, split_tokens
         tot = tot * a + w
         acc = acc * a + w * os
         m = m_new
-    tl.store(o_ptr + b * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
-        tl.store(lse_ptr + b * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
+        tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
 
 
 def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per sequence so that B * Hk * splits is about two waves of the GPU's SMs."""
     return max(1, min(MAX_SPLITS_AUTO, triton.cdiv(2 * sm_count(device), max(1, batch * num_kv_heads))))
+
+
+def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
+    """(split_tokens, min_chunk, max_splits, part_o, part_lse) for this call."""
+    if workspace is None:
+        splits = auto_max_splits(B, hk, device)
+        if splits == 1:
+            return 0, MIN_CHUNK, 1, None, None
+        # A split plan needs partial buffers; without a workspace they are allocated here.
+        return (0, MIN_CHUNK, splits, torch.empty(B, hq, splits, dv, dtype=torch.float32, device=device),
+                torch.empty(B, hq, splits, dtype=torch.float32, device=device))
+    expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
+           "a DecodeWorkspace from make_workspace")
+    expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=device)
+    expect(workspace.part_o.shape[0] >= B and workspace.part_o.shape[1] == hq and workspace.part_o.shape[3] == dv,
+           "workspace", f"part_o {tuple(workspace.part_o.shape)}", f"(>= {B}, {hq}, *, {dv})")
+    fixed = workspace.split_tokens
+    if fixed:
+        splits = triton.cdiv(block_tables.shape[1] * page, fixed)
+        expect(splits <= workspace.max_splits, "workspace", f"{workspace.max_splits} splits",
+               f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
+    else:
+        splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
+    return fixed, workspace.min_chunk, splits, workspace.part_o, workspace.part_lse
+
+
+def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scale, window, soft_cap, k_scale,
+                  v_scale, return_lse, workspace=None, config=None, cu_seqlens_q=None):
+    """Launch on validated inputs. With ``cu_seqlens_q`` (mixed batches) the query / output row of
+    sequence b is cu[b], and only sequences with exactly one query token are served."""
+    B, hq, d = seq_lens.shape[0], q.shape[1], q.shape[2]
+    hk, page, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[3]
+    if B == 0:
+        return
+    cfg = kernel_config("decode", d, hq // hk, q.device, config)
+    fixed, min_chunk, splits, po, pl = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
+    po4 = po if po is not None else out.view(out.shape[0], hq, 1, dv)  # never written when splits == 1
+    pl3 = pl if pl is not None else torch.empty(1, 1, 1, device=q.device)
+    ks, vs = prepare_scales(k_cache, k_scale, v_scale)
+    cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
+    win = int(window or 0)
+    _decode_kernel[(B, hk, splits)](
+        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
+        float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
+        GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if splits > 1:
+        _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
+                                 out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
+                                 pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
+                                 HAS_WINDOW=window is not None, RETURN_LSE=return_lse,
+                                 Q_FROM_CU=cu_seqlens_q is not None, num_warps=4)
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
@@ -194,50 +265,9 @@ def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=
     """``config``: optional tile override (BLOCK_H, BLOCK_N, num_warps, num_stages), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale)
-    hq = q.shape[1]
-    group = hq // hk
-    out = torch.empty(B, hq, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, hq, dtype=torch.float32, device=q.device) if return_lse else out
-    if B == 0:
-        return (out, lse) if return_lse else out
-    cfg = kernel_config("decode", d, group, q.device, config)
-    if workspace is not None:
-        expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
-               "a DecodeWorkspace from make_workspace")
-        expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=q.device)
-        expect(workspace.part_o.shape[0] >= B and workspace.part_o.shape[1] == hq and workspace.part_o.shape[3] == dv,
-               "workspace", f"part_o {tuple(workspace.part_o.shape)}", f"(>= {B}, {hq}, *, {dv})")
-        fixed, min_chunk = workspace.split_tokens, workspace.min_chunk
-        if fixed:
-            splits = triton.cdiv(block_tables.shape[1] * page, fixed)
-            expect(splits <= workspace.max_splits, "workspace", f"{workspace.max_splits} splits",
-                   f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
-        else:
-            splits = min(workspace.max_splits, auto_max_splits(B, hk, q.device))
-        po, pl = workspace.part_o, workspace.part_lse
-    else:
-        fixed, min_chunk = 0, MIN_CHUNK
-        splits = auto_max_splits(B, hk, q.device)
-        # A split plan needs partial buffers; without a workspace they are allocated here.
-        po = torch.empty(B, hq, splits, dv, dtype=torch.float32, device=q.device) if splits > 1 else out
-        pl = torch.empty(B, hq, splits, dtype=torch.float32, device=q.device) if splits > 1 else lse
-    po4 = po if po.dim() == 4 else po.view(B, hq, 1, dv)
-    pl3 = pl if pl.dim() == 3 else torch.empty(1, 1, 1, device=q.device)
-    ks, vs = prepare_scales(k_cache, k_scale, v_scale)
-    common = dict(window=int(window or 0), split_tokens=fixed, max_splits=splits, min_chunk=min_chunk)
-    _decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs,
-        float(scale), float(soft_cap or 1.0), common["window"], fixed, splits, min_chunk,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
-        GROUP=group, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
-    if splits > 1:
-        _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, common["window"], fixed, splits, min_chunk,
-                                 out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
-                                 pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
-                                 HAS_WINDOW=window is not None, RETURN_LSE=return_lse, num_warps=4)
+    out = torch.empty(B, q.shape[1], dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, q.shape[1], dtype=torch.float32, device=q.device) if return_lse else out
+    launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, scale=scale, window=window,
+                  soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, workspace=workspace,
+                  config=config)
     return (out, lse) if return_lse else out

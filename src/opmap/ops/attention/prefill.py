@@ -77,7 +77,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
                     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, FP8: tl.constexpr,
-                    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr):
+                    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, SKIP_SINGLE: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Reversed order: under causal masking the last query blocks of a sequence carry the most
     # keys; starting them first shortens the tail of the grid.
@@ -96,7 +96,10 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     q0 = tl.load(cu_ptr + b)
     q_len = tl.load(cu_ptr + b + 1) - q0
     local = pid - (q0 // BLOCK_Q + b)
-    if local * BLOCK_Q >= q_len:
+    skip = local * BLOCK_Q >= q_len
+    if SKIP_SINGLE:  # mixed batches: the decode kernel serves the one-token sequences
+        skip = skip | (q_len == 1)
+    if skip:
         return
     L = tl.load(sl_ptr + b)
     r = tl.arange(0, BLOCK_M)
@@ -151,30 +154,39 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
         tl.store(lse_ptr + t64 * (GROUP * tl.num_programs(1)) + head, lse, mask=row_ok)
 
 
+def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, *, scale, causal, window,
+                   soft_cap, k_scale, v_scale, return_lse, config=None, skip_single=False):
+    """Launch on validated inputs into ``out`` / ``lse`` (the caller owns the contract)."""
+    T, hq, d = q.shape
+    B, hk, page = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    if T == 0 or B == 0:
+        return
+    group = hq // hk
+    cfg = kernel_config("prefill", d, group, q.device, config)
+    bm = cfg["BLOCK_M"]
+    grid = (T // (bm // group) + B, hk)
+    ks, vs = prepare_scales(k_cache, k_scale, v_scale)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, ks, vs,
+        float(scale), float(soft_cap or 1.0), int(window or 0), B,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        GROUP=group, D=d, DV=v_cache.shape[3], PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
+        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, SKIP_SINGLE=skip_single,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
             window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
     """``config``: optional tile override (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
     T, hq, _ = q.shape
-    group = hq // hk
     out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
-    if T > 0 and B > 0:
-        cfg = kernel_config("prefill", d, group, q.device, config)
-        bm = cfg["BLOCK_M"]
-        grid = (T // (bm // group) + B, hk)
-        ks, vs = prepare_scales(k_cache, k_scale, v_scale)
-        _prefill_kernel[grid](
-            q, k_cache, v_cache, out, lse, cu_seqlens_q, seq_lens, block_tables, ks, vs,
-            float(scale), float(soft_cap or 1.0), int(window or 0), B,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            GROUP=group, D=d, DV=dv, PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
-            HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-            RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    elif return_lse:
-        lse.fill_(float("-inf"))
+    launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, scale=scale, causal=causal,
+                   window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse,
+                   config=config)
     return (out, lse) if return_lse else out
