@@ -180,6 +180,39 @@ def test_prefill_and_append_cuda_graph_replan():
         assert_close(out, ref, BF)
 
 
+def test_mixed_cuda_graph_replan():
+    """The mix of prefill chunks and decode tokens changes between replays of one captured step."""
+    T, B, hq, hk, d, page, num_pages = 64, 8, 32, 8, 128, 16, 2048
+    g = torch.Generator().manual_seed(12)
+    kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    q_buf = torch.randn(T, hq, d, generator=g).to(DEV, BF)
+    cu_buf = torch.tensor([0, 57, 58, 59, 60, 61, 62, 63, 64], dtype=torch.int32, device=DEV)
+    sl_buf = torch.tensor([100, 5000, 1, 17, 16, 3000, 2, 9], dtype=torch.int32, device=DEV)
+    bt_buf = torch.randperm(num_pages, generator=g)[:B * 256].view(B, 256).int().to(DEV)
+    ws = D.make_workspace(B, hq, d, device=DEV)
+    run = lambda: mixed(q_buf, kc, vc, cu_buf, sl_buf, bt_buf, scale=d ** -0.5, workspace=ws)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for cu, sl in (([0, 1, 2, 3, 4, 5, 6, 7, 64], [4096, 1, 0 + 1, 300, 17, 16, 4000, 57]),
+                   ([0, 8, 16, 24, 32, 40, 48, 56, 64], [8, 16, 24, 32, 4000, 48, 56, 64]),
+                   ([0, 1, 2, 3, 4, 5, 6, 7, 64], [1, 2, 3, 4096, 5, 6, 7, 64])):
+        cu_buf.copy_(torch.tensor(cu))
+        sl_buf.copy_(torch.tensor(sl))
+        bt_buf.copy_(torch.randperm(num_pages, generator=g)[:B * 256].view(B, 256).int())
+        q_buf.copy_(torch.randn(T, hq, d, generator=g).to(BF))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = R.mixed(q_buf.float(), kc.float(), vc.float(), cu_buf, sl_buf, bt_buf, scale=d ** -0.5)
+        assert_close(out, ref, BF)
+
+
 def test_fixed_split_batch_invariance_bitwise():
     g = torch.Generator().manual_seed(9)
     seq = torch.randint(1, 8192, (32,), generator=g).tolist()
