@@ -162,3 +162,24 @@ def test_interrupt_frees_everything(ckpt, prompts, whole, single_thread, monkeyp
         llm.generate(prompts, GREEDY)
     assert not llm.scheduler.has_unfinished() and llm.bm.num_free_blocks == llm.bm.num_blocks
     assert tokens(llm.generate(prompts, GREEDY)) == whole  # still usable, same tokens
+
+
+def test_structured_output(single_thread):
+    pytest.importorskip("xgrammar")
+    import json
+
+    llm = LLM("tiny-llama3", max_num_seqs=8)  # random weights, byte tokenizer
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    outs = llm.generate(["a", "b", "c", "d", "e"], [
+        SamplingParams(max_tokens=40, temperature=0.0, json_schema=schema),
+        SamplingParams(max_tokens=5, temperature=0.0),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=1, regex="(yes|no)!"),
+        SamplingParams(max_tokens=5, json_schema="{not json"),
+        SamplingParams(max_tokens=20, temperature=0.7, seed=3, grammar='root ::= "a" [0-9] [0-9] "z"')])
+    assert outs[0].finish_reason == "stop" and outs[0].stop_reason == "grammar"
+    assert isinstance(json.loads(outs[0].text)["ok"], bool)
+    assert outs[1].error is None and len(outs[1].token_ids) == 5  # unconstrained neighbour unaffected
+    assert outs[2].text in ("yes!", "no!")
+    assert outs[3].finish_reason == "error" and outs[3].error.startswith("json_schema")
+    assert len(outs[4].text) == 4 and outs[4].text[0] == "a" and outs[4].text[1:3].isdigit()
