@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import InputError, expect, expect_same_device, expect_tensor
+from opmap.contract import expect, expect_same_device, expect_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
