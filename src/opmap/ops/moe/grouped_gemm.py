@@ -104,16 +104,18 @@ def _interpreting() -> bool:
 
 def pick_bm(n_pairs: int, num_experts: int) -> int:
     """Row-block height from the expected rows per expert (known on the host: no sync).
-    Decode (a few rows per expert) wants the smallest tile tl.dot takes; prefill wants tall
-    tiles to reuse each weight tile across many rows, but every expert's last block is padded,
-    so the tile stays below about half the rows an expert gets (Qwen3-30B-A3B prefill: ~256 rows
-    per expert -> 64, Mixtral: ~1000 -> 128)."""
+    Decode is weight-streaming: an expert whose rows spill into a second block has its weights
+    read twice, so the tile covers the expected rows plus three standard deviations (Mixtral at
+    64 tokens: 16 +- 4 rows -> 32). Prefill wants tall tiles to reuse each weight tile across
+    rows, but every expert's last block is padded, so the tile stays well below the rows an
+    expert gets (Qwen3-30B-A3B at 4096 tokens: ~256 rows -> 64; Mixtral: ~1000 -> 128)."""
     if _interpreting():
         return 16
     per_expert = n_pairs / num_experts
-    if per_expert <= 24:
+    high = per_expert + 3.0 * per_expert ** 0.5
+    if high <= 16:
         return 16
-    if per_expert <= 64:
+    if high <= 32:
         return 32
     if per_expert <= 512:
         return 64
@@ -128,8 +130,10 @@ def _c(bn, bk, warps, stages, group_m):
 # spread the weight stream over many CTAs; prefill tiles feed wgmma (BM >= 64). Configs whose
 # accumulators spill on sm90 (seen with ptxas: 128x128 with 4 warps, 128x256 with 8, gated
 # 2x128x128 with 8) are left out.
-_DECODE = {True: [_c(32, 128, 4, 4, 1), _c(64, 128, 4, 3, 1), _c(32, 256, 4, 3, 1)],
-           False: [_c(32, 128, 4, 4, 1), _c(64, 128, 4, 4, 1), _c(16, 256, 4, 3, 1)]}
+# GROUP_M=8 at decode too: the (rare) second block of an expert runs next to its first, so
+# the weight tiles it re-reads come from L2.
+_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8)],
+           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8)]}
 _BM64 = {True: [_c(64, 64, 4, 4, 8), _c(64, 128, 4, 3, 8)],
          False: [_c(128, 64, 4, 4, 8), _c(128, 128, 4, 3, 8)]}
 _BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
