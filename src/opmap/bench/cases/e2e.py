@@ -135,10 +135,9 @@ def _hf(model, cases_of_model, ceil, out, skipped):
 
     cfg = get_preset(model)
     torch.manual_seed(0)
-    hfc = to_hf_config(cfg)
-    hfc._attn_implementation = "eager"
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hfc, dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
+                                              attn_implementation="eager").eval()
 
     def timed(ids, n):
         torch.cuda.synchronize()
