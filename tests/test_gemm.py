@@ -51,6 +51,10 @@ def test_triton_split_k(fmt):
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p))  # deterministic
     assert tri.plan(1, 4096, 14336, sms=132)["SPLIT"] > 1  # a real decode shape that splits
     assert tri.plan(1, 28672, 4096, sms=132)["SPLIT"] == 1  # enough N tiles already
+    assert tri.plan(64, 28672, 4096, sms=132)["BLOCK_N"] == 128  # x re-reads halved at M = 64
+    # an over-asked split shrinks to the splits that have K left (no empty programs)
+    p = dict(tri.plan(2, 48, 1088, sms=8), SPLIT=40)
+    assert_close(tri.linear(x, w, b, s, _plan=p), ref.linear(x, w, b, s), scale=2.0)
 
 
 def test_triton_fp8_bit_decoding_path():

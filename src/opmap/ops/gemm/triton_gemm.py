@@ -125,15 +125,16 @@ def _splitk_reduce(ws_ptr, s_ptr, b_ptr, o_ptr, M, N, stride_om, SPLIT: tl.const
     tl.store(o_ptr + m * stride_om + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
+# (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
+# pipelines keep enough weight bytes in flight per SM to cover HBM latency. BLOCK_K 512 is left
+# out: its converted fp8/int8 tile needs all 255 registers and spills (seen in the sm90 cubin).
+_SMALL_BN64 = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (256, 4, 6)]
+_SMALL_BN128 = [(64, 4, 6), (128, 4, 3), (128, 4, 4), (128, 8, 4)]  # M 33-64: 128 x 64 tiles
+_LARGE = [(64, 4, 4), (64, 8, 3)]
+
+
 def _configs(small_m: bool):
-    if small_m:
-        # 4 warps: a 64-row weight tile is one Hopper warpgroup MMA. Deep pipelines keep
-        # enough weight bytes in flight per SM to cover HBM latency.
-        # BLOCK_K 512 is left out: its converted fp8/int8 tile needs all 255 registers and
-        # spills (seen in the sm90 cubin's resource usage).
-        shapes = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (256, 4, 6)]
-    else:
-        shapes = [(64, 4, 4), (64, 8, 3)]
+    shapes = _SMALL_BN64 + _SMALL_BN128 if small_m else _LARGE
     return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
 
 
@@ -141,21 +142,23 @@ SMEM_BUDGET = 200 * 1024  # below the 227 KiB of sm90 / 163 KiB of sm80 is check
 
 
 def _prune(configs, named_args, **kw):
-    """Drop configs whose pipelined tiles cannot fit in shared memory: compiling them only to
-    fail costs seconds each."""
+    """Keep the configs meant for this tile width, and drop those whose pipelined tiles cannot
+    fit in shared memory: compiling them only to fail costs seconds each."""
     wb = named_args["w_ptr"].element_size()
     xb = named_args["x_ptr"].element_size()
     bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
-    fit = [c for c in configs
-           if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
-    return fit or configs[:1]
+    meant = set(_SMALL_BN128 if bn == 128 else _SMALL_BN64) | set(_LARGE)
+    mine = [c for c in configs if (c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in meant]
+    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
+    return fit or mine[:1]
 
 
 _TUNED = {}
 # OPMAP_GEMM_AUTOTUNE=0: run the default config of each regime without autotuning (tests that
 # sweep many shapes use it to spare compile time; benchmarks keep autotuning on).
 AUTOTUNE = os.environ.get("OPMAP_GEMM_AUTOTUNE", "1") != "0"
-DEFAULT = {True: (256, 4, 3), False: (64, 4, 4)}  # small-M / large-M: BLOCK_K, warps, stages
+# Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
+DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
 
 
 def _tuned(small_m: bool):
@@ -193,13 +196,14 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     """Tile shape and split-K for a problem (BLOCK_K is autotuned on a GPU)."""
     small = M <= 64
     bm = max(16, triton.next_power_of_2(M)) if small else 64
-    bn = 64 if small else 128
+    # 128-row weight tiles once x has 64 columns: each program re-reads its x tile from L2, and
+    # at M = 64 with 64-row tiles that re-read traffic would equal the weight traffic.
+    bn = 128 if bm == 64 else 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
     if small and tiles < sms:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
-        want = triton.next_power_of_2(triton.cdiv(2 * sms, tiles))
-        split = max(1, min(want, K // 1024))
+        split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
     d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
     if interp:
         d["BLOCK_K"] = max(16, min(64, triton.next_power_of_2(K)))
@@ -223,14 +227,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
     wk = w.view(torch.uint8) if kind in (W_FP8_BITS, W_FP8_ASM) else w
     dummy = out  # never read when the HAS_* flag is off
-    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
-                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn)
     fixed_k = "BLOCK_K" in p
     # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (<= 256 when tuned);
     # then a K that is a multiple of it too needs no K masks.
     kq = p["BLOCK_K"] if fixed_k else 256
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
+    split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
+    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn)
     target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, target,
@@ -238,7 +243,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
     elif not AUTOTUNE:
-        bk, nw, ns = DEFAULT[p["small"]]
+        bk, nw, ns = DEFAULT[(p["small"], bn)]
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
