@@ -23,6 +23,16 @@ def _flex_fn(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device_type == "cuda":
+        import torch._dynamo.config as dc
+
+        # Each call brings its own block mask (a new mask_mod closure over that step's tables) and
+        # each benchmark shape recompiles; past dynamo's default limit of 8 it would silently fall
+        # back to eager flex, which materialises the whole score matrix.
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dc, name):
+                setattr(dc, name, max(getattr(dc, name), 128))
+        if hasattr(dc, "accumulated_recompile_limit"):
+            dc.accumulated_recompile_limit = max(dc.accumulated_recompile_limit, 1024)
         return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 
