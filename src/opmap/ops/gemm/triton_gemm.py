@@ -134,7 +134,7 @@ _LARGE = [(64, 4, 4), (64, 8, 3)]
 
 
 def _configs(small_m: bool):
-    shapes = _SMALL_BN64 + _SMALL_BN128 if small_m else _LARGE
+    shapes = list(dict.fromkeys(_SMALL_BN64 + _SMALL_BN128)) if small_m else _LARGE
     return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
 
 
