@@ -192,7 +192,8 @@ def _decode_case(B, L, fp8, quick):
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True)) for n, m in SDPA if n != "torch-sdpa-flash"]
-        provs.append(Provider("torch-flex", _flex))
+        if B * L <= 64 * 8192:  # its block mask is built over (tokens x whole cache): bounded here
+            provs.append(Provider("torch-flex", _flex))
         provs.append(Provider("flashinfer", _flashinfer("decode"), available=_fi_available))
     return BenchCase("attention.decode", f"B={B},kv={L},h={HQ}/{HK},d={D},page={PAGE},dtype={'fp8' if fp8 else 'bf16'}",
                      4.0 * B * HQ * L * D, nbytes,
