@@ -10,7 +10,7 @@ The split plan is a pure function of one sequence's length, evaluated *on the de
 kernels (no host synchronisation, nothing to rebuild when lengths change):
 - auto mode: n = min(max_splits, ceil(E / min_chunk)) splits of equal size (rounded up to
   BLOCK_N) over the E keys the query sees; ``max_splits`` is chosen on the host from B, Hk and
-  the SM count (~2 waves), so long contexts at small batch fill the GPU;
+  the SM count (one wave of ~2 programs per SM), so long contexts at small batch fill the GPU;
 - fixed mode (batch invariant): splits of exactly ``split_tokens`` keys; a sequence's result
   depends on its own length only, never on the batch it runs in.
 A sequence with one split writes its output directly; with more, each split writes a
@@ -198,8 +198,9 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
 
 
 def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence so that B * Hk * splits is about two waves of the GPU's SMs."""
-    return max(1, min(MAX_SPLITS_AUTO, triton.cdiv(2 * sm_count(device), max(1, batch * num_kv_heads))))
+    """Splits per sequence so that B * Hk * splits fills one wave of about two programs per SM
+    (rounded down: a second, mostly empty wave would cost as much as the first)."""
+    return max(1, min(MAX_SPLITS_AUTO, (2 * sm_count(device)) // max(1, batch * num_kv_heads)))
 
 
 def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
