@@ -148,7 +148,7 @@ def test_decode_cuda_graph_replan(fixed):
 
 
 def test_prefill_and_append_cuda_graph_replan():
-    T, B, hq, hk, d, page, num_pages = 96, 4, 32, 8, 128, 16, 512
+    T, hq, hk, d, page, num_pages = 96, 32, 8, 128, 16, 512
     g = torch.Generator().manual_seed(8)
     kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
     vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)

@@ -2,7 +2,6 @@
 tile configurations per device, and the scale pointers."""
 from __future__ import annotations
 
-import math
 import os
 
 import torch

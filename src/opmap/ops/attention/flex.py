@@ -82,12 +82,12 @@ def _run(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, ca
             ok = ok & (pos > qpos[qi] - window)
         return ok
 
-    score_mod = None
-    if soft_cap is not None:
-        cap = float(soft_cap)
+    cap = float(soft_cap) if soft_cap is not None else None
 
-        def score_mod(score, b, h, qi, kv):
-            return cap * torch.tanh(score / cap)
+    def capped(score, b, h, qi, kv):
+        return cap * torch.tanh(score / cap)
+
+    score_mod = capped if cap is not None else None
 
     KV = P * page
     bm = create_block_mask(mask_mod, 1, None, T, KV, device=dev)

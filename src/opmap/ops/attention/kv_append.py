@@ -8,7 +8,6 @@ saturated to +-448 (the reference does the same).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

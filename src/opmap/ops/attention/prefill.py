@@ -13,13 +13,11 @@ run without masks.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, check_attention, kernel_config, prepare_scales
+from .common import check_attention, kernel_config, prepare_scales
 
 
 @triton.jit
