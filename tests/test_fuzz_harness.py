@@ -67,6 +67,8 @@ def check(op: str, backend: str, entry: str, case: Case, compare: Callable, ref:
     try:
         out = fn(*args, **kw)
     except InputError as e:
+        if case.broken and e.arg in case.broken:
+            return "broken: rejected"
         if not declared:
             return "outside declaration: rejected"
         if not case.broken:
