@@ -151,7 +151,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                     if r.graph_errors else f" ({r.graphs_off_reason})"))
             if phase_backends.get(("sampling", "decode")) == "reference":
                 why.append("sampler fallback (sampling runs the reference host loop)")
-            if any("matcher" in s.state for s in llm.scheduler.running):
+            if any("grammar" in s.state for s in llm.scheduler.running):
                 why.append("grammar bitmask filled on the CPU critical path")
             out.append(f"{name}: GPU idle {p['idle_us'] / p['wall_us']:.0%} of the step time -> " + "; ".join(why))
     return out

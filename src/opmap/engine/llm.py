@@ -17,13 +17,12 @@ from ..contract import InputError
 from ..ops.sampling.params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model
-from .grammar_glue import GrammarGlue
 from .metrics import StepStats, summarize
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .stop import check_stop
+from .stop import check_stop, make_checker
 from .tokenizer import make_tokenizer
 from .weights import SafetensorsSource, eos_token_ids
 
@@ -72,7 +71,8 @@ class LLM:
                                trace=self.ecfg.trace_ops)
         for line in self.sampler.condensed():
             log.info("%s", line)
-        self.grammar = GrammarGlue(self.tokenizer, cfg.vocab, self.runner.device)
+        self._structured = None  # opmap.ops.grammar.structured.StructuredOutput, made on first use
+        self._bitmask = None
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
 
@@ -102,16 +102,35 @@ class LLM:
                                  f"fewer than max_model_len={self.max_model_len} (room for one new token)")
             seq = Sequence(ids, params, prompt=text, index=i)
             if params.structured is not None:
-                self.grammar.attach(seq)  # raises InputError when the constraint cannot be compiled
+                seq.state["grammar"] = self._grammar_state(params)  # compiles in the background
+            seq.state["stop"] = make_checker(seq, self.eos_ids, self.tokenizer)
             return seq
         except (InputError, ValueError, TypeError) as e:
             return RequestOutput(i, text, ids, "", [], "error", error=str(e))
 
+    def _grammar_state(self, params):
+        if self._structured is None:
+            try:
+                from ..ops.grammar.structured import BitmaskBuffer, StructuredOutput
+
+                ends = self.eos_ids or getattr(self.tokenizer, "grammar_end", None)
+                self._structured = StructuredOutput(self.tokenizer.tok, vocab_size=self.cfg.vocab,
+                                                    stop_token_ids=ends or None)
+            except ImportError as e:
+                raise InputError("structured output", f"unavailable ({e})", "the xgrammar package") from None
+            self._bitmask = BitmaskBuffer(self.ecfg.max_num_seqs, self.cfg.vocab, self.runner.device)
+        try:
+            return self._structured.request(params)
+        except Exception as e:  # noqa: BLE001 - e.g. a JSON schema that is not JSON: this request's error
+            raise InputError(params.structured[0], f"a constraint that does not compile ({type(e).__name__}: {e})",
+                             "a valid constraint") from None
+
     def _output(self, s: Sequence) -> RequestOutput:
         out_ids = s.output_token_ids
-        if s.params.stop and s.stop_reason in s.params.stop:
-            text = s.text  # already cut before the stop string
-        else:  # a stop token id is not part of the text
+        checker = s.state.get("stop")
+        if s.params.stop and checker is not None:
+            text = checker.text  # emitted text, cut before a stop string
+        else:  # an EOS / stop token id is not part of the text
             shown = out_ids[:-1] if s.finish_reason == "stop" and isinstance(s.stop_reason, int) else out_ids
             text = self.tokenizer.decode(shown) if shown else ""
         now = time.perf_counter()
@@ -196,30 +215,40 @@ class LLM:
         logits = self.runner.run(batch)
         sch.update(batch)
         sampled = [it.seq for it in batch.items if it.samples]
-        if sampled:
-            ids, invalid, lps = self.sampler(logits, sampled, self.grammar if self.grammar.active(sampled) else None)
-            for s, tok, bad, lp in zip(sampled, ids, invalid, lps):
-                if bad:
-                    s.error = "the logits of this step hold NaN or +inf (no valid token to sample)"
-                    sch.finish(s, "error")
-                    done.append(s)
-                    continue
+        if not sampled:
+            return done
+        grammars = [s.state.get("grammar") for s in sampled]
+        mask = None
+        if any(g is not None for g in grammars):
+            for g in grammars:
+                if g is not None and not g.ready():
+                    g.wait()  # compiled in the background since admission; rarely still running
+            rows = self._bitmask.fill(grammars)
+            mask = self._bitmask.upload(len(sampled), rows) if rows else None
+        ids, invalid, lps = self.sampler(logits, sampled, mask)
+        for s, g, tok, bad, lp in zip(sampled, grammars, ids, invalid, lps):
+            err = None
+            if g is not None and g.failed:
+                err = g.error  # no allowed token (or the compile failed)
+            elif bad:
+                err = "the logits of this step hold NaN or +inf (no valid token to sample)"
+            else:
                 s.append(tok)
                 if lp is not None:
                     s.logprobs.append(lp)
-                err = self.grammar.advance(s, tok)
-                if err:
-                    s.error = err
-                    sch.finish(s, "error")
-                    done.append(s)
-                    continue
-                r = check_stop(s, self.eos_ids, self.max_model_len, self.tokenizer)
-                if r is None and self.grammar.terminated(s):
-                    r = ("stop", "grammar")
-                if r is not None:
-                    sch.finish(s, r[0])
-                    s.stop_reason = r[1]
-                    done.append(s)
+                if g is not None and not g.accept(tok):
+                    err = g.error
+            if err:
+                s.error = err
+                s.state["stop"].fail(err)
+                sch.finish(s, "error")
+                done.append(s)
+                continue
+            r = check_stop(s, tok, self.max_model_len, g is not None and g.terminated)
+            if r is not None:
+                sch.finish(s, r[0])
+                s.stop_reason = r[1]
+                done.append(s)
         return done
 
 

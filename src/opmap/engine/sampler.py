@@ -42,11 +42,11 @@ class Sampler:
         return [c.condensed() for _, c in self.choices]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list, grammar=None):
+    def __call__(self, logits: torch.Tensor, seqs: list, mask=None):
         """-> (ids list[int], invalid list[bool], logprobs list or None per row).
 
-        ``grammar`` (optional) fills a bitmask for the rows with a structured-output constraint:
-        ``grammar.fill(seqs) -> (bitmask[B, ceil(V/32)] int32 on the device, rows) | None``."""
+        ``mask``: (bitmask[B, ceil(V/32)] int32, rows) on the device for the rows under a
+        structured-output constraint (``opmap.ops.grammar.structured.BitmaskBuffer``), or None."""
         params = [s.params for s in seqs]
         key = tuple(s.seq_id for s in seqs)
         if key != self._key:  # steady decode keeps its batch: the per-row tensors are reused
@@ -58,11 +58,8 @@ class Sampler:
             mask, counts = penalty_state([s.token_ids[:s.num_prompt_tokens] for s in seqs],
                                          [s.output_token_ids for s in seqs], self.vocab, device=logits.device)
             self.penalties(logits, mask, counts, st.repetition, st.frequency, st.presence)
-        if grammar is not None:
-            filled = grammar.fill(seqs)
-            if filled is not None:
-                bitmask, rows = filled
-                self.bitmask(logits, bitmask, rows)
+        if mask is not None:
+            self.bitmask(logits, *mask)
         positions = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=logits.device)
         ids, invalid = self.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, positions)
         lps: list = [None] * len(seqs)

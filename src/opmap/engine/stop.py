@@ -1,31 +1,38 @@
-"""When a request ends: EOS (unless ignore_eos), one of its stop_token_ids, one of its stop strings
-(matched on the detokenised output; the text is cut before the stop string), max_tokens, or the
-engine's max_model_len. Returns (finish_reason, stop_reason) or None to go on."""
+"""Where the engine decides that a request ends. Stop is not a registry operator: each request
+has an ``opmap.ops.sampling.stop.StopChecker`` (EOS unless ignore_eos, stop_token_ids, stop
+strings on the detokenised output with the text cut before the stop string, max_tokens, grammar
+termination, error states), stepped once per sampled token on the host after the step's tokens
+are read back; the engine adds one rule of its own, ``max_model_len`` ("length").
+
+The checker detokenises only requests that have stop strings (the others get a decode that
+returns "", so a batch without stop strings pays no per-step detokenisation; their text is
+decoded once when they finish). Reasons map to the API's finish reasons: eos / stop_token /
+stop / grammar -> "stop" (``stop_reason`` = the token id, the string or "grammar"), length ->
+"length", error -> "error".
+"""
 from __future__ import annotations
 
-from typing import Optional
+from ..ops.sampling.stop import StopChecker
+
+FINISH = {"eos": "stop", "stop_token": "stop", "stop": "stop", "grammar": "stop", "length": "length",
+          "error": "error"}
 
 
-def check_stop(seq, eos_ids: list, max_model_len: int, tokenizer) -> Optional[tuple]:
+def _no_text(ids) -> str:
+    return ""
+
+
+def make_checker(seq, eos_ids, tokenizer) -> StopChecker:
     p = seq.params
-    tok = seq.token_ids[-1]
-    if not p.ignore_eos and tok in eos_ids:
-        return "stop", tok
-    if tok in p.stop_token_ids:
-        return "stop", tok
-    if p.stop and tokenizer is not None:
-        # Only the tail can contain a new match: decode a window wide enough for the longest stop.
-        text = tokenizer.decode(seq.output_token_ids)
-        window = max(len(s) for s in p.stop) + 16
-        start = max(0, len(seq.text) - window)
-        for s in p.stop:
-            i = text.find(s, start)
-            if i >= 0:
-                seq.text = text[:i]
-                return "stop", s
-        seq.text = text
-    if seq.num_output_tokens >= p.max_tokens:
-        return "length", None
+    return StopChecker(p, eos_token_ids=eos_ids, decode=tokenizer.decode if p.stop else _no_text)
+
+
+def check_stop(seq, token: int, max_model_len: int, grammar_terminated: bool = False):
+    """Step the request's checker with its new token: (finish_reason, stop_reason) or None."""
+    out = seq.state["stop"].step(token, grammar_terminated=grammar_terminated)
+    if out.finished:
+        stop = "grammar" if out.reason == "grammar" else out.stop
+        return FINISH[out.reason], stop
     if seq.num_tokens >= max_model_len:
         return "length", None
     return None
