@@ -30,6 +30,10 @@ def test_flex_paged_prefill_and_decode():
     ref, rl = R.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.125, return_lse=True)
     assert_close(out, ref, torch.float32, scale=4.0)
     assert torch.all(out[2] == 0) and torch.all(torch.isneginf(lse[2]))
+    dup = pc.block_tables.clone()
+    dup[1, 1] = dup[1, 0]  # a page listed twice in one sequence cannot be a flex mask: refused
+    with pytest.raises(InputError, match="block_tables"):
+        flex.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, dup, scale=0.125)
     with pytest.raises(InputError, match="k_cache"):
         f8 = make_paged([5], 2, 64, 16, fp8=True)
         flex.prefill(q[:5], f8.k_cache, f8.v_cache, cu[:2].clone(), f8.seq_lens, f8.block_tables, scale=0.1,

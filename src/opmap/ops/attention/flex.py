@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ...contract import expect
+from ...contract import InputError, expect
 from . import validate as V
 
 
@@ -47,6 +47,24 @@ def _inverse_pages(seq_lens, block_tables, num_pages: int, page: int):
     return inv[:, :num_pages].contiguous()
 
 
+def _check_distinct_pages(seq_lens, block_tables, page: int):
+    """The inverse page table maps a physical page to one position per sequence: a page listed
+    twice in one sequence's used pages cannot be represented, so it is refused (a host sync;
+    this adapter is eager-only anyway)."""
+    B, M = block_tables.shape
+    if B == 0 or M < 2:
+        return
+    col = torch.arange(M, device=block_tables.device)
+    used = col[None, :] < ((seq_lens.long() + page - 1) // page)[:, None]
+    ids = torch.where(used, block_tables.long(), -1 - col[None, :])  # unused: distinct negatives
+    srt = ids.sort(dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        b, i = (int(x) for x in dup.nonzero()[0])
+        raise InputError("block_tables", f"page {int(srt[b, i + 1])} listed twice for sequence {b}",
+                         "distinct pages within one sequence (the flex adapter maps a page to one position)")
+
+
 def _run(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, causal, window, soft_cap,
          k_scale, v_scale, return_lse):
     from torch.nn.attention.flex_attention import create_block_mask
@@ -59,6 +77,7 @@ def _run(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, ca
     B = V.check_meta(seq_lens, block_tables, q.device)
     V.check_cu(cu_seqlens_q, q.shape[0], B, q.device)
     V.check_values(seq_lens, block_tables, P, page, cu_seqlens_q, q.shape[0])
+    _check_distinct_pages(seq_lens, block_tables, page)
     T, hq, _ = q.shape
     if T == 0:
         out = q.new_empty(0, hq, dv)
