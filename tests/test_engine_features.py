@@ -136,10 +136,12 @@ def test_state_dict_source_and_random_preset(ckpt, single_thread):
     from opmap.engine.config import make_hf_model
 
     hf = make_hf_model(CFG, seed=11)
-    a = LLM(CFG, source=StateDictSource(hf.state_dict()), tokenizer=None, max_num_seqs=2)
+    a = LLM(CFG, source=StateDictSource(hf.state_dict()), tokenizer=word_tokenizer(CFG.vocab), max_num_seqs=2)
     b = LLM(ckpt, max_num_seqs=2)
     p = random_prompts(CFG.vocab, (9,), seed=2)
     assert tokens(a.generate(p, GREEDY)) == tokens(b.generate(p, GREEDY))
+    text = " ".join(f"w{t}" for t in p[0])  # the same prompt as text, through a given tokenizers.Tokenizer
+    assert a.generate(text, GREEDY)[0].token_ids == tokens(b.generate(p, GREEDY))[0]
     r = LLM("tiny-llama3", max_num_seqs=2)  # random weights, byte tokenizer
     o = r.generate("hello", SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert o.error is None and len(o.token_ids) == 4 and o.ttft is not None and o.tpot is not None

@@ -23,7 +23,7 @@ from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .stop import check_stop, make_checker
-from .tokenizer import make_tokenizer
+from .tokenizer import HFTokenizer, make_tokenizer
 from .weights import SafetensorsSource, eos_token_ids
 
 log = logging.getLogger("opmap.engine")
@@ -61,6 +61,8 @@ class LLM:
             source = SafetensorsSource(path)
         self.cfg = cfg
         self.runner = ModelRunner(cfg, self.ecfg, source)
+        if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
+            tokenizer = HFTokenizer(tokenizer)  # a tokenizers.Tokenizer
         self.tokenizer = tokenizer or make_tokenizer(path, cfg.vocab)
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path)
         self.max_model_len = self.runner.max_model_len
