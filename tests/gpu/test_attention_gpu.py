@@ -303,11 +303,16 @@ def test_sdpa_peers_contiguous(name):
     from opmap.contract import InputError
     from opmap.ops.attention import sdpa
 
-    seq = [300, 128, 1]
-    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV)
-    k, v = pc.contiguous()
     pre = getattr(sdpa, f"{name}_prefill")
     dec = getattr(sdpa, f"{name}_decode")
+    if name == "sdpa_cudnn":  # cuDNN has no kernel for a single key: a clear error, not a crash
+        pc1 = make_paged([1], 8, 128, 16, dtype=BF, device=DEV)
+        q1, _ = make_query([1], 32, 128, dtype=BF, device=DEV)
+        with pytest.raises(InputError, match="seq_lens"):
+            dec(q1, *pc1.contiguous(), pc1.seq_lens, None, scale=0.088)
+    seq = [300, 128, 2] if name == "sdpa_cudnn" else [300, 128, 1]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV)
+    k, v = pc.contiguous()
     q, cu = make_query(seq, 32, 128, dtype=BF, device=DEV)
     ref = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, scale=0.088)
     _close(pre(q, k, v, cu, pc.seq_lens, None, scale=0.088), ref)

@@ -58,6 +58,9 @@ def _one(member, qb, kb, vb, n, L, scale, causal):
         kb, vb = ((kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)) if g > 1
                   else (kb.contiguous(), vb.contiguous()))
     gqa = kb.shape[1] != qb.shape[1]
+    if member == SDPBackend.CUDNN_ATTENTION and L == 1:
+        # Seen on the H200 (torch 2.11, cuDNN 9.19): "cudnn SDPA does not support key/value sequence length 1".
+        raise InputError("seq_lens", "a KV length of 1", "KV length >= 2 (cuDNN SDPA has no kernel for one key)")
     if not causal or n == 1:
         return F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=gqa)
     if n == L:
