@@ -116,8 +116,11 @@ def cli_run(args) -> int:
         print(f"opmap run: {e}", file=sys.stderr)
         return 2
     prompts, params = workload(llm, args)
-    llm.generate([prompts[0] if isinstance(prompts[0], list) else "warm up"][:1],
-                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # compile / capture first
+    # Warm-up at the first prompt's length with other tokens (kernels compiled and tuned for these
+    # shapes, and no prefix-cache hit handed to the measured run).
+    first = prompts[0] if isinstance(prompts[0], list) else llm.tokenizer.encode(prompts[0])
+    llm.generate([[(t + 1) % llm.cfg.vocab for t in first] or [1]],
+                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     if args.prompt and not args.num_requests:
         for o in outs:
