@@ -80,6 +80,9 @@ def test_model_filter_keeps_selected_backends_and_references(fake_family):
     assert keep(_case("parity", "rmsnorm", "reference"))
     assert not keep(_case("gqa-mla", "attention", "reference", tags=("mla",)))  # llama3 has no MLA
     assert keep(_case("structured", "e2e", "-"))  # not a registry op: an engine case
+    other = CheckCase("parity", "e2e", "-", "engine model=tiny-qwen3moe,greedy", lambda: None)
+    same = CheckCase("parity", "e2e", "-", "engine model=llama3-8b,greedy", lambda: None)
+    assert not keep(other) and keep(same)  # cases about a preset of another architecture are dropped
     assert not keep(_case("parity", "moe", "reference"))  # not an op of a dense model
     unchosen = [(op, b) for op in ("rmsnorm",) for b in ("triton", "torch-rms_norm") if (op, b) not in t.pairs]
     for op, b in unchosen:

@@ -135,12 +135,24 @@ def keep(case: CheckCase, targets: Optional[Targets], backends=None, ops=None, s
         cfg = targets.cfg
         if "mla" in case.tags and not cfg.is_mla or "moe" in case.tags and not cfg.is_moe:
             return False
+        model = _case_fields(case.case).get("model")
+        if model in presets.PRESETS and presets.PRESETS[model].arch != cfg.arch:
+            return False  # a case about another architecture (e.g. an engine case of another preset)
         if case.backend == "-":
             # Not about one backend (e.g. an end-to-end or statistics case): kept when it is about
             # an op of the model, or about no registry op at all (engine cases).
             return case.op in targets.ops or case.op not in registry.ops()
         return (case.op, case.backend) in targets.pairs
     return True
+
+
+def _case_fields(case: str) -> dict:
+    out = {}
+    for part in case.replace(" ", ",").split(","):
+        k, sep, v = part.partition("=")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
 
 
 def run_case(fam: str, c: CheckCase) -> Result:
