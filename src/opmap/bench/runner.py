@@ -55,12 +55,19 @@ def why_not(p: Provider, case: BenchCase) -> Optional[str]:
         except KeyError as e:
             return str(e)
         if case.spec is not None:
-            reasons = b.validate(case.spec, runtime=True)
+            reasons = b.validate(_local(case.spec), runtime=True)
             if reasons:
                 return "; ".join(reasons)
         elif b.available is not None and b.available():
             return b.available()
     return None
+
+
+def _local(spec):
+    """The case's spec on this device's arch (cases are written for sm90)."""
+    from ..hw import local_arch
+
+    return spec.replace(arch=local_arch()) if hasattr(spec, "arch") else spec
 
 
 def selected_backend(case: BenchCase) -> Optional[str]:
@@ -72,7 +79,7 @@ def selected_backend(case: BenchCase) -> Optional[str]:
     from ..select import BackendError, select
 
     try:
-        return select(ops.pop(), case.spec).name
+        return select(ops.pop(), _local(case.spec)).name
     except BackendError:
         return None
 
