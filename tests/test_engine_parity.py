@@ -1,5 +1,7 @@
 """Greedy tokens of the engine == HF transformers' greedy generation, on the same random fp32
 weights, loaded through the real save_pretrained -> safetensors -> engine path, per architecture."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,9 +15,16 @@ from test_engine_util import first_near_tie, hf_greedy, random_prompts, single_t
 PRESET_NAMES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek"]
 
 
-@pytest.mark.parametrize("name", PRESET_NAMES)
+VARIANTS = {  # layouts the presets do not cover
+    "tiny-deepseek+q_lora": ("tiny-deepseek", dict(q_lora_rank=24)),  # DeepSeek-V2 / V3 query path
+    "tiny-qwen2+tied": ("tiny-qwen2", dict(tie_embeddings=True)),  # small Qwen2.5: LM head = embedding
+}
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES + list(VARIANTS))
 def test_greedy_matches_hf(name, tmp_path, single_thread):
-    cfg = PRESETS[name]
+    base, kw = VARIANTS.get(name, (name, {}))
+    cfg = dataclasses.replace(PRESETS[base], **kw)
     hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
     assert (tmp_path / "model.safetensors.index.json").exists()  # sharded: the index path is exercised
     # Budget 48 < the longest prompt: chunked prefill and a mixed step are part of the run.

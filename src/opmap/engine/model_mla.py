@@ -12,7 +12,6 @@ import math
 
 import torch
 
-from ..contract import InputError
 from .model import DecoderModel, Step
 from .weights import Loader
 
@@ -23,8 +22,6 @@ def _yarn_mscale(scale: float, m: float) -> float:
 
 class MLAModel(DecoderModel):
     def __init__(self, cfg, device, dtype):
-        if cfg.q_lora_rank:
-            raise InputError("config q_lora_rank", cfg.q_lora_rank, "None (DeepSeek-V2-Lite layout: a plain q_proj)")
         super().__init__(cfg, device, dtype)
         qk = cfg.qk_nope_dim + cfg.qk_rope_dim
         self.scale = qk ** -0.5
@@ -38,7 +35,12 @@ class MLAModel(DecoderModel):
         h, H, R = c.hidden, c.heads, c.kv_lora_rank
         self._p(f"{i}.in_norm", h)
         self._p(f"{i}.post_norm", h)
-        self._p(f"{i}.q", H * (c.qk_nope_dim + c.qk_rope_dim), h)
+        if c.q_lora_rank:  # DeepSeek-V2 / V3: q = q_b(norm(q_a(x)))
+            self._p(f"{i}.q_a", c.q_lora_rank, h)
+            self._p(f"{i}.q_a_norm", c.q_lora_rank)
+            self._p(f"{i}.q_b", H * (c.qk_nope_dim + c.qk_rope_dim), c.q_lora_rank)
+        else:  # V2-Lite: a plain q_proj
+            self._p(f"{i}.q", H * (c.qk_nope_dim + c.qk_rope_dim), h)
         self._p(f"{i}.kv_a", R + c.qk_rope_dim, h)
         self._p(f"{i}.kv_a_norm", R)
         self._p(f"{i}.w_kc", H, c.qk_nope_dim, R)  # kv_b_proj.weight as [H, Dn + Dv, R], split
@@ -51,7 +53,12 @@ class MLAModel(DecoderModel):
         a = f"{pre}.self_attn"
         L.copy(P[f"{i}.in_norm"], f"{pre}.input_layernorm.weight")
         L.copy(P[f"{i}.post_norm"], f"{pre}.post_attention_layernorm.weight")
-        L.copy(P[f"{i}.q"], f"{a}.q_proj.weight")
+        if c.q_lora_rank:
+            L.copy(P[f"{i}.q_a"], f"{a}.q_a_proj.weight")
+            L.copy(P[f"{i}.q_a_norm"], f"{a}.q_a_layernorm.weight")
+            L.copy(P[f"{i}.q_b"], f"{a}.q_b_proj.weight")
+        else:
+            L.copy(P[f"{i}.q"], f"{a}.q_proj.weight")
         L.copy(P[f"{i}.kv_a"], f"{a}.kv_a_proj_with_mqa.weight")
         L.copy(P[f"{i}.kv_a_norm"], f"{a}.kv_a_layernorm.weight")
         H, Dn, Dv, R = c.heads, c.qk_nope_dim, c.v_head_dim, c.kv_lora_rank
@@ -66,7 +73,11 @@ class MLAModel(DecoderModel):
     def attention(self, ops, st: Step, cache, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
         T, H, Dn, Dr, R = h.shape[0], c.heads, c.qk_nope_dim, c.qk_rope_dim, c.kv_lora_rank
-        q = ops.gemm["q"](h, P[f"{i}.q"]).view(T, H, Dn + Dr)
+        if c.q_lora_rank:
+            qa = ops.q_a_norm(ops.gemm["q_a"](h, P[f"{i}.q_a"]), P[f"{i}.q_a_norm"], 1e-6)  # HF: default eps
+            q = ops.gemm["q_b"](qa, P[f"{i}.q_b"]).view(T, H, Dn + Dr)
+        else:
+            q = ops.gemm["q"](h, P[f"{i}.q"]).view(T, H, Dn + Dr)
         q_nope, q_pe = q[..., :Dn], q[..., Dn:]
         kva = ops.gemm["kv_a"](h, P[f"{i}.kv_a"])
         ckv = ops.latent_norm(kva[:, :R], P[f"{i}.kv_a_norm"], 1e-6)  # HF: the layer's default eps

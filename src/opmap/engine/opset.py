@@ -37,7 +37,13 @@ class OpSet:
         self.gemm: dict = {}
         if cfg.is_mla:
             qk = cfg.qk_nope_dim + cfg.qk_rope_dim
-            self.gemm["q"] = gemm("q proj", cfg.heads * qk, h)
+            if cfg.q_lora_rank:
+                self.gemm["q_a"] = gemm("q_a proj", cfg.q_lora_rank, h)
+                self.gemm["q_b"] = gemm("q_b proj", cfg.heads * qk, cfg.q_lora_rank)
+                self.q_a_norm = self._pick("rmsnorm", "q_a norm", S.NormSpec(hidden=cfg.q_lora_rank, dtype=dtype,
+                                                                             **base), "rmsnorm")
+            else:
+                self.gemm["q"] = gemm("q proj", cfg.heads * qk, h)
             self.gemm["kv_a"] = gemm("kv_a proj", cfg.kv_lora_rank + cfg.qk_rope_dim, h)
             self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.v_head_dim)
             self.latent_norm = self._pick("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype,
