@@ -177,6 +177,16 @@ def test_bench_case_filters_and_provider_reasons():
     assert bench_runner.keep(case, ["rmsnorm"], None) and bench_runner.keep(case, ["rmsnorm.fused"], None)
     assert not bench_runner.keep(case, ["gemm"], None)
     assert bench_runner.keep(case, None, {"rmsnorm", "gemm"}) and not bench_runner.keep(case, None, {"gemm"})
+    from opmap.specs import AttentionSpec
+
+    mla_case = BenchCase("attention.mla_decode", "B=1", 1, 1, setup=lambda d: None, providers=[prov_ok],
+                         spec=AttentionSpec(kind="mla", num_kv_heads=1, head_dim=576, head_dim_v=512))
+    gqa_case = BenchCase("attention.decode", "B=1", 1, 1, setup=lambda d: None, providers=[prov_ok],
+                         spec=AttentionSpec())
+    assert bench_runner.keep(mla_case, None, {"attention"}, mla=True)
+    assert not bench_runner.keep(mla_case, None, {"attention"}, mla=False)
+    assert bench_runner.keep(gqa_case, None, {"attention"}, mla=False)
+    assert not bench_runner.keep(gqa_case, None, {"attention"}, mla=True)
 
 
 def test_bench_cases_of_families_are_well_formed():

@@ -33,9 +33,13 @@ def op_root(case: BenchCase) -> str:
     return case.op.split(".", 1)[0]
 
 
-def keep(case: BenchCase, ops: Optional[list], model_ops: Optional[set]) -> bool:
+def keep(case: BenchCase, ops: Optional[list], model_ops: Optional[set], mla: Optional[bool] = None) -> bool:
     if ops and not any(case.op == o or case.op.startswith(o + ".") or op_root(case) == o for o in ops):
         return False
+    kind = getattr(case.spec, "kind", None)
+    if mla is not None and op_root(case) in ("attention", "kv_append") and kind in ("mla", "gqa", "mha", "mqa"):
+        if (kind == "mla") != mla:
+            return False  # MLA cases for an MLA model, the others for the rest
     if model_ops is not None:
         backend_ops = {p.backend[0] for p in case.providers if p.backend}
         return op_root(case) in model_ops or bool(backend_ops & model_ops) or case.op == "e2e"
@@ -135,13 +139,14 @@ def bench(ops=None, model=None, quick=False, progress=True) -> dict:
     from .report import environment
 
     ceil = hw.ceilings(measure=True)
-    model_ops = None
+    model_ops, mla = None, None
     if model:
         cfg = presets.get_preset(model)
         arch = hw.local_arch()
         model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
+        mla = cfg.is_mla
     cases, errors = collect(quick)
-    cases = [c for c in cases if keep(c, ops, model_ops)]
+    cases = [c for c in cases if keep(c, ops, model_ops, mla)]
     results, skipped = [], []
     device = torch.device("cuda")
     for i, c in enumerate(cases):
