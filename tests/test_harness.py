@@ -198,3 +198,40 @@ def test_bench_cases_of_families_are_well_formed():
         assert c.providers and len({p.name for p in c.providers}) == len(c.providers), c.case
     if torch.cuda.is_available():
         pytest.skip("CPU-side check only")
+
+
+def test_run_case_plumbing(monkeypatch):
+    """run_case on the CPU with the GPU timer replaced by a call counter: every runnable provider
+    is made on every input set and called, failures and unavailable providers are listed, and the
+    records carry the figures of the (stand-in) time. No timing is asserted."""
+    calls = []
+
+    def fake_time(fns, graph=False, warmup_ms=25, rep_ms=100):
+        for f in fns:
+            f()
+        return timing.Timing(10.0, "do_bench+graph" if graph else "do_bench", len(fns))
+
+    monkeypatch.setattr(timing, "time_calls", fake_time)
+    monkeypatch.setattr(timing, "num_sets", lambda nbytes, max_sets=16: 3)
+    made = []
+
+    def make(inp):
+        made.append(inp)
+        return lambda: calls.append(inp)
+
+    def boom(inp):
+        raise RuntimeError("no kernel image for this device")
+
+    case = BenchCase("rmsnorm", "T=4,H=8", flops=96, bytes=160, setup=lambda d: torch.randn(4, 8, device=d),
+                     providers=[Provider("p-ok", make), Provider("p-boom", boom),
+                                Provider("p-absent", make, available=lambda: "not installed")], graph=True)
+    recs, skipped = bench_runner.run_case(case, _Ceil, torch.device("cpu"), quick=True)
+    assert len(made) == 3 and len(calls) == 3  # one callable per input set, each called
+    assert [r["provider"] for r in recs] == ["p-ok"]
+    r = recs[0]
+    assert r["median_us"] == 10.0 and r["method"] == "do_bench+graph" and r["input_sets"] == 3
+    assert r["tbps"] == pytest.approx(160 / 10e-6 / 1e12, rel=1e-3)
+    assert r["frac_of_ceiling"] == pytest.approx(r["tbps"] / 4.0, rel=1e-3)
+    reasons = {s["provider"]: s["reason"] for s in skipped}
+    assert reasons["p-absent"] == "not installed"
+    assert reasons["p-boom"].startswith("failed: RuntimeError: no kernel image")

@@ -116,7 +116,8 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
             calls = [p.make(inp) for inp in sets]
             t = timing.time_calls(calls, graph=case.graph, rep_ms=40 if quick else 100)
         except Exception as e:  # one provider failing must not hide the others' numbers
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             skipped.append({"op": case.op, "case": case.case, "provider": p.name,
                             "reason": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             continue

@@ -102,5 +102,5 @@ def figures(median_us: float, flops: float, nbytes: float, bound: str, ceil) -> 
             frac = tflops / ceil.bf16_tflops
         elif tbps is not None:
             frac = tbps / ceil.read_tbps
-    r = lambda v, d: None if v is None else round(v, d)  # noqa: E731
-    return {"tbps": r(tbps, 4), "tflops": r(tflops, 3), "frac_of_ceiling": r(frac, 4)}
+    r = lambda v: None if v is None else float(f"{v:.4g}")  # significant figures: tiny cases stay visible  # noqa: E731
+    return {"tbps": r(tbps), "tflops": r(tflops), "frac_of_ceiling": r(frac)}
