@@ -17,9 +17,8 @@ __all__ = ["apply_bitmask", "unpack_bitmask", "pack_bitmask"]
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [B, vocab]: True where allowed."""
-    j = torch.arange(vocab, device=bitmask.device)
-    words = bitmask[:, j // 32].to(torch.int64) & 0xFFFFFFFF
-    return ((words >> (j % 32)) & 1).bool()
+    bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:

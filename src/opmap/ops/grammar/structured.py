@@ -163,7 +163,14 @@ class GrammarState:
         state) when the grammar leaves no token at all."""
         if not self.ready():
             raise GrammarError(self.error or "grammar not compiled yet: call ready() before fill()")
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.terminated:
+            self.error = "a token was asked for after the grammar terminated"
+            return False
+        try:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        except Exception as e:  # xgrammar raises on an inconsistent matcher: end this request only
+            self.error = f"bitmask fill failed: {type(e).__name__}: {e}"
+            return False
         if not bool(bitmask[row].any()):
             self.error = "grammar leaves no allowed token"
             return False
@@ -198,7 +205,7 @@ class BitmaskBuffer:
         out: their requests end with an error)."""
         rows = []
         for i, st in enumerate(states):
-            if st is None or st.terminated or not st.ready():
+            if st is None or st.terminated or st.failed or not st.ready():
                 continue
             if st.fill(self.cpu, i):
                 rows.append(i)
