@@ -157,6 +157,7 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
         from .ops.sampling.params import SamplingParams
     except Exception as e:
         return {"status": "unavailable", "why": f"the engine cannot be imported ({type(e).__name__}: {e})"[:400]}
+    llm = None
     try:
         llm = LLM(model)
         n = min(E2E_PROMPT, llm.max_model_len - E2E_NEW - 1)
@@ -170,6 +171,12 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
                "summary": d, "lines": format_summary(d)}
     except Exception as e:
         return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
+    finally:
+        import gc
+
+        llm = None  # the profile builds its own engine: free this one's weights and KV cache first
+        gc.collect()
+        torch.cuda.empty_cache()
     out["profile"] = _profile_summary(model)
     return out
 

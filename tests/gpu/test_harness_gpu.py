@@ -140,4 +140,9 @@ def test_cli_check_and_report_tiny_on_gpu(tmp_path):
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert all(r["backend"] for rows in rep["operators"].values() for r in rows)
     assert rep["environment"]["ceilings"] is not None
+    eng = rep["engine"]
+    assert eng["status"] == "ok", eng
+    assert eng["summary"]["tpot_ms_p50"] > 0 and eng["summary"]["ttft_ms_p50"] > 0
+    assert eng["profile"]["status"] == "ok", eng["profile"]
+    assert "## Engine (TTFT / TPOT, profile)" in (tmp_path / "rep" / "report.md").read_text()
     assert rc == 0
