@@ -16,8 +16,12 @@ from opmap.presets import PRESETS
 
 from test_engine_util import hf_greedy, random_prompts, single_thread  # noqa: F401
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                                reason="Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                       reason="Triton needs a GPU or TRITON_INTERPRET=1 (tests/conftest.py sets it)"),
+    # The interpreter converts 1-element arrays to scalars, which NumPy 2.x deprecates (noise only).
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
 
 
 def forced(cfg) -> dict:
