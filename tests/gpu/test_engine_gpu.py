@@ -93,3 +93,28 @@ def test_llama3_8b_bf16_matches_hf_up_to_first_near_tie(record_property):
         assert gap <= noise and float(top2[0]) - ours <= noise, report[-1]
     record_property("hf_parity", "; ".join(report))
     print("\n".join(report))
+
+
+def test_profile_attributes_gpu_kernels_to_operators():
+    from opmap import profile as P
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
+    llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, gpu_memory_fraction=0.3,
+              trace_ops=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(cfg.vocab, (16,)), sp)  # warm-up
+    res = P.profile_engine(llm, _prompts(cfg.vocab, (200, 300), seed=4), sp, steps=6)
+    assert res["on_gpu"] and {"prefill", "decode"} <= set(res["phases"])
+    pre, dec = res["phases"]["prefill"], res["phases"]["decode"]
+    # Eager prefill: kernels attributed through the operator ranges, with the chosen backends.
+    assert pre["by_category"]["attention"] > 0 and pre["by_category"]["GEMM"] > 0
+    assert pre["backends"]["attention"] and pre["backends"]["GEMM"]
+    # Graph-replayed decode: kernels classified by symbol; most GPU time lands in a named category.
+    named = sum(v for k, v in dec["by_category"].items() if k != "other")
+    assert dec["busy_us"] > 0 and named >= 0.8 * sum(dec["by_category"].values()), dict(dec["by_category"])
+    assert 0 <= dec["idle_us"] <= dec["wall_us"]
+    lines = P.format_profile(res) + P.diagnose(res, llm, P.phase_backends(llm))
+    print("\n".join(lines))
+    assert any(line.startswith("[decode]") for line in lines)
