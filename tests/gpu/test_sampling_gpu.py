@@ -1,0 +1,184 @@
+"""GPU tests of the sampling stage (run with -m gpu on a CUDA machine): the Triton sampler's own
+draws against the renormalised targets at vocab 111 / 32001 / 128256 (chi-square with pooled tails
+at alpha 1e-3 and a TV bound), exact support at real shapes, edge cases in bf16, invalid rows,
+batch invariance, eager vs CUDA-graph replay, the processors and the bitmask apply in bf16.
+Needs neither xgrammar nor flashinfer."""
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from opmap.ops.grammar import bitmask as GK
+from opmap.ops.grammar import reference as GR
+from opmap.ops.sampling import processors as PK
+from opmap.ops.sampling import reference as R
+from opmap.ops.sampling import sampler
+from opmap.tolerance import assert_close
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def rows(B, T=1.0, k=0, p=1.0, mp=0.0, seed=0):
+    f = lambda v, dt=torch.float32: torch.full((B,), v, dtype=dt, device=DEV)  # noqa: E731
+    return (f(T), f(k, torch.int32), f(p), f(mp), torch.full((B,), seed, dtype=torch.int64, device=DEV),
+            torch.arange(B, dtype=torch.int64, device=DEV))
+
+
+def chi2_tv(counts, probs, n):
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    assert int(counts[probs == 0].sum()) == 0, "a token outside the support was drawn"
+    e = probs * n
+    order = torch.argsort(e, descending=True)
+    e, o = e[order], counts[order]
+    big = e >= 5
+    obs = torch.cat([o[big], o[~big].sum().reshape(1)])
+    ex = torch.cat([e[big], e[~big].sum().reshape(1)])
+    if ex[-1] < 5:
+        obs = torch.cat([obs[:-2], (obs[-2] + obs[-1]).reshape(1)])
+        ex = torch.cat([ex[:-2], (ex[-2] + ex[-1]).reshape(1)])
+    pval = stats.chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum())).pvalue
+    tv = 0.5 * float((counts / n - probs).abs().sum())
+    bound = 0.5 * float(torch.sqrt(probs * (1 - probs) / n).sum()) + 1e-3
+    return pval, tv, bound
+
+
+FILTERS = [dict(T=0.8), dict(k=20), dict(p=0.8), dict(T=1.3, mp=0.1), dict(T=0.9, k=50, p=0.9, mp=0.02)]
+
+
+@pytest.mark.parametrize("V,n,scale", [(111, 40000, 1.0), (32001, 20000, 4.0), (128256, 20000, 4.0)])
+@pytest.mark.parametrize("f", FILTERS, ids=str)
+def test_kernel_draws_follow_the_target(V, n, scale, f):
+    g = torch.Generator(device=DEV).manual_seed(V)
+    x = (torch.randn(1, V, generator=g, device=DEV) * scale).to(torch.bfloat16)
+    T, k, p, mp, seeds, pos = rows(n, seed=17, **f)
+    ids, invalid = sampler.sample(x.expand(n, V), T, k, p, mp, seeds, pos)
+    assert not invalid.any()
+    target = R.filtered_probs(x, T[:1], k[:1], p[:1], mp[:1])[0]
+    pval, tv, bound = chi2_tv(torch.bincount(ids, minlength=V), target, n)
+    assert pval > 1e-3, f"chi-square p={pval:.2e}"
+    assert tv <= bound, f"TV {tv:.4f} > bound {bound:.4f}"
+
+
+@pytest.mark.parametrize("V", [32000, 128256, 151936])
+def test_exact_support_at_real_shapes(V):
+    B = 64
+    g = torch.Generator(device=DEV).manual_seed(1)
+    x = (torch.randn(B, V, generator=g, device=DEV) * 3).half()  # fp16: exact ties; differences exact in fp32
+    T = torch.tensor([1.0, 0.5, 2.0, 1.0], device=DEV).repeat(B // 4)  # exact reciprocals
+    k = torch.tensor([50, 0, 1000, 0, 3000, 20, 0, 0], dtype=torch.int32, device=DEV).repeat(B // 8)
+    p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.99, 1.0, 0.7, 1.0], device=DEV).repeat(B // 8)
+    mp = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.1, 0.0, 0.3], device=DEV).repeat(B // 8)
+    seeds = torch.arange(B, device=DEV) * 3 + 1
+    pos = torch.arange(B, device=DEV)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True)
+    target = R.filtered_probs(x, T, k, p, mp)
+    assert torch.equal(sampler.support_from_boundary(x, T, sup), target > 0)
+    assert (target.gather(1, ids[:, None]) > 0).all() and not invalid.any()
+
+
+def test_edge_cases_bf16():
+    V = 128256
+    x = torch.full((4, V), -math.inf, device=DEV, dtype=torch.bfloat16)
+    hot = torch.tensor([0, 77, V - 1, 4242], device=DEV)
+    x[torch.arange(4, device=DEV), hot] = 1.5
+    for kw in (dict(), dict(k=10, p=0.5), dict(mp=0.9), dict(T=0.0)):
+        ids, invalid = sampler.sample(x, *rows(4, **kw))
+        assert torch.equal(ids, hot) and not invalid.any(), kw
+    y = torch.randn(4, V, device=DEV).to(torch.bfloat16)
+    y[:, 9] = y[:, 900] = 20.0
+    for kw in (dict(T=0.0), dict(k=1), dict(mp=1.0, T=0.0)):
+        assert (sampler.sample(y, *rows(4, **kw))[0] == 9).all(), kw
+    assert set(sampler.sample(y, *rows(64, mp=1.0))[0].tolist()) <= {9, 900}
+    base = sampler.sample(y, *rows(4))[0]
+    assert torch.equal(sampler.sample(y, *rows(4, k=V))[0], base)
+    assert torch.equal(sampler.sample(y, *rows(4, p=1.0))[0], base)
+    eq = torch.zeros(2, V, device=DEV, dtype=torch.bfloat16)
+    assert (sampler.sample(eq, *rows(2, k=7))[0] < 7).all()
+
+
+def test_invalid_rows_do_not_disturb_the_batch():
+    V = 32000
+    x = torch.randn(6, V, device=DEV)
+    params = rows(6, k=40, p=0.9, seed=3)
+    clean = sampler.sample(x, *params)[0]
+    x[1, 5], x[3, 100], x[4] = float("nan"), math.inf, -math.inf
+    ids, invalid = sampler.sample(x, *params)
+    assert invalid.tolist() == [False, True, False, True, True, False]
+    assert torch.equal(ids[[0, 2, 5]], clean[[0, 2, 5]]) and (ids[[1, 3, 4]] == 0).all()
+
+
+def test_seeded_rows_are_batch_invariant():
+    V = 128256
+    g = torch.Generator(device=DEV).manual_seed(2)
+    x = torch.randn(64, V, generator=g, device=DEV).to(torch.bfloat16)
+    T = torch.rand(64, generator=g, device=DEV) + 0.5
+    k = torch.randint(0, 200, (64,), generator=g, device=DEV).to(torch.int32)
+    p = torch.rand(64, generator=g, device=DEV) * 0.5 + 0.5
+    mp = torch.zeros(64, device=DEV)
+    seeds = torch.randint(0, 2**62, (64,), generator=g, device=DEV)
+    pos = torch.randint(0, 4096, (64,), generator=g, device=DEV)
+    full = sampler.sample(x, T, k, p, mp, seeds, pos)[0]
+    perm = torch.randperm(64, generator=g, device=DEV)[:13]
+    sub = sampler.sample(x[perm], T[perm], k[perm], p[perm], mp[perm], seeds[perm], pos[perm])[0]
+    assert torch.equal(sub, full[perm])
+    alone = torch.stack([sampler.sample(x[i:i + 1], T[i:i + 1], k[i:i + 1], p[i:i + 1], mp[i:i + 1], seeds[i:i + 1],
+                                        pos[i:i + 1])[0][0] for i in range(8)])
+    assert torch.equal(alone, full[:8])
+
+
+def test_eager_equals_cuda_graph_replay():
+    B, V = 32, 128256
+    static = [torch.randn(B, V, device=DEV).to(torch.bfloat16)] + list(rows(B, T=0.9, k=50, p=0.9, seed=5))
+    static[2][::3] = 0  # mixed rows: some without top-k
+    static[1][::5] = 0.0  # greedy rows
+    sampler.sample(*static)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_ids, out_invalid = sampler.sample(*static)
+    for step in range(3):
+        new = torch.randn(B, V, device=DEV).to(torch.bfloat16)
+        static[0].copy_(new)
+        static[6].add_(1)  # next position
+        graph.replay()
+        eager, _ = sampler.sample(new, *static[1:])
+        assert torch.equal(out_ids, eager), step
+
+
+def test_processors_bf16():
+    B, V = 8, 128256
+    x = torch.randn(B, V, device=DEV).to(torch.bfloat16)
+    pm = torch.rand(B, V, device=DEV) < 0.05
+    cnt = (torch.randint(0, 3, (B, V), device=DEV) * (torch.rand(B, V, device=DEV) < 0.01)).int()
+    rep, fr, pr = (torch.rand(B, device=DEV) + 0.5, torch.rand(B, device=DEV), torch.rand(B, device=DEV) - 0.5)
+    a, b = x.clone(), x.clone()
+    PK.apply_penalties(a, pm, cnt, rep, fr, pr)
+    R.apply_penalties(b, pm, cnt, rep, fr, pr)
+    assert_close(a, b)
+    T = torch.rand(B, device=DEV) + 0.2
+    PK.apply_temperature(a, T)
+    R.apply_temperature(b, T)
+    assert_close(a, b)
+
+
+@pytest.mark.parametrize("V", [128000, 128001, 128010])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_bitmask_apply_vs_masked_fill(V, dtype):
+    B = 64
+    wide = torch.randn(B, V + 64, device=DEV).to(dtype)
+    logits = wide[:, 3:V + 3]
+    allowed = torch.rand(B, V, device=DEV) < 0.5
+    bm = GR.pack_bitmask(allowed)
+    before = wide.clone()
+    want = logits.clone().masked_fill(~allowed, -math.inf)
+    GK.apply_bitmask(logits, bm)
+    assert torch.equal(logits, want)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, V + 3:], before[:, V + 3:])
+    sub = before[:, 3:V + 3].clone()
+    r = torch.tensor([5, 63, 0], device=DEV, dtype=torch.int32)
+    GK.apply_bitmask(sub, bm, r)
+    exp = before[:, 3:V + 3].clone()
+    exp[r.long()] = exp[r.long()].masked_fill(~allowed[r.long()], -math.inf)
+    assert torch.equal(sub, exp)
