@@ -96,7 +96,8 @@ def test_categorize_symbols():
     cases = {"_prefill_kernel": "attention", "flash_fwd_kernel": "attention", "_append_kernel": "attention",
              "sm90_xmma_gemm_bf16bf16": "GEMM", "_gemm_kernel": "GEMM", "_grouped_gemm_kernel": "MoE",
              "_align_kernel": "MoE", "_rope_kernel": "RoPE", "_act_mul_kernel": "activation",
-             "_bitmask_kernel": "grammar", "Memset (Device)": "memory copies", "void at::native::foo": "other"}
+             "_bitmask_kernel": "grammar", "Memset (Device)": "memory copies", "void at::native::foo": "other",
+             "_route_kernel": "MoE", "_combine_kernel": "MoE", "indexSelectLargeIndex": "memory copies"}
     assert {k: P.categorize(k) for k in cases} == cases
 
 
@@ -106,3 +107,8 @@ def test_bad_engine_arguments_are_clean_errors(capsys):
     assert "opmap run: model: got 'no-such-model'" in capsys.readouterr().err
     a = parse("run", "--model", "tiny-llama3", "--page-size", "12")
     assert a.func(a) == 2
+
+
+def test_ambiguous_symbols_follow_the_model():
+    assert P.categorize("_combine_kernel", moe=False) == "attention"  # split-KV decode combine
+    assert P.categorize("_combine_kernel", moe=True) == "MoE"

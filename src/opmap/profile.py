@@ -24,24 +24,26 @@ OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_me
 # Kernel symbol -> category, first match wins: opmap's Triton kernels, then the peers' symbols.
 SYMBOL_RULES = [
     ("grammar", r"bitmask"),
-    ("MoE", r"_align_kernel|grouped_gemm|_combine_kernel|moe|expert|topk_gating"),
+    # `_combine_kernel` is both the MoE combine and the split-KV decode combine: MoE in MoE models
+    # (analyse(..., moe=False) drops this rule for dense ones, where it is attention's).
+    ("MoE", r"_align_kernel|_route_kernel|grouped_gemm|_combine_kernel|moe|expert|topk_gating"),
     ("sampling", r"_sample_kernel|_penalty_kernel|_temperature_kernel|_gumbel|_race|sampling|multinomial|"
                  r"radix(Sort|Select)|argmax|ArgMax|cumsum|softmax_warp|SoftMax|log_softmax"),
-    ("attention", r"_decode_kernel|_prefill_kernel|_append_kernel|_merge_kernel|flash|fmha|attn|attention|"
-                  r"sdpa|cudnn|mla"),
+    ("attention", r"_decode_kernel|_prefill_kernel|_append_kernel|_merge_kernel|_combine_kernel|flash|fmha|attn|"
+                  r"attention|sdpa|cudnn|mla"),
     ("norm", r"rmsnorm|rms_norm|_norm_kernel|layer_norm|RowwiseMoments"),
     ("RoPE", r"rope|rotary|_rotate"),
     ("activation", r"_act_mul|silu|gelu|act_and_mul"),
     ("GEMM", r"_gemm_kernel|splitk|gemm|Gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm80_|ampere_|wgmma|"
              r"_scaled_mm"),
-    ("memory copies", r"[Mm]emcpy|[Mm]emset|copy_|CatArray|index_select|gather|scatter|fill_|elementwise_kernel"),
+    ("memory copies", r"[Mm]emcpy|[Mm]emset|copy_|CatArray|[Ii]ndex|gather|scatter|fill_|elementwise_kernel"),
 ]
 _RULES = [(c, re.compile(r)) for c, r in SYMBOL_RULES]
 
 
-def categorize(symbol: str) -> str:
+def categorize(symbol: str, moe: bool = True) -> str:
     for cat, rx in _RULES:
-        if rx.search(symbol):
+        if (moe or cat != "MoE") and rx.search(symbol):
             return cat
     return "other"
 
@@ -52,7 +54,7 @@ def _op_of(name: str):
     return tuple(parts[1:4]) if len(parts) >= 4 and parts[0] == "opmap" and parts[1] != "step" else None
 
 
-def analyse(trace: dict) -> dict:
+def analyse(trace: dict, moe: bool = True) -> dict:
     """Per phase: steps, host wall, GPU busy and idle, time per category with kernels and backends."""
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in evs if e.get("cat") == "user_annotation" and e["name"].startswith("opmap::step::")]
@@ -91,7 +93,7 @@ def analyse(trace: dict) -> dict:
             j = bisect.bisect_right(op_starts, ev["ts"]) - 1
             owner = gpu_ops[j] if j >= 0 and ev["ts"] <= gpu_ops[j]["ts"] + gpu_ops[j]["dur"] else None
             op = _op_of(owner["name"]) if owner else None
-            cat = OP_CATEGORY.get(op[0], "other") if op else categorize(ev["name"])
+            cat = OP_CATEGORY.get(op[0], "other") if op else categorize(ev["name"], moe)
             sym = ev["name"]
         else:
             op = _op_of(ev["name"])
@@ -182,7 +184,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     path = trace_path or os.path.join(tempfile.mkdtemp(prefix="opmap-profile-"), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        res = analyse(json.load(f))
+        res = analyse(json.load(f), moe=llm.cfg.is_moe)
     if trace_path is None:
         os.remove(path)
     res["profiled_steps"] = n
