@@ -162,6 +162,26 @@ def test_engine_commands_exist_or_say_why(capsys):
         assert "usage" in help_run
 
 
+def test_engine_commands_unavailable_say_why(monkeypatch, capsys):
+    import types
+
+    # The engine's CLI module missing: the commands exist and say why they cannot run.
+    monkeypatch.setitem(sys.modules, "opmap.engine.cli", None)
+    assert cli.main(["run", "--model", "tiny-llama3"]) == 2
+    assert "opmap run is unavailable: the engine provides no add_run_parser" in capsys.readouterr().err
+    # The engine's factory raising (an incomplete engine): same, with the error.
+    broken = types.ModuleType("opmap.engine.cli")
+
+    def add_run_parser(sub):
+        raise ImportError("cannot import name 'ModelRunner'")
+
+    broken.add_run_parser = broken.add_profile_parser = add_run_parser
+    monkeypatch.setitem(sys.modules, "opmap.engine.cli", broken)
+    assert cli.main(["profile"]) == 2
+    err = capsys.readouterr().err
+    assert "opmap profile is unavailable: importing the engine failed: ImportError: cannot import name" in err
+
+
 def test_console_entry_point():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-m", "opmap.cli", "select", "rmsnorm", "--arch", "sm90",
