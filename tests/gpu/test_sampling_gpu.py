@@ -40,7 +40,7 @@ def chi2_tv(counts, probs, n):
         ex = torch.cat([ex[:-2], (ex[-2] + ex[-1]).reshape(1)])
     pval = stats.chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum())).pvalue
     tv = 0.5 * float((counts / n - probs).abs().sum())
-    bound = 0.5 * float(torch.sqrt(probs * (1 - probs) / n).sum()) + 1e-3
+    bound = 0.625 * float(torch.sqrt(probs * (1 - probs) / n).sum()) + 1e-3
     return pval, tv, bound
 
 
