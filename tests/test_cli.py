@@ -167,6 +167,7 @@ def test_engine_commands_unavailable_say_why(monkeypatch, capsys):
 
     # The engine's CLI module missing: the commands exist and say why they cannot run.
     monkeypatch.setitem(sys.modules, "opmap.engine.cli", None)
+    monkeypatch.setitem(sys.modules, "opmap.engine", types.ModuleType("opmap.engine"))
     assert cli.main(["run", "--model", "tiny-llama3"]) == 2
     assert "opmap run is unavailable: the engine provides no add_run_parser" in capsys.readouterr().err
     # The engine's factory raising (an incomplete engine): same, with the error.

@@ -236,8 +236,7 @@ def _engine_parsers(sub) -> None:
         except Exception as e:  # an incomplete engine must not take the whole CLI down
             why = f"importing the engine failed: {type(e).__name__}: {e}"
         p = sub.add_parser(name, help=f"(unavailable: {why})", add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_unavailable(name, why))
+        p.set_defaults(func=_unavailable(name, why), unavailable=True)  # its arguments are ignored
 
 
 def _unavailable(name: str, why: str):
@@ -310,7 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         rc = args.func(args)
     except CLIError as e:
