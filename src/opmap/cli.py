@@ -286,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sanitizer", action="store_true",
                    help="also run each GPU case in its own process under compute-sanitizer")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
+    c.add_argument("--jobs", type=int, default=4, help="sanitizer cases run at once")
     c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")

@@ -108,7 +108,7 @@ def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe:
                   seconds=time.perf_counter() - t0, family=fam)
 
 
-def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True) -> list:
+def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4) -> list:
     from .runner import Result
 
     exe = find_sanitizer()
@@ -119,12 +119,23 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True) -> 
     if not jobs:
         return [Result("sanitizer", "-", "-", "(no case of our kernels selected)", True,
                        "nothing to run under compute-sanitizer")]
-    out = []
-    for i, (f, c, tool) in enumerate(jobs):
+    # Children run concurrently (each is mostly Python start-up and Triton compilation, and the
+    # tool slows the kernels down, so one GPU holds several); results keep the case order.
+    from concurrent.futures import ThreadPoolExecutor
+
+    done = [0]
+
+    def one(job):
+        f, c, tool = job
+        r = run_one(f, c, quick, tool, timeout, exe)
+        done[0] += 1
         if progress:
-            print(f"[sanitizer {i + 1}/{len(jobs)}] {tool} {c.title}", file=sys.stderr, flush=True)
-        out.append(run_one(f, c, quick, tool, timeout, exe))
-    return out
+            print(f"[sanitizer {done[0]}/{len(jobs)}] {tool} {c.title}: {'ok' if r.passed else 'FAIL'}",
+                  file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
+        return list(pool.map(one, jobs))
 
 
 def _child(argv=None) -> int:
