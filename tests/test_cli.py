@@ -118,7 +118,7 @@ def test_bench_on_cpu_writes_nothing(tmp_path, capsys):
 def test_check_quick_tiny_llama3(tmp_path, capsys):
     js = tmp_path / "check.json"
     t0 = time.perf_counter()
-    rc = cli.main(["check", "--model", "tiny-llama3", "--quick", "--json", str(js)])
+    rc = cli.main(["check", "--model", "tiny-llama3", "--quick", "--json", str(js), "--out", str(tmp_path / "res")])
     took = time.perf_counter() - t0
     out = capsys.readouterr().out
     d = json.loads(js.read_text())
@@ -128,6 +128,8 @@ def test_check_quick_tiny_llama3(tmp_path, capsys):
     assert rc == (1 if fails or not d["results"] else 0)
     assert rc == 0, "failing lines: " + "; ".join(f"{r['op']}/{r['backend']} {r['case']}: {r['figure']}"
                                                   for r in fails) + out[-2000:]
+    written = sorted(p.suffix for p in (tmp_path / "res").iterdir())
+    assert written == [".json", ".md"] and all("tiny-llama3" in p.name for p in (tmp_path / "res").iterdir())
     print(f"check --quick tiny-llama3: {len(d['results'])} cases in {took:.1f} s")
 
 

@@ -294,6 +294,16 @@ def main(args) -> int:
         with open(args.markdown, "w") as f:
             f.write("# opmap check\n\n" + to_markdown(results))
         console.print(f"wrote {args.markdown}")
+    if args.out:
+        from ..bench.report import result_stem
+        from ..hw import detect
+
+        stem = result_stem(args.out, detect().name + (f"-{args.model}" if args.model else ""))
+        extra["command"] = " ".join(sys.argv)
+        stem.with_suffix(".json").write_text(json.dumps(as_json(results, extra), indent=1))
+        stem.with_suffix(".md").write_text(f"# opmap check{' --model ' + args.model if args.model else ''}\n\n"
+                                           + to_markdown(results))
+        console.print(f"wrote {stem}.json and {stem}.md")
     if not results:
         console.print("no check case matched (nothing was checked)")
         return 1
