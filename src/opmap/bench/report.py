@@ -14,6 +14,13 @@ from typing import Optional
 
 
 def git_commit() -> Optional[str]:
+    """HEAD of the checkout this package runs from (+dirty); a copy without .git (a GPU machine
+    that received the working tree) can name it in OPMAP_COMMIT."""
+    found = _git_head()
+    return found or os.environ.get("OPMAP_COMMIT")
+
+
+def _git_head() -> Optional[str]:
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
