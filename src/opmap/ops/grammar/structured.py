@@ -62,7 +62,9 @@ def tokenizer_info(tokenizer, vocab_size: Optional[int] = None, stop_token_ids: 
 def _canonical(kind: str, source: Any) -> str:
     if kind == "json_schema":
         obj = json.loads(source) if isinstance(source, str) else source
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+        # Whitespace-normalised, key order kept: the order of "properties" is the order in which
+        # the grammar emits them, so two schemas differing only in it are different grammars.
+        return json.dumps(obj, separators=(",", ":"))
     return "" if source is None else str(source)
 
 
