@@ -108,13 +108,13 @@ def generate(tok, so, params, seed, max_steps=80):
 
 
 def test_mixed_batch_all_generations_valid(tok, so):
-    params = ([SamplingParams(json_schema=s, temperature=1.0, seed=10 + i, max_tokens=40) for i, s in enumerate(SCHEMAS)]
+    params = ([SamplingParams(json_schema=s, temperature=1.0, seed=10 + i, max_tokens=64) for i, s in enumerate(SCHEMAS)]
               + [SamplingParams(json_object=True, temperature=0.7, seed=3, max_tokens=40),
                  SamplingParams(grammar=EBNF, temperature=1.0, seed=4, max_tokens=40),
                  SamplingParams(regex=r"[A-Z][a-z]{2,5} [0-9]{2}", temperature=1.0, seed=5, max_tokens=40),
                  SamplingParams(temperature=1.0, seed=6, max_tokens=12)])
     for rep in range(3):
-        texts, stops, _ = generate(tok, so, params, seed=rep, max_steps=40)
+        texts, stops, _ = generate(tok, so, params, seed=rep, max_steps=64)
         for i, s in enumerate(SCHEMAS):
             assert stops[i].reason == "eos", (rep, i, stops[i].reason, texts[i])
             jsonschema.validate(json.loads(texts[i]), s)
