@@ -52,7 +52,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
     pos = tl.load(pos_ptr + row)
     greedy = (T <= 0.0) | (k == 1)
     # div_rn: the IEEE-rounded reciprocal, so that z matches PyTorch's bit for bit on the GPU too.
-    inv_t = tl.where(T > 0.0, tl.math.div_rn(1.0, tl.where(T > 0.0, T, 1.0)), 1.0)
+    inv_t = tl.where(T > 0.0, tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(T > 0.0, T, 1.0)), 1.0)
     use_k = (k > 1) & (k < V)
     use_p = p < 1.0
     use_mp = mp > 0.0

@@ -121,15 +121,16 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
     w_gt = tl.zeros([], tl.float32)
     n_eq = tl.zeros([], tl.int32)
     it = tl.zeros([], tl.int32)
+    one = tl.full([], 1, tl.int32)  # flags are int32 tensors: loop-carried types must not change
     while done == 0:
         metric_lo = tl.where(use_mass != 0, m_lo, c_lo.to(tl.float32))
         at_lo = (it == 0) & (first_at_lo != 0)  # a first evaluation at lo gives exact figures there
         if ((metric_lo < target) & (at_lo == 0)) | (lo > hi) | (it >= 80):
-            done = 1
+            done = one
         else:
             if (compacted == 0) & (c_lo <= CAND):
                 zc, ic = _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND, BLOCK)
-                compacted = 1
+                compacted = one
             mid = tl.where(at_lo, lo, ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32))
             c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK)
             if at_lo:
@@ -142,8 +143,8 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
                 # t >= s_up; s_up is t when dropping its copies falls below the target.
                 met_gt = met_ge - n_up.to(tl.float32) * tl.where(use_mass != 0, w_up, 1.0)
                 if met_gt < target:
-                    found = 1
-                    done = 1
+                    found = one
+                    done = one
                     t = s_up
                     c_gt = c_ge - n_up
                     w_gt = w_ge - n_up.to(tl.float32) * w_up
@@ -155,12 +156,12 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
             else:
                 # t < mid, so t <= s_dn: either s_dn is t or t lies below it.
                 if s_dn < lo:
-                    done = 1
+                    done = one
                 else:
                     met_dn = met_ge + n_dn.to(tl.float32) * tl.where(use_mass != 0, w_dn, 1.0)
                     if met_dn >= target:
-                        found = 1
-                        done = 1
+                        found = one
+                        done = one
                         t = s_dn
                         c_gt = c_ge
                         w_gt = w_ge
