@@ -172,3 +172,15 @@ def test_bad_input_names_the_argument(fn):
         bad[i] = bad[i].to(torch.float64)
         with pytest.raises(InputError, match=f"^{name}"):
             fn(x, *bad)
+
+
+def test_split_pass_a_matches_the_single_pass():
+    """The GPU splits pass A of a row over programs (chunks of 8192); small chunks here."""
+    x, T, k, p, mp, seeds, pos = _random_case(9, 6, 1000, 1.0, True)
+    x[3, :600] = -INF  # whole chunks without a finite value
+    T[0], k[1], k[2], p[2], mp[2] = 0.0, 1, 0, 1.0, 0.0  # greedy rows and an unfiltered row
+    one = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=0)
+    for chunk in (64, 384):
+        split = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=chunk)
+        assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1]), chunk
+    assert torch.equal(one[0], R.sample(x, T, k, p, mp, seeds, pos)[0])

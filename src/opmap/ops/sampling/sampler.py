@@ -23,11 +23,15 @@ the draw then touch no memory. A typical top-k 50 / top-p 0.9 row reads the row 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from .sampler_jit import KEY_NEG_INF, INT_MAX, _compact, _gumbel, _key, _load_z, _race_block, _search, _unkey  # noqa: F401
+from ...contract import expect
+from .sampler_jit import (INT_MAX, KEY_NEG_INF, _combine_parts, _key, _load_z, _pass_a, _race_block,  # noqa: F401
+                          _search, _unkey)
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
@@ -39,17 +43,11 @@ def not_(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr,
-                   BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
+def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
     T = tl.load(temp_ptr + row)
     k = tl.minimum(tl.load(topk_ptr + row).to(tl.int64), V).to(tl.int32)
     p = tl.load(topp_ptr + row)
     mp = tl.load(minp_ptr + row)
-    seed = tl.load(seed_ptr + row)
-    pos = tl.load(pos_ptr + row)
     greedy = (T <= 0.0) | (k == 1)
     # div_rn: the IEEE-rounded reciprocal, so that z matches PyTorch's bit for bit on the GPU too.
     inv_t = tl.where(T > 0.0, tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(T > 0.0, T, 1.0)), 1.0)
@@ -58,46 +56,52 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
     use_mp = mp > 0.0
     unfiltered = (not_(use_k | use_p | use_mp)) & not_(greedy)
     need_s = use_p & not_(use_mp) & not_(greedy)
+    return k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s
 
-    # ---- pass A ----
-    m = tl.full([], float("-inf"), tl.float32)
-    gid = tl.zeros([], tl.int32)
-    bad = tl.zeros([], tl.int32)
-    n_fin = tl.zeros([], tl.int32)
-    s = tl.zeros([], tl.float32)
-    rb_x = tl.full([], float("-inf"), tl.float32)
-    rb_g = tl.zeros([], tl.float32)
-    rb_id = tl.full([], INT_MAX, tl.int32)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        nan = x != x
-        bad += tl.sum((nan | (x == float("inf"))).to(tl.int32), 0)
-        xs = tl.where(nan, float("-inf"), x)
-        fin = xs > float("-inf")
-        n_fin += tl.sum(fin.to(tl.int32), 0)
-        bm = tl.max(xs, 0)
-        bi = tl.min(tl.where(xs == bm, offs, INT_MAX), 0)
-        gid = tl.where(bm > m, bi, gid)
-        m_new = tl.maximum(m, bm)
-        if need_s:
-            msafe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp((m - msafe) * inv_t) + tl.sum(tl.exp((xs - msafe) * inv_t), 0)
-        if unfiltered:
-            # Race keys relative to the block max; blocks are compared through (x, noise) pairs
-            # so that no key depends on a max that is not known yet.
-            bsafe = tl.where(bm == float("-inf"), 0.0, bm)
-            g = _gumbel(seed, pos, offs)
-            rk = tl.where(fin, (xs - bsafe) * inv_t + g, float("-inf"))
-            bk = tl.max(rk, 0)
-            bj = tl.min(tl.where(fin & (rk == bk), offs, INT_MAX), 0)
-            bx = tl.sum(tl.where(offs == bj, xs, 0.0), 0)
-            bg = tl.sum(tl.where(offs == bj, g, 0.0), 0)
-            better = (bj < INT_MAX) & ((bx - rb_x) * inv_t + (bg - rb_g) > 0.0)
-            rb_id = tl.where(better, bj, rb_id)
-            rb_x = tl.where(better, bx, rb_x)
-            rb_g = tl.where(better, bg, rb_g)
-        m = m_new
+
+@triton.jit
+def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
+                     part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+        temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    m, gid, bad, n_fin, s, rb_x, rb_g, rb_id = _pass_a(logits_ptr + row * stride_row, lo, hi, inv_t, seed, pos,
+                                                       need_s, unfiltered, BLOCK)
+    out = part_ptr + (row * tl.num_programs(1) + c) * 8
+    tl.store(out + 0, m)
+    tl.store(out + 1, gid.to(tl.float32))  # ids and counts < 2**24: exact in fp32
+    tl.store(out + 2, bad.to(tl.float32))
+    tl.store(out + 3, n_fin.to(tl.float32))
+    tl.store(out + 4, s)
+    tl.store(out + 5, rb_x)
+    tl.store(out + 6, rb_g)
+    tl.store(out + 7, rb_id.to(tl.float32))
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
+                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, part_ptr, n_parts,
+                   BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
+                   USE_PARTS: tl.constexpr, S_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = logits_ptr + row * stride_row
+    k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+        temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+
+    # ---- pass A: max, greedy id, NaN/+inf, finite count, mass, unfiltered race ----
+    if USE_PARTS:  # the row's chunks were scanned in parallel by _partials_kernel
+        m, gid, bad, n_fin, s, rb_id = _combine_parts(part_ptr + row * n_parts * 8, n_parts, inv_t, S_P)
+    else:
+        m, gid, bad, n_fin, s, rb_x, rb_g, rb_id = _pass_a(row_ptr, 0, V, inv_t, seed, pos, need_s, unfiltered,
+                                                           BLOCK)
     invalid = (bad > 0) | (m == float("-inf"))
     tok = gid
     t = tl.full([], KEY_NEG_INF, tl.int32)
@@ -165,28 +169,42 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
         tl.store(support_ptr + row * 2 + 1, n)
 
 
-def _config(device: torch.device) -> tuple[int, int, int]:
+def _config(device: torch.device) -> tuple[int, int, int, int]:
+    """BLOCK, CAND, num_warps, CHUNK (0 = no split pass A)."""
     if device.type == "cuda":
-        return 2048, 2048, 8  # BLOCK, CAND, num_warps
-    return 4096, 2048, 4  # the interpreter pays per block iteration: fewer, larger blocks
+        # Pass A of a row is split in chunks of 8192 logits read by separate programs: one
+        # program per row alone would leave most SMs idle at small batch.
+        return 2048, 2048, 8, 8192
+    return 4096, 2048, 4, 0  # the interpreter pays per block iteration: fewer, larger blocks
 
 
-def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False):
+def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False,
+           chunk: Optional[int] = None):
     """See the module docstring. With ``return_support`` a third tensor [B, 2] int32 holds each
-    row's boundary (key t, tie count n); ``support_from_boundary`` turns it into a mask (tests)."""
+    row's boundary (key t, tie count n); ``support_from_boundary`` turns it into a mask (tests).
+    ``chunk`` overrides the split of pass A (0 = none; tests exercise both paths)."""
     B, V = check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
+    expect(V < 2**24, "logits", f"vocabulary {V}", "fewer than 2**24 columns (ids travel as fp32)")
     dev = logits.device
     ids = torch.empty(B, dtype=torch.int64, device=dev)
     invalid = torch.empty(B, dtype=torch.bool, device=dev)
     support = torch.empty((B, 2), dtype=torch.int32, device=dev) if return_support else ids
     if B > 0:
-        block, cand, warps = _config(dev)
+        block, cand, warps, chunk_default = _config(dev)
+        chunk = chunk_default if chunk is None else chunk
         block = min(block, triton.next_power_of_2(V))
+        n_parts = triton.cdiv(V, chunk) if chunk else 1
+        use_parts = n_parts >= 2
         sz = torch.empty((B, cand), dtype=torch.float32, device=dev)
         si = torch.empty((B, cand), dtype=torch.int32, device=dev)
+        part = torch.empty((B, n_parts, 8), dtype=torch.float32, device=dev) if use_parts else sz
+        if use_parts:
+            _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
+                                           positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
-                             ids, invalid, support, sz, si, BLOCK=block, CAND=cand,
-                             WRITE_SUPPORT=return_support, num_warps=warps)
+                             ids, invalid, support, sz, si, part, n_parts, BLOCK=block, CAND=cand,
+                             WRITE_SUPPORT=return_support, USE_PARTS=use_parts,
+                             S_P=max(2, triton.next_power_of_2(n_parts)), num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)
 
 

@@ -187,3 +187,72 @@ def _race_block(z, ids, ok, t, n, carry, seed, pos, best, best_id):
     best = tl.where(better, bk, best)
     carry += tl.sum(tie.to(tl.int32), 0)
     return best, best_id, carry
+
+
+@triton.jit
+def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.constexpr):
+    """One scan of row[lo:hi]: max, lowest-id argmax, NaN/+inf count, finite count, the mass
+    sum(exp((x - max) / T)) when ``need_s``, and the race winner (x, noise, id) when ``unfiltered``."""
+    m = tl.full([], float("-inf"), tl.float32)
+    gid = tl.zeros([], tl.int32)
+    bad = tl.zeros([], tl.int32)
+    n_fin = tl.zeros([], tl.int32)
+    s = tl.zeros([], tl.float32)
+    rb_x = tl.full([], float("-inf"), tl.float32)
+    rb_g = tl.zeros([], tl.float32)
+    rb_id = tl.full([], INT_MAX, tl.int32)
+    for start in range(lo, hi, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        nan = x != x
+        bad += tl.sum((nan | (x == float("inf"))).to(tl.int32), 0)
+        xs = tl.where(nan, float("-inf"), x)
+        fin = xs > float("-inf")
+        n_fin += tl.sum(fin.to(tl.int32), 0)
+        bm = tl.max(xs, 0)
+        bi = tl.min(tl.where(xs == bm, offs, INT_MAX), 0)
+        gid = tl.where(bm > m, bi, gid)
+        m_new = tl.maximum(m, bm)
+        if need_s:
+            msafe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp((m - msafe) * inv_t) + tl.sum(tl.exp((xs - msafe) * inv_t), 0)
+        if unfiltered:
+            # Race keys relative to the block max; blocks are compared through (x, noise) pairs
+            # so that no key depends on a max that is not known yet.
+            bsafe = tl.where(bm == float("-inf"), 0.0, bm)
+            g = _gumbel(seed, pos, offs)
+            rk = tl.where(fin, (xs - bsafe) * inv_t + g, float("-inf"))
+            bk = tl.max(rk, 0)
+            bj = tl.min(tl.where(fin & (rk == bk), offs, INT_MAX), 0)
+            bx = tl.sum(tl.where(offs == bj, xs, 0.0), 0)
+            bg = tl.sum(tl.where(offs == bj, g, 0.0), 0)
+            better = (bj < INT_MAX) & ((bx - rb_x) * inv_t + (bg - rb_g) > 0.0)
+            rb_id = tl.where(better, bj, rb_id)
+            rb_x = tl.where(better, bx, rb_x)
+            rb_g = tl.where(better, bg, rb_g)
+        m = m_new
+    return m, gid, bad, n_fin, s, rb_x, rb_g, rb_id
+
+
+@triton.jit
+def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
+    """Pass A's figures of a row from the per-chunk partials of _partials_kernel."""
+    j = tl.arange(0, S_P)
+    ok = j < n_parts
+    q = part_ptr + j * 8
+    mc = tl.load(q + 0, mask=ok, other=float("-inf"))
+    m = tl.max(mc, 0)
+    gid = tl.min(tl.where(ok & (mc == m), tl.load(q + 1, mask=ok, other=0.0).to(tl.int32), INT_MAX), 0)
+    bad = tl.sum(tl.load(q + 2, mask=ok, other=0.0).to(tl.int32), 0)
+    n_fin = tl.sum(tl.load(q + 3, mask=ok, other=0.0).to(tl.int32), 0)
+    msafe = tl.where(m == float("-inf"), 0.0, m)
+    sc = tl.load(q + 4, mask=ok, other=0.0)
+    s = tl.sum(tl.where(mc > float("-inf"), sc * tl.exp((mc - msafe) * inv_t), 0.0), 0)
+    rid_f = tl.load(q + 7, mask=ok, other=-1.0)
+    has = ok & (rid_f >= 0.0) & (rid_f < 16777216.0)  # a chunk without a finite value has no winner
+    rid = tl.where(has, rid_f, 0.0).to(tl.int32)
+    key = tl.where(has, (tl.load(q + 5, mask=ok, other=0.0) - msafe) * inv_t + tl.load(q + 6, mask=ok, other=0.0),
+                   float("-inf"))
+    kb = tl.max(key, 0)
+    rb_id = tl.min(tl.where(has & (key == kb), rid, INT_MAX), 0)
+    return m, gid, bad, n_fin, s, rb_id
