@@ -180,7 +180,7 @@ def test_split_pass_a_matches_the_single_pass():
     x[3, :600] = -INF  # whole chunks without a finite value
     T[0], k[1], k[2], p[2], mp[2] = 0.0, 1, 0, 1.0, 0.0  # greedy rows and an unfiltered row
     one = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=0)
-    for chunk in (64, 384):
+    for chunk in (64, 256):
         split = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=chunk)
         assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1]), chunk
     assert torch.equal(one[0], R.sample(x, T, k, p, mp, seeds, pos)[0])

@@ -192,6 +192,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
     if B > 0:
         block, cand, warps, chunk_default = _config(dev)
         chunk = chunk_default if chunk is None else chunk
+        expect(chunk == 0 or (chunk >= 16 and chunk & (chunk - 1) == 0), "chunk", repr(chunk), "0 or a power of 2 >= 16")
         block = min(block, triton.next_power_of_2(V))
         n_parts = triton.cdiv(V, chunk) if chunk else 1
         use_parts = n_parts >= 2
