@@ -235,3 +235,34 @@ def test_run_case_plumbing(monkeypatch):
     reasons = {s["provider"]: s["reason"] for s in skipped}
     assert reasons["p-absent"] == "not installed"
     assert reasons["p-boom"].startswith("failed: RuntimeError: no kernel image")
+
+
+def test_report_gpu_sections_render(monkeypatch, tmp_path):
+    """The GPU-only parts of the report (ceilings, bench lines, engine TTFT/TPOT and profile)
+    rendered on the CPU from stand-in results: the layout is checked, no figure is asserted."""
+    import dataclasses
+
+    from opmap import hw, report
+    from opmap.check import runner as check_runner
+
+    info = dataclasses.replace(hw.detect(), kind="cuda", name="NVIDIA Fake", arch="sm90", driver="1.0")
+    monkeypatch.setattr(hw, "detect", lambda: info)
+    monkeypatch.setattr(hw, "local_arch", lambda: "sm90")
+    monkeypatch.setattr(hw, "ceilings", lambda measure=True, refresh=False: _Ceil_dc())
+    monkeypatch.setattr(check_runner, "local_device", lambda: "cpu")
+    doc = _doc()
+    doc["quick"], doc["model"], doc["load_errors"] = True, "tiny-llama3", []
+    monkeypatch.setattr(bench_runner, "bench", lambda **kw: doc)
+    eng = {"status": "ok", "workload": "batch 1, prompt 1024, 128 new tokens, greedy, random weights",
+           "summary": {"tpot_ms_p50": 1.0}, "lines": ["TTFT p50 2.00 ms", "TPOT p50 1.00 ms"],
+           "profile": {"status": "ok", "lines": ["[decode] 40 steps"]}}
+    monkeypatch.setattr(report, "_engine_section", lambda model, on_gpu: eng if on_gpu else None)
+    d = report.build("tiny-llama3", run_check=False, run_bench=True, progress=False)
+    md = report.to_markdown(d)
+    assert "on NVIDIA Fake (sm90)" in md and "Ceilings: read 4.0 TB/s" in md
+    assert "| rmsnorm | `T=8192,H=8192,dtype=bf16` | opmap-triton (selected) |" in md
+    assert "Workload: batch 1, prompt 1024" in md and "- TPOT p50 1.00 ms" in md and "- [decode] 40 steps" in md
+    assert all(r["phase"] == "decode" for r in d["operators"]["decode"])
+    # On sm90 the decode step is captured in a CUDA graph: the attention spec says so.
+    att = next(r for r in d["operators"]["decode"] if r["op"] == "attention")
+    assert "cuda_graph=True" in att["spec"] and "dtype=bf16" in att["spec"]
