@@ -22,8 +22,8 @@ def _n(name):
 
 COMMON_BREAKS = ("bt_high", "bt_neg", "len_over", "len_neg", "heads", "q_dim", "sl_int64", "bt_int64",
                  "kc_strided", "v_dtype", "scale0", "scale_nan", "window0", "softcap_neg", "fp8_noscale",
-                 "q_dtype")
-ARG = {"bt_high": "block_tables", "bt_neg": "block_tables", "len_over": "seq_lens", "len_neg": "seq_lens",
+                 "q_dtype", "bt_device")
+ARG = {"bt_device": "block_tables", "bt_high": "block_tables", "bt_neg": "block_tables", "len_over": "seq_lens", "len_neg": "seq_lens",
        "heads": "q", "q_dim": "q", "sl_int64": "seq_lens", "bt_int64": "block_tables", "kc_strided": "k_cache",
        "v_dtype": "v_cache", "scale0": "scale", "scale_nan": "scale", "window0": "window",
        "softcap_neg": "soft_cap", "fp8_noscale": "k_scale", "q_dtype": "k_cache", "q_rows": "q",
@@ -78,6 +78,8 @@ def attn_cases(draw, phase, poison=True, dups=True):
             sl = sl.long()
         if brk == "bt_int64":
             bt = bt.long()
+        if brk == "bt_device":
+            bt = bt.to("meta")
         if brk == "kc_strided":
             kc = torch.cat([kc, kc], dim=3)[..., :D]
         if brk == "v_dtype":

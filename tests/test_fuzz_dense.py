@@ -179,7 +179,7 @@ def linear_cases(draw):
     wfmt = draw(st.sampled_from(["dense", "dense", "fp8", "int8"]))
     bias = draw(st.sampled_from([None, "same", "fp32"]))
     brk = draw(st.sampled_from(("none",) * 5 + ("x_rows", "w_k", "x_3d", "scale_missing", "scale_extra",
-                                "scale_len", "bias_len", "w_dtype", "x_int")))
+                                "scale_len", "bias_len", "w_dtype", "x_int", "w_device")))
 
     def build():
         g = gen(seed)
@@ -200,11 +200,13 @@ def linear_cases(draw):
             scale = torch.ones(N + 1)
         if brk == "w_dtype":
             w = w.to(torch.float64)
+        if brk == "w_device":  # the only other device a CPU machine has: a tensor without data
+            w = w.to("meta")
         b = None if bias is None else randn((N + (1 if brk == "bias_len" else 0),),
                                             dtype if bias == "same" else torch.float32, g)
         return (x, w, b, scale), {}
 
-    arg = {"w_k": {"w"}, "x_3d": {"x"}, "x_int": {"x"}, "w_dtype": {"w"}, "bias_len": {"bias"},
+    arg = {"w_k": {"w"}, "x_3d": {"x"}, "x_int": {"x"}, "w_dtype": {"w"}, "bias_len": {"bias"}, "w_device": {"w"},
            "scale_missing": {"w_scale"}, "scale_extra": {"w_scale"}, "scale_len": {"w_scale"}}
     broken = frozenset(arg.get(brk, ()))
     if (brk == "scale_missing" and wfmt == "dense") or (brk == "scale_len" and wfmt == "dense") \

@@ -80,8 +80,9 @@ def sample_cases(draw):
     topp = [draw(st.sampled_from([1.0, 0.9, 0.3, 1e-6])) for _ in range(B)]
     minp = [draw(st.sampled_from([0.0, 0.1, 1.0])) for _ in range(B)]
     brk = draw(st.sampled_from(("none",) * 6 + ("rows", "lastdim", "logits_1d", "logits_int", "temp_fp16",
-                                                  "topk_float", "seeds_int32", "pos_len", "minp_len")))
-    if brk in ("temp_fp16", "topk_float", "seeds_int32", "pos_len", "minp_len", "lastdim") and B == 0:
+                                                  "topk_float", "seeds_int32", "pos_len", "minp_len",
+                                                  "seeds_device")))
+    if brk in ("temp_fp16", "topk_float", "seeds_int32", "pos_len", "minp_len", "lastdim", "seeds_device") and B == 0:
         B, rows, temps, topk, topp, minp = 1, ["ok"], [1.0], [0], [1.0], [0.0]
 
     def build():
@@ -107,11 +108,13 @@ def sample_cases(draw):
         m = torch.tensor(minp + ([0.0] if brk == "minp_len" else []), dtype=torch.float32)
         s = torch.randint(0, 2**62, (B,), generator=g, dtype=torch.int64)
         s = s.to(torch.int32) if brk == "seeds_int32" else s
+        s = s.to("meta") if brk == "seeds_device" else s
         pos = torch.randint(0, 10**6, (B + (1 if brk == "pos_len" else 0),), generator=g, dtype=torch.int64)
         return (x, t, k, p, m, s, pos), {}
 
     arg = {"lastdim": "logits", "logits_1d": "logits", "logits_int": "logits", "temp_fp16": "temperature",
-           "topk_float": "top_k", "seeds_int32": "seeds", "pos_len": "positions", "minp_len": "min_p"}
+           "topk_float": "top_k", "seeds_int32": "seeds", "pos_len": "positions", "minp_len": "min_p",
+           "seeds_device": "seeds"}
     broken = frozenset({arg[brk]}) if brk in arg and not (brk == "lastdim" and V == 1) else frozenset()
     return Case(build, broken,
                 what=f"{brk} B={B} V={V} {dtype} rows={rows} t={temps} k={topk} p={topp} min_p={minp}")
