@@ -67,7 +67,7 @@ def _engine(model, cases_of_model, ceil, out, skipped):
 
     cfg = get_preset(model)
     llm = LLM(model, max_num_seqs=max(32, max(b for _, b, _, _ in cases_of_model if isinstance(b, int))),
-              max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.6)
+              max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9)  # HF runs after, alone
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate(_prompts(cfg.vocab, 2, 600, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
     for _, b, plen, new in cases_of_model:
