@@ -38,8 +38,11 @@ def test_which_cases_and_tools():
         assert san.wants_sanitizer(mk(name)) == (prov == "opmap-triton")
     assert not san.wants_sanitizer(mk("-"))
     assert not san.wants_sanitizer(mk("no-such-backend"))
-    assert san.tools_for(mk("triton")) == ["memcheck"]
-    assert san.tools_for(mk("triton", tags=("racecheck",))) == ["memcheck", "racecheck"]
+    assert san.tools_for(mk("triton")) == ["memcheck", "racecheck"]  # a row reduction
+    rope = CheckCase("parity", "rope", "triton", "T=1", lambda: None)
+    assert san.tools_for(rope) == ["memcheck"]  # elementwise
+    rope.tags = ("racecheck",)
+    assert san.tools_for(rope) == ["memcheck", "racecheck"]
 
 
 CASES_MODULE = """

@@ -49,8 +49,15 @@ def wants_sanitizer(c: CheckCase) -> bool:
         return False
 
 
+# Ops whose Triton kernels reduce across warps through shared memory (row sums and maxima,
+# softmax, top-k search, tl.dot tiles): racecheck runs on their cases too. A case of another op
+# asks for it with the tag "racecheck".
+SMEM_REDUCTION_OPS = ("rmsnorm", "attention", "sampling", "logits", "moe", "gemm")
+
+
 def tools_for(c: CheckCase) -> list[str]:
-    return ["memcheck", "racecheck"] if "racecheck" in c.tags else ["memcheck"]
+    race = "racecheck" in c.tags or c.op in SMEM_REDUCTION_OPS
+    return ["memcheck", "racecheck"] if race else ["memcheck"]
 
 
 _KERNEL = re.compile(r"\bat (?:0x[0-9a-f]+ in )?([A-Za-z_][\w:<>, ]*?)(?:\+0x[0-9a-f]+| in |$)")
