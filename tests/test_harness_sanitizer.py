@@ -54,9 +54,9 @@ def _ok():
     return Outcome(True, "max_abs=0")
 
 def cases(device, quick):
-    return [CheckCase("parity", "rmsnorm", "triton", "T=3", _ok),
-            CheckCase("parity", "rmsnorm", "triton", "T=4", lambda: Outcome(False, "worst/tol=9")),
-            CheckCase("parity", "rmsnorm", "triton", "T=5", lambda: time.sleep(60))]
+    return [CheckCase("parity", "rope", "triton", "T=3", _ok),
+            CheckCase("parity", "rope", "triton", "T=4", lambda: Outcome(False, "worst/tol=9")),
+            CheckCase("parity", "rope", "triton", "T=5", lambda: time.sleep(60))]
 """
 
 FAKE_TOOL = """#!/bin/sh
@@ -106,7 +106,7 @@ def test_parent_reports_kernel_of_error(fake_tool, monkeypatch):
     r = san.run_one("fakesan_pkg.cases", cases[0], True, "memcheck", 120, tool)
     assert not r.passed and r.value == 1.0
     assert r.figure.startswith("memcheck: 1 errors in _rmsnorm_fwd_kernel: Invalid __global__ write")
-    assert r.title == "rmsnorm/triton T=3 [memcheck]"
+    assert r.title == "rope/triton T=3 [memcheck]"
 
 
 def test_timeout_and_missing_tool(fake_tool, monkeypatch):
@@ -133,5 +133,5 @@ def test_run_all_concurrent_keeps_order(fake_tool):
 
 
 def test_child_unknown_case(fake_tool, capsys):
-    rc = san._child(["--family", "fakesan_pkg.cases", "--section", "parity", "--title", "rmsnorm/triton T=99"])
-    assert rc == 3 and "no case parity:'rmsnorm/triton T=99'" in capsys.readouterr().err
+    rc = san._child(["--family", "fakesan_pkg.cases", "--section", "parity", "--title", "rope/triton T=99"])
+    assert rc == 3 and "no case parity:'rope/triton T=99'" in capsys.readouterr().err
