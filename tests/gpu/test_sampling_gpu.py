@@ -61,21 +61,45 @@ def test_kernel_draws_follow_the_target(V, n, scale, f):
     assert tv <= bound, f"TV {tv:.4f} > bound {bound:.4f}"
 
 
+def assert_support_matches(mask, x, T, k, p, mp, tol=2e-5):
+    """The kernel's support equals the fp64 reference's where counts decide (top-k) and ends at
+    the same place up to ``tol`` of probability mass where fp32 sums decide (top-p, min-p cut):
+    the GPU's exp and summation order differ from fp64 by ~1e-6 of the mass."""
+    ref = R.filtered_probs(x, T, k, p, mp) > 0
+    z = x.double() / T.double()[:, None]
+    zs, order = torch.sort(z, dim=-1, descending=True, stable=True)
+    ms, rs = mask.gather(1, order), ref.gather(1, order)
+    rank = torch.arange(x.shape[1], device=x.device)[None, :]
+    kk, kr = ms.sum(1), rs.sum(1)
+    assert torch.equal(ms, rank < kk[:, None]), "the kernel's support is not a prefix of the order"
+    cw = torch.cumsum(torch.softmax(zs, -1), -1)
+    mk, mr = cw.gather(1, (kk - 1)[:, None])[:, 0], cw.gather(1, (kr - 1)[:, None])[:, 0]
+    exact = (p >= 1) & (mp <= 0)
+    assert torch.equal(kk[exact], kr[exact]), "top-k support size differs"
+    worst = float((mk - mr).abs().max())
+    assert worst <= tol, f"support ends {worst:.2e} of mass away from the reference's"
+
+
 @pytest.mark.parametrize("V", [32000, 128256, 151936])
-def test_exact_support_at_real_shapes(V):
+def test_support_at_real_shapes(V):
     B = 64
     g = torch.Generator(device=DEV).manual_seed(1)
-    x = (torch.randn(B, V, generator=g, device=DEV) * 3).half()  # fp16: exact ties; differences exact in fp32
-    T = torch.tensor([1.0, 0.5, 2.0, 1.0], device=DEV).repeat(B // 4)  # exact reciprocals
+    x = torch.randn(B, V, generator=g, device=DEV) * 3
+    T = torch.tensor([1.0, 0.5, 2.0, 0.7], device=DEV).repeat(B // 4)
     k = torch.tensor([50, 0, 1000, 0, 3000, 20, 0, 0], dtype=torch.int32, device=DEV).repeat(B // 8)
     p = torch.tensor([0.9, 0.95, 1.0, 0.5, 0.99, 1.0, 0.7, 1.0], device=DEV).repeat(B // 8)
     mp = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.0, 0.1, 0.0, 0.3], device=DEV).repeat(B // 8)
     seeds = torch.arange(B, device=DEV) * 3 + 1
     pos = torch.arange(B, device=DEV)
     ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True)
-    target = R.filtered_probs(x, T, k, p, mp)
-    assert torch.equal(sampler.support_from_boundary(x, T, sup), target > 0)
-    assert (target.gather(1, ids[:, None]) > 0).all() and not invalid.any()
+    mask = sampler.support_from_boundary(x, T, sup)
+    assert_support_matches(mask, x, T, k, p, mp)
+    assert mask.gather(1, ids[:, None]).all() and not invalid.any()
+    # bf16 logits: exact ties everywhere; top-k alone is decided by counts, so it is exact.
+    xb = x.to(torch.bfloat16)
+    ones = torch.ones(B, device=DEV)
+    ids, invalid, sup = sampler.sample(xb, ones, k, ones, ones * 0, seeds, pos, return_support=True)
+    assert_support_matches(sampler.support_from_boundary(xb, ones, sup), xb, ones, k, ones, ones * 0, tol=0.0)
 
 
 def test_edge_cases_bf16():
