@@ -3,8 +3,8 @@
 # `opmap bench`, writing logs and result files to OUTDIR.
 #   scripts/gpu.sh OUTDIR            # everything
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR
-#   BENCH_ARGS="--op attention" TEST_ARGS="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
-# Each step's log is OUTDIR/<step>.log; results: gpu-tests.xml, check-*.json, bench JSON/MD/PNG.
+#   BENCH_ARGS="--op attention" TEST_FILES="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
+# Each step's log is OUTDIR/<step>.log; results: junit-*.xml, check-*.json, bench JSON/MD/PNG.
 set -uo pipefail
 out=${1:?usage: scripts/gpu.sh OUTDIR}
 mkdir -p "$out"
@@ -21,10 +21,15 @@ for s in $STEPS; do
       step env
       python3 -m opmap.cli env 2>&1 | tee "$out/env.log" || status=1 ;;
     tests)
-      step tests
-      timeout ${TEST_TIMEOUT:-480} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" \
-        ${TEST_ARGS:-tests/gpu} 2>&1 | tee "$out/tests.log"
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+      # One process per test file: each family starts with an empty GPU (memory, autotune caches).
+      : > "$out/tests.log"
+      for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
+        step "tests $f"
+        n=$(basename "$f" .py)
+        timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 240 \
+          --junitxml="$out/junit-$n.xml" "$f" ${TEST_ARGS:-} 2>&1 | tee -a "$out/tests.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      done ;;
     check)
       for m in $MODELS; do
         step "check $m"
