@@ -11,7 +11,7 @@ mkdir -p "$out"
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-STEPS=${STEPS:-"env tests check bench"}
+STEPS=${STEPS:-"env tests check bench e2e"}
 MODELS=${MODELS:-"llama3-8b"}
 status=0
 step() { echo "== $1 ($(date -u +%T))"; }
@@ -40,6 +40,10 @@ for s in $STEPS; do
     bench)
       step bench
       timeout ${BENCH_TIMEOUT:-420} python3 -m opmap.cli bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    e2e)
+      step e2e
+      timeout ${E2E_TIMEOUT:-420} python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} --out "$out" 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
