@@ -86,7 +86,7 @@ def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, mi
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, part_ptr, n_parts,
+                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
                    USE_PARTS: tl.constexpr, S_P: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -125,7 +125,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                 target1 = tl.where(use_k, k.to(tl.float32), float("inf"))
                 f1, t1, c1, w1, e1, lo, c_lo, m_lo, compacted, zc, ic = _search(
                     row_ptr, V, m, inv_t, lo0, tl.zeros([], tl.int32), c_lo, m_lo, target1, 0, use_mp.to(tl.int32),
-                    compacted, zc, ic, sz, si, CAND, BLOCK)
+                    compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
                 if f1 != 0:
                     t = t1
                     n = tl.minimum(e1, k - c1)
@@ -139,7 +139,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                 target2 = p * mass1
                 f2, t2, c2, w2, e2, lo, c_lo, m_lo, compacted, zc, ic = _search(
                     row_ptr, V, m, inv_t, t + 1, tl.zeros([], tl.int32), c_lo, m_lo, target2, 1, 0,
-                    compacted, zc, ic, sz, si, CAND, BLOCK)
+                    compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
                 if f2 != 0:
                     q2 = tl.exp(_unkey(t2))
                     n = tl.minimum(tl.ceil(tl.minimum((target2 - w2) / q2, e2.to(tl.float32))).to(tl.int32), e2)
@@ -151,8 +151,12 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                         n = tl.minimum(tl.ceil(tl.minimum(need, n.to(tl.float32))).to(tl.int32), n)
             best = tl.full([], float("-inf"), tl.float32)
             best_id = tl.full([], INT_MAX, tl.int32)
-            if compacted != 0:
-                best, best_id, carry = _race_block(zc, ic, zc > float("-inf"), t, n, 0, seed, pos, best, best_id)
+            # Compacted candidates are unordered: fine unless the boundary keeps only some of the
+            # tokens equal to t (the lowest ids), which needs the ordered pass over the row.
+            n_eq_t = tl.sum((_key(zc) == t).to(tl.int32), 0)
+            if (compacted != 0) & ((n == 0) | (n >= n_eq_t)):
+                best, best_id, carry = _race_block(zc, ic, zc > float("-inf"), t, tl.where(n > 0, CAND, 0), 0,
+                                                   seed, pos, best, best_id)
             else:
                 carry = tl.zeros([], tl.int32)
                 for start in range(0, V, BLOCK):
@@ -198,12 +202,13 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         use_parts = n_parts >= 2
         sz = torch.empty((B, cand), dtype=torch.float32, device=dev)
         si = torch.empty((B, cand), dtype=torch.int32, device=dev)
+        cnt = torch.empty(B, dtype=torch.int32, device=dev)  # compaction counters, zeroed in the kernel
         part = torch.empty((B, n_parts, 8), dtype=torch.float32, device=dev) if use_parts else sz
         if use_parts:
             _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
                                            positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
-                             ids, invalid, support, sz, si, part, n_parts, BLOCK=block, CAND=cand,
+                             ids, invalid, support, sz, si, cnt, part, n_parts, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts,
                              S_P=max(2, triton.next_power_of_2(n_parts)), num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)

@@ -79,27 +79,58 @@ def _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK: tl.constexpr):
         c_ge, w_ge, s_up, n_up, s_dn, n_dn = _stats(zc, zc > float("-inf"), mid, c_ge, w_ge, s_up, n_up,
                                                     s_dn, n_dn)
     else:
+        # Per-lane accumulators, reduced once after the loop: no barrier inside the loop, so the
+        # loads of successive blocks overlap.
+        c_v = tl.zeros([BLOCK], tl.int32)
+        w_v = tl.zeros([BLOCK], tl.float32)
+        uk = tl.full([BLOCK], INT_MAX, tl.int32)
+        un = tl.zeros([BLOCK], tl.int32)
+        dk = tl.full([BLOCK], INT_MIN, tl.int32)
+        dn = tl.zeros([BLOCK], tl.int32)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = _load_z(row_ptr, offs, V, m, inv_t)
-            c_ge, w_ge, s_up, n_up, s_dn, n_dn = _stats(z, offs < V, mid, c_ge, w_ge, s_up, n_up, s_dn, n_dn)
+            k = _key(z)
+            ok = offs < V
+            ge = ok & (k >= mid)
+            lt = ok & (k < mid) & (k > KEY_NEG_INF)
+            c_v += ge.to(tl.int32)
+            w_v += tl.where(ge, tl.exp(z), 0.0)
+            nu = tl.where(ge, k, INT_MAX)
+            un = tl.where(nu < uk, 1, tl.where(ge & (nu == uk), un + 1, un))
+            uk = tl.minimum(uk, nu)
+            nd = tl.where(lt, k, INT_MIN)
+            dn = tl.where(nd > dk, 1, tl.where(lt & (nd == dk), dn + 1, dn))
+            dk = tl.maximum(dk, nd)
+        c_ge = tl.sum(c_v, 0)
+        w_ge = tl.sum(w_v, 0)
+        s_up = tl.min(uk, 0)
+        n_up = tl.sum(tl.where(uk == s_up, un, 0), 0)
+        s_dn = tl.max(dk, 0)
+        n_dn = tl.sum(tl.where(dk == s_dn, dn, 0), 0)
     return c_ge, w_ge, s_up, n_up, s_dn, n_dn
 
 
 @triton.jit
-def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """Copy the values with key >= lo (at most CAND of them, in id order) to this row's scratch
-    and load them back into registers: later evaluations and the draw read no more memory."""
-    base = tl.zeros([], tl.int32)
+def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+    """Copy the values with key >= lo (at most CAND of them) to this row's scratch and load them
+    back into registers: later evaluations and the draw read no more memory. Slots come from an
+    atomic counter (no scan per block), so the candidates are in no particular order: the draw
+    does not depend on it, and a tie kept in part at the boundary (needing id order) is drawn by
+    an ordered pass over the row instead."""
+    tl.store(cnt_ptr, 0)
+    tl.debug_barrier()
+    c_v = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         z = _load_z(row_ptr, offs, V, m, inv_t)
         sel = (offs < V) & (_key(z) >= lo)
-        pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+        pos = tl.atomic_add(cnt_ptr + offs * 0, 1, mask=sel)
         ok = sel & (pos < CAND)
         tl.store(sz_ptr + pos, z, mask=ok)
         tl.store(si_ptr + pos, offs, mask=ok)
-        base += tl.sum(sel.to(tl.int32), 0)
+        c_v += sel.to(tl.int32)
+    base = tl.sum(c_v, 0)
     tl.debug_barrier()  # the stores of every thread are visible to the loads below
     j = tl.arange(0, CAND)
     zc = tl.load(sz_ptr + j, mask=j < base, other=float("-inf"))
@@ -109,7 +140,7 @@ def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND: tl.constexpr, BLOCK
 
 @triton.jit
 def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at_lo,
-            compacted, zc, ic, sz_ptr, si_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+            compacted, zc, ic, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
     """Find t = the largest key in [lo, hi] whose metric_ge(t) >= target, where the metric is the
     count (use_mass == 0) or the mass exp(z) of the values with key >= t. Returns
     (found, t, count_gt(t), mass_gt(t), multiplicity of t, lo, c_lo, m_lo, compacted, zc, ic).
@@ -129,7 +160,7 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
             done = one
         else:
             if (compacted == 0) & (c_lo <= CAND):
-                zc, ic = _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, CAND, BLOCK)
+                zc, ic = _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND, BLOCK)
                 compacted = one
             mid = tl.where(at_lo, lo, ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32))
             c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK)
