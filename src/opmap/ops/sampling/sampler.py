@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ...contract import expect
 from .sampler_jit import (INT_MAX, KEY_NEG_INF, _combine_parts, _key, _load_z, _pass_a, _race_block,  # noqa: F401
-                          _search, _unkey)
+                          _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
@@ -121,6 +121,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             c_lo = n_fin
             m_lo = s
             c_gt1 = n_fin
+            e_t = tl.zeros([], tl.int32)  # how many values equal t
             if use_k | (use_mp & use_p):
                 target1 = tl.where(use_k, k.to(tl.float32), float("inf"))
                 f1, t1, c1, w1, e1, lo, c_lo, m_lo, compacted, zc, ic = _search(
@@ -128,6 +129,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                     compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
                 if f1 != 0:
                     t = t1
+                    e_t = e1
                     n = tl.minimum(e1, k - c1)
                     mass1 = w1 + n.to(tl.float32) * tl.exp(_unkey(t1))
                     c_gt1 = c1
@@ -144,6 +146,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                     q2 = tl.exp(_unkey(t2))
                     n = tl.minimum(tl.ceil(tl.minimum((target2 - w2) / q2, e2.to(tl.float32))).to(tl.int32), e2)
                     t = t2
+                    e_t = e2
                 else:
                     if n > 0:
                         q1 = tl.exp(_unkey(t))
@@ -151,12 +154,15 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                         n = tl.minimum(tl.ceil(tl.minimum(need, n.to(tl.float32))).to(tl.int32), n)
             best = tl.full([], float("-inf"), tl.float32)
             best_id = tl.full([], INT_MAX, tl.int32)
-            # Compacted candidates are unordered: fine unless the boundary keeps only some of the
-            # tokens equal to t (the lowest ids), which needs the ordered pass over the row.
-            n_eq_t = tl.sum((_key(zc) == t).to(tl.int32), 0)
-            if (compacted != 0) & ((n == 0) | (n >= n_eq_t)):
+            # The candidates are unordered and the lanes of a pass see ids out of order: fine
+            # unless the boundary keeps only some of the values equal to t (the lowest ids),
+            # which needs the ordered pass with a running tie rank.
+            all_or_none = (n == 0) | (n >= e_t)
+            if (compacted != 0) & all_or_none:
                 best, best_id, carry = _race_block(zc, ic, zc > float("-inf"), t, tl.where(n > 0, CAND, 0), 0,
                                                    seed, pos, best, best_id)
+            elif all_or_none:
+                best_id = _race_lanes(row_ptr, V, m, inv_t, t, n > 0, seed, pos, BLOCK)
             else:
                 carry = tl.zeros([], tl.int32)
                 for start in range(0, V, BLOCK):

@@ -204,6 +204,25 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
 
 
 @triton.jit
+def _race_lanes(row_ptr, V, m, inv_t, t, keep_ties, seed, pos, BLOCK: tl.constexpr):
+    """Race over {key > t} (+ every value equal to t when keep_ties) with per-lane winners,
+    reduced once: the lowest id wins a tie (within a lane the earlier block, across lanes min id)."""
+    lb = tl.full([BLOCK], float("-inf"), tl.float32)
+    li = tl.full([BLOCK], INT_MAX, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        z = _load_z(row_ptr, offs, V, m, inv_t)
+        k = _key(z)
+        keep = (offs < V) & ((k > t) | ((k == t) & keep_ties))
+        g = tl.where(keep, z + _gumbel(seed, pos, offs), float("-inf"))
+        better = g > lb
+        li = tl.where(better, offs, li)
+        lb = tl.where(better, g, lb)
+    kb = tl.max(lb, 0)
+    return tl.min(tl.where(lb == kb, li, INT_MAX), 0)
+
+
+@triton.jit
 def _race_block(z, ids, ok, t, n, carry, seed, pos, best, best_id):
     """Exponential race (Gumbel-max) over the support {key > t} + the first n ids with key == t."""
     k = _key(z)
