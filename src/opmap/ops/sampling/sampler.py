@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from .sampler_jit import (INT_MAX, KEY_NEG_INF, _combine_parts, _key, _load_z, _pass_a, _race_block,  # noqa: F401
+from .sampler_jit import (INT_MAX, KEY_NEG_INF, PART, _combine_parts, _key, _load_z, _pass_a, _race_block,  # noqa: F401
                           _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
@@ -71,9 +71,9 @@ def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, mi
     pos = tl.load(pos_ptr + row)
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
-    m, gid, bad, n_fin, s, rb_x, rb_g, rb_id = _pass_a(logits_ptr + row * stride_row, lo, hi, inv_t, seed, pos,
-                                                       need_s, unfiltered, BLOCK)
-    out = part_ptr + (row * tl.num_programs(1) + c) * 8
+    m, gid, bad, n_fin, s, rb_x, rb_g, rb_id, xmin = _pass_a(logits_ptr + row * stride_row, lo, hi, inv_t, seed,
+                                                             pos, need_s, unfiltered, BLOCK)
+    out = part_ptr + (row * tl.num_programs(1) + c) * PART
     tl.store(out + 0, m)
     tl.store(out + 1, gid.to(tl.float32))  # ids and counts < 2**24: exact in fp32
     tl.store(out + 2, bad.to(tl.float32))
@@ -82,6 +82,7 @@ def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, mi
     tl.store(out + 5, rb_x)
     tl.store(out + 6, rb_g)
     tl.store(out + 7, rb_id.to(tl.float32))
+    tl.store(out + 8, xmin)
 
 
 @triton.jit
@@ -98,10 +99,10 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
 
     # ---- pass A: max, greedy id, NaN/+inf, finite count, mass, unfiltered race ----
     if USE_PARTS:  # the row's chunks were scanned in parallel by _partials_kernel
-        m, gid, bad, n_fin, s, rb_id = _combine_parts(part_ptr + row * n_parts * 8, n_parts, inv_t, S_P)
+        m, gid, bad, n_fin, s, rb_id, xmin = _combine_parts(part_ptr + row * n_parts * PART, n_parts, inv_t, S_P)
     else:
-        m, gid, bad, n_fin, s, rb_x, rb_g, rb_id = _pass_a(row_ptr, 0, V, inv_t, seed, pos, need_s, unfiltered,
-                                                           BLOCK)
+        m, gid, bad, n_fin, s, rb_x, rb_g, rb_id, xmin = _pass_a(row_ptr, 0, V, inv_t, seed, pos, need_s,
+                                                                 unfiltered, BLOCK)
     invalid = (bad > 0) | (m == float("-inf"))
     tok = gid
     t = tl.full([], KEY_NEG_INF, tl.int32)
@@ -115,7 +116,9 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             compacted = tl.zeros([], tl.int32)
             zc = tl.full([CAND], float("-inf"), tl.float32)
             ic = tl.full([CAND], V, tl.int32)
-            lo0 = tl.where(use_mp, _key(tl.log(tl.where(use_mp, mp, 1.0))), KEY_NEG_INF + 1)
+            # The smallest finite z (computed as _load_z does) bounds the search from below.
+            zmin_key = _key((tl.where(n_fin > 0, xmin, m) - m) * inv_t + 0.0)
+            lo0 = tl.where(use_mp, _key(tl.log(tl.where(use_mp, mp, 1.0))), tl.maximum(zmin_key, KEY_NEG_INF + 1))
             t = lo0 - 1
             mass1 = s
             c_lo = n_fin
@@ -209,7 +212,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         sz = torch.empty((B, cand), dtype=torch.float32, device=dev)
         si = torch.empty((B, cand), dtype=torch.int32, device=dev)
         cnt = torch.empty(B, dtype=torch.int32, device=dev)  # compaction counters, zeroed in the kernel
-        part = torch.empty((B, n_parts, 8), dtype=torch.float32, device=dev) if use_parts else sz
+        part = torch.empty((B, n_parts, 9), dtype=torch.float32, device=dev) if use_parts else sz
         if use_parts:
             _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
                                            positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)

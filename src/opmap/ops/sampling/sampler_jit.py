@@ -11,6 +11,7 @@ import triton.language as tl
 KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 INT_MAX = tl.constexpr(2147483647)
 INT_MIN = tl.constexpr(-2147483648)
+PART = tl.constexpr(9)  # floats per (row, chunk) record of pass A's partials
 
 
 @triton.jit
@@ -162,7 +163,13 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
             if (compacted == 0) & (c_lo <= CAND):
                 zc, ic = _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND, BLOCK)
                 compacted = one
-            mid = tl.where(at_lo, lo, ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32))
+            # Midpoint in value for the first steps (the keys of a float are logarithmic in its
+            # magnitude: their midpoint would first probe absurd scales), then in key, which pins
+            # any boundary down in at most 32 more steps.
+            mid_k = ((lo.to(tl.int64) + hi.to(tl.int64)) >> 1).to(tl.int32)
+            mid_v = _key(_unkey(lo) * 0.5 + _unkey(hi) * 0.5 + 0.0)
+            use_v = (it < 12) & (mid_v > lo) & (mid_v <= hi)
+            mid = tl.where(at_lo, lo, tl.where(use_v, mid_v, mid_k))
             c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK)
             if at_lo:
                 c_lo = c_ge
@@ -244,6 +251,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
     """One scan of row[lo:hi]: max, lowest-id argmax, NaN/+inf count, finite count, the mass
     sum(exp((x - max) / T)) when ``need_s``, and the race winner (x, noise, id) when ``unfiltered``."""
     m = tl.full([], float("-inf"), tl.float32)
+    xmin = tl.full([], float("inf"), tl.float32)
     gid = tl.zeros([], tl.int32)
     bad = tl.zeros([], tl.int32)
     n_fin = tl.zeros([], tl.int32)
@@ -259,6 +267,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
         xs = tl.where(nan, float("-inf"), x)
         fin = xs > float("-inf")
         n_fin += tl.sum(fin.to(tl.int32), 0)
+        xmin = tl.minimum(xmin, tl.min(tl.where(fin, xs, float("inf")), 0))
         bm = tl.max(xs, 0)
         bi = tl.min(tl.where(xs == bm, offs, INT_MAX), 0)
         gid = tl.where(bm > m, bi, gid)
@@ -281,7 +290,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
             rb_x = tl.where(better, bx, rb_x)
             rb_g = tl.where(better, bg, rb_g)
         m = m_new
-    return m, gid, bad, n_fin, s, rb_x, rb_g, rb_id
+    return m, gid, bad, n_fin, s, rb_x, rb_g, rb_id, xmin
 
 
 @triton.jit
@@ -289,7 +298,7 @@ def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
     """Pass A's figures of a row from the per-chunk partials of _partials_kernel."""
     j = tl.arange(0, S_P)
     ok = j < n_parts
-    q = part_ptr + j * 8
+    q = part_ptr + j * PART
     mc = tl.load(q + 0, mask=ok, other=float("-inf"))
     m = tl.max(mc, 0)
     gid = tl.min(tl.where(ok & (mc == m), tl.load(q + 1, mask=ok, other=0.0).to(tl.int32), INT_MAX), 0)
@@ -305,4 +314,5 @@ def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
                    float("-inf"))
     kb = tl.max(key, 0)
     rb_id = tl.min(tl.where(has & (key == kb), rid, INT_MAX), 0)
-    return m, gid, bad, n_fin, s, rb_id
+    xmin = tl.min(tl.load(q + 8, mask=ok, other=float("inf")), 0)
+    return m, gid, bad, n_fin, s, rb_id, xmin
