@@ -97,3 +97,22 @@ def test_custom_op_opcheck():
     out = logits.clone()
     torch.ops.opmap.apply_bitmask(out, bm)
     assert torch.equal(out, _masked_fill(logits, R.unpack_bitmask(bm, 70)))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference", "xgrammar"])
+def test_padding_bits_never_write_past_the_row(impl):
+    """The last word's bits past V must not reach memory after the row (xgrammar's CPU apply
+    does unless the adapter sets those bits)."""
+    if impl == "xgrammar":
+        pytest.importorskip("xgrammar")
+        from opmap.ops.grammar.xgrammar_apply import apply_bitmask as fn
+    else:
+        fn = K.apply_bitmask if impl == "triton" else R.apply_bitmask
+    for V in (5, 31, 33):
+        buf = torch.randn(3, 64)
+        before = buf.clone()
+        logits = buf[:, :V]
+        bm = torch.full((3, (V + 31) // 32), 1, dtype=torch.int32)  # only token 0 (and 32) allowed
+        fn(logits, bm)
+        assert torch.equal(buf[:, V:], before[:, V:]), (impl, V)
+        assert torch.isinf(logits[:, 1:]).sum() == 3 * (V - 1) - (3 if V > 32 else 0)

@@ -18,7 +18,7 @@ __all__ = ["apply_bitmask", "unpack_bitmask", "pack_bitmask"]
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """bool [B, vocab]: True where allowed."""
     bits = (bitmask[:, :, None] >> torch.arange(32, device=bitmask.device, dtype=torch.int32)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    return bits.reshape(bitmask.shape[0], bitmask.shape[1] * 32)[:, :vocab].bool()
 
 
 def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
