@@ -201,10 +201,15 @@ class BitmaskBuffer:
         self.rows_cpu = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
         self.dev = self.cpu if not pin else torch.empty_like(self.cpu, device=self.device)
         self.rows_dev = self.rows_cpu if not pin else torch.empty_like(self.rows_cpu, device=self.device)
+        self._copied = None  # CUDA event after the last upload's copies
 
     def fill(self, states: Sequence[Optional[GrammarState]]) -> list[int]:
         """Fill the rows of ready, live grammars; returns the rows to mask (failed rows are left
         out: their requests end with an error)."""
+        if self._copied is not None:
+            # The previous step's copies read these pinned pages: wait for them (normally long
+            # done) before writing, so that an engine that runs ahead never races a copy.
+            self._copied.synchronize()
         rows = []
         for i, st in enumerate(states):
             if st is None or st.terminated or st.failed or not st.ready():
@@ -221,6 +226,8 @@ class BitmaskBuffer:
         if self.dev is not self.cpu:
             self.dev[:batch].copy_(self.cpu[:batch], non_blocking=True)
             self.rows_dev[:n].copy_(self.rows_cpu[:n], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return self.dev[:batch], self.rows_dev[:n]
 
 
