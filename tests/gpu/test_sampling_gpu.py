@@ -206,3 +206,25 @@ def test_bitmask_apply_vs_masked_fill(V, dtype):
     exp = before[:, 3:V + 3].clone()
     exp[r.long()] = exp[r.long()].masked_fill(~allowed[r.long()], -math.inf)
     assert torch.equal(sub, exp)
+
+
+def test_bitmask_buffer_upload_and_apply():
+    """The engine's path without xgrammar: pinned words -> non-blocking copy -> selected apply
+    (our Triton kernel on the GPU, no fallback), only on the constrained rows."""
+    from opmap.ops.grammar.structured import BitmaskBuffer, apply_bitmask
+
+    B, V = 32, 128256
+    buf = BitmaskBuffer(B, V, DEV)
+    assert buf.cpu.is_pinned()
+    allowed = torch.rand(B, V) < 0.01
+    buf.cpu[:B] = GR.pack_bitmask(allowed)
+    rows = [1, 7, 30]
+    bm, r = buf.upload(B, rows)
+    logits = torch.randn(B, V, device=DEV)
+    want = logits.clone()
+    idx = torch.tensor(rows, device=DEV)
+    want[idx] = want[idx].masked_fill(~allowed[rows].to(DEV), -math.inf)
+    assert apply_bitmask(logits, bm, r) == "triton"
+    assert torch.equal(logits, want)
+    buf.cpu.fill_(0)  # refilling waits for the copies above; the device copy keeps its values
+    assert torch.equal(bm.cpu(), GR.pack_bitmask(allowed))
