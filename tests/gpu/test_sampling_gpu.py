@@ -226,5 +226,6 @@ def test_bitmask_buffer_upload_and_apply():
     want[idx] = want[idx].masked_fill(~allowed[rows].to(DEV), -math.inf)
     assert apply_bitmask(logits, bm, r) == "triton"
     assert torch.equal(logits, want)
-    buf.cpu.fill_(0)  # refilling waits for the copies above; the device copy keeps its values
+    buf.fill([None] * B)  # waits for the copies above (none pending: torch.equal synchronised)
+    buf.cpu.fill_(0)  # the device copy keeps its values
     assert torch.equal(bm.cpu(), GR.pack_bitmask(allowed))
