@@ -119,7 +119,7 @@ def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constex
     atomic counter (no scan per block), so the candidates are in no particular order: the draw
     does not depend on it, and a tie kept in part at the boundary (needing id order) is drawn by
     an ordered pass over the row instead."""
-    tl.store(cnt_ptr, 0)
+    tl.atomic_xchg(cnt_ptr, 0)  # an atomic, like the increments below: coherent at L2
     tl.debug_barrier()
     c_v = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
