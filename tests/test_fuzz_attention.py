@@ -28,7 +28,7 @@ ARG = {"bt_device": "block_tables", "bt_high": "block_tables", "bt_neg": "block_
        "v_dtype": "v_cache", "scale0": "scale", "scale_nan": "scale", "window0": "window",
        "softcap_neg": "soft_cap", "fp8_noscale": "k_scale", "q_dtype": "k_cache", "q_rows": "q",
        "cu_end": "cu_seqlens_q", "cu_dec": "cu_seqlens_q", "cu_int64": "cu_seqlens_q", "qlen_over": "seq_lens",
-       "batch": "seq_lens"}
+       "batch": "seq_lens", "dup_pages": "block_tables"}
 
 
 @st.composite
@@ -111,7 +111,7 @@ def attn_cases(draw, phase, poison=True, dups=True):
             kw.update(k_scale=p.k_scale, v_scale=p.v_scale)
         return tuple(args), kw
 
-    broken = frozenset() if brk in ("none", "dup_pages") else frozenset({ARG[brk]})
+    broken = frozenset() if brk == "none" else frozenset({ARG[brk]})
     if brk == "fp8_noscale" and not fp8:
         broken = frozenset()
     if brk == "q_dtype":  # reported on the cache or on the query, depending on which is checked first
@@ -123,7 +123,9 @@ def attn_cases(draw, phase, poison=True, dups=True):
                 soft_cap=soft_cap is not None, return_lse=lse)
     if brk == "heads" or brk == "q_dim":
         spec.update(num_heads=hk * group, head_dim=D)
-    return Case(build, broken, must_raise=brk != "q_rows",
+    # A row-strided query and a page listed twice in one table may be served (then the result must
+    # match) or refused by name.
+    return Case(build, broken, must_raise=brk not in ("q_rows", "dup_pages"),
                 what=f"{phase} {brk} lens={lens} page={page} h={hq}/{hk} D={D} {dtype} fp8={fp8} "
                      f"window={window} cap={soft_cap}", spec=spec)
 
@@ -137,11 +139,10 @@ def _cmp_attn(case, got, exp):
         close(o, e, scale=4.0, what="out")
 
 
-# The flex adapter attends over the whole cache under a block mask, so (1) a NaN in a slot no
-# sequence owns reaches the output (0 * NaN), and (2) a page listed twice in one sequence's table
-# is attended once (it maps each physical page back to one logical page). It is fuzzed without
-# those two; test_flex_reads_only_owned_slots and test_flex_duplicate_pages record them.
-LIMITS = {"flex": dict(poison=False, dups=False)}
+# The flex adapter attends over the whole cache under a block mask, so a NaN in a slot no
+# sequence owns reaches the output (0 * NaN). It is fuzzed on finite unused slots;
+# test_flex_reads_only_owned_slots records the NaN case.
+LIMITS = {"flex": dict(poison=False)}
 
 
 @pytest.mark.parametrize("name", launchers("attention", "decode"))
@@ -167,17 +168,22 @@ def test_flex_reads_only_owned_slots():
     assert not out.isnan().any()
 
 
-@pytest.mark.xfail(reason="flex adapter: a page listed twice in one sequence's block table is attended once "
-                          "(found by this fuzzer; the reference and Triton read it twice)", strict=False)
 @pytest.mark.skipif("flex" not in launchers("attention", "decode"), reason="flex cannot run here")
 def test_flex_duplicate_pages():
+    """A page listed twice in one sequence's table: the flex adapter attended it once (found by the
+    fuzzer); now it must refuse it by name or match the reference."""
     from opmap import registry
+    from opmap.contract import InputError
 
     p = make_paged([9], 1, 64, 4, dtype=torch.float32, generator=gen(1))
     p.block_tables[0, 1] = p.block_tables[0, 0]
     q = torch.randn(1, 2, 64, generator=gen(2))
     args = (q, p.k_cache, p.v_cache, p.seq_lens, p.block_tables)
-    out = registry.get("attention", "flex").fn("decode")(*args, scale=0.125)
+    try:
+        out = registry.get("attention", "flex").fn("decode")(*args, scale=0.125)
+    except InputError as e:
+        assert e.arg == "block_tables", e
+        return
     ref = registry.get("attention", "reference").fn("decode")(*args, scale=0.125)
     close(out, ref, what="flex vs reference with a duplicated page")
 
