@@ -114,13 +114,18 @@ def gen(seed: int) -> torch.Generator:
 
 def randn(shape, dtype, g, *, scale=1.0, row_stride_pad=0, last_dim_step=1):
     """Random values (never zeros) as a fresh tensor; ``row_stride_pad`` > 0 gives a view whose
-    rows are strided (last dim contiguous); ``last_dim_step`` > 1 a view strided in the last dim."""
+    rows are strided (last dim contiguous, NaN between rows); ``last_dim_step`` > 1 a view strided
+    in the last dim."""
     shape = tuple(shape)
     if not shape:
         return (torch.randn((), generator=g) * scale).to(dtype)
     full = list(shape)
     full[-1] = shape[-1] * last_dim_step + row_stride_pad
     base = (torch.randn(full, generator=g) * scale)
+    if row_stride_pad:
+        # The padding between rows holds NaN: a kernel that reads past the end of a row (an
+        # out-of-bounds read in a real allocation) poisons its output and fails the comparison.
+        base[..., shape[-1] * last_dim_step:] = float("nan")
     base = base.to(dtype) if dtype.is_floating_point else base.round().to(dtype)
     return base[..., : shape[-1] * last_dim_step: last_dim_step]
 
