@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_env)
 
-    s = sub.add_parser("select", help="which backend serves a spec, and why (with every rejection)")
+    s = sub.add_parser("select", help="which backend serves a spec, and why (with every rejection)",
+                       allow_abbrev=False)  # --head must not silently mean --head-dim
     s.add_argument("op", help=f"one of {', '.join(S.OP_SPECS)}")
     s.add_argument("--phase", default="decode", choices=S.PHASES)
     s.add_argument("--arch", help="GPU arch such as sm90 or sm80, or cpu (default: this device)")
