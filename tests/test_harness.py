@@ -74,6 +74,9 @@ def test_run_records_pass_fail_and_exceptions(fake_family):
 def test_model_filter_keeps_selected_backends_and_references(fake_family):
     t = runner.model_targets("tiny-llama3", "cpu")
     assert ("rmsnorm", "reference") in t.pairs and "attention" in t.ops
+    # On a GPU arch the MLA model's attention reference is kept although Triton is chosen.
+    ds = runner.model_targets("tiny-deepseek", "sm90")
+    assert ("attention", "mla-reference") in ds.pairs and ("kv_append", "mla-reference") in ds.pairs
     chosen = {(op, ch.name) for _, op, _, ch, _ in t.choices if ch}
     assert chosen <= t.pairs
     keep = lambda c: runner.keep(c, t)  # noqa: E731

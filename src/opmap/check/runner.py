@@ -114,7 +114,9 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     for phase, entries in step_maps(cfg, arch).items():
         for op, label, spec in entries:
             ops.add(op)
-            pairs.add((op, "reference"))
+            # The op's references (MLA's is "mla-reference"): their parity cases are the oracle's.
+            pairs.update((op, b.name) for b in registry.backends(op)
+                         if b.name == "reference" or b.name.endswith("-reference"))
             try:
                 ch = select(op, spec)
                 pairs.add((op, ch.name))
