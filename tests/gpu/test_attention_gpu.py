@@ -190,14 +190,14 @@ def test_prefill_and_append_cuda_graph_replan():
 
 def test_mixed_cuda_graph_replan():
     """The mix of prefill chunks and decode tokens changes between replays of one captured step."""
-    T, B, hq, hk, d, page, num_pages = 64, 8, 32, 8, 128, 16, 2048
+    T, B, hq, hk, d, page, num_pages = 64, 8, 32, 8, 128, 16, 4096
     g = torch.Generator().manual_seed(12)
     kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
     vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
     q_buf = torch.randn(T, hq, d, generator=g).to(DEV, BF)
     cu_buf = torch.tensor([0, 57, 58, 59, 60, 61, 62, 63, 64], dtype=torch.int32, device=DEV)
     sl_buf = torch.tensor([100, 5000, 1, 17, 16, 3000, 2, 9], dtype=torch.int32, device=DEV)
-    bt_buf = torch.randperm(num_pages, generator=g)[:B * 256].view(B, 256).int().to(DEV)
+    bt_buf = torch.randperm(num_pages, generator=g)[:B * 320].view(B, 320).int().to(DEV)
     ws = D.make_workspace(B, hq, d, device=DEV)
     run = lambda: mixed(q_buf, kc, vc, cu_buf, sl_buf, bt_buf, scale=d ** -0.5, workspace=ws)  # noqa: E731
     s = torch.cuda.Stream()
@@ -213,7 +213,7 @@ def test_mixed_cuda_graph_replan():
                    ([0, 1, 2, 3, 4, 5, 6, 7, 64], [1, 2, 3, 4096, 5, 6, 7, 64])):
         cu_buf.copy_(torch.tensor(cu))
         sl_buf.copy_(torch.tensor(sl))
-        bt_buf.copy_(torch.randperm(num_pages, generator=g)[:B * 256].view(B, 256).int())
+        bt_buf.copy_(torch.randperm(num_pages, generator=g)[:B * 320].view(B, 320).int())
         q_buf.copy_(torch.randn(T, hq, d, generator=g).to(BF))
         graph.replay()
         torch.cuda.synchronize()
