@@ -61,10 +61,11 @@ def test_kernel_draws_follow_the_target(V, n, scale, f):
     assert tv <= bound, f"TV {tv:.4f} > bound {bound:.4f}"
 
 
-def assert_support_matches(mask, x, T, k, p, mp, tol=2e-5):
+def assert_support_matches(mask, x, T, k, p, mp, tol=1e-4):
     """The kernel's support equals the fp64 reference's where counts decide (top-k) and ends at
     the same place up to ``tol`` of probability mass where fp32 sums decide (top-p, min-p cut):
-    the GPU's exp and summation order differ from fp64 by ~1e-6 of the mass."""
+    the GPU's exp and fp32 summation order differ from fp64 (2.2e-5 of the mass seen on the H200 at
+    vocab 32000, against a bound of order sqrt(V) * 2^-24 per partial sum; 1e-4 leaves margin)."""
     ref = R.filtered_probs(x, T, k, p, mp) > 0
     z = x.double() / T.double()[:, None]
     zs, order = torch.sort(z, dim=-1, descending=True, stable=True)
@@ -114,7 +115,8 @@ def test_edge_cases_bf16():
     y[:, 9] = y[:, 900] = 20.0
     for kw in (dict(T=0.0), dict(k=1), dict(mp=1.0, T=0.0)):
         assert (sampler.sample(y, *rows(4, **kw))[0] == 9).all(), kw
-    assert set(sampler.sample(y, *rows(64, mp=1.0))[0].tolist()) <= {9, 900}
+    # 64 seeded draws (16 copies of the 4 rows): min_p = 1 keeps only the tied maxima.
+    assert set(sampler.sample(y.repeat(16, 1), *rows(64, mp=1.0))[0].tolist()) <= {9, 900}
     base = sampler.sample(y, *rows(4))[0]
     assert torch.equal(sampler.sample(y, *rows(4, k=V))[0], base)
     assert torch.equal(sampler.sample(y, *rows(4, p=1.0))[0], base)
