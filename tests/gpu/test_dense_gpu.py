@@ -142,7 +142,7 @@ def test_linear_bf16(M, N, K, fmt, monkeypatch):
 
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (64, 4096, 14336), (5, 1000, 4095)])
 def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
-    # The inline-asm bit-move fp8 -> bf16 conversion (default for bf16) and Triton's cast give
+    # The inline-asm bit-move fp8 -> bf16 conversion (OPMAP_GEMM_FP8_CVT=asm) and Triton's cast (default) give
     # identical weights; outputs agree to the accumulation order of the two compiled kernels.
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's fp8 cast needs sm89+")

@@ -32,7 +32,10 @@ W_SAME, W_INT8, W_FP8, W_FP8_BITS, W_FP8_ASM = 0, 1, 2, 3, 4
 # _e4m3_to_bf16) or "native" (Triton's cast: cvt e4m3x2 -> f16x2, then one cvt per element to
 # bf16, ~1.5 conversions per weight, which the conversion units' 16/clk/SM cap at ~2.8 T
 # weights/s on an H200, below the HBM rate for 1-byte weights). Both are tested and timed.
-FP8_CVT = os.environ.get("OPMAP_GEMM_FP8_CVT", "asm")
+# Measured on the H200 (bench/results/2026-11-29-h200-dense.md): "native" was faster in every
+# fp8 row (e.g. M=1, N=28672, K=4096: 59.3 us against 61.8 us for "asm"), against the prediction
+# above; so "native" is the default and "asm" stays selectable.
+FP8_CVT = os.environ.get("OPMAP_GEMM_FP8_CVT", "native")
 
 
 @triton.jit
