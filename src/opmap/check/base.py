@@ -40,3 +40,18 @@ class CheckCase:
     @property
     def title(self) -> str:
         return f"{self.op}/{self.backend} {self.case}"
+
+
+def probe_errors(probes: dict) -> Outcome:
+    """Run each bad-input probe (argument name -> call); each must raise InputError naming it."""
+    from ..contract import InputError
+
+    missed = []
+    for arg, probe in probes.items():
+        try:
+            probe()
+            missed.append(f"{arg}: no error")
+        except InputError as e:
+            if e.arg != arg:
+                missed.append(f"{arg}: error named {e.arg!r}")
+    return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import ActivationSpec
 from opmap.tolerance import compare
 
@@ -65,15 +64,7 @@ def _bad_input(backend, device):
         probes = {"x": lambda: b("silu_mul", torch.randn(2, 7, device=device)),
                   "out": lambda: b("gelu_tanh_mul", torch.randn(2, 8, device=device),
                                    out=torch.empty(2, 8, device=device))}
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 

@@ -10,8 +10,7 @@ import contextlib
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import GemmSpec
 from opmap.tolerance import compare
 
@@ -108,15 +107,7 @@ def _bad_input(backend, device):
                   "x": lambda: fn(x.to(torch.int32), torch.randn(32, 64, device=device)),
                   "w_scale": lambda: fn(x, wq, None, s[:31]),
                   "bias": lambda: fn(x, torch.randn(32, 64, device=device), torch.randn(31, device=device))}
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 

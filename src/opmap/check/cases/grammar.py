@@ -11,8 +11,7 @@ import math
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import GrammarMaskSpec
 
 
@@ -55,15 +54,7 @@ def _bad_input(name, device):
         probes = {"bitmask": lambda: b("apply_bitmask", logits, bm[:, :3]),
                   "logits": lambda: b("apply_bitmask", logits.int(), bm),
                   "rows": lambda: b("apply_bitmask", logits, bm, torch.tensor([0.5], device=device))}
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import MoESpec
 from opmap.tolerance import compare
 
@@ -76,15 +75,7 @@ def _bad_input(backend, device):
                   "w13": lambda: fn(x[:, :15].contiguous(), logits, w13, w2, 2),
                   "router_logits": lambda: fn(x, logits[:2], w13, w2, 2),
                   "w2": lambda: fn(x, logits, w13, w2[:, :, :7], 2)}
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 

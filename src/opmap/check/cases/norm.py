@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import NormSpec
 from opmap.tolerance import compare
 
@@ -80,15 +79,7 @@ def _bad_input(backend, device):
                   "x": lambda: b("rmsnorm", x.to(torch.int32), w, 1e-6),
                   "residual": lambda: b("add_rmsnorm", x, torch.randn(4, 65, device=device), w, 1e-6),
                   "eps": lambda: b("rmsnorm", x, w, -1.0)}
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors
 from opmap.specs import RopeSpec
 from opmap.tolerance import compare
 
@@ -107,15 +106,7 @@ def _bad_input(backend, device):
                   "cos_sin": lambda: fn(q, k, pos, reference.cos_sin_cache(128, 32, device=device), "neox")}
         if device == "cpu":  # the value check synchronises, so on a GPU it is a debug option
             probes["positions"] = lambda: fn(q, k, torch.tensor([0, 1, 2, 32]), cs, "neox")
-        missed = []
-        for arg, probe in probes.items():
-            try:
-                probe()
-                missed.append(f"{arg}: no error")
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{arg}: error named {e.arg!r}")
-        return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+        return probe_errors(probes)
 
     return run
 
