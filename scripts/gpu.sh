@@ -12,6 +12,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 STEPS=${STEPS:-"env tests check bench e2e"}
+# FlashInfer as a peer, when scripts/pack_flashinfer.sh made its archive and .whl was carried.
+if [ -f .whl/flashinfer.tar.xz ] && [ -z "${NO_FLASHINFER:-}" ]; then
+  mkdir -p /tmp/opmap-fi && tar -C /tmp/opmap-fi -xJf .whl/flashinfer.tar.xz
+  export PYTHONPATH="$PYTHONPATH:/tmp/opmap-fi" MAX_JOBS=${MAX_JOBS:-16}
+fi
 MODELS=${MODELS:-"llama3-8b"}
 status=0
 step() { echo "== $1 ($(date -u +%T))"; }
