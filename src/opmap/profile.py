@@ -231,12 +231,12 @@ def report_summary(model: str) -> dict:
 
     # A fixed small cache (8 x 544 tokens, with room to spare): the caller may still hold another
     # engine, whose KV cache would leave a from-free-memory sizing nothing.
-    llm = LLM(model, trace_ops=True, max_num_seqs=8, num_pages=8 * 40, max_model_len=640)
-    g = torch.Generator().manual_seed(0)
-    n = min(512, llm.max_model_len - 40)
-    prompts = [torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist() for _ in range(8)]
-    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    res = profile_engine(llm, prompts, sp, steps=40)
-    lines = format_profile(res) + diagnose(res, llm, phase_backends(llm))
+    with LLM(model, trace_ops=True, max_num_seqs=8, num_pages=8 * 40, max_model_len=640) as llm:
+        g = torch.Generator().manual_seed(0)
+        n = min(512, llm.max_model_len - 40)
+        prompts = [torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist() for _ in range(8)]
+        sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        res = profile_engine(llm, prompts, sp, steps=40)
+        lines = format_profile(res) + diagnose(res, llm, phase_backends(llm))
     return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines}

@@ -77,6 +77,27 @@ class LLM:
         self._bitmask = None
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
+        self.closed = False
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the KV cache, CUDA graphs, weights and device buffers now (idempotent). A second
+        engine in the same process is sized from what is free, so close (or del) the first one
+        before building the next; ``with LLM(...) as llm:`` closes on exit."""
+        if self.closed:
+            return
+        self.abort_all()
+        self.runner.close()
+        self.sampler = None
+        self._structured = self._bitmask = None
+        self.closed = True
+        free_device_memory()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- requests ---------------------------------------------------------------------------------
     def _make(self, i: int, prompt, params) -> Union[Sequence, RequestOutput]:
@@ -149,6 +170,8 @@ class LLM:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InputError("params", f"{len(plist)} entries", f"one per prompt ({len(prompts)}) or a single one")
+        if self.closed:
+            raise RuntimeError("this LLM was closed; build a new one")
         t0 = time.perf_counter()
         results, live = self.add_requests(prompts, plist)
         bar = _progress(len(live)) if use_tqdm else None
@@ -189,6 +212,8 @@ class LLM:
 
     def step(self) -> list:
         """One engine step; returns the sequences that finished in it."""
+        if self.closed:
+            raise RuntimeError("this LLM was closed; build a new one")
         sch = self.scheduler
         batch = sch.schedule()
         done = []
@@ -252,6 +277,17 @@ class LLM:
                 s.stop_reason = r[1]
                 done.append(s)
         return done
+
+
+def free_device_memory() -> None:
+    """Collect garbage (engines hold reference cycles) and return cached CUDA blocks to the device."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _progress(total: int):

@@ -5,9 +5,10 @@
 - Step metadata (input ids, positions, slot mapping, seq lens, cu_seqlens, block tables, logits
   rows) is built on the host once per step and copied into persistent device buffers; every layer
   reads views of them, so a captured decode graph replays with new values.
-- KV cache: on a GPU, sized from memory after a warm-up prefill of the full token budget
-  (``gpu_memory_fraction`` of the total, minus what the weights, the warm-up's peak and other
-  processes hold); on the CPU a fixed number of pages (``num_pages``, default 256).
+- KV cache: on a GPU, sized after a warm-up prefill of the full token budget by ``kv_plan``
+  (``gpu_memory_fraction`` of the total less this engine's weights, the warm-up's own activation
+  peak and memory outside PyTorch, and never more than is actually free); on the CPU a fixed
+  number of pages (``num_pages``, default 256). ``close()`` frees the cache, graphs and weights.
 - Decode steps are captured in CUDA graphs per batch bucket (padding rows: slot -1, length 0,
   which the kernels treat as "nothing to do") unless ``enforce_eager``; a bucket whose capture
   fails runs eagerly and the reason is logged (``opmap profile`` reports it).
@@ -25,6 +26,7 @@ from ..hw import local_arch
 from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
 from .config import EngineConfig
+from .kv_plan import MemFigures, plan_pages
 from .model import Step, build_model
 from .opset import OpSet, log_choices
 from .scheduler import Batch
@@ -47,6 +49,10 @@ class ModelRunner:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
         self.arch = local_arch() if on_gpu else "cpu"
         self.page = ecfg.page_size
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+        # What the process held before this engine: the KV sizing counts only this engine's own.
+        self._alloc0 = torch.cuda.memory_allocated(self.device) if on_gpu else 0
         t0 = time.perf_counter()
         self.model = build_model(cfg, self.device, self.dtype)
         if source is None:
@@ -232,6 +238,8 @@ class ModelRunner:
         self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), max(T, 1), self.cfg.rope_theta,
                                            self.cfg.rope_scaling, device=self.device)
         self.block_tables = torch.arange(pages, dtype=torch.int32, device=self.device)[None, :].repeat(self.max_seqs, 1)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()  # weights, buffers, the scratch cache, other engines
         torch.cuda.reset_peak_memory_stats()
         with torch.inference_mode():
             self.input_ids[:T].random_(0, self.cfg.vocab)
@@ -242,20 +250,35 @@ class ModelRunner:
             self.logits_idx[:1].fill_(T - 1)
             self.model.forward(self.ops["prefill"], self._step(T, 1, pages, False, 1), kv)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        act = torch.cuda.max_memory_allocated() - before  # the warm-up's own activation peak
         del kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        others = total - free - torch.cuda.memory_reserved()  # other processes / CUDA context
-        avail = total * self.ecfg.gpu_memory_fraction - others - peak
-        n = int(avail // self.model.kv_bytes_per_page(self.page))
-        if n < 2:
-            raise RuntimeError(f"no memory left for the KV cache: {avail / 2**30:.2f} GiB available after "
-                               f"weights ({self.model.weight_bytes() / 2**30:.1f} GiB) and a warm-up peak of "
-                               f"{peak / 2**30:.1f} GiB; raise gpu_memory_fraction or lower max_num_batched_tokens")
-        log.info("KV cache: %d pages of %d tokens (%.1f GiB); warm-up peak %.1f GiB", n, self.page,
-                 n * self.model.kv_bytes_per_page(self.page) / 2**30, peak / 2**30)
+        alloc = torch.cuda.memory_allocated()
+        m = MemFigures(total=total, free=free, reserved=torch.cuda.memory_reserved(), allocated=alloc,
+                       own=alloc - self._alloc0, act_peak=act)
+        max_len = min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
+        useful = self.max_seqs * -(-max_len // self.page)
+        n, why = plan_pages(m, self.ecfg.gpu_memory_fraction, self.model.kv_bytes_per_page(self.page), useful)
+        log.info("KV cache: %d pages of %d tokens (%.2f GiB); %s", n, self.page,
+                 n * self.model.kv_bytes_per_page(self.page) / 2**30, why)
         return n
+
+    def close(self) -> None:
+        """Drop the KV cache, the decode graphs (and their memory pool), the weights and the step
+        buffers; the caller (``LLM.close``) runs the garbage collector and empties the CUDA cache."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g, _ in self.graphs.values():
+            g.reset()
+        self.graphs = {}
+        self.kv = self.model = None
+        self.workspace = {}
+        self.ops, self.decode_ops = {}, {}
+        for name in ("input_ids", "positions", "slots", "seq_lens", "cu", "logits_idx", "block_tables",
+                     "h_i64", "h_i32", "h_idx", "h_bt", "h_i64_np", "h_i32_np", "h_idx_np", "h_bt_np", "_copied"):
+            setattr(self, name, None)
+        self.closed = True
 
     def _capture(self) -> None:
         pool = None

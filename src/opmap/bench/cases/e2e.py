@@ -59,15 +59,21 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
 
 
 def _engine(model, cases_of_model, ceil, out, skipped):
-    import torch
-
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
     from opmap.presets import get_preset
 
     cfg = get_preset(model)
     llm = LLM(model, max_num_seqs=max(32, max(b for _, b, _, _ in cases_of_model if isinstance(b, int))),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9)  # HF runs after, alone
+    try:
+        _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
+    finally:
+        llm.close()  # frees the KV cache, graphs and weights before HF's model is built
+
+
+def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
+    from opmap.ops.sampling.params import SamplingParams
+
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate(_prompts(cfg.vocab, 2, 600, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
     for _, b, plen, new in cases_of_model:
@@ -123,9 +129,6 @@ def _engine(model, cases_of_model, ceil, out, skipped):
         out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "opmap-engine",
                            d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
                            "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"))
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _hf(model, cases_of_model, ceil, out, skipped):

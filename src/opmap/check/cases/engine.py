@@ -25,8 +25,10 @@ def _greedy(n=10):
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def _dev_kw(device):
-    return dict(device=device, dtype="fp32")
+def _dev_kw(device, num_pages=64):
+    # An explicit, small KV cache: these cases run a handful of short sequences, and on a GPU the
+    # default (a fraction of the whole device) costs seconds of allocation and block bookkeeping.
+    return dict(device=device, dtype="fp32", num_pages=num_pages)
 
 
 def _one_thread(fn):
@@ -55,9 +57,9 @@ def _parity(name, device):
         cfg = PRESETS[name]
         with tempfile.TemporaryDirectory() as d:
             hf = save_checkpoint(cfg, d, seed=3)
-            llm = LLM(d, max_num_batched_tokens=48, max_num_seqs=4, **_dev_kw(device))
             prompts = _prompts(cfg.vocab, (3, 21, 60), seed=7)
-            outs = llm.generate(prompts, _greedy())
+            with LLM(d, max_num_batched_tokens=48, max_num_seqs=4, **_dev_kw(device)) as llm:
+                outs = llm.generate(prompts, _greedy())
         same = total = 0
         for p, o in zip(prompts, outs):
             with torch.no_grad():
@@ -80,15 +82,18 @@ def _same_tokens(device, variant: str):
 
         cfg = PRESETS["tiny-llama3"]
         prompts = _prompts(cfg.vocab, (5, 40, 77, 16, 33), seed=1)
-        base = LLM("tiny-llama3", max_num_batched_tokens=512, max_num_seqs=8, prefix_caching=False, **_dev_kw(device))
-        ref = [o.token_ids for o in base.generate(prompts, _greedy(12))]
-        kw = {"chunked": dict(max_num_batched_tokens=17, prefix_caching=False),
-              "prefix-cache": dict(prefix_caching=True),
-              "preemption": dict(num_pages=12, max_num_batched_tokens=64, prefix_caching=False)}[variant]
-        llm = LLM("tiny-llama3", max_num_seqs=8, **kw, **_dev_kw(device))
-        if variant == "prefix-cache":
-            llm.generate(prompts, _greedy(12))  # fills the cache; the second pass hits it
-        outs = llm.generate(prompts, _greedy(12))
+        with LLM("tiny-llama3", max_num_batched_tokens=512, max_num_seqs=8, prefix_caching=False,
+                 **_dev_kw(device)) as base:
+            ref = [o.token_ids for o in base.generate(prompts, _greedy(12))]
+        # 64 pages hold the 5 sequences (at most 6 pages each) with room for the cached prefixes;
+        # 12 pages force preemption.
+        kw = {"chunked": dict(max_num_batched_tokens=17, prefix_caching=False, **_dev_kw(device)),
+              "prefix-cache": dict(prefix_caching=True, **_dev_kw(device)),
+              "preemption": dict(max_num_batched_tokens=64, prefix_caching=False, **_dev_kw(device, 12))}[variant]
+        with LLM("tiny-llama3", max_num_seqs=8, **kw) as llm:
+            if variant == "prefix-cache":
+                llm.generate(prompts, _greedy(12))  # fills the cache; the second pass hits it
+            outs = llm.generate(prompts, _greedy(12))
         got = [o.token_ids for o in outs]
         extra = {"chunked": f"{llm.stats.steps['prefill'] + llm.stats.steps['mixed']} prefill steps",
                  "prefix-cache": f"{sum(o.num_cached_tokens for o in outs)} prompt tokens served from cache",
@@ -110,12 +115,12 @@ def _graph_vs_eager():
         prompts = _prompts(cfg.vocab, (7, 100, 33, 1), seed=2)
         runs, captured = {}, None
         for eager in (True, False):
-            llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
-                      gpu_memory_fraction=0.4)
-            if not eager:
-                captured = sorted(llm.runner.graphs)
-            runs[eager] = [o.token_ids for o in llm.generate(prompts, _greedy(16))]
-            del llm
+            # 64 pages of 16: every prompt (at most 116 tokens) fits; no memory sizing needed.
+            with LLM(cfg, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
+                     num_pages=64) as llm:
+                if not eager:
+                    captured = sorted(llm.runner.graphs)
+                runs[eager] = [o.token_ids for o in llm.generate(prompts, _greedy(16))]
         ok = runs[True] == runs[False] and bool(captured)
         return Outcome(ok, f"tokens {'identical' if runs[True] == runs[False] else 'DIFFER'}; graphs for buckets {captured}")
 
@@ -126,9 +131,9 @@ def _bad_requests(device):
     def run():
         from opmap.engine.llm import LLM
 
-        llm = LLM("tiny-llama3", max_num_seqs=4, max_model_len=64, **_dev_kw(device))
-        outs = llm.generate([[1, 2, 3], [], list(range(1, 70)), [5, 6]], [_greedy(4), _greedy(4), _greedy(4),
-                                                                          {"top_p": 0.0}])
+        with LLM("tiny-llama3", max_num_seqs=4, max_model_len=64, **_dev_kw(device)) as llm:
+            outs = llm.generate([[1, 2, 3], [], list(range(1, 70)), [5, 6]], [_greedy(4), _greedy(4), _greedy(4),
+                                                                              {"top_p": 0.0}])
         errs = [o.error for o in outs]
         ok = errs[0] is None and len(outs[0].token_ids) == 4 and all(e for e in errs[1:])
         return Outcome(ok, "; ".join((e or "ok").split(",")[0][:40] for e in errs))
