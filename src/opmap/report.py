@@ -172,11 +172,8 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
     except Exception as e:
         return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
     finally:
-        import gc
-
-        llm = None  # the profile builds its own engine: free this one's weights and KV cache first
-        gc.collect()
-        torch.cuda.empty_cache()
+        if llm is not None:
+            llm.close()  # the profile builds its own engine: free this one's KV cache and weights first
     out["profile"] = _profile_summary(model)
     return out
 
