@@ -46,6 +46,25 @@ def test_profile_cpu(tmp_path, capsys, single_thread):
     assert "diagnosis: CPU run" in text and trace.exists()
 
 
+def test_profile_compare_closes_the_first_engine(capsys, single_thread, monkeypatch):
+    from opmap.engine.llm import LLM
+
+    built, open_before = [], []
+    orig = LLM.__init__
+
+    def track(self, *a, **k):
+        open_before.append(sum(not x.closed for x in built))  # engines still open when this one is built
+        orig(self, *a, **k)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", track)
+    a = parse("profile", "--model", "tiny-llama3", "--num-requests", "1", "--input-len", "12", "--output-len", "3",
+              "--steps", "2", "--compare", "rmsnorm=torch-rms_norm")
+    assert a.func(a) == 0
+    assert "forcing rmsnorm=torch-rms_norm changed the step time" in capsys.readouterr().out
+    assert len(built) == 2 and open_before == [0, 0] and all(x.closed for x in built)
+
+
 def _x(cat, name, ts, dur):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
 

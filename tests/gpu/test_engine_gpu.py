@@ -1,6 +1,7 @@
 """The engine on a GPU: eager and CUDA-graph decode give identical tokens (dense, MoE, MLA);
-a bf16 Llama-3-8B-shaped random model matches HF transformers' greedy tokens up to the first
-position where HF's own top-2 logits are within bf16 noise (the position is reported)."""
+a bf16 Llama-3-8B-shaped random model stays within bf16 noise of an fp32 oracle (HF on the same
+weights in fp32, teacher-forced), with HF's own bf16 error as the measure of that noise; KV
+sizing with another engine still alive; the profiler attributes GPU kernels to operators."""
 import dataclasses
 import gc
 
@@ -45,54 +46,57 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
         chosen = sorted({(c.op, label, c.backend.name) for ops in llm.runner.decode_ops.values()
                          for label, _, c in ops.choices})
         runs[eager] = ([o.token_ids for o in outs], chosen)
-        del llm
-        _free()
+        llm.close()
     assert runs[True][1] == runs[False][1], "eager and graph decode chose different backends"
     assert runs[True][0] == runs[False][0]
 
 
 @torch.no_grad()
-def test_llama3_8b_bf16_matches_hf_up_to_first_near_tie(record_property):
+def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
+    """Full Llama-3-8B shapes (32 layers), random bf16 weights. The oracle is HF transformers on
+    the same weights upcast to fp32, teacher-forced on the engine's own tokens: our logits must
+    be no noisier than 2x HF's own bf16 logits, and every greedy token within that noise of the
+    oracle's best (opmap.engine.oracle says why exact agreement with HF bf16 is not a criterion:
+    random weights give top-2 gaps of a few hundredths). Where the tokens first differ from HF
+    bf16 greedy is reported, not asserted."""
     from transformers import AutoModelForCausalLM
 
+    from opmap.engine import oracle
     from opmap.engine.config import to_hf_config
     from opmap.engine.llm import LLM
     from opmap.engine.weights import StateDictSource
-    from opmap.ops.sampling.params import SamplingParams
-    from opmap.tolerance import tol
 
     cfg = PRESETS["llama3-8b"]
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16).eval()
-    llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_seqs=4, max_num_batched_tokens=1024,
-              max_model_len=2048, gpu_memory_fraction=0.7)
-    assert llm.runner.unused == []
-    n_new = 32
-    prompts = _prompts(cfg.vocab, (128, 517), seed=3)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
-    report = []
-    for p, o in zip(prompts, outs):
-        ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                          pad_token_id=0)[0, len(p):].tolist()
-        mism = next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), None)
-        if mism is None:
-            report.append(f"prompt {len(p)}: all {n_new} tokens equal")
-            continue
-        # HF's own logits at the first differing position, given the common prefix.
-        logits = hf(torch.tensor([p + ref[:mism]], device="cuda")).logits[0, -1].float()
-        top2 = logits.topk(2).values
-        gap = float(top2[0] - top2[1])
-        ours = float(logits[o.token_ids[mism]])
-        # bf16 noise: the project's bf16 tolerance (opmap.tolerance) at the magnitude of the top logit.
-        atol, rtol = tol(torch.bfloat16)
-        noise = atol + rtol * abs(float(top2[0]))
-        report.append(f"prompt {len(p)}: first difference at generated position {mism}; HF top-2 gap {gap:.4f}, "
-                      f"our token {float(top2[0]) - ours:.4f} below HF's max logit (bf16 noise {noise:.4f})")
-        assert gap <= noise and float(top2[0]) - ours <= noise, report[-1]
-    record_property("hf_parity", "; ".join(report))
-    print("\n".join(report))
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must not run in TF32
+    llm = hf16 = hf32 = None
+    try:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf16 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16).eval()
+            hf32 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.float32).eval()
+        hf32.load_state_dict(hf16.state_dict())  # exactly the bf16 weights, in fp32
+        # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB).
+        llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), max_num_seqs=4, max_num_batched_tokens=1024,
+                  max_model_len=2048, num_pages=4 * 128)
+        assert llm.runner.unused == []
+        n_new, report, failed = 32, [], []
+        for p in _prompts(cfg.vocab, (128, 517), seed=3):
+            ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
+                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+            ok, line = oracle.verdict(oracle.compare(llm, hf16, hf32, p, n_new, ref))
+            report.append(f"prompt {len(p)}: {line}")
+            if not ok:
+                failed.append(report[-1])
+        record_property("oracle_parity", "; ".join(report))
+        print("\n".join(report))
+        assert not failed, failed
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+        if llm is not None:
+            llm.close()
+        del hf16, hf32
+        _free()
 
 
 def test_profile_attributes_gpu_kernels_to_operators():
@@ -101,7 +105,8 @@ def test_profile_attributes_gpu_kernels_to_operators():
     from opmap.ops.sampling.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
-    llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, gpu_memory_fraction=0.3,
+    # A fixed cache (4 sequences x 1024 tokens): a failed earlier test may still hold GPU memory.
+    llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, num_pages=4 * 64,
               trace_ops=True)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     llm.generate(_prompts(cfg.vocab, (16,)), sp)  # warm-up
@@ -118,3 +123,30 @@ def test_profile_attributes_gpu_kernels_to_operators():
     lines = P.format_profile(res) + P.diagnose(res, llm, P.phase_backends(llm))
     print("\n".join(lines))
     assert any(line.startswith("[decode]") for line in lines)
+
+
+def test_second_engine_sized_from_free_memory_and_close_returns_it():
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+
+    # The first H200 run: a second engine in the process counted the first one's KV cache as its
+    # own warm-up peak and raised "-58.53 GiB available". Now it gets what is actually free.
+    _free()
+    base = torch.cuda.memory_allocated()
+    cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, enforce_eager=True)  # full context: no page cap
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    a = LLM(cfg, gpu_memory_fraction=0.85, **kw)
+    page = a.runner.model.kv_bytes_per_page(a.runner.page)
+    a_kv = a.runner.num_pages * page
+    assert a_kv > 0.5 * torch.cuda.get_device_properties(0).total_memory
+    free_before_b = torch.cuda.mem_get_info()[0]
+    b = LLM(cfg, gpu_memory_fraction=0.85, **kw)
+    assert 0 < b.runner.num_pages * page < free_before_b
+    for llm in (a, b):
+        o = llm.generate([[1, 2, 3, 4]], sp)[0]
+        assert o.error is None and len(o.token_ids) == 4
+    b.close()
+    a.close()
+    _free()
+    assert torch.cuda.memory_allocated() < base + 0.05 * a_kv, (base, torch.cuda.memory_allocated(), a_kv)

@@ -158,9 +158,11 @@ def cli_profile(args) -> int:
     if args.compare:
         op, name = args.compare
         args.backend = [*args.backend, (op, name)]
+        llm.close()  # the second engine is sized from free memory: release the first one's cache
         other = _build(args, trace_ops=True)
         other.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
         res2 = P.profile_engine(other, *workload(other, args), args.steps, None)
+        other.close()
         for ph, p in res["phases"].items():
             q = res2["phases"].get(ph)
             if not q or not p["steps"] or not q["steps"]:
