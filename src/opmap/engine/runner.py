@@ -256,7 +256,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info()
         alloc = torch.cuda.memory_allocated()
         m = MemFigures(total=total, free=free, reserved=torch.cuda.memory_reserved(), allocated=alloc,
-                       own=alloc - self._alloc0, act_peak=act)
+                       own=max(alloc - self._alloc0, 0), act_peak=act)
         max_len = min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
         useful = self.max_seqs * -(-max_len // self.page)
         n, why = plan_pages(m, self.ecfg.gpu_memory_fraction, self.model.kv_bytes_per_page(self.page), useful)
