@@ -160,3 +160,31 @@ def test_prefill_row_tiles(bm):
     got = triton_moe.experts(x, w, ids, w13, w2, bm=bm)
     want = reference.moe(x.float(), logits, w13.float(), w2.float(), k)
     assert_close(got, want, torch.float16, scale=2)
+
+
+def test_host_helpers_match_triton():
+    # The launchers use plain-int helpers instead of Triton's (slow on the host) ConstexprFunctions.
+    import triton
+
+    from opmap.ops.moe.align import next_pow2
+    for n in (0, 1, 2, 3, 8, 9, 127, 128, 129, 4097):
+        assert next_pow2(n) == triton.next_power_of_2(max(1, n))
+
+
+def test_checked_signature_does_not_hide_bad_input():
+    # A valid call memoises its argument signature; a call that differs in anything checked
+    # (shape, dtype, top_k's value or type, router) must still be validated and rejected.
+    from opmap.contract import InputError
+
+    E, H, I, T = 4, 32, 16, 2
+    w13, w2 = _weights(E, H, I, torch.float32)
+    x, logits = torch.randn(T, H), torch.randn(T, E)
+    triton_moe.moe(x, logits, w13, w2, 2)
+    bad = [
+        dict(top_k=E + 1), dict(top_k=True), dict(router="nope"), dict(w2=w2[:, :, :-1]),
+        dict(x=x.half()), dict(logits=torch.randn(T + 1, E)), dict(x=torch.randn(H, T).t()),
+    ]
+    for b in bad:
+        a = dict(x=x, logits=logits, w13=w13, w2=w2, top_k=2, router="softmax") | b
+        with pytest.raises(InputError):
+            triton_moe.moe(a["x"], a["logits"], a["w13"], a["w2"], a["top_k"], router=a["router"])

@@ -14,6 +14,8 @@ to find its own start, then a cumulative sum of its own matches to place them in
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -59,20 +61,41 @@ def max_padded(n_pairs: int, num_experts: int, bm: int) -> int:
     return n_pairs + min(num_experts, n_pairs) * (bm - 1)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
-    """-> (sorted_ids [max_padded] int32, block_expert [max_blocks] int32, total [1] int32)."""
-    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-    n = ids.numel()
-    cap = max_padded(n, num_experts, bm)
-    nblocks = triton.cdiv(cap, bm)
-    dev = ids.device
-    sorted_ids = torch.empty(nblocks * bm, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)
+def next_pow2(n: int) -> int:
+    """Plain-int next power of two. ``triton.next_power_of_2`` / ``triton.cdiv`` are
+    ConstexprFunction objects in Triton 3.6 (~5 us a call on the host through their
+    constexpr-unwrapping wrapper); the launchers called them ~12 times per MoE call."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@lru_cache(maxsize=256)
+def align_plan(n_pairs: int, num_experts: int, bm: int) -> tuple[int, int, int, int, int]:
+    """(padded capacity, blocks, CHUNK, E_POW2, warps): host arithmetic of one shape, done once."""
+    cap = max_padded(n_pairs, num_experts, bm)
+    nblocks = -(-cap // bm)
     # Prefill (tens of thousands of pairs): wide chunks and 8 warps cut the serial iterations of
     # each program's two scans; decode fits in one chunk.
-    chunk = min(4096, max(16, triton.next_power_of_2(n)))
+    chunk = min(4096, max(16, next_pow2(n_pairs)))
+    return cap, nblocks, chunk, max(2, next_pow2(num_experts)), 8 if chunk >= 2048 else 4
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
+    """-> (sorted_ids [max_padded] int32, block_expert [max_blocks] int32, total [1] int32)."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    n = ids.numel()
+    _, nblocks, chunk, e_pow2, warps = align_plan(n, num_experts, bm)
+    # One int32 allocation for the three outputs (one caching-allocator call instead of three).
+    # Each part starts on a 64-byte boundary, so the kernels' pointer-alignment specialisation
+    # is the same as with separate allocations (no extra compiled variants).
+    rows = nblocks * bm
+    at_total = -(-rows // 16) * 16
+    at_blocks = at_total + 16
+    buf = torch.empty(at_blocks + nblocks, dtype=torch.int32, device=ids.device)
+    sorted_ids = buf[:rows]
+    total = buf[at_total:at_total + 1]
+    block_expert = buf[at_blocks:]
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
-                                  E_POW2=max(2, triton.next_power_of_2(num_experts)), CHUNK=chunk,
-                                  num_warps=8 if chunk >= 2048 else 4)
+                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps)
     return sorted_ids, block_expert, total

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .align import next_pow2
+
 
 @triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
 def _grouped_gemm_kernel(
@@ -98,8 +100,13 @@ def _combine_kernel(y_ptr, out_ptr, H, top_k, stride_y, stride_o, BH: tl.constex
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# Read once: Triton itself fixes interpreter mode when @triton.jit runs at import, and the
+# os.environ lookup cost ~2 us on each of the three calls per MoE call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRETING
 
 
 def pick_bm(n_pairs: int, num_experts: int) -> int:
@@ -160,7 +167,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
     N = n_rows // 2 if gated else n_rows
     nblocks = block_expert.numel()
     args = (a, w, out, weights if weights is not None else out, sorted_ids, block_expert, total,
-            n_pairs, N, K, a_row_div, triton.next_power_of_2(max(1, n_pairs)),
+            n_pairs, N, K, a_row_div, next_pow2(n_pairs),
             a.stride(0), w.stride(0), w.stride(1), out.stride(0))
     # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
     flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
@@ -169,17 +176,17 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
         # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
         bn, bk = 32, 32
-        _grouped_gemm_kernel[(nblocks * triton.cdiv(N, bn),)](
+        _grouped_gemm_kernel[(nblocks * -(-N // bn),)](
             *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, num_warps=4,
             num_stages=1 if _interpreting() else 2)
         return
     # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.
-    grid = lambda meta: (nblocks * triton.cdiv(N, meta["BN"]),)  # noqa: E731
+    grid = lambda meta: (nblocks * -(-N // meta["BN"]),)  # noqa: E731  (plain ints: see align.next_pow2)
     _tuned_kernel[grid](*args, **flags)
 
 
 def combine(y: torch.Tensor, T: int, top_k: int, out: torch.Tensor) -> torch.Tensor:
     H = y.shape[1]
-    bh = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh)
+    bh = min(1024, next_pow2(H))
+    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh)
     return out

@@ -9,12 +9,14 @@ results as ``routing.route``.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .align import next_pow2
 from .routing import check_route_args
 
 NEG = tl.constexpr(float("-inf"))
@@ -77,7 +79,14 @@ def route(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", r
           n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
           score_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (topk_weights [T, k] fp32, topk_ids [T, k] int32), as routing.route, in one launch."""
-    T, E = check_route_args(router_logits, top_k, router, n_group, topk_group, score_bias)
+    check_route_args(router_logits, top_k, router, n_group, topk_group, score_bias)
+    return launch(router_logits, top_k, router, renormalize, n_group, topk_group, routed_scaling, score_bias)
+
+
+def launch(router_logits, top_k, router, renormalize, n_group, topk_group, routed_scaling, score_bias):
+    """``route`` without the argument checks, for callers that already ran them (triton_moe.moe
+    runs check_moe_args, which includes check_route_args: checking twice cost host time at decode)."""
+    T, E = router_logits.shape
     dev = router_logits.device
     w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=dev)
@@ -85,11 +94,16 @@ def route(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", r
         return w, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     bias = score_bias.contiguous() if score_bias is not None else w
-    e_pow2 = max(16, triton.next_power_of_2(E))
+    e_pow2, k_pow2, g_pow2 = _pow2s(E, top_k, n_group)
     _route_kernel[(T,)](logits, bias, w, ids, E, logits.stride(0), float(routed_scaling), TOP_K=top_k,
-                        K_POW2=max(2, triton.next_power_of_2(top_k)), E_POW2=e_pow2,
+                        K_POW2=k_pow2, E_POW2=e_pow2,
                         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None,
-                        N_GROUP=n_group, G_POW2=max(2, triton.next_power_of_2(n_group)),
+                        N_GROUP=n_group, G_POW2=g_pow2,
                         TOPK_GROUP=topk_group, RENORM=bool(renormalize),
                         num_warps=4 if e_pow2 <= 256 else 8)
     return w, ids
+
+
+@lru_cache(maxsize=64)
+def _pow2s(E: int, top_k: int, n_group: int) -> tuple[int, int, int]:
+    return max(16, next_pow2(E)), max(2, next_pow2(top_k)), max(2, next_pow2(n_group))

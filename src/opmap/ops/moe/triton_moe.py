@@ -13,7 +13,7 @@ import torch
 
 from .align import align
 from .grouped_gemm import combine, grouped_gemm, pick_bm
-from .route_triton import route
+from .route_triton import launch as route_launch
 from .routing import check_moe_args
 
 
@@ -36,15 +36,43 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     inter = torch.empty(n_pairs, two_i // 2, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, inter, sorted_ids, block_expert, total, n_pairs, top_k, bm, gated=True)
     y = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    weights = topk_weights.reshape(-1)
+    if weights.dtype != torch.float32 or not weights.is_contiguous():
+        weights = weights.to(torch.float32).contiguous()
     grouped_gemm(inter, w2, y, sorted_ids, block_expert, total, n_pairs, 1, bm, gated=False, weights=weights)
     return combine(y, T, top_k, out)
+
+
+# Argument signatures that passed check_moe_args. Every check there depends only on these fields
+# (dtypes, shapes, strides, devices, and the routing ints / names with their types), so a call
+# with a known signature skips ~15 expect() calls (host time at decode, once per layer per step).
+_CHECKED: set = set()
+
+
+def _signature(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias):
+    ts = (x, router_logits, w13, w2) + (() if score_bias is None else (score_bias,))
+    if not all(isinstance(t, torch.Tensor) for t in ts):
+        return None
+    key = tuple((t.dtype, t.shape, t.stride(), t.device) for t in ts) + (
+        type(top_k), top_k, router, type(n_group), n_group, type(topk_group), topk_group, score_bias is None)
+    try:
+        hash(key)
+    except TypeError:  # e.g. an unhashable router argument: the full check reports it
+        return None
+    return key
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
         router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
-    weights, ids = route(router_logits, top_k, router=router, renormalize=renormalize, n_group=n_group,
-                         topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias)
+    sig = _signature(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
+    if sig is None or sig not in _CHECKED:
+        check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
+        if sig is not None:
+            if len(_CHECKED) > 4096:  # bounded: shapes vary with the token count
+                _CHECKED.clear()
+            _CHECKED.add(sig)
+    # check_moe_args already checked the routing arguments: launch without checking them again.
+    weights, ids = route_launch(router_logits, top_k, router, renormalize, n_group, topk_group,
+                                routed_scaling, score_bias)
     return experts(x, weights, ids, w13, w2)
