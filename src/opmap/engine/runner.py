@@ -206,7 +206,9 @@ class ModelRunner:
                 logits = self.model.forward(self.decode_ops[bs], self._step(bs, bs, None, True, None, bs), self.kv)
             if not rows:
                 return None
-            return logits[:B] if len(rows) == B else logits[torch.tensor(rows, device=logits.device)]
+            # _fill already copied ``rows`` into logits_idx (queued, non-blocking): indexing with a
+            # fresh torch.tensor(rows, device=...) would copy from pageable memory and synchronise.
+            return logits[:B] if len(rows) == B else logits[self.logits_idx[:len(rows)]]
         T, B, width, rows = self._fill(items)
         ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
         if not rows:
