@@ -70,7 +70,10 @@ class Sampler:
             for b, k in enumerate(want_lp):
                 if k is not None:
                     lps[b] = {"token": chosen[b], "top": list(zip(ti[b][:k], tv[b][:k]))}
-        return ids.tolist(), invalid.tolist(), lps
+        # One device->host read for both (each .tolist() is a synchronous copy; the stack is
+        # launched while the forward still runs, so it costs no step time).
+        both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64))).tolist()
+        return both[0], [bool(v) for v in both[1]], lps
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
