@@ -188,3 +188,41 @@ def test_checked_signature_does_not_hide_bad_input():
         a = dict(x=x, logits=logits, w13=w13, w2=w2, top_k=2, router="softmax") | b
         with pytest.raises(InputError):
             triton_moe.moe(a["x"], a["logits"], a["w13"], a["w2"], a["top_k"], router=a["router"])
+
+
+def test_tuned_launch_fast_path_passes_what_the_autotuner_passes(monkeypatch):
+    # The 16-bit GPU path launches the tuned GEMM through the autotuner once per key, then
+    # directly with the remembered config. Both launches must reach JITFunction.run with the same
+    # grid and keyword arguments (so they select the same compiled kernel). Run with the JIT
+    # launch recorded instead of executed, and the tuner's choice pre-seeded (no benchmarking).
+    from opmap.ops.moe import grouped_gemm as gg
+
+    seen = []
+    monkeypatch.setattr(gg, "_INTERPRETING", False)
+    monkeypatch.setattr(gg, "_BEST", {})
+    monkeypatch.setattr(gg._tuned_kernel, "cache", {})
+    monkeypatch.setattr(gg._grouped_gemm_kernel, "run",
+                        lambda *a, grid, warmup, **kw: seen.append((grid(kw) if callable(grid) else grid, kw)))
+    E, H, I, T, k, bm = 8, 256, 96, 3, 2, 16
+    w13, w2 = _weights(E, H, I, torch.float16)
+    x = torch.randn(T, H).half()
+    inter = torch.empty(T * k, I, dtype=torch.float16)
+    ids = torch.randint(0, E, (T, k), dtype=torch.int32)
+    sorted_ids, block_expert, total = align(ids, E, bm)
+    for gated, (a, w, out, div, wts) in {True: (x, w13, inter, k, None),
+                                         False: (inter, w2, torch.empty(T * k, H, dtype=torch.float16), 1,
+                                                 torch.rand(T * k))}.items():
+        seen.clear()
+        n_rows, K = w.shape[1], w.shape[2]
+        N = n_rows // 2 if gated else n_rows
+        bucket = gg.next_pow2(T * k)
+        key = [N, K, bucket, bm, gated] + [str(t.dtype) for t in (a, w, out, wts if wts is not None else out,
+                                                                  sorted_ids, block_expert, total)]
+        gg._tuned_kernel.cache[tuple(key)] = gg._DECODE[gated][1]
+        for _ in range(2):
+            gg.grouped_gemm(a, w, out, sorted_ids, block_expert, total, T * k, div, bm, gated=gated, weights=wts)
+        assert len(seen) == 2 and len(gg._BEST) == (1 if gated else 2)
+        (grid0, kw0), (grid1, kw1) = seen
+        grid0 = grid0 if isinstance(grid0, tuple) else tuple(grid0)
+        assert tuple(grid1) == grid0 and kw1 == kw0, (grid0, grid1, kw0, kw1)
+        assert {"BN", "BK", "GROUP_M", "num_warps", "num_stages", "EVEN_K", "BM", "GATED"} <= set(kw1)
