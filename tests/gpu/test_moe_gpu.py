@@ -170,3 +170,21 @@ def test_custom_op_under_torch_compile():
     out = block(x, logits)
     want = reference.moe(x.float(), logits, w13.float(), w2.float(), k) + x.float()
     assert_close(out, want, torch.bfloat16, scale=2, what="opmap::moe under torch.compile")
+
+
+def test_triton_direct_launch_after_tuning_matches_first_call():
+    # The first call of a new shape goes through the autotuner; later calls launch the remembered
+    # config directly (grouped_gemm._BEST). Same kernel, same config, no atomics: bitwise equal,
+    # and both right. A shape no other test uses, so the first call really tunes.
+    from opmap.ops.moe import grouped_gemm as gg
+    from opmap.ops.moe.triton_moe import moe
+
+    E, k, H, I, T = 24, 4, 1152, 320, 3
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    before = len(gg._BEST)
+    first = moe(x, logits, w13, w2, k)
+    assert len(gg._BEST) == before + 2  # gate/up and down keys remembered
+    second = moe(x, logits, w13, w2, k)
+    assert torch.equal(first, second)
+    _check(second, x, logits, w13, w2, k, "triton direct launch after tuning")
