@@ -12,8 +12,8 @@ import math
 
 import pytest
 import torch
-from scipy import stats
 
+from opmap.check.stats import chi2_tv
 from opmap.ops.sampling import reference as R
 from opmap.ops.sampling import sampler
 from opmap.ops.sampling.philox import gumbel
@@ -25,25 +25,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndi
 ALPHA = 1e-3
 
 
-def chi2_and_tv(counts: torch.Tensor, probs: torch.Tensor, n: int):
-    """(p-value with tails pooled to expected >= 5, total variation, TV bound, count outside support)."""
-    counts, probs = counts.double(), probs.double()
-    outside = int(counts[probs == 0].sum())
-    exp = probs * n
-    order = torch.argsort(exp, descending=True)
-    e, o = exp[order], counts[order]
-    big = e >= 5
-    obs = torch.cat([o[big], o[~big].sum().reshape(1)])
-    ex = torch.cat([e[big], e[~big].sum().reshape(1)])
-    if ex[-1] < 5:  # fold a small pooled tail into the last big bin
-        obs = torch.cat([obs[:-2], (obs[-2] + obs[-1]).reshape(1)])
-        ex = torch.cat([ex[:-2], (ex[-2] + ex[-1]).reshape(1)])
-    pval = stats.chisquare(obs.numpy(), ex.numpy() * obs.sum().item() / ex.sum().item()).pvalue if len(ex) > 1 else 1.0
-    tv = 0.5 * float((counts / n - probs).abs().sum())
-    # E|count/n - p| <= sqrt(p(1-p)/n) per token, so E[TV] <= half the sum (about 0.8 of it for
-    # a normal count); 1.25x that sum's half leaves room for the fluctuation of TV itself.
-    bound = 0.625 * float(torch.sqrt(probs * (1 - probs) / n).sum()) + 1e-3
-    return pval, tv, bound, outside
 
 
 @functools.lru_cache(maxsize=4)
@@ -78,7 +59,7 @@ def test_chi_square_and_tv(V, scale, n, f):
         counts, target = draws_support(x, f, n, seed=1234 + V)
     else:
         counts, target = draws(x, f["T"], f["k"], f["p"], f["mp"], n, seed=1234 + V)
-    pval, tv, bound, outside = chi2_and_tv(counts, target, n)
+    pval, tv, bound, outside = chi2_tv(counts, target, n)
     assert outside == 0
     assert pval > ALPHA, f"chi-square p={pval:.2e}"
     assert tv <= bound, f"TV {tv:.4f} > {bound:.4f}"
@@ -101,7 +82,7 @@ def test_chi_square_detects_a_wrong_distribution():
     x = torch.randn(111, generator=g)
     counts, _ = draws(x, 1.0, 0, 1.0, 0.0, 20000, seed=1234 + 111)
     wrong = R.filtered_probs(x[None], torch.tensor([0.8]), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.0]))[0]
-    pval, tv, bound, _ = chi2_and_tv(counts, wrong, 20000)
+    pval, tv, bound, _ = chi2_tv(counts, wrong, 20000)
     assert pval < ALPHA and tv > bound
 
 

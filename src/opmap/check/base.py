@@ -55,3 +55,12 @@ def probe_errors(probes: dict) -> Outcome:
             if e.arg != arg:
                 missed.append(f"{arg}: error named {e.arg!r}")
     return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
+
+
+def arch_of(device: str) -> str:
+    """The arch a check case asks the selector about: "cpu", or this GPU's (e.g. "sm90")."""
+    if device == "cpu":
+        return "cpu"
+    from ..hw import local_arch
+
+    return local_arch()

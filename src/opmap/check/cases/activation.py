@@ -5,20 +5,12 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.specs import ActivationSpec
 from opmap.tolerance import compare
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ENTRIES = ("silu_mul", "gelu_tanh_mul")
-
-
-def _arch(device):
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _x(device, rows, H, dtype, seed, extreme=False):
@@ -70,7 +62,7 @@ def _bad_input(backend, device):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     shapes = [(3, 4095), (2, 5120)] if device == "cpu" else [(1, 14336), (64, 14336), (4096, 768), (1000, 4095)]
     out = [CheckCase("parity", "activation", "reference", f"{e} vs torch.nn.functional fp64,rows=4,H=1000",

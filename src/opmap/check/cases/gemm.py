@@ -10,7 +10,7 @@ import contextlib
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.specs import GemmSpec
 from opmap.tolerance import compare
 
@@ -19,14 +19,6 @@ COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998}
 # Limits for the stack's mean KL (nats). Seen on CPU (fp32 reference stack, 4 layers, vocab
 # 1000): bf16 ~3e-4, int8 ~1e-3, fp8 ~1e-2; the limits leave ~4x headroom.
 KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2}
-
-
-def _arch(device):
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _inputs(device, M, N, K, dtype, fmt, bias, seed):
@@ -117,7 +109,7 @@ def _ok(name, arch, **spec):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     cpu = device == "cpu"
     dtypes = ("fp32", "fp16") if cpu else ("bf16",)
     # Decode M's, a prefill M; the interpreter gets small N/K, the GPU Llama-3-8B MLP shapes.

@@ -11,16 +11,8 @@ import math
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.specs import GrammarMaskSpec
-
-
-def _arch(device):
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _parity(name, device, V, dtype, rows):
@@ -110,7 +102,7 @@ def _structured(device, n):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("fp32", "fp16", "bf16")
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     out = []

@@ -6,20 +6,12 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.specs import NormSpec
 from opmap.tolerance import compare
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("triton", "torch-rms_norm")
-
-
-def _arch(device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _data(device, rows, H, dtype, seed, row_stride=None):
@@ -85,7 +77,7 @@ def _bad_input(backend, device):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     out = []
     try:

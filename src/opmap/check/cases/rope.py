@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.specs import RopeSpec
 from opmap.tolerance import compare
 
@@ -19,14 +19,6 @@ SCALINGS = {
     "yarn": {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
              "mscale_all_dim": 0.5, "original_max_position_embeddings": 4096},
 }
-
-
-def _arch(device):
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _parity(backend, device, T, Hq, Hk, D, r, dtype, style, scaling, max_pos=65536, last_pos=False):
@@ -112,7 +104,7 @@ def _bad_input(backend, device):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     out = []
     try:

@@ -9,19 +9,12 @@ import math
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
+from opmap.check.base import CheckCase, Outcome, arch_of
+from opmap.check.stats import chi2_tv
 from opmap.contract import InputError
 from opmap.specs import LogitsSpec, SamplingSpec
 
 ALPHA = 1e-3
-
-
-def _arch(device):
-    if device == "cpu":
-        return "cpu"
-    from opmap.hw import local_arch
-
-    return local_arch()
 
 
 def _rows(device, B, T=1.0, k=0, p=1.0, mp=0.0, seed=0):
@@ -30,25 +23,6 @@ def _rows(device, B, T=1.0, k=0, p=1.0, mp=0.0, seed=0):
             torch.arange(B, dtype=torch.int64, device=device))
 
 
-def chi2_tv(counts, probs, n):
-    """(p-value with tails pooled to expected >= 5, TV, TV bound, draws outside the support)."""
-    from scipy import stats
-
-    counts, probs = counts.double().cpu(), probs.double().cpu()
-    outside = int(counts[probs == 0].sum())
-    e = probs * n
-    order = torch.argsort(e, descending=True)
-    e, o = e[order], counts[order]
-    big = e >= 5
-    obs = torch.cat([o[big], o[~big].sum().reshape(1)])
-    ex = torch.cat([e[big], e[~big].sum().reshape(1)])
-    if ex[-1] < 5:
-        obs = torch.cat([obs[:-2], (obs[-2] + obs[-1]).reshape(1)])
-        ex = torch.cat([ex[:-2], (ex[-2] + ex[-1]).reshape(1)])
-    pval = float(stats.chisquare(obs.numpy(), ex.numpy() * float(obs.sum() / ex.sum())).pvalue) if len(ex) > 1 else 1.0
-    tv = 0.5 * float((counts / n - probs).abs().sum())
-    # E[TV] <= 0.5 sum sqrt(p(1-p)/n); 1.25x that leaves room for TV's own fluctuation.
-    return pval, tv, 0.625 * float(torch.sqrt(probs * (1 - probs) / n).sum()) + 1e-3, outside
 
 
 def _parity(name, device, V, dtype):
@@ -207,7 +181,7 @@ def _bad_input(name, device):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = _arch(device)
+    arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     tdt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
     out = []
