@@ -2,6 +2,9 @@
 and what was expected, and is raised before anything launches."""
 from __future__ import annotations
 
+import os
+import weakref
+from collections import OrderedDict
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -84,3 +87,47 @@ def expect_in(arg: str, value, allowed: Iterable) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise InputError(arg, repr(value), "one of " + ", ".join(repr(a) for a in allowed))
+
+
+# ---- checks on the *values* of device metadata ------------------------------------------------
+# Page ids, lengths, slots and offsets can only be checked on the host: on a CUDA device that is a
+# synchronisation. So such checks are skipped while a CUDA graph is being captured (or when
+# OPMAP_CHECK_VALUES=0) and memoised per (tensor, version), so that the layers of one step pay
+# for them once.
+_VALUE_MEMO: "OrderedDict[tuple, list]" = OrderedDict()
+
+
+def values_wanted(*tensors) -> bool:
+    """Whether data-dependent checks on these tensors should run now."""
+    if os.environ.get("OPMAP_CHECK_VALUES", "1") == "0":
+        return False
+    if any(t is not None and t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False  # no host synchronisation inside a captured graph
+    return True
+
+
+def _value_key(tag, items):
+    # id + version of a live tensor: an in-place write (or one through a view) bumps the version;
+    # the weak references kept in the memo make a reused id a miss.
+    return (tag, *((id(t), t._version, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in items))
+
+
+def value_check_seen(tag: str, *items) -> bool:
+    """True when exactly these CUDA tensors (same objects, same versions) and arguments already
+    passed the check named ``tag``. On the CPU the check is cheap and always runs."""
+    tensors = [t for t in items if isinstance(t, torch.Tensor)]
+    if not any(t.is_cuda for t in tensors):
+        return False
+    key = _value_key(tag, items)
+    held = _VALUE_MEMO.get(key)
+    if held is not None and all(r() is t for r, t in zip(held, tensors)):
+        _VALUE_MEMO.move_to_end(key)
+        return True
+    return False
+
+
+def value_check_passed(tag: str, *items) -> None:
+    """Record that the check ``tag`` passed on these tensors (see ``value_check_seen``)."""
+    _VALUE_MEMO[_value_key(tag, items)] = [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
+    while len(_VALUE_MEMO) > 64:
+        _VALUE_MEMO.popitem(last=False)

@@ -9,22 +9,17 @@ synchronisation, so they are skipped while a CUDA graph is being captured and me
 """
 from __future__ import annotations
 
-import os
-import weakref
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
 
-from ...contract import InputError, dtype_name, expect, expect_same_device, expect_tensor
+from ...contract import (InputError, dtype_name, expect, expect_same_device, expect_tensor, value_check_passed,
+                         value_check_seen, values_wanted)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 Q_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32,)
-
-_memo: "OrderedDict[tuple, list]" = OrderedDict()
-
 
 def check_cache(k_cache, v_cache, *, page_sizes: Optional[Sequence[int]] = None,
                 head_dims: Optional[Sequence[int]] = None):
@@ -89,50 +84,13 @@ def check_scale_args(scale, window, soft_cap):
            repr(soft_cap), "None or a positive float")
 
 
-def _want_values(*tensors) -> bool:
-    if os.environ.get("OPMAP_CHECK_VALUES", "1") == "0":
-        return False
-    if any(t is not None and t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
-        return False  # no host synchronisation inside a captured graph
-    return True
-
-
-def _key(tag, *items):
-    out = [tag]
-    for t in items:
-        if isinstance(t, torch.Tensor):
-            # id + version of a live tensor: an in-place write (or one through a view) bumps
-            # the version; the weak references below make a reused id a miss.
-            out.append((id(t), t._version, tuple(t.shape)))
-        else:
-            out.append(t)
-    return tuple(out), [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
-
-
-def _memo_hit(key, refs, tensors) -> bool:
-    if not any(t is not None and t.is_cuda for t in tensors if isinstance(t, torch.Tensor)):
-        return False  # on the CPU the check is cheap: always run it
-    held = _memo.get(key)
-    if held is not None and all(r() is t for r, t in zip(held, [x for x in tensors if isinstance(x, torch.Tensor)])):
-        _memo.move_to_end(key)
-        return True
-    return False
-
-
-def _memo_put(key, refs):
-    _memo[key] = refs
-    while len(_memo) > 64:
-        _memo.popitem(last=False)
-
-
 def check_values(seq_lens, block_tables, num_pages: int, page_size: int, cu_seqlens_q=None,
                  num_tokens: Optional[int] = None) -> None:
     """Page ids inside the cache and lengths within the pages owned (data-dependent)."""
-    if not _want_values(seq_lens, block_tables, cu_seqlens_q):
+    if not values_wanted(seq_lens, block_tables, cu_seqlens_q):
         return
-    tensors = (seq_lens, block_tables, cu_seqlens_q)
-    key, refs = _key("meta", *tensors, num_pages, page_size, num_tokens)
-    if _memo_hit(key, refs, tensors):
+    memo = ("meta", seq_lens, block_tables, cu_seqlens_q, num_pages, page_size, num_tokens)
+    if value_check_seen(*memo):
         return
     sl = seq_lens.cpu().long()
     bt = block_tables.cpu().long()
@@ -161,16 +119,13 @@ def check_values(seq_lens, block_tables, num_pages: int, page_size: int, cu_seql
             b = int((ql > sl).nonzero()[0])
             raise InputError("seq_lens", f"seq_lens[{b}]={int(sl[b])} < {int(ql[b])} query tokens",
                              "seq_lens to include the new tokens (append before attention)")
-    _memo_put(key, refs)
+    value_check_passed(*memo)
 
 
 def check_slots(slot_mapping, num_tokens: int, num_slots: int) -> None:
     expect_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int32, torch.int64),
                   shape=(num_tokens,), contiguous=True)
-    if not _want_values(slot_mapping):
-        return
-    key, refs = _key("slots", slot_mapping, num_slots)
-    if _memo_hit(key, refs, (slot_mapping,)):
+    if not values_wanted(slot_mapping) or value_check_seen("slots", slot_mapping, num_slots):
         return
     s = slot_mapping.cpu().long()
     bad = (s < -1) | (s >= num_slots)
@@ -178,4 +133,4 @@ def check_slots(slot_mapping, num_tokens: int, num_slots: int) -> None:
         i = int(bad.nonzero()[0])
         raise InputError("slot_mapping", f"slot_mapping[{i}]={int(s[i])}",
                          f"-1 (skip) or a slot in [0, {num_slots}) (num_pages * page_size)")
-    _memo_put(key, refs)
+    value_check_passed("slots", slot_mapping, num_slots)

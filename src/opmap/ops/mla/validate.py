@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import InputError, expect, expect_same_device, expect_tensor
+from ...contract import (InputError, expect, expect_same_device, expect_tensor, value_check_passed,
+                         value_check_seen, values_wanted)
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 CACHE_DTYPES = FLOATS + (torch.float8_e4m3fn,)
 INTS = (torch.int32,)
-
-
-def values_checkable(t: torch.Tensor) -> bool:
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def scale_alias(kv_scale, scale):
@@ -62,11 +59,12 @@ def check_append(ckv, kpe, cache, slot_mapping, kv_scale) -> None:
     expect_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,))
     expect_same_device(ckv=ckv, kpe=kpe, cache=cache, slot_mapping=slot_mapping)
     check_scale(cache, kv_scale)
-    if T and values_checkable(slot_mapping):
-        n = cache.shape[0] * cache.shape[1]
-        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    n = cache.shape[0] * cache.shape[1]
+    if T and values_wanted(slot_mapping) and not value_check_seen("mla-slots", slot_mapping, n):
+        lo, hi = (int(v) for v in torch.stack((slot_mapping.min(), slot_mapping.max())).tolist())
         expect(lo >= -1 and hi < n, "slot_mapping", f"values in [{lo}, {hi}]",
                f"-1 (skip) or a slot in [0, {n}) = pages x page size")
+        value_check_passed("mla-slots", slot_mapping, n)
 
 
 def check_tables(seq_lens, block_tables, B: int, cache) -> None:
@@ -74,9 +72,10 @@ def check_tables(seq_lens, block_tables, B: int, cache) -> None:
     expect_tensor("block_tables", block_tables, dtype=INTS, ndim=2, last_dim_contiguous=True)
     expect(block_tables.shape[0] == B, "block_tables", f"shape {tuple(block_tables.shape)}",
            f"{B} rows (one per sequence)")
-    if B == 0 or not values_checkable(seq_lens):
-        return
     page, P = cache.shape[1], cache.shape[0]
+    memo = ("mla-tables", seq_lens, block_tables, P, page)
+    if B == 0 or not values_wanted(seq_lens) or value_check_seen(*memo):
+        return
     lens = seq_lens.long().cpu()
     cap = block_tables.shape[1] * page
     bad = ((lens < 0) | (lens > cap)).nonzero()
@@ -89,6 +88,7 @@ def check_tables(seq_lens, block_tables, B: int, cache) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= P):
         raise InputError("block_tables", f"page ids in [{int(ids.min())}, {int(ids.max())}] "
                          "among the pages the sequences own", f"page ids in [0, {P})")
+    value_check_passed(*memo)
 
 
 def check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale) -> None:
@@ -109,7 +109,7 @@ def check_sparse_indices(indices, seq_lens) -> None:
     expect(indices.shape[0] == B, "indices", f"shape {tuple(indices.shape)}", f"{B} rows")
     expect(indices.device == seq_lens.device, "indices", f"device {indices.device}",
            f"device {seq_lens.device}")
-    if not values_checkable(indices) or indices.numel() == 0:
+    if not values_wanted(indices) or indices.numel() == 0 or value_check_seen("mla-indices", indices, seq_lens):
         return
     idx = indices.long().cpu()
     lens = seq_lens.long().cpu()[:, None]
@@ -124,6 +124,7 @@ def check_sparse_indices(indices, seq_lens) -> None:
         b, j = (int(x) for x in dup[0])
         raise InputError("indices", f"token {int(s[b, j])} twice in row {b}",
                          "distinct token positions per sequence (duplicates would count twice)")
+    value_check_passed("mla-indices", indices, seq_lens)
 
 
 def check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables,
@@ -146,7 +147,7 @@ def check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block
                        cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens, block_tables=block_tables)
     check_scale(cache, kv_scale)
     check_tables(seq_lens, block_tables, B, cache)
-    if not values_checkable(cu_seqlens_q):
+    if not values_wanted(cu_seqlens_q) or value_check_seen("mla-cu", cu_seqlens_q, seq_lens, T):
         return
     cu = cu_seqlens_q.long().cpu()
     expect(int(cu[0]) == 0 and int(cu[-1]) == T and bool((cu[1:] >= cu[:-1]).all()),
@@ -157,3 +158,4 @@ def check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block
         b = int(bad[0])
         raise InputError("seq_lens", f"seq_lens[{b}] = {int(lens[b])} < {int(qlen[b])} new tokens",
                          "seq_lens to include the new tokens (appended before attention)")
+    value_check_passed("mla-cu", cu_seqlens_q, seq_lens, T)
