@@ -114,13 +114,8 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     small = dict(T=17, H=48, I=40, E=8, k=2)
     out = []
-    try:
-        import transformers  # noqa: F401
-
-        out.append(CheckCase("parity", "moe", "reference", "vs HF MixtralSparseMoeBlock,T=19,H=64,I=96,E=8,k=2",
-                             _vs_hf_mixtral(device), tags=("moe",)))
-    except ImportError:
-        pass
+    out.append(CheckCase("parity", "moe", "reference", "vs HF MixtralSparseMoeBlock,T=19,H=64,I=96,E=8,k=2",
+                         _vs_hf_mixtral(device), tags=("moe",)))
     for name in ("triton", "torch-grouped-mm", "torch-loop"):
         for dt in dtypes:
             spec = MoESpec(arch=arch, dtype=dt, weight_dtype=dt, hidden=48, intermediate=40)

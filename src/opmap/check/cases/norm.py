@@ -80,13 +80,8 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     out = []
-    try:
-        import transformers  # noqa: F401
-
-        out.append(CheckCase("parity", "rmsnorm", "reference", "vs HF LlamaRMSNorm,rows=9,H=5120,dtype=bf16",
-                             _vs_hf(device)))
-    except ImportError:
-        pass
+    out.append(CheckCase("parity", "rmsnorm", "reference", "vs HF LlamaRMSNorm,rows=9,H=5120,dtype=bf16",
+                         _vs_hf(device)))
     shapes = [(3, 4095), (2, 5120)] if device == "cpu" else [(1, 4096), (64, 8192), (17, 5120), (8192, 8192)]
     for name in BACKENDS:
         b = registry.get("rmsnorm", name)

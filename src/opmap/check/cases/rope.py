@@ -107,15 +107,10 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     arch = arch_of(device)
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     out = []
-    try:
-        import transformers  # noqa: F401
-
-        out.append(CheckCase("parity", "rope", "reference", "vs HF apply_rotary_pos_emb,llama3,T=11,d=128",
-                             _vs_hf_apply(device)))
-        for sc in ("llama3", "yarn"):
-            out.append(CheckCase("parity", "rope", "reference", f"cos/sin vs HF rope init,{sc}", _vs_hf_init(sc)))
-    except ImportError:
-        pass
+    out.append(CheckCase("parity", "rope", "reference", "vs HF apply_rotary_pos_emb,llama3,T=11,d=128",
+                         _vs_hf_apply(device)))
+    for sc in ("llama3", "yarn"):
+        out.append(CheckCase("parity", "rope", "reference", f"cos/sin vs HF rope init,{sc}", _vs_hf_init(sc)))
     T = 9 if device == "cpu" else 4096
     shapes = [  # (label, Hq, Hk, D, r, style, scaling)
         ("llama3 neox", 8 if device == "cpu" else 32, 2 if device == "cpu" else 8, 128, 128, "neox", "llama3"),
