@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 import time
+from pathlib import Path
 
 QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128)]
 FULL = QUICK + [("llama3-8b", "workload", None, None), ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
@@ -169,8 +171,10 @@ def _hf(model, cases_of_model, ceil, out, skipped):
     torch.cuda.empty_cache()
 
 
-def records(quick: bool = True, progress: bool = True) -> tuple:
-    """(records, skipped) of the end-to-end cases; needs a GPU."""
+def records(quick: bool = True, progress: bool = True, models=None, done=None) -> tuple:
+    """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
+    presets; ``done(out, skipped)`` is called after each model, so a caller can save what is
+    finished before a long run is cut off."""
     import torch
 
     from opmap import hw
@@ -179,7 +183,7 @@ def records(quick: bool = True, progress: bool = True) -> tuple:
         return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
-    todo = QUICK if quick else FULL
+    todo = [c for c in (QUICK if quick else FULL) if not models or c[0] in models]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
         for who, fn in (("opmap-engine", _engine), ("hf-transformers-eager", _hf)):
@@ -192,6 +196,8 @@ def records(quick: bool = True, progress: bool = True) -> tuple:
                                 "reason": f"failed: {type(e).__name__}: {str(e)[:300]}"})
                 gc.collect()
                 torch.cuda.empty_cache()
+        if done is not None:
+            done(out, skipped)
     return out, skipped
 
 
@@ -202,10 +208,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers eager)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--model", action="append", help="only this preset (repeatable)")
     a = ap.parse_args(argv)
-    recs, skipped = records(quick=a.quick)
-    doc = {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
-           "results": recs, "skipped": skipped, "load_errors": []}
+
+    def doc_of(recs, skipped):
+        return {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
+                "command": " ".join(["python3 -m opmap.bench.cases.e2e"] + (argv if argv is not None else sys.argv[1:])),
+                "results": recs, "skipped": skipped, "load_errors": []}
+
+    def save_partial(recs, skipped):  # a run cut off by a time limit keeps the finished models
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "e2e-partial.json").write_text(json.dumps(doc_of(recs, skipped), indent=1, default=str))
+
+    recs, skipped = records(quick=a.quick, models=a.model, done=save_partial)
+    doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
               f"{r['tok_per_s']:.0f} tok/s  floor {r['weight_floor_ms']:.2f} ms")
