@@ -137,8 +137,10 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
         r = run_one(f, c, quick, tool, timeout, exe)
         done[0] += 1
         if progress:
-            print(f"[sanitizer {done[0]}/{len(jobs)}] {tool} {c.title}: {'ok' if r.passed else 'FAIL'}",
-                  file=sys.stderr, flush=True)
+            # A failure's figure goes to the log at once: a run cut off by a time limit still
+            # says why each finished case failed.
+            print(f"[sanitizer {done[0]}/{len(jobs)}] {tool} {c.title}: "
+                  f"{'ok' if r.passed else 'FAIL ' + r.figure[:400]} ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
         return r
 
     with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
