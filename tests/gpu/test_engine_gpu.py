@@ -51,14 +51,9 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
     assert runs[True][0] == runs[False][0]
 
 
-@torch.no_grad()
-def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
-    """Full Llama-3-8B shapes (32 layers), random bf16 weights. The oracle is HF transformers on
-    the same weights upcast to fp32, teacher-forced on the engine's own tokens: our logits must
-    be no noisier than 2x HF's own bf16 logits, and every greedy token within that noise of the
-    oracle's best (opmap.engine.oracle says why exact agreement with HF bf16 is not a criterion:
-    random weights give top-2 gaps of a few hundredths). Where the tokens first differ from HF
-    bf16 greedy is reported, not asserted."""
+def _oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
+    """Engine on random bf16 weights against HF fp32 (oracle) and HF bf16 (noise) on the same
+    weights; see test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle."""
     from transformers import AutoModelForCausalLM
 
     from opmap.engine import oracle
@@ -66,7 +61,6 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     from opmap.engine.llm import LLM
     from opmap.engine.weights import StateDictSource
 
-    cfg = PRESETS["llama3-8b"]
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must not run in TF32
     llm = hf16 = hf32 = None
@@ -76,12 +70,10 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
             hf16 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16).eval()
             hf32 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.float32).eval()
         hf32.load_state_dict(hf16.state_dict())  # exactly the bf16 weights, in fp32
-        # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB).
-        llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), max_num_seqs=4, max_num_batched_tokens=1024,
-                  max_model_len=2048, num_pages=4 * 128)
+        llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), **engine_kw)
         assert llm.runner.unused == []
-        n_new, report, failed = 32, [], []
-        for p in _prompts(cfg.vocab, (128, 517), seed=3):
+        report, failed = [], []
+        for p in _prompts(cfg.vocab, lengths, seed=3):
             ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             ok, line = oracle.verdict(oracle.compare(llm, hf16, hf32, p, n_new, ref))
@@ -97,6 +89,29 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
             llm.close()
         del hf16, hf32
         _free()
+
+
+@torch.no_grad()
+def test_deepseek_v2_lite_bf16_within_bf16_noise_of_fp32_oracle(record_property):
+    """DeepSeek-V2-Lite widths (MLA rank 512 + 64 rope dims, 16 heads, 64 routed + 2 shared
+    experts, first layer dense) with 12 of its 27 layers: three copies of the full 27 layers
+    (HF bf16, HF fp32, ours) would need ~125 GB before any cache. Same criterion as Llama."""
+    cfg = dataclasses.replace(PRESETS["deepseek-v2-lite"], layers=12)
+    _oracle_parity(cfg, record_property, (96, 333), 24, max_num_seqs=4, max_num_batched_tokens=1024,
+                   max_model_len=2048, num_pages=4 * 32, page_size=64)
+
+
+@torch.no_grad()
+def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
+    """Full Llama-3-8B shapes (32 layers), random bf16 weights. The oracle is HF transformers on
+    the same weights upcast to fp32, teacher-forced on the engine's own tokens: our logits must
+    be no noisier than 2x HF's own bf16 logits, and every greedy token within that noise of the
+    oracle's best (opmap.engine.oracle says why exact agreement with HF bf16 is not a criterion:
+    random weights give top-2 gaps of a few hundredths). Where the tokens first differ from HF
+    bf16 greedy is reported, not asserted."""
+    # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB).
+    _oracle_parity(PRESETS["llama3-8b"], record_property, (128, 517), 32, max_num_seqs=4,
+                   max_num_batched_tokens=1024, max_model_len=2048, num_pages=4 * 128)
 
 
 def test_profile_attributes_gpu_kernels_to_operators():

@@ -171,10 +171,12 @@ def _hf(model, cases_of_model, ceil, out, skipped):
     torch.cuda.empty_cache()
 
 
-def records(quick: bool = True, progress: bool = True, models=None, done=None) -> tuple:
+def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
+            hf: bool = True) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each model, so a caller can save what is
-    finished before a long run is cut off."""
+    finished before a long run is cut off. ``kinds`` keeps only those cases by their batch
+    field: "1", "32", "workload", "json32"."""
     import torch
 
     from opmap import hw
@@ -183,10 +185,12 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None) -
         return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
-    todo = [c for c in (QUICK if quick else FULL) if not models or c[0] in models]
+    todo = [c for c in (QUICK if quick else FULL)
+            if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
-        for who, fn in (("opmap-engine", _engine), ("hf-transformers-eager", _hf)):
+        sides = (("opmap-engine", _engine), ("hf-transformers-eager", _hf))
+        for who, fn in sides if hf else sides[:1]:
             if progress:
                 print(f"[e2e] {model}: {who}", file=sys.stderr, flush=True)
             try:
@@ -209,6 +213,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--model", action="append", help="only this preset (repeatable)")
+    ap.add_argument("--case", action="append", choices=["1", "32", "workload", "json32"],
+                    help="only these cases (by batch: 1, 32, the 256-request workload, JSON at batch 32)")
+    ap.add_argument("--no-hf", action="store_true", help="only the engine (no HF transformers runs)")
     a = ap.parse_args(argv)
 
     def doc_of(recs, skipped):
@@ -220,7 +227,7 @@ def main(argv=None) -> int:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "e2e-partial.json").write_text(json.dumps(doc_of(recs, skipped), indent=1, default=str))
 
-    recs, skipped = records(quick=a.quick, models=a.model, done=save_partial)
+    recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf)
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "

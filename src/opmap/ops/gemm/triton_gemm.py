@@ -8,7 +8,7 @@ Design (the weight is the traffic; at decode M the activations are noise):
   tensor cores from registers, and a 64-row weight tile matches one Hopper warpgroup MMA
   even when M = 1 (x is padded to 16 columns, which costs no memory traffic).
 - Many narrow N tiles (BLOCK_N = 64: 448 programs for N = 28672) so every SM streams weight;
-  when N is too small for that (fewer tiles than SMs), split K: each split writes fp32
+  when N is far too small for that (fewer tiles than a quarter of the SMs), split K: each split writes fp32
   partials to a workspace, and a small kernel sums them, scales, adds bias and casts.
   Deterministic (no atomics).
 - Weight-only formats are converted tile by tile in registers; the per-output-channel scale
@@ -204,7 +204,11 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     bn = 128 if bm == 64 else 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
-    if small and tiles < sms:
+    # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them). Measured
+    # on the H200 at M = 1 (bench/results/2026-11-29-h200-gemm-split.json): with 64 tiles
+    # (N = 4096, K = 14336) and 96 tiles (N = 6144) no split beat split 1 by more than 1%, and
+    # a split costs one reduce launch (1.5 us in a decode step's graph) on top.
+    if small and tiles < sms // 4:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
     d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
