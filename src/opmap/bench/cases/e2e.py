@@ -65,7 +65,7 @@ def _engine(model, cases_of_model, ceil, out, skipped):
     from opmap.presets import get_preset
 
     cfg = get_preset(model)
-    llm = LLM(model, max_num_seqs=max(32, max(b for _, b, _, _ in cases_of_model if isinstance(b, int))),
+    llm = LLM(model, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9)  # HF runs after, alone
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
