@@ -153,11 +153,11 @@ def test_interrupt_frees_everything(ckpt, prompts, whole, single_thread, monkeyp
     calls = {"n": 0}
     real = llm.runner.run
 
-    def flaky(batch):
+    def flaky(batch, **kw):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return real(batch)
+        return real(batch, **kw)
 
     monkeypatch.setattr(llm.runner, "run", flaky)
     with pytest.raises(KeyboardInterrupt):

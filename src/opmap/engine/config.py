@@ -36,6 +36,9 @@ class EngineConfig:
     device: Optional[str] = None  # None = cuda if available else cpu
     backends: Optional[dict] = None  # op -> forced backend name (passed to the selector)
     trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
+    # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
+    # device); see LLM.step. False: lockstep (read every step's tokens before the next).
+    async_decode: bool = True
 
     def validate(self) -> None:
         from ..contract import InputError

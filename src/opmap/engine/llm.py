@@ -77,6 +77,8 @@ class LLM:
         self._bitmask = None
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
+        self._pending: Optional[_Pending] = None  # the last decode step's tokens, not read back yet
+        self.ahead_steps = 0  # decode steps launched before the previous step's tokens were read
         self.closed = False
 
     # ---- lifetime -----------------------------------------------------------------------------------
@@ -182,6 +184,8 @@ class LLM:
                     results[s.index] = self._output(s)
                     if bar is not None:
                         bar.update(1)
+            if self._pending is not None:  # a run-ahead step of sequences that all finished
+                self._resolve(self._pending)
         except BaseException:
             self.abort_all()  # Ctrl-C / an error: free every page so the engine stays usable
             raise
@@ -207,16 +211,44 @@ class LLM:
         return results, live
 
     def abort_all(self) -> None:
+        if self._pending is not None:  # drop the tokens in flight; remove their placeholders
+            for s in self._pending.seqs:
+                if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                    s.token_ids.pop()
+            self._pending = None
         for s in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.finish(s, "abort")
 
     def step(self) -> list:
-        """One engine step; returns the sequences that finished in it."""
+        """One engine step; returns the sequences that finished in it.
+
+        Decode runs one step ahead when it can (``EngineConfig.async_decode``): the tokens that
+        step n sampled stay on the device and feed step n+1 directly, and the host reads them
+        back (append, stop checks, detokenisation) while step n+1 runs, so the GPU never waits
+        for the host between decode steps. The host state then lags the device by one step: a
+        placeholder token stands for each pending token while step n+1 is scheduled and is
+        replaced before anything reads it (stop checks, block hashes, grammar, penalties,
+        outputs). A request that
+        stops at step n has had step n+1 computed for nothing; the cases where that is known in
+        advance (max_tokens, max_model_len) are run in lockstep instead."""
         if self.closed:
             raise RuntimeError("this LLM was closed; build a new one")
         sch = self.scheduler
+        pend, done = self._pending, []
+        ahead = pend is not None and self._can_run_ahead(pend)
+        if pend is not None and not ahead:
+            done += self._resolve(pend)
+            pend = None
+        if ahead:
+            self.ahead_steps += 1
+            for s in pend.live:
+                s.token_ids.append(PLACEHOLDER)
         batch = sch.schedule()
-        done = []
+        if ahead and not (batch.is_decode and not batch.preempted and not batch.failed
+                          and [it.seq for it in batch.items] == pend.live):
+            done += self._resolve(pend)  # the batch changed after all: lockstep for this step
+            pend = None
+            batch.items = [it for it in batch.items if not it.seq.is_finished]  # stopped at the token just read
         self.stats.preemptions += len(batch.preempted)
         for s in batch.failed:
             s.error = (f"the sequence needs {self.bm.blocks_for(s.num_tokens)} KV pages, the cache has "
@@ -230,17 +262,29 @@ class LLM:
             import torch
 
             with torch.profiler.record_function(f"opmap::step::{batch.phase}"):
-                done += self._execute(batch)
+                done += self._execute(batch, pend)
         else:
-            done += self._execute(batch)
+            done += self._execute(batch, pend)
         kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
         self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
         return done
 
-    def _execute(self, batch) -> list:
+    def _can_run_ahead(self, pend: "_Pending") -> bool:
+        """Step n+1 may start before step n's tokens are known: the same sequences keep decoding
+        (nothing admitted that would make a prefill step) and none of them is certain to stop at
+        step n."""
+        sch = self.scheduler
+        if sch.running != pend.live or (sch.waiting and len(sch.running) < sch.max_num_seqs):
+            return False
+        return all(s.num_output_tokens + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len
+                   for s in pend.live)
+
+    def _execute(self, batch, pend: Optional["_Pending"] = None) -> list:
         sch, done = self.scheduler, []
-        logits = self.runner.run(batch)
-        sch.update(batch)
+        logits = self.runner.run(batch) if pend is None else self.runner.run(batch, dev_ids=pend.ids_for_live())
+        if pend is not None:
+            done += self._resolve(pend)  # the previous step's tokens, read while this step runs
+        sch.update(batch)  # after the placeholders were replaced: block hashes see real tokens
         sampled = [it.seq for it in batch.items if it.samples]
         if not sampled:
             return done
@@ -252,8 +296,28 @@ class LLM:
                     g.wait()  # compiled in the background since admission; rarely still running
             rows = self._bitmask.fill(grammars)
             mask = self._bitmask.upload(len(sampled), rows) if rows else None
-        ids, invalid, lps = self.sampler(logits, sampled, mask)
-        for s, g, tok, bad, lp in zip(sampled, grammars, ids, invalid, lps):
+        ids, invalid, lps = self.sampler.launch(logits, sampled, mask)
+        p = _Pending(sampled, grammars, ids, invalid, lps)
+        if self.ecfg.async_decode and batch.is_decode:
+            # Read back during the next step, after it was launched: the grammar matchers, the
+            # penalty counts and the stop checkers are all up to date again before that step
+            # samples, so every feature works one step ahead; only the host work moves.
+            self._pending = p
+            return done
+        return done + self._resolve(p)
+
+    def _resolve(self, p: "_Pending") -> list:
+        """Apply a step's sampled tokens to the host state: append (replacing the placeholder
+        a run-ahead step put there), grammar, stop checks. Returns the finished sequences."""
+        if self._pending is p:
+            self._pending = None
+        sch, done = self.scheduler, []
+        ids, invalid = p.read()
+        for s, g, tok, bad, lp in zip(p.seqs, p.grammars, ids, invalid, p.lps):
+            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+                s.token_ids.pop()
+            if s.is_finished:
+                continue  # it ended while this step ran (or failed in the schedule): token dropped
             err = None
             if g is not None and g.failed:
                 err = g.error  # no allowed token (or the compile failed)
@@ -277,6 +341,46 @@ class LLM:
                 s.stop_reason = r[1]
                 done.append(s)
         return done
+
+
+# A token sampled on the device whose value the host has not read yet (token ids are >= 0).
+PLACEHOLDER = -1
+
+
+class _Pending:
+    """One step's sampled tokens on their way to the host: device ids (the next step's input
+    when it runs ahead) and a non-blocking copy into pinned memory with an event."""
+
+    def __init__(self, seqs: list, grammars: list, ids, invalid, lps: list):
+        import torch
+
+        self.seqs, self.grammars, self.lps, self.ids = seqs, grammars, lps, ids
+        self.live = list(seqs)
+        both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64)))
+        if ids.device.type == "cuda":
+            self.host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+            self.host.copy_(both, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = both, None
+
+    def ids_for_live(self):
+        """Device input ids for the live sequences, in batch order."""
+        import torch
+
+        if len(self.live) == len(self.seqs):
+            return self.ids
+        keep = [i for i, s in enumerate(self.seqs) if not s.is_finished]
+        from .sampler import _to_device
+
+        return self.ids[_to_device(keep, torch.int64, self.ids.device)]
+
+    def read(self) -> tuple:
+        if self.event is not None:
+            self.event.synchronize()
+        ids, bad = self.host.tolist()
+        return ids, [bool(v) for v in bad]
 
 
 def free_device_memory() -> None:

@@ -28,8 +28,8 @@ def generate_with_logits(llm, prompt: list, params) -> tuple:
     rows = []
     run = llm.runner.run
 
-    def capture(batch):
-        out = run(batch)
+    def capture(batch, **kw):
+        out = run(batch, **kw)
         if out is not None:
             rows.append(out[0].detach().float().clone())
         return out

@@ -136,7 +136,7 @@ class ModelRunner:
             s, n, a = it.seq, it.num_tokens, it.start
             bt = s.block_table
             if n == 1:
-                ids.append(s.token_ids[a])
+                ids.append(max(s.token_ids[a], 0))  # a placeholder (-1) is overwritten on the device
                 pos.append(a)
                 slots.append(bt[a // page] * page + a % page)
             else:
@@ -192,12 +192,17 @@ class ModelRunner:
         raise ValueError(f"decode batch {b} > max_num_seqs {self.max_seqs}")
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> Optional[torch.Tensor]:
-        """fp32 logits of the items that sample, in batch order (None when none samples)."""
+    def run(self, batch: Batch, dev_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """fp32 logits of the items that sample, in batch order (None when none samples).
+        ``dev_ids`` (decode only): the input token of every row, already on the device (the
+        previous step's sampled ids, not yet read back by the host); it replaces the host's."""
         items = batch.items
         if batch.is_decode:
             bs = self.bucket_for(len(items))
             T, B, _, rows = self._fill(items, pad_to=bs)
+            if dev_ids is not None:
+                # Queued after _fill's host->device copy of the placeholder ids, so it wins.
+                self.input_ids[:B].copy_(dev_ids[:B], non_blocking=True)
             if bs in self.graphs:
                 graph, out = self.graphs[bs]
                 graph.replay()

@@ -47,6 +47,16 @@ class Sampler:
 
         ``mask``: (bitmask[B, ceil(V/32)] int32, rows) on the device for the rows under a
         structured-output constraint (``opmap.ops.grammar.structured.BitmaskBuffer``), or None."""
+        ids, invalid, lps = self.launch(logits, seqs, mask)
+        # One device->host read for both (each .tolist() is a synchronous copy; the stack is
+        # launched while the forward still runs, so it costs no step time).
+        both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64))).tolist()
+        return both[0], [bool(v) for v in both[1]], lps
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, seqs: list, mask=None):
+        """The pipeline without reading the tokens back: (ids[B] and invalid[B] on the device,
+        logprobs per row). Rows that ask for logprobs are read here (a synchronisation)."""
         params = [s.params for s in seqs]
         key = tuple(s.seq_id for s in seqs)
         if key != self._key:  # steady decode keeps its batch: the per-row tensors are reused
@@ -55,9 +65,10 @@ class Sampler:
         want_lp = [p.logprobs for p in params]
         raw = logits.clone() if any(n is not None for n in want_lp) else None
         if st.any_penalties:
-            mask, counts = penalty_state([s.token_ids[:s.num_prompt_tokens] for s in seqs],
+            # (named seen, not mask: the grammar bitmask argument below is called mask)
+            seen, counts = penalty_state([s.token_ids[:s.num_prompt_tokens] for s in seqs],
                                          [s.output_token_ids for s in seqs], self.vocab, device=logits.device)
-            self.penalties(logits, mask, counts, st.repetition, st.frequency, st.presence)
+            self.penalties(logits, seen, counts, st.repetition, st.frequency, st.presence)
         if mask is not None:
             self.bitmask(logits, *mask)
         positions = _to_device([s.num_tokens for s in seqs], torch.int64, logits.device)
@@ -70,10 +81,7 @@ class Sampler:
             for b, k in enumerate(want_lp):
                 if k is not None:
                     lps[b] = {"token": chosen[b], "top": list(zip(ti[b][:k], tv[b][:k]))}
-        # One device->host read for both (each .tolist() is a synchronous copy; the stack is
-        # launched while the forward still runs, so it costs no step time).
-        both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64))).tolist()
-        return both[0], [bool(v) for v in both[1]], lps
+        return ids, invalid, lps
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

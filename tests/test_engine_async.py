@@ -1,0 +1,82 @@
+"""Decode one step ahead (EngineConfig.async_decode, LLM.step): the tokens, texts, finish reasons,
+logprobs and errors are those of lockstep decoding, for every feature the sampler pipeline has
+(greedy, seeded sampling, penalties, logprobs, stop tokens and strings, EOS, grammars), with
+more requests than sequence slots, under preemption, and at max_model_len; and the run-ahead
+path is the one that ran."""
+import json
+
+import pytest
+
+from opmap.engine.llm import PLACEHOLDER, LLM
+from opmap.ops.sampling.params import SamplingParams
+
+from test_engine_util import random_prompts, single_thread  # noqa: F401
+
+
+def _outs(llm, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.error,
+             [(lp["token"], lp["top"]) for lp in o.logprobs]) for o in outs]
+
+
+def _both(prompts, params, **kw):
+    got = {}
+    for on in (False, True):
+        llm = LLM("tiny-llama3", async_decode=on, **kw)
+        got[on] = (_outs(llm, prompts, params), llm)
+    return got
+
+
+def _mixed_params(n):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    kinds = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=17, temperature=0.9, top_k=20, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=15, temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.2, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.0, seed=9),  # may stop at EOS any time
+        SamplingParams(max_tokens=25, temperature=0.0, stop=["<|3"]),  # a stop string (ids >= 256 print as <|id|>)
+        SamplingParams(max_tokens=40, temperature=0.0, json_schema=json.dumps(schema)),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=11, stop_token_ids=list(range(300, 420))),
+    ]
+    return [kinds[i % len(kinds)] for i in range(n)]
+
+
+def test_run_ahead_equals_lockstep_all_features(single_thread):
+    prompts = random_prompts(256, (5, 40, 77, 16, 33, 8, 21, 50, 3, 64, 12), seed=2)
+    params = _mixed_params(len(prompts))
+    got = _both(prompts, params, max_num_seqs=4, max_num_batched_tokens=64)  # requests wait for slots
+    assert got[True][0] == got[False][0]
+    assert got[True][1].ahead_steps > 10 and got[False][1].ahead_steps == 0
+    stops = {type(r[3]).__name__ for r in got[True][0] if r[2] == "stop"}
+    assert stops == {"str", "int"}, stops  # stop strings / grammar, and stop token ids, all ended requests
+
+
+def test_run_ahead_under_preemption_and_at_max_model_len(single_thread):
+    prompts = random_prompts(256, (30, 31, 29, 60), seed=4)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)]  # ends at max_model_len
+    got = _both(prompts, params, max_num_seqs=4, num_pages=12, page_size=16, max_model_len=96)
+    assert got[True][0] == got[False][0]
+    assert got[True][1].stats.preemptions > 0 and got[True][1].ahead_steps > 0
+    assert got[True][0][3][2] == "length" and len(got[True][0][3][0]) == 96 - 60
+
+
+def test_no_placeholder_escapes_and_engine_reusable(single_thread):
+    llm = LLM("tiny-llama3", max_num_seqs=3)
+    prompts = random_prompts(256, (4, 9, 13), seed=7)
+    for _ in range(2):  # the second call starts from the state the first one left
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1 + 7, temperature=1.0, seed=1))
+        assert all(PLACEHOLDER not in o.token_ids and len(o.token_ids) <= 8 for o in outs)
+        assert llm._pending is None and not llm.scheduler.has_unfinished()
+    llm.bm.check_invariants()
+    assert llm.bm.num_free_blocks == llm.bm.num_blocks
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_shortest_outputs(max_tokens, single_thread):
+    prompts = random_prompts(256, (6, 11), seed=8)
+    got = _both(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), max_num_seqs=2)
+    assert got[True][0] == got[False][0]
+    assert all(len(r[0]) == max_tokens for r in got[True][0])
