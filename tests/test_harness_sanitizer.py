@@ -68,6 +68,7 @@ def cases(device, quick):
 FAKE_TOOL = """#!/bin/sh
 # Stand-in for compute-sanitizer: drop '--tool X --report-api-errors no --print-limit N', run the rest.
 shift 6
+[ -n "$FAKE_SANITIZER_LOG" ] && echo "$@" >> "$FAKE_SANITIZER_LOG"
 "$@"
 rc=$?
 if [ -n "$FAKE_SANITIZER_FILE" ]; then
@@ -174,3 +175,38 @@ def test_graph_cases_keep_the_caching_allocator(fake_tool):
     r = san.run_one("fakesan_pkg.cases", cases[3], True, "memcheck", 120, tool)
     assert r.passed, r.figure
     assert "caching allocator on: graph capture needs it" in r.figure
+
+
+def _runs(log):
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_batch_one_process_when_clean(fake_tool, monkeypatch, tmp_path):
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    import unittest.mock as mock
+
+    pairs = [("fakesan_pkg.cases", cases[0]), ("fakesan_pkg.cases", cases[1]), ("fakesan_pkg.cases", cases[3])]
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        out = san.run_all(pairs, True, 120, progress=False, jobs_n=2)
+    # T=3 and T=4 share a child; the graph case gets its own (the allocator stays on there).
+    assert len(_runs(log)) == 2 and sum(r.count("--case") for r in _runs(log)) == 3
+    assert [r.case for r in out] == ["T=3 [memcheck]", "T=4 [memcheck]", "replay [memcheck]"]
+    assert [r.passed for r in out] == [True, False, True]
+    assert "worst/tol=9" in out[1].figure and "caching allocator on" in out[2].figure
+
+
+def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, monkeypatch, tmp_path):
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    monkeypatch.setenv("FAKE_SANITIZER_ERROR", "1")  # every run reports an error in an opmap-named kernel
+    out = san.run_batch("fakesan_pkg.cases", cases[:2], True, "memcheck", 120, tool)
+    assert len(_runs(log)) == 1 + 2  # the batch, then each case alone to pin the error on it
+    assert all(not r.passed and "_rmsnorm_fwd_kernel" in r.figure for r in out)
+    monkeypatch.delenv("FAKE_SANITIZER_ERROR")
+    log.unlink()
+    out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[2]], True, "memcheck", 2, tool)  # T=5 sleeps 60 s
+    assert len(_runs(log)) == 1 + 2
+    assert out[0].passed and not out[1].passed and out[1].figure.startswith("timed out after 2 s")

@@ -125,6 +125,9 @@ def test_sanitizer_catches_out_of_bounds_write(tmp_path, monkeypatch):
     assert not r.passed and "oob_store_kernel" in r.figure, r.figure
     r = san.run_one("sanpkg_gpu.cases", good, True, "memcheck", 300, exe)
     assert r.passed and r.figure.startswith("memcheck: 0 errors"), r.figure
+    # In one batch the error is found, then each case runs alone so it lands on the right one.
+    rs = san.run_batch("sanpkg_gpu.cases", [good, bad], True, "memcheck", 300, exe)
+    assert rs[0].passed and not rs[1].passed and "oob_store_kernel" in rs[1].figure, [r.figure for r in rs]
 
 
 def test_cli_check_and_report_tiny_on_gpu(tmp_path):

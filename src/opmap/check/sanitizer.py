@@ -23,6 +23,7 @@ from .. import registry
 from .base import CheckCase
 
 MARK = "OPMAP_SANITIZER_OUTCOME "
+SEP = "::"  # between a case's section and title on the child's command line
 # Providers whose kernels are ours (peers are other people's binaries: not ours to sanitise).
 OWN_PROVIDERS = ("opmap-triton",)
 
@@ -122,54 +123,103 @@ def is_library(kernel: str) -> bool:
     return not is_own(kernel) and ("::" in kernel or "<" in kernel or kernel.startswith(_LIBRARY_PREFIXES))
 
 
-def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe: str):
-    from .runner import Result
-
-    cmd = [exe, "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
-           sys.executable, "-m", "opmap.check.sanitizer", "--family", fam, "--section", c.section,
-           "--title", c.title] + (["--quick"] if quick else [])
+def _env(graph: bool) -> dict:
     env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
     # CUDA-graph capture allocates from the caching allocator's private pools: with the cache off,
     # capture fails in PyTorch before any kernel of ours runs (seen on the H200: the "replay after
     # re-planning" cases exited with a CUDA error under both tools). Those cases keep it on.
-    allocator_on = c.section == "graph"
-    if allocator_on:
+    if graph:
         env.pop("PYTORCH_NO_CUDA_MEMORY_CACHING")
     env.pop("TRITON_INTERPRET", None)
-    t0 = time.perf_counter()
-    case = f"{c.case} [{tool}]"
+    return env
+
+
+def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: float):
+    """Run ``cases`` (one family, one tool) in one child under the tool: (completed process or
+    None on timeout, {title: outcome})."""
+    cmd = [exe, "--tool", tool, "--report-api-errors", "no", "--print-limit", "20",
+           sys.executable, "-m", "opmap.check.sanitizer", "--family", fam]
+    for c in cases:
+        cmd += ["--case", f"{c.section}{SEP}{c.title}"]
+    cmd += ["--quick"] if quick else []
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(cases[0].section == "graph"))
     except subprocess.TimeoutExpired:
-        return Result("sanitizer", c.op, c.backend, case, False, f"timed out after {timeout:.0f} s",
-                      seconds=time.perf_counter() - t0, family=fam)
-    text = p.stdout + "\n" + p.stderr
-    count, kernels, first = parse(tool, text)
-    outcome = None
+        return None, {}
+    outcomes = {}
     for ln in p.stdout.splitlines():
         if ln.startswith(MARK):
-            outcome = json.loads(ln[len(MARK):])
-    note = " (caching allocator on: graph capture needs it)" if allocator_on else ""
+            o = json.loads(ln[len(MARK):])
+            outcomes[o.get("title")] = o
+    return p, outcomes
+
+
+def _verdict(tool: str, c: CheckCase, count: int, kernels: list, first: list, outcome, p) -> tuple:
+    """(passed, figure) of one case from the tool's summary and the case's own outcome."""
+    note = " (caching allocator on: graph capture needs it)" if c.section == "graph" else ""
     foreign = count > 0 and kernels and all(is_library(k) for k in kernels)
     if count == 0 and outcome is not None:
         ok = bool(outcome["passed"])
-        fig = f"{tool}: 0 errors{note} (the case {'passed' if ok else 'FAILED'} under the tool: {outcome['figure']})"
-    elif foreign and outcome is not None:
+        return ok, f"{tool}: 0 errors{note} (the case {'passed' if ok else 'FAILED'} under the tool: {outcome['figure']})"
+    if foreign and outcome is not None:
         ok = bool(outcome["passed"])
-        fig = (f"{tool}: 0 errors in our kernels{note}; {count} reported in other kernels only "
-               f"({', '.join(k[:60] for k in kernels)}) (the case {'passed' if ok else 'FAILED'} under the tool: "
-               f"{outcome['figure']})")
-    elif count > 0:
-        fig, ok = (f"{tool}: {count} errors in {', '.join(kernels) or 'an unnamed kernel'}: "
-                   + " / ".join(first)), False
-    else:
-        tail = " | ".join(text.strip().splitlines()[-3:])
-        fig, ok = f"{tool} did not complete (exit {p.returncode}): {tail}"[:400], False
+        return ok, (f"{tool}: 0 errors in our kernels{note}; {count} reported in other kernels only "
+                    f"({', '.join(k[:60] for k in kernels)}) (the case {'passed' if ok else 'FAILED'} under the tool: "
+                    f"{outcome['figure']})")
+    if count > 0:
+        return False, f"{tool}: {count} errors in {', '.join(kernels) or 'an unnamed kernel'}: " + " / ".join(first)
+    text = (p.stdout + "\n" + p.stderr) if p is not None else ""
+    tail = " | ".join(text.strip().splitlines()[-3:])
+    return False, f"{tool} did not complete (exit {p.returncode if p is not None else '?'}): {tail}"[:400]
+
+
+def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe: str):
+    """One case alone in its own process under the tool."""
+    from .runner import Result
+
+    t0 = time.perf_counter()
+    case = f"{c.case} [{tool}]"
+    p, outcomes = _launch(exe, tool, fam, [c], quick, timeout)
+    if p is None:
+        return Result("sanitizer", c.op, c.backend, case, False, f"timed out after {timeout:.0f} s",
+                      seconds=time.perf_counter() - t0, family=fam)
+    count, kernels, first = parse(tool, p.stdout + "\n" + p.stderr)
+    ok, fig = _verdict(tool, c, count, kernels, first, outcomes.get(c.title), p)
     return Result("sanitizer", c.op, c.backend, case, ok, fig[:500], float(max(count, 0)), 0.0,
                   seconds=time.perf_counter() - t0, family=fam)
 
 
-def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4) -> list:
+def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe: str) -> list:
+    """Several cases of one family in one process under the tool (one Python start-up, one CUDA
+    context under the tool, one build of the family's cases: most of a case's time on the H200).
+    When the run is clean, or its errors are all in library kernels, each case gets its own
+    verdict from its outcome line. Otherwise (an error in one of our kernels, a crash, a timeout)
+    every case of the batch runs again alone, so each error is pinned to its case."""
+    from .runner import Result
+
+    if len(cases) == 1:
+        return [run_one(fam, cases[0], quick, tool, timeout, exe)]
+    t0 = time.perf_counter()
+    p, outcomes = _launch(exe, tool, fam, cases, quick, timeout * len(cases))
+    if p is not None:
+        count, kernels, first = parse(tool, p.stdout + "\n" + p.stderr)
+        clean = count == 0 or (count > 0 and kernels and all(is_library(k) for k in kernels))
+        if clean and p.returncode == 0 and all(c.title in outcomes for c in cases):
+            each = (time.perf_counter() - t0) / len(cases)
+            out = []
+            for c in cases:
+                ok, fig = _verdict(tool, c, count, kernels, first, outcomes[c.title], p)
+                out.append(Result("sanitizer", c.op, c.backend, f"{c.case} [{tool}]", ok, fig[:500],
+                                  float(max(count, 0)), 0.0, seconds=each, family=fam))
+            return out
+    return [run_one(fam, c, quick, tool, timeout, exe) for c in cases]
+
+
+BATCH = 6  # cases per child process (same family, tool and allocator setting)
+
+
+def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4,
+            batch: int = BATCH) -> list:
     from .runner import Result
 
     exe = find_sanitizer()
@@ -180,25 +230,34 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     if not jobs:
         return [Result("sanitizer", "-", "-", "(no case of our kernels selected)", True,
                        "nothing to run under compute-sanitizer")]
-    # Children run concurrently (each is mostly Python start-up and Triton compilation, and the
+    # Batches of one family, tool and allocator setting; batches run concurrently (each child is
+    # mostly Python start-up, CUDA context creation under the tool and Triton loading, and the
     # tool slows the kernels down, so one GPU holds several); results keep the case order.
+    groups: dict = {}
+    for k, (f, c, tool) in enumerate(jobs):
+        groups.setdefault((f, tool, c.section == "graph"), []).append(k)
+    chunks = [ks[i:i + max(1, batch)] for ks in groups.values() for i in range(0, len(ks), max(1, batch))]
     from concurrent.futures import ThreadPoolExecutor
 
     done = [0]
+    results: list = [None] * len(jobs)
 
-    def one(job):
-        f, c, tool = job
-        r = run_one(f, c, quick, tool, timeout, exe)
-        done[0] += 1
-        if progress:
-            # A failure's figure goes to the log at once: a run cut off by a time limit still
-            # says why each finished case failed.
-            print(f"[sanitizer {done[0]}/{len(jobs)}] {tool} {c.title}: "
-                  f"{'ok' if r.passed else 'FAIL ' + r.figure[:400]} ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
-        return r
+    def one(ks):
+        f, _, tool = jobs[ks[0]]
+        rs = run_batch(f, [jobs[k][1] for k in ks], quick, tool, timeout, exe)
+        for k, r in zip(ks, rs):
+            results[k] = r
+            done[0] += 1
+            if progress:
+                # A failure's figure goes to the log at once: a run cut off by a time limit still
+                # says why each finished case failed.
+                print(f"[sanitizer {done[0]}/{len(jobs)}] {tool} {jobs[k][1].title}: "
+                      f"{'ok' if r.passed else 'FAIL ' + r.figure[:400]} ({r.seconds:.0f} s)",
+                      file=sys.stderr, flush=True)
 
     with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
-        return list(pool.map(one, jobs))
+        list(pool.map(one, chunks))
+    return results
 
 
 def _child(argv=None) -> int:
@@ -208,21 +267,26 @@ def _child(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", required=True)
-    ap.add_argument("--section", required=True)
-    ap.add_argument("--title", required=True)
+    ap.add_argument("--case", action="append", default=[], help=f"SECTION{SEP}TITLE (repeatable)")
+    ap.add_argument("--section", help="with --title: one case")
+    ap.add_argument("--title")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args(argv)
+    wanted = [tuple(x.split(SEP, 1)) for x in a.case] + ([(a.section, a.title)] if a.title else [])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # A family name, or a dotted module path (how tests hand the child a module of their own).
     mod = importlib.import_module(a.family if "." in a.family else f"opmap.check.cases.{a.family}")
-    match = [c for c in mod.cases(device, a.quick) if c.section == a.section and c.title == a.title]
-    if not match:
-        print(f"no case {a.section}:{a.title!r} in family {a.family}", file=sys.stderr)
+    have = {(c.section, c.title): c for c in mod.cases(device, a.quick)}
+    missing = [w for w in wanted if w not in have]
+    if missing or not wanted:
+        print(f"no case {missing[0][0] + ':' + repr(missing[0][1]) if missing else '(none named)'} "
+              f"in family {a.family}", file=sys.stderr)
         return 3
-    o = match[0].run()
-    if device == "cuda":
-        torch.cuda.synchronize()  # an asynchronous fault must surface inside this process
-    print(MARK + json.dumps({"passed": bool(o.passed), "figure": o.figure}), flush=True)
+    for key in wanted:
+        o = have[key].run()
+        if device == "cuda":
+            torch.cuda.synchronize()  # an asynchronous fault must surface inside this process
+        print(MARK + json.dumps({"title": key[1], "passed": bool(o.passed), "figure": o.figure}), flush=True)
     return 0
 
 
