@@ -77,7 +77,7 @@ def _tag(cfg):
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
-def _ours(phase, fixed=False, config=None):
+def _ours(phase, fixed=False, config=None, min_chunk=None):
     def make(inp):
         from opmap.ops.attention import decode as Dm
         from opmap.ops.attention import mixed as Mx
@@ -87,7 +87,7 @@ def _ours(phase, fixed=False, config=None):
         if phase == "decode":
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
-                                   max_seq_len=inp["bt"].shape[1] * PAGE)
+                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk or Dm.MIN_CHUNK)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
                                      config=config, **kw)
         if phase == "prefill":
@@ -188,6 +188,11 @@ def _decode_case(B, L, fp8, quick):
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
         if not fp8:
             provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
+        if B * HK * (L // 256) < 132:
+            # Shorter splits where the default plan (>= 256 keys per split) leaves most SMs idle:
+            # at B=1, kv=1152 the engine's decode ran 40 programs of 256 keys, 10.7 us per layer
+            # against a ~1.1 us read floor (docs/engine.md).
+            provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))
