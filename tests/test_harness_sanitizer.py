@@ -206,6 +206,7 @@ def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, mon
     assert len(_runs(log)) == 1 + 2  # the batch, then each case alone to pin the error on it
     assert all(not r.passed and "_rmsnorm_fwd_kernel" in r.figure for r in out)
     monkeypatch.delenv("FAKE_SANITIZER_ERROR")
+    monkeypatch.setattr(san, "BATCH_EXTRA_S", 0.5)
     log.unlink()
     out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[2]], True, "memcheck", 2, tool)  # T=5 sleeps 60 s
     assert len(_runs(log)) == 1 + 2
