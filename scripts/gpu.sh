@@ -4,6 +4,7 @@
 #   scripts/gpu.sh OUTDIR            # everything
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention" TEST_FILES="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
+#   STEPS=flashinfer scripts/gpu.sh OUTDIR   # FlashInfer's check cases; packs its JIT builds
 # Peers and packages the GPU machine lacks travel in .whl/ (git-ignored; name it in the device
 # call's carry): scripts/pack_wheels.sh and scripts/pack_flashinfer.sh fill it.
 # Each step's log is OUTDIR/<step>.log; results: junit-*.xml, check-*.json, bench JSON/MD/PNG.
@@ -20,9 +21,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/opmap-site"
 fi
 # FlashInfer as a peer, when scripts/pack_flashinfer.sh made its archive and .whl was carried.
+# Its JIT builds (minutes per kernel family) land in /tmp/opmap-fi-cache; the "flashinfer" step
+# packs that build tree into OUTDIR/flashinfer-cache.tar.xz, and a copy of that file in .whl/ is
+# unpacked here on the next call, so each module is built once (untested: no GPU time was left
+# when this was written; if ninja rebuilds anyway, the log says "Building JIT module" again).
 if [ -f .whl/flashinfer.tar.xz ] && [ -z "${NO_FLASHINFER:-}" ]; then
-  mkdir -p /tmp/opmap-fi && tar -C /tmp/opmap-fi -xJf .whl/flashinfer.tar.xz
-  export PYTHONPATH="$PYTHONPATH:/tmp/opmap-fi" MAX_JOBS=${MAX_JOBS:-16}
+  mkdir -p /tmp/opmap-fi /tmp/opmap-fi-cache && tar -C /tmp/opmap-fi -xJf .whl/flashinfer.tar.xz
+  [ -f .whl/flashinfer-cache.tar.xz ] && tar -C /tmp/opmap-fi-cache -xJf .whl/flashinfer-cache.tar.xz
+  export PYTHONPATH="$PYTHONPATH:/tmp/opmap-fi" MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_WORKSPACE_BASE=/tmp/opmap-fi-cache
 fi
 MODELS=${MODELS:-"llama3-8b"}
 status=0
@@ -57,6 +63,18 @@ for s in $STEPS; do
       step e2e
       timeout ${E2E_TIMEOUT:-420} python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} --out "$out" 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    flashinfer)
+      # FlashInfer's cases in opmap check (its JIT builds run here), then its built modules packed.
+      step flashinfer
+      timeout ${FI_TIMEOUT:-540} python3 -m opmap.cli check --backend flashinfer --json "$out/check-flashinfer.json" \
+        2>&1 | tee "$out/flashinfer.log"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      if [ -d /tmp/opmap-fi-cache/.cache ]; then
+        # The whole build tree: ninja decides freshness from its log and the objects, so the .so
+        # files alone would be rebuilt. Paths match on the next call (same unpack locations).
+        tar -C /tmp/opmap-fi-cache -cJf "$out/flashinfer-cache.tar.xz" .cache
+        ls -la "$out/flashinfer-cache.tar.xz"
+      fi ;;
     *) echo "unknown step $s"; status=1 ;;
   esac
 done
