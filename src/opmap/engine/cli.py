@@ -36,6 +36,8 @@ def _engine_args(p) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     p.add_argument("--num-pages", type=int, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--lockstep", action="store_true",
+                   help="read every decode step's tokens before launching the next (no one-step-ahead decode)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--backend", type=_backend, action="append", default=[], metavar="OP=NAME",
@@ -77,7 +79,8 @@ def _build(args, **extra):
     return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
-               enforce_eager=args.enforce_eager, prefix_caching=not args.no_prefix_caching,
+               enforce_eager=args.enforce_eager, async_decode=not args.lockstep,
+               prefix_caching=not args.no_prefix_caching,
                chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
                backends=dict(args.backend) or None, **extra)
 

@@ -60,13 +60,21 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
             "note": note}
 
 
+LOCKSTEP = False  # --lockstep: the engine without one-step-ahead decode (for the comparison)
+
+
+def _engine_name() -> str:
+    return "opmap-engine[lockstep]" if LOCKSTEP else "opmap-engine"
+
+
 def _engine(model, cases_of_model, ceil, out, skipped):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
     cfg = get_preset(model)
     llm = LLM(model, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
-              max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9)  # HF runs after, alone
+              max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9,  # HF runs after, alone
+              async_decode=not LOCKSTEP)
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
@@ -89,7 +97,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             d = llm.last_summary
             case = f"model={model},requests=256,input=100:1024,output=100:1024"
             floor = active_weight_bytes(cfg, llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
-            out.append(_record(model, case, "opmap-engine", d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
+            out.append(_record(model, case, _engine_name(), d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
                                floor, active_weight_bytes(cfg, llm.ecfg.max_num_seqs), ceil,
                                f"tok_per_s = total (prompt + generated); {d['preemptions']} preemptions"))
             skipped.append({"op": "e2e", "case": case, "provider": "hf-transformers-eager",
@@ -117,7 +125,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             llm.generate(_prompts(cfg.vocab, 32, plen, seed=33), sps)
             d = llm.last_summary
             wb = active_weight_bytes(cfg, 32)
-            rec = _record(model, case, "opmap-engine", d["ttft_ms_p50"], d["tpot_ms_p50"], d["output_tok_per_s"],
+            rec = _record(model, case, _engine_name(), d["ttft_ms_p50"], d["tpot_ms_p50"], d["output_tok_per_s"],
                           wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
                           f"TPOT without constraints in the same run: {plain:.3f} ms")
             rec["structured_overhead"] = d["tpot_ms_p50"] / plain - 1 if plain else None
@@ -132,7 +140,8 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
         wb = active_weight_bytes(cfg, b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
-        out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "opmap-engine",
+        out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16",
+                       _engine_name(),
                            d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
                            "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"))
 
@@ -220,7 +229,10 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=["1", "32", "workload", "json32"],
                     help="only these cases (by batch: 1, 32, the 256-request workload, JSON at batch 32)")
     ap.add_argument("--no-hf", action="store_true", help="only the engine (no HF transformers runs)")
+    ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
     a = ap.parse_args(argv)
+    global LOCKSTEP
+    LOCKSTEP = a.lockstep
 
     def doc_of(recs, skipped):
         return {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
