@@ -181,6 +181,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
             n += 1
     while llm.scheduler.has_unfinished():
         llm.step()
+    llm.drain()
     path = trace_path or os.path.join(tempfile.mkdtemp(prefix="opmap-profile-"), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:

@@ -184,8 +184,7 @@ class LLM:
                     results[s.index] = self._output(s)
                     if bar is not None:
                         bar.update(1)
-            if self._pending is not None:  # a run-ahead step of sequences that all finished
-                self._resolve(self._pending)
+            self.drain()  # a run-ahead step of sequences that all finished
         except BaseException:
             self.abort_all()  # Ctrl-C / an error: free every page so the engine stays usable
             raise
@@ -209,6 +208,11 @@ class LLM:
                 live.append(r)
                 self.scheduler.add(r)
         return results, live
+
+    def drain(self) -> list:
+        """Read back the tokens of a decode step still in flight (after the last ``step()`` of a
+        loop that drives the engine itself); returns the sequences that finished with them."""
+        return self._resolve(self._pending) if self._pending is not None else []
 
     def abort_all(self) -> None:
         if self._pending is not None:  # drop the tokens in flight; remove their placeholders
