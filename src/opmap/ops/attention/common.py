@@ -56,16 +56,22 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
     interpreter gets small tiles because its cost grows with the tile, not the grid."""
     gp = triton.next_power_of_2(group)
+    # PREFETCH: the page ids of the next key tile are loaded one iteration ahead and carried in
+    # registers. With the page-table load in the same iteration as the K/V loads that it
+    # addresses, Triton 3.6's pipeliner waits for every outstanding copy at the top of each
+    # iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the sm90 TTGIR of
+    # both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3 stages).
+    # 0 keeps the in-iteration load (a bench variant, to measure the difference).
     if interpreted(device):
         if kind == "prefill":
-            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1)
+            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=1)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=1)
     if kind == "prefill":
         if head_dim <= 128:
-            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3)
-        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2)
+            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=1)
+        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=1)
     bn = 64 if head_dim <= 128 else 32
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3)
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=1)
 
 
 def prepare_scales(k_cache, k_scale, v_scale):

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from .common import check_attention, kernel_config, prepare_scales, sm_count
-from .prefill import _tanh
+from .prefill import _pages, _tanh
 
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
@@ -83,7 +83,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr):
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -118,10 +118,16 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b * s_bt
+    # PREFETCH (common._default_config): the next tile's page ids are loaded one iteration ahead.
+    pg_next = _pages(bt_row, start0, end, PAGE, BLOCK_N)
     for start in range(start0, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         mj = j < end
-        pg = tl.load(bt_row + j // PAGE, mask=mj, other=0).to(tl.int64)
+        if PREFETCH:
+            pg = pg_next.to(tl.int64)
+            pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
+        else:
+            pg = _pages(bt_row, start, end, PAGE, BLOCK_N).to(tl.int64)
         slot = j % PAGE
         k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=mj[:, None],
                     other=0.0).to(q.dtype)
@@ -251,7 +257,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if splits > 1:
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
                                  out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),

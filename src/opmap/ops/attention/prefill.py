@@ -29,13 +29,21 @@ def _tanh(x):
 
 
 @triton.jit
-def _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, hi, qpos, kv_off_k, kv_off_v, s_kp, s_ks,
+def _pages(bt_row, start, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids of the key tile at ``start`` (0 past ``hi``: never dereferenced unmasked)."""
+    j = start + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + j // PAGE, mask=j < hi, other=0)
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, hi, qpos, kv_off_k, kv_off_v, s_kp, s_ks,
           s_vp, s_vs, qk_scale, scale, soft_cap, window, d, dv,
           PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
           HAS_CAP: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr):
+    """One key tile at ``start`` whose page ids ``pg`` (from _pages) the caller loaded."""
     j = start + tl.arange(0, BLOCK_N)
     mj = j < hi
-    pg = tl.load(bt_row + j // PAGE, mask=mj, other=0).to(tl.int64)
+    pg = pg.to(tl.int64)
     slot = j % PAGE
     k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kv_off_k)[:, None] + d[None, :], mask=mj[:, None], other=0.0)
     v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kv_off_v)[:, None] + dv[None, :], mask=mj[:, None], other=0.0)
@@ -75,7 +83,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
                     GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, FP8: tl.constexpr,
-                    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, SKIP_SINGLE: tl.constexpr):
+                    RETURN_LSE: tl.constexpr, IEEE: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+                    PREFETCH: tl.constexpr = 1):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
     # Reversed order: under causal masking the last query blocks of a sequence carry the most
     # keys; starting them first shortens the tail of the grid.
@@ -135,14 +144,29 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    # PREFETCH (see common._default_config): page ids one tile ahead, carried across both loops
+    # (the first loop ends having loaded the ids of the tile at full_end).
+    pg = _pages(bt_row, kv_lo, kv_hi, PAGE, BLOCK_N)
     for start in range(kv_lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, kv_hi, qpos, kvh * s_kh,
+        if PREFETCH:
+            pg_next = _pages(bt_row, start + BLOCK_N, kv_hi, PAGE, BLOCK_N)
+        else:
+            pg = _pages(bt_row, start, kv_hi, PAGE, BLOCK_N)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, kv_hi, qpos, kvh * s_kh,
                               kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
                               PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, False, IEEE)
+        if PREFETCH:
+            pg = pg_next
     for start in range(full_end, kv_hi, BLOCK_N):
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, start, kv_hi, qpos, kvh * s_kh,
+        if PREFETCH:
+            pg_next = _pages(bt_row, start + BLOCK_N, kv_hi, PAGE, BLOCK_N)
+        else:
+            pg = _pages(bt_row, start, kv_hi, PAGE, BLOCK_N)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, kv_hi, qpos, kvh * s_kh,
                               kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
                               PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True, IEEE)
+        if PREFETCH:
+            pg = pg_next
     inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     tl.store(o_ptr + (t64 * s_ot + head * s_oh)[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
@@ -172,7 +196,7 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         GROUP=group, D=d, DV=v_cache.shape[3], PAGE=page, BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, SKIP_SINGLE=skip_single,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, SKIP_SINGLE=skip_single, PREFETCH=cfg["PREFETCH"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

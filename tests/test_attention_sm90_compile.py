@@ -1,0 +1,91 @@
+"""The attention kernels compile for sm90 on this CPU-only machine (Triton's AOT path and its
+bundled ptxas), without spills and within shared memory, and their key loops are software
+pipelined: with the page ids prefetched one tile ahead (PREFETCH=1, the default) the TTGIR's
+per-iteration wait lets num_stages - 1 copies stay in flight (``ttg.async_wait {num = 2}`` at 3
+stages); with the page-table load inside the iteration (PREFETCH=0) Triton 3.6 waits for every
+copy (num = 0), so loads and MMAs do not overlap. A refactor that loses the pipeline fails here.
+Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r'''
+import re, json, os, subprocess, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from opmap.ops.attention import prefill as P, decode as Dm
+bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+def comp(fn, sig, ce, opts):
+    names = list(sig)
+    div = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("s_")]
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs={(i,): [["tt.divisibility", 16]] for i in div}),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = " ".join(l for l in use.splitlines() if "REG:" in l)
+    fields = dict(t.split(":") for t in line.split() if ":" in t and t.split(":")[1].isdigit())
+    tt = k.asm["ttgir"]
+    return {"waits": re.findall(r"async_wait[^{]*\{num = (\d+)", tt), "reg": int(fields["REG"]), "local": int(fields["LOCAL"]),
+            "shared": k.metadata.shared, "wgmma": tt.count("warp_group_dot ")}
+psig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "cu_ptr": "*i32",
+       "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32",
+       "window": "i32", "B": "i32"}
+for n in ["s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh"]:
+    psig[n] = "i32"
+for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_M", "BLOCK_N", "CAUSAL", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "SKIP_SINGLE", "PREFETCH"]:
+    psig[n] = "constexpr"
+dsig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32",
+        "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32"}
+for n in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
+    dsig[n] = "i32"
+for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "PREFETCH"]:
+    dsig[n] = "constexpr"
+out = {}
+from opmap.ops.attention.common import _default_config
+import torch
+for d in (64, 128):
+    for pf in (0, 1):
+        cfg = _default_config("prefill", d, 4, torch.device("cuda"))
+        ce = dict(GROUP=4, D=d, DV=d, PAGE=16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True,
+                  HAS_WINDOW=False, HAS_CAP=False, FP8=False, RETURN_LSE=True, IEEE=False, SKIP_SINGLE=False, PREFETCH=pf)
+        out[f"prefill-d{d}-pf{pf}"] = comp(P._prefill_kernel, psig, ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+for d in (128, 256):
+    for fp8 in (False, True):
+        for pf in (0, 1):
+            cfg = _default_config("decode", d, 4, torch.device("cuda"))
+            ce = dict(GROUP=4, D=d, DV=d, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=False,
+                      HAS_CAP=False, FP8=fp8, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=pf)
+            s = dict(dsig, kc_ptr="*fp8e4nv" if fp8 else "*bf16", vc_ptr="*fp8e4nv" if fp8 else "*bf16")
+            out[f"decode-d{d}-fp8{int(fp8)}-pf{pf}"] = comp(Dm._decode_kernel, s, ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _ptxas_available():
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton wheel has no bundled ptxas")
+def test_attention_kernels_compile_pipelined_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert len(res) == 12
+    for name, r in res.items():
+        assert r["local"] == 0, f"{name} spills: {r}"
+        assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"
+        pipelined = any(int(n) > 0 for n in r["waits"])
+        assert pipelined == name.endswith("pf1"), f"{name}: waits {r['waits']}"
+    for d in (64, 128):
+        assert res[f"prefill-d{d}-pf1"]["wgmma"] >= 2  # QK^T and PV on Hopper warpgroup MMAs
