@@ -66,15 +66,35 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                      split_min)
 
 
-def _config(H: int, R: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s" overrides
-    it for tuning on a GPU without editing code."""
+def _config(H: int, R: int) -> tuple:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages[, PREFETCH]). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s[,pf]"
+    overrides it for tuning on a GPU without editing code."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
     if env:
         return tuple(int(x) for x in env.split(","))  # type: ignore[return-value]
     # 16 heads x 32 tokens x 512 keeps the fp32 accumulator at 64 registers per thread (4 warps);
     # larger head blocks re-read less KV from L2 but spill on R = 512.
     return (16, 32, 4, 2) if R >= 256 else (16, 64, 4, 2)
+
+
+@triton.jit
+def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
+          BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGE: tl.constexpr):
+    """Cache row offsets of the key tile at ``n0`` and which of them are valid (in range, a
+    position below the length, a page id inside the cache)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid = offs_n < end
+    if SPARSE:
+        pos = tl.load(INDICES + b * s_ib + offs_n, mask=valid, other=-1)
+        valid = valid & (pos >= 0) & (pos < seq_len)
+    else:
+        pos = offs_n
+    pidx = pos // PAGE
+    valid = valid & (pidx < MAXP)
+    page_id = tl.load(TABLES + b * s_tb + pidx, mask=valid, other=0)
+    valid = valid & (page_id >= 0) & (page_id < NPAGES)
+    row = page_id.to(tl.int64) * s_cp + (pos % PAGE).to(tl.int64) * s_cr
+    return row, valid
 
 
 @triton.jit
@@ -85,7 +105,7 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
                    FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
-                   PAGE: tl.constexpr):  # constexpr: // and % by a power of two are shifts
+                   PAGE: tl.constexpr, PREFETCH: tl.constexpr = 0):  # PAGE constexpr: shifts
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -122,19 +142,21 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # PREFETCH=1: the next tile's cache rows (index and page-table loads) are computed one
+    # iteration ahead, as the GQA kernels do (ops/attention/common.py). Off by default here: in
+    # this kernel's sm90 TTGIR it removes the async copies altogether (no ttg.async_wait left),
+    # while PREFETCH=0 at num_stages=3 already pipelines (num = 1); at the default 2 stages
+    # neither does. OPMAP_MLA_DECODE_CONFIG="16,32,4,3" is the variant to time on the GPU.
+    row_next, valid_next = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, start, end, seq_len, MAXP, NPAGES,
+                                 BLOCK_N, SPARSE, PAGE)
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        if SPARSE:
-            pos = tl.load(INDICES + b * s_ib + offs_n, mask=valid, other=-1)
-            valid = valid & (pos >= 0) & (pos < seq_len)
+        if PREFETCH:
+            row, valid = row_next, valid_next
+            row_next, valid_next = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0 + BLOCK_N, end, seq_len,
+                                         MAXP, NPAGES, BLOCK_N, SPARSE, PAGE)
         else:
-            pos = offs_n
-        pidx = pos // PAGE
-        valid = valid & (pidx < MAXP)
-        page_id = tl.load(TABLES + b * s_tb + pidx, mask=valid, other=0)
-        valid = valid & (page_id >= 0) & (page_id < NPAGES)
-        row = page_id.to(tl.int64) * s_cp + (pos % PAGE).to(tl.int64) * s_cr
+            row, valid = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
+                               BLOCK_N, SPARSE, PAGE)
         kv = tl.load(CACHE + row[:, None] + offs_r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
         kpe = tl.load(CACHE + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :],
                       other=0.0)
@@ -208,7 +230,8 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    bh, bn, warps, stages = config or _config(H, R)
+    bh, bn, warps, stages, *rest = config or _config(H, R)
+    prefetch = rest[0] if rest else 0
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
@@ -237,7 +260,8 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
         out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
         BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
+        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], PREFETCH=prefetch, num_warps=warps,
+        num_stages=stages)
     if S > 1:
         _mla_merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
                               po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
