@@ -1,7 +1,8 @@
 """Engine check cases: greedy tokens equal HF transformers on the same random fp32 weights (tiny
 presets, through save_pretrained and the safetensors loader); chunked prefill, prefix-cache hits
 and preemption give the same tokens as the plain run; on a GPU, eager and CUDA-graph decode give
-identical tokens; bad requests fail alone with a message."""
+identical tokens; the one-step-ahead decode gives the outputs of lockstep decode; bad requests
+fail alone with a message."""
 from __future__ import annotations
 
 import dataclasses
@@ -127,6 +128,35 @@ def _graph_vs_eager():
     return run
 
 
+def _ahead_vs_lockstep(device):
+    def run():
+        from opmap.engine.llm import LLM
+        from opmap.ops.sampling.params import SamplingParams
+        from opmap.presets import PRESETS
+
+        # On a GPU the real widths with decode graphs (where the device-to-device id copy and the
+        # late read-back matter); on a CPU the tiny preset.
+        cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2) if device == "cuda" else PRESETS["tiny-llama3"]
+        prompts = _prompts(cfg.vocab, (7, 100, 33, 1, 54, 12), seed=4)
+        params = [_greedy(16), SamplingParams(max_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5, ignore_eos=True),
+                  SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, presence_penalty=0.3, seed=6,
+                                 ignore_eos=True),
+                  SamplingParams(max_tokens=9, temperature=0.0, logprobs=2, ignore_eos=True),
+                  SamplingParams(max_tokens=20, temperature=1.0, seed=7, stop_token_ids=list(range(0, cfg.vocab, 97))),
+                  _greedy(11)]
+        runs, ahead = {}, 0
+        for on in (False, True):
+            kw = dict(num_pages=64) if device == "cuda" else _dev_kw(device)
+            with LLM(cfg, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, async_decode=on, **kw) as llm:
+                outs = llm.generate(prompts, params)
+                runs[on] = [(o.token_ids, o.finish_reason, o.error, o.logprobs) for o in outs]
+                ahead = llm.ahead_steps if on else ahead
+        same = runs[True] == runs[False]
+        return Outcome(same and ahead > 0, f"outputs {'identical' if same else 'DIFFER'}; {ahead} decode steps ran ahead")
+
+    return _one_thread(run) if device != "cuda" else run
+
+
 def _bad_requests(device):
     def run():
         from opmap.engine.llm import LLM
@@ -161,4 +191,6 @@ def cases(device: str, quick: bool) -> list:
                          device="any", tags=("engine",)))
     out.append(CheckCase("graph", "e2e", "-", "engine model=llama3-8b(2 layers),bf16,eager==graph",
                          _graph_vs_eager(), device="cuda", tags=("engine",)))
+    out.append(CheckCase("graph", "e2e", "-", "engine one-step-ahead decode==lockstep,mixed sampling",
+                         _ahead_vs_lockstep(device), device="any", tags=("engine",)))
     return out
