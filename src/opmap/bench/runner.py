@@ -134,8 +134,9 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
     return recs, skipped
 
 
-def bench(ops=None, model=None, quick=False, progress=True) -> dict:
-    """Run the cases on this GPU; returns the result document (not yet written)."""
+def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None) -> dict:
+    """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
+    JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed."""
     from .. import hw, presets
     from .report import environment
 
@@ -159,6 +160,13 @@ def bench(ops=None, model=None, quick=False, progress=True) -> dict:
             r, s = [], [{"op": c.op, "case": c.case, "provider": "*", "reason": f"setup failed: {e}"[:300]}]
         results += r
         skipped += s
+        if partial:
+            import json
+
+            doc = {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
+                   "skipped": skipped, "load_errors": errors, "partial": f"{i + 1} of {len(cases)} cases"}
+            with open(partial, "w") as f:
+                json.dump(doc, f, indent=1, default=str)
     return {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
             "skipped": skipped, "load_errors": errors}
 
@@ -200,12 +208,17 @@ def main(args) -> int:
         for e in errors:
             print(f"note: bench cases of {e['family']} failed to load: {e['error']}")
         return 0
-    doc = bench(args.op, args.model, args.quick)
+    import os
+
+    os.makedirs(args.out, exist_ok=True)
+    partial = os.path.join(args.out, "bench-partial.json")
+    doc = bench(args.op, args.model, args.quick, partial=partial)
     print_table(doc)
     if not doc["results"]:
         print("no benchmark result (no case matched, or no provider could run)")
         return 1
     paths = report.write(doc, args.out, png=not args.no_png)
+    os.remove(partial)  # the complete result file replaces it
     for k, v in paths.items():
         print(f"{k}: {v}")
     return 1 if doc["load_errors"] else 0
