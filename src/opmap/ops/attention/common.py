@@ -61,17 +61,20 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     # addresses, Triton 3.6's pipeliner waits for every outstanding copy at the top of each
     # iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the sm90 TTGIR of
     # both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3 stages).
-    # 0 keeps the in-iteration load (a bench variant, to measure the difference).
+    # 0 keeps the in-iteration load (a bench variant, to measure the difference);
+    # OPMAP_ATTENTION_PREFETCH=0 makes that the default (an escape hatch until the GPU has
+    # confirmed the prefetch: it was checked in the interpreter and in the sm90 TTGIR only).
+    pf = 0 if os.environ.get("OPMAP_ATTENTION_PREFETCH", "1") == "0" else 1
     if interpreted(device):
         if kind == "prefill":
-            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=1)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=1)
+            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
     if kind == "prefill":
         if head_dim <= 128:
-            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=1)
-        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=1)
+            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf)
+        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf)
     bn = 64 if head_dim <= 128 else 32
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=1)
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf)
 
 
 def prepare_scales(k_cache, k_scale, v_scale):
