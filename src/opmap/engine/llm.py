@@ -232,9 +232,8 @@ class LLM:
         for the host between decode steps. The host state then lags the device by one step: a
         placeholder token stands for each pending token while step n+1 is scheduled and is
         replaced before anything reads it (stop checks, block hashes, grammar, penalties,
-        outputs). A request that
-        stops at step n has had step n+1 computed for nothing; the cases where that is known in
-        advance (max_tokens, max_model_len) are run in lockstep instead."""
+        outputs). A request that stops at step n has had step n+1 computed for nothing; the cases
+        where that is known in advance (max_tokens, max_model_len) run in lockstep instead."""
         if self.closed:
             raise RuntimeError("this LLM was closed; build a new one")
         sch = self.scheduler
@@ -245,11 +244,11 @@ class LLM:
             pend = None
         if ahead:
             self.ahead_steps += 1
-            for s in pend.live:
+            for s in pend.seqs:
                 s.token_ids.append(PLACEHOLDER)
         batch = sch.schedule()
         if ahead and not (batch.is_decode and not batch.preempted and not batch.failed
-                          and [it.seq for it in batch.items] == pend.live):
+                          and [it.seq for it in batch.items] == pend.seqs):
             done += self._resolve(pend)  # the batch changed after all: lockstep for this step
             pend = None
             batch.items = [it for it in batch.items if not it.seq.is_finished]  # stopped at the token just read
@@ -278,14 +277,17 @@ class LLM:
         (nothing admitted that would make a prefill step) and none of them is certain to stop at
         step n."""
         sch = self.scheduler
-        if sch.running != pend.live or (sch.waiting and len(sch.running) < sch.max_num_seqs):
+        # (Sequences finish only when their tokens are read, so none of pend.seqs has finished.)
+        if sch.running != pend.seqs or (sch.waiting and len(sch.running) < sch.max_num_seqs):
             return False
         return all(s.num_output_tokens + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len
-                   for s in pend.live)
+                   for s in pend.seqs)
 
     def _execute(self, batch, pend: Optional["_Pending"] = None) -> list:
         sch, done = self.scheduler, []
-        logits = self.runner.run(batch) if pend is None else self.runner.run(batch, dev_ids=pend.ids_for_live())
+        # A run-ahead batch is exactly pend.seqs in order (step() checked), so row i's input is
+        # pend.ids[i].
+        logits = self.runner.run(batch) if pend is None else self.runner.run(batch, dev_ids=pend.ids)
         if pend is not None:
             done += self._resolve(pend)  # the previous step's tokens, read while this step runs
         sch.update(batch)  # after the placeholders were replaced: block hashes see real tokens
@@ -359,7 +361,6 @@ class _Pending:
         import torch
 
         self.seqs, self.grammars, self.lps, self.ids = seqs, grammars, lps, ids
-        self.live = list(seqs)
         both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64)))
         if ids.device.type == "cuda":
             self.host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
@@ -368,17 +369,6 @@ class _Pending:
             self.event.record()
         else:
             self.host, self.event = both, None
-
-    def ids_for_live(self):
-        """Device input ids for the live sequences, in batch order."""
-        import torch
-
-        if len(self.live) == len(self.seqs):
-            return self.ids
-        keep = [i for i, s in enumerate(self.seqs) if not s.is_finished]
-        from .sampler import _to_device
-
-        return self.ids[_to_device(keep, torch.int64, self.ids.device)]
 
     def read(self) -> tuple:
         if self.event is not None:
