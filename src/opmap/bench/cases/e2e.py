@@ -64,7 +64,10 @@ LOCKSTEP = False  # --lockstep: the engine without one-step-ahead decode (for th
 
 
 def _engine_name() -> str:
-    return "opmap-engine[lockstep]" if LOCKSTEP else "opmap-engine"
+    import os
+
+    tags = (["lockstep"] if LOCKSTEP else []) + (["pdl"] if os.environ.get("OPMAP_PDL") == "1" else [])
+    return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
 def _engine(model, cases_of_model, ceil, out, skipped):

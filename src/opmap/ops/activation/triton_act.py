@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import enter
 from .validate import check_act
 
 BLOCK = 1024
 
 
 @triton.jit
-def _act_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, H, GELU: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, H, GELU: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -49,7 +53,7 @@ def _launch(x: torch.Tensor, out, gelu: bool) -> torch.Tensor:
     block = min(BLOCK, triton.next_power_of_2(H))
     grid = (R, triton.cdiv(H, block))
     _act_mul_kernel[grid](x2, o2, x2.stride(0), o2.stride(0), H, GELU=gelu, BLOCK=block,
-                          num_warps=4 if block >= 512 else 2)
+                          num_warps=4 if block >= 512 else 2, **pdl.launch(x2.device))
     return out
 
 

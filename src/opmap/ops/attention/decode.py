@@ -28,6 +28,8 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from .common import check_attention, kernel_config, prepare_scales, sm_count
+from .. import pdl
+from ..pdl import enter
 from .prefill import _pages, _tanh
 
 MAX_SPLITS_AUTO = 32
@@ -83,7 +85,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1):
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, PDL: tl.constexpr = False):
+    enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     sp = tl.program_id(2)
@@ -168,7 +171,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
 def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
                     s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
                     DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
-                    Q_FROM_CU: tl.constexpr):
+                    Q_FROM_CU: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     L = tl.load(sl_ptr + b)
@@ -257,13 +261,13 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
                                  out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
                                  pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
                                  HAS_WINDOW=window is not None, RETURN_LSE=return_lse,
-                                 Q_FROM_CU=cu_seqlens_q is not None, num_warps=4)
+                                 Q_FROM_CU=cu_seqlens_q is not None, num_warps=4, **pdl.launch(q.device))
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,

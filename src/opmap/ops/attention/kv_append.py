@@ -12,13 +12,16 @@ import triton
 import triton.language as tl
 
 from ...contract import expect, expect_tensor
+from .. import pdl
+from ..pdl import enter
 from . import validate as V
 
 
 @triton.jit
 def _append_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
                    stride_kt, stride_vt, ROW_K: tl.constexpr, ROW_V: tl.constexpr, D: tl.constexpr,
-                   DV: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr):
+                   DV: tl.constexpr, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -67,4 +70,4 @@ def append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> 
     grid = (T, triton.cdiv(row, block))
     _append_kernel[grid](k, v, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
                          v_scale if fp8 else v_cache, k.stride(0), v.stride(0), hk * d, hk * dv, d, dv,
-                         BLOCK=block, FP8=fp8, num_warps=4)
+                         BLOCK=block, FP8=fp8, num_warps=4, **pdl.launch(k.device))

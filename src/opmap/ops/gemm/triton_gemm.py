@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import enter
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,7 +65,8 @@ def _e4m3_to_bf16(w):
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -114,7 +117,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
 
 @triton.jit
 def _splitk_reduce(ws_ptr, s_ptr, b_ptr, o_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -242,7 +246,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
-                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn)
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, target,
@@ -259,5 +263,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
         _splitk_reduce[(M, triton.cdiv(N, blk))](
             target, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
             M, N, out.stride(0), SPLIT=split, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-            BLOCK=blk, num_warps=4)
+            BLOCK=blk, num_warps=4, **pdl.launch(x.device))
     return out

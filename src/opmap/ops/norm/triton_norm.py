@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import enter
 from .validate import check_norm
 
 ONE_PASS_MAX = 16384
@@ -25,7 +27,9 @@ CHUNK = 4096
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R, H, eps,
-                    HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    enter(PDL)
     dt = o_ptr.dtype.element_ty
     if ONE_PASS:
         # ROWS rows per program (short rows, e.g. per-head q/k norms, would otherwise leave
@@ -104,7 +108,8 @@ def _launch(x, weight, eps, residual, out):
     num_warps = min(max(block * rows // 512, 1), 16) if one_pass else 8
     _rmsnorm_kernel[(triton.cdiv(R, rows),)](
         x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), R, H, float(eps),
-        HAS_RES=residual is not None, ONE_PASS=one_pass, ROWS=rows, BLOCK=block, num_warps=num_warps)
+        HAS_RES=residual is not None, ONE_PASS=one_pass, ROWS=rows, BLOCK=block, num_warps=num_warps,
+        **pdl.launch(x2.device))
     return out
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import enter
 from .validate import check_rope
 
 
@@ -39,7 +41,9 @@ def _rotate_heads(base, stride_h, h0, nheads, c, s, HALF, IS_NEOX: tl.constexpr,
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                 HQ, HK, HALF, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                 HQ, HK, HALF, IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h0 = tl.program_id(1) * BLOCK_H
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -69,5 +73,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     num_warps = 4 if block_h * block_d >= 1024 else 2
     _rope_kernel[grid](q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                        HQ, HK, half, IS_NEOX=style == "neox", BLOCK_H=block_h, BLOCK_D=block_d,
-                       num_warps=num_warps)
+                       num_warps=num_warps, **pdl.launch(q.device))
     return None

@@ -1,0 +1,51 @@
+"""Programmatic dependent launch (PDL, sm90+) for the kernels of a decode step.
+
+A decode step is a chain of ~10 small Triton kernels per layer; between two of them the GPU
+drains the first grid, then launches and ramps up the second. With PDL a kernel launched with
+``launch_pdl=True`` may be scheduled while its predecessor still runs: each kernel first lets its
+own dependents launch (``griddepcontrol.launch_dependents``), then waits for its predecessor's
+grid to finish and its writes to be visible (``griddepcontrol.wait``) before it reads anything,
+so results are exactly those of serial launches; what overlaps is launch latency and prologue.
+A kernel before or after one that is not PDL-aware (cuBLAS, PyTorch copies) is serialised as
+usual, and the wait is a no-op when PDL is off.
+
+Off by default until measured on the GPU: ``OPMAP_PDL=1`` turns it on (sm90+, compiled kernels
+only; the interpreter never sees it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: PDL stays off (enabled() says so)
+    gdc_launch_dependents = gdc_wait = None
+
+
+def enabled(device) -> bool:
+    """PDL for launches on ``device``: asked for, a CUDA sm90+ device, not the interpreter."""
+    if os.environ.get("OPMAP_PDL", "0") != "1" or gdc_wait is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    dev = torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+
+
+def launch(device) -> dict:
+    """Keyword arguments for ``kernel[grid](...)``: the PDL constexpr and, when on, the launch
+    attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel)."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First statement of a PDL-aware kernel: release the dependents, wait for the predecessor."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -1,0 +1,97 @@
+"""Programmatic dependent launch (opmap.ops.pdl): off unless OPMAP_PDL=1 and a CUDA sm90+ device
+(never in the interpreter); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
+both griddepcontrol instructions (release the dependents, wait for the predecessor). The
+compile runs in a subprocess because TRITON_INTERPRET=1 replaces @triton.jit here."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opmap.ops import pdl
+
+
+def test_off_by_default_and_on_cpu(monkeypatch):
+    monkeypatch.delenv("OPMAP_PDL", raising=False)
+    assert pdl.launch("cpu") == {"PDL": False}
+    monkeypatch.setenv("OPMAP_PDL", "1")
+    assert not pdl.enabled("cpu")  # not a CUDA device
+    assert pdl.launch("cpu") == {"PDL": False}
+
+
+SCRIPT = r'''
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from opmap.ops.norm import triton_norm as n
+from opmap.ops.gemm import triton_gemm as g
+from opmap.ops.rope import triton_rope as r
+from opmap.ops.activation import triton_act as a
+from opmap.ops.attention import kv_append as kv, decode as dm
+
+def comp(fn, sig, ce, nw=4, ns=3):
+    sig = dict(sig, PDL="constexpr")
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(ce, PDL=True)), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": nw, "num_stages": ns, "launch_pdl": True})
+    ptx = k.asm["ptx"]
+    return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}
+
+res = {}
+res["rmsnorm"] = comp(n._rmsnorm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16",
+    "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "R": "i32", "H": "i32", "eps": "fp32", "HAS_RES": "constexpr",
+    "ONE_PASS": "constexpr", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": True, "ONE_PASS": True, "ROWS": 1, "BLOCK": 4096})
+res["gemm"] = comp(g._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16",
+    "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
+    "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "EVEN_K": "constexpr",
+    "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+    {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": 1, "EVEN_K": True, "PREC": "tf32",
+     "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256})
+res["splitk"] = comp(g._splitk_reduce, {"ws_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "M": "i32",
+    "N": "i32", "stride_om": "i32", "SPLIT": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"},
+    {"SPLIT": 3, "HAS_SCALE": False, "HAS_BIAS": False, "BLOCK": 1024})
+res["rope"] = comp(r._rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_qt": "i32",
+    "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32", "IS_NEOX": "constexpr",
+    "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}, {"IS_NEOX": True, "BLOCK_H": 32, "BLOCK_D": 64})
+res["act"] = comp(a._act_mul_kernel, {"x_ptr": "*bf16", "o_ptr": "*bf16", "stride_x": "i32", "stride_o": "i32", "H": "i32",
+    "GELU": "constexpr", "BLOCK": "constexpr"}, {"GELU": False, "BLOCK": 1024})
+res["kv_append"] = comp(kv._append_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+    "slot_ptr": "*i64", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "stride_kt": "i32", "stride_vt": "i32", "ROW_K": "constexpr",
+    "ROW_V": "constexpr", "D": "constexpr", "DV": "constexpr", "BLOCK": "constexpr", "FP8": "constexpr"},
+    {"ROW_K": 1024, "ROW_V": 1024, "D": 128, "DV": 128, "BLOCK": 1024, "FP8": False})
+dsig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
+        "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32",
+        "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32"}
+for x in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
+    dsig[x] = "i32"
+for x in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "PREFETCH"]:
+    dsig[x] = "constexpr"
+res["decode"] = comp(dm._decode_kernel, dsig, dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=16, BLOCK_N=64, HAS_WINDOW=False,
+    HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=1))
+res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+    "sl_ptr": "*i32", "cu_ptr": "*i32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32",
+    "s_ob": "i32", "s_oh": "i32", "s_pob": "i32", "s_poh": "i32", "s_pos": "i32", "s_plb": "i32", "s_plh": "i32",
+    "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr"},
+    {"DV": 128, "BLOCK_N": 64, "HAS_WINDOW": False, "RETURN_LSE": False, "Q_FROM_CU": False})
+print("RESULT " + json.dumps(res))
+'''
+
+
+def _ptxas_available():
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton wheel has no bundled ptxas")
+def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    assert len(res) == 8
+    for name, r in res.items():
+        assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
