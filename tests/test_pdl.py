@@ -74,6 +74,23 @@ res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32",
     "s_ob": "i32", "s_oh": "i32", "s_pob": "i32", "s_poh": "i32", "s_pos": "i32", "s_plb": "i32", "s_plh": "i32",
     "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr"},
     {"DV": 128, "BLOCK_N": 64, "HAS_WINDOW": False, "RETURN_LSE": False, "Q_FROM_CU": False})
+from opmap.ops.moe import grouped_gemm as gg, align as al, route_triton as rt
+res["moe_grouped_gemm"] = comp(gg._grouped_gemm_kernel, {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+    "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32", "n_pairs": "i32", "N": "i32",
+    "K": "i32", "a_row_div": "i32", "rows_bucket": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
+    "stride_om": "i32", "GATED": "constexpr", "WEIGHTED": "constexpr", "EVEN_K": "constexpr", "PRECISION": "constexpr",
+    "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr"},
+    dict(GATED=True, WEIGHTED=False, EVEN_K=True, PRECISION="tf32", BM=16, BN=32, BK=128, GROUP_M=8))
+res["moe_combine"] = comp(gg._combine_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "top_k": "i32",
+    "stride_y": "i32", "stride_o": "i32", "BH": "constexpr"}, {"BH": 1024})
+res["moe_align"] = comp(al._align_kernel, {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+    "total_ptr": "*i32", "n_pairs": "i32", "E": "i32", "BM": "constexpr", "E_POW2": "constexpr", "CHUNK": "constexpr"},
+    {"BM": 16, "E_POW2": 128, "CHUNK": 1024})
+res["moe_route"] = comp(rt._route_kernel, {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32",
+    "E": "i32", "stride_l": "i32", "routed_scaling": "fp32", "TOP_K": "constexpr", "K_POW2": "constexpr", "E_POW2": "constexpr",
+    "SIGMOID": "constexpr", "HAS_BIAS": "constexpr", "N_GROUP": "constexpr", "G_POW2": "constexpr", "TOPK_GROUP": "constexpr",
+    "RENORM": "constexpr"}, dict(TOP_K=8, K_POW2=8, E_POW2=128, SIGMOID=False, HAS_BIAS=False, N_GROUP=1, G_POW2=1,
+    TOPK_GROUP=1, RENORM=True))
 print("RESULT " + json.dumps(res))
 '''
 
@@ -92,6 +109,6 @@ def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.split("RESULT ", 1)[1])
-    assert len(res) == 8
+    assert len(res) == 12
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"

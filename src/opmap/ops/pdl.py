@@ -14,6 +14,7 @@ only; the interpreter never sees it).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,19 +29,26 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (enabled()
 
 def enabled(device) -> bool:
     """PDL for launches on ``device``: asked for, a CUDA sm90+ device, not the interpreter."""
-    if os.environ.get("OPMAP_PDL", "0") != "1" or gdc_wait is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    return _enabled(os.environ.get("OPMAP_PDL", "0"), os.environ.get("TRITON_INTERPRET", ""), str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _enabled(flag: str, interpret: str, device: str) -> bool:
+    # Cached: launchers call this per launch, and the MoE launch path is kept to a few us of host time.
+    if flag != "1" or gdc_wait is None or interpret == "1":
         return False
     dev = torch.device(device)
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+
+
 def launch(device) -> dict:
     """Keyword arguments for ``kernel[grid](...)``: the PDL constexpr and, when on, the launch
-    attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel)."""
-    on = enabled(device)
-    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+    attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel). Do not mutate."""
+    return _ON if enabled(device) else _OFF
 
 
 @triton.jit

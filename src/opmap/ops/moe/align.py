@@ -20,10 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import pdl
+from ..pdl import enter
+
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
-                  BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+                  BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     e = tl.program_id(0)
     experts = tl.arange(0, E_POW2)
     # Pass 1: per-expert counts (every program computes all of them: E is small and this
@@ -97,5 +101,5 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
     total = buf[at_total:at_total + 1]
     block_expert = buf[at_blocks:]
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
-                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps)
+                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps, **pdl.launch(ids.device))
     return sorted_ids, block_expert, total
