@@ -174,7 +174,10 @@ class DecoderModel:
     def mlp(self, ops, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
         if f"{i}.w13" in P:
-            logits = ops.gemm["router"](h, P[f"{i}.router"]).float()
+            # bf16 logits as they are: every routing backend upcasts them itself (exactly, as
+            # HF's softmax(dtype=float) does), and a .float() here was one more kernel per layer
+            # in the decode graph (48 per Qwen3-30B-A3B step), outside the PDL chain.
+            logits = ops.gemm["router"](h, P[f"{i}.router"])
             out = ops.moe(h, logits, P[f"{i}.w13"], P[f"{i}.w2"], c.top_k, router=c.router,
                           renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
                           routed_scaling=c.routed_scaling)
