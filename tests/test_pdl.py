@@ -1,6 +1,7 @@
 """Programmatic dependent launch (opmap.ops.pdl): off unless OPMAP_PDL=1 and a CUDA sm90+ device
 (never in the interpreter); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
-both griddepcontrol instructions (release the dependents, wait for the predecessor). The
+both griddepcontrol instructions (release the dependents, wait for the predecessor), the decode
+GEMM with L2 prefetches of its weight slice ahead of the wait. The
 compile runs in a subprocess because TRITON_INTERPRET=1 replaces @triton.jit here."""
 import json
 import os
@@ -36,7 +37,8 @@ def comp(fn, sig, ce, nw=4, ns=3):
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(ce, PDL=True)), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": nw, "num_stages": ns, "launch_pdl": True})
     ptx = k.asm["ptx"]
-    return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}
+    return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
+            "prefetch": ptx.count("prefetch.global.L2")}
 
 res = {}
 res["rmsnorm"] = comp(n._rmsnorm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16",
@@ -112,3 +114,5 @@ def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
     assert len(res) == 12
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
+    # the decode GEMM starts pulling its weight slice into L2 before it waits for x
+    assert res["gemm"]["prefetch"] >= 1, res["gemm"]

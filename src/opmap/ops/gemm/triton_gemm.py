@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import enter
+from ..pdl import enter, gdc_launch_dependents, gdc_wait
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -61,12 +61,26 @@ def _e4m3_to_bf16(w):
         "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
+PREFETCH_LINES: tl.constexpr = tl.constexpr(16)  # 128-byte lines per weight row prefetched under PDL
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """prefetch.global.L2 of the first LINES 128-byte lines of each weight row of the tile (a
+    hint: no data returns, nothing can change a result; predicated off past the row or slice)."""
+    cols = k0 + tl.arange(0, LINES) * LINE_ELEMS
+    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
+    ok = (n_mask[:, None] & (cols[None, :] < k_end)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -77,6 +91,12 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
     m_mask = offs_m < M
     k0 = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k0 + K_PER_SPLIT, K)
+    if PDL:
+        # The weight does not depend on the previous kernel: while that one finishes, start
+        # pulling the head of this program's weight slice into L2, then wait for x.
+        gdc_launch_dependents()
+        _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, PREFETCH_LINES, 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8)
+        gdc_wait()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
     xdt = x_ptr.dtype.element_ty
