@@ -131,3 +131,13 @@ def test_bad_engine_arguments_are_clean_errors(capsys):
 def test_ambiguous_symbols_follow_the_model():
     assert P.categorize("_combine_kernel", moe=False) == "attention"  # split-KV decode combine
     assert P.categorize("_combine_kernel", moe=True) == "MoE"
+
+
+def test_profile_kernel_table_on_cpu(capsys):
+    from opmap import cli
+
+    rc = cli.main(["profile", "--model", "tiny-llama3", "--steps", "4", "--kernels", "3", "--num-requests", "2",
+                   "--input-len", "8", "--output-len", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "[decode] operators by host time (CPU run)" in out and "launches/step" in out

@@ -67,6 +67,8 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument("--steps", type=int, default=40, help="engine steps to profile")
     p.add_argument("--trace", default=None, help="write the Chrome trace here")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list the N kernels with the most GPU time per phase (launches and us per step)")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
                    help="profile again with this backend forced and say whether the step time moved")
     p.set_defaults(func=cli_profile, num_requests=None)
@@ -157,6 +159,9 @@ def cli_profile(args) -> int:
           f"({'CUDA graphs' if llm.runner.graphs else 'eager'} decode)")
     for line in P.format_profile(res):
         print(line)
+    if args.kernels:
+        for line in P.format_kernels(res, args.kernels):
+            print(line)
     lines = P.diagnose(res, llm, P.phase_backends(llm))
     if args.compare:
         op, name = args.compare
