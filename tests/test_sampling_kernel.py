@@ -188,3 +188,19 @@ def test_split_pass_a_matches_the_single_pass():
         split = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=chunk)
         assert torch.equal(split[0], one[0]) and torch.equal(split[1], one[1]), chunk
     assert torch.equal(one[0], R.sample(x, T, k, p, mp, seeds, pos)[0])
+
+
+def test_config_override_same_tokens_and_checked():
+    """The (BLOCK, num_warps) override the benchmark variants use draws the same tokens."""
+    from opmap.contract import InputError
+    from opmap.ops.sampling.sampler import sample
+
+    g = torch.Generator().manual_seed(5)
+    B, V = 3, 1000
+    x = torch.randn(B, V, generator=g) * 2
+    args = (x, torch.full((B,), 0.8), torch.tensor([50, 0, 7], dtype=torch.int32), torch.tensor([0.9, 0.5, 1.0]),
+            torch.zeros(B), torch.arange(B) + 1, torch.arange(B))
+    a, b = sample(*args), sample(*args, config=(256, 4))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    with pytest.raises(InputError, match="config"):
+        sample(*args, config=(100, 4))

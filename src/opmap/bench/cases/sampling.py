@@ -60,6 +60,15 @@ def _race_unfiltered(inp):
     return run
 
 
+def _ours_config(block, warps):
+    def make(inp):
+        from opmap.ops.sampling.sampler import sample
+
+        return lambda: sample(*_args(inp), config=(block, warps))
+
+    return make
+
+
 def _flashinfer_ok():
     return registry.all_of(registry.needs_cuda, registry.package_available("flashinfer"))()
 
@@ -99,6 +108,12 @@ def cases(quick: bool) -> list[BenchCase]:
                              Provider("flashinfer", _backend("flashinfer"), backend=("sampling", "flashinfer"))]
                 if f:
                     providers.append(Provider("torch-race-unfiltered", _race_unfiltered))
+                    if not quick and V == 128256 and B == 64:
+                        # The per-row search runs one program per row: at 423 us for top-k+top-p
+                        # (B=64) each of its ~4 passes over a 0.5 MB row took ~90 us, far below one
+                        # SM's L2 bandwidth, so the program's width is the first thing to vary.
+                        providers += [Provider(f"opmap-triton[bl={bl},w={w}]", _ours_config(bl, w))
+                                      for bl, w in ((4096, 16), (2048, 16), (1024, 4))]
                 if fname == "top_k+top_p":
                     providers.append(Provider("flashinfer-joint", _backend("flashinfer", "sample_joint"),
                                               available=_flashinfer_ok))

@@ -192,10 +192,11 @@ def _config(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False,
-           chunk: Optional[int] = None):
+           chunk: Optional[int] = None, config: Optional[tuple] = None):
     """See the module docstring. With ``return_support`` a third tensor [B, 2] int32 holds each
     row's boundary (key t, tie count n); ``support_from_boundary`` turns it into a mask (tests).
-    ``chunk`` overrides the split of pass A (0 = none; tests exercise both paths)."""
+    ``chunk`` overrides the split of pass A (0 = none; tests exercise both paths); ``config``
+    (BLOCK, num_warps) overrides the per-row kernel's tile (benchmark variants)."""
     B, V = check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
     expect(V < 2**24, "logits", f"vocabulary {V}", "fewer than 2**24 columns (ids travel as fp32)")
     dev = logits.device
@@ -204,6 +205,10 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
     support = torch.empty((B, 2), dtype=torch.int32, device=dev) if return_support else ids
     if B > 0:
         block, cand, warps, chunk_default = _config(dev)
+        if config is not None:
+            block, warps = config
+            expect(block >= 16 and block & (block - 1) == 0 and warps in (1, 2, 4, 8, 16, 32), "config", repr(config),
+                   "(BLOCK a power of 2 >= 16, num_warps a power of 2 <= 32)")
         chunk = chunk_default if chunk is None else chunk
         expect(chunk == 0 or (chunk >= 16 and chunk & (chunk - 1) == 0), "chunk", repr(chunk), "0 or a power of 2 >= 16")
         block = min(block, triton.next_power_of_2(V))
