@@ -5,13 +5,7 @@ per-iteration wait lets num_stages - 1 copies stay in flight (``ttg.async_wait {
 stages); with the page-table load inside the iteration (PREFETCH=0) Triton 3.6 waits for every
 copy (num = 0), so loads and MMAs do not overlap. A refactor that loses the pipeline fails here.
 Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
 import re, json, os, subprocess, tempfile, triton
@@ -67,20 +61,10 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-def _ptxas_available():
-    import triton
 
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="this Triton wheel has no bundled ptxas")
+@needs_ptxas
 def test_attention_kernels_compile_pipelined_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    res = run(SCRIPT)
     assert len(res) == 12
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills: {r}"

@@ -2,13 +2,7 @@
 ahead-of-time path lowers them to PTX and runs the bundled ptxas, so an inline-asm typo, a
 layout the Hopper backend rejects, or a register spill is caught here rather than on the GPU.
 Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
 import json, os, subprocess, sys, tempfile
@@ -76,20 +70,10 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-def _ptxas_available():
-    import triton
 
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="this Triton wheel has no bundled ptxas")
+@needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    res = run(SCRIPT)
     assert len(res) == 15
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"

@@ -1,15 +1,8 @@
 """Programmatic dependent launch (opmap.ops.pdl): off unless OPMAP_PDL=1 and a CUDA sm90+ device
 (never in the interpreter); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
 both griddepcontrol instructions (release the dependents, wait for the predecessor), the decode
-GEMM with L2 prefetches of its weight slice ahead of the wait. The
-compile runs in a subprocess because TRITON_INTERPRET=1 replaces @triton.jit here."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
+GEMM with L2 prefetches of its weight slice ahead of the wait (compiled as in sm90_compile)."""
+from sm90_compile import needs_ptxas, run
 
 from opmap.ops import pdl
 
@@ -97,20 +90,10 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-def _ptxas_available():
-    import triton
 
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="this Triton wheel has no bundled ptxas")
+@needs_ptxas
 def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.split("RESULT ", 1)[1])
+    res = run(SCRIPT)
     assert len(res) == 12
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
