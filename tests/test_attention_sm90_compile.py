@@ -61,7 +61,6 @@ print("RESULT " + json.dumps(out))
 '''
 
 
-
 @needs_ptxas
 def test_attention_kernels_compile_pipelined_for_sm90():
     res = run(SCRIPT)

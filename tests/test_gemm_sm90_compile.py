@@ -70,7 +70,6 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-
 @needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)

@@ -90,7 +90,6 @@ print("RESULT " + json.dumps(res))
 '''
 
 
-
 @needs_ptxas
 def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
     res = run(SCRIPT)
