@@ -66,7 +66,7 @@ for s in $STEPS; do
     flashinfer)
       # FlashInfer's cases in opmap check (its JIT builds run here), then its built modules packed.
       step flashinfer
-      timeout ${FI_TIMEOUT:-540} python3 -m opmap.cli check --backend flashinfer --json "$out/check-flashinfer.json" \
+      timeout ${FI_TIMEOUT:-540} python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
         2>&1 | tee "$out/flashinfer.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       if [ -d /tmp/opmap-fi-cache/.cache ]; then
