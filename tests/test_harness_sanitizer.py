@@ -211,3 +211,23 @@ def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, mon
     out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[2]], True, "memcheck", 2, tool)  # T=5 sleeps 60 s
     assert len(_runs(log)) == 1 + 2
     assert out[0].passed and not out[1].passed and out[1].figure.startswith("timed out after 2 s")
+
+
+def test_racecheck_children_get_shorter_attention_sequences(monkeypatch):
+    """The driver tells its children which tool runs them; the attention cases then cap their
+    longest sequences under racecheck (same case titles, so the child still finds its case)."""
+    import importlib
+
+    from opmap.check.cases import attention as A
+
+    env = san._env(False, "racecheck")
+    assert env["OPMAP_SANITIZER_TOOL"] == "racecheck" and env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1"
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING" not in san._env(True, "memcheck")
+    full = max(A._shape("cuda")["lens"])
+    try:
+        monkeypatch.setenv("OPMAP_SANITIZER_TOOL", "racecheck")
+        capped = max(importlib.reload(A)._shape("cuda")["lens"])
+    finally:
+        monkeypatch.delenv("OPMAP_SANITIZER_TOOL")
+        importlib.reload(A)
+    assert full == 32768 and capped <= 4096

@@ -123,8 +123,10 @@ def is_library(kernel: str) -> bool:
     return not is_own(kernel) and ("::" in kernel or "<" in kernel or kernel.startswith(_LIBRARY_PREFIXES))
 
 
-def _env(graph: bool) -> dict:
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+def _env(graph: bool, tool: str) -> dict:
+    # OPMAP_SANITIZER_TOOL: case modules may shrink what only costs time under a tool (the
+    # attention cases cap their longest sequences under racecheck; see check/cases/attention.py).
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", OPMAP_SANITIZER_TOOL=tool)
     # CUDA-graph capture allocates from the caching allocator's private pools: with the cache off,
     # capture fails in PyTorch before any kernel of ours runs (seen on the H200: the "replay after
     # re-planning" cases exited with a CUDA error under both tools). Those cases keep it on.
@@ -143,7 +145,7 @@ def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: fl
         cmd += ["--case", f"{c.section}{SEP}{c.title}"]
     cmd += ["--quick"] if quick else []
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(cases[0].section == "graph"))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(cases[0].section == "graph", tool))
     except subprocess.TimeoutExpired:
         return None, {}
     outcomes = {}
