@@ -77,6 +77,26 @@ def _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, hi, qpos, kv_off_k, kv_of
 
 
 @triton.jit
+def _walk(acc, l_i, m_i, pg, q, kc_ptr, vc_ptr, bt_row, lo, end, hi, qpos, kv_off_k, kv_off_v, s_kp, s_ks,
+          s_vp, s_vs, qk_scale, scale, soft_cap, window, d, dv,
+          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+          HAS_CAP: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr):
+    """The key tiles [lo, end) of keys below ``hi``; ``pg`` holds the page ids of the tile at
+    ``lo`` when PREFETCH (returned for the tile at ``end``)."""
+    for start in range(lo, end, BLOCK_N):
+        if PREFETCH:
+            pg_next = _pages(bt_row, start + BLOCK_N, hi, PAGE, BLOCK_N)
+        else:
+            pg = _pages(bt_row, start, hi, PAGE, BLOCK_N)
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, hi, qpos, kv_off_k, kv_off_v, s_kp, s_ks,
+                              s_vp, s_vs, qk_scale, scale, soft_cap, window, d, dv,
+                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, MASK, IEEE)
+        if PREFETCH:
+            pg = pg_next
+    return acc, l_i, m_i, pg
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
                     scale, soft_cap, window, B,
                     s_qt, s_qh, s_ot, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
@@ -144,29 +164,15 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
-    # PREFETCH (see common._default_config): page ids one tile ahead, carried across both loops
-    # (the first loop ends having loaded the ids of the tile at full_end).
+    # Unmasked tiles, then the masked tail. PREFETCH (common._default_config): page ids one tile
+    # ahead, carried across both loops (the first ends having loaded the ids of the tile at full_end).
     pg = _pages(bt_row, kv_lo, kv_hi, PAGE, BLOCK_N)
-    for start in range(kv_lo, full_end, BLOCK_N):
-        if PREFETCH:
-            pg_next = _pages(bt_row, start + BLOCK_N, kv_hi, PAGE, BLOCK_N)
-        else:
-            pg = _pages(bt_row, start, kv_hi, PAGE, BLOCK_N)
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, kv_hi, qpos, kvh * s_kh,
-                              kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
-                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, False, IEEE)
-        if PREFETCH:
-            pg = pg_next
-    for start in range(full_end, kv_hi, BLOCK_N):
-        if PREFETCH:
-            pg_next = _pages(bt_row, start + BLOCK_N, kv_hi, PAGE, BLOCK_N)
-        else:
-            pg = _pages(bt_row, start, kv_hi, PAGE, BLOCK_N)
-        acc, l_i, m_i = _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, kv_hi, qpos, kvh * s_kh,
-                              kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
-                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True, IEEE)
-        if PREFETCH:
-            pg = pg_next
+    acc, l_i, m_i, pg = _walk(acc, l_i, m_i, pg, q, kc_ptr, vc_ptr, bt_row, kv_lo, full_end, kv_hi, qpos,
+                              kvh * s_kh, kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
+                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, False, IEEE, PREFETCH)
+    acc, l_i, m_i, pg = _walk(acc, l_i, m_i, pg, q, kc_ptr, vc_ptr, bt_row, full_end, kv_hi, kv_hi, qpos,
+                              kvh * s_kh, kvh * s_vh, s_kp, s_ks, s_vp, s_vs, qk_scale, sc, soft_cap, window, d, dv,
+                              PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True, IEEE, PREFETCH)
     inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     out = acc * inv[:, None]
     tl.store(o_ptr + (t64 * s_ot + head * s_oh)[:, None] + dv[None, :], out.to(o_ptr.dtype.element_ty),
