@@ -66,9 +66,9 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                      split_min)
 
 
-def _config(H: int, R: int) -> tuple:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages[, PREFETCH]). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s[,pf]"
-    overrides it for tuning on a GPU without editing code."""
+def _config(H: int, R: int) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s" overrides
+    it for tuning on a GPU without editing code."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
     if env:
         return tuple(int(x) for x in env.split(","))  # type: ignore[return-value]
@@ -105,7 +105,7 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
                    FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
-                   PAGE: tl.constexpr, PREFETCH: tl.constexpr = 0):  # PAGE constexpr: shifts
+                   PAGE: tl.constexpr):  # constexpr: // and % by a power of two are shifts
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -142,21 +142,9 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    # PREFETCH=1: the next tile's cache rows (index and page-table loads) are computed one
-    # iteration ahead, as the GQA kernels do (ops/attention/common.py). Off by default here: in
-    # this kernel's sm90 TTGIR it removes the async copies altogether (no ttg.async_wait left),
-    # while PREFETCH=0 at num_stages=3 already pipelines (num = 1); at the default 2 stages
-    # neither does. OPMAP_MLA_DECODE_CONFIG="16,32,4,3" is the variant to time on the GPU.
-    row_next, valid_next = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, start, end, seq_len, MAXP, NPAGES,
-                                 BLOCK_N, SPARSE, PAGE)
     for n0 in range(start, end, BLOCK_N):
-        if PREFETCH:
-            row, valid = row_next, valid_next
-            row_next, valid_next = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0 + BLOCK_N, end, seq_len,
-                                         MAXP, NPAGES, BLOCK_N, SPARSE, PAGE)
-        else:
-            row, valid = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
-                               BLOCK_N, SPARSE, PAGE)
+        row, valid = _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
+                           BLOCK_N, SPARSE, PAGE)
         kv = tl.load(CACHE + row[:, None] + offs_r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
         kpe = tl.load(CACHE + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :],
                       other=0.0)
@@ -230,8 +218,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    bh, bn, warps, stages, *rest = config or _config(H, R)
-    prefetch = rest[0] if rest else 0
+    bh, bn, warps, stages = config or _config(H, R)
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
@@ -260,8 +247,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
         out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
         BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], PREFETCH=prefetch, num_warps=warps,
-        num_stages=stages)
+        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
     if S > 1:
         _mla_merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
                               po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
