@@ -78,6 +78,12 @@ class LLM:
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
         self._pending: Optional[_Pending] = None  # the last decode step's tokens, not read back yet
+        self._readback = None  # (pinned [2, max_num_seqs] int64, CUDA event): see _Pending
+        if self.runner.device.type == "cuda":
+            import torch
+
+            self._readback = (torch.empty((2, self.ecfg.max_num_seqs), dtype=torch.int64, pin_memory=True),
+                              torch.cuda.Event())
         self.ahead_steps = 0  # decode steps launched before the previous step's tokens were read
         self.closed = False
 
@@ -91,7 +97,7 @@ class LLM:
         self.abort_all()
         self.runner.close()
         self.sampler = None
-        self._structured = self._bitmask = None
+        self._structured = self._bitmask = self._readback = None
         self.closed = True
         free_device_memory()
 
@@ -303,7 +309,7 @@ class LLM:
             rows = self._bitmask.fill(grammars)
             mask = self._bitmask.upload(len(sampled), rows) if rows else None
         ids, invalid, lps = self.sampler.launch(logits, sampled, mask)
-        p = _Pending(sampled, grammars, ids, invalid, lps)
+        p = _Pending(sampled, grammars, ids, invalid, lps, self._readback)
         if self.ecfg.async_decode and batch.is_decode:
             # Read back during the next step, after it was launched: the grammar matchers, the
             # penalty counts and the stop checkers are all up to date again before that step
@@ -355,19 +361,23 @@ PLACEHOLDER = -1
 
 class _Pending:
     """One step's sampled tokens on their way to the host: device ids (the next step's input
-    when it runs ahead) and a non-blocking copy into pinned memory with an event."""
+    when it runs ahead) and a non-blocking copy into pinned memory with an event.
 
-    def __init__(self, seqs: list, grammars: list, ids, invalid, lps: list):
+    ``readback`` is the engine's persistent (pinned [2, max_num_seqs] buffer, event) pair: at most
+    one step is pending (the previous one is always read before the next samples), so one pair
+    serves every step without a per-step pinned allocation."""
+
+    def __init__(self, seqs: list, grammars: list, ids, invalid, lps: list, readback=None):
         import torch
 
         self.seqs, self.grammars, self.lps, self.ids = seqs, grammars, lps, ids
         both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64)))
-        if ids.device.type == "cuda":
-            self.host = torch.empty(both.shape, dtype=torch.int64, pin_memory=True)
+        if readback is not None:
+            buf, self.event = readback
+            self.host = buf[:, :both.shape[1]]
             self.host.copy_(both, non_blocking=True)
-            self.event = torch.cuda.Event()
             self.event.record()
-        else:
+        else:  # CPU: the stack is already on the host
             self.host, self.event = both, None
 
     def read(self) -> tuple:
