@@ -14,6 +14,7 @@ them; ``python -m opmap.bench.cases.e2e [--quick] [--out DIR]`` writes a result 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -60,24 +61,22 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
             "note": note}
 
 
-LOCKSTEP = False  # --lockstep: the engine without one-step-ahead decode (for the comparison)
-
-
-def _engine_name() -> str:
+def _engine_name(llm) -> str:
+    """opmap-engine, tagged with what differs from the defaults (lockstep decode, PDL)."""
     import os
 
-    tags = (["lockstep"] if LOCKSTEP else []) + (["pdl"] if os.environ.get("OPMAP_PDL") == "1" else [])
+    tags = (["lockstep"] if not llm.ecfg.async_decode else []) + (["pdl"] if os.environ.get("OPMAP_PDL") == "1" else [])
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
-def _engine(model, cases_of_model, ceil, out, skipped):
+def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
     cfg = get_preset(model)
     llm = LLM(model, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9,  # HF runs after, alone
-              async_decode=not LOCKSTEP)
+              async_decode=not lockstep)
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
@@ -100,7 +99,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             d = llm.last_summary
             case = f"model={model},requests=256,input=100:1024,output=100:1024"
             floor = active_weight_bytes(cfg, llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
-            out.append(_record(model, case, _engine_name(), d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
+            out.append(_record(model, case, _engine_name(llm), d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
                                floor, active_weight_bytes(cfg, llm.ecfg.max_num_seqs), ceil,
                                f"tok_per_s = total (prompt + generated); {d['preemptions']} preemptions"))
             skipped.append({"op": "e2e", "case": case, "provider": "hf-transformers-eager",
@@ -128,7 +127,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             llm.generate(_prompts(cfg.vocab, 32, plen, seed=33), sps)
             d = llm.last_summary
             wb = active_weight_bytes(cfg, 32)
-            rec = _record(model, case, _engine_name(), d["ttft_ms_p50"], d["tpot_ms_p50"], d["output_tok_per_s"],
+            rec = _record(model, case, _engine_name(llm), d["ttft_ms_p50"], d["tpot_ms_p50"], d["output_tok_per_s"],
                           wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
                           f"TPOT without constraints in the same run: {plain:.3f} ms")
             rec["structured_overhead"] = d["tpot_ms_p50"] / plain - 1 if plain else None
@@ -144,7 +143,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         wb = active_weight_bytes(cfg, b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
         out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16",
-                       _engine_name(),
+                       _engine_name(llm),
                            d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
                            "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"))
 
@@ -188,7 +187,7 @@ def _hf(model, cases_of_model, ceil, out, skipped):
 
 
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
-            hf: bool = True) -> tuple:
+            hf: bool = True, lockstep: bool = False) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each model, so a caller can save what is
     finished before a long run is cut off. ``kinds`` keeps only those cases by their batch
@@ -205,7 +204,7 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
-        sides = (("opmap-engine", _engine), ("hf-transformers-eager", _hf))
+        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf))
         for who, fn in sides if hf else sides[:1]:
             if progress:
                 print(f"[e2e] {model}: {who}", file=sys.stderr, flush=True)
@@ -234,8 +233,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="only the engine (no HF transformers runs)")
     ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
     a = ap.parse_args(argv)
-    global LOCKSTEP
-    LOCKSTEP = a.lockstep
 
     def doc_of(recs, skipped):
         return {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
@@ -246,7 +243,8 @@ def main(argv=None) -> int:
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "e2e-partial.json").write_text(json.dumps(doc_of(recs, skipped), indent=1, default=str))
 
-    recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf)
+    recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
+                            lockstep=a.lockstep)
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
