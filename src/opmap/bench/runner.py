@@ -151,6 +151,11 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     cases = [c for c in cases if keep(c, ops, model_ops, mla)]
     results, skipped = [], []
     device = torch.device("cuda")
+
+    def doc(**extra) -> dict:
+        return {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
+                "skipped": skipped, "load_errors": errors, **extra}
+
     for i, c in enumerate(cases):
         if progress:
             print(f"[bench {i + 1}/{len(cases)}] {c.op} {c.case}", file=sys.stderr, flush=True)
@@ -163,12 +168,9 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         if partial:
             import json
 
-            doc = {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
-                   "skipped": skipped, "load_errors": errors, "partial": f"{i + 1} of {len(cases)} cases"}
             with open(partial, "w") as f:
-                json.dump(doc, f, indent=1, default=str)
-    return {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
-            "skipped": skipped, "load_errors": errors}
+                json.dump(doc(partial=f"{i + 1} of {len(cases)} cases"), f, indent=1, default=str)
+    return doc()
 
 
 def print_table(doc: dict, console=None) -> None:
