@@ -7,12 +7,12 @@ through the case's prefixes), timed with perf_counter. Writes OUT/<date>-<host>-
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 from opmap.bench.cases import grammar as G
+from opmap.bench.report import environment
 
 
 def main() -> int:
@@ -29,8 +29,7 @@ def main() -> int:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     from importlib.metadata import version
 
-    doc = {"command": "PYTHONPATH=src python3 scripts/grammar_fill_cpu.py " + out, "cpu": cpu, "cores": os.cpu_count(),
-           "python": platform.python_version(), "xgrammar": version("xgrammar"), "states": n,
+    doc = {"environment": environment(), "cpu": cpu, "cores": os.cpu_count(), "xgrammar": version("xgrammar"), "states": n,
            "fill_us_median": statistics.median(ts) / n * 1e6, "fill_us_p90": sorted(ts)[int(0.9 * len(ts))] / n * 1e6,
            "note": "per token of one request: one fill_next_token_bitmask per matcher state, vocab 50304 (GPT-2, padded)"}
     os.makedirs(out, exist_ok=True)
