@@ -77,7 +77,7 @@ def analyse(trace: dict, moe: bool = True) -> dict:
     for s in steps:
         ph = phases.setdefault(s["name"].split("::")[2], {
             "steps": 0, "wall_us": 0.0, "busy_us": 0.0, "by_category": Counter(), "symbols": defaultdict(Counter),
-            "kernels": Counter(), "launches": Counter(),
+            "launches": Counter(),
             "backends": defaultdict(set)})
         ph["steps"] += 1
         ph["wall_us"] += s["dur"]
@@ -101,7 +101,6 @@ def analyse(trace: dict, moe: bool = True) -> dict:
             cat, sym = OP_CATEGORY.get(op[0], "other"), f"{op[1]} (host)"
         ph["by_category"][cat] += ev["dur"]
         ph["symbols"][cat][sym[:90]] += ev["dur"]
-        ph["kernels"][sym[:90]] += ev["dur"]
         ph["launches"][sym[:90]] += 1
         if op:
             ph["backends"][cat].add(op[2])
@@ -215,7 +214,8 @@ def format_kernels(res: dict, top: int = 20) -> list:
         n = max(p["steps"], 1)
         what = "kernels by GPU time" if res["on_gpu"] else "operators by host time (CPU run)"
         lines.append(f"[{name}] {what} ({p['steps']} steps)")
-        for sym, t in p["kernels"].most_common(top):
+        times = sum(p["symbols"].values(), Counter())  # per symbol, over the categories
+        for sym, t in times.most_common(top):
             k = p["launches"][sym]
             lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} launches/step {t / k:8.2f} us each  {sym}")
     return lines
