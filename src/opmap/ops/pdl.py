@@ -9,8 +9,8 @@ so results are exactly those of serial launches; what overlaps is launch latency
 A kernel before or after one that is not PDL-aware (cuBLAS, PyTorch copies) is serialised as
 usual, and the wait is a no-op when PDL is off.
 
-Off by default until measured on the GPU: ``OPMAP_PDL=1`` turns it on (sm90+, compiled kernels
-only; the interpreter never sees it).
+Off by default until measured on the GPU: ``OPMAP_PDL=1`` in the environment of the process turns
+it on (sm90+, compiled kernels only; the interpreter never sees it).
 """
 from __future__ import annotations
 
@@ -27,16 +27,19 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (enabled()
     gdc_launch_dependents = gdc_wait = None
 
 
+# Read once: launchers ask per launch, and the MoE launch path is kept to a few us of host time
+# (set OPMAP_PDL before the process starts).
+_ASKED = (os.environ.get("OPMAP_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+          and gdc_wait is not None)
+
+
 def enabled(device) -> bool:
     """PDL for launches on ``device``: asked for, a CUDA sm90+ device, not the interpreter."""
-    return _enabled(os.environ.get("OPMAP_PDL", "0"), os.environ.get("TRITON_INTERPRET", ""), str(device))
+    return _ASKED and _sm90(device)
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(flag: str, interpret: str, device: str) -> bool:
-    # Cached: launchers call this per launch, and the MoE launch path is kept to a few us of host time.
-    if flag != "1" or gdc_wait is None or interpret == "1":
-        return False
+def _sm90(device) -> bool:
     dev = torch.device(device)
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
 
