@@ -51,6 +51,10 @@ def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, ov
     return cfg
 
 
+# Read once at import (launchers ask per call): see _default_config.
+PREFETCH = 0 if os.environ.get("OPMAP_ATTENTION_PREFETCH", "1") == "0" else 1
+
+
 def _default_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
     """Tile sizes. GPU values are the FlashAttention-2 starting points for sm90 (BLOCK_M 128 /
     BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
@@ -64,7 +68,7 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     # 0 keeps the in-iteration load (a bench variant, to measure the difference);
     # OPMAP_ATTENTION_PREFETCH=0 makes that the default (an escape hatch until the GPU has
     # confirmed the prefetch: it was checked in the interpreter and in the sm90 TTGIR only).
-    pf = 0 if os.environ.get("OPMAP_ATTENTION_PREFETCH", "1") == "0" else 1
+    pf = PREFETCH
     if interpreted(device):
         if kind == "prefill":
             return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
