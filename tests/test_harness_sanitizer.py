@@ -197,6 +197,28 @@ def test_batch_one_process_when_clean(fake_tool, monkeypatch, tmp_path):
     assert "worst/tol=9" in out[1].figure and "caching allocator on" in out[2].figure
 
 
+def test_resume_reuses_finished_verdicts_and_runs_the_rest(fake_tool, monkeypatch, tmp_path):
+    """A run cut off by a time limit continues from its state file: finished verdicts come back
+    as they were (failures included), only the missing cases run."""
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    state = tmp_path / "state.jsonl"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    import unittest.mock as mock
+
+    pairs = [("fakesan_pkg.cases", cases[0]), ("fakesan_pkg.cases", cases[1]), ("fakesan_pkg.cases", cases[3])]
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        first = san.run_all(pairs[:2], True, 120, progress=False, jobs_n=1, state=str(state))
+        assert len(state.read_text().splitlines()) == 2
+        n_runs = len(_runs(log))
+        again = san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(state))
+    assert len(_runs(log)) == n_runs + 1  # only the graph case ran
+    assert "replay" in _runs(log)[-1]
+    assert [(r.case, r.passed, r.figure) for r in again[:2]] == [(r.case, r.passed, r.figure) for r in first]
+    assert again[2].passed and again[2].case == "replay [memcheck]"
+    assert len(state.read_text().splitlines()) == 3
+
+
 def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, monkeypatch, tmp_path):
     tool, cases = fake_tool
     log = tmp_path / "runs.txt"

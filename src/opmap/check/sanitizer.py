@@ -224,8 +224,34 @@ BATCH = 6  # cases per child process (same family, tool and allocator setting)
 BATCH_EXTRA_S = 30.0  # batch timeout: one case's timeout plus this per further case
 
 
+def _key(fam: str, c: CheckCase, tool: str) -> str:
+    return f"{fam}{SEP}{c.section}{SEP}{c.title}{SEP}{tool}"
+
+
+def load_state(path: Optional[str]) -> dict:
+    """Finished sanitizer verdicts of an earlier run (one JSON line each), by case key. A run cut
+    off by a time limit resumes from here instead of starting over: on the H200 a full preset is
+    100+ tool runs of 20-150 s each."""
+    from .runner import Result
+
+    done = {}
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for ln in f:
+                if ln.strip():
+                    d = json.loads(ln)
+                    key = d.pop("key")
+                    done[key] = Result(**d)
+    return done
+
+
 def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4,
-            batch: int = BATCH) -> list:
+            batch: int = BATCH, state: Optional[str] = None) -> list:
+    """Every (family, case) under its tools. ``state``: a JSON-lines file that each verdict is
+    appended to as it finishes; verdicts already in it are reused, not run again."""
+    import threading
+    from dataclasses import asdict
+
     from .runner import Result
 
     exe = find_sanitizer()
@@ -233,6 +259,12 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
         return [Result("sanitizer", "-", "-", "(all GPU cases)", False,
                        "compute-sanitizer not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin")]
     jobs = [(f, c, tool) for f, c in pairs for tool in tools_for(c)]
+    earlier = load_state(state)
+    results: list = [earlier.get(_key(f, c, tool)) for f, c, tool in jobs]
+    if progress and any(r is not None for r in results):
+        print(f"[sanitizer] {sum(r is not None for r in results)} of {len(jobs)} verdicts reused from {state}",
+              file=sys.stderr, flush=True)
+    lock = threading.Lock()
     if not jobs:
         return [Result("sanitizer", "-", "-", "(no case of our kernels selected)", True,
                        "nothing to run under compute-sanitizer")]
@@ -241,19 +273,24 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     # tool slows the kernels down, so one GPU holds several); results keep the case order.
     groups: dict = {}
     for k, (f, c, tool) in enumerate(jobs):
+        if results[k] is not None:
+            continue
         groups.setdefault((f, tool, c.section == "graph"), []).append(k)
     chunks = [ks[i:i + max(1, batch)] for ks in groups.values() for i in range(0, len(ks), max(1, batch))]
     from concurrent.futures import ThreadPoolExecutor
 
-    done = [0]
-    results: list = [None] * len(jobs)
+    done = [sum(r is not None for r in results)]
 
     def one(ks):
         f, _, tool = jobs[ks[0]]
         rs = run_batch(f, [jobs[k][1] for k in ks], quick, tool, timeout, exe)
         for k, r in zip(ks, rs):
             results[k] = r
-            done[0] += 1
+            with lock:
+                done[0] += 1
+                if state:
+                    with open(state, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps({"key": _key(f, jobs[k][1], tool), **asdict(r)}) + "\n")
             if progress:
                 # A failure's figure goes to the log at once: a run cut off by a time limit still
                 # says why each finished case failed.
