@@ -63,9 +63,13 @@ def _statistics(name, device, V, n, f):
         if name == "reference" or (name == "triton" and device == "cpu"):
             # On the CPU the kernel draws the reference's tokens (checked by the parity case): draw
             # many through the reference's race on the kernel's Philox stream.
-            keep = target > 0
-            noise = gumbel(params[4], params[5], torch.arange(V, device=device).expand(n, -1))
-            ids = torch.where(keep, R.kernel_z(x, params[0][:1]) + noise, -math.inf).argmax(-1)
+            # In blocks of rows: the Philox stream's int64 temporaries are ~5 x 8 bytes per
+            # (row, token); 20000 x 128256 at once asked for 134 GB on the H200 (out of memory).
+            keep, z = target > 0, R.kernel_z(x, params[0][:1])
+            cols, step = torch.arange(V, device=device), max(1, (1 << 27) // V)
+            ids = torch.cat([torch.where(keep, z + gumbel(params[4][i:i + step], params[5][i:i + step],
+                                                          cols.expand(len(params[4][i:i + step]), -1)),
+                                         -math.inf).argmax(-1) for i in range(0, n, step)])
         else:
             torch.manual_seed(1234)  # the unseeded peers draw from the global generator
             ids, _ = registry.get("sampling", name)("sample", x.expand(n, V), *params)
