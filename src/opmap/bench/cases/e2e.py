@@ -142,10 +142,15 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
         wb = active_weight_bytes(cfg, b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
-        out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16",
-                       _engine_name(llm),
-                           d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
-                           "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"))
+        # Host wall per engine step and phase: tells a slow prefill from a wait before it (TTFT) and
+        # a slow decode step from time between steps (TPOT).
+        step_ms = {k: round(d["step_seconds"][k] / n * 1e3, 3) for k, n in d["steps"].items() if n}
+        rec = _record(model, f"model={model},B={b},prompt={plen},new={new},bf16", _engine_name(llm),
+                      d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
+                      ("tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall")
+                      + "; ms per step: " + ", ".join(f"{k} {v} ({d['steps'][k]})" for k, v in step_ms.items()))
+        rec["step_ms"], rec["steps"] = step_ms, dict(d["steps"])
+        out.append(rec)
 
 
 def _hf(model, cases_of_model, ceil, out, skipped):
@@ -248,7 +253,8 @@ def main(argv=None) -> int:
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
-              f"{r['tok_per_s']:.0f} tok/s  floor {r['weight_floor_ms']:.2f} ms")
+              f"{r['tok_per_s']:.0f} tok/s  floor {r['weight_floor_ms']:.2f} ms"
+              + (f"  step ms {r['step_ms']}" if r.get("step_ms") else ""))
     for s in skipped:
         print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
     if recs:
