@@ -58,7 +58,7 @@ def plan_splits(batch: int, num_heads: int, device, block_h: int = 16) -> int:
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                    num_splits: Optional[int] = None, split_min: int = 256) -> Workspace:
-    s = num_splits or plan_splits(max_batch, num_heads, device, _config(num_heads, rank)[0])
+    s = num_splits or plan_splits(max_batch, num_heads, device, _config(num_heads, rank, max_batch)[0])
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
@@ -66,12 +66,17 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                      split_min)
 
 
-def _config(H: int, R: int) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages). OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s" overrides
-    it for tuning on a GPU without editing code."""
+def _config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
+    overrides it for tuning on a GPU without editing code."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
     if env:
         return tuple(int(x) for x in env.split(","))  # type: ignore[return-value]
+    if H >= 64 and B is not None and B >= 64:
+        # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
+        # twice as many heads. H200, bench/results/2026-11-29-h200-mla.*: 1.3x at B=64 and 128
+        # (B=64/4096: 568 vs 737 us; fp8 763 vs 1207); at B=16 it loses (91 vs 66 us at 1k).
+        return (64, 32, 8, 1)
     # 16 heads x 32 tokens x 512 keeps the fp32 accumulator at 64 registers per thread (4 warps);
     # larger head blocks re-read less KV from L2 but spill on R = 512.
     return (16, 32, 4, 2) if R >= 256 else (16, 64, 4, 2)
@@ -218,7 +223,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    bh, bn, warps, stages = config or _config(H, R)
+    bh, bn, warps, stages = config or _config(H, R, B)
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
