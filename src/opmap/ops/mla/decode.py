@@ -49,16 +49,19 @@ def _sm_count(device) -> int:
     return 8  # interpreter: any small number exercises the split path
 
 
-def plan_splits(batch: int, num_heads: int, device, block_h: int = 16) -> int:
-    """Splits per sequence: as many as fit in one wave of two programs per SM (floor, so that a
-    partial second wave does not double the time), at most 128."""
+def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: int = 4) -> int:
+    """Splits per sequence: as many as fit in one wave (floor, so that a partial second wave does
+    not double the time), at most 128. A wave is two 4-warp programs per SM, or one 8-warp program
+    (the 64-head blocks: on the H200 at B=64, 128 heads, two splits of them took 626 us and one 568)."""
     progs = max(batch, 1) * triton.cdiv(num_heads, block_h)
-    return max(1, min(128, 2 * _sm_count(device) // progs))
+    per_sm = 2 if warps <= 4 else 1
+    return max(1, min(128, per_sm * _sm_count(device) // progs))
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                    num_splits: Optional[int] = None, split_min: int = 256) -> Workspace:
-    s = num_splits or plan_splits(max_batch, num_heads, device, _config(num_heads, rank, max_batch)[0])
+    bh, _, warps, _ = _config(num_heads, rank, max_batch)
+    s = num_splits or plan_splits(max_batch, num_heads, device, bh, warps)
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
@@ -227,7 +230,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
-        workspace = make_workspace(B, H, R, q_nope.device, num_splits=plan_splits(B, H, q_nope.device, bh))
+        workspace = make_workspace(B, H, R, q_nope.device, num_splits=plan_splits(B, H, q_nope.device, bh, warps))
     expect(workspace.max_batch >= B and workspace.part_o.shape[1] == H and workspace.part_o.shape[3] == R,
            "workspace", f"buffers {tuple(workspace.part_o.shape)}", f"at least ({B}, {H}, splits, {R})")
     expect(workspace.part_o.device == q_nope.device, "workspace", str(workspace.part_o.device),
