@@ -129,3 +129,23 @@ def test_random_feature_mixes_under_preemption(single_thread):
     assert llm.stats.preemptions > 0 and llm.ahead_steps > 0
     llm.bm.check_invariants()
     assert llm.bm.num_free_blocks == llm.bm.num_blocks
+
+
+def test_host_time_by_part(single_thread):
+    """Each step's host time is split into parts (metrics.HOST_PARTS): the parts timed inside a
+    step cover its measured time, and the grammar part appears only with a grammar."""
+    from opmap.engine.metrics import HOST_PARTS
+
+    llm = LLM("tiny-llama3", max_num_seqs=4)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for params, has_grammar in ((SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), False),
+                                (SamplingParams(max_tokens=12, temperature=0.0, json_schema=json.dumps(schema)), True)):
+        llm.generate(random_prompts(llm.cfg.vocab, [30, 31, 17]), params)
+        d = llm.last_summary
+        host = d["host_ms_per_step"]["decode"]
+        assert set(host) == set(HOST_PARTS) and all(v >= 0 for v in host.values())
+        assert host["forward"] > 0 and host["sample"] > 0
+        assert (host["grammar"] > 0) == has_grammar
+        inside = sum(v for k, v in host.items() if k != "schedule")  # schedule() runs before the step's clock
+        step = d["step_seconds"]["decode"] / d["steps"]["decode"] * 1e3
+        assert 0.7 * step <= inside <= step * 1.05 + 0.05

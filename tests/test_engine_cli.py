@@ -44,6 +44,9 @@ def test_profile_cpu(tmp_path, capsys, single_thread):
     assert "[prefill] 1 steps" in text and "[decode] 2 steps" in text
     assert "attention" in text and "GEMM" in text and "[reference]" in text
     assert "diagnosis: CPU run" in text and trace.exists()
+    # host time per step, by part: the reference forward and sampler run on the host here
+    host = [ln for ln in text.splitlines() if ln.strip().startswith("host:")]
+    assert len(host) == 2 and all("ms of work" in ln and "forward" in ln and "sample" in ln for ln in host)
 
 
 def test_profile_compare_closes_the_first_engine(capsys, single_thread, monkeypatch):
@@ -109,6 +112,13 @@ def test_analyse_gpu_trace_and_diagnosis():
     idle = [x for x in lines if "GPU idle 67%" in x][0]
     assert "decode CUDA graphs not captured" in idle and "sampler fallback" in idle
     assert any("1 steps" in x or "ms/step" in x for x in P.format_profile(res))
+    assert not any("host-bound" in x for x in lines)
+    # host work per decode step (0.2 ms, mostly sampling) above the GPU's 0.033 ms: host-bound
+    res["host_ms"] = {"decode": {"schedule": 0.02, "forward": 0.05, "sample": 0.12, "readback": 0.01, "wait": 0.5}}
+    bound = [x for x in P.diagnose(res, L(), {}) if "host-bound" in x]
+    assert bound and "host work 0.200 ms/step exceeds the GPU's 0.033 ms/step" in bound[0]
+    assert "'sample' (0.120 ms" in bound[0]
+    assert any(x.strip().startswith("host: 0.200 ms of work + 0.500 ms waiting") for x in P.format_profile(res))
 
 
 def test_categorize_symbols():

@@ -145,6 +145,14 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
             extra = f" (weight-read floor {floor:.3f} ms/step)" if floor else ""
             out.append(f"decode: GEMM takes {cat['GEMM'] / d['busy_us']:.0%} of GPU time, {per:.3f} ms/step{extra}: "
                        "weight-bandwidth bound; a faster decode GEMM or fp8 weights move it")
+    host = (res.get("host_ms") or {}).get("decode")
+    if d and res["on_gpu"] and host and d["steps"]:
+        work = sum(v for k, v in host.items() if k != "wait")
+        gpu = d["busy_us"] / d["steps"] / 1e3
+        if work > gpu:
+            big = max((k for k in host if k != "wait"), key=lambda k: host[k])
+            out.append(f"decode: host work {work:.3f} ms/step exceeds the GPU's {gpu:.3f} ms/step -> host-bound; "
+                       f"the largest part is '{big}' ({host[big]:.3f} ms; times under the profiler)")
     for name, p in ph.items():
         if res["on_gpu"] and p["wall_us"] > 0 and p["idle_us"] / p["wall_us"] > 0.3:
             why = ["host-side scheduling / Python overhead"]
@@ -175,12 +183,16 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     plist = params if isinstance(params, list) else [params] * len(prompts)
+    from .engine.metrics import StepStats
+
     llm.add_requests(prompts, plist)
     n = 0
+    llm.stats = StepStats()
     with profile(activities=acts) as prof:
         while llm.scheduler.has_unfinished() and n < steps:
             llm.step()
             n += 1
+    host = llm.stats.host_ms_per_step()
     while llm.scheduler.has_unfinished():
         llm.step()
     llm.drain()
@@ -191,6 +203,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     if trace_path is None:
         os.remove(path)
     res["profiled_steps"] = n
+    res["host_ms"] = host  # host time per step and part, under the profiler (which slows the host)
     res["trace"] = trace_path
     return res
 
@@ -229,6 +242,10 @@ def format_profile(res: dict) -> list:
         if res["on_gpu"]:
             head += f", GPU busy {p['busy_us'] / n / 1e3:.3f} ms/step, idle {p['idle_us'] / n / 1e3:.3f} ms/step"
         lines.append(head)
+        if res.get("host_ms", {}).get(name):
+            from .engine.metrics import format_host
+
+            lines += ["  host: " + ln.split(": ", 1)[1] for ln in format_host({name: res["host_ms"][name]})]
         total = sum(p["by_category"].values()) or 1.0
         for cat in CATEGORIES:
             t = p["by_category"].get(cat, 0.0)

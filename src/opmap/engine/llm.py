@@ -17,7 +17,7 @@ from ..contract import InputError
 from ..ops.sampling.params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model
-from .metrics import StepStats, summarize
+from .metrics import HOST_PARTS, StepStats, summarize
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -77,6 +77,7 @@ class LLM:
         self._bitmask = None
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
+        self._parts = dict.fromkeys(HOST_PARTS, 0.0)  # this step's host time by part (metrics.HOST_PARTS)
         self._pending: Optional[_Pending] = None  # the last decode step's tokens, not read back yet
         self._readback = None  # (pinned [2, max_num_seqs] int64, CUDA event): see _Pending
         if self.runner.device.type == "cuda":
@@ -243,6 +244,7 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM was closed; build a new one")
         sch = self.scheduler
+        self._parts = dict.fromkeys(HOST_PARTS, 0.0)
         pend, done = self._pending, []
         ahead = pend is not None and self._can_run_ahead(pend)
         if pend is not None and not ahead:
@@ -252,7 +254,9 @@ class LLM:
             self.ahead_steps += 1
             for s in pend.seqs:
                 s.token_ids.append(PLACEHOLDER)
+        t = time.perf_counter()
         batch = sch.schedule()
+        self._tick("schedule", t)
         if ahead and not (batch.is_decode and not batch.preempted and not batch.failed
                           and [it.seq for it in batch.items] == pend.seqs):
             done += self._resolve(pend)  # the batch changed after all: lockstep for this step
@@ -276,7 +280,14 @@ class LLM:
             done += self._execute(batch, pend)
         kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
         self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
+        self.stats.add_host(batch.phase, self._parts)
         return done
+
+    def _tick(self, part: str, since: float) -> float:
+        """Add the time since ``since`` to this step's host ``part``; returns now."""
+        now = time.perf_counter()
+        self._parts[part] += now - since
+        return now
 
     def _can_run_ahead(self, pend: "_Pending") -> bool:
         """Step n+1 may start before step n's tokens are known: the same sequences keep decoding
@@ -293,10 +304,14 @@ class LLM:
         sch, done = self.scheduler, []
         # A run-ahead batch is exactly pend.seqs in order (step() checked), so row i's input is
         # pend.ids[i].
+        t = time.perf_counter()
         logits = self.runner.run(batch) if pend is None else self.runner.run(batch, dev_ids=pend.ids)
+        self._tick("forward", t)
         if pend is not None:
             done += self._resolve(pend)  # the previous step's tokens, read while this step runs
+        t = time.perf_counter()
         sch.update(batch)  # after the placeholders were replaced: block hashes see real tokens
+        t = self._tick("schedule", t)
         sampled = [it.seq for it in batch.items if it.samples]
         if not sampled:
             return done
@@ -308,8 +323,10 @@ class LLM:
                     g.wait()  # compiled in the background since admission; rarely still running
             rows = self._bitmask.fill(grammars)
             mask = self._bitmask.upload(len(sampled), rows) if rows else None
+            t = self._tick("grammar", t)
         ids, invalid, lps = self.sampler.launch(logits, sampled, mask)
         p = _Pending(sampled, grammars, ids, invalid, lps, self._readback)
+        self._tick("sample", t)
         if self.ecfg.async_decode and batch.is_decode:
             # Read back during the next step, after it was launched: the grammar matchers, the
             # penalty counts and the stop checkers are all up to date again before that step
@@ -324,7 +341,9 @@ class LLM:
         if self._pending is p:
             self._pending = None
         sch, done = self.scheduler, []
+        t = time.perf_counter()
         ids, invalid = p.read()
+        t = self._tick("wait", t)
         for s, g, tok, bad, lp in zip(p.seqs, p.grammars, ids, invalid, p.lps):
             if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
                 s.token_ids.pop()
@@ -352,6 +371,7 @@ class LLM:
                 sch.finish(s, r[0])
                 s.stop_reason = r[1]
                 done.append(s)
+        self._tick("readback", t)
         return done
 
 

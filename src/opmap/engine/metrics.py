@@ -26,6 +26,8 @@ class StepStats:
     decode_kv_tokens: int = 0  # sum over decode steps of the KV tokens read
     decode_rows: int = 0
     preemptions: int = 0
+    # Host time per phase and part of a step (HOST_PARTS), seconds summed over the steps.
+    host: dict = field(default_factory=dict)
 
     def add(self, phase: str, seconds: float, kv_tokens: int = 0, rows: int = 0) -> None:
         self.steps[phase] += 1
@@ -33,6 +35,31 @@ class StepStats:
         if phase == "decode":
             self.decode_kv_tokens += kv_tokens
             self.decode_rows += rows
+
+    def add_host(self, phase: str, parts: dict) -> None:
+        mine = self.host.setdefault(phase, {})
+        for k, v in parts.items():
+            mine[k] = mine.get(k, 0.0) + v
+
+    def host_ms_per_step(self) -> dict:
+        return {ph: {k: v / self.steps[ph] * 1e3 for k, v in parts.items()}
+                for ph, parts in self.host.items() if self.steps.get(ph)}
+
+
+# The parts of an engine step's host time, in step order. "wait" is the host blocked on the GPU
+# (reading a step's sampled tokens back); everything else is host work. When the host work of a
+# decode step exceeds the GPU time of a step, the GPU waits for the host.
+HOST_PARTS = ("schedule", "forward", "grammar", "sample", "readback", "wait")
+
+
+def format_host(per_step: dict) -> list:
+    out = []
+    for ph, parts in per_step.items():
+        work = sum(v for k, v in parts.items() if k != "wait")
+        items = ", ".join(f"{k} {parts[k]:.3f}" for k in HOST_PARTS if parts.get(k))
+        out.append(f"{ph} host per step: {work:.3f} ms of work + {parts.get('wait', 0.0):.3f} ms waiting on the "
+                   f"GPU ({items} ms)")
+    return out
 
 
 def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: float, kv_bytes_per_token: float) -> dict:
@@ -49,6 +76,7 @@ def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: floa
         "output_tok_per_s": out_tok / wall_s if wall_s > 0 else None,
         "total_tok_per_s": (out_tok + in_tok) / wall_s if wall_s > 0 else None,
         "steps": dict(stats.steps), "step_seconds": dict(stats.seconds), "preemptions": stats.preemptions,
+        "host_ms_per_step": stats.host_ms_per_step(),
     }
     n, t = stats.steps["decode"], stats.seconds["decode"]
     if n and t > 0:
@@ -72,4 +100,5 @@ def format_summary(d: dict) -> list:
     if "decode_step_ms" in d:
         lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s, "
                      f"KV at {d['decode_kv_tbps']:.3f} TB/s (host wall clock per step)")
+    lines += format_host(d.get("host_ms_per_step") or {})
     return lines

@@ -150,6 +150,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
                       ("tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall")
                       + "; ms per step: " + ", ".join(f"{k} {v} ({d['steps'][k]})" for k, v in step_ms.items()))
         rec["step_ms"], rec["steps"] = step_ms, dict(d["steps"])
+        rec["host_ms"] = d.get("host_ms_per_step")  # per step and part: host work vs waiting on the GPU
         out.append(rec)
 
 
@@ -255,6 +256,10 @@ def main(argv=None) -> int:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
               f"{r['tok_per_s']:.0f} tok/s  floor {r['weight_floor_ms']:.2f} ms"
               + (f"  step ms {r['step_ms']}" if r.get("step_ms") else ""))
+        if r.get("host_ms"):
+            from opmap.engine.metrics import format_host
+
+            print("    " + "\n    ".join(format_host(r["host_ms"])))
     for s in skipped:
         print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
     if recs:
