@@ -5,6 +5,7 @@ per-iteration wait lets num_stages - 1 copies stay in flight (``ttg.async_wait {
 stages); with the page-table load inside the iteration (PREFETCH=0) Triton 3.6 waits for every
 copy (num = 0), so loads and MMAs do not overlap. A refactor that loses the pipeline fails here.
 Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
+import torch
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
@@ -72,3 +73,20 @@ def test_attention_kernels_compile_pipelined_for_sm90():
         assert pipelined == name.endswith("pf1"), f"{name}: waits {r['waits']}"
     for d in (64, 128):
         assert res[f"prefill-d{d}-pf1"]["wgmma"] >= 2  # QK^T and PV on Hopper warpgroup MMAs
+
+
+def test_decode_prefetch_only_while_the_grid_is_small(monkeypatch):
+    """The prefetch rule the H200 measurements chose: on while B x kv_heads <= 2 x SMs; an explicit
+    PREFETCH in the override always wins."""
+    from opmap.ops.attention import decode as dec
+
+    monkeypatch.setattr(dec, "sm_count", lambda device: 132)
+    monkeypatch.setattr(dec, "kernel_config", lambda kind, d, g, device, override=None:
+                        {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "PREFETCH": 1, **(override or {})})
+    dev = torch.device("cuda")
+    assert dec.decode_config(128, 4, 32, 8, dev)["PREFETCH"] == 1    # 256 programs
+    assert dec.decode_config(128, 4, 33, 8, dev)["PREFETCH"] == 1    # 264 = 2 x 132
+    assert dec.decode_config(128, 4, 34, 8, dev)["PREFETCH"] == 0    # 272
+    assert dec.decode_config(128, 4, 64, 8, dev)["PREFETCH"] == 0
+    assert dec.decode_config(128, 4, 128, 8, dev, {"PREFETCH": 1})["PREFETCH"] == 1
+    assert dec.decode_config(128, 4, 1, 8, dev, {"PREFETCH": 0})["PREFETCH"] == 0

@@ -233,3 +233,19 @@ def test_prefill_empty_sequence_with_padding_table_row():
     cu = torch.tensor([0, 4, 4], dtype=torch.int32)
     args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, tables)
     assert_close(pf.mla_prefill(*args, scale=0.2), ref.mla_prefill(*args, scale=0.2))
+
+
+def test_decode_config_follows_the_h200_grid(monkeypatch):
+    """64-head blocks (8 warps) only for >= 64 heads at batch >= 64, where the H200 measured
+    1.3x; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
+    from opmap.ops.mla import decode as D
+
+    monkeypatch.delenv("OPMAP_MLA_DECODE_CONFIG", raising=False)
+    monkeypatch.setattr(D, "_sm_count", lambda device: 132)
+    assert D._config(128, 512, 64) == (64, 32, 8, 1)
+    assert D._config(128, 512, 16) == D._config(128, 512) == (16, 32, 4, 2)
+    assert D._config(16, 512, 128) == (16, 32, 4, 2)
+    assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
+    assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
+    monkeypatch.setenv("OPMAP_MLA_DECODE_CONFIG", "16,32,4,3")
+    assert D._config(128, 512, 64) == (16, 32, 4, 3)

@@ -237,6 +237,18 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
     return fixed, workspace.min_chunk, splits, workspace.part_o, workspace.part_lse
 
 
+def decode_config(head_dim: int, group: int, batch: int, kv_heads: int, device, override=None) -> dict:
+    """Tile configuration of one decode launch (``override``: keys to replace, for tuning)."""
+    cfg = kernel_config("decode", head_dim, group, device, override)
+    if not (override and "PREFETCH" in override) and batch * kv_heads > 2 * sm_count(device):
+        # Measured on the H200 (bench/results/2026-11-29-h200-attention-session3.*): the page-id
+        # prefetch speeds decode up to B*kv_heads = 256 (B=32/32k: 977 vs 1211 us) and slows it
+        # from 512 on (B=64/4096: 358 vs 260 us, B=128/8192: 1039 vs 990): with more programs
+        # than two per SM, occupancy hides the latency and the carried ids cost more than they buy.
+        cfg["PREFETCH"] = 0
+    return cfg
+
+
 def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scale, window, soft_cap, k_scale,
                   v_scale, return_lse, workspace=None, config=None, cu_seqlens_q=None):
     """Launch on validated inputs. With ``cu_seqlens_q`` (mixed batches) the query / output row of
@@ -245,13 +257,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     hk, page, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[3]
     if B == 0:
         return
-    cfg = kernel_config("decode", d, hq // hk, q.device, config)
-    if not (config and "PREFETCH" in config) and B * hk > 2 * sm_count(q.device):
-        # Measured on the H200 (bench/results/2026-11-29-h200-attention-session3.*): the page-id
-        # prefetch speeds decode up to B*kv_heads = 256 (B=32/32k: 977 vs 1211 us) and slows it
-        # from 512 on (B=64/4096: 358 vs 260 us, B=128/8192: 1039 vs 990): with more programs
-        # than two per SM, occupancy hides the latency and the carried ids cost more than they buy.
-        cfg["PREFETCH"] = 0
+    cfg = decode_config(d, hq // hk, B, hk, q.device, config)
     fixed, min_chunk, splits, po, pl = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
     po4 = po if po is not None else out.view(out.shape[0], hq, 1, dv)  # never written when splits == 1
     pl3 = pl if pl is not None else torch.empty(1, 1, 1, device=q.device)
