@@ -179,6 +179,7 @@ def test_bench_case_filters_and_provider_reasons():
     assert "no backend 'no-such'" in bench_runner.why_not(prov_reg, case)
     assert bench_runner.keep(case, ["rmsnorm"], None) and bench_runner.keep(case, ["rmsnorm.fused"], None)
     assert not bench_runner.keep(case, ["gemm"], None)
+    assert bench_runner.keep(case, ["rmsnorm.fu"], None)  # a prefix of the name, not only whole parts
     assert bench_runner.keep(case, None, {"rmsnorm", "gemm"}) and not bench_runner.keep(case, None, {"gemm"})
     from opmap.specs import AttentionSpec
 

@@ -295,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")
-    b.add_argument("--op", action="append", help="only these bench ops (prefix match, e.g. attention)")
+    b.add_argument("--op", action="append", help="only bench ops whose name starts with this (repeatable; e.g. attention, attention.mla)")
     b.add_argument("--model", help="only the cases of the ops of this preset")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--out", default="bench/results", metavar="DIR")

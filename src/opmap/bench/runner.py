@@ -34,7 +34,9 @@ def op_root(case: BenchCase) -> str:
 
 
 def keep(case: BenchCase, ops: Optional[list], model_ops: Optional[set], mla: Optional[bool] = None) -> bool:
-    if ops and not any(case.op == o or case.op.startswith(o + ".") or op_root(case) == o for o in ops):
+    # A prefix of the op's name: "attention" takes attention.*, "attention.mla" takes
+    # attention.mla_decode, attention.mla_prefill, ...
+    if ops and not any(case.op.startswith(o) or op_root(case) == o for o in ops):
         return False
     kind = getattr(case.spec, "kind", None)
     if mla is not None and op_root(case) in ("attention", "kv_append") and kind in ("mla", "gqa", "mha", "mqa"):
