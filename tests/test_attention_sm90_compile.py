@@ -90,3 +90,18 @@ def test_decode_prefetch_only_while_the_grid_is_small(monkeypatch):
     assert dec.decode_config(128, 4, 64, 8, dev)["PREFETCH"] == 0
     assert dec.decode_config(128, 4, 128, 8, dev, {"PREFETCH": 1})["PREFETCH"] == 1
     assert dec.decode_config(128, 4, 1, 8, dev, {"PREFETCH": 0})["PREFETCH"] == 0
+
+
+def test_decode_min_chunk_auto_and_explicit(monkeypatch):
+    """64-key splits only when B x kv_heads <= SMs / 16 (batch 1, 8 KV heads on the H200); a
+    workspace's explicit min_chunk always wins."""
+    from opmap.ops.attention import decode as dec
+
+    monkeypatch.setattr(dec, "sm_count", lambda device: 132)
+    assert dec.auto_min_chunk(1, 8, "cuda") == 64 and dec.auto_min_chunk(2, 8, "cuda") == 256
+    assert dec.auto_min_chunk(8, 1, "cuda") == 64 and dec.auto_min_chunk(64, 8, "cuda") == 256
+    bt = torch.zeros(1, 4, dtype=torch.int32)
+    auto = dec.make_workspace(1, 32, 128, device="cpu")
+    fixed = dec.make_workspace(1, 32, 128, device="cpu", min_chunk=256)
+    assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[1] == 64
+    assert dec._splits(fixed, 1, 32, 128, 8, 16, bt, "cpu")[1] == 256

@@ -91,7 +91,7 @@ def _ours(phase, fixed=False, config=None, min_chunk=None):
         if phase == "decode":
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
-                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk or Dm.MIN_CHUNK)
+                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
                                      config=config, **kw)
         if phase == "prefill":
@@ -193,10 +193,11 @@ def _decode_case(B, L, fp8, quick):
         if not fp8:
             provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
         if B * HK * (L // 256) < 132:
-            # Shorter splits where the default plan (>= 256 keys per split) leaves most SMs idle:
-            # at B=1, kv=1152 the engine's decode ran 40 programs of 256 keys, 10.7 us per layer
-            # against a ~1.1 us read floor (docs/engine.md).
+            # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
+            # picks one of them by B x Hk: decode.auto_min_chunk): at B=1, kv=1152 the engine's
+            # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
             provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
+            provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))

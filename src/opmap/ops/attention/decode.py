@@ -10,7 +10,8 @@ The split plan is a pure function of one sequence's length, evaluated *on the de
 kernels (no host synchronisation, nothing to rebuild when lengths change):
 - auto mode: n = min(max_splits, ceil(E / min_chunk)) splits of equal size (rounded up to
   BLOCK_N) over the E keys the query sees; ``max_splits`` is chosen on the host from B, Hk and
-  the SM count (one wave of ~2 programs per SM), so long contexts at small batch fill the GPU;
+  the SM count (one wave of ~2 programs per SM), so long contexts at small batch fill the GPU,
+  and ``min_chunk`` too (64 keys when B x Hk is tiny, else 256: ``auto_min_chunk``);
 - fixed mode (batch invariant): splits of exactly ``split_tokens`` keys; a sequence's result
   depends on its own length only, never on the batch it runs in.
 A sequence with one split writes its output directly; with more, each split writes a
@@ -45,13 +46,15 @@ class DecodeWorkspace:
     part_lse: torch.Tensor  # [max_batch, Hq, max_splits] fp32, log2 domain
     max_splits: int
     split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
-    min_chunk: int
+    min_chunk: int  # 0: auto_min_chunk per launch
 
 
 def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
                    batch_invariant: bool = False, split_tokens: Optional[int] = None,
-                   max_splits: Optional[int] = None, min_chunk: int = MIN_CHUNK) -> DecodeWorkspace:
+                   max_splits: Optional[int] = None, min_chunk: Optional[int] = None) -> DecodeWorkspace:
+    """``min_chunk``: fewest keys per split in auto mode; None chooses per launch (auto_min_chunk)."""
     expect(max_batch >= 1, "max_batch", max_batch, ">= 1")
+    expect(min_chunk is None or min_chunk >= 1, "min_chunk", min_chunk, ">= 1 or None")
     fixed = 0
     if batch_invariant or split_tokens:
         fixed = int(split_tokens or SPLIT_TOKENS_FIXED)
@@ -65,7 +68,7 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     dev = torch.device(device)
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
-                           splits, fixed, int(min_chunk))
+                           splits, fixed, int(min_chunk or 0))
 
 
 @triton.jit
@@ -213,6 +216,14 @@ def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS_AUTO, (2 * sm_count(device)) // max(1, batch * num_kv_heads)))
 
 
+def auto_min_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Fewest keys per split. 64 when B x Hk is at most 1/16 of the SMs (batch 1 with 8 KV heads
+    on the H200), else 256. Measured on the H200 (bench/results/2026-11-29-h200-attention-session3.*,
+    rows [chunk=64]): B=1, 32/8 heads, kv 512: 12.4 vs 15.1 us (fp8 13.0 vs 18.1), kv 2048: 16.4
+    vs 16.4 (fp8 16.1 vs 18.7); at B=8 it was mixed (bf16 4% slower, fp8 5% faster at kv 512)."""
+    return 64 if batch * num_kv_heads * 16 <= sm_count(device) else MIN_CHUNK
+
+
 def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
     """(split_tokens, min_chunk, max_splits, part_o, part_lse) for this call."""
     if workspace is None:
@@ -220,7 +231,7 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
         if splits == 1:
             return 0, MIN_CHUNK, 1, None, None
         # A split plan needs partial buffers; without a workspace they are allocated here.
-        return (0, MIN_CHUNK, splits, torch.empty(B, hq, splits, dv, dtype=torch.float32, device=device),
+        return (0, auto_min_chunk(B, hk, device), splits, torch.empty(B, hq, splits, dv, dtype=torch.float32, device=device),
                 torch.empty(B, hq, splits, dtype=torch.float32, device=device))
     expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
            "a DecodeWorkspace from make_workspace")
@@ -234,7 +245,7 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
                f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
     else:
         splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
-    return fixed, workspace.min_chunk, splits, workspace.part_o, workspace.part_lse
+    return fixed, workspace.min_chunk or auto_min_chunk(B, hk, device), splits, workspace.part_o, workspace.part_lse
 
 
 def decode_config(head_dim: int, group: int, batch: int, kv_heads: int, device, override=None) -> dict:
