@@ -74,10 +74,13 @@ def test_oracle_verdict(err_ours, deficit, consistent, ok):
 
 
 @torch.no_grad()
-def test_oracle_bf16_engine_within_noise(single_thread):
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe",
+                                  "tiny-deepseek"])
+def test_oracle_bf16_engine_within_noise(name, single_thread):
+    """The GPU parity criterion (tests/gpu/test_parity_gpu.py) for every architecture, on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    cfg = PRESETS["tiny-llama3"]
+    cfg = PRESETS[name]
     torch.manual_seed(0)
     hf16 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16).eval()
     hf32 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.float32).eval()

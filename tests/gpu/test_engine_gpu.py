@@ -10,6 +10,8 @@ import torch
 
 from opmap.presets import PRESETS
 
+from oracle_util import oracle_parity
+
 pytestmark = pytest.mark.gpu
 
 
@@ -51,53 +53,13 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
     assert runs[True][0] == runs[False][0]
 
 
-def _oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
-    """Engine on random bf16 weights against HF fp32 (oracle) and HF bf16 (noise) on the same
-    weights; see test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle."""
-    from transformers import AutoModelForCausalLM
-
-    from opmap.engine import oracle
-    from opmap.engine.config import to_hf_config
-    from opmap.engine.llm import LLM
-    from opmap.engine.weights import StateDictSource
-
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 oracle must not run in TF32
-    llm = hf16 = hf32 = None
-    try:
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf16 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16).eval()
-            hf32 = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.float32).eval()
-        hf32.load_state_dict(hf16.state_dict())  # exactly the bf16 weights, in fp32
-        llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), **engine_kw)
-        assert llm.runner.unused == []
-        report, failed = [], []
-        for p in _prompts(cfg.vocab, lengths, seed=3):
-            ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
-                                do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-            ok, line = oracle.verdict(oracle.compare(llm, hf16, hf32, p, n_new, ref))
-            report.append(f"prompt {len(p)}: {line}")
-            if not ok:
-                failed.append(report[-1])
-        record_property("oracle_parity", "; ".join(report))
-        print("\n".join(report))
-        assert not failed, failed
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-        if llm is not None:
-            llm.close()
-        del hf16, hf32
-        _free()
-
-
 @torch.no_grad()
 def test_deepseek_v2_lite_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     """DeepSeek-V2-Lite widths (MLA rank 512 + 64 rope dims, 16 heads, 64 routed + 2 shared
     experts, first layer dense) with 12 of its 27 layers: three copies of the full 27 layers
     (HF bf16, HF fp32, ours) would need ~125 GB before any cache. Same criterion as Llama."""
     cfg = dataclasses.replace(PRESETS["deepseek-v2-lite"], layers=12)
-    _oracle_parity(cfg, record_property, (96, 333), 24, max_num_seqs=4, max_num_batched_tokens=1024,
+    oracle_parity(cfg, record_property, (96, 333), 24, max_num_seqs=4, max_num_batched_tokens=1024,
                    max_model_len=2048, num_pages=4 * 32, page_size=64)
 
 
@@ -110,7 +72,7 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     random weights give top-2 gaps of a few hundredths). Where the tokens first differ from HF
     bf16 greedy is reported, not asserted."""
     # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB).
-    _oracle_parity(PRESETS["llama3-8b"], record_property, (128, 517), 32, max_num_seqs=4,
+    oracle_parity(PRESETS["llama3-8b"], record_property, (128, 517), 32, max_num_seqs=4,
                    max_num_batched_tokens=1024, max_model_len=2048, num_pages=4 * 128)
 
 
