@@ -5,12 +5,12 @@ import gc
 import torch
 
 
-def _prompts(vocab, lengths, seed=0):
+def prompts(vocab, lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _free():
+def free_gpu():
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -37,7 +37,7 @@ def oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
         llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), **engine_kw)
         assert llm.runner.unused == []
         report, failed = [], []
-        for p in _prompts(cfg.vocab, lengths, seed=3):
+        for p in prompts(cfg.vocab, lengths, seed=3):
             ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             ok, line = oracle.verdict(oracle.compare(llm, hf16, hf32, p, n_new, ref))
@@ -52,4 +52,4 @@ def oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
         if llm is not None:
             llm.close()
         del hf16, hf32
-        _free()
+        free_gpu()

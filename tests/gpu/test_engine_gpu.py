@@ -3,26 +3,15 @@ a bf16 Llama-3-8B-shaped random model stays within bf16 noise of an fp32 oracle 
 weights in fp32, teacher-forced), with HF's own bf16 error as the measure of that noise; KV
 sizing with another engine still alive; the profiler attributes GPU kernels to operators."""
 import dataclasses
-import gc
 
 import pytest
 import torch
 
 from opmap.presets import PRESETS
 
-from oracle_util import oracle_parity
+from oracle_util import free_gpu, prompts, oracle_parity
 
 pytestmark = pytest.mark.gpu
-
-
-def _prompts(vocab, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _free():
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("name,layers", [("llama3-8b", 2), ("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 2)])
@@ -31,7 +20,7 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
     from opmap.ops.sampling.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS[name], layers=layers)  # real widths, fewer layers
-    prompts = _prompts(cfg.vocab, (7, 100, 300, 33, 1))
+    prompts = prompts(cfg.vocab, (7, 100, 300, 33, 1))
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 4 + [
         SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9, seed=7, ignore_eos=True)]
     runs = {}
@@ -86,8 +75,8 @@ def test_profile_attributes_gpu_kernels_to_operators():
     llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, num_pages=4 * 64,
               trace_ops=True)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(_prompts(cfg.vocab, (16,)), sp)  # warm-up
-    res = P.profile_engine(llm, _prompts(cfg.vocab, (200, 300), seed=4), sp, steps=6)
+    llm.generate(prompts(cfg.vocab, (16,)), sp)  # warm-up
+    res = P.profile_engine(llm, prompts(cfg.vocab, (200, 300), seed=4), sp, steps=6)
     assert res["on_gpu"] and {"prefill", "decode"} <= set(res["phases"])
     pre, dec = res["phases"]["prefill"], res["phases"]["decode"]
     # Eager prefill: kernels attributed through the operator ranges, with the chosen backends.
@@ -108,7 +97,7 @@ def test_second_engine_sized_from_free_memory_and_close_returns_it():
 
     # The first H200 run: a second engine in the process counted the first one's KV cache as its
     # own warm-up peak and raised "-58.53 GiB available". Now it gets what is actually free.
-    _free()
+    free_gpu()
     base = torch.cuda.memory_allocated()
     cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
     kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, enforce_eager=True)  # full context: no page cap
@@ -125,5 +114,5 @@ def test_second_engine_sized_from_free_memory_and_close_returns_it():
         assert o.error is None and len(o.token_ids) == 4
     b.close()
     a.close()
-    _free()
+    free_gpu()
     assert torch.cuda.memory_allocated() < base + 0.05 * a_kv, (base, torch.cuda.memory_allocated(), a_kv)
