@@ -5,7 +5,7 @@ import gc
 import torch
 
 
-def prompts(vocab, lengths, seed=0):
+def random_prompts(vocab, lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
@@ -37,7 +37,7 @@ def oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
         llm = LLM(cfg, source=StateDictSource(hf16.state_dict()), **engine_kw)
         assert llm.runner.unused == []
         report, failed = [], []
-        for p in prompts(cfg.vocab, lengths, seed=3):
+        for p in random_prompts(cfg.vocab, lengths, seed=3):
             ref = hf16.generate(torch.tensor([p], device="cuda"), max_new_tokens=n_new, min_new_tokens=n_new,
                                 do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             ok, line = oracle.verdict(oracle.compare(llm, hf16, hf32, p, n_new, ref))

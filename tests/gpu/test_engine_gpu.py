@@ -9,7 +9,7 @@ import torch
 
 from opmap.presets import PRESETS
 
-from oracle_util import free_gpu, prompts, oracle_parity
+from oracle_util import free_gpu, oracle_parity, random_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
     from opmap.ops.sampling.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS[name], layers=layers)  # real widths, fewer layers
-    prompts = prompts(cfg.vocab, (7, 100, 300, 33, 1))
+    prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1))
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 4 + [
         SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9, seed=7, ignore_eos=True)]
     runs = {}
@@ -75,8 +75,8 @@ def test_profile_attributes_gpu_kernels_to_operators():
     llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, num_pages=4 * 64,
               trace_ops=True)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts(cfg.vocab, (16,)), sp)  # warm-up
-    res = P.profile_engine(llm, prompts(cfg.vocab, (200, 300), seed=4), sp, steps=6)
+    llm.generate(random_prompts(cfg.vocab, (16,)), sp)  # warm-up
+    res = P.profile_engine(llm, random_prompts(cfg.vocab, (200, 300), seed=4), sp, steps=6)
     assert res["on_gpu"] and {"prefill", "decode"} <= set(res["phases"])
     pre, dec = res["phases"]["prefill"], res["phases"]["decode"]
     # Eager prefill: kernels attributed through the operator ranges, with the chosen backends.
