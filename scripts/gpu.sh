@@ -44,7 +44,7 @@ for s in $STEPS; do
       for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
         step "tests $f"
         n=$(basename "$f" .py)
-        timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 240 \
+        timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 240 \
           --junitxml="$out/junit-$n.xml" "$f" ${TEST_ARGS:-} 2>&1 | tee -a "$out/tests.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done ;;
