@@ -1,4 +1,4 @@
-"""Fuzzing the dense launchers: rmsnorm, add_rmsnorm, silu_mul, gelu_tanh_mul, rope, linear.
+"""Fuzzing the dense launchers: rmsnorm, add_rmsnorm, qk_rmsnorm, silu_mul, gelu_tanh_mul, rope, linear.
 Every backend that can run here is called with random shapes, dtypes, strides and parameters,
 valid and broken (harness: test_fuzz_harness.py)."""
 import math
@@ -78,6 +78,54 @@ def test_fuzz_rmsnorm(name):
 @pytest.mark.parametrize("name", launchers("rmsnorm", "add_rmsnorm"))
 def test_fuzz_add_rmsnorm(name):
     fuzz("rmsnorm", name, "add_rmsnorm", norm_cases(True), _cmp_norm, _n(name))
+
+
+QK_BREAKS = ("none", "none", "none", "rows", "nq_big", "nq_neg", "x_2d", "x_lastdim", "w_len", "w_dtype",
+             "eps_neg", "x_int")
+
+
+@st.composite
+def qk_norm_cases(draw):
+    """qk_rmsnorm on [T, Hq + Hk, D]; "rows": the view of a wider qkv row (strided tokens, NaN
+    in the v columns a kernel must not read)."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    T, hq, hk, D = draw(st.integers(0, 5)), draw(st.integers(0, 5)), draw(st.integers(0, 3)), draw(st.integers(1, 80))
+    dtype = draw(st.sampled_from(F))
+    w_fp32 = draw(st.booleans())
+    brk = draw(st.sampled_from(QK_BREAKS))
+    nq = {"nq_big": hq + hk + 1, "nq_neg": -1}.get(brk, hq)
+
+    def build():
+        g = gen(seed)
+        x = randn((T, (hq + hk) * D), dtype, g, row_stride_pad=2 * D if brk == "rows" else 0,
+                  last_dim_step=2 if brk == "x_lastdim" else 1)
+        x = x.view(T, hq + hk, D) if brk not in ("x_2d", "x_lastdim") else x
+        if brk == "x_lastdim":
+            x = x.unflatten(1, (hq + hk, D)) if (hq + hk) else x.view(T, 0, D)
+        if brk == "x_int":
+            x = x.to(torch.int32)
+        wd = torch.float32 if w_fp32 else dtype
+        wq = randn((D,), wd, g)
+        wk = randn((D + (1 if brk == "w_len" else 0),), wd, g)
+        if brk == "w_dtype":
+            wq = wq.to(torch.bfloat16 if dtype == torch.float16 else torch.float16)
+        return (x, wq, wk, nq, -1e-6 if brk == "eps_neg" else 1e-6), {}
+
+    arg = {"nq_big": "num_q_heads", "nq_neg": "num_q_heads", "x_2d": "qk", "x_lastdim": "qk", "w_len": "w_k",
+           "w_dtype": "w_q", "eps_neg": "eps", "x_int": "qk"}
+    broken = frozenset() if brk in ("none", "rows") else frozenset({arg[brk]})
+    if brk == "x_lastdim" and D == 1:
+        broken = frozenset()
+    return Case(build, broken, what=f"{brk} T={T} hq={hq} hk={hk} D={D} {dtype}")
+
+
+def _cmp_qk(case, got, exp):
+    close(got[0], exp[0], what="qk (in place)")
+
+
+@pytest.mark.parametrize("name", launchers("rmsnorm", "qk_rmsnorm"))
+def test_fuzz_qk_rmsnorm(name):
+    fuzz("rmsnorm", name, "qk_rmsnorm", qk_norm_cases(), _cmp_qk, _n(name))
 
 
 # ---- silu_mul / gelu_tanh_mul -----------------------------------------------------------------

@@ -111,7 +111,7 @@ def test_registry_entries_and_selection():
     ch = select("rmsnorm", NormSpec(arch="sm90", hidden=4096, fused_add=True), runtime=False)
     assert ch.name == "triton"
     for b in registry.backends("rmsnorm"):
-        for entry in ("rmsnorm", "add_rmsnorm"):
+        for entry in ("rmsnorm", "add_rmsnorm", "qk_rmsnorm"):
             assert callable(b.fn(entry))
 
 
@@ -155,3 +155,51 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
             out = p.make(inp)()
             want = ref.rmsnorm(inp["x"] + res0 if fused else inp["x"], inp["w"], bench.EPS)
             assert_close(out, want, scale=2.0, what=f"{p.name} {c.case}")
+
+
+def _qkv(T, hq, hk, d, dtype, seed=0):
+    """A fused qkv projection output [T, (hq + 2 hk) d] and the [T, hq + hk, d] view of its q, k."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 3 + 0.5).to(dtype)
+    return qkv, qkv[:, :(hq + hk) * d].view(T, hq + hk, d)
+
+
+@pytest.mark.parametrize("T,hq,hk,d", [(0, 4, 2, 64), (1, 4, 2, 64), (5, 8, 2, 128), (17, 4, 4, 16),
+                                       (3, 6, 1, 48), (2, 32, 4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qk_rmsnorm_in_place_matches_two_norms(T, hq, hk, d, dtype):
+    """One launch for Qwen3's q_norm and k_norm on the strided view of the qkv row: equal to the
+    two separate norms, in place, and the v columns untouched (odd head_dim 48, MQA, empty)."""
+    g = torch.Generator().manual_seed(T * 31 + d)
+    wq, wk = torch.randn(d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
+    qkv, view = _qkv(T, hq, hk, d, dtype, seed=T)
+    before = qkv.clone()
+    want_q = ref.rmsnorm(before[:, :hq * d].reshape(T, hq, d), wq, 1e-6)
+    want_k = ref.rmsnorm(before[:, hq * d:(hq + hk) * d].reshape(T, hk, d), wk, 1e-6)
+    for impl in (tri, ref):
+        x = before.clone()
+        v = x[:, :(hq + hk) * d].view(T, hq + hk, d)
+        assert impl.qk_rmsnorm(v, wq, wk, hq, 1e-6) is v
+        assert_close(x[:, :hq * d].view(T, hq, d), want_q, scale=2.0)
+        assert_close(x[:, hq * d:(hq + hk) * d].view(T, hk, d), want_k, scale=2.0)
+        assert torch.equal(x[:, (hq + hk) * d:], before[:, (hq + hk) * d:])  # v untouched
+    peer = registry.get("rmsnorm", "torch-rms_norm")
+    x = before.clone()
+    peer("qk_rmsnorm", x[:, :(hq + hk) * d].view(T, hq + hk, d), wq, wk, hq, 1e-6)
+    assert_close(x[:, :hq * d].view(T, hq, d), want_q, scale=2.0)
+
+
+@pytest.mark.parametrize("impl", [ref, tri])
+def test_qk_rmsnorm_bad_input_is_input_error(impl):
+    _, v = _qkv(3, 4, 2, 64, torch.float16)
+    w = torch.randn(64, dtype=torch.float16)
+    with pytest.raises(InputError, match="num_q_heads"):
+        impl.qk_rmsnorm(v, w, w, 7)
+    with pytest.raises(InputError, match="w_k"):
+        impl.qk_rmsnorm(v, w, w[:63], 4)
+    with pytest.raises(InputError, match="w_q"):
+        impl.qk_rmsnorm(v, w.to(torch.bfloat16), w, 4)
+    with pytest.raises(InputError, match="qk"):
+        impl.qk_rmsnorm(v.reshape(3, -1), w, w, 4)  # not [T, heads, head_dim]
+    with pytest.raises(InputError, match="eps"):
+        impl.qk_rmsnorm(v, w, w, 4, -1.0)

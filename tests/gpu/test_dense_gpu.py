@@ -53,6 +53,20 @@ def test_rmsnorm_bf16(rows, H, fused):
     assert_close(out, exp)
 
 
+@pytest.mark.parametrize("T", [1, 7, 4096])
+def test_qk_rmsnorm_bf16_in_place_on_the_qkv_view(T):
+    """Qwen3-8B heads (32 q + 8 k, d=128): one launch on the strided view of the qkv row equals
+    the reference's two norms, and the v columns (NaN) are neither read nor written."""
+    hq, hk, d = 32, 8, 128
+    qkv = _randn(T, (hq + 2 * hk) * d, seed=T)
+    qkv[:, (hq + hk) * d:] = float("nan")
+    wq, wk = _randn(d, seed=7), _randn(d, seed=8)
+    want = norm_ref.qk_rmsnorm(qkv[:, :(hq + hk) * d].clone().view(T, hq + hk, d), wq, wk, hq, 1e-6)
+    triton_norm.qk_rmsnorm(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), wq, wk, hq, 1e-6)
+    assert_close(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), want)
+    assert bool(qkv[:, (hq + hk) * d:].isnan().all())
+
+
 def test_rmsnorm_over_2pow31_elements_int64_offsets():
     # 524289 rows of 4096 bf16 = 2^31 + 4096 elements (4 GiB), normalised in place (out=x) so
     # that memory stays near 4 GiB. Rows whose offsets overflow int32 are checked.

@@ -154,12 +154,13 @@ class DecoderModel:
         T, d = h.shape[0], c.head_dim
         qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"))
         qd, kd = c.heads * d, c.kv_heads * d
+        if c.qk_norm:
+            # q and k heads side by side in the qkv row: one in-place launch normalises both.
+            ops.qk_norm(qkv[:, :qd + kd].view(T, c.heads + c.kv_heads, d), P[f"{i}.q_norm"], P[f"{i}.k_norm"],
+                        c.heads, c.rms_eps)
         q = qkv[:, :qd].view(T, c.heads, d)
         k = qkv[:, qd:qd + kd].view(T, c.kv_heads, d)
         v = qkv[:, qd + kd:].view(T, c.kv_heads, d)
-        if c.qk_norm:
-            q = ops.qk_norm(q, P[f"{i}.q_norm"], c.rms_eps)
-            k = ops.qk_norm(k, P[f"{i}.k_norm"], c.rms_eps)
         ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
         k_cache, v_cache = kv
         ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)

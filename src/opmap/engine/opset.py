@@ -62,7 +62,7 @@ class OpSet:
             self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim)
             if cfg.qk_norm:
                 self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
-                                          "rmsnorm")
+                                          "qk_rmsnorm")
             self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
                 num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
                 kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")

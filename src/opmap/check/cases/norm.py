@@ -44,6 +44,25 @@ def _parity(backend, device, rows, H, dtype, fused, row_stride=None):
     return run
 
 
+def _qk_parity(backend, device, T, hq, hk, d, dtype):
+    """qk_rmsnorm in place on the [T, hq + hk, d] view of a qkv row against two reference norms;
+    the v columns (NaN here) must be neither read into q/k nor written."""
+    def run():
+        from opmap.ops.norm import reference
+
+        g = torch.Generator().manual_seed(T * 13 + hq)
+        qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2 + 0.3).to(device, dtype)
+        qkv[:, (hq + hk) * d:] = float("nan")
+        wq, wk = torch.randn(d, generator=g).to(device, dtype), torch.randn(d, generator=g).to(device, dtype)
+        want = reference.qk_rmsnorm(qkv[:, :(hq + hk) * d].clone().view(T, hq + hk, d), wq, wk, hq, 1e-6)
+        registry.get("rmsnorm", backend)("qk_rmsnorm", qkv[:, :(hq + hk) * d].view(T, hq + hk, d), wq, wk, hq, 1e-6)
+        e = compare(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), want, dtype, scale=2.0)
+        v_ok = bool(qkv[:, (hq + hk) * d:].isnan().all())
+        return Outcome(e.ok and v_ok, f"{e}; v columns {'untouched' if v_ok else 'WRITTEN'}", e.worst_ratio, 1.0)
+
+    return run
+
+
 def _vs_hf(device):
     def run():
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -99,6 +118,14 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                 for label, rows, H, stride in bnd:
                     out.append(CheckCase("boundaries", "rmsnorm", name, f"{entry},{label},dtype={dt}",
                                          _parity(name, device, rows, H, d, fused, stride)))
+        for dt in dtypes:
+            if b.validate(NormSpec(arch=arch, dtype=dt), runtime=True):
+                continue
+            # Qwen3-8B heads (32 q + 8 k, d=128) at decode and prefill sizes; an odd head_dim.
+            for T, hq, hk, d in ([(3, 4, 2, 64), (2, 3, 1, 48)] if device == "cpu" else
+                                 [(1, 32, 8, 128), (4096, 32, 8, 128), (5, 6, 1, 48)]):
+                out.append(CheckCase("parity", "rmsnorm", name, f"qk_rmsnorm,T={T},heads={hq}+{hk},d={d},dtype={dt}",
+                                     _qk_parity(name, device, T, hq, hk, d, _DT[dt]), quick=T <= 8))
         out.append(CheckCase("input", "rmsnorm", name, "hidden mismatch, wrong dtype, residual shape, eps",
                              _bad_input(name, device)))
     out.append(CheckCase("input", "rmsnorm", "reference", "hidden mismatch, wrong dtype, residual shape, eps",

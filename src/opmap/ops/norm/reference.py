@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .validate import check_norm
+from .validate import check_norm, check_qk_norm
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -34,3 +34,13 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     check_norm(x, weight, eps, residual=residual, out=out)
     residual.copy_((residual.float() + x.float()).to(residual.dtype))
     return rmsnorm(residual, weight, eps, out=out)
+
+
+def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_heads: int,
+               eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMSNorm of q and k in place (Qwen3's q_norm / k_norm): ``qk`` is [T, Hq + Hk, D]
+    (a view of the fused qkv projection), heads < num_q_heads use ``w_q``, the rest ``w_k``."""
+    check_qk_norm(qk, w_q, w_k, num_q_heads, eps)
+    qk[:, :num_q_heads] = _rmsnorm(qk[:, :num_q_heads], w_q, eps)
+    qk[:, num_q_heads:] = _rmsnorm(qk[:, num_q_heads:], w_k, eps)
+    return qk

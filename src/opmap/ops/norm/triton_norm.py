@@ -19,7 +19,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import enter
-from .validate import check_norm
+from .validate import check_norm, check_qk_norm
 
 ONE_PASS_MAX = 16384
 CHUNK = 4096
@@ -76,6 +76,46 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R,
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             y = (v * rstd).to(dt).to(tl.float32) * w
             tl.store(o_row + offs, y.to(dt), mask=mask)
+
+
+@triton.jit
+def _qk_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_t, stride_h, R, NH, HQ, D, eps,
+                    ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """ROWS (token, head) rows of qk per program, normalised in place; heads < HQ take w_q."""
+    enter(PDL)
+    dt = x_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    t, h = rows // NH, rows % NH
+    offs = tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (offs[None, :] < D)
+    p = x_ptr + t[:, None] * stride_t + h[:, None] * stride_h + offs[None, :]
+    v = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
+    wq = tl.load(wq_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
+    w = tl.where((h < HQ)[:, None], wq[None, :], wk[None, :])
+    y = (v * rstd[:, None]).to(dt).to(tl.float32) * w
+    tl.store(p, y.to(dt), mask=mask)
+
+
+def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_heads: int,
+               eps: float = 1e-6) -> torch.Tensor:
+    """Per-head RMSNorm of q and k in place, in one launch (Qwen3's q_norm and k_norm were two
+    launches, and a copy each when q / k were strided views of the qkv projection): ``qk`` is
+    [T, Hq + Hk, D], heads < num_q_heads use ``w_q``, the rest ``w_k``. Same numerics as rmsnorm."""
+    T, NH, D = check_qk_norm(qk, w_q, w_k, num_q_heads, eps)
+    from opmap.contract import expect
+
+    expect(D <= ONE_PASS_MAX, "qk", f"head_dim {D}", f"head_dim <= {ONE_PASS_MAX}")
+    R = T * NH
+    if R == 0:
+        return qk
+    block = triton.next_power_of_2(D)
+    rows = min(max(1024 // block, 1), triton.next_power_of_2(R))
+    _qk_norm_kernel[(triton.cdiv(R, rows),)](
+        qk, w_q, w_k, qk.stride(0), qk.stride(1), R, NH, num_q_heads, D, float(eps),
+        ROWS=rows, BLOCK=block, num_warps=min(max(block * rows // 512, 1), 16), **pdl.launch(qk.device))
+    return qk
 
 
 def _rows(t: torch.Tensor, arg: str, may_copy: bool) -> torch.Tensor:

@@ -26,3 +26,18 @@ def check_norm(x, weight, eps, residual=None, out=None) -> int:
         expect_tensor("out", out, dtype=x.dtype, shape=tuple(x.shape), last_dim_contiguous=True)
     expect_same_device(x=x, weight=weight, residual=residual, out=out)
     return hidden
+
+
+def check_qk_norm(qk, w_q, w_k, num_q_heads, eps) -> tuple:
+    """Validate qk_rmsnorm's arguments; returns (tokens, heads, head_dim)."""
+    expect_tensor("qk", qk, dtype=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
+    T, NH, D = qk.shape
+    expect(D > 0, "qk", f"head_dim {D}", "head_dim > 0")
+    expect(isinstance(num_q_heads, int) and 0 <= num_q_heads <= NH, "num_q_heads", repr(num_q_heads),
+           f"an int in [0, {NH}] (the heads of qk)")
+    for name, w in (("w_q", w_q), ("w_k", w_k)):
+        expect_tensor(name, w, dtype=(qk.dtype, torch.float32), ndim=1)
+        expect(w.shape[0] == D, name, f"shape {tuple(w.shape)}", f"shape ({D},) (the head_dim of qk)")
+    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+    expect_same_device(qk=qk, w_q=w_q, w_k=w_k)
+    return T, NH, D
