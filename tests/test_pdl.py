@@ -36,6 +36,9 @@ res = {}
 res["rmsnorm"] = comp(n._rmsnorm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16",
     "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "R": "i32", "H": "i32", "eps": "fp32", "HAS_RES": "constexpr",
     "ONE_PASS": "constexpr", "ROWS": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": True, "ONE_PASS": True, "ROWS": 1, "BLOCK": 4096})
+res["qk_norm"] = comp(n._qk_norm_kernel, {"x_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "stride_t": "i32",
+    "stride_h": "i32", "R": "i32", "NH": "i32", "HQ": "i32", "D": "i32", "eps": "fp32", "ROWS": "constexpr",
+    "BLOCK": "constexpr"}, {"ROWS": 8, "BLOCK": 128})
 res["gemm"] = comp(g._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16",
     "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
     "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "EVEN_K": "constexpr",
@@ -92,7 +95,7 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
     res = run(SCRIPT)
-    assert len(res) == 12
+    assert len(res) == 13
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
     # the decode GEMM starts pulling its weight slice into L2 before it waits for x
