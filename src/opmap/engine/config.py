@@ -39,6 +39,9 @@ class EngineConfig:
     # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
     # device); see LLM.step. False: lockstep (read every step's tokens before the next).
     async_decode: bool = True
+    # Fill the grammar bitmasks on the host while the GPU runs the step's forward pass. False
+    # waits for the forward first (serial), which is only there to measure what the overlap saves.
+    overlap_grammar: bool = True
 
     def validate(self) -> None:
         from ..contract import InputError

@@ -318,6 +318,10 @@ class LLM:
         grammars = [s.state.get("grammar") for s in sampled]
         mask = None
         if any(g is not None for g in grammars):
+            if not self.ecfg.overlap_grammar and self.runner.device.type == "cuda":
+                import torch
+
+                torch.cuda.synchronize(self.runner.device)  # serial: the forward first, then the fill
             for g in grammars:
                 if g is not None and not g.ready():
                     g.wait()  # compiled in the background since admission; rarely still running
