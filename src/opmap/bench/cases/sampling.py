@@ -111,9 +111,12 @@ def cases(quick: bool) -> list[BenchCase]:
                     if not quick and V == 128256 and B == 64:
                         # The per-row search runs one program per row: at 423 us for top-k+top-p
                         # (B=64) each of its ~4 passes over a 0.5 MB row took ~90 us, far below one
-                        # SM's L2 bandwidth, so the program's width is the first thing to vary.
+                        # SM's L2 bandwidth, so the program's width is the first thing to vary. The
+                        # sm90 build has no async copies in those loops (each block's loads wait
+                        # out their latency), so fewer, larger blocks should help most; (8192, 16)
+                        # and (8192, 32) compile without spills (128 and 64 registers).
                         providers += [Provider(f"opmap-triton[bl={bl},w={w}]", _ours_config(bl, w))
-                                      for bl, w in ((4096, 16), (2048, 16), (1024, 4))]
+                                      for bl, w in ((8192, 16), (8192, 32), (4096, 16), (2048, 16), (1024, 4))]
                 if fname == "top_k+top_p":
                     providers.append(Provider("flashinfer-joint", _backend("flashinfer", "sample_joint"),
                                               available=_flashinfer_ok))
