@@ -200,7 +200,9 @@ def test_config_override_same_tokens_and_checked():
     x = torch.randn(B, V, generator=g) * 2
     args = (x, torch.full((B,), 0.8), torch.tensor([50, 0, 7], dtype=torch.int32), torch.tensor([0.9, 0.5, 1.0]),
             torch.zeros(B), torch.arange(B) + 1, torch.arange(B))
-    a, b = sample(*args), sample(*args, config=(256, 4))
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    a = sample(*args)
+    for cfg in ((256, 4), (8192, 16)):  # a block wider than the row: one masked iteration
+        b = sample(*args, config=cfg)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(InputError, match="config"):
         sample(*args, config=(100, 4))
