@@ -331,6 +331,7 @@ class LLM:
                 import torch
 
                 torch.cuda.synchronize(self.runner.device)  # serial: the forward first, then the fill
+                t = self._tick("wait", t)
             for g in grammars:
                 if g is not None and not g.ready():
                     g.wait()  # compiled in the background since admission; rarely still running
