@@ -4,7 +4,7 @@
 #   scripts/gpu.sh OUTDIR            # everything
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention" TEST_FILES="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
-#   STEPS=flashinfer scripts/gpu.sh OUTDIR   # FlashInfer's check cases; packs its JIT builds
+#   STEPS=flashinfer scripts/gpu.sh OUTDIR   # FlashInfer's JIT builds for the bench shapes (FI_CHECK=1: and its check cases); packs them
 # Peers and packages the GPU machine lacks travel in .whl/ (git-ignored; name it in the device
 # call's carry): scripts/pack_wheels.sh and scripts/pack_flashinfer.sh fill it.
 # Each step's log is OUTDIR/<step>.log; results: junit-*.xml, check-*.json, bench JSON/MD/PNG.
@@ -64,11 +64,17 @@ for s in $STEPS; do
       timeout ${E2E_TIMEOUT:-420} python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} --out "$out" 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     flashinfer)
-      # FlashInfer's cases in opmap check (its JIT builds run here), then its built modules packed.
+      # FlashInfer's JIT modules for the shapes the benchmarks time, one by one with their build
+      # times (scripts/flashinfer_warm.py), then, with what time is left, its check cases (which
+      # need more modules: windows, soft-caps), then the build tree packed for the next call.
       step flashinfer
-      timeout ${FI_TIMEOUT:-540} python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
-        2>&1 | tee "$out/flashinfer.log"
+      timeout ${FI_TIMEOUT:-540} python3 scripts/flashinfer_warm.py --budget ${FI_BUDGET:-420} 2>&1 | tee "$out/flashinfer.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      if [ -n "${FI_CHECK:-}" ]; then
+        timeout ${FI_CHECK_TIMEOUT:-300} python3 -m opmap.cli check --backend flashinfer mla-flashinfer \
+          --json "$out/check-flashinfer.json" 2>&1 | tee -a "$out/flashinfer.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      fi
       if [ -d /tmp/opmap-fi-cache/.cache ]; then
         # The whole build tree: ninja decides freshness from its log and the objects, so the .so
         # files alone would be rebuilt. Paths match on the next call (same unpack locations).
