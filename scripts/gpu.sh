@@ -4,6 +4,7 @@
 #   scripts/gpu.sh OUTDIR            # everything
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention" TEST_FILES="tests/gpu/test_attention_gpu.py" scripts/gpu.sh OUTDIR
+#   STEPS=tests TEST_LANES="tests/gpu/test_engine_gpu.py tests/gpu/test_parity_gpu.py|tests/gpu/test_attention_gpu.py" ...
 #   STEPS=flashinfer scripts/gpu.sh OUTDIR   # FlashInfer's JIT builds for the bench shapes (FI_CHECK=1: and its check cases); packs them
 # Peers and packages the GPU machine lacks travel in .whl/ (git-ignored; name it in the device
 # call's carry): scripts/pack_wheels.sh and scripts/pack_flashinfer.sh fill it.
@@ -40,14 +41,33 @@ for s in $STEPS; do
       python3 -m opmap.cli env 2>&1 | tee "$out/env.log" || status=1 ;;
     tests)
       # One process per test file: each family starts with an empty GPU (memory, autotune caches).
+      # TEST_LANES="a.py b.py|c.py" runs the lanes at once (files in a lane one after another):
+      # correctness runs can share the GPU; keep the memory-heavy files (engine, parity) in one lane.
       : > "$out/tests.log"
-      for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
-        step "tests $f"
-        n=$(basename "$f" .py)
+      run_file() {
+        local f=$1 n; n=$(basename "$f" .py)
+        echo "== tests $f ($(date -u +%T))"
         timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --timeout 240 \
-          --junitxml="$out/junit-$n.xml" "$f" ${TEST_ARGS:-} 2>&1 | tee -a "$out/tests.log"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-      done ;;
+          --junitxml="$out/junit-$n.xml" "$f" ${TEST_ARGS:-} > "$out/tests-$n.log" 2>&1
+        local rc=$?
+        tail -3 "$out/tests-$n.log"
+        return $rc
+      }
+      if [ -n "${TEST_LANES:-}" ]; then
+        IFS='|' read -ra lanes <<< "$TEST_LANES"
+        pids=()
+        for lane in "${lanes[@]}"; do
+          ( rc=0; for f in $lane; do run_file "$f" || rc=1; done; exit $rc ) >> "$out/tests.log" 2>&1 &
+          pids+=($!)
+        done
+        for p in "${pids[@]}"; do wait "$p" || status=1; done
+        cat "$out/tests.log"
+      else
+        for f in ${TEST_FILES:-tests/gpu/test_*.py}; do
+          run_file "$f" 2>&1 | tee -a "$out/tests.log"
+          [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        done
+      fi ;;
     check)
       for m in $MODELS; do
         step "check $m"
