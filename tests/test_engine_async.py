@@ -171,3 +171,32 @@ def test_engine_freezes_the_heap_and_close_unfreezes(single_thread):
     del llm
     gc.collect()
     assert runner() is None
+
+
+def test_summary_counts_collections_and_longest_steps(single_thread):
+    """The run summary carries the collector's work during generate() and the longest step per
+    phase; the hook is removed on close."""
+    import gc
+
+    llm = LLM("tiny-llama3", max_num_seqs=2)
+    assert llm._gc in gc.callbacks
+
+    def churn(n):  # cyclic garbage, so that collections run inside this generate()
+        for _ in range(n):
+            a = []
+            a.append(a)
+
+    orig = llm.scheduler.schedule
+
+    def schedule_with_garbage():
+        churn(3000)
+        return orig()
+
+    llm.scheduler.schedule = schedule_with_garbage
+    llm.generate([[5] * 10], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    d = llm.last_summary
+    assert d["gc"]["collections"][0] >= 1 and sum(d["gc"]["ms"]) > 0
+    assert set(d["step_ms_max"]) == {"prefill", "decode"}
+    assert d["step_ms_max"]["decode"] >= d["step_seconds"]["decode"] / d["steps"]["decode"] * 1e3 - 1e-9
+    llm.close()
+    assert llm._gc not in gc.callbacks

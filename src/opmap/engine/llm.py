@@ -18,7 +18,7 @@ from ..contract import InputError
 from ..ops.sampling.params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model
-from .metrics import HOST_PARTS, StepStats, summarize
+from .metrics import HOST_PARTS, GcTimer, StepStats, summarize
 from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
@@ -90,11 +90,14 @@ class LLM:
         self.closed = False
         # Everything alive now (torch, transformers, the model and its graphs: ~200k objects) goes
         # to the collector's permanent generation: a full collection otherwise walks all of it,
-        # 70-80 ms on the development CPU, and lands inside whichever step triggered it (suspected
-        # in the e2e TTFTs of 32-38 ms against a 24.8 ms prefill step on the H200). close()
-        # unfreezes, so a closed engine's cycles can be collected.
+        # 70-80 ms on the development CPU, inside whichever step triggered it. Full collections
+        # are rare in a run (a 128-token generate at batch 1 or 32 triggered one generation-0
+        # collection on the CPU), so this bounds an outlier rather than the mean; the summary's
+        # "gc" field counts them. close() unfreezes, so a closed engine's cycles can be collected.
         gc.collect()
         gc.freeze()
+        self._gc = GcTimer()  # collections during generate() go into its summary ("gc")
+        gc.callbacks.append(self._gc)
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -104,6 +107,8 @@ class LLM:
         if self.closed:
             return
         gc.unfreeze()  # this engine's objects (frozen at construction) must be collectable again
+        if self._gc in gc.callbacks:
+            gc.callbacks.remove(self._gc)
         self.abort_all()
         self.runner.close()
         self.sampler = None
@@ -191,6 +196,7 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM was closed; build a new one")
         t0 = time.perf_counter()
+        gc0 = self._gc.snapshot()
         results, live = self.add_requests(prompts, plist)
         bar = _progress(len(live)) if use_tqdm else None
         self.stats = StepStats()
@@ -210,6 +216,7 @@ class LLM:
         outs = [results[i] for i in range(len(prompts))]
         self.last_summary = summarize(outs, time.perf_counter() - t0, self.stats, self.runner.model.weight_bytes(),
                                       self.runner.model.kv_bytes_per_page(1))
+        self.last_summary["gc"] = self._gc.since(gc0)
         return outs
 
     def add_requests(self, prompts: list, plist: list) -> tuple:

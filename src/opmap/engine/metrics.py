@@ -28,10 +28,12 @@ class StepStats:
     preemptions: int = 0
     # Host time per phase and part of a step (HOST_PARTS), seconds summed over the steps.
     host: dict = field(default_factory=dict)
+    longest: dict = field(default_factory=dict)  # phase -> the longest step (seconds)
 
     def add(self, phase: str, seconds: float, kv_tokens: int = 0, rows: int = 0) -> None:
         self.steps[phase] += 1
         self.seconds[phase] += seconds
+        self.longest[phase] = max(self.longest.get(phase, 0.0), seconds)
         if phase == "decode":
             self.decode_kv_tokens += kv_tokens
             self.decode_rows += rows
@@ -44,6 +46,37 @@ class StepStats:
     def host_ms_per_step(self) -> dict:
         return {ph: {k: v / self.steps[ph] * 1e3 for k, v in parts.items()}
                 for ph, parts in self.host.items() if self.steps.get(ph)}
+
+
+class GcTimer:
+    """A ``gc.callbacks`` hook: how many collections of each generation ran and how long they took
+    (a full collection of a large heap lands inside whichever engine step triggered it)."""
+
+    def __init__(self):
+        import time
+
+        self.count, self.seconds, self.longest = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        self._t0 = None
+        self._clock = time.perf_counter  # bound now: the hook also runs during interpreter shutdown
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = self._clock()
+        elif self._t0 is not None:
+            dt = self._clock() - self._t0
+            g = min(int(info.get("generation", 2)), 2)
+            self.count[g] += 1
+            self.seconds[g] += dt
+            self.longest = max(self.longest, dt)
+            self._t0 = None
+
+    def snapshot(self) -> tuple:
+        return list(self.count), list(self.seconds)
+
+    def since(self, snap: tuple) -> dict:
+        c0, s0 = snap
+        return {"collections": [a - b for a, b in zip(self.count, c0)],
+                "ms": [round((a - b) * 1e3, 3) for a, b in zip(self.seconds, s0)]}
 
 
 # The parts of an engine step's host time, in step order. "wait" is the host blocked on the GPU
@@ -77,6 +110,7 @@ def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: floa
         "total_tok_per_s": (out_tok + in_tok) / wall_s if wall_s > 0 else None,
         "steps": dict(stats.steps), "step_seconds": dict(stats.seconds), "preemptions": stats.preemptions,
         "host_ms_per_step": stats.host_ms_per_step(),
+        "step_ms_max": {k: v * 1e3 for k, v in stats.longest.items()},
     }
     n, t = stats.steps["decode"], stats.seconds["decode"]
     if n and t > 0:
@@ -101,4 +135,10 @@ def format_summary(d: dict) -> list:
         lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s, "
                      f"KV at {d['decode_kv_tbps']:.3f} TB/s (host wall clock per step)")
     lines += format_host(d.get("host_ms_per_step") or {})
+    if d.get("step_ms_max"):
+        lines.append("longest step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in d["step_ms_max"].items()))
+    if d.get("gc"):
+        n, ms = d["gc"]["collections"], d["gc"]["ms"]
+        lines.append(f"garbage collection: {n[0]}/{n[1]}/{n[2]} collections of generation 0/1/2, "
+                     f"{sum(ms):.3f} ms in all")
     return lines

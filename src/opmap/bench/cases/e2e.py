@@ -158,6 +158,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
                       + "; ms per step: " + ", ".join(f"{k} {v} ({d['steps'][k]})" for k, v in step_ms.items()))
         rec["step_ms"], rec["steps"] = step_ms, dict(d["steps"])
         rec["host_ms"] = d.get("host_ms_per_step")  # per step and part: host work vs waiting on the GPU
+        rec["step_ms_max"], rec["gc"] = d.get("step_ms_max"), d.get("gc")  # outliers and collector pauses
         out.append(rec)
 
 
@@ -267,6 +268,8 @@ def main(argv=None) -> int:
             from opmap.engine.metrics import format_host
 
             print("    " + "\n    ".join(format_host(r["host_ms"])))
+        if r.get("gc"):
+            print(f"    longest step ms {r.get('step_ms_max')}; garbage collections {r['gc']}")
     for s in skipped:
         print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
     if recs:
