@@ -243,9 +243,9 @@ def format_profile(res: dict) -> list:
             head += f", GPU busy {p['busy_us'] / n / 1e3:.3f} ms/step, idle {p['idle_us'] / n / 1e3:.3f} ms/step"
         lines.append(head)
         if res.get("host_ms", {}).get(name):
-            from .engine.metrics import format_host
+            from .engine.metrics import host_line
 
-            lines += ["  host: " + ln.split(": ", 1)[1] for ln in format_host({name: res["host_ms"][name]})]
+            lines.append("  host: " + host_line(res["host_ms"][name]))
         total = sum(p["by_category"].values()) or 1.0
         for cat in CATEGORIES:
             t = p["by_category"].get(cat, 0.0)

@@ -240,8 +240,7 @@ class LLM:
     def abort_all(self) -> None:
         if self._pending is not None:  # drop the tokens in flight; remove their placeholders
             for s in self._pending.seqs:
-                if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
-                    s.token_ids.pop()
+                _drop_placeholder(s)
             self._pending = None
         for s in [*self.scheduler.running, *self.scheduler.waiting]:
             self.scheduler.finish(s, "abort")
@@ -366,8 +365,7 @@ class LLM:
         ids, invalid = p.read()
         t = self._tick("wait", t)
         for s, g, tok, bad, lp in zip(p.seqs, p.grammars, ids, invalid, p.lps):
-            if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
-                s.token_ids.pop()
+            _drop_placeholder(s)
             if s.is_finished:
                 continue  # it ended while this step ran (or failed in the schedule): token dropped
             err = None
@@ -400,6 +398,12 @@ class LLM:
 PLACEHOLDER = -1
 
 
+def _drop_placeholder(s) -> None:
+    """Remove the placeholder a run-ahead step appended to ``s`` (if it is there)."""
+    if s.token_ids and s.token_ids[-1] == PLACEHOLDER:
+        s.token_ids.pop()
+
+
 class _Pending:
     """One step's sampled tokens on their way to the host: device ids (the next step's input
     when it runs ahead) and a non-blocking copy into pinned memory with an event.
@@ -430,8 +434,6 @@ class _Pending:
 
 def free_device_memory() -> None:
     """Collect garbage (engines hold reference cycles) and return cached CUDA blocks to the device."""
-    import gc
-
     import torch
 
     gc.collect()

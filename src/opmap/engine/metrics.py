@@ -55,7 +55,7 @@ class GcTimer:
     def __init__(self):
         import time
 
-        self.count, self.seconds, self.longest = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
         self._t0 = None
         self._clock = time.perf_counter  # bound now: the hook also runs during interpreter shutdown
 
@@ -67,7 +67,6 @@ class GcTimer:
             g = min(int(info.get("generation", 2)), 2)
             self.count[g] += 1
             self.seconds[g] += dt
-            self.longest = max(self.longest, dt)
             self._t0 = None
 
     def snapshot(self) -> tuple:
@@ -85,14 +84,15 @@ class GcTimer:
 HOST_PARTS = ("schedule", "forward", "grammar", "sample", "readback", "wait")
 
 
+def host_line(parts: dict) -> str:
+    """One phase's host ms per step by part: work, waiting, and the parts."""
+    work = sum(v for k, v in parts.items() if k != "wait")
+    items = ", ".join(f"{k} {parts[k]:.3f}" for k in HOST_PARTS if parts.get(k))
+    return f"{work:.3f} ms of work + {parts.get('wait', 0.0):.3f} ms waiting on the GPU ({items} ms)"
+
+
 def format_host(per_step: dict) -> list:
-    out = []
-    for ph, parts in per_step.items():
-        work = sum(v for k, v in parts.items() if k != "wait")
-        items = ", ".join(f"{k} {parts[k]:.3f}" for k in HOST_PARTS if parts.get(k))
-        out.append(f"{ph} host per step: {work:.3f} ms of work + {parts.get('wait', 0.0):.3f} ms waiting on the "
-                   f"GPU ({items} ms)")
-    return out
+    return [f"{ph} host per step: {host_line(parts)}" for ph, parts in per_step.items()]
 
 
 def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: float, kv_bytes_per_token: float) -> dict:

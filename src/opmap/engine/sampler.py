@@ -42,21 +42,13 @@ class Sampler:
         return [c.condensed() for _, c in self.choices]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list, mask=None):
-        """-> (ids list[int], invalid list[bool], logprobs list or None per row).
+    def launch(self, logits: torch.Tensor, seqs: list, mask=None):
+        """The pipeline without reading the tokens back: (ids[B] and invalid[B] on the device,
+        logprobs per row); the engine reads them back (``llm._Pending``). Rows that ask for
+        logprobs are read here (a synchronisation).
 
         ``mask``: (bitmask[B, ceil(V/32)] int32, rows) on the device for the rows under a
         structured-output constraint (``opmap.ops.grammar.structured.BitmaskBuffer``), or None."""
-        ids, invalid, lps = self.launch(logits, seqs, mask)
-        # One device->host read for both (each .tolist() is a synchronous copy; the stack is
-        # launched while the forward still runs, so it costs no step time).
-        both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64))).tolist()
-        return both[0], [bool(v) for v in both[1]], lps
-
-    @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, seqs: list, mask=None):
-        """The pipeline without reading the tokens back: (ids[B] and invalid[B] on the device,
-        logprobs per row). Rows that ask for logprobs are read here (a synchronisation)."""
         params = [s.params for s in seqs]
         key = tuple(s.seq_id for s in seqs)
         if key != self._key:  # steady decode keeps its batch: the per-row tensors are reused

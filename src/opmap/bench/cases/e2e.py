@@ -136,8 +136,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
                               wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
                               f"TPOT without constraints in the same run: {plain:.3f} ms")
                 rec["structured_overhead"] = d["tpot_ms_p50"] / plain - 1 if plain else None
-                rec["host_ms"] = d.get("host_ms_per_step")
-                out.append(rec)
+                out.append(_with_diagnostics(rec, d))
             llm.ecfg.overlap_grammar = True
             continue
         ps = _prompts(cfg.vocab, b, plen, seed=b)
@@ -149,17 +148,20 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
         wb = active_weight_bytes(cfg, b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
-        # Host wall per engine step and phase: tells a slow prefill from a wait before it (TTFT) and
-        # a slow decode step from time between steps (TPOT).
-        step_ms = {k: round(d["step_seconds"][k] / n * 1e3, 3) for k, n in d["steps"].items() if n}
         rec = _record(model, f"model={model},B={b},prompt={plen},new={new},bf16", _engine_name(llm),
                       d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil,
-                      ("tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall")
-                      + "; ms per step: " + ", ".join(f"{k} {v} ({d['steps'][k]})" for k, v in step_ms.items()))
-        rec["step_ms"], rec["steps"] = step_ms, dict(d["steps"])
-        rec["host_ms"] = d.get("host_ms_per_step")  # per step and part: host work vs waiting on the GPU
-        rec["step_ms_max"], rec["gc"] = d.get("step_ms_max"), d.get("gc")  # outliers and collector pauses
-        out.append(rec)
+                      "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall")
+        out.append(_with_diagnostics(rec, d))
+
+
+def _with_diagnostics(rec: dict, d: dict) -> dict:
+    """The run summary's step figures on an engine record: host wall per step and phase (a slow
+    prefill vs a wait before it for TTFT, a slow decode step vs time between steps for TPOT), host
+    time by part, the longest step and the collector's work."""
+    rec["step_ms"] = {k: round(d["step_seconds"][k] / n * 1e3, 3) for k, n in d["steps"].items() if n}
+    rec["steps"] = dict(d["steps"])
+    rec["host_ms"], rec["step_ms_max"], rec["gc"] = d.get("host_ms_per_step"), d.get("step_ms_max"), d.get("gc")
+    return rec
 
 
 def _hf(model, cases_of_model, ceil, out, skipped):
