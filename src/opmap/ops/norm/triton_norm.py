@@ -18,11 +18,20 @@ import triton
 import triton.language as tl
 
 from .. import pdl
+from ...contract import expect
 from ..pdl import enter
 from .validate import check_norm, check_qk_norm
 
 ONE_PASS_MAX = 16384
 CHUNK = 4096
+
+
+@triton.jit
+def _norm_rows(v, w, H, eps, dt: tl.constexpr):
+    """HF numerics on fp32 rows v[ROWS, BLOCK]: x * rsqrt(mean(x^2) + eps) rounded to dt, then
+    times the fp32 weight w (broadcast to v's shape); the caller rounds once more on the store."""
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / H + eps)
+    return (v * rstd[:, None]).to(dt).to(tl.float32) * w
 
 
 @triton.jit
@@ -44,9 +53,8 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R,
             s = (v + tl.load(rp, mask=mask, other=0.0).to(tl.float32)).to(dt)
             tl.store(rp, s, mask=mask)
             v = s.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / H + eps)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
-        y = (v * rstd[:, None]).to(dt).to(tl.float32) * w[None, :]
+        y = _norm_rows(v, w[None, :], H, eps, dt)
         tl.store(o_ptr + rows[:, None] * stride_o + offs[None, :], y.to(dt), mask=mask)
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -90,11 +98,9 @@ def _qk_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_t, stride_h, R, NH, HQ, D, eps
     mask = (rows[:, None] < R) & (offs[None, :] < D)
     p = x_ptr + t[:, None] * stride_t + h[:, None] * stride_h + offs[None, :]
     v = tl.load(p, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / D + eps)
     wq = tl.load(wq_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
     wk = tl.load(wk_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
-    w = tl.where((h < HQ)[:, None], wq[None, :], wk[None, :])
-    y = (v * rstd[:, None]).to(dt).to(tl.float32) * w
+    y = _norm_rows(v, tl.where((h < HQ)[:, None], wq[None, :], wk[None, :]), D, eps, dt)
     tl.store(p, y.to(dt), mask=mask)
 
 
@@ -104,18 +110,23 @@ def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_hea
     launches, and a copy each when q / k were strided views of the qkv projection): ``qk`` is
     [T, Hq + Hk, D], heads < num_q_heads use ``w_q``, the rest ``w_k``. Same numerics as rmsnorm."""
     T, NH, D = check_qk_norm(qk, w_q, w_k, num_q_heads, eps)
-    from opmap.contract import expect
-
     expect(D <= ONE_PASS_MAX, "qk", f"head_dim {D}", f"head_dim <= {ONE_PASS_MAX}")
     R = T * NH
     if R == 0:
         return qk
     block = triton.next_power_of_2(D)
-    rows = min(max(1024 // block, 1), triton.next_power_of_2(R))
+    rows, num_warps = _packing(block, R)
     _qk_norm_kernel[(triton.cdiv(R, rows),)](
         qk, w_q, w_k, qk.stride(0), qk.stride(1), R, NH, num_q_heads, D, float(eps),
-        ROWS=rows, BLOCK=block, num_warps=min(max(block * rows // 512, 1), 16), **pdl.launch(qk.device))
+        ROWS=rows, BLOCK=block, num_warps=num_warps, **pdl.launch(qk.device))
     return qk
+
+
+def _packing(block: int, R: int) -> tuple:
+    """(rows per program, warps) of a one-pass launch: rows shorter than 1024 are packed so that
+    a program holds ~1024 elements."""
+    rows = min(max(1024 // block, 1), triton.next_power_of_2(R))
+    return rows, min(max(block * rows // 512, 1), 16)
 
 
 def _rows(t: torch.Tensor, arg: str, may_copy: bool) -> torch.Tensor:
@@ -143,9 +154,7 @@ def _launch(x, weight, eps, residual, out):
         return out
     one_pass = H <= ONE_PASS_MAX
     block = triton.next_power_of_2(H) if one_pass else CHUNK
-    # Rows shorter than 1024 are packed so that a program holds ~1024 elements.
-    rows = min(max(1024 // block, 1), triton.next_power_of_2(R)) if one_pass else 1
-    num_warps = min(max(block * rows // 512, 1), 16) if one_pass else 8
+    rows, num_warps = _packing(block, R) if one_pass else (1, 8)
     _rmsnorm_kernel[(triton.cdiv(R, rows),)](
         x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), R, H, float(eps),
         HAS_RES=residual is not None, ONE_PASS=one_pass, ROWS=rows, BLOCK=block, num_warps=num_warps,
