@@ -54,9 +54,10 @@ def _qk_parity(backend, device, T, hq, hk, d, dtype):
         qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2 + 0.3).to(device, dtype)
         qkv[:, (hq + hk) * d:] = float("nan")
         wq, wk = torch.randn(d, generator=g).to(device, dtype), torch.randn(d, generator=g).to(device, dtype)
-        want = reference.qk_rmsnorm(qkv[:, :(hq + hk) * d].clone().view(T, hq + hk, d), wq, wk, hq, 1e-6)
-        registry.get("rmsnorm", backend)("qk_rmsnorm", qkv[:, :(hq + hk) * d].view(T, hq + hk, d), wq, wk, hq, 1e-6)
-        e = compare(qkv[:, :(hq + hk) * d].view(T, hq + hk, d), want, dtype, scale=2.0)
+        qk = qkv[:, :(hq + hk) * d].view(T, hq + hk, d)
+        want = reference.qk_rmsnorm(qk.clone(), wq, wk, hq, 1e-6)
+        registry.get("rmsnorm", backend)("qk_rmsnorm", qk, wq, wk, hq, 1e-6)
+        e = compare(qk, want, dtype, scale=2.0)
         v_ok = bool(qkv[:, (hq + hk) * d:].isnan().all())
         return Outcome(e.ok and v_ok, f"{e}; v columns {'untouched' if v_ok else 'WRITTEN'}", e.worst_ratio, 1.0)
 

@@ -65,9 +65,8 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     # addresses, Triton 3.6's pipeliner waits for every outstanding copy at the top of each
     # iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the sm90 TTGIR of
     # both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3 stages).
-    # 0 keeps the in-iteration load (a bench variant, to measure the difference);
-    # OPMAP_ATTENTION_PREFETCH=0 makes that the default (an escape hatch until the GPU has
-    # confirmed the prefetch: it was checked in the interpreter and in the sm90 TTGIR only).
+    # 0 keeps the in-iteration load (the bench's [pf=0] rows; OPMAP_ATTENTION_PREFETCH=0 makes it
+    # the default). Decode turns it off for large grids (decode.decode_config), as measured.
     pf = PREFETCH
     if interpreted(device):
         if kind == "prefill":
