@@ -19,11 +19,43 @@ def ptxas_available() -> bool:
 needs_ptxas = pytest.mark.skipif(not ptxas_available(), reason="this Triton wheel has no bundled ptxas")
 
 
+# Prepended to every compile script: ``compile_sm90`` builds a kernel for sm90 with Triton's AOT
+# path and ``usage`` reads what ptxas made of it (registers, stack and local memory, shared memory)
+# and what the TTGIR shows (async copies, their waits, Hopper warpgroup MMAs).
+PRELUDE = r"""
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def compile_sm90(fn, sig, ce, opts, div=()):
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div}  # what Triton infers for aligned args
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def usage(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    out = subprocess.run([os.path.join(_BIN, "cuobjdump"), "--dump-resource-usage", f.name],
+                         capture_output=True, text=True).stdout
+    line = " ".join(l for l in out.splitlines() if "REG:" in l)
+    fields = dict(t.split(":") for t in line.split() if ":" in t and t.split(":")[1].isdigit())
+    tt = k.asm["ttgir"]
+    return {"reg": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
+            "shared": k.metadata.shared, "async": tt.count("async_copy_global_to_local"),
+            "waits": re.findall(r"async_wait[^{]*\{num = (\d+)", tt), "wgmma": tt.count("warp_group_dot ")}
+"""
+
+
 def run(script: str, timeout: int = 900) -> dict:
     """Run ``script`` (which prints ``RESULT <json>``) without the interpreter; returns the JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([sys.executable, "-c", PRELUDE + script], env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.split("RESULT ", 1)[1])

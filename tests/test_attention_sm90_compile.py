@@ -9,24 +9,10 @@ import torch
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-import re, json, os, subprocess, tempfile, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from opmap.ops.attention import prefill as P, decode as Dm
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 def comp(fn, sig, ce, opts):
-    names = list(sig)
-    div = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("s_")]
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs={(i,): [["tt.divisibility", 16]] for i in div}),
-                       target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = " ".join(l for l in use.splitlines() if "REG:" in l)
-    fields = dict(t.split(":") for t in line.split() if ":" in t and t.split(":")[1].isdigit())
-    tt = k.asm["ttgir"]
-    return {"waits": re.findall(r"async_wait[^{]*\{num = (\d+)", tt), "reg": int(fields["REG"]), "local": int(fields["LOCAL"]),
-            "shared": k.metadata.shared, "wgmma": tt.count("warp_group_dot ")}
+    div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("s_")]
+    return usage(compile_sm90(fn, sig, ce, opts, div))
 psig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "cu_ptr": "*i32",
        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "scale": "fp32", "soft_cap": "fp32",
        "window": "i32", "B": "i32"}

@@ -5,32 +5,15 @@ Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @trit
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-import json, os, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from opmap.ops.gemm import triton_gemm as g
 from opmap.ops.norm import triton_norm as n
 from opmap.ops.rope import triton_rope as r
 from opmap.ops.activation import triton_act as a
 
-bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-target = GPUTarget("cuda", 90, 32)
 res = {}
 
 def comp(name, fn, sig, ce, opts, div):
-    attrs = {(i,): [["tt.divisibility", 16]] for i in div}  # what Triton infers for aligned args
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs), target=target, options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    use = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", f.name],
-                         capture_output=True, text=True).stdout
-    line = " ".join(l for l in use.splitlines() if "REG:" in l)
-    fields = dict(t.split(":") for t in line.split() if ":" in t and t.split(":")[1].isdigit())
-    tt = k.asm["ttgir"]
-    res[name] = {"reg": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
-                 "shared": k.metadata.shared, "async": tt.count("async_copy_global_to_local"),
-                 "wgmma": tt.count("warp_group_dot ")}
+    res[name] = usage(compile_sm90(fn, sig, ce, opts, div))
 
 gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "M": "i32",
         "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",

@@ -15,9 +15,6 @@ def test_off_by_default_and_on_cpu(monkeypatch):
 
 
 SCRIPT = r'''
-import json, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from opmap.ops.norm import triton_norm as n
 from opmap.ops.gemm import triton_gemm as g
 from opmap.ops.rope import triton_rope as r
@@ -26,8 +23,7 @@ from opmap.ops.attention import kv_append as kv, decode as dm
 
 def comp(fn, sig, ce, nw=4, ns=3):
     sig = dict(sig, PDL="constexpr")
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(ce, PDL=True)), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": nw, "num_stages": ns, "launch_pdl": True})
+    k = compile_sm90(fn, sig, dict(ce, PDL=True), {"num_warps": nw, "num_stages": ns, "launch_pdl": True})
     ptx = k.asm["ptx"]
     return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
             "prefetch": ptx.count("prefetch.global.L2")}
