@@ -73,6 +73,15 @@ def test_oracle_verdict(err_ours, deficit, consistent, ok):
     assert passed is ok and "first difference from HF bf16 greedy: 1" in line
 
 
+@pytest.mark.parametrize("err_ours,ok", [
+    ([0.10, 0.10, 0.19], True),  # 19x HF's lucky 0.01 at position 2, but under 2x HF's median 0.1
+    ([0.10, 0.10, 0.21], False),  # over 2x the median: noisier than bf16, lucky position or not
+])
+def test_oracle_verdict_noise_floor_is_hfs_median(err_ours, ok):
+    passed, line = oracle.verdict(_figures(err_ours, [0.1, 0.12, 0.01], [0.0] * 3))
+    assert passed is ok and "median 0.1000" in line, line
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe",
                                   "tiny-deepseek"])

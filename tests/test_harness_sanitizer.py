@@ -253,3 +253,17 @@ def test_racecheck_children_get_shorter_attention_sequences(monkeypatch):
         monkeypatch.delenv("OPMAP_SANITIZER_TOOL")
         importlib.reload(A)
     assert full == 32768 and capped <= 4096
+
+
+def test_batch_one_runs_each_case_in_its_own_child(fake_tool, monkeypatch, tmp_path):
+    """`opmap check --batch 1`: what is left of a cut-off run (the slow cases) runs side by side."""
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    import unittest.mock as mock
+
+    pairs = [("fakesan_pkg.cases", cases[0]), ("fakesan_pkg.cases", cases[1])]
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        out = san.run_all(pairs, True, 120, progress=False, jobs_n=2, batch=1)
+    assert [r.count("--case") for r in _runs(log)] == [1, 1]
+    assert [r.passed for r in out] == [True, False]

@@ -289,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run each GPU case in its own process under compute-sanitizer")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
     c.add_argument("--jobs", type=int, default=4, help="sanitizer cases run at once")
+    c.add_argument("--batch", type=int, default=6,
+                   help="sanitizer cases per child process (1: each alone; what is left of a run cut "
+                        "off by a time limit is the slow cases, which then run side by side)")
     c.add_argument("--resume", metavar="FILE",
                    help="sanitizer verdicts as JSON lines: each is appended as it finishes, and "
                         "those already there are reused (continue a run that was cut off)")
