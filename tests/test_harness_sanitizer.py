@@ -267,3 +267,24 @@ def test_batch_one_runs_each_case_in_its_own_child(fake_tool, monkeypatch, tmp_p
         out = san.run_all(pairs, True, 120, progress=False, jobs_n=2, batch=1)
     assert [r.count("--case") for r in _runs(log)] == [1, 1]
     assert [r.passed for r in out] == [True, False]
+
+
+def test_racecheck_children_run_smaller_sampling_and_moe_problems(monkeypatch):
+    """Under racecheck the sampling statistics cases sample RACE_ROWS rows (support membership
+    only) and the Qwen3-30B-A3B-shaped MoE case runs fewer tokens; the figure says so. Without the
+    tool they run in full."""
+    import torch
+
+    from opmap.check.cases import moe as M
+    from opmap.check.cases import sampling as S
+
+    stats = S._statistics("triton", "cpu", 111, 20000, dict(T=0.8))
+    moe = M._parity("triton", "cpu", 12, 32, 16, 8, 2, torch.float32, race_T=3)
+    monkeypatch.setenv("OPMAP_SANITIZER_TOOL", "racecheck")
+    o = stats()
+    assert o.passed and o.figure.startswith(f"racecheck run on {S.RACE_ROWS} of the 20000 rows: outside=0"), o.figure
+    o = moe()
+    assert o.passed and o.figure.startswith("racecheck run at T=3: "), o.figure
+    monkeypatch.delenv("OPMAP_SANITIZER_TOOL")
+    o = moe()
+    assert o.passed and not o.figure.startswith("racecheck"), o.figure

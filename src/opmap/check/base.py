@@ -2,6 +2,7 @@
 through a function ``cases(device: str, quick: bool) -> list[CheckCase]``."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -64,3 +65,13 @@ def arch_of(device: str) -> str:
     from ..hw import local_arch
 
     return local_arch()
+
+
+def racecheck_child() -> bool:
+    """True in a case's child process under compute-sanitizer racecheck (the driver sets
+    OPMAP_SANITIZER_TOOL). Racecheck instruments every shared-memory access, so a case may run a
+    smaller problem there with the same kernel configuration: a shared-memory race does not depend
+    on how many rows or tiles the grid walks. Titles stay the same (the child finds its case by
+    title); the figure says what ran."""
+    return os.environ.get("OPMAP_SANITIZER_TOOL") == "racecheck"
+

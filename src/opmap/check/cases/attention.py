@@ -6,12 +6,11 @@ CPU: fp32, 4/2 heads, d=64 (interpreter); GPU: bf16, 32/8 heads, d=128. Paged ba
 paged cache; contiguous-only backends (SDPA) get the same data as [B, S, Hk, D]."""
 from __future__ import annotations
 
-import os
 
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome
+from opmap.check.base import CheckCase, Outcome, racecheck_child
 from opmap.contract import InputError
 from opmap.specs import AttentionSpec, KVAppendSpec, MergeSpec
 from opmap.tolerance import compare, cosine
@@ -23,7 +22,7 @@ DT = {"cpu": (torch.float32, "fp32"), "cuda": (torch.bfloat16, "bf16")}
 # children) the longest sequences are capped: racecheck instruments every shared-memory access, so
 # the 32k-key case took over 150 s per case on the H200, and a shared-memory race does not depend
 # on how many key tiles a program walks. memcheck keeps the full lengths (address arithmetic does).
-_RACECHECK = os.environ.get("OPMAP_SANITIZER_TOOL") == "racecheck"
+_RACECHECK = racecheck_child()
 
 
 def _shape(device):
