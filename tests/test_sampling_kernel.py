@@ -41,11 +41,13 @@ def _random_case(seed, B, V, scale, ties):
 
 
 # V=5000 with top_k 3000 / top_p 0.999 keeps > 2048 candidates: the path without compaction.
+# chunk 512: pass A split over programs and the histogram bracket (pass B) of the GPU path.
+@pytest.mark.parametrize("chunk", [None, 512])
 @pytest.mark.parametrize("seed,V,scale,ties", [(0, 111, 1.0, True), (1, 1000, 3.0, False),
                                                 (2, 5000, 0.3, True), (3, 4097, 1.0, False)])
-def test_support_and_tokens_match_reference(seed, V, scale, ties):
+def test_support_and_tokens_match_reference(seed, V, scale, ties, chunk):
     x, T, k, p, mp, seeds, pos = _random_case(seed, 6, V, scale, ties)
-    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=chunk)
     mask = sampler.support_from_boundary(x, T, sup)
     ref = R.support_mask(x.double() / T.double()[:, None], k, p, mp)
     filtered = ((k > 1) & (k < V)) | (p < 1) | (mp > 0)
@@ -206,3 +208,30 @@ def test_config_override_same_tokens_and_checked():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     with pytest.raises(InputError, match="config"):
         sample(*args, config=(100, 4))
+
+
+@pytest.mark.parametrize("k,p,mp", [(7, 1.0, 0.0), (40, 1.0, 0.0), (40, 0.7, 0.0), (0, 0.6, 0.0), (0, 0.97, 0.0),
+                                    (40, 1.0, 0.5), (300, 1.0, 0.0), (0, 0.999, 0.0)])
+def test_histogram_bracket_at_bin_edges(k, p, mp):
+    """Pass B's histogram starts top-k (and top-p alone) inside one bin of 1/32 nat. Values placed
+    exactly on bin edges, tied across them, and a boundary below the histogram's range (z < -16)
+    must give the reference's support and tokens."""
+    from opmap.ops.sampling.sampler_jit import HIST_W
+
+    w = float(HIST_W.value if hasattr(HIST_W, "value") else HIST_W)
+    g = torch.Generator().manual_seed(k * 7 + int(p * 100))
+    B, V = 4, 700
+    edges = -w * torch.randint(0, 200, (B, V), generator=g).float()  # many values on edges, many ties
+    x = torch.where(torch.rand(B, V, generator=g) < 0.5, edges, edges - w * torch.rand(B, V, generator=g))
+    x[:, 0] = 0.0  # z = x - 0: the edges stay exact
+    x[2] = torch.where(torch.arange(V) < 5, 0.0, -20.0 - torch.rand(V, generator=g))  # boundary below -16
+    x[3, 100:] = -INF
+    T = torch.ones(B)
+    kk, pp, mm = (torch.full((B,), v, dtype=dt) for v, dt in ((k, torch.int32), (p, torch.float32), (mp, torch.float32)))
+    seeds, pos = torch.arange(B) + 11, torch.arange(B) * 5
+    ids, invalid, sup = sampler.sample(x, T, kk, pp, mm, seeds, pos, return_support=True, chunk=128)
+    mask = sampler.support_from_boundary(x, T, sup)
+    ref = R.support_mask(x.double(), kk, pp, mm)
+    for b in range(B):
+        assert torch.equal(mask[b], ref[b]), f"row {b}: support {int(mask[b].sum())} vs {int(ref[b].sum())}"
+    assert torch.equal(ids, R.sample(x, T, kk, pp, mm, seeds, pos)[0]) and not invalid.any()

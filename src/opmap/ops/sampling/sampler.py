@@ -10,6 +10,10 @@ tokens equal to t that are kept (the n lowest ids): keep = z > t, or z == t and 
 1. Pass A over the row: max, the greedy id (lowest id among maxima), NaN / +inf detection,
    the count of finite values, and, only where needed, the total mass sum(exp(z)) (top-p without
    min-p) or the whole draw (rows without any filter: an exponential race fused into this pass).
+   On the GPU pass A is split over chunks of the row (``_partials_kernel``), and pass B
+   (``_hist_kernel``, same chunks) counts z into 512 exact bins of 1/32 nat: the counts bracket
+   the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary, so
+   the search below starts inside one bin and, when few values lie above it, compacts at once.
 2. top-k (and min-p, whose cut log(min_p) is a known key): bisection over keys for the largest
    key t with count(z >= t) >= k. Each step is one pass that returns, for the midpoint, the
    count and mass above it plus the nearest keys on both sides with their multiplicities, so the
@@ -30,8 +34,8 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from .sampler_jit import (INT_MAX, KEY_NEG_INF, PART, _combine_parts, _key, _load_z, _pass_a, _race_block,  # noqa: F401
-                          _race_lanes, _search, _unkey)
+from .sampler_jit import (HIST_NB, HIST_W, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _hist_bins,  # noqa: F401
+                          _hist_bracket, _key, _load_z, _pass_a, _race_block, _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
@@ -86,10 +90,33 @@ def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, mi
 
 
 @triton.jit
+def _hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, hist_ptr,
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+    """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
+    whose first search is top-k or top-p alone. The row max comes from pass A's partials."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+        temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+    h = tl.zeros([HIST_NB], tl.int32)
+    if not_(greedy) & (use_k | (use_p & not_(use_mp))):
+        j = tl.arange(0, S_P)
+        m = tl.max(tl.load(part_ptr + (row * n_parts + j) * PART, mask=j < n_parts, other=float("-inf")), 0)
+        row_ptr = logits_ptr + row * stride_row
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            z = _load_z(row_ptr, offs, hi, m, inv_t)
+            h += _hist_bins(z, (offs < hi) & (z > float("-inf")), HIST_NB, HIST_W)
+    tl.store(hist_ptr + (row * n_parts + c) * HIST_NB + tl.arange(0, HIST_NB), h)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts,
+                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, hist_ptr,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
-                   USE_PARTS: tl.constexpr, S_P: tl.constexpr):
+                   USE_PARTS: tl.constexpr, S_P: tl.constexpr, HIST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
@@ -125,10 +152,22 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             m_lo = s
             c_gt1 = n_fin
             e_t = tl.zeros([], tl.int32)  # how many values equal t
+            hrow = hist_ptr + row * n_parts * HIST_NB
             if use_k | (use_mp & use_p):
                 target1 = tl.where(use_k, k.to(tl.float32), float("inf"))
+                lo1 = lo0
+                hi1 = tl.zeros([], tl.int32)
+                if HIST:
+                    # Start top-k in the histogram bin that reaches k (the counts are exact, so t
+                    # lies in it); when few values lie above it the first step compacts. A higher
+                    # min-p cut only tightens lo (hi >= lo keeps its exact first evaluation).
+                    ok_h, lo_h, hi_h, c_h = _hist_bracket(hrow, n_parts, target1, 0, HIST_NB, HIST_W)
+                    ok_h = ok_h & use_k
+                    lo1 = tl.where(ok_h, tl.maximum(lo0, lo_h), lo0)
+                    hi1 = tl.where(ok_h, tl.maximum(hi_h, lo1), hi1)
+                    c_lo = tl.where(ok_h, tl.minimum(c_lo, c_h), c_lo)
                 f1, t1, c1, w1, e1, lo, c_lo, m_lo, compacted, zc, ic = _search(
-                    row_ptr, V, m, inv_t, lo0, tl.zeros([], tl.int32), c_lo, m_lo, target1, 0, use_mp.to(tl.int32),
+                    row_ptr, V, m, inv_t, lo1, hi1, c_lo, m_lo, target1, 0, use_mp.to(tl.int32),
                     compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
                 if f1 != 0:
                     t = t1
@@ -142,8 +181,17 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                     mass1 = m_lo
             if use_p:
                 target2 = p * mass1
+                lo2 = t + 1
+                hi2 = tl.zeros([], tl.int32)
+                if HIST:
+                    if not_(use_k | use_mp):
+                        # top-p alone: bounds of the mass above each bin edge bracket t the same way.
+                        ok_h, lo_h, hi_h, c_h = _hist_bracket(hrow, n_parts, target2, 1, HIST_NB, HIST_W)
+                        lo2 = tl.where(ok_h, tl.maximum(lo2, lo_h), lo2)
+                        hi2 = tl.where(ok_h, tl.maximum(hi_h, lo2), hi2)
+                        c_lo = tl.where(ok_h, tl.minimum(c_lo, c_h), c_lo)
                 f2, t2, c2, w2, e2, lo, c_lo, m_lo, compacted, zc, ic = _search(
-                    row_ptr, V, m, inv_t, t + 1, tl.zeros([], tl.int32), c_lo, m_lo, target2, 1, 0,
+                    row_ptr, V, m, inv_t, lo2, hi2, c_lo, m_lo, target2, 1, 0,
                     compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
                 if f2 != 0:
                     q2 = tl.exp(_unkey(t2))
@@ -218,13 +266,17 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         si = torch.empty((B, cand), dtype=torch.int32, device=dev)
         cnt = torch.empty(B, dtype=torch.int32, device=dev)  # compaction counters, zeroed in the kernel
         part = torch.empty((B, n_parts, 9), dtype=torch.float32, device=dev) if use_parts else sz
+        hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev) if use_parts else cnt
+        s_p = max(2, triton.next_power_of_2(n_parts))
         if use_parts:
             _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
                                            positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
+            _hist_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, part, n_parts,
+                                       hist, CHUNK=chunk, BLOCK=min(2048, chunk), S_P=s_p, num_warps=4)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
-                             ids, invalid, support, sz, si, cnt, part, n_parts, BLOCK=block, CAND=cand,
-                             WRITE_SUPPORT=return_support, USE_PARTS=use_parts,
-                             S_P=max(2, triton.next_power_of_2(n_parts)), num_warps=warps)
+                             ids, invalid, support, sz, si, cnt, part, n_parts, hist, BLOCK=block, CAND=cand,
+                             WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_parts,
+                             num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)
 
 

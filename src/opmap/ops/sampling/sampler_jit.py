@@ -12,6 +12,12 @@ KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 INT_MAX = tl.constexpr(2147483647)
 INT_MIN = tl.constexpr(-2147483648)
 PART = tl.constexpr(9)  # floats per (row, chunk) record of pass A's partials
+# The count histogram of z (pass B, ``_hist_kernel``): bin j holds -(j+1)*HIST_W < z <= -j*HIST_W,
+# computed exactly (HIST_W a power of two: -z / HIST_W and its floor are exact), the last bin
+# everything below. 512 bins of 1/32 nat cover z down to -16; the narrow bins keep the mass
+# bounds of top-p within 3% (exp(-1/32)).
+HIST_NB = tl.constexpr(512)
+HIST_W = tl.constexpr(0.03125)
 
 
 @triton.jit
@@ -316,3 +322,41 @@ def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
     rb_id = tl.min(tl.where(has & (key == kb), rid, INT_MAX), 0)
     xmin = tl.min(tl.load(q + 8, mask=ok, other=float("inf")), 0)
     return m, gid, bad, n_fin, s, rb_id, xmin
+
+
+@triton.jit
+def _hist_bins(z, ok, NB: tl.constexpr, W: tl.constexpr):
+    """Counts of one block's values per histogram bin (``ok`` masks values out)."""
+    b = tl.minimum(-z * (1.0 / W), NB - 1.0)  # exact: 1/W is a power of two
+    b = tl.where(ok, b, 0.0).to(tl.int32)  # truncation = floor for b >= 0
+    return tl.histogram(b, NB, mask=ok)
+
+
+@triton.jit
+def _hist_bracket(hist_ptr, n_parts, target, use_mass, NB: tl.constexpr, W: tl.constexpr):
+    """A bracket [lo, hi] of the boundary key t (the largest key whose metric over the values at or
+    above it reaches ``target``) from a row's histogram partials, and the count at or above lo.
+    Count (use_mass == 0): exact, the bins are exact. Mass: a value of bin i weighs between
+    exp(-(i+1) W) and exp(-i W), so lower and upper bounds of the mass above each bin edge bracket
+    t; 0.1% margins cover fp32 summation. Returns (usable, lo, hi, count >= lo); not usable when
+    only the open last bin reaches the target."""
+    jb = tl.arange(0, NB)
+    cnt = tl.zeros([NB], tl.int32)
+    for part in range(0, n_parts):  # one [NB] row at a time: a [parts, NB] tile spilled at 16 warps
+        cnt += tl.load(hist_ptr + part * NB + jb)
+    c_cum = tl.cumsum(cnt, 0)
+    cf = cnt.to(tl.float32)
+    lb_cum = tl.cumsum(cf * tl.exp(-(jb + 1).to(tl.float32) * W), 0)
+    ub_cum = tl.cumsum(cf * tl.exp(-jb.to(tl.float32) * W), 0)
+    # The first bin j whose metric above its lower edge surely reaches the target: t >= that edge.
+    short_lo = tl.where(use_mass != 0, lb_cum < target * 1.001, c_cum.to(tl.float32) < target)
+    j = tl.sum(short_lo.to(tl.int32), 0)  # the sums are monotone
+    # The bins whose metric above their lower edge surely falls short: t <= the upper edge of bin ju.
+    short_hi = tl.where(use_mass != 0, ub_cum < target * 0.999, c_cum.to(tl.float32) < target)
+    ju = tl.sum(short_hi.to(tl.int32), 0)
+    usable = j < NB - 1
+    jj = tl.minimum(j, NB - 1)
+    lo = _key(-(jj + 1).to(tl.float32) * W) + 1
+    hi = tl.where(ju > 0, _key(-ju.to(tl.float32) * W), 0)
+    c_lo = tl.sum(tl.where(jb == jj, c_cum, 0), 0)
+    return usable, lo, hi, c_lo
