@@ -88,6 +88,32 @@ def test_support_at_real_shapes(V):
     assert_support_matches(sampler.support_from_boundary(xb, ones, sup), xb, ones, k, ones, ones * 0, tol=0.0)
 
 
+@pytest.mark.parametrize("V", [128256, 151936])
+def test_histogram_bracket_with_values_on_bin_edges(V):
+    """Pass B (the 512-bin histogram of z, bins of 1/32 nat) brackets the search: values exactly
+    on bin edges and tied across them, bf16 and fp32 logits, top-k and top-p alone, and a row whose
+    boundary lies below the histogram's range (z < -16)."""
+    from opmap.ops.sampling.sampler_jit import HIST_W
+
+    w = float(getattr(HIST_W, "value", HIST_W))
+    B = 16
+    g = torch.Generator(device=DEV).manual_seed(V)
+    edges = -w * torch.randint(0, 400, (B, V), generator=g, device=DEV).float()
+    x = torch.where(torch.rand(B, V, generator=g, device=DEV) < 0.5, edges,
+                    edges - w * torch.rand(B, V, generator=g, device=DEV))
+    x[:, 0] = 0.0
+    x[5] = torch.where(torch.arange(V, device=DEV) < 5, 0.0, -20.0 - torch.rand(V, generator=g, device=DEV))
+    ones = torch.ones(B, device=DEV)
+    k = torch.tensor([7, 50, 1000, 3000, 0, 40, 0, 0], dtype=torch.int32, device=DEV).repeat(2)
+    p = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.9, 1.0, 0.5, 0.95], device=DEV).repeat(2)
+    seeds, pos = torch.arange(B, device=DEV) + 5, torch.arange(B, device=DEV)
+    for xx in (x, x.to(torch.bfloat16)):
+        ids, invalid, sup = sampler.sample(xx, ones, k, p, ones * 0, seeds, pos, return_support=True)
+        mask = sampler.support_from_boundary(xx, ones, sup)
+        assert_support_matches(mask, xx, ones, k, p, ones * 0)
+        assert mask.gather(1, ids[:, None]).all() and not invalid.any()
+
+
 def test_edge_cases_bf16():
     V = 128256
     x = torch.full((4, V), -math.inf, device=DEV, dtype=torch.bfloat16)
