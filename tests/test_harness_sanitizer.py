@@ -288,3 +288,33 @@ def test_racecheck_children_run_smaller_sampling_and_moe_problems(monkeypatch):
     monkeypatch.delenv("OPMAP_SANITIZER_TOOL")
     o = moe()
     assert o.passed and not o.figure.startswith("racecheck"), o.figure
+
+
+def test_failed_batch_reruns_its_cases_side_by_side_within_the_jobs_limit(fake_tool, monkeypatch):
+    """A batch that timed out holds the slow cases: its single-case reruns run at once, each
+    child process taking one of run_all's --jobs slots."""
+    import threading
+    import time as _time
+
+    tool, cases = fake_tool
+    monkeypatch.setenv("FAKE_SANITIZER_ERROR", "1")  # the batch reports an error in our kernel
+    live, peak, lock = [0], [0], threading.Lock()
+    real_run = san.subprocess.run
+
+    def counting_run(cmd, **kw):
+        if cmd.count("--case") == 1:  # a single-case rerun
+            with lock:
+                live[0] += 1
+                peak[0] = max(peak[0], live[0])
+            _time.sleep(0.5)
+            with lock:
+                live[0] -= 1
+        return real_run(cmd, **kw)
+
+    monkeypatch.setattr(san.subprocess, "run", counting_run)
+    out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[1], cases[0]], True, "memcheck", 120, tool)
+    assert len(out) == 3 and peak[0] == 3  # no limit outside run_all: all three at once
+    peak[0] = 0
+    monkeypatch.setattr(san, "_SLOTS", threading.BoundedSemaphore(2))
+    san.run_batch("fakesan_pkg.cases", [cases[0], cases[1], cases[0]], True, "memcheck", 120, tool)
+    assert peak[0] == 2

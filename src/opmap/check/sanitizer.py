@@ -10,12 +10,14 @@ the family's cases, runs the one named and prints its outcome as one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -136,6 +138,11 @@ def _env(graph: bool, tool: str) -> dict:
     return env
 
 
+# The children under the tool at once (run_all sets it from --jobs): batch children and the
+# single-case reruns of a failed batch share it, so the reruns run side by side within the limit.
+_SLOTS: Optional[threading.BoundedSemaphore] = None
+
+
 def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: float):
     """Run ``cases`` (one family, one tool) in one child under the tool: (completed process or
     None on timeout, {title: outcome})."""
@@ -145,7 +152,9 @@ def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: fl
         cmd += ["--case", f"{c.section}{SEP}{c.title}"]
     cmd += ["--quick"] if quick else []
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(cases[0].section == "graph", tool))
+        with _SLOTS or contextlib.nullcontext():
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                               env=_env(cases[0].section == "graph", tool))
     except subprocess.TimeoutExpired:
         return None, {}
     outcomes = {}
@@ -217,7 +226,12 @@ def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe
                 out.append(Result("sanitizer", c.op, c.backend, f"{c.case} [{tool}]", ok, fig[:500],
                                   float(max(count, 0)), 0.0, seconds=each, family=fam))
             return out
-    return [run_one(fam, c, quick, tool, timeout, exe) for c in cases]
+    # Side by side (within the --jobs limit of _SLOTS): a batch that timed out holds the slow
+    # cases, and one after another they cost the sum of their timeouts.
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(cases)) as pool:
+        return list(pool.map(lambda c: run_one(fam, c, quick, tool, timeout, exe), cases))
 
 
 BATCH = 6  # cases per child process (same family, tool and allocator setting)
@@ -249,7 +263,7 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
             batch: int = BATCH, state: Optional[str] = None) -> list:
     """Every (family, case) under its tools. ``state``: a JSON-lines file that each verdict is
     appended to as it finishes; verdicts already in it are reused, not run again."""
-    import threading
+    global _SLOTS
     from dataclasses import asdict
 
     from .runner import Result
@@ -298,8 +312,12 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
                       f"{'ok' if r.passed else 'FAIL ' + r.figure[:400]} ({r.seconds:.0f} s)",
                       file=sys.stderr, flush=True)
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
-        list(pool.map(one, chunks))
+    _SLOTS = threading.BoundedSemaphore(max(1, jobs_n))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
+            list(pool.map(one, chunks))
+    finally:
+        _SLOTS = None
     return results
 
 
