@@ -12,8 +12,10 @@ tokens equal to t that are kept (the n lowest ids): keep = z > t, or z == t and 
    min-p) or the whole draw (rows without any filter: an exponential race fused into this pass).
    On the GPU pass A is split over chunks of the row (``_partials_kernel``), and pass B
    (``_hist_kernel``, same chunks) counts z into 512 exact bins of 1/32 nat: the counts bracket
-   the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary, so
-   the search below starts inside one bin and, when few values lie above it, compacts at once.
+   the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary
+   (``_bracket_kernel``, one program per row), so the search below starts inside one bin; when
+   at most CAND values lie above it, pass C (``_gather_kernel``, same chunks) gathers them and
+   this row's program reads no full row at all.
 2. top-k (and min-p, whose cut log(min_p) is a known key): bisection over keys for the largest
    key t with count(z >= t) >= k. Each step is one pass that returns, for the midpoint, the
    count and mass above it plus the nearest keys on both sides with their multiplicities, so the
@@ -39,6 +41,8 @@ from .sampler_jit import (HIST_NB, HIST_W, INT_MAX, KEY_NEG_INF, PART, _combine_
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
+
+BR = tl.constexpr(8)  # ints per row of the bracket record (_bracket_kernel; 5 used)
 
 
 @triton.jit
@@ -113,8 +117,80 @@ def _hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_p
 
 
 @triton.jit
+def _lo0(m, xmin, n_fin, inv_t, mp, use_mp):
+    """The lowest key a search needs: the min-p cut, else the smallest finite z (as _load_z
+    computes it)."""
+    zmin_key = _key((tl.where(n_fin > 0, xmin, m) - m) * inv_t + 0.0)
+    return tl.where(use_mp, _key(tl.log(tl.where(use_mp, mp, 1.0))), tl.maximum(zmin_key, KEY_NEG_INF + 1))
+
+
+@triton.jit
+def _bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr, cnt_ptr,
+                    CAND: tl.constexpr, S_P: tl.constexpr):
+    """Per row, from pass A's partials and pass B's histogram: the bracket of the first search
+    (BR ints: mode 0 none / 1 top-k / 2 top-p alone, lo, hi, count at or above lo, gathered) and
+    whether its candidates (at most CAND) are gathered by _gather_kernel. Zeroes the row's counter."""
+    row = tl.program_id(0).to(tl.int64)
+    k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+        temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+    m, gid, bad, n_fin, s, rb_id, xmin = _combine_parts(part_ptr + row * n_parts * PART, n_parts, inv_t, S_P)
+    lo0 = _lo0(m, xmin, n_fin, inv_t, mp, use_mp)
+    first_p = use_p & not_(use_k | use_mp)
+    mode = tl.zeros([], tl.int32)
+    lo = lo0
+    hi = tl.zeros([], tl.int32)
+    c = n_fin
+    if not_(greedy) & (use_k | first_p) & (bad == 0) & (m > float("-inf")):
+        target = tl.where(use_k, k.to(tl.float32), p * s)
+        ok, lo_h, hi_h, c_h = _hist_bracket(hist_ptr + row * n_parts * HIST_NB, n_parts, target,
+                                            first_p.to(tl.int32), HIST_NB, HIST_W)
+        if ok:
+            # A higher min-p cut only tightens lo; hi >= lo keeps the search's first evaluation.
+            mode = tl.where(use_k, 1, 2)
+            lo = tl.maximum(lo0, lo_h)
+            hi = tl.maximum(hi_h, lo)
+            c = tl.minimum(n_fin, c_h)
+    out = br_ptr + row * BR
+    tl.store(out + 0, mode)
+    tl.store(out + 1, lo)
+    tl.store(out + 2, hi)
+    tl.store(out + 3, c)
+    tl.store(out + 4, ((mode > 0) & (c <= CAND)).to(tl.int32))
+    tl.store(cnt_ptr + row, 0)
+
+
+@triton.jit
+def _gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, br_ptr,
+                   sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                   S_P: tl.constexpr):
+    """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
+    bracket's lo to the row's candidate scratch, where _bracket_kernel found at most CAND of them.
+    The per-row kernel then starts from those candidates in registers and reads no full row:
+    the compaction pass it would run alone on one SM is spread over the GPU here."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if tl.load(br_ptr + row * BR + 4) != 0:
+        k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+            temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+        j = tl.arange(0, S_P)
+        m = tl.max(tl.load(part_ptr + (row * n_parts + j) * PART, mask=j < n_parts, other=float("-inf")), 0)
+        lo_key = tl.load(br_ptr + row * BR + 1)
+        row_ptr = logits_ptr + row * stride_row
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            z = _load_z(row_ptr, offs, hi, m, inv_t)
+            sel = (offs < hi) & (_key(z) >= lo_key)
+            slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
+            ok = sel & (slot < CAND)
+            tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
+            tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+
+
+@triton.jit
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, hist_ptr,
+                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, br_ptr,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
                    USE_PARTS: tl.constexpr, S_P: tl.constexpr, HIST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -143,29 +219,36 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             compacted = tl.zeros([], tl.int32)
             zc = tl.full([CAND], float("-inf"), tl.float32)
             ic = tl.full([CAND], V, tl.int32)
-            # The smallest finite z (computed as _load_z does) bounds the search from below.
-            zmin_key = _key((tl.where(n_fin > 0, xmin, m) - m) * inv_t + 0.0)
-            lo0 = tl.where(use_mp, _key(tl.log(tl.where(use_mp, mp, 1.0))), tl.maximum(zmin_key, KEY_NEG_INF + 1))
+            lo0 = _lo0(m, xmin, n_fin, inv_t, mp, use_mp)
             t = lo0 - 1
+            mode = tl.zeros([], tl.int32)
+            lo_b = lo0
+            hi_b = tl.zeros([], tl.int32)
+            c_b = n_fin
+            if HIST:  # the first search's bracket (_bracket_kernel) and its gathered candidates
+                br = br_ptr + row * BR
+                mode = tl.load(br + 0)
+                lo_b = tl.load(br + 1)
+                hi_b = tl.load(br + 2)
+                c_b = tl.load(br + 3)
+                if tl.load(br + 4) != 0:
+                    n_c = tl.load(cnt_ptr + row)
+                    jc = tl.arange(0, CAND)
+                    zc = tl.load(sz + jc, mask=jc < n_c, other=float("-inf"))
+                    ic = tl.load(si + jc, mask=jc < n_c, other=V)
+                    compacted = tl.full([], 1, tl.int32)
             mass1 = s
             c_lo = n_fin
             m_lo = s
             c_gt1 = n_fin
             e_t = tl.zeros([], tl.int32)  # how many values equal t
-            hrow = hist_ptr + row * n_parts * HIST_NB
             if use_k | (use_mp & use_p):
                 target1 = tl.where(use_k, k.to(tl.float32), float("inf"))
-                lo1 = lo0
-                hi1 = tl.zeros([], tl.int32)
-                if HIST:
-                    # Start top-k in the histogram bin that reaches k (the counts are exact, so t
-                    # lies in it); when few values lie above it the first step compacts. A higher
-                    # min-p cut only tightens lo (hi >= lo keeps its exact first evaluation).
-                    ok_h, lo_h, hi_h, c_h = _hist_bracket(hrow, n_parts, target1, 0, HIST_NB, HIST_W)
-                    ok_h = ok_h & use_k
-                    lo1 = tl.where(ok_h, tl.maximum(lo0, lo_h), lo0)
-                    hi1 = tl.where(ok_h, tl.maximum(hi_h, lo1), hi1)
-                    c_lo = tl.where(ok_h, tl.minimum(c_lo, c_h), c_lo)
+                # Top-k starts in the histogram bin that reaches k (the counts are exact, so t
+                # lies in it); its candidates were gathered when few values lie above it.
+                lo1 = tl.where(mode == 1, lo_b, lo0)
+                hi1 = tl.where(mode == 1, hi_b, 0)
+                c_lo = tl.where(mode == 1, c_b, c_lo)
                 f1, t1, c1, w1, e1, lo, c_lo, m_lo, compacted, zc, ic = _search(
                     row_ptr, V, m, inv_t, lo1, hi1, c_lo, m_lo, target1, 0, use_mp.to(tl.int32),
                     compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
@@ -181,15 +264,10 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                     mass1 = m_lo
             if use_p:
                 target2 = p * mass1
-                lo2 = t + 1
-                hi2 = tl.zeros([], tl.int32)
-                if HIST:
-                    if not_(use_k | use_mp):
-                        # top-p alone: bounds of the mass above each bin edge bracket t the same way.
-                        ok_h, lo_h, hi_h, c_h = _hist_bracket(hrow, n_parts, target2, 1, HIST_NB, HIST_W)
-                        lo2 = tl.where(ok_h, tl.maximum(lo2, lo_h), lo2)
-                        hi2 = tl.where(ok_h, tl.maximum(hi_h, lo2), hi2)
-                        c_lo = tl.where(ok_h, tl.minimum(c_lo, c_h), c_lo)
+                # top-p alone: bounds of the mass above each bin edge bracket t the same way.
+                lo2 = tl.where(mode == 2, lo_b, t + 1)
+                hi2 = tl.where(mode == 2, hi_b, 0)
+                c_lo = tl.where(mode == 2, c_b, c_lo)
                 f2, t2, c2, w2, e2, lo, c_lo, m_lo, compacted, zc, ic = _search(
                     row_ptr, V, m, inv_t, lo2, hi2, c_lo, m_lo, target2, 1, 0,
                     compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
@@ -266,15 +344,20 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         si = torch.empty((B, cand), dtype=torch.int32, device=dev)
         cnt = torch.empty(B, dtype=torch.int32, device=dev)  # compaction counters, zeroed in the kernel
         part = torch.empty((B, n_parts, 9), dtype=torch.float32, device=dev) if use_parts else sz
-        hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev) if use_parts else cnt
         s_p = max(2, triton.next_power_of_2(n_parts))
+        br = cnt
         if use_parts:
-            _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
-                                           positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
-            _hist_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, part, n_parts,
-                                       hist, CHUNK=chunk, BLOCK=min(2048, chunk), S_P=s_p, num_warps=4)
+            hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev)
+            br = torch.empty((B, BR), dtype=torch.int32, device=dev)
+            flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
+            cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
+            _partials_kernel[(B, n_parts)](*flags, seeds, positions, part, **cb)
+            _hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
+            _bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
+                                  S_P=s_p, num_warps=4)
+            _gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
-                             ids, invalid, support, sz, si, cnt, part, n_parts, hist, BLOCK=block, CAND=cand,
+                             ids, invalid, support, sz, si, cnt, part, n_parts, br, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_parts,
                              num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)
