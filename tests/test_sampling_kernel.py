@@ -235,3 +235,13 @@ def test_histogram_bracket_at_bin_edges(k, p, mp):
     for b in range(B):
         assert torch.equal(mask[b], ref[b]), f"row {b}: support {int(mask[b].sum())} vs {int(ref[b].sum())}"
     assert torch.equal(ids, R.sample(x, T, kk, pp, mm, seeds, pos)[0]) and not invalid.any()
+
+
+def test_passes_b_and_c_change_no_token():
+    """bracket=False (the benchmark's same-run comparison) searches from the whole row: the same
+    support boundary and tokens as with the histogram bracket and the spread gather."""
+    x, T, k, p, mp, seeds, pos = _random_case(4, 6, 3000, 2.0, False)
+    k[3], p[3], mp[3] = 0, 0.9, 0.0  # top-p alone
+    a = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256)
+    b = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256, bracket=False)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))

@@ -60,11 +60,12 @@ def _race_unfiltered(inp):
     return run
 
 
-def _ours_config(block, warps):
+def _ours_config(block=None, warps=None, bracket=True):
     def make(inp):
         from opmap.ops.sampling.sampler import sample
 
-        return lambda: sample(*_args(inp), config=(block, warps))
+        cfg = (block, warps) if block else None
+        return lambda: sample(*_args(inp), config=cfg, bracket=bracket)
 
     return make
 
@@ -108,13 +109,17 @@ def cases(quick: bool) -> list[BenchCase]:
                              Provider("flashinfer", _backend("flashinfer"), backend=("sampling", "flashinfer"))]
                 if f:
                     providers.append(Provider("torch-race-unfiltered", _race_unfiltered))
+                    if V == 128256 and B in (1, 64):
+                        # Passes B and C (histogram bracket, spread gather) against the per-row
+                        # search from the whole row that they replace, in the same run.
+                        providers.append(Provider("opmap-triton[no B/C]", _ours_config(bracket=False)))
                     if not quick and V == 128256 and B == 64:
                         # The per-row search runs one program per row: at 423 us for top-k+top-p
                         # (B=64) each of its ~4 passes over a 0.5 MB row took ~90 us, far below one
-                        # SM's L2 bandwidth, so the program's width is the first thing to vary. The
-                        # sm90 build has no async copies in those loops (each block's loads wait
-                        # out their latency), so fewer, larger blocks should help most; (8192, 16)
-                        # and (8192, 32) compile without spills (128 and 64 registers).
+                        # SM's L2 bandwidth, so the program's width is the other thing to vary
+                        # (what passes B and C leave to it: top-p rows over 2048 tokens). The sm90
+                        # build has no async copies in those loops; (8192, 16) and (8192, 32) have
+                        # a 360-byte stack frame (128 and 64 registers).
                         providers += [Provider(f"opmap-triton[bl={bl},w={w}]", _ours_config(bl, w))
                                       for bl, w in ((8192, 16), (8192, 32), (4096, 16), (2048, 16), (1024, 4))]
                 if fname == "top_k+top_p":

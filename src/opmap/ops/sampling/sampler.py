@@ -318,11 +318,13 @@ def _config(device: torch.device) -> tuple[int, int, int, int]:
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False,
-           chunk: Optional[int] = None, config: Optional[tuple] = None):
+           chunk: Optional[int] = None, config: Optional[tuple] = None, bracket: bool = True):
     """See the module docstring. With ``return_support`` a third tensor [B, 2] int32 holds each
     row's boundary (key t, tie count n); ``support_from_boundary`` turns it into a mask (tests).
     ``chunk`` overrides the split of pass A (0 = none; tests exercise both paths); ``config``
-    (BLOCK, num_warps) overrides the per-row kernel's tile (benchmark variants)."""
+    (BLOCK, num_warps) overrides the per-row kernel's tile (benchmark variants); ``bracket=False``
+    leaves out passes B and C (the per-row kernel searches from the whole row, as before them:
+    the benchmark's same-run comparison; the tokens are the same)."""
     B, V = check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
     expect(V < 2**24, "logits", f"vocabulary {V}", "fewer than 2**24 columns (ids travel as fp32)")
     dev = logits.device
@@ -346,19 +348,22 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         part = torch.empty((B, n_parts, 9), dtype=torch.float32, device=dev) if use_parts else sz
         s_p = max(2, triton.next_power_of_2(n_parts))
         br = cnt
+        use_hist = use_parts and bracket
         if use_parts:
+            _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
+                                           positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
+        if use_hist:
             hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev)
             br = torch.empty((B, BR), dtype=torch.int32, device=dev)
             flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
             cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
-            _partials_kernel[(B, n_parts)](*flags, seeds, positions, part, **cb)
             _hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
             _bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
                                   S_P=s_p, num_warps=4)
             _gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
                              ids, invalid, support, sz, si, cnt, part, n_parts, br, BLOCK=block, CAND=cand,
-                             WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_parts,
+                             WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_hist,
                              num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)
 
