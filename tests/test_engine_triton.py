@@ -44,8 +44,27 @@ def test_triton_path_matches_hf(name, single_thread):
     chosen = {c.op: c.backend.name for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
               for _, _, c in ops.choices}
     assert chosen["attention"] in ("triton", "mla-triton") and chosen["rmsnorm"] == "triton"
+    # GQA models run RoPE and the KV append as one launch (kv_append entry rope_append); MLA not.
+    fused = [ops.rope_append is not None for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]]
+    assert all(fused) if not cfg.is_mla else not any(fused)
     # 40 > budget 32: a chunked prefill; 3 decoding rows pad to bucket 4 (a row of slot -1, length 0)
     prompts = random_prompts(cfg.vocab, (5, 40, 17), seed=9)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
     for p, o in zip(prompts, outs):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 5)
+
+
+def test_rope_append_fusion_can_be_turned_off(monkeypatch, single_thread):
+    """OPMAP_ROPE_APPEND=0: RoPE and the KV append as two launches again (for same-run timing);
+    the same tokens."""
+    cfg = dataclasses.replace(PRESETS["tiny-llama3"], head_dim=32)
+    hf = make_hf_model(cfg, seed=5)
+    prompts = random_prompts(cfg.vocab, (9, 20), seed=2)
+    toks = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("OPMAP_ROPE_APPEND", flag)
+        llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=2,
+                  backends=forced(cfg))
+        assert all((ops.rope_append is not None) == (flag == "1") for ops in llm.runner.decode_ops.values())
+        toks[flag] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))]
+    assert toks["1"] == toks["0"] == [hf_greedy(hf, p, 4) for p in prompts]

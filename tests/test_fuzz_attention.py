@@ -269,6 +269,57 @@ def test_fuzz_kv_append(name):
     fuzz("kv_append", name, "append", append_cases(), _cmp_append, _n(name))
 
 
+# ---- RoPE + KV append (one launch) -------------------------------------------------------------
+
+@st.composite
+def rope_append_cases(draw):
+    """An append case (its breaks included) with q, positions, cos/sin and style added, and
+    breaks of its own: a position past the cos/sin rows, an odd rotary dim, a bad style, q of
+    another dtype."""
+    base = draw(append_cases())
+    seed = draw(st.integers(0, 2**31 - 1))
+    hq_mult = draw(st.sampled_from([1, 2, 4]))
+    style = draw(st.sampled_from(["neox", "gptj"]))
+    frac = draw(st.sampled_from([1, 2]))  # rotary dim D or D/2
+    brk = "none" if base.broken else draw(st.sampled_from(("none",) * 6 + ("pos_high", "rot_odd", "style",
+                                                                             "q_dtype")))
+
+    def build():
+        (k, v, kc, vc, slots), kw = base.build()
+        g = gen(seed)
+        T, hk, D = k.shape
+        q = torch.randn(T, hk * hq_mult, D, generator=g).to(torch.float32 if brk == "q_dtype" and
+                                                            k.dtype != torch.float32 else
+                                                            torch.float64 if brk == "q_dtype" else k.dtype)
+        rot = max(2, D // frac) - (1 if brk == "rot_odd" else 0)
+        cs = torch.randn(64, rot, generator=g)
+        pos = torch.randint(0, 64, (T,), generator=g)
+        if brk == "pos_high" and T:
+            pos[0] = 64
+        return (q, k, v, pos, cs, "llama" if brk == "style" else style, kc, vc, slots), kw
+
+    arg = {"pos_high": "positions", "rot_odd": "cos_sin", "style": "style", "q_dtype": "k"}
+    broken = base.broken | (frozenset({arg[brk]}) if brk in arg else frozenset())
+    if brk == "pos_high" and "T=0 " in base.what:
+        broken = base.broken
+    if brk == "q_dtype":
+        broken = frozenset({"k", "q"})
+    return Case(build, broken, what=f"{base.what} hq={hq_mult}x style={style} rot=D/{frac} {brk}", spec=base.spec)
+
+
+def _cmp_rope_append(case, got, exp):
+    assert got[0] is None and exp[0] is None
+    for i, what in ((0, "q"), (1, "k")):
+        close(got[1][i], exp[1][i], got[1][i].dtype, what=what)
+    pick = lambda a: (a[1], a[2], a[6], a[7])  # noqa: E731  (k, v, k_cache, v_cache): append's order
+    _cmp_append(case, (None, pick(got[1])), (None, pick(exp[1])))
+
+
+@pytest.mark.parametrize("name", launchers("kv_append", "rope_append"))
+def test_fuzz_rope_append(name):
+    fuzz("kv_append", name, "rope_append", rope_append_cases(), _cmp_rope_append, _n(name))
+
+
 # ---- merge --------------------------------------------------------------------------------
 
 @st.composite

@@ -350,3 +350,43 @@ def test_selected_on_this_gpu():
     for phase in ("prefill", "decode", "mixed"):
         ch = select.select("attention", specs.AttentionSpec(arch=arch, phase=phase, kv_dtype="fp8", cuda_graph=True))
         assert ch.name == "triton", ch.explain()
+
+
+@pytest.mark.parametrize("T,hq,hk,d,rot,page,style,fp8", [
+    (1, 32, 8, 128, 128, 16, "neox", False),  # Llama-3-8B decode at batch 1
+    (64, 32, 4, 128, 128, 64, "neox", False),  # Qwen3-30B-A3B decode at batch 64
+    (4096, 28, 4, 128, 128, 16, "neox", False),  # Qwen2.5-7B prefill
+    (300, 16, 2, 256, 64, 32, "gptj", True),  # partial rotary, GPT-J, fp8 cache
+])
+def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8):
+    """The fused RoPE + KV append (one launch per layer in the engine) writes the same bits to q,
+    k and both caches as the rope kernel followed by the append kernel, in bf16 on the GPU."""
+    from opmap.ops.attention.rope_append import rope_append
+    from opmap.ops.rope import reference as RR
+    from opmap.ops.rope import triton_rope as TR
+
+    g = torch.Generator(device=DEV).manual_seed(T)
+    qkv = (torch.randn(T, hq + 2 * hk, d, generator=g, device=DEV) * 2).to(BF)
+    P_ = triton_cdiv(T + 7, page) + 3
+    pos = torch.randint(0, 100000, (T,), generator=g, device=DEV)
+    cs = RR.cos_sin_cache(rot, 100000, theta=1e6, device=DEV)
+    slots = torch.randperm(P_ * page, generator=g, device=DEV)[:T].to(torch.int32)
+    slots[::7] = -1
+    cdt = torch.float8_e4m3fn if fp8 else BF
+    kc = torch.randn(P_, page, hk, d, generator=g, device=DEV).to(cdt)
+    vc = torch.randn(P_, page, hk, d, generator=g, device=DEV).to(cdt)
+    sc = dict(k_scale=torch.rand(hk, device=DEV) + 0.05, v_scale=torch.rand(hk, device=DEV) + 0.05) if fp8 else {}
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    views = lambda x: (x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:])  # noqa: E731
+    q, k, v = views(qkv)
+    q2, k2, v2 = views(qkv2)
+    rope_append(q, k, v, pos, cs, style, kc, vc, slots, **sc)
+    TR.rope(q2, k2, pos, cs, style)
+    A.append(k2, v2, kc2, vc2, slots, **sc)
+    torch.cuda.synchronize()
+    for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)

@@ -161,9 +161,12 @@ class DecoderModel:
         q = qkv[:, :qd].view(T, c.heads, d)
         k = qkv[:, qd:qd + kd].view(T, c.kv_heads, d)
         v = qkv[:, qd + kd:].view(T, c.kv_heads, d)
-        ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
         k_cache, v_cache = kv
-        ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
+        if ops.rope_append is not None:
+            ops.rope_append(q, k, v, st.positions, self.cos_sin, c.rope_style, k_cache, v_cache, st.slot_mapping)
+        else:
+            ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
+            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
         if st.is_decode:
             kw = {"workspace": st.workspace} if st.workspace is not None else {}
             o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw)

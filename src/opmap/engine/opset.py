@@ -9,6 +9,7 @@ Triton / cuBLAS / ... on a GPU.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from .. import specs as S
@@ -34,6 +35,8 @@ class OpSet:
         rope_dim = cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim
         self.rope = self._pick("rope", "RoPE", S.RopeSpec(head_dim=rope_dim, style=cfg.rope_style,
                                                           scaling=_scaling(cfg), dtype=dtype, **base), "rope")
+        rope_choice = self.choices[-1][2]
+        self.rope_append = None  # RoPE + KV append in one launch, where both ops chose one backend
         self.gemm: dict = {}
         if cfg.is_mla:
             qk = cfg.qk_nope_dim + cfg.qk_rope_dim
@@ -66,6 +69,12 @@ class OpSet:
             self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
                 num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
                 kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")
+            app = self.choices[-1][2]
+            if (app.backend.name == rope_choice.backend.name and "rope_append" in app.backend.impl
+                    and os.environ.get("OPMAP_ROPE_APPEND", "1") != "0"):
+                # One launch instead of two per layer (ops/attention/rope_append.py); the rope
+                # selection above already checked the rope requirements for this backend.
+                self.rope_append = self._use(app, "RoPE + KV append (one launch)", "rope_append")
             aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                     page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
             self.attention = self._pick("attention", "attention (paged)", aspec, phase)
@@ -93,10 +102,12 @@ class OpSet:
         self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h)
 
     def _pick(self, op: str, label: str, spec, entry: str):
-        choice = select(op, spec, backend=self._forced.get(op))
+        return self._use(select(op, spec, backend=self._forced.get(op)), label, entry)
+
+    def _use(self, choice, label: str, entry: str):
         self.choices.append((label, entry, choice))
         fn = choice.backend.fn(entry)
-        return _ranged(fn, f"opmap::{op}::{label}::{choice.backend.name}") if self.trace else fn
+        return _ranged(fn, f"opmap::{choice.op}::{label}::{choice.backend.name}") if self.trace else fn
 
     def summary(self) -> list:
         """(op, phase, label, backend, condensed trace) per operator, in map order."""

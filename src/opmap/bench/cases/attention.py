@@ -280,6 +280,50 @@ def _append_case(T, fp8):
                                        kv_dtype="fp8" if fp8 else "bf16"))
 
 
+def _rope_append_setup(T):
+    def setup(dev):
+        from opmap.ops.rope.reference import cos_sin_cache
+
+        inp = _append_setup(T, False)(dev)
+        qkv = torch.randn(T, HQ + 2 * HK, D, device=dev, dtype=torch.bfloat16)
+        inp.update(q=qkv[:, :HQ], k=qkv[:, HQ:HQ + HK], v=qkv[:, HQ + HK:],
+                   pos=torch.randint(0, 8192, (T,), device=dev), cs=cos_sin_cache(D, 8192, 500000.0, device=dev))
+        return inp
+
+    return setup
+
+
+def _rope_append(fused):
+    def make(inp):
+        from opmap import registry
+
+        b = registry.get("kv_append", "triton")
+        rope, app, both = registry.get("rope", "triton").fn("rope"), b.fn("append"), b.fn("rope_append")
+        q, k, v, pos, cs, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "pos", "cs", "kc", "vc", "slots"))
+        if fused:
+            return lambda: both(q, k, v, pos, cs, "neox", kc, vc, slots)
+
+        def two():
+            rope(q, k, pos, cs, "neox")
+            app(k, v, kc, vc, slots)
+
+        return two
+
+    return make
+
+
+def _rope_append_case(T):
+    # q and k read and written, v read, both cache rows written (bf16), positions and slots.
+    nbytes = T * (2 * 2 * (HQ + HK) * D + 2 * HK * D + 2 * 2 * HK * D + 16)
+    return BenchCase("kv_append", f"rope+append,T={T},h={HQ}/{HK},d={D},page={PAGE},kv_dtype=bf16", 0.0, nbytes,
+                     _rope_append_setup(T),
+                     [Provider("opmap-triton[rope_append, one launch]", _rope_append(True),
+                               backend=("kv_append", "triton")),
+                      Provider("opmap-triton[rope, then append]", _rope_append(False))],
+                     bound="memory", graph=T <= 256,
+                     spec=KVAppendSpec(arch="sm90", num_kv_heads=HK, head_dim=D, page_size=PAGE, kv_dtype="bf16"))
+
+
 def cases(quick: bool) -> list[BenchCase]:
     if quick:
         grid = [(64, 4096), (1, 32768), (128, 2048)]
@@ -297,4 +341,6 @@ def cases(quick: bool) -> list[BenchCase]:
         out += [_prefill_case(1, S, HK, quick) for S in (512, 1024)]
         out.append(_mixed_case())
     out += [_append_case(T, fp8) for T in ((64, 8192) if not quick else (64,)) for fp8 in (False, True)]
+    # The engine's per-layer RoPE + append at decode (T = batch) and at a prefill chunk.
+    out += [_rope_append_case(T) for T in ((1, 64) if quick else (1, 64, 8192))]
     return out

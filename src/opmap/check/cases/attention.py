@@ -252,6 +252,45 @@ def _append(device, name, fp8):
     return run
 
 
+def _rope_append(device, name):
+    """The fused entry against the backend's own rope then append (bitwise) and the fp32-math
+    reference composition (tolerance)."""
+    def run():
+        from opmap.ops.attention import reference as R
+        from opmap.ops.rope import reference as RR
+
+        s = _shape(device)
+        g = torch.Generator().manual_seed(20)
+        dt = DT[device][0]
+        T, hq, hk, d = 9, s["hq"], s["hk"], s["d"]
+        qkv = torch.randn(T, hq + 2 * hk, d, generator=g).to(device, dt)
+        pos = torch.tensor([0, 1, 15, 16, 17, 1000, 4095, 7, 3], device=device)
+        cs = RR.cos_sin_cache(d, 4096, theta=500000.0, device=device)
+        base = torch.randn(3, s["page"], hk, d, generator=g).to(device, dt)
+        slots = torch.tensor([0, 5, -1, 17, 33, 2, 40, 47, -1], dtype=torch.int64, device=device)
+        runs = []
+        for how in ("fused", "two", "reference"):
+            x, kc, vc = qkv.clone(), base.clone(), base.clone()
+            q, k, v = x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:]
+            if how == "fused":
+                registry.get("kv_append", name)("rope_append", q, k, v, pos, cs, "neox", kc, vc, slots)
+            elif how == "two":
+                registry.get("rope", name)("rope", q, k, pos, cs, "neox")
+                registry.get("kv_append", name)("append", k, v, kc, vc, slots)
+            else:  # in fp32 copies of the same rounded inputs (.float() of fp32 is no copy)
+                x, kc, vc = (t.to(torch.float32, copy=True) for t in (qkv, base, base))
+                R.rope_append(x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:], pos, cs, "neox", kc, vc, slots)
+            runs.append((x, kc, vc))
+        (xa, ka, va), (xb, kb, vb), (xr, kr, vr) = runs
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in ((xa, xb), (ka, kb), (va, vb)))
+        e = compare(torch.cat([xa.flatten(), ka.flatten()]), torch.cat([xr.flatten(), kr.flatten()]), dt)
+        ok = same and e.ok and torch.equal(va.float(), vr)
+        return Outcome(ok, f"{'bitwise equal' if same else 'NOT equal'} to rope then append; vs fp32 reference: {e}",
+                       e.worst_ratio, 1.0)
+
+    return run
+
+
 def _merge(device, name):
     def run():
         from opmap.ops.attention import reference as R
@@ -320,6 +359,9 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     app = KVAppendSpec(arch=arch, num_kv_heads=s["hk"], head_dim=s["d"], page_size=s["page"], dtype=dts, kv_dtype=dts)
     for name in _runnable("kv_append", app):
         out.append(CheckCase("parity", "kv_append", name, f"append,kv={dts}", _append(device, name, False)))
+        if "rope_append" in registry.get("kv_append", name).impl:
+            out.append(CheckCase("parity", "kv_append", name, f"rope_append (one launch),h={s['hq']}/{s['hk']},"
+                                 f"kv={dts}", _rope_append(device, name)))
     if device == "cuda":  # the interpreter's fp8 rounding differs (see tests/test_kv_append.py)
         for name in _runnable("kv_append", app.replace(kv_dtype="fp8")):
             out.append(CheckCase("quant", "kv_append", name, "append,kv=fp8", _append(device, name, True)))

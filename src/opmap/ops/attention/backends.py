@@ -44,7 +44,7 @@ DV_SAME = Check("head_dim_v == head_dim", _dv_same, "head_dim_v")
 register(Backend(
     op="kv_append", name="reference", provider="torch", version=torch_version,
     priority=dict(REFERENCE_PRIORITY),
-    impl={"append": f"{PKG}.reference:append"},
+    impl={"append": f"{PKG}.reference:append", "rope_append": f"{PKG}.reference:rope_append"},
     reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
           Req("cuda_graph", (False,), "no CUDA-graph capture (index_put on a boolean selection syncs)")),
     notes="plain PyTorch index_put; fp8 saturates to +-448 and rounds to nearest",
@@ -53,7 +53,9 @@ register(Backend(
 register(Backend(
     op="kv_append", name="triton", provider="opmap-triton", version=triton_version,
     priority=dict(TRITON_PRIORITY), available=triton_available,
-    impl={"append": f"{PKG}.kv_append:append"},
+    # rope_append: RoPE on q, k and this append in one launch (the engine uses it when the rope
+    # op chose this backend's name too, so the rope requirements were met by that selection).
+    impl={"append": f"{PKG}.kv_append:append", "rope_append": f"{PKG}.rope_append:rope_append"},
     reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
           Req("dtype", ("fp32", "fp16", "bf16")),
           Req("page_size", lambda p: 1 <= p <= 4096, "1 <= page_size <= 4096")),

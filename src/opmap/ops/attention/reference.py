@@ -45,6 +45,15 @@ def append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> 
         cache.view(P * page, hk, -1)[idx] = rows
 
 
+def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
+                v_scale=None) -> None:
+    """RoPE on q and k in place, then append: the fused entry's definition."""
+    from ..rope import reference as rope_ref
+
+    rope_ref.rope(q, k, positions, cos_sin, style)
+    append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
 def gather_kv(cache, block_table_row, length: int, scale=None) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, [length, Hk, D] in fp32 (dequantised)."""
     page = cache.shape[1]

@@ -1,0 +1,116 @@
+"""RoPE and the paged KV append in one launch: the entry ``rope_append`` of the kv_append op.
+
+The engine's attention step ran ``rope(q, k)`` then ``append(k, v)``: two launches per layer
+whose work at decode is a few KB, so each costs its launch latency (on the H200, Llama-3-8B at
+batch 1: RoPE 2.3 us and append 1.5 us per layer, ~0.12 ms per step). This kernel does both for
+one token per program: q and k rotated in place (exactly as ``rope``: fp32 math, one rounding to
+the tensor's dtype), the rotated k row and the v row written to slot ``slot_mapping[t]`` of the
+NHD caches (exactly as ``append``: -1 skips, fp8 caches store value / scale saturated to +-448).
+Same formulas in the same order as the two kernels: the results are bitwise equal to the two
+launches on the interpreter (tests/test_rope_append.py) and on the GPU (tests/gpu, compared
+bitwise as well; a compiler contracting the products differently would show there).
+
+A k row is rotated as a whole [Hk, D] tile: each element loads its rotation partner through a
+second, permuted load (NeoX: i <-> i +- R/2; GPT-J: 2j <-> 2j + 1) and dims at or above the
+rotary dim pass through, so partial rotary needs no second pass before the cache write.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .. import pdl
+from ..pdl import enter
+from ..rope.triton_rope import _rotate_heads
+from ..rope.validate import check_rope
+from . import kv_append as A
+
+
+@triton.jit
+def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                           stride_qt, stride_qh, stride_kt, stride_vt, HQ, HALF,
+                           HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IS_NEOX: tl.constexpr,
+                           BLOCK_QH: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cs_row = cs_ptr + pos * (2 * HALF)
+    # q: all heads of the token, in place (the rope kernel's own helper, so the bits match).
+    dh = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cs_row + dh, mask=dh < HALF, other=0.0)[None, :]
+    s = tl.load(cs_row + HALF + dh, mask=dh < HALF, other=0.0)[None, :]
+    for h0 in range(0, HQ, BLOCK_QH):
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
+    # k: the whole [Hk, D] row, each element with its partner.
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < HK) & (d < D)
+    rot = d < 2 * HALF
+    if IS_NEOX:
+        first = d < HALF
+        partner = tl.where(first, d + HALF, d - HALF)
+        j = tl.where(first, d, d - HALF)
+    else:
+        first = d % 2 == 0
+        partner = tl.where(first, d + 1, d - 1)
+        j = d // 2
+    kp = k_ptr + t * stride_kt + h * D
+    x = tl.load(kp + d, mask=ok, other=0.0)
+    xp = tl.load(kp + partner, mask=ok & rot, other=0.0).to(tl.float32)
+    cj = tl.load(cs_row + j, mask=rot, other=1.0)
+    sj = tl.load(cs_row + HALF + j, mask=rot, other=0.0)
+    a = x.to(tl.float32)
+    # first of a pair: a*c - b*s; second: b*c + a*s (b the partner), as _rotate_heads computes.
+    y = tl.where(rot, tl.where(first, a * cj - xp * sj, a * cj + xp * sj), a)
+    y = tl.where(rot, y.to(x.dtype), x)
+    tl.store(kp + d, y, mask=ok & rot)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        row_k = kc_ptr + slot * (HK * D) + h * D + d
+        if FP8:
+            yk = tl.clamp(tl.math.div_rn(y.to(tl.float32), tl.load(ks_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
+            tl.store(row_k, yk.to(kc_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(row_k, y.to(kc_ptr.dtype.element_ty), mask=ok)
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        okv = (h < HK) & (dv < DV)
+        vv = tl.load(v_ptr + t * stride_vt + h * DV + dv, mask=okv, other=0.0)
+        row_v = vc_ptr + slot * (HK * DV) + h * DV + dv
+        if FP8:
+            yv = tl.clamp(tl.math.div_rn(vv.to(tl.float32), tl.load(vs_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
+            tl.store(row_v, yv.to(vc_ptr.dtype.element_ty), mask=okv)
+        else:
+            tl.store(row_v, vv.to(vc_ptr.dtype.element_ty), mask=okv)
+
+
+def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
+                v_scale=None) -> None:
+    """``rope(q, k, positions, cos_sin, style)`` then ``append(k, v, k_cache, v_cache, slot_mapping,
+    k_scale, v_scale)`` in one launch, with both entries' checks and results."""
+    r = check_rope(q, k, positions, cos_sin, style)
+    P, page, hk, d, dv = A.V.check_cache(k_cache, v_cache)
+    A._check_rows("k", k, hk, d, k_cache.device)
+    A._check_rows("v", v, hk, dv, k_cache.device, k.shape[0])
+    A.expect(v.dtype == k.dtype, "v", f"dtype {v.dtype}", f"{k.dtype} (k's)")
+    if k_cache.dtype != A.V.FP8:
+        A.expect(k_cache.dtype == k.dtype, "k_cache", f"dtype {k_cache.dtype}", f"{k.dtype} (k's) or fp8")
+    A.V.check_scales(k_scale, v_scale, k_cache, hk)
+    A.expect(slot_mapping.device == k_cache.device, "slot_mapping", f"device {slot_mapping.device}",
+             f"device {k_cache.device}")
+    A.V.check_slots(slot_mapping, k.shape[0], P * page)
+    T, HQ, _ = q.shape
+    if T == 0:
+        return None
+    half = r // 2
+    block_half = triton.next_power_of_2(half)
+    block_qh = max(1, min(triton.next_power_of_2(HQ), 2048 // block_half))
+    fp8 = k_cache.dtype == A.V.FP8
+    _rope_kv_append_kernel[(T,)](
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
+        v_scale if fp8 else v_cache, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,
+        HK=hk, D=d, DV=dv, IS_NEOX=style == "neox", BLOCK_QH=block_qh, BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half, FP8=fp8,
+        num_warps=4, **pdl.launch(q.device))
+    return None

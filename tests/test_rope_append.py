@@ -1,0 +1,96 @@
+"""The fused RoPE + paged KV append (kv_append entry "rope_append") against the two launches it
+replaces (Triton rope then Triton append: bitwise, interpreter) and the fp32-math reference
+composition: NeoX and GPT-J, partial rotary, GQA/MQA/MHA, page sizes 1 and 16, slot -1, strided
+q/k/v (slices of a fused qkv), fp8 caches, zero tokens, bad input."""
+import pytest
+import torch
+
+from opmap.contract import InputError
+from opmap.ops.attention import kv_append as A
+from opmap.ops.attention import reference as AR
+from opmap.ops.attention.rope_append import rope_append
+from opmap.ops.rope import reference as RR
+from opmap.ops.rope import triton_rope as TR
+
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+FP8 = torch.float8_e4m3fn
+
+
+def _case(T, hq, hk, d, rot, page, dtype, cache_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(T, hq + 2 * hk, d, generator=g) * 2).to(dtype)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+    P = 32
+    pos = torch.randint(0, 4000, (T,), generator=g)
+    cs = RR.cos_sin_cache(rot, 4096, theta=500000.0)
+    slots = torch.randperm(P * page, generator=g)[:T].to(torch.int32)
+    if T > 2:
+        slots[1] = -1
+    kc = torch.randn(P, page, hk, d, generator=g).to(cache_dtype)
+    vc = torch.randn(P, page, hk, d, generator=g).to(cache_dtype)
+    sc = {}
+    if cache_dtype == FP8:
+        sc = dict(k_scale=torch.rand(hk, generator=g) + 0.05, v_scale=torch.rand(hk, generator=g) + 0.05)
+    return qkv, q, k, v, pos, cs, kc, vc, slots, sc
+
+
+def _views(qkv, hq, hk):
+    return qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("T,hq,hk,d,rot,page,dtype,cache_dtype", [
+    (5, 8, 2, 64, 64, 16, torch.float32, torch.float32),
+    (17, 8, 8, 128, 64, 1, torch.float16, torch.float16),  # partial rotary, MHA, page 1
+    (3, 8, 1, 64, 32, 16, torch.float16, FP8),  # MQA, fp8 cache
+    (1, 4, 2, 128, 128, 16, torch.float32, torch.float32),
+])
+def test_fused_equals_the_two_launches(style, T, hq, hk, d, rot, page, dtype, cache_dtype):
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(T, hq, hk, d, rot, page, dtype, cache_dtype)
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    q2, k2, v2 = _views(qkv2, hq, hk)
+    qkv3, kc3, vc3 = qkv.clone(), kc.clone(), vc.clone()
+    q3, k3, v3 = _views(qkv3, hq, hk)
+    rope_append(q, k, v, pos, cs, style, kc, vc, slots, **sc)
+    TR.rope(q2, k2, pos, cs, style)
+    A.append(k2, v2, kc2, vc2, slots, **sc)
+    for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    AR.rope_append(q3, k3, v3, pos, cs, style, kc3, vc3, slots, **sc)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert torch.allclose(qkv.float(), qkv3.float(), atol=tol, rtol=tol)
+    if cache_dtype != FP8:
+        assert torch.allclose(kc.float(), kc3.float(), atol=tol, rtol=tol)
+        assert torch.equal(vc, vc3)
+
+
+def test_zero_tokens_and_all_skipped():
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(0, 4, 2, 64, 64, 16, torch.float32, torch.float32)
+    before = kc.clone()
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots)
+    assert torch.equal(kc, before)
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(4, 4, 2, 64, 64, 16, torch.float32, torch.float32)
+    before, q0 = kc.clone(), q.clone()
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, torch.full_like(slots, -1))
+    assert torch.equal(kc, before) and not torch.equal(q, q0)  # q still rotated (padded rows too)
+
+
+@pytest.mark.parametrize("bad,arg", [("style", "style"), ("slot", "slot_mapping"), ("pos", "positions"),
+                                     ("dtype", "k_cache"), ("vshape", "v")])
+def test_bad_input_names_the_argument(bad, arg):
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(4, 4, 2, 64, 64, 16, torch.float32, torch.float32)
+    style = "neox"
+    if bad == "style":
+        style = "llama"
+    elif bad == "slot":
+        slots = slots.clone()
+        slots[0] = kc.shape[0] * kc.shape[1]
+    elif bad == "pos":
+        pos = pos.clone()
+        pos[0] = cs.shape[0]
+    elif bad == "dtype":
+        kc, vc = kc.half(), vc.half()
+    elif bad == "vshape":
+        v = v[:2]
+    with pytest.raises(InputError, match=f"^{arg}"):
+        rope_append(q, k, v, pos, cs, style, kc, vc, slots)
