@@ -230,9 +230,11 @@ def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, mon
     monkeypatch.delenv("FAKE_SANITIZER_ERROR")
     monkeypatch.setattr(san, "BATCH_EXTRA_S", 0.5)
     log.unlink()
-    out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[2]], True, "memcheck", 2, tool)  # T=5 sleeps 60 s
+    # T=5 sleeps 60 s. 15 s: the two reruns start side by side, each a Python and torch start-up,
+    # which took over 2 s under the parallel test suite.
+    out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[2]], True, "memcheck", 15, tool)
     assert len(_runs(log)) == 1 + 2
-    assert out[0].passed and not out[1].passed and out[1].figure.startswith("timed out after 2 s")
+    assert out[0].passed and not out[1].passed and out[1].figure.startswith("timed out after 15 s")
 
 
 def test_racecheck_children_get_shorter_attention_sequences(monkeypatch):

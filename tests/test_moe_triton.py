@@ -226,3 +226,50 @@ def test_tuned_launch_fast_path_passes_what_the_autotuner_passes(monkeypatch):
         grid0 = grid0 if isinstance(grid0, tuple) else tuple(grid0)
         assert tuple(grid1) == grid0 and kw1 == kw0, (grid0, grid1, kw0, kw1)
         assert {"BN", "BK", "GROUP_M", "num_warps", "num_stages", "EVEN_K", "BM", "GATED"} <= set(kw1)
+
+
+@pytest.mark.parametrize("T,E,k,kw", [
+    (1, 128, 8, {}),  # Qwen3-30B-A3B decode at batch 1
+    (16, 128, 8, {}),  # ... at batch 16: the largest fused tile (2048 scores)
+    (3, 8, 2, {}),  # Mixtral
+    (17, 64, 6, dict(routed_scaling=2.5, renormalize=False)),  # DeepSeek-V2-Lite-like, k not a power of 2
+    (64, 16, 4, dict(router="sigmoid", bias=True)),  # the largest T, sigmoid with a bias
+    (5, 6, 6, {}),  # top_k == experts
+])
+def test_fused_route_align_equals_route_then_align(T, E, k, kw):
+    """Decode-sized batches route and align in one launch: the same ids, sorted pairs, blocks
+    and total as route_triton then align, and the same weights (to fp32 rounding)."""
+    from opmap.ops.moe.route_align import fusable, route_align
+    from opmap.ops.moe.route_triton import route as route_triton
+
+    kw = dict(kw)
+    bias = torch.randn(E) * 0.1 if kw.pop("bias", False) else None
+    g = torch.Generator().manual_seed(T * 31 + E)
+    logits = torch.randn(T, E, generator=g)
+    assert fusable(T, 1, E) and not fusable(T, 2, E) and not fusable(65, 1, E)
+    router = kw.get("router", "softmax")
+    w, ids, sorted_ids, block_expert, total = route_align(
+        logits, k, router, kw.get("renormalize", True), kw.get("routed_scaling", 1.0), bias, E, 16)
+    w_ref, ids_ref = route_triton(logits, k, score_bias=bias, **kw)
+    assert torch.equal(ids, ids_ref)
+    assert_close(w, w_ref, torch.float32)
+    s_ref, b_ref, t_ref = align(ids_ref, E, 16)
+    assert int(total) == int(t_ref)
+    assert torch.equal(sorted_ids[:int(total)], s_ref[:int(t_ref)])
+    assert torch.equal(block_expert[:int(total) // 16], b_ref[:int(t_ref) // 16])
+
+
+def test_moe_decode_path_with_and_without_the_fused_routing(monkeypatch):
+    """triton_moe.moe at a decode batch takes the fused route+align path; turning it off
+    (OPMAP_MOE_ROUTE_ALIGN=0) gives the same output up to fp32 rounding (the routing weights'
+    softmax sums run along a tile's axis instead of a vector: same math, another summation order)."""
+    T, H, I, E, k = 5, 32, 24, 16, 4
+    w13, w2 = _weights(E, H, I, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+    monkeypatch.setattr(triton_moe, "FUSE_ROUTE_ALIGN", True)
+    a = triton_moe.moe(x, logits, w13, w2, k)
+    monkeypatch.setattr(triton_moe, "FUSE_ROUTE_ALIGN", False)
+    b = triton_moe.moe(x, logits, w13, w2, k)
+    assert_close(a, b, torch.float32)
+    assert_close(a, reference.moe(x, logits, w13, w2, k), torch.float32)

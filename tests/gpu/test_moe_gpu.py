@@ -188,3 +188,30 @@ def test_triton_direct_launch_after_tuning_matches_first_call():
     second = moe(x, logits, w13, w2, k)
     assert torch.equal(first, second)
     _check(second, x, logits, w13, w2, k, "triton direct launch after tuning")
+
+
+@pytest.mark.parametrize("T,E,k,kw", [
+    (1, 128, 8, {}), (16, 128, 8, {}),  # Qwen3-30B-A3B decode
+    (64, 8, 2, {}),  # Mixtral
+    (32, 64, 6, dict(renormalize=False, routed_scaling=2.5)),  # DeepSeek-V2-Lite without groups
+    (7, 16, 4, dict(router="sigmoid", bias=True)),
+])
+def test_fused_route_align_matches_route_then_align(T, E, k, kw):
+    """Decode batches route and align in one launch (route_align.py): bf16 logits as the engine
+    passes them; the same ids (up to near-ties, as above), sorted pairs, blocks and total."""
+    from opmap.ops.moe.align import align
+    from opmap.ops.moe.route_align import fusable, route_align
+    from opmap.ops.moe.route_triton import route as route_triton
+
+    kw = dict(kw)
+    bias = torch.randn(E, device=DEV) * 0.05 if kw.pop("bias", False) else None
+    assert fusable(T, 1, E)
+    logits = torch.randn(T, E, device=DEV).to(torch.bfloat16)
+    w, ids, sorted_ids, blocks, total = route_align(logits, k, kw.get("router", "softmax"), kw.get("renormalize", True),
+                                                    kw.get("routed_scaling", 1.0), bias, E, 16)
+    w_ref, ids_ref = route_triton(logits, k, score_bias=bias, **kw)
+    assert torch.equal(ids, ids_ref), "routing differs from route_triton's"
+    assert_close(w, w_ref, torch.float32)
+    s_ref, b_ref, t_ref = align(ids_ref, E, 16)
+    n = int(t_ref)
+    assert int(total) == n and torch.equal(sorted_ids[:n], s_ref[:n]) and torch.equal(blocks[:n // 16], b_ref[:n // 16])

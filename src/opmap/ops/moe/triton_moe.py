@@ -7,12 +7,14 @@ GEMMs (grouped_gemm.py): warm up before capturing a graph.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from .align import align
 from .grouped_gemm import combine, grouped_gemm, pick_bm
+from .route_align import fusable, route_align
 from .route_triton import launch as route_launch
 from .routing import check_moe_args
 
@@ -33,6 +35,15 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     n_pairs = T * top_k
     bm = bm or pick_bm(n_pairs, E)
     sorted_ids, block_expert, total = align(topk_ids, E, bm)
+    return _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, total, out)
+
+
+def _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, total, out):
+    """The expert part after the align: grouped GEMM gate/up (+SiLU-and-mul), grouped GEMM down
+    with the routing weight, combine."""
+    T, H = x.shape
+    two_i = w13.shape[1]
+    n_pairs = T * top_k
     inter = torch.empty(n_pairs, two_i // 2, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, inter, sorted_ids, block_expert, total, n_pairs, top_k, bm, gated=True)
     y = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
@@ -42,6 +53,9 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     grouped_gemm(inter, w2, y, sorted_ids, block_expert, total, n_pairs, 1, bm, gated=False, weights=weights)
     return combine(y, T, top_k, out)
 
+
+# OPMAP_MOE_ROUTE_ALIGN=0: routing and align as two launches at decode too (same-run timing).
+FUSE_ROUTE_ALIGN = os.environ.get("OPMAP_MOE_ROUTE_ALIGN", "1") != "0"
 
 # Argument signatures that passed check_moe_args. Every check there depends only on these fields
 # (dtypes, shapes, strides, devices, and the routing ints / names with their types), so a call
@@ -73,6 +87,17 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
                 _CHECKED.clear()
             _CHECKED.add(sig)
     # check_moe_args already checked the routing arguments: launch without checking them again.
+    T = x.shape[0]
+    if FUSE_ROUTE_ALIGN and fusable(T, n_group, w13.shape[0]):
+        # Decode: routing and align in one launch (route_align.py).
+        w13c = w13 if w13.stride(-1) == 1 else w13.contiguous()
+        w2c = w2 if w2.stride(-1) == 1 else w2.contiguous()
+        E = w13.shape[0]
+        bm = pick_bm(T * top_k, E)
+        weights, _, sorted_ids, block_expert, total = route_align(
+            router_logits, top_k, router, renormalize, routed_scaling, score_bias, E, bm)
+        out = torch.empty(T, x.shape[1], dtype=x.dtype, device=x.device)
+        return _aligned(x, weights, w13c, w2c, top_k, bm, sorted_ids, block_expert, total, out)
     weights, ids = route_launch(router_logits, top_k, router, renormalize, n_group, topk_group,
                                 routed_scaling, score_bias)
     return experts(x, weights, ids, w13, w2)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The next GPU session's calls (docs/results-2026-11-29.md, "The next GPU session"), one per
+# PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
+# OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
+#   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
+#   scripts/gpu_session.sh speed OUTDIR        # benchmarks, alone on the GPU
+#   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
+set -uo pipefail
+part=${1:?usage: scripts/gpu_session.sh correctness|speed|flashinfer OUTDIR}
+out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+res=$out
+[ "$part" != flashinfer ] && out=/tmp/opmap-session-$part && rm -rf "$out" && mkdir -p "$out"
+export OPMAP_COMMIT=${OPMAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+case $part in
+  correctness)
+    export NO_FLASHINFER=1
+    pids=()
+    for m in qwen3-30b-a3b deepseek-v2-lite; do
+      mkdir -p "$out/$m"
+      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+      (STEPS=check MODELS=$m CHECK_TIMEOUT=${SAN_TIMEOUT:-500} \
+        CHECK_ARGS="--sanitizer --jobs 6 --resume $out/$m/state.jsonl --out $out/$m" \
+        timeout $(( ${SAN_TIMEOUT:-500} + 20 )) scripts/gpu.sh "$out/$m" > "$out/$m/driver.log" 2>&1) &
+      pids+=($!)
+    done
+    (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
+      TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py" \
+      timeout $(( ${TEST_TIMEOUT:-400} * 2 )) scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
+    pids+=($!)
+    for p in "${pids[@]}"; do wait "$p"; done
+    tail -5 "$out"/*/driver.log "$out/tests-driver.log" ;;
+  speed)
+    export NO_FLASHINFER=1
+    timeout 200 python3 -m opmap.cli bench --quick --op sampling --op kv_append --op attention.mla_sparse_decode \
+      --out "$out/bench" > "$out/bench.log" 2>&1
+    timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
+      > "$out/e2e.log" 2>&1
+    OPMAP_ROPE_APPEND=0 timeout 120 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf \
+      --out "$out/e2e-two-launch" > "$out/e2e-two-launch.log" 2>&1
+    timeout 120 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 1 \
+      --input-len 1024 --output-len 128 --steps 60 > "$out/profile-llama3-8b-maxseqs32.log" 2>&1
+    tail -3 "$out"/*.log ;;
+  flashinfer)
+    STEPS=flashinfer scripts/gpu.sh "$out" ;;
+  *) echo "unknown part $part"; exit 2 ;;
+esac
+# Everything in one archive (a call returns a limited number of files), the logs' tails beside it.
+if [ "$part" != flashinfer ]; then
+  tar -C "$out" -czf "$res/all.tgz" . && tail -n 30 "$out"/*.log "$out"/*/driver.log > "$res/summary.txt" 2>/dev/null
+fi
