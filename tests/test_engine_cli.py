@@ -126,7 +126,11 @@ def test_categorize_symbols():
              "sm90_xmma_gemm_bf16bf16": "GEMM", "_gemm_kernel": "GEMM", "_grouped_gemm_kernel": "MoE",
              "_align_kernel": "MoE", "_rope_kernel": "RoPE", "_act_mul_kernel": "activation",
              "_bitmask_kernel": "grammar", "Memset (Device)": "memory copies", "void at::native::foo": "other",
-             "_route_kernel": "MoE", "_combine_kernel": "MoE", "indexSelectLargeIndex": "memory copies"}
+             "_route_kernel": "MoE", "_combine_kernel": "MoE", "indexSelectLargeIndex": "memory copies",
+             # the sampler's passes (A split, B, bracket, C) and the fused kernels of the fourth session
+             "_sample_partials_kernel": "sampling", "_sample_hist_kernel": "sampling",
+             "_sample_bracket_kernel": "sampling", "_sample_gather_kernel": "sampling",
+             "_route_align_kernel": "MoE", "_rope_kv_append_kernel": "attention"}
     assert {k: P.categorize(k) for k in cases} == cases
 
 

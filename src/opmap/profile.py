@@ -27,7 +27,7 @@ SYMBOL_RULES = [
     # `_combine_kernel` is both the MoE combine and the split-KV decode combine: MoE in MoE models
     # (analyse(..., moe=False) drops this rule for dense ones, where it is attention's).
     ("MoE", r"_align_kernel|_route_kernel|grouped_gemm|_combine_kernel|moe|expert|topk_gating"),
-    ("sampling", r"_sample_kernel|_penalty_kernel|_temperature_kernel|_gumbel|_race|sampling|multinomial|"
+    ("sampling", r"_sample_\w*kernel|_penalty_kernel|_temperature_kernel|_gumbel|_race|sampling|multinomial|"
                  r"radix(Sort|Select)|argmax|ArgMax|cumsum|softmax_warp|SoftMax|log_softmax"),
     ("attention", r"_decode_kernel|_prefill_kernel|_append_kernel|_merge_kernel|_combine_kernel|flash|fmha|attn|"
                   r"attention|sdpa|cudnn|mla"),

@@ -10,11 +10,11 @@ tokens equal to t that are kept (the n lowest ids): keep = z > t, or z == t and 
 1. Pass A over the row: max, the greedy id (lowest id among maxima), NaN / +inf detection,
    the count of finite values, and, only where needed, the total mass sum(exp(z)) (top-p without
    min-p) or the whole draw (rows without any filter: an exponential race fused into this pass).
-   On the GPU pass A is split over chunks of the row (``_partials_kernel``), and pass B
-   (``_hist_kernel``, same chunks) counts z into 512 exact bins of 1/32 nat: the counts bracket
+   On the GPU pass A is split over chunks of the row (``_sample_partials_kernel``), and pass B
+   (``_sample_hist_kernel``, same chunks) counts z into 512 exact bins of 1/32 nat: the counts bracket
    the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary
-   (``_bracket_kernel``, one program per row), so the search below starts inside one bin; when
-   at most CAND values lie above it, pass C (``_gather_kernel``, same chunks) gathers them and
+   (``_sample_bracket_kernel``, one program per row), so the search below starts inside one bin; when
+   at most CAND values lie above it, pass C (``_sample_gather_kernel``, same chunks) gathers them and
    this row's program reads no full row at all.
 2. top-k (and min-p, whose cut log(min_p) is a known key): bisection over keys for the largest
    key t with count(z >= t) >= k. Each step is one pass that returns, for the midpoint, the
@@ -42,7 +42,7 @@ from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
 
-BR = tl.constexpr(8)  # ints per row of the bracket record (_bracket_kernel; 5 used)
+BR = tl.constexpr(8)  # ints per row of the bracket record (_sample_bracket_kernel; 5 used)
 
 
 @triton.jit
@@ -68,7 +68,7 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
 
 
 @triton.jit
-def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
+def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
                      part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs."""
     row = tl.program_id(0).to(tl.int64)
@@ -94,7 +94,7 @@ def _partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, mi
 
 
 @triton.jit
-def _hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, hist_ptr,
+def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, hist_ptr,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
     """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
     whose first search is top-k or top-p alone. The row max comes from pass A's partials."""
@@ -125,11 +125,11 @@ def _lo0(m, xmin, n_fin, inv_t, mp, use_mp):
 
 
 @triton.jit
-def _bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr, cnt_ptr,
+def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr, cnt_ptr,
                     CAND: tl.constexpr, S_P: tl.constexpr):
     """Per row, from pass A's partials and pass B's histogram: the bracket of the first search
     (BR ints: mode 0 none / 1 top-k / 2 top-p alone, lo, hi, count at or above lo, gathered) and
-    whether its candidates (at most CAND) are gathered by _gather_kernel. Zeroes the row's counter."""
+    whether its candidates (at most CAND) are gathered by _sample_gather_kernel. Zeroes the row's counter."""
     row = tl.program_id(0).to(tl.int64)
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
         temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
@@ -160,11 +160,11 @@ def _bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts
 
 
 @triton.jit
-def _gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, br_ptr,
+def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, br_ptr,
                    sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                    S_P: tl.constexpr):
     """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
-    bracket's lo to the row's candidate scratch, where _bracket_kernel found at most CAND of them.
+    bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
     The per-row kernel then starts from those candidates in registers and reads no full row:
     the compaction pass it would run alone on one SM is spread over the GPU here."""
     row = tl.program_id(0).to(tl.int64)
@@ -201,7 +201,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
     pos = tl.load(pos_ptr + row)
 
     # ---- pass A: max, greedy id, NaN/+inf, finite count, mass, unfiltered race ----
-    if USE_PARTS:  # the row's chunks were scanned in parallel by _partials_kernel
+    if USE_PARTS:  # the row's chunks were scanned in parallel by _sample_partials_kernel
         m, gid, bad, n_fin, s, rb_id, xmin = _combine_parts(part_ptr + row * n_parts * PART, n_parts, inv_t, S_P)
     else:
         m, gid, bad, n_fin, s, rb_x, rb_g, rb_id, xmin = _pass_a(row_ptr, 0, V, inv_t, seed, pos, need_s,
@@ -225,7 +225,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             lo_b = lo0
             hi_b = tl.zeros([], tl.int32)
             c_b = n_fin
-            if HIST:  # the first search's bracket (_bracket_kernel) and its gathered candidates
+            if HIST:  # the first search's bracket (_sample_bracket_kernel) and its gathered candidates
                 br = br_ptr + row * BR
                 mode = tl.load(br + 0)
                 lo_b = tl.load(br + 1)
@@ -350,17 +350,17 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         br = cnt
         use_hist = use_parts and bracket
         if use_parts:
-            _partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
+            _sample_partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
                                            positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
         if use_hist:
             hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev)
             br = torch.empty((B, BR), dtype=torch.int32, device=dev)
             flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
             cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
-            _hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
-            _bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
+            _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
+            _sample_bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
                                   S_P=s_p, num_warps=4)
-            _gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
+            _sample_gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
                              ids, invalid, support, sz, si, cnt, part, n_parts, br, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_hist,

@@ -12,7 +12,7 @@ KEY_NEG_INF = tl.constexpr(-2139095041)  # _key(-inf)
 INT_MAX = tl.constexpr(2147483647)
 INT_MIN = tl.constexpr(-2147483648)
 PART = tl.constexpr(9)  # floats per (row, chunk) record of pass A's partials
-# The count histogram of z (pass B, ``_hist_kernel``): bin j holds -(j+1)*HIST_W < z <= -j*HIST_W,
+# The count histogram of z (pass B, ``_sample_hist_kernel``): bin j holds -(j+1)*HIST_W < z <= -j*HIST_W,
 # computed exactly (HIST_W a power of two: -z / HIST_W and its floor are exact), the last bin
 # everything below. 512 bins of 1/32 nat cover z down to -16; the narrow bins keep the mass
 # bounds of top-p within 3% (exp(-1/32)).
@@ -301,7 +301,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
 
 @triton.jit
 def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
-    """Pass A's figures of a row from the per-chunk partials of _partials_kernel."""
+    """Pass A's figures of a row from the per-chunk partials of _sample_partials_kernel."""
     j = tl.arange(0, S_P)
     ok = j < n_parts
     q = part_ptr + j * PART
