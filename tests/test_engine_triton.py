@@ -47,6 +47,8 @@ def test_triton_path_matches_hf(name, single_thread):
     # GQA models run RoPE and the KV append as one launch (kv_append entry rope_append); MLA not.
     fused = [ops.rope_append is not None for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]]
     assert all(fused) if not cfg.is_mla else not any(fused)
+    # Qwen3's q/k norms ride in the same launch when the norm is Triton too.
+    assert all(ops.qk_norm_in_rope_append == cfg.qk_norm for ops in llm.runner.decode_ops.values()) or cfg.is_mla
     # 40 > budget 32: a chunked prefill; 3 decoding rows pad to bucket 4 (a row of slot -1, length 0)
     prompts = random_prompts(cfg.vocab, (5, 40, 17), seed=9)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))

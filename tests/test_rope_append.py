@@ -94,3 +94,39 @@ def test_bad_input_names_the_argument(bad, arg):
         v = v[:2]
     with pytest.raises(InputError, match=f"^{arg}"):
         rope_append(q, k, v, pos, cs, style, kc, vc, slots)
+
+
+@pytest.mark.parametrize("T,hq,hk,d,dtype", [(5, 8, 2, 64, torch.float32), (17, 4, 4, 128, torch.float16),
+                                             (1, 8, 1, 64, torch.float16)])
+def test_qk_norm_fused_equals_three_launches(T, hq, hk, d, dtype):
+    """qk_norm=(w_q, w_k, eps): Qwen3's per-head norms, RoPE and the append in one launch, equal to
+    qk_rmsnorm, rope and append one after another (bitwise on the interpreter; the GPU test allows
+    one rounding step, the norms' row sums may take another reduction order there)."""
+    from opmap.ops.norm import triton_norm as TN
+
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(T, hq, hk, d, d, 16, dtype, dtype, seed=T)
+    g = torch.Generator().manual_seed(1)
+    w_q, w_k = (torch.rand(d, generator=g) + 0.5).to(dtype), (torch.rand(d, generator=g) + 0.5).to(dtype)
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    q2, k2, v2 = _views(qkv2, hq, hk)
+    qkv3, kc3, vc3 = qkv.clone(), kc.clone(), vc.clone()
+    q3, k3, v3 = _views(qkv3, hq, hk)
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=(w_q, w_k, 1e-6))
+    TN.qk_rmsnorm(qkv2[:, :hq + hk], w_q, w_k, hq, 1e-6)
+    TR.rope(q2, k2, pos, cs, "neox")
+    A.append(k2, v2, kc2, vc2, slots)
+    for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
+        assert torch.equal(a, b)
+    AR.rope_append(q3, k3, v3, pos, cs, "neox", kc3, vc3, slots, qk_norm=(w_q, w_k, 1e-6))
+    tol = 1e-5 if dtype == torch.float32 else 4e-3
+    assert torch.allclose(qkv.float(), qkv3.float(), atol=tol, rtol=tol)
+    assert torch.allclose(kc.float(), kc3.float(), atol=tol, rtol=tol)
+
+
+def test_qk_norm_bad_weights_name_the_argument():
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(3, 4, 2, 64, 64, 16, torch.float32, torch.float32)
+    w = torch.ones(64)
+    for bad, arg in (((w[:32], w, 1e-6), "w_q"), ((w, w.half(), 1e-6), "w_k"), ((w, w, -1.0), "eps"),
+                     ([w, w, 1e-6], "qk_norm")):
+        with pytest.raises(InputError, match=f"^{arg}"):
+            rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=bad)

@@ -390,3 +390,38 @@ def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8
 
 def triton_cdiv(a, b):
     return -(-a // b)
+
+
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_qk_norm_rope_append_matches_three_launches(T):
+    """Qwen3-30B-A3B's per-layer q/k norm + RoPE + KV append in one launch against qk_rmsnorm, rope
+    and append (bf16): the caches and q within bf16 rounding (the norms' row sums may reduce in
+    another order than qk_rmsnorm's), and most values bitwise."""
+    from opmap.ops.attention.rope_append import rope_append
+    from opmap.ops.norm import triton_norm as TN
+    from opmap.ops.rope import reference as RR
+    from opmap.ops.rope import triton_rope as TR
+
+    hq, hk, d, page = 32, 4, 128, 16
+    g = torch.Generator(device=DEV).manual_seed(T)
+    qkv = (torch.randn(T, hq + 2 * hk, d, generator=g, device=DEV) * 2).to(BF)
+    w_q = (torch.rand(d, generator=g, device=DEV) + 0.5).to(BF)
+    w_k = (torch.rand(d, generator=g, device=DEV) + 0.5).to(BF)
+    P_ = triton_cdiv(T, page) + 2
+    pos = torch.randint(0, 40000, (T,), generator=g, device=DEV)
+    cs = RR.cos_sin_cache(d, 40960, theta=1e6, device=DEV)
+    slots = torch.randperm(P_ * page, generator=g, device=DEV)[:T].to(torch.int32)
+    kc = torch.zeros(P_, page, hk, d, device=DEV, dtype=BF)
+    vc = torch.zeros_like(kc)
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    views = lambda x: (x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:])  # noqa: E731
+    q, k, v = views(qkv)
+    q2, k2, v2 = views(qkv2)
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=(w_q, w_k, 1e-6))
+    TN.qk_rmsnorm(qkv2[:, :hq + hk], w_q, w_k, hq, 1e-6)
+    TR.rope(q2, k2, pos, cs, "neox")
+    A.append(k2, v2, kc2, vc2, slots)
+    for a, b in ((qkv, qkv2), (kc, kc2)):
+        assert_close(a, b, BF)
+        assert (a == b).float().mean() > 0.99
+    assert torch.equal(vc, vc2)

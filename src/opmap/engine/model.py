@@ -154,7 +154,7 @@ class DecoderModel:
         T, d = h.shape[0], c.head_dim
         qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"))
         qd, kd = c.heads * d, c.kv_heads * d
-        if c.qk_norm:
+        if c.qk_norm and not ops.qk_norm_in_rope_append:
             # q and k heads side by side in the qkv row: one in-place launch normalises both.
             ops.qk_norm(qkv[:, :qd + kd].view(T, c.heads + c.kv_heads, d), P[f"{i}.q_norm"], P[f"{i}.k_norm"],
                         c.heads, c.rms_eps)
@@ -163,7 +163,9 @@ class DecoderModel:
         v = qkv[:, qd + kd:].view(T, c.kv_heads, d)
         k_cache, v_cache = kv
         if ops.rope_append is not None:
-            ops.rope_append(q, k, v, st.positions, self.cos_sin, c.rope_style, k_cache, v_cache, st.slot_mapping)
+            kw = {"qk_norm": (P[f"{i}.q_norm"], P[f"{i}.k_norm"], c.rms_eps)} if ops.qk_norm_in_rope_append else {}
+            ops.rope_append(q, k, v, st.positions, self.cos_sin, c.rope_style, k_cache, v_cache, st.slot_mapping,
+                            **kw)
         else:
             ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
             ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)

@@ -37,6 +37,7 @@ class OpSet:
                                                           scaling=_scaling(cfg), dtype=dtype, **base), "rope")
         rope_choice = self.choices[-1][2]
         self.rope_append = None  # RoPE + KV append in one launch, where both ops chose one backend
+        self.qk_norm_in_rope_append = False
         self.gemm: dict = {}
         if cfg.is_mla:
             qk = cfg.qk_nope_dim + cfg.qk_rope_dim
@@ -63,9 +64,11 @@ class OpSet:
             qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
             self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias)
             self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim)
+            qk_choice = None
             if cfg.qk_norm:
                 self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
                                           "qk_rmsnorm")
+                qk_choice = self.choices[-1][2]
             self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
                 num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
                 kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")
@@ -74,7 +77,11 @@ class OpSet:
                     and os.environ.get("OPMAP_ROPE_APPEND", "1") != "0"):
                 # One launch instead of two per layer (ops/attention/rope_append.py); the rope
                 # selection above already checked the rope requirements for this backend.
-                self.rope_append = self._use(app, "RoPE + KV append (one launch)", "rope_append")
+                # Qwen3's q/k norms ride along when the norm chose that backend's name too.
+                self.qk_norm_in_rope_append = qk_choice is not None and qk_choice.backend.name == app.backend.name
+                label = "q/k norm + RoPE + KV append (one launch)" if self.qk_norm_in_rope_append else \
+                    "RoPE + KV append (one launch)"
+                self.rope_append = self._use(app, label, "rope_append")
             aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                     page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
             self.attention = self._pick("attention", "attention (paged)", aspec, phase)

@@ -16,11 +16,13 @@ rotary dim pass through, so partial rotary needs no second pass before the cache
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from .. import pdl
 from ..pdl import enter
+from ..norm.triton_norm import _norm_rows
 from ..rope.triton_rope import _rotate_heads
 from ..rope.validate import check_rope
 from . import kv_append as A
@@ -28,13 +30,32 @@ from . import kv_append as A
 
 @triton.jit
 def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
-                           stride_qt, stride_qh, stride_kt, stride_vt, HQ, HALF,
+                           wq_ptr, wk_ptr, eps, stride_qt, stride_qh, stride_kt, stride_vt, HQ, HALF,
                            HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IS_NEOX: tl.constexpr,
                            BLOCK_QH: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_DV: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           QK_NORM: tl.constexpr = False, BLOCK_QN: tl.constexpr = 1, PDL: tl.constexpr = False):
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if QK_NORM:
+        # Qwen3's per-head q_norm / k_norm first, in place, with qk_rmsnorm's row helper (HF
+        # numerics); the barrier makes every thread's normalised values visible to the loads below.
+        dt = q_ptr.dtype.element_ty
+        dn = tl.arange(0, BLOCK_D)[None, :]
+        wq = tl.load(wq_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+        wk = tl.load(wk_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+        for h0 in range(0, HQ, BLOCK_QN):
+            hq = (h0 + tl.arange(0, BLOCK_QN))[:, None]
+            mq = (hq < HQ) & (dn < D)
+            pq = q_ptr + t * stride_qt + hq.to(tl.int64) * stride_qh + dn
+            vq = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+            tl.store(pq, _norm_rows(vq, wq, D, eps, dt).to(dt), mask=mq)
+        hk = tl.arange(0, BLOCK_HK)[:, None]
+        mk = (hk < HK) & (dn < D)
+        pk = k_ptr + t * stride_kt + hk * D + dn
+        vk = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+        tl.store(pk, _norm_rows(vk, wk, D, eps, dt).to(dt), mask=mk)
+        tl.debug_barrier()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cs_row = cs_ptr + pos * (2 * HALF)
     # q: all heads of the token, in place (the rope kernel's own helper, so the bits match).
@@ -85,11 +106,27 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
             tl.store(row_v, vv.to(vc_ptr.dtype.element_ty), mask=okv)
 
 
+def check_qk_norm_arg(qk_norm, q):
+    """``qk_norm``: None or (w_q [D], w_k [D], eps), Qwen3's per-head norms of q and k."""
+    if qk_norm is None:
+        return None
+    A.expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
+             "None or a tuple (w_q, w_k, eps)")
+    w_q, w_k, eps = qk_norm
+    D = q.shape[2]
+    for name, w in (("w_q", w_q), ("w_k", w_k)):
+        A.expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
+    A.expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+    return w_q, w_k, float(eps)
+
+
 def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
-                v_scale=None) -> None:
+                v_scale=None, qk_norm=None) -> None:
     """``rope(q, k, positions, cos_sin, style)`` then ``append(k, v, k_cache, v_cache, slot_mapping,
-    k_scale, v_scale)`` in one launch, with both entries' checks and results."""
+    k_scale, v_scale)`` in one launch, with both entries' checks and results. ``qk_norm=(w_q, w_k,
+    eps)``: Qwen3's per-head RMSNorm of q and k first (``qk_rmsnorm``), in the same launch."""
     r = check_rope(q, k, positions, cos_sin, style)
+    norm = check_qk_norm_arg(qk_norm, q)
     P, page, hk, d, dv = A.V.check_cache(k_cache, v_cache)
     A._check_rows("k", k, hk, d, k_cache.device)
     A._check_rows("v", v, hk, dv, k_cache.device, k.shape[0])
@@ -107,10 +144,13 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
     block_half = triton.next_power_of_2(half)
     block_qh = max(1, min(triton.next_power_of_2(HQ), 2048 // block_half))
     fp8 = k_cache.dtype == A.V.FP8
+    block_d = triton.next_power_of_2(d)
+    w_q, w_k, eps = norm if norm is not None else (q, q, 0.0)
     _rope_kv_append_kernel[(T,)](
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
-        v_scale if fp8 else v_cache, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,
+        v_scale if fp8 else v_cache, w_q, w_k, eps, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,
         HK=hk, D=d, DV=dv, IS_NEOX=style == "neox", BLOCK_QH=block_qh, BLOCK_HK=triton.next_power_of_2(hk),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half, FP8=fp8,
+        BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half, FP8=fp8,
+        QK_NORM=norm is not None, BLOCK_QN=max(1, min(triton.next_power_of_2(HQ), 2048 // block_d)),
         num_warps=4, **pdl.launch(q.device))
     return None
