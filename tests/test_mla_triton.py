@@ -249,3 +249,28 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
     monkeypatch.setenv("OPMAP_MLA_DECODE_CONFIG", "16,32,4,3")
     assert D._config(128, 512, 64) == (16, 32, 4, 3)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_fused_merge_equals_the_merge_launch(sparse, monkeypatch):
+    """The split programs' own merge (OPMAP_MLA_FUSED_MERGE=1; the last to arrive merges) writes
+    the same bits as _mla_merge_kernel, output and LSE, including a length-0 sequence and one whose
+    plan uses one split; the counters are back at zero and a second launch on the workspace is equal."""
+    g = torch.Generator().manual_seed(21)
+    lens = [0, 5, 40, 90]
+    pc = make_cache(lens, R, DR, 16, torch.float16, gen=g)
+    qn, qp = _q(len(lens), torch.float16, g)
+    idx = sparse_indices(lens, 24, gen=g) if sparse else None
+    res = {}
+    for fused in (True, False):
+        monkeypatch.setattr(dec, "FUSED_MERGE", fused)
+        ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=4, split_min=8)
+        call = (lambda: dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=0.2,
+                                              return_lse=True, workspace=ws)) if sparse else \
+            (lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
+                                    workspace=ws))
+        a, b = call(), call()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert not ws.counters.any()
+        res[fused] = a
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])

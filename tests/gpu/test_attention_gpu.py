@@ -425,3 +425,24 @@ def test_qk_norm_rope_append_matches_three_launches(T):
         assert_close(a, b, BF)
         assert (a == b).float().mean() > 0.99
     assert torch.equal(vc, vc2)
+
+
+@pytest.mark.parametrize("case", [c for c in DECODE if c[0] != "b64-4096"], ids=lambda c: c[0])
+def test_fused_merge_equals_the_combine_launch(case, monkeypatch):
+    """The split programs' own merge (default; a release-acquire counter per sequence and kv head)
+    writes the bits of _combine_kernel's launch on the GPU, repeatedly on one workspace, and
+    leaves the counters at zero."""
+    _, seq, page, hq, hk, d, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
+    res = {}
+    for fused in (True, False):
+        monkeypatch.setattr(D, "FUSED_MERGE", fused)
+        ws = D.make_workspace(len(seq), hq, d, device=DEV, min_chunk=64)
+        runs = [D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                         soft_cap=cap, return_lse=True, workspace=ws, **pc.kw) for _ in range(3)]
+        torch.cuda.synchronize()
+        assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
+        assert not ws.counters.any()
+        res[fused] = runs[0]
+    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
