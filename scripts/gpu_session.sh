@@ -3,10 +3,11 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
-#   scripts/gpu_session.sh speed OUTDIR        # benchmarks, alone on the GPU
+#   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
+#   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|speed|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|bench|engine|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$out"
@@ -31,17 +32,29 @@ case $part in
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
     tail -5 "$out"/*/driver.log "$out/tests-driver.log" ;;
-  speed)
+  bench)
+    # Each fused path against its switch, in the same call (quick grids).
     export NO_FLASHINFER=1
-    timeout 200 python3 -m opmap.cli bench --quick --op sampling --op kv_append --op attention.mla_sparse_decode \
-      --out "$out/bench" > "$out/bench.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
+      > "$out/bench.log" 2>&1
+    timeout 100 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode-fused" \
+      > "$out/decode-fused.log" 2>&1
+    OPMAP_DECODE_FUSED_MERGE=0 timeout 100 python3 -m opmap.cli bench --quick --op attention.decode \
+      --out "$out/decode-combine" > "$out/decode-combine.log" 2>&1
+    timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --op attention.mla_sparse_decode \
+      --out "$out/mla" > "$out/mla.log" 2>&1
+    OPMAP_MLA_FUSED_MERGE=1 timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode \
+      --out "$out/mla-fused" > "$out/mla-fused.log" 2>&1 ;;
+  engine)
+    export NO_FLASHINFER=1
     timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
       > "$out/e2e.log" 2>&1
-    OPMAP_ROPE_APPEND=0 timeout 120 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf \
-      --out "$out/e2e-two-launch" > "$out/e2e-two-launch.log" 2>&1
+    OPMAP_ROPE_APPEND=0 OPMAP_DECODE_FUSED_MERGE=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
+      --case 1 --no-hf --out "$out/e2e-unfused" > "$out/e2e-unfused.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 1 \
       --input-len 1024 --output-len 128 --steps 60 > "$out/profile-llama3-8b-maxseqs32.log" 2>&1
-    tail -3 "$out"/*.log ;;
+    timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
+      --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
