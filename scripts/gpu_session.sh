@@ -21,14 +21,15 @@ case $part in
     for m in qwen3-30b-a3b deepseek-v2-lite; do
       mkdir -p "$out/$m"
       [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      (STEPS=check MODELS=$m CHECK_TIMEOUT=${SAN_TIMEOUT:-500} \
+      (STEPS=check MODELS=$m CHECK_TIMEOUT=${SAN_TIMEOUT:-470} \
         CHECK_ARGS="--sanitizer --jobs 6 --resume $out/$m/state.jsonl --out $out/$m" \
-        timeout $(( ${SAN_TIMEOUT:-500} + 20 )) scripts/gpu.sh "$out/$m" > "$out/$m/driver.log" 2>&1) &
+        timeout $(( ${SAN_TIMEOUT:-470} + 15 )) scripts/gpu.sh "$out/$m" > "$out/$m/driver.log" 2>&1) &
       pids+=($!)
     done
-    (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-400} \
+    # Lanes of two files each: the whole call must end inside the device's 600 s.
+    (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
       TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py" \
-      timeout $(( ${TEST_TIMEOUT:-400} * 2 )) scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
+      timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
     tail -5 "$out"/*/driver.log "$out/tests-driver.log" ;;
