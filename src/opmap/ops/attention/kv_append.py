@@ -50,7 +50,8 @@ def _check_rows(name, x, hk, d, device, n=None):
            f"(*, {d}, 1): heads and dims dense")
 
 
-def append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+def check_append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> tuple:
+    """append's argument checks (rope_append runs them too); returns (P, page, Hk, D, Dv)."""
     P, page, hk, d, dv = V.check_cache(k_cache, v_cache)
     _check_rows("k", k, hk, d, k_cache.device)
     _check_rows("v", v, hk, dv, k_cache.device, k.shape[0])
@@ -61,6 +62,11 @@ def append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> 
     expect(slot_mapping.device == k_cache.device, "slot_mapping", f"device {slot_mapping.device}",
            f"device {k_cache.device}")
     V.check_slots(slot_mapping, k.shape[0], P * page)
+    return P, page, hk, d, dv
+
+
+def append(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    P, page, hk, d, dv = check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T = k.shape[0]
     if T == 0:
         return

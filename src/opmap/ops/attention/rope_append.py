@@ -25,7 +25,9 @@ from ..pdl import enter
 from ..norm.triton_norm import _norm_rows
 from ..rope.triton_rope import _rotate_heads
 from ..rope.validate import check_rope
+from ...contract import expect, expect_tensor
 from . import kv_append as A
+from . import validate as V
 
 
 @triton.jit
@@ -89,34 +91,33 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
     tl.store(kp + d, y, mask=ok & rot)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        row_k = kc_ptr + slot * (HK * D) + h * D + d
-        if FP8:
-            yk = tl.clamp(tl.math.div_rn(y.to(tl.float32), tl.load(ks_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
-            tl.store(row_k, yk.to(kc_ptr.dtype.element_ty), mask=ok)
-        else:
-            tl.store(row_k, y.to(kc_ptr.dtype.element_ty), mask=ok)
+        _store_row(kc_ptr + slot * (HK * D) + h * D + d, y, ks_ptr, h, HK, ok, FP8)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         okv = (h < HK) & (dv < DV)
         vv = tl.load(v_ptr + t * stride_vt + h * DV + dv, mask=okv, other=0.0)
-        row_v = vc_ptr + slot * (HK * DV) + h * DV + dv
-        if FP8:
-            yv = tl.clamp(tl.math.div_rn(vv.to(tl.float32), tl.load(vs_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
-            tl.store(row_v, yv.to(vc_ptr.dtype.element_ty), mask=okv)
-        else:
-            tl.store(row_v, vv.to(vc_ptr.dtype.element_ty), mask=okv)
+        _store_row(vc_ptr + slot * (HK * DV) + h * DV + dv, vv, vs_ptr, h, HK, okv, FP8)
+
+
+@triton.jit
+def _store_row(ptr, x, scale_ptr, h, HK, mask, FP8: tl.constexpr):
+    """One token's [Hk, D] cache row, as the append kernel writes it (fp8: value / the kv head's
+    scale, IEEE division, saturated to +-448)."""
+    if FP8:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 def check_qk_norm_arg(qk_norm, q):
     """``qk_norm``: None or (w_q [D], w_k [D], eps), Qwen3's per-head norms of q and k."""
     if qk_norm is None:
         return None
-    A.expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
-             "None or a tuple (w_q, w_k, eps)")
+    expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
+           "None or a tuple (w_q, w_k, eps)")
     w_q, w_k, eps = qk_norm
     D = q.shape[2]
     for name, w in (("w_q", w_q), ("w_k", w_k)):
-        A.expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
-    A.expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+        expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
+    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
     return w_q, w_k, float(eps)
 
 
@@ -127,23 +128,14 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
     eps)``: Qwen3's per-head RMSNorm of q and k first (``qk_rmsnorm``), in the same launch."""
     r = check_rope(q, k, positions, cos_sin, style)
     norm = check_qk_norm_arg(qk_norm, q)
-    P, page, hk, d, dv = A.V.check_cache(k_cache, v_cache)
-    A._check_rows("k", k, hk, d, k_cache.device)
-    A._check_rows("v", v, hk, dv, k_cache.device, k.shape[0])
-    A.expect(v.dtype == k.dtype, "v", f"dtype {v.dtype}", f"{k.dtype} (k's)")
-    if k_cache.dtype != A.V.FP8:
-        A.expect(k_cache.dtype == k.dtype, "k_cache", f"dtype {k_cache.dtype}", f"{k.dtype} (k's) or fp8")
-    A.V.check_scales(k_scale, v_scale, k_cache, hk)
-    A.expect(slot_mapping.device == k_cache.device, "slot_mapping", f"device {slot_mapping.device}",
-             f"device {k_cache.device}")
-    A.V.check_slots(slot_mapping, k.shape[0], P * page)
+    _, _, hk, d, dv = A.check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T, HQ, _ = q.shape
     if T == 0:
         return None
     half = r // 2
     block_half = triton.next_power_of_2(half)
     block_qh = max(1, min(triton.next_power_of_2(HQ), 2048 // block_half))
-    fp8 = k_cache.dtype == A.V.FP8
+    fp8 = k_cache.dtype == V.FP8
     block_d = triton.next_power_of_2(d)
     w_q, w_k, eps = norm if norm is not None else (q, q, 0.0)
     _rope_kv_append_kernel[(T,)](

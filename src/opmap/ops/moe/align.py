@@ -24,12 +24,37 @@ from .. import pdl
 from ..pdl import enter
 
 
+@triton.jit
+def _segment(counts, e, total_ptr, BM: tl.constexpr, E_POW2: tl.constexpr):
+    """From every expert's pair count: (start, count, padded length) of expert e's segment of
+    sorted_ids; expert 0 also writes the padded total."""
+    experts = tl.arange(0, E_POW2)
+    padded = (counts + BM - 1) // BM * BM
+    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
+    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
+    my_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
+    if e == 0:
+        tl.store(total_ptr, tl.sum(padded, axis=0))
+    return start, mine, my_padded
+
+
+@triton.jit
+def _pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pairs, BM: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """Padding rows (the sentinel n_pairs) of expert e's last block, and its blocks' expert ids."""
+    pad = start + mine + tl.arange(0, BM)
+    tl.store(sorted_ptr + pad, tl.zeros([BM], dtype=tl.int32) + n_pairs, mask=pad < start + my_padded)
+    for b in range(0, my_padded // BM, CHUNK):
+        blk = b + tl.arange(0, CHUNK)
+        tl.store(block_expert_ptr + start // BM + blk, tl.zeros([CHUNK], dtype=tl.int32) + e,
+                 mask=blk < my_padded // BM)
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
                   BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
     e = tl.program_id(0)
-    experts = tl.arange(0, E_POW2)
     # Pass 1: per-expert counts (every program computes all of them: E is small and this
     # avoids a second launch and a global barrier).
     counts = tl.zeros([E_POW2], dtype=tl.int32)
@@ -37,12 +62,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
         offs = c + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=0)
         counts += tl.histogram(ids, E_POW2, mask=offs < n_pairs)
-    padded = (counts + BM - 1) // BM * BM
-    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
-    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
-    my_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
-    if e == 0:
-        tl.store(total_ptr, tl.sum(padded, axis=0))
+    start, mine, my_padded = _segment(counts, e, total_ptr, BM, E_POW2)
     # Pass 2: place this expert's pairs in token order.
     placed = 0
     for c in range(0, n_pairs, CHUNK):
@@ -52,13 +72,7 @@ def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
         pos = start + placed + tl.cumsum(hit, axis=0) - 1
         tl.store(sorted_ptr + pos, offs, mask=hit != 0)
         placed += tl.sum(hit, axis=0)
-    # Padding rows of this expert's last block, and the block -> expert table.
-    pad = start + mine + tl.arange(0, BM)
-    tl.store(sorted_ptr + pad, tl.zeros([BM], dtype=tl.int32) + n_pairs, mask=pad < start + my_padded)
-    for b in range(0, my_padded // BM, CHUNK):
-        blk = b + tl.arange(0, CHUNK)
-        tl.store(block_expert_ptr + start // BM + blk, tl.zeros([CHUNK], dtype=tl.int32) + e,
-                 mask=blk < my_padded // BM)
+    _pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pairs, BM, CHUNK)
 
 
 def max_padded(n_pairs: int, num_experts: int, bm: int) -> int:
@@ -83,6 +97,18 @@ def align_plan(n_pairs: int, num_experts: int, bm: int) -> tuple[int, int, int, 
     return cap, nblocks, chunk, max(2, next_pow2(num_experts)), 8 if chunk >= 2048 else 4
 
 
+def outputs(n_pairs: int, nblocks: int, bm: int, device, extra: int = 0):
+    """((sorted_ids, block_expert, total), tail of ``extra`` ints) in one int32 allocation (one
+    caching-allocator call instead of several). Each part starts on a 64-byte boundary, so the
+    kernels' pointer-alignment specialisation is the same as with separate allocations."""
+    rows = nblocks * bm
+    at_total = -(-rows // 16) * 16
+    at_blocks = at_total + 16
+    at_extra = -(-(at_blocks + nblocks) // 16) * 16
+    buf = torch.empty(at_extra + extra, dtype=torch.int32, device=device)
+    return (buf[:rows], buf[at_blocks:at_blocks + nblocks], buf[at_total:at_total + 1]), buf[at_extra:]
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
     """-> (sorted_ids [max_padded] int32, block_expert [max_blocks] int32, total [1] int32)."""
     ids = topk_ids.reshape(-1)
@@ -90,16 +116,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
         ids = ids.to(torch.int32).contiguous()
     n = ids.numel()
     _, nblocks, chunk, e_pow2, warps = align_plan(n, num_experts, bm)
-    # One int32 allocation for the three outputs (one caching-allocator call instead of three).
-    # Each part starts on a 64-byte boundary, so the kernels' pointer-alignment specialisation
-    # is the same as with separate allocations (no extra compiled variants).
-    rows = nblocks * bm
-    at_total = -(-rows // 16) * 16
-    at_blocks = at_total + 16
-    buf = torch.empty(at_blocks + nblocks, dtype=torch.int32, device=ids.device)
-    sorted_ids = buf[:rows]
-    total = buf[at_total:at_total + 1]
-    block_expert = buf[at_blocks:]
+    (sorted_ids, block_expert, total), _ = outputs(n, nblocks, bm, ids.device)
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
                                   E_POW2=e_pow2, CHUNK=chunk, num_warps=warps, **pdl.launch(ids.device))
     return sorted_ids, block_expert, total

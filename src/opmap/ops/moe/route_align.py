@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import enter
-from .align import align_plan, next_pow2
+from .align import _pad_segment, _segment, align_plan, next_pow2, outputs
 
 MAX_TOKENS = 64
 # The [T, E] routing tile each program holds, padded to powers of two, at most this many scores:
@@ -86,23 +86,12 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
     flat_ok = tl.reshape(pair_ok, [T_POW2 * K_POW2])
     flat_pair = tl.reshape(pair, [T_POW2 * K_POW2])
     counts = tl.histogram(tl.where(flat_ok, flat_ids, 0), E_POW2, mask=flat_ok)
-    experts = tl.arange(0, E_POW2)
-    padded = (counts + BM - 1) // BM * BM
-    start = tl.sum(tl.where(experts < e, padded, 0), axis=0)
-    mine = tl.sum(tl.where(experts == e, counts, 0), axis=0)
-    my_padded = tl.sum(tl.where(experts == e, padded, 0), axis=0)
-    if e == 0:
-        tl.store(total_ptr, tl.sum(padded, axis=0))
+    start, mine, my_padded = _segment(counts, e, total_ptr, BM, E_POW2)
     # Pairs in increasing p: the flattened [t, j] tile is in that order (padding lanes hit nothing).
     hit = (flat_ok & (flat_ids == e)).to(tl.int32)
     pos = start + tl.cumsum(hit, axis=0) - 1
     tl.store(sorted_ptr + pos, flat_pair, mask=hit != 0)
-    pad = start + mine + tl.arange(0, BM)
-    tl.store(sorted_ptr + pad, tl.zeros([BM], dtype=tl.int32) + n_pairs, mask=pad < start + my_padded)
-    nb = my_padded // BM
-    for b in range(0, nb, 16):
-        blk = b + tl.arange(0, 16)
-        tl.store(block_expert_ptr + start // BM + blk, tl.zeros([16], dtype=tl.int32) + e, mask=blk < nb)
+    _pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pairs, BM, 16)
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormalize: bool, routed_scaling: float,
@@ -114,14 +103,9 @@ def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormaliz
     dev = router_logits.device
     n = T * top_k
     _, nblocks, _, e_pow2, _ = align_plan(n, num_experts, bm)
-    rows = nblocks * bm
-    at_total = -(-rows // 16) * 16
-    at_blocks = at_total + 16
-    # One int32 allocation for the routing ids and align's three outputs, one fp32 for weights.
-    at_ids = -(-(at_blocks + nblocks) // 16) * 16
-    buf = torch.empty(at_ids + n, dtype=torch.int32, device=dev)
-    sorted_ids, total, block_expert = buf[:rows], buf[at_total:at_total + 1], buf[at_blocks:at_blocks + nblocks]
-    ids = buf[at_ids:].view(T, top_k)
+    # align's three outputs and the routing ids in one int32 allocation, the weights in fp32.
+    (sorted_ids, block_expert, total), ids = outputs(n, nblocks, bm, dev, extra=n)
+    ids = ids.view(T, top_k)
     w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     bias = score_bias.contiguous() if score_bias is not None else w

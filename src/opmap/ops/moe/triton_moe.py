@@ -23,35 +23,30 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             w2: torch.Tensor, bm: Optional[int] = None) -> torch.Tensor:
     """The expert part for a given routing: -> [T, H] in x.dtype. ``bm`` overrides the row tile
     (tests use it to cover the prefill tiles in the interpreter)."""
-    T, H = x.shape
-    E, two_i, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    T = x.shape[0]
     if T == 0:
-        return out
+        return torch.empty_like(x)
+    top_k = topk_ids.shape[1]
+    bm = bm or pick_bm(T * top_k, w13.shape[0])
+    return _aligned(x, topk_weights, w13, w2, top_k, bm, *align(topk_ids, w13.shape[0], bm))
+
+
+def _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, total):
+    """The expert part after the align: grouped GEMM gate/up (+SiLU-and-mul), grouped GEMM down
+    with the routing weight, combine."""
+    T, H = x.shape
     # The kernels step K by +BK along the last dimension: they need it contiguous.
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     n_pairs = T * top_k
-    bm = bm or pick_bm(n_pairs, E)
-    sorted_ids, block_expert, total = align(topk_ids, E, bm)
-    return _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, total, out)
-
-
-def _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, total, out):
-    """The expert part after the align: grouped GEMM gate/up (+SiLU-and-mul), grouped GEMM down
-    with the routing weight, combine."""
-    T, H = x.shape
-    two_i = w13.shape[1]
-    n_pairs = T * top_k
-    inter = torch.empty(n_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+    inter = torch.empty(n_pairs, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     grouped_gemm(x, w13, inter, sorted_ids, block_expert, total, n_pairs, top_k, bm, gated=True)
     y = torch.empty(n_pairs, H, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():
         weights = weights.to(torch.float32).contiguous()
     grouped_gemm(inter, w2, y, sorted_ids, block_expert, total, n_pairs, 1, bm, gated=False, weights=weights)
-    return combine(y, T, top_k, out)
+    return combine(y, T, top_k, torch.empty(T, H, dtype=x.dtype, device=x.device))
 
 
 # OPMAP_MOE_ROUTE_ALIGN=0: routing and align as two launches at decode too (same-run timing).
@@ -90,14 +85,10 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     T = x.shape[0]
     if FUSE_ROUTE_ALIGN and fusable(T, n_group, w13.shape[0]):
         # Decode: routing and align in one launch (route_align.py).
-        w13c = w13 if w13.stride(-1) == 1 else w13.contiguous()
-        w2c = w2 if w2.stride(-1) == 1 else w2.contiguous()
-        E = w13.shape[0]
-        bm = pick_bm(T * top_k, E)
-        weights, _, sorted_ids, block_expert, total = route_align(
-            router_logits, top_k, router, renormalize, routed_scaling, score_bias, E, bm)
-        out = torch.empty(T, x.shape[1], dtype=x.dtype, device=x.device)
-        return _aligned(x, weights, w13c, w2c, top_k, bm, sorted_ids, block_expert, total, out)
+        bm = pick_bm(T * top_k, w13.shape[0])
+        weights, _, *aligned = route_align(router_logits, top_k, router, renormalize, routed_scaling, score_bias,
+                                           w13.shape[0], bm)
+        return _aligned(x, weights, w13, w2, top_k, bm, *aligned)
     weights, ids = route_launch(router_logits, top_k, router, renormalize, n_group, topk_group,
                                 routed_scaling, score_bias)
     return experts(x, weights, ids, w13, w2)
