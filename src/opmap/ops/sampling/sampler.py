@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from .sampler_jit import (HIST_NB, HIST_W, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _hist_bins,  # noqa: F401
+from .sampler_jit import (HIST_NB, HIST_W, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _parts_max, _hist_bins,  # noqa: F401
                           _hist_bracket, _key, _load_z, _pass_a, _race_block, _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
@@ -69,7 +69,7 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
 
 @triton.jit
 def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                     part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                            part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -94,8 +94,8 @@ def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_
 
 
 @triton.jit
-def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, hist_ptr,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
+                        hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
     """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
     whose first search is top-k or top-p alone. The row max comes from pass A's partials."""
     row = tl.program_id(0).to(tl.int64)
@@ -104,8 +104,7 @@ def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr,
         temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
     h = tl.zeros([HIST_NB], tl.int32)
     if not_(greedy) & (use_k | (use_p & not_(use_mp))):
-        j = tl.arange(0, S_P)
-        m = tl.max(tl.load(part_ptr + (row * n_parts + j) * PART, mask=j < n_parts, other=float("-inf")), 0)
+        m = _parts_max(part_ptr + row * n_parts * PART, n_parts, S_P)
         row_ptr = logits_ptr + row * stride_row
         lo = c * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
@@ -125,8 +124,8 @@ def _lo0(m, xmin, n_fin, inv_t, mp, use_mp):
 
 
 @triton.jit
-def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr, cnt_ptr,
-                    CAND: tl.constexpr, S_P: tl.constexpr):
+def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr,
+                           cnt_ptr, CAND: tl.constexpr, S_P: tl.constexpr):
     """Per row, from pass A's partials and pass B's histogram: the bracket of the first search
     (BR ints: mode 0 none / 1 top-k / 2 top-p alone, lo, hi, count at or above lo, gathered) and
     whether its candidates (at most CAND) are gathered by _sample_gather_kernel. Zeroes the row's counter."""
@@ -160,9 +159,9 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
 
 
 @triton.jit
-def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts, br_ptr,
-                   sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                   S_P: tl.constexpr):
+def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
+                          br_ptr, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr, S_P: tl.constexpr):
     """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
     bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
     The per-row kernel then starts from those candidates in registers and reads no full row:
@@ -172,8 +171,7 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
     if tl.load(br_ptr + row * BR + 4) != 0:
         k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
             temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
-        j = tl.arange(0, S_P)
-        m = tl.max(tl.load(part_ptr + (row * n_parts + j) * PART, mask=j < n_parts, other=float("-inf")), 0)
+        m = _parts_max(part_ptr + row * n_parts * PART, n_parts, S_P)
         lo_key = tl.load(br_ptr + row * BR + 1)
         row_ptr = logits_ptr + row * stride_row
         lo = c * CHUNK
@@ -317,6 +315,18 @@ def _config(device: torch.device) -> tuple[int, int, int, int]:
     return 4096, 2048, 4, 0  # the interpreter pays per block iteration: fewer, larger blocks
 
 
+def _carve(dtype, device, *shapes):
+    """Views of one allocation, one per shape (None -> None), each starting on a 16-element
+    boundary so that the kernels' pointer-alignment specialisation is as with separate tensors."""
+    sizes = [0 if sh is None else int(torch.Size(sh).numel()) for sh in shapes]
+    offs, at = [], 0
+    for n in sizes:
+        offs.append(at)
+        at += -(-n // 16) * 16
+    buf = torch.empty(max(at, 1), dtype=dtype, device=device)
+    return [None if sh is None else buf[o:o + n].view(sh) for sh, o, n in zip(shapes, offs, sizes)]
+
+
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False,
            chunk: Optional[int] = None, config: Optional[tuple] = None, bracket: bool = True):
     """See the module docstring. With ``return_support`` a third tensor [B, 2] int32 holds each
@@ -342,24 +352,23 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         block = min(block, triton.next_power_of_2(V))
         n_parts = triton.cdiv(V, chunk) if chunk else 1
         use_parts = n_parts >= 2
-        sz = torch.empty((B, cand), dtype=torch.float32, device=dev)
-        si = torch.empty((B, cand), dtype=torch.int32, device=dev)
-        cnt = torch.empty(B, dtype=torch.int32, device=dev)  # compaction counters, zeroed in the kernel
-        part = torch.empty((B, n_parts, 9), dtype=torch.float32, device=dev) if use_parts else sz
-        s_p = max(2, triton.next_power_of_2(n_parts))
-        br = cnt
         use_hist = use_parts and bracket
+        # Scratch in two allocations (per call at every decode step: one caching-allocator call
+        # per dtype instead of six): candidates and pass A's partials in fp32; candidate ids,
+        # compaction counters (zeroed in the kernels), brackets and histograms in int32.
+        sz, part = _carve(torch.float32, dev, (B, cand), (B, n_parts, PART.value) if use_parts else None)
+        si, cnt, br, hist = _carve(torch.int32, dev, (B, cand), (B,), (B, BR.value) if use_hist else None,
+                                   (B, n_parts, HIST_NB.value) if use_hist else None)
+        part, br = part if use_parts else sz, br if use_hist else cnt  # unused pointers when off
+        s_p = max(2, triton.next_power_of_2(n_parts))
+        flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
+        cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
         if use_parts:
-            _sample_partials_kernel[(B, n_parts)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds,
-                                           positions, part, CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
+            _sample_partials_kernel[(B, n_parts)](*flags, seeds, positions, part, **cb)
         if use_hist:
-            hist = torch.empty((B, n_parts, HIST_NB), dtype=torch.int32, device=dev)
-            br = torch.empty((B, BR), dtype=torch.int32, device=dev)
-            flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
-            cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
             _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
             _sample_bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
-                                  S_P=s_p, num_warps=4)
+                                         S_P=s_p, num_warps=4)
             _sample_gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
                              ids, invalid, support, sz, si, cnt, part, n_parts, br, BLOCK=block, CAND=cand,

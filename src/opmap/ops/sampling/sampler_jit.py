@@ -300,6 +300,13 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
 
 
 @triton.jit
+def _parts_max(part_ptr, n_parts, S_P: tl.constexpr):
+    """The row max from a row's pass-A partials (as _combine_parts computes it)."""
+    j = tl.arange(0, S_P)
+    return tl.max(tl.load(part_ptr + j * PART, mask=j < n_parts, other=float("-inf")), 0)
+
+
+@triton.jit
 def _combine_parts(part_ptr, n_parts, inv_t, S_P: tl.constexpr):
     """Pass A's figures of a row from the per-chunk partials of _sample_partials_kernel."""
     j = tl.arange(0, S_P)
