@@ -101,3 +101,15 @@ def test_oracle_bf16_engine_within_noise(name, single_thread):
     ok, line = oracle.verdict(d)
     assert ok and 0 < max(d["err_ours"]), line
 
+
+
+def test_oracle_pool_compares_outliers_over_all_prompts():
+    # Mixtral on the H200: HF's routing-flip outlier on one prompt, ours on the other.
+    a = _figures([0.24, 0.18], [3.12, 0.39], [0.0, 0.0])
+    b = _figures([3.73, 0.22], [0.41, 0.27], [0.0, 0.46])
+    assert not oracle.verdict(b)[0]  # alone, our 3.73 is 9x this prompt's largest HF error
+    passed, line = oracle.verdict(oracle.pool([a, b]))
+    assert passed and "ours max 3.7300, HF bf16 max 3.1200" in line, line
+    assert not oracle.verdict(oracle.pool([b, b]))[0]  # pooling does not hide a real outlier
+    with pytest.raises(ValueError):
+        oracle.pool([])

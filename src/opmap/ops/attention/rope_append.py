@@ -10,9 +10,8 @@ Same formulas in the same order as the two kernels: the results are bitwise equa
 launches on the interpreter (tests/test_rope_append.py) and on the GPU (tests/gpu, compared
 bitwise as well; a compiler contracting the products differently would show there).
 
-A k row is rotated as a whole [Hk, D] tile: each element loads its rotation partner through a
-second, permuted load (NeoX: i <-> i +- R/2; GPT-J: 2j <-> 2j + 1) and dims at or above the
-rotary dim pass through, so partial rotary needs no second pass before the cache write.
+A k row is rotated pair by pair as rope does it, and the rotated pairs go from the same registers
+to the cache; dims at or above the rotary dim (partial rotary) are copied to the cache unrotated.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import triton.language as tl
 from .. import pdl
 from ..pdl import enter
 from ..norm.triton_norm import _norm_rows
-from ..rope.triton_rope import _rotate_heads
+from ..rope.triton_rope import _pair_index, _rotate_heads, _rotate_pairs
 from ..rope.validate import check_rope
 from ...contract import expect, expect_tensor
 from . import kv_append as A
@@ -35,7 +34,7 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
                            wq_ptr, wk_ptr, eps, stride_qt, stride_qh, stride_kt, stride_vt, HQ, HALF,
                            HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IS_NEOX: tl.constexpr,
                            BLOCK_QH: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, FP8: tl.constexpr,
                            QK_NORM: tl.constexpr = False, BLOCK_QN: tl.constexpr = 1, PDL: tl.constexpr = False):
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -66,32 +65,25 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
     s = tl.load(cs_row + HALF + dh, mask=dh < HALF, other=0.0)[None, :]
     for h0 in range(0, HQ, BLOCK_QH):
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
-    # k: the whole [Hk, D] row, each element with its partner.
+    # k: its rotary pairs in place with the same helper (so the bits match rope's) and, from the
+    # same registers, into the cache row; dims at or above the rotary dim are copied unrotated.
+    # Each thread stores only values it loaded itself: an earlier version loaded each element's
+    # partner through a second, permuted load and raced with the in-place store of another warp
+    # (caught on the H200 by the bitwise GPU test, not by the interpreter, which runs one thread).
     h = tl.arange(0, BLOCK_HK)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    ok = (h < HK) & (d < D)
-    rot = d < 2 * HALF
-    if IS_NEOX:
-        first = d < HALF
-        partner = tl.where(first, d + HALF, d - HALF)
-        j = tl.where(first, d, d - HALF)
-    else:
-        first = d % 2 == 0
-        partner = tl.where(first, d + 1, d - 1)
-        j = d // 2
+    i1, i2 = _pair_index(dh[None, :], HALF, IS_NEOX)
+    okr = (h < HK) & (dh[None, :] < HALF)
     kp = k_ptr + t * stride_kt + h * D
-    x = tl.load(kp + d, mask=ok, other=0.0)
-    xp = tl.load(kp + partner, mask=ok & rot, other=0.0).to(tl.float32)
-    cj = tl.load(cs_row + j, mask=rot, other=1.0)
-    sj = tl.load(cs_row + HALF + j, mask=rot, other=0.0)
-    a = x.to(tl.float32)
-    # first of a pair: a*c - b*s; second: b*c + a*s (b the partner), as _rotate_heads computes.
-    y = tl.where(rot, tl.where(first, a * cj - xp * sj, a * cj + xp * sj), a)
-    y = tl.where(rot, y.to(x.dtype), x)
-    tl.store(kp + d, y, mask=ok & rot)
+    y1, y2 = _rotate_pairs(kp, i1, i2, okr, c, s)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
-        _store_row(kc_ptr + slot * (HK * D) + h * D + d, y, ks_ptr, h, HK, ok, FP8)
+        crow = kc_ptr + slot * (HK * D) + h * D
+        _store_row(crow + i1, y1, ks_ptr, h, HK, okr, FP8)
+        _store_row(crow + i2, y2, ks_ptr, h, HK, okr, FP8)
+        if BLOCK_PASS > 0:
+            dp = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+            okp = (h < HK) & (dp < D)
+            _store_row(crow + dp, tl.load(kp + dp, mask=okp, other=0.0), ks_ptr, h, HK, okp, FP8)
         dv = tl.arange(0, BLOCK_DV)[None, :]
         okv = (h < HK) & (dv < DV)
         vv = tl.load(v_ptr + t * stride_vt + h * DV + dv, mask=okv, other=0.0)
@@ -142,7 +134,8 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
         v_scale if fp8 else v_cache, w_q, w_k, eps, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,
         HK=hk, D=d, DV=dv, IS_NEOX=style == "neox", BLOCK_QH=block_qh, BLOCK_HK=triton.next_power_of_2(hk),
-        BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half, FP8=fp8,
+        BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0, FP8=fp8,
         QK_NORM=norm is not None, BLOCK_QN=max(1, min(triton.next_power_of_2(HQ), 2048 // block_d)),
         num_warps=4, **pdl.launch(q.device))
     return None

@@ -19,24 +19,39 @@ from .validate import check_rope
 
 
 @triton.jit
+def _rotate_pairs(p, i1, i2, mask, c, s):
+    """Rotates the pairs (p[i1], p[i2]) in place and returns them: fp32 math, one rounding to the
+    tensor's dtype. Each thread loads both elements of the pairs it stores, so rotating in place
+    needs no barrier (a thread never reads a value another thread writes)."""
+    x1 = tl.load(p + i1, mask=mask, other=0.0)
+    x2 = tl.load(p + i2, mask=mask, other=0.0)
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    y1 = (a * c - b * s).to(x1.dtype)
+    y2 = (b * c + a * s).to(x2.dtype)
+    tl.store(p + i1, y1, mask=mask)
+    tl.store(p + i2, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _pair_index(d, HALF, IS_NEOX: tl.constexpr):
+    """The two dims of pair d: NeoX (d, d + R/2), GPT-J (2d, 2d + 1)."""
+    if IS_NEOX:
+        return d, d + HALF
+    else:
+        return 2 * d, 2 * d + 1
+
+
+@triton.jit
 def _rotate_heads(base, stride_h, h0, nheads, c, s, HALF, IS_NEOX: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < nheads) & (d[None, :] < HALF)
-    if IS_NEOX:
-        i1 = d
-        i2 = d + HALF
-    else:
-        i1 = 2 * d
-        i2 = 2 * d + 1
+    i1, i2 = _pair_index(d, HALF, IS_NEOX)
     p = base + heads[:, None].to(tl.int64) * stride_h
-    x1 = tl.load(p + i1[None, :], mask=mask, other=0.0)
-    x2 = tl.load(p + i2[None, :], mask=mask, other=0.0)
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    tl.store(p + i1[None, :], (a * c - b * s).to(x1.dtype), mask=mask)
-    tl.store(p + i2[None, :], (b * c + a * s).to(x2.dtype), mask=mask)
+    _rotate_pairs(p, i1[None, :], i2[None, :], mask, c, s)
 
 
 @triton.jit
