@@ -3,6 +3,7 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
+#   scripts/gpu_session.sh fixes OUTDIR        # short: sanitizer leftovers beside the tests a fix touched
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
@@ -32,19 +33,36 @@ case $part in
       timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
-    tail -5 "$out"/*/driver.log "$out/tests-driver.log" ;;
+    tail -n 5 "$out"/*/driver.log "$out/tests-driver.log" ;;
+  fixes)
+    # The sanitizer's leftovers (state files) beside the GPU tests of this session's fixes.
+    export NO_FLASHINFER=1
+    pids=()
+    for m in qwen3-30b-a3b deepseek-v2-lite; do
+      mkdir -p "$out/$m"
+      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+      (timeout ${SAN_TIMEOUT:-130} python3 -m opmap.cli check --model $m --sanitizer --jobs 6 \
+        --resume "$out/$m/state.jsonl" --out "$out/$m" > "$out/$m/check.log" 2>&1) &
+      pids+=($!)
+    done
+    timeout 125 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_gpu.py -k rope_append \
+      > "$out/tests-rope-append.log" 2>&1
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_parity_gpu.py -k mixtral -s \
+      > "$out/tests-parity-mixtral.log" 2>&1 &
+    pids+=($!)
+    for p in "${pids[@]}"; do wait "$p"; done ;;
   bench)
     # Each fused path against its switch, in the same call (quick grids).
     export NO_FLASHINFER=1
-    timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
+    timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1
-    timeout 100 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode-fused" \
+    timeout 85 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode-fused" \
       > "$out/decode-fused.log" 2>&1
-    OPMAP_DECODE_FUSED_MERGE=0 timeout 100 python3 -m opmap.cli bench --quick --op attention.decode \
+    OPMAP_DECODE_FUSED_MERGE=0 timeout 85 python3 -m opmap.cli bench --quick --op attention.decode \
       --out "$out/decode-combine" > "$out/decode-combine.log" 2>&1
-    timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --op attention.mla_sparse_decode \
+    timeout 65 python3 -m opmap.cli bench --quick --op attention.mla_decode \
       --out "$out/mla" > "$out/mla.log" 2>&1
-    OPMAP_MLA_FUSED_MERGE=1 timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode \
+    OPMAP_MLA_FUSED_MERGE=1 timeout 65 python3 -m opmap.cli bench --quick --op attention.mla_decode \
       --out "$out/mla-fused" > "$out/mla-fused.log" 2>&1 ;;
   engine)
     export NO_FLASHINFER=1
@@ -62,5 +80,5 @@ case $part in
 esac
 # Everything in one archive (a call returns a limited number of files), the logs' tails beside it.
 if [ "$part" != flashinfer ]; then
-  tar -C "$out" -czf "$res/all.tgz" . && tail -n 30 "$out"/*.log "$out"/*/driver.log > "$res/summary.txt" 2>/dev/null
+  tar -C "$out" -czf "$res/all.tgz" . && tail -n 30 "$out"/*.log "$out"/*/*.log > "$res/summary.txt" 2>/dev/null
 fi
