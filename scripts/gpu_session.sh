@@ -11,13 +11,15 @@ set -uo pipefail
 part=${1:?usage: scripts/gpu_session.sh correctness|bench|engine|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 cd "$(dirname "$0")/.."
+# FlashInfer only in its own part (the others compare our kernels with their own switches).
+[ "$part" != flashinfer ] && export NO_FLASHINFER=1
+. scripts/gpu_env.sh
 mkdir -p "$out"
 res=$out
 [ "$part" != flashinfer ] && out=/tmp/opmap-session-$part && rm -rf "$out" && mkdir -p "$out"
 export OPMAP_COMMIT=${OPMAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 case $part in
   correctness)
-    export NO_FLASHINFER=1
     pids=()
     for m in qwen3-30b-a3b deepseek-v2-lite; do
       mkdir -p "$out/$m"
@@ -36,7 +38,6 @@ case $part in
     tail -n 5 "$out"/*/driver.log "$out/tests-driver.log" ;;
   fixes)
     # The sanitizer's leftovers (state files) beside the GPU tests of this session's fixes.
-    export NO_FLASHINFER=1
     pids=()
     for m in qwen3-30b-a3b deepseek-v2-lite; do
       mkdir -p "$out/$m"
@@ -53,7 +54,6 @@ case $part in
     for p in "${pids[@]}"; do wait "$p"; done ;;
   bench)
     # Each fused path against its switch, in the same call (quick grids).
-    export NO_FLASHINFER=1
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1
     timeout 85 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode-fused" \
@@ -65,7 +65,6 @@ case $part in
     OPMAP_MLA_FUSED_MERGE=1 timeout 65 python3 -m opmap.cli bench --quick --op attention.mla_decode \
       --out "$out/mla-fused" > "$out/mla-fused.log" 2>&1 ;;
   engine)
-    export NO_FLASHINFER=1
     timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
       > "$out/e2e.log" 2>&1
     OPMAP_ROPE_APPEND=0 OPMAP_DECODE_FUSED_MERGE=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
