@@ -52,6 +52,9 @@ case $part in
       > "$out/tests-parity-mixtral.log" 2>&1 &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done ;;
+  bench-sampling)
+    timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
+      > "$out/bench.log" 2>&1 ;;
   bench)
     # Each fused path against its switch, in the same call (quick grids).
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
@@ -67,10 +70,8 @@ case $part in
   engine)
     timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
       > "$out/e2e.log" 2>&1
-    OPMAP_ROPE_APPEND=0 OPMAP_DECODE_FUSED_MERGE=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
+    OPMAP_ROPE_APPEND=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
       --case 1 --no-hf --out "$out/e2e-unfused" > "$out/e2e-unfused.log" 2>&1
-    timeout 120 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 1 \
-      --input-len 1024 --output-len 128 --steps 60 > "$out/profile-llama3-8b-maxseqs32.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
   flashinfer)

@@ -62,6 +62,18 @@ def _graphs(calls: list[Callable[[], object]]) -> list[Callable[[], None]]:
             c()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    # A call that synchronises with the host (boolean-mask indexing, .item()) cannot be captured,
+    # and a failed capture leaves the CUDA RNG in capture mode: every later torch.randn in the
+    # process then raises "Offset increment outside graph capture" (on the H200 one uncapturable
+    # peer took every later case of the run with it). Such calls are found eagerly instead.
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for c in calls[:1]:
+            c()
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
     out = []
     for c in calls:
         g = torch.cuda.CUDAGraph()

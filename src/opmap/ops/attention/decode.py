@@ -34,9 +34,11 @@ from .. import pdl
 from ..pdl import enter
 from .prefill import _pages, _tanh
 
-# The split programs merge their partials themselves (the last to finish, see _decode_kernel)
-# instead of a second launch; OPMAP_DECODE_FUSED_MERGE=0 restores _combine_kernel.
-FUSED_MERGE = os.environ.get("OPMAP_DECODE_FUSED_MERGE", "1") != "0"
+# OPMAP_DECODE_FUSED_MERGE=1: the split programs merge their partials themselves (the last to
+# finish, see _decode_kernel) instead of _combine_kernel's launch. Off: on the H200 it was 4 us
+# slower at B=1/32768 (57.6 vs 53.4 us; the merge runs serially in 8 programs' tails instead of
+# 32 programs at once) and equal where nothing is split (docs/attention.md).
+FUSED_MERGE = os.environ.get("OPMAP_DECODE_FUSED_MERGE", "0") == "1"
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
 SPLIT_TOKENS_FIXED = 1024
