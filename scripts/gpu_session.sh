@@ -52,6 +52,20 @@ case $part in
       > "$out/tests-parity-mixtral.log" 2>&1 &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done ;;
+  final)
+    # The sanitizer's leftovers for both MoE/MLA presets (the check's other sections run first),
+    # then, alone on the GPU, the sampling and kv_append bench.
+    pids=()
+    for m in qwen3-30b-a3b deepseek-v2-lite; do
+      mkdir -p "$out/$m"
+      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+      (timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --jobs 7 \
+        --resume "$out/$m/state.jsonl" --out "$out/$m" > "$out/$m/check.log" 2>&1) &
+      pids+=($!)
+    done
+    for p in "${pids[@]}"; do wait "$p"; done
+    timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
+      > "$out/bench.log" 2>&1 ;;
   bench-sampling)
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;

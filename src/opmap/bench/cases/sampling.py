@@ -127,7 +127,13 @@ def cases(quick: bool) -> list[BenchCase]:
                                               available=_flashinfer_ok))
                 out.append(BenchCase(op="sampling", case=f"B={B},vocab={V},filter={fname},dtype=fp32",
                                      flops=4.0 * B * V, bytes=4.0 * B * V + 40.0 * B, setup=_setup(B, V, f),
-                                     providers=providers, spec=spec, tags=("sampling",)))
+                                     providers=providers, spec=spec, tags=("sampling",),
+                                     # GPU time, by graph replay: timed eagerly, the sampler's five
+                                     # launches cost ~170 us of host time at B=1 on the H200 (222 us
+                                     # eager against 51 us replayed), which an engine hides behind
+                                     # the forward pass or captures. A peer that syncs is timed
+                                     # eagerly instead, with a note (bench/timing.py).
+                                     graph=True))
     for B in ((64,) if quick else (1, 64, 256)):
         V = 128256
         out.append(BenchCase(op="logits", case=f"penalties,B={B},vocab={V},dtype=fp32", flops=6.0 * B * V,
