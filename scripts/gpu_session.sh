@@ -59,7 +59,10 @@ case $part in
     for m in qwen3-30b-a3b deepseek-v2-lite; do
       mkdir -p "$out/$m"
       [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      (timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --jobs 7 \
+      # --batch 1: each leftover case in its own child, so a verdict is saved as soon as it ends
+      # (a batch saves nothing until all its cases end: the fifth session's final call lost its
+      # last 330 s that way).
+      (timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --jobs 7 --batch 1 \
         --resume "$out/$m/state.jsonl" --out "$out/$m" > "$out/$m/check.log" 2>&1) &
       pids+=($!)
     done
