@@ -213,16 +213,17 @@ def test_config_override_same_tokens_and_checked():
 @pytest.mark.parametrize("k,p,mp", [(7, 1.0, 0.0), (40, 1.0, 0.0), (40, 0.7, 0.0), (0, 0.6, 0.0), (0, 0.97, 0.0),
                                     (40, 1.0, 0.5), (300, 1.0, 0.0), (0, 0.999, 0.0)])
 def test_histogram_bracket_at_bin_edges(k, p, mp):
-    """Pass B's histogram starts top-k (and top-p alone) inside one bin of 1/32 nat. Values placed
-    exactly on bin edges, tied across them, and a boundary below the histogram's range (z < -16)
-    must give the reference's support and tokens."""
-    from opmap.ops.sampling.sampler_jit import HIST_W
+    """Pass B's histogram starts top-k (and top-p alone) inside one bin (1/32 nat near the max,
+    wider below). Values placed exactly on bin edges of every tier, tied across them, and a
+    boundary below the histogram's range (z < -15.5) must give the reference's support and tokens."""
+    from opmap.ops.sampling.sampler_jit import hist_u_edges
 
-    w = float(HIST_W.value if hasattr(HIST_W, "value") else HIST_W)
+    u = torch.tensor(hist_u_edges())
     g = torch.Generator().manual_seed(k * 7 + int(p * 100))
     B, V = 4, 700
-    edges = -w * torch.randint(0, 200, (B, V), generator=g).float()  # many values on edges, many ties
-    x = torch.where(torch.rand(B, V, generator=g) < 0.5, edges, edges - w * torch.rand(B, V, generator=g))
+    j = torch.randint(0, len(u) - 1, (B, V), generator=g)  # many values on edges, many ties
+    edges, width = -u[j], u[j + 1] - u[j]
+    x = torch.where(torch.rand(B, V, generator=g) < 0.5, edges, edges - width * torch.rand(B, V, generator=g))
     x[:, 0] = 0.0  # z = x - 0: the edges stay exact
     x[2] = torch.where(torch.arange(V) < 5, 0.0, -20.0 - torch.rand(V, generator=g))  # boundary below -16
     x[3, 100:] = -INF
@@ -245,3 +246,21 @@ def test_passes_b_and_c_change_no_token():
     a = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256)
     b = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256, bracket=False)
     assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("V", [1, 2, 3, 17])
+def test_tiny_vocabularies(V):
+    """Vocabularies smaller than a lane block (a one-token vocabulary included): every filter
+    combination keeps the reference's support and draws its tokens."""
+    g = torch.Generator().manual_seed(V)
+    B = 6
+    x = torch.randn(B, V, generator=g) * 2
+    T = torch.tensor([0.0, 0.7, 1.0, 1.3, 1.0, 0.9])
+    k = torch.tensor([0, 0, 1, 2, 0, 5], dtype=torch.int32)
+    p = torch.tensor([1.0, 0.9, 1.0, 0.5, 0.3, 1.0])
+    mp = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.2, 0.1])
+    seeds, pos = torch.arange(B) + 3, torch.arange(B)
+    ref = R.sample(x, T, k, p, mp, seeds, pos)
+    for chunk in (0, 16):
+        ids, invalid = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=chunk)
+        assert torch.equal(ids, ref[0]) and not invalid.any() and (ids < V).all()

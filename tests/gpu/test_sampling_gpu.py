@@ -90,17 +90,18 @@ def test_support_at_real_shapes(V):
 
 @pytest.mark.parametrize("V", [128256, 151936])
 def test_histogram_bracket_with_values_on_bin_edges(V):
-    """Pass B (the 512-bin histogram of z, bins of 1/32 nat) brackets the search: values exactly
-    on bin edges and tied across them, bf16 and fp32 logits, top-k and top-p alone, and a row whose
-    boundary lies below the histogram's range (z < -16)."""
-    from opmap.ops.sampling.sampler_jit import HIST_W
+    """Pass B (the 128-bin histogram of z: 1/32 nat near the max, wider below) brackets the
+    search: values exactly on bin edges of every tier and tied across them, bf16 and fp32 logits,
+    top-k and top-p alone, and a row whose boundary lies below the histogram's range (z < -15.5)."""
+    from opmap.ops.sampling.sampler_jit import hist_u_edges
 
-    w = float(getattr(HIST_W, "value", HIST_W))
+    u = torch.tensor(hist_u_edges(), device=DEV)
     B = 16
     g = torch.Generator(device=DEV).manual_seed(V)
-    edges = -w * torch.randint(0, 400, (B, V), generator=g, device=DEV).float()
+    j = torch.randint(0, len(u) - 1, (B, V), generator=g, device=DEV)
+    edges, width = -u[j], u[j + 1] - u[j]
     x = torch.where(torch.rand(B, V, generator=g, device=DEV) < 0.5, edges,
-                    edges - w * torch.rand(B, V, generator=g, device=DEV))
+                    edges - width * torch.rand(B, V, generator=g, device=DEV))
     x[:, 0] = 0.0
     x[5] = torch.where(torch.arange(V, device=DEV) < 5, 0.0, -20.0 - torch.rand(V, generator=g, device=DEV))
     ones = torch.ones(B, device=DEV)

@@ -11,7 +11,8 @@ tokens equal to t that are kept (the n lowest ids): keep = z > t, or z == t and 
    the count of finite values, and, only where needed, the total mass sum(exp(z)) (top-p without
    min-p) or the whole draw (rows without any filter: an exponential race fused into this pass).
    On the GPU pass A is split over chunks of the row (``_sample_partials_kernel``), and pass B
-   (``_sample_hist_kernel``, same chunks) counts z into 512 exact bins of 1/32 nat: the counts bracket
+   (``_sample_hist_kernel``, same chunks) counts z into 128 exact bins (1/32 nat near the max, wider
+   below; ``sampler_jit.HIST_TIERS``): the counts bracket
    the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary
    (``_sample_bracket_kernel``, one program per row), so the search below starts inside one bin; when
    at most CAND values lie above it, pass C (``_sample_gather_kernel``, same chunks) gathers them and
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from .sampler_jit import (HIST_NB, HIST_W, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _parts_max, _hist_bins,  # noqa: F401
+from .sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _parts_max, _hist_bins,  # noqa: F401
                           _hist_bracket, _key, _load_z, _pass_a, _race_block, _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
@@ -111,7 +112,7 @@ def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr,
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = _load_z(row_ptr, offs, hi, m, inv_t)
-            h += _hist_bins(z, (offs < hi) & (z > float("-inf")), HIST_NB, HIST_W)
+            h += _hist_bins(z, (offs < hi) & (z > float("-inf")), HIST_NB)
     tl.store(hist_ptr + (row * n_parts + c) * HIST_NB + tl.arange(0, HIST_NB), h)
 
 
@@ -142,7 +143,7 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
     if not_(greedy) & (use_k | first_p) & (bad == 0) & (m > float("-inf")):
         target = tl.where(use_k, k.to(tl.float32), p * s)
         ok, lo_h, hi_h, c_h = _hist_bracket(hist_ptr + row * n_parts * HIST_NB, n_parts, target,
-                                            first_p.to(tl.int32), HIST_NB, HIST_W)
+                                            first_p.to(tl.int32), HIST_NB)
         if ok:
             # A higher min-p cut only tightens lo; hi >= lo keeps the search's first evaluation.
             mode = tl.where(use_k, 1, 2)
@@ -349,7 +350,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
                    "(BLOCK a power of 2 >= 16, num_warps a power of 2 <= 32)")
         chunk = chunk_default if chunk is None else chunk
         expect(chunk == 0 or (chunk >= 16 and chunk & (chunk - 1) == 0), "chunk", repr(chunk), "0 or a power of 2 >= 16")
-        block = min(block, triton.next_power_of_2(V))
+        block = max(32, min(block, triton.next_power_of_2(V)))  # pass A halves it (_pass_a_lanes)
         n_parts = triton.cdiv(V, chunk) if chunk else 1
         use_parts = n_parts >= 2
         use_hist = use_parts and bracket
