@@ -1,26 +1,21 @@
 """Why the bench (CUDA graph, L2 flushed, input sets cycled) times the sampler's B/C path far
 above its kernels' profiler sum: each factor alone. PYTHONPATH=src python3 scripts/diag_sampler_graph.py"""
-from collections import defaultdict
+import os
+import sys
 
 import torch
 import triton.testing
-from torch.profiler import ProfilerActivity, profile
 
 from opmap.bench.cases.sampling import FILTERS, _setup
 from opmap.bench.timing import _graphs
 from opmap.ops.sampling.sampler import sample
 
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_sampler import kernel_times  # noqa: E402
+
 
 def prof(fn, reps=20):
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    acc = defaultdict(float)
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[e.name[:40]] += e.device_time / reps
-    return ", ".join(f"{k} {v:.1f}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1]))
+    return ", ".join(f"{k[:40]} {v:.1f}" for k, v in kernel_times(fn, reps, warmup=0).items())
 
 
 for B, f in ((1, "top_k+top_p"), (64, "top_k+top_p"), (64, "top_k")):

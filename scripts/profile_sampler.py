@@ -11,8 +11,9 @@ from opmap.bench.cases.sampling import FILTERS, _setup
 from opmap.ops.sampling.sampler import sample
 
 
-def kernel_times(fn, reps=20):
-    for _ in range(3):
+def kernel_times(fn, reps=20, warmup=3):
+    """GPU time per call of each kernel fn launches, over reps calls, largest first."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
