@@ -4,6 +4,7 @@
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
 #   scripts/gpu_session.sh fixes OUTDIR        # short: sanitizer leftovers beside the tests a fix touched
+#   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
@@ -69,6 +70,12 @@ case $part in
     for p in "${pids[@]}"; do wait "$p"; done
     timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
+  sampler)
+    # After a sampler change: its GPU tests, then (alone) each kernel's time and the bench.
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sampling_gpu.py \
+      > "$out/tests-sampling.log" 2>&1
+    timeout 90 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1 ;;
   bench-sampling)
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
