@@ -81,7 +81,7 @@ def _tag(cfg):
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
-def _ours(phase, fixed=False, config=None, min_chunk=None):
+def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
     def make(inp):
         from opmap.ops.attention import decode as Dm
         from opmap.ops.attention import mixed as Mx
@@ -91,7 +91,8 @@ def _ours(phase, fixed=False, config=None, min_chunk=None):
         if phase == "decode":
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
-                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk)
+                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk,
+                                   split_tokens=split_tokens)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
                                      config=config, **kw)
         if phase == "prefill":
@@ -198,6 +199,12 @@ def _decode_case(B, L, fp8, quick):
             # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
             provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
             provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
+    if B == 1 and L >= 16384:
+        # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
+        # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more
+        # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
+        # (64 and 128 splits) against 2048 (16), in the quick grid too.
+        provs += [Provider(f"opmap-triton[split_tokens={n}]", _ours("decode", split_tokens=n)) for n in (256, 512, 2048)]
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))
