@@ -87,10 +87,8 @@ case $part in
       > "$out/decode-fused.log" 2>&1
     OPMAP_DECODE_FUSED_MERGE=0 timeout 85 python3 -m opmap.cli bench --quick --op attention.decode \
       --out "$out/decode-combine" > "$out/decode-combine.log" 2>&1
-    timeout 65 python3 -m opmap.cli bench --quick --op attention.mla_decode \
-      --out "$out/mla" > "$out/mla.log" 2>&1
-    OPMAP_MLA_FUSED_MERGE=1 timeout 65 python3 -m opmap.cli bench --quick --op attention.mla_decode \
-      --out "$out/mla-fused" > "$out/mla-fused.log" 2>&1 ;;
+    timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --op attention.mla_sparse_decode \
+      --out "$out/mla" > "$out/mla.log" 2>&1 ;;
   engine)
     timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
       > "$out/e2e.log" 2>&1

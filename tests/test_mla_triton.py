@@ -252,25 +252,25 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_fused_merge_equals_the_merge_launch(sparse, monkeypatch):
-    """The split programs' own merge (OPMAP_MLA_FUSED_MERGE=1; the last to arrive merges) writes
-    the same bits as _mla_merge_kernel, output and LSE, including a length-0 sequence and one whose
-    plan uses one split; the counters are back at zero and a second launch on the workspace is equal."""
+def test_split_merge_many_splits(sparse):
+    """The merge launch with a split count that is not a power of two (37, in tiles of splits) and
+    the real rank 512 (4 blocks of 128 per head): equal to the reference, a length-0 sequence
+    zero with LSE -inf, one whose plan uses a single split, and two launches bitwise equal."""
     g = torch.Generator().manual_seed(21)
-    lens = [0, 5, 40, 90]
-    pc = make_cache(lens, R, DR, 16, torch.float16, gen=g)
-    qn, qp = _q(len(lens), torch.float16, g)
-    idx = sparse_indices(lens, 24, gen=g) if sparse else None
-    res = {}
-    for fused in (True, False):
-        monkeypatch.setattr(dec, "FUSED_MERGE", fused)
-        ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=4, split_min=8)
-        call = (lambda: dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=0.2,
-                                              return_lse=True, workspace=ws)) if sparse else \
-            (lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
-                                    workspace=ws))
-        a, b = call(), call()
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        assert not ws.counters.any()
-        res[fused] = a
-    assert torch.equal(res[True][0], res[False][0]) and torch.equal(res[True][1], res[False][1])
+    lens = [0, 5, 40, 900]
+    pc = make_cache(lens, 512, 64, 16, torch.float16, gen=g)
+    qn, qp = _q(len(lens), torch.float16, g, h=4, r=512, dr=64)
+    idx = sparse_indices(lens, 300, gen=g) if sparse else None
+    ws = dec.make_workspace(len(lens), 4, 512, "cpu", num_splits=37, split_min=8)
+    if sparse:
+        run = lambda: dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=0.05,  # noqa: E731
+                                            return_lse=True, workspace=ws)
+        want = ref.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=0.05, return_lse=True)
+    else:
+        run = lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.05,  # noqa: E731
+                                     return_lse=True, workspace=ws)
+        want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.05, return_lse=True)
+    a, b = run(), run()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    _check(a, want, torch.float16)
+    assert torch.all(a[0][0] == 0) and torch.isinf(a[1][0]).all()

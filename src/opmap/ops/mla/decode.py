@@ -27,12 +27,6 @@ from ...contract import expect
 from .validate import check_decode, check_sparse_indices
 
 LOG2E = 1.4426950408889634
-# OPMAP_MLA_FUSED_MERGE=1: the split programs merge their partials themselves (the last to
-# finish) instead of _mla_merge_kernel's launch. Off by default until timed: compiled for sm90
-# on the CPU (16 heads, rank 512, BLOCK_N 32, 4 warps) the kernel is at 255 registers with a
-# 112-byte stack frame already, and the merge tail ([16, 512] fp32 tiles) raises it to 136 bytes,
-# which may cost the main loop more than the launch it saves.
-FUSED_MERGE = os.environ.get("OPMAP_MLA_FUSED_MERGE", "0") == "1"
 
 
 @dataclass
@@ -43,9 +37,6 @@ class Workspace:
     part_lse: torch.Tensor  # [max_batch, H, num_splits] fp32
     num_splits: int
     split_min: int  # fewest tokens per split (the device-side plan never cuts finer)
-    # [max_batch * H] int32, zero between launches: arrivals of a (sequence, head block)'s split
-    # programs; the last one merges (FUSED_MERGE) and sets it back to zero.
-    counters: Optional[torch.Tensor] = None
 
     @property
     def max_batch(self) -> int:
@@ -74,8 +65,7 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
-                     torch.empty(max_batch, num_heads, s, dtype=torch.float32, device=device), s,
-                     split_min, torch.zeros(max_batch * num_heads, dtype=torch.int32, device=device))
+                     torch.empty(max_batch, num_heads, s, dtype=torch.float32, device=device), s, split_min)
 
 
 def _config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
@@ -115,15 +105,14 @@ def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NP
 
 
 @triton.jit
-def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE, CTR,
+def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
                    sm_scale, kv_scale, H, R, DR, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_ib, s_ob, s_oh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
                    FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
-                   PAGE: tl.constexpr,  # constexpr: // and % by a power of two are shifts
-                   FUSED_MERGE: tl.constexpr = False):
+                   PAGE: tl.constexpr):  # constexpr: // and % by a power of two are shifts
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -198,69 +187,45 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
         tl.store(PO + b * s_pob + offs_h[:, None] * s_poh + split * s_pos + offs_r[None, :], acc,
                  mask=mh[:, None] & mr[None, :])
         tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
-        if FUSED_MERGE:
-            # The last of the `used` programs of (b, head block) merges, instead of a second launch
-            # (the GQA decode's pattern: stores, CTA barrier, one release-acquire increment).
-            tl.debug_barrier()
-            ctr = CTR + b * tl.num_programs(0) + hb
-            if tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == used - 1:
-                tl.atomic_xchg(ctr, 0)
-                _merge_heads(PO, PLSE, O, LSE, b, offs_h, offs_r, mh, mr, used, H, s_pob, s_poh, s_pos, s_plb,
-                             s_plh, s_ob, s_oh, BLOCK_H, BLOCK_R)
-
-
-@triton.jit
-def _merge_heads(PO, PLSE, O, LSE, b, offs_h, offs_r, mh, mr, used, H, s_pob, s_poh, s_pos, s_plb, s_plh,
-                 s_ob, s_oh, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
-    """_mla_merge_kernel's loop for the heads of one block (same operations, same order: the same
-    bits); the partials are read past L1 (.cg): other programs wrote them."""
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for s in range(0, used):
-        lse_s = tl.load(PLSE + b * s_plb + offs_h * s_plh + s, mask=mh, other=0.0, cache_modifier=".cg")
-        o_s = tl.load(PO + b * s_pob + offs_h[:, None] * s_poh + s * s_pos + offs_r[None, :],
-                      mask=mh[:, None] & mr[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse_s - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        l = l * alpha + w
-        m = m_new
-    l_safe = tl.where(l > 0, l, 1.0)
-    tl.store(O + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :], (acc / l_safe[:, None]).to(O.dtype.element_ty),
-             mask=mh[:, None] & mr[None, :])
-    tl.store(LSE + b * H + offs_h, tl.where(l > 0, m + tl.log(l_safe), float("-inf")), mask=mh)
 
 
 @triton.jit
 def _mla_merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
-                  s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
-                  BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr):
+                      s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
+                      BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, S_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      SPARSE: tl.constexpr):
+    """out[b, h, r-block] = the LSE-weighted mean of the used splits' partials. All LSEs are read
+    at once (their max, then every weight, directly), and the partials in [BLOCK_S, BLOCK_R] tiles:
+    no chain of dependent loads. The earlier loop merged one split after another with an online
+    max, one latency-bound load per split (128 splits at B=1); and the grid now also splits R."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    rb = tl.program_id(2)
     if SPARSE:
         total = tl.load(SEQ_LENS + b) * 0 + K_SPARSE
     else:
         total = tl.load(SEQ_LENS + b)
-    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)  # the same plan
-    offs_r = tl.arange(0, BLOCK_R)
+    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)  # the decode's plan
+    js = tl.arange(0, S_P)
+    plse = PLSE + b * s_plb + h * s_plh
+    lse_all = tl.load(plse + js, mask=js < used, other=float("-inf"))
+    m = tl.max(lse_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
+    l = tl.sum(tl.exp(lse_all - m_safe), 0)
+    offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     mr = offs_r < R
-    m = tl.full([], -1.0e30, tl.float32)  # finite: an empty split (lse -inf) gets weight 0, no NaN
-    l = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_R], tl.float32)
-    for s in range(0, used):
-        lse_s = tl.load(PLSE + b * s_plb + h * s_plh + s)
-        o_s = tl.load(PO + b * s_pob + h * s_poh + s * s_pos + offs_r, mask=mr, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse_s - m_new)
-        acc = acc * alpha + w * o_s
-        l = l * alpha + w
-        m = m_new
+    for s0 in range(0, used, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        ms = ss < used
+        w = tl.exp(tl.load(plse + ss, mask=ms, other=float("-inf")) - m_safe)
+        o = tl.load(PO + b * s_pob + h * s_poh + ss[:, None] * s_pos + offs_r[None, :],
+                    mask=ms[:, None] & mr[None, :], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     l_safe = tl.where(l > 0, l, 1.0)
     tl.store(O + b * s_ob + h * s_oh + offs_r, (acc / l_safe).to(O.dtype.element_ty), mask=mr)
-    tl.store(LSE + b * H + h, tl.where(l > 0, m + tl.log(l_safe), float("-inf")))
+    if rb == 0:
+        tl.store(LSE + b * H + h, tl.where(l > 0, m + tl.log(l_safe), float("-inf")))
 
 
 def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
@@ -289,26 +254,25 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
-    ctr = workspace.counters
-    fused = FUSED_MERGE and S > 1 and ctr is not None
-    if fused:
-        expect(ctr.numel() >= B * grid[0], "workspace", f"{ctr.numel()} counters", f">= {B * grid[0]}")
     _mla_decode_kernel[grid](
         q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
-        out, lse, po, pl, ctr if fused else seq_lens, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
+        out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
         H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
         cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,
         out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
         BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], FUSED_MERGE=fused, num_warps=warps,
+        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps,
         num_stages=stages)
-    if S > 1 and not fused:
-        _mla_merge_kernel[(H, B)](seq_lens, po, pl, out, lse, H, R, k_sparse, split_min,
-                              po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-                              out.stride(0), out.stride(1), BLOCK_R=triton.next_power_of_2(R),
-                              NUM_SPLITS=S, SPARSE=sparse, num_warps=4)
+    if S > 1:
+        # Grid (heads, batch, R blocks of 128): at B=1 with 16 heads that is 64 programs, not 16.
+        br = min(128, triton.next_power_of_2(R))
+        s_p = triton.next_power_of_2(S)
+        _mla_merge_kernel[(H, B, triton.cdiv(R, br))](
+            seq_lens, po, pl, out, lse, H, R, k_sparse, split_min, po.stride(0), po.stride(1), po.stride(2),
+            pl.stride(0), pl.stride(1), out.stride(0), out.stride(1), BLOCK_R=br, BLOCK_S=min(s_p, 4096 // br),
+            S_P=s_p, NUM_SPLITS=S, SPARSE=sparse, num_warps=4)
     return (out, lse) if return_lse else out
 
 
