@@ -32,7 +32,7 @@ case $part in
     done
     # Lanes of two files each: the whole call must end inside the device's 600 s.
     (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
-      TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py" \
+      TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py tests/gpu/test_mla_gpu.py" \
       timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
