@@ -80,13 +80,12 @@ case $part in
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
   bench)
-    # Each fused path against its switch, in the same call (quick grids).
+    # Quick grids: sampling + kv_append (rope+append against two launches), decode, MLA.
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1
-    timeout 85 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode-fused" \
-      > "$out/decode-fused.log" 2>&1
-    OPMAP_DECODE_FUSED_MERGE=0 timeout 85 python3 -m opmap.cli bench --quick --op attention.decode \
-      --out "$out/decode-combine" > "$out/decode-combine.log" 2>&1
+    # attention.decode's quick grid has the split-length variants at B=1 / 32768.
+    timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" \
+      > "$out/decode.log" 2>&1
     timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --op attention.mla_sparse_decode \
       --out "$out/mla" > "$out/mla.log" 2>&1 ;;
   engine)
