@@ -56,12 +56,12 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
     return setup
 
 
-def _ours(entry, config=None):
+def _ours(entry, config=None, **ws_kw):
     def make(inp):
         from opmap.ops.mla import decode as dec
 
         B, H, _ = inp["qn"].shape
-        ws = dec.make_workspace(B, H, R, inp["qn"].device)
+        ws = dec.make_workspace(B, H, R, inp["qn"].device, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
         fn = getattr(dec, entry)
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,
@@ -120,6 +120,15 @@ def _decode_case(B, H, ctx, fp8, quick):
     if not quick:
         provs += [Provider("opmap-triton[bh={},bn={},w={},s={}]".format(*c), _ours("mla_decode", c))
                   for c in VARIANTS[H]]
+    if H == 16 and not fp8:
+        # 16 heads: the default 4-warp program has 255 registers and a 136-byte stack frame on
+        # sm90 (0.14 of the read ceiling at B=1, 0.55 at B=64); with 8 warps it compiles to 206
+        # registers and no stack. At B=1 also twice the programs (256 splits of 128 keys).
+        # In the quick grid too.
+        provs.append(Provider("opmap-triton[bh=16,bn=32,w=8,s=3]", _ours("mla_decode", (16, 32, 8, 3))))
+        if B == 1:
+            provs.append(Provider("opmap-triton[splits=256,min=128]",
+                                  _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
