@@ -6,6 +6,7 @@ path is the one that ran."""
 import json
 
 import pytest
+import torch
 
 from opmap.engine.llm import PLACEHOLDER, LLM
 from opmap.ops.sampling.params import SamplingParams
@@ -200,3 +201,30 @@ def test_summary_counts_collections_and_longest_steps(single_thread):
     assert d["step_ms_max"]["decode"] >= d["step_seconds"]["decode"] / d["steps"]["decode"] * 1e3 - 1e-9
     llm.close()
     assert llm._gc not in gc.callbacks
+
+
+@pytest.mark.parametrize("B,max_seqs", [(1, 32), (5, 8), (8, 8)])
+def test_readback_destination_is_contiguous(B, max_seqs):
+    """The tokens' device-to-host copy lands in a contiguous slice of the pinned buffer. A strided
+    slice (``buf[:, :B]`` of a [2, max_num_seqs] buffer, as before) makes PyTorch stage the copy
+    through pageable memory, and the host then waits for the whole forward pass (docs/engine.md)."""
+    from opmap.engine.llm import _Pending
+
+    class Event:
+        recorded = 0
+
+        def record(self):
+            self.recorded += 1
+
+        def synchronize(self):
+            pass
+
+    ids = torch.arange(B, dtype=torch.int64) * 3 + 1
+    invalid = torch.zeros(B, dtype=torch.bool)
+    invalid[B // 2] = True
+    buf = torch.full((2 * max_seqs,), -7, dtype=torch.int64)
+    ev = Event()
+    p = _Pending([None] * B, [None] * B, ids, invalid, [None] * B, readback=(buf, ev))
+    assert p.host.is_contiguous() and p.host.data_ptr() == buf.data_ptr() and ev.recorded == 1
+    got_ids, bad = p.read()
+    assert got_ids == ids.tolist() and bad == invalid.tolist()
