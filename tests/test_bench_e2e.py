@@ -28,6 +28,8 @@ def test_engine_cases_records_and_grammar_overlap_variants(single_thread):
     b1, js, serial = out
     assert b1["case"].startswith(f"model={model},B=1") and b1["tpot_ms"] > 0 and b1["weight_floor_ms"] > 0
     assert set(b1["host_ms"]["decode"]) >= {"forward", "sample", "wait"} and b1["steps"]["decode"] == 5
+    assert len(b1["runs"]) == e2e.REPS_B1 and b1["tpot_ms"] in [r["tpot_ms"] for r in b1["runs"]]
+    assert sorted(r["tpot_ms"] for r in b1["runs"])[e2e.REPS_B1 // 2] == b1["tpot_ms"]  # the median run
     assert js["provider"] == "opmap-engine" and serial["provider"] == "opmap-engine[serial grammar fill]"
     for r in (js, serial):
         assert r["structured_overhead"] is not None and r["host_ms"]["decode"]["grammar"] > 0
