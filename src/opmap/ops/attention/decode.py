@@ -20,7 +20,6 @@ merges them by LSE. Length 0 writes zeros (LSE -inf).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,11 +33,6 @@ from .. import pdl
 from ..pdl import enter
 from .prefill import _pages, _tanh
 
-# OPMAP_DECODE_FUSED_MERGE=1: the split programs merge their partials themselves (the last to
-# finish, see _decode_kernel) instead of _combine_kernel's launch. Off: on the H200 it was 4 us
-# slower at B=1/32768 (57.6 vs 53.4 us; the merge runs serially in 8 programs' tails instead of
-# 32 programs at once) and equal where nothing is split (docs/attention.md).
-FUSED_MERGE = os.environ.get("OPMAP_DECODE_FUSED_MERGE", "0") == "1"
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
 SPLIT_TOKENS_FIXED = 1024
@@ -53,9 +47,6 @@ class DecodeWorkspace:
     max_splits: int
     split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
     min_chunk: int  # 0: auto_min_chunk per launch
-    # [max_batch * Hq] int32, zero between launches: arrivals of the split programs of each
-    # (sequence, kv head); the last one merges (FUSED_MERGE) and sets it back to zero.
-    counters: Optional[torch.Tensor] = None
 
 
 def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
@@ -77,8 +68,7 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     dev = torch.device(device)
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
-                           splits, fixed, int(min_chunk or 0),
-                           torch.zeros(max_batch * num_heads, dtype=torch.int32, device=dev))
+                           splits, fixed, int(min_chunk or 0))
 
 
 @triton.jit
@@ -92,13 +82,13 @@ def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
-                   ctr_ptr, scale, soft_cap, window, split_tokens, max_splits, min_chunk,
+                   scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, FUSED_MERGE: tl.constexpr = False,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False):
     enter(PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -179,48 +169,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     else:
         tl.store(po_ptr + b * s_pob + head[:, None] * s_poh + sp * s_pos + dv[None, :], out, mask=row_ok[:, None])
         tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
-        if FUSED_MERGE:
-            # The last of the n programs of (b, kv head) to arrive merges the partials, instead of
-            # a second launch. CUTLASS's semaphore pattern: every thread's stores, a CTA barrier,
-            # one release-acquire increment; the merge reads the partials past L1 (.cg).
-            tl.debug_barrier()
-            ctr = ctr_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == n - 1:
-                tl.atomic_xchg(ctr, 0)  # zero again for the next launch or graph replay
-                _merge_splits(o_ptr, lse_ptr, po_ptr, pl_ptr, b, row, head, row_ok, dv, n, s_ob, s_oh, s_pob, s_poh,
-                              s_pos, s_plb, s_plh, GROUP * tl.num_programs(1), RETURN_LSE)
-
-
-@triton.jit
-def _merge_splits(o_ptr, lse_ptr, po_ptr, pl_ptr, b, row, head, row_ok, dv, n, s_ob, s_oh, s_pob, s_poh, s_pos,
-                  s_plb, s_plh, HQ, RETURN_LSE: tl.constexpr):
-    """_combine_kernel's merge for the heads of one program (same operations, same split order:
-    the same bits)."""
-    pl = pl_ptr + b * s_plb + head * s_plh
-    po = po_ptr + b * s_pob + head[:, None] * s_poh + dv[None, :]
-    m = tl.load(pl, mask=row_ok, other=0.0, cache_modifier=".cg")
-    acc = tl.load(po, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-    tot = m * 0.0 + 1.0
-    for s in range(1, n):
-        ls = tl.load(pl + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-        os = tl.load(po + s * s_pos, mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, ls)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(ls - m_new)
-        tot = tot * a + w
-        acc = acc * a[:, None] + w[:, None] * os
-        m = m_new
-    tl.store(o_ptr + row * s_ob + head[:, None] * s_oh + dv[None, :], (acc / tot[:, None]).to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    if RETURN_LSE:
-        tl.store(lse_ptr + row * HQ + head, (m + tl.log2(tot)) * 0.6931471805599453, mask=row_ok)
 
 
 @triton.jit
 def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
                     s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
                     DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
-                    Q_FROM_CU: tl.constexpr, PDL: tl.constexpr = False):
+                    Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """out = the LSE-weighted mean of a row's split partials. The n LSEs are read at once (their
+    max, then every weight directly) and the partials in [BLOCK_S, DV] tiles: no chain of
+    dependent loads, where an online merge waited out one load per split. The result depends on
+    the row's own splits only (fixed mode stays batch invariant) and is the same on every run."""
     enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -238,19 +197,17 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
     if skip:
         return
     dv = tl.arange(0, DV)
-    # Splits in a fixed order: the same bits whatever the batch (fixed mode is batch invariant).
-    m = tl.load(pl_ptr + b * s_plb + h * s_plh)
-    acc = tl.load(po_ptr + b * s_pob + h * s_poh + dv)
-    tot = m * 0.0 + 1.0
-    for s in range(1, n):
-        ls = tl.load(pl_ptr + b * s_plb + h * s_plh + s)
-        os = tl.load(po_ptr + b * s_pob + h * s_poh + s * s_pos + dv)
-        m_new = tl.maximum(m, ls)
-        a = tl.exp2(m - m_new)
-        w = tl.exp2(ls - m_new)
-        tot = tot * a + w
-        acc = acc * a + w * os
-        m = m_new
+    pl = pl_ptr + b * s_plb + h * s_plh
+    js = tl.arange(0, S_P)
+    m = tl.max(tl.load(pl + js, mask=js < n, other=float("-inf")), 0)  # every split holds >= 1 key
+    tot = tl.sum(tl.exp2(tl.load(pl + js, mask=js < n, other=float("-inf")) - m), 0)
+    acc = tl.zeros([DV], tl.float32)
+    for s0 in range(0, n, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        ms = ss < n
+        w = tl.exp2(tl.load(pl + ss, mask=ms, other=float("-inf")) - m)
+        o = tl.load(po_ptr + b * s_pob + h * s_poh + ss[:, None] * s_pos + dv[None, :], mask=ms[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
         tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
@@ -271,15 +228,14 @@ def auto_min_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 
 def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
-    """(split_tokens, min_chunk, max_splits, part_o, part_lse, counters) for this call."""
+    """(split_tokens, min_chunk, max_splits, part_o, part_lse) for this call."""
     if workspace is None:
         splits = auto_max_splits(B, hk, device)
         if splits == 1:
-            return 0, MIN_CHUNK, 1, None, None, None
+            return 0, MIN_CHUNK, 1, None, None
         # A split plan needs partial buffers; without a workspace they are allocated here.
         return (0, auto_min_chunk(B, hk, device), splits, torch.empty(B, hq, splits, dv, dtype=torch.float32, device=device),
-                torch.empty(B, hq, splits, dtype=torch.float32, device=device),
-                torch.zeros(B * hk, dtype=torch.int32, device=device) if FUSED_MERGE else None)
+                torch.empty(B, hq, splits, dtype=torch.float32, device=device))
     expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
            "a DecodeWorkspace from make_workspace")
     expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=device)
@@ -292,11 +248,8 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
                f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
     else:
         splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
-    ctr = workspace.counters
-    if ctr is not None:
-        expect(ctr.numel() >= B * hk, "workspace", f"{ctr.numel()} counters", f">= {B * hk} (batch x kv heads)")
     return (fixed, workspace.min_chunk or auto_min_chunk(B, hk, device), splits, workspace.part_o,
-            workspace.part_lse, ctr)
+            workspace.part_lse)
 
 
 def decode_config(head_dim: int, group: int, batch: int, kv_heads: int, device, override=None) -> dict:
@@ -320,15 +273,14 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     if B == 0:
         return
     cfg = decode_config(d, hq // hk, B, hk, q.device, config)
-    fixed, min_chunk, splits, po, pl, ctr = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
-    fused = FUSED_MERGE and splits > 1 and ctr is not None
+    fixed, min_chunk, splits, po, pl = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
     po4 = po if po is not None else out.view(out.shape[0], hq, 1, dv)  # never written when splits == 1
     pl3 = pl if pl is not None else torch.empty(1, 1, 1, device=q.device)
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
     _decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu, ctr if fused else seq_lens,
+        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
         float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -336,14 +288,17 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], FUSED_MERGE=fused, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.launch(q.device))
-    if splits > 1 and not fused:
+    if splits > 1:
+        s_p = triton.next_power_of_2(splits)
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
                                  out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
                                  pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
                                  HAS_WINDOW=window is not None, RETURN_LSE=return_lse,
-                                 Q_FROM_CU=cu_seqlens_q is not None, num_warps=4, **pdl.launch(q.device))
+                                 Q_FROM_CU=cu_seqlens_q is not None, S_P=s_p,
+                                 BLOCK_S=max(1, min(s_p, 4096 // triton.next_power_of_2(dv))), num_warps=4,
+                                 **pdl.launch(q.device))
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
