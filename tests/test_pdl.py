@@ -65,8 +65,9 @@ res["decode"] = comp(dm._decode_kernel, dsig, dict(GROUP=4, D=128, DV=128, PAGE=
 res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
     "sl_ptr": "*i32", "cu_ptr": "*i32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32",
     "s_ob": "i32", "s_oh": "i32", "s_pob": "i32", "s_poh": "i32", "s_pos": "i32", "s_plb": "i32", "s_plh": "i32",
-    "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr"},
-    {"DV": 128, "BLOCK_N": 64, "HAS_WINDOW": False, "RETURN_LSE": False, "Q_FROM_CU": False})
+    "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr",
+    "S_P": "constexpr", "BLOCK_S": "constexpr"},
+    {"DV": 128, "BLOCK_N": 64, "HAS_WINDOW": False, "RETURN_LSE": False, "Q_FROM_CU": False, "S_P": 32, "BLOCK_S": 32})
 from opmap.ops.moe import grouped_gemm as gg, align as al, route_triton as rt
 res["moe_grouped_gemm"] = comp(gg._grouped_gemm_kernel, {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
     "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32", "n_pairs": "i32", "N": "i32",
