@@ -19,7 +19,8 @@ PART = tl.constexpr(9)  # floats per (row, chunk) record of pass A's partials
 # power of two is exact. Narrow bins where top-k boundaries usually lie; the top-p mass bounds
 # are within 3% per value there. tl.histogram costs ~NB/32 * log2(NB) operations per value (one
 # ballot per index bit, then each lane counts its NB/32 bins): 512 uniform bins took 49 us for
-# B=64 x 128256 on the H200, ~5x the read; 128 bins cost about a quarter of that.
+# B=64 x 128256 on the H200, ~5x the read. With 128 bins the sm90 PTX has a quarter of the
+# popcounts but still the ballots and the tier arithmetic: predicted ~20-25 us (docs/sampling.md).
 HIST_NB = tl.constexpr(128)
 HIST_TIERS = ((0.0, 32.0, 0), (2.0, 8.0, 64), (8.0, 2.0, 112), (15.5, None, 127))  # (u from, bins per nat, first bin)
 
