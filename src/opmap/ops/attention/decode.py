@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from .common import check_attention, kernel_config, prepare_scales, sm_count
+from .merge import _split_sum
 from .. import pdl
 from ..pdl import enter
 from .prefill import _pages, _tanh
@@ -176,10 +177,8 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
                     s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
                     DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
                     Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """out = the LSE-weighted mean of a row's split partials. The n LSEs are read at once (their
-    max, then every weight directly) and the partials in [BLOCK_S, DV] tiles: no chain of
-    dependent loads, where an online merge waited out one load per split. The result depends on
-    the row's own splits only (fixed mode stays batch invariant) and is the same on every run."""
+    """out = the LSE-weighted mean of a row's split partials (merge._split_sum). The result depends
+    on the row's own splits only (fixed mode stays batch invariant) and is the same on every run."""
     enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -197,17 +196,9 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
     if skip:
         return
     dv = tl.arange(0, DV)
-    pl = pl_ptr + b * s_plb + h * s_plh
-    js = tl.arange(0, S_P)
-    m = tl.max(tl.load(pl + js, mask=js < n, other=float("-inf")), 0)  # every split holds >= 1 key
-    tot = tl.sum(tl.exp2(tl.load(pl + js, mask=js < n, other=float("-inf")) - m), 0)
-    acc = tl.zeros([DV], tl.float32)
-    for s0 in range(0, n, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        ms = ss < n
-        w = tl.exp2(tl.load(pl + ss, mask=ms, other=float("-inf")) - m)
-        o = tl.load(po_ptr + b * s_pob + h * s_poh + ss[:, None] * s_pos + dv[None, :], mask=ms[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
+    # Every split holds >= 1 key: tot >= 1.
+    acc, m, tot = _split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
+                             dv < DV, S_P, BLOCK_S, True)
     tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
         tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)

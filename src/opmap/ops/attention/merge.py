@@ -1,4 +1,6 @@
-"""Merge of two partial attention states by their LSE (natural log, fp32), in Triton.
+"""Merge of two partial attention states by their LSE (natural log, fp32), in Triton; and
+``_split_sum``, the split-KV decodes' merge of n split partials (GQA ``_combine_kernel``, MLA
+``_mla_merge_kernel``).
 
 o = (o_a e^{lse_a} + o_b e^{lse_b}) / (e^{lse_a} + e^{lse_b}); a state with LSE -inf
 contributes nothing, two empty states give zeros and -inf (as the reference).
@@ -12,6 +14,36 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from . import validate as V
+
+
+@triton.jit
+def _split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.constexpr, EXP2: tl.constexpr):
+    """(acc, m, tot) over the n splits of one row: partial j at ``po + j * s_pos + offs``, its LSE
+    at ``pl + j`` (log2 domain with EXP2, else natural log); the merged output is acc / tot and
+    its LSE m + log(tot). All LSEs are read at once (their max, then every weight directly) and
+    the partials in [BLOCK_S, len(offs)] tiles: no chain of dependent loads, where an online merge
+    waited out one load per split. m is 0 when every split is empty (all weights then 0)."""
+    js = tl.arange(0, S_P)
+    lse = tl.load(pl + js, mask=js < n, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(_exp(lse - m, EXP2), 0)
+    acc = tl.zeros(offs.shape, tl.float32)
+    for s0 in range(0, n, BLOCK_S):
+        ss = s0 + tl.arange(0, BLOCK_S)
+        ms = ss < n
+        w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf")) - m, EXP2)
+        o = tl.load(po + ss[:, None] * s_pos + offs[None, :], mask=ms[:, None] & mask[None, :], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    return acc, m, tot
+
+
+@triton.jit
+def _exp(x, EXP2: tl.constexpr):
+    if EXP2:
+        return tl.exp2(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
+from ..attention.merge import _split_sum
 from .validate import check_decode, check_sparse_indices
 
 LOG2E = 1.4426950408889634
@@ -194,10 +195,9 @@ def _mla_merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
                       s_pob, s_poh, s_pos, s_plb, s_plh, s_ob, s_oh,
                       BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, S_P: tl.constexpr, NUM_SPLITS: tl.constexpr,
                       SPARSE: tl.constexpr):
-    """out[b, h, r-block] = the LSE-weighted mean of the used splits' partials. All LSEs are read
-    at once (their max, then every weight, directly), and the partials in [BLOCK_S, BLOCK_R] tiles:
-    no chain of dependent loads. The earlier loop merged one split after another with an online
-    max, one latency-bound load per split (128 splits at B=1); and the grid now also splits R."""
+    """out[b, h, r-block] = the LSE-weighted mean of the used splits' partials (the attention
+    package's merge._split_sum; the loop before it made one latency-bound load per split, 128 at
+    B=1), over a grid that also splits R."""
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rb = tl.program_id(2)
@@ -206,22 +206,10 @@ def _mla_merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
     else:
         total = tl.load(SEQ_LENS + b)
     used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)  # the decode's plan
-    js = tl.arange(0, S_P)
-    plse = PLSE + b * s_plb + h * s_plh
-    lse_all = tl.load(plse + js, mask=js < used, other=float("-inf"))
-    m = tl.max(lse_all, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # every split empty: all weights 0
-    l = tl.sum(tl.exp(lse_all - m_safe), 0)
     offs_r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
     mr = offs_r < R
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for s0 in range(0, used, BLOCK_S):
-        ss = s0 + tl.arange(0, BLOCK_S)
-        ms = ss < used
-        w = tl.exp(tl.load(plse + ss, mask=ms, other=float("-inf")) - m_safe)
-        o = tl.load(PO + b * s_pob + h * s_poh + ss[:, None] * s_pos + offs_r[None, :],
-                    mask=ms[:, None] & mr[None, :], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
+    acc, m, l = _split_sum(PLSE + b * s_plb + h * s_plh, PO + b * s_pob + h * s_poh, s_pos, used, offs_r, mr,
+                           S_P, BLOCK_S, False)
     l_safe = tl.where(l > 0, l, 1.0)
     tl.store(O + b * s_ob + h * s_oh + offs_r, (acc / l_safe).to(O.dtype.element_ty), mask=mr)
     if rb == 0:

@@ -95,6 +95,14 @@ def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_
 
 
 @triton.jit
+def _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK: tl.constexpr, S_P: tl.constexpr):
+    """(row pointer, row max from pass A's partials, lo, hi) of chunk c of a row, for passes B and C."""
+    lo = c * CHUNK
+    return (logits_ptr + row * stride_row, _parts_max(part_ptr + row * n_parts * PART, n_parts, S_P), lo,
+            tl.minimum(lo + CHUNK, V))
+
+
+@triton.jit
 def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
                         hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
     """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
@@ -105,10 +113,7 @@ def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr,
         temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
     h = tl.zeros([HIST_NB], tl.int32)
     if not_(greedy) & (use_k | (use_p & not_(use_mp))):
-        m = _parts_max(part_ptr + row * n_parts * PART, n_parts, S_P)
-        row_ptr = logits_ptr + row * stride_row
-        lo = c * CHUNK
-        hi = tl.minimum(lo + CHUNK, V)
+        row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = _load_z(row_ptr, offs, hi, m, inv_t)
@@ -172,11 +177,8 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
     if tl.load(br_ptr + row * BR + 4) != 0:
         k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
             temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
-        m = _parts_max(part_ptr + row * n_parts * PART, n_parts, S_P)
         lo_key = tl.load(br_ptr + row * BR + 1)
-        row_ptr = logits_ptr + row * stride_row
-        lo = c * CHUNK
-        hi = tl.minimum(lo + CHUNK, V)
+        row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = _load_z(row_ptr, offs, hi, m, inv_t)
