@@ -3,13 +3,13 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
-#   scripts/gpu_session.sh fixes OUTDIR        # short: sanitizer leftovers beside the tests a fix touched
+#   scripts/gpu_session.sh final OUTDIR        # sanitizer leftovers (one case per child), then the sampling bench
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|bench|engine|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 cd "$(dirname "$0")/.."
 # FlashInfer only in its own part (the others compare our kernels with their own switches).
@@ -19,54 +19,36 @@ mkdir -p "$out"
 res=$out
 [ "$part" != flashinfer ] && out=/tmp/opmap-session-$part && rm -rf "$out" && mkdir -p "$out"
 export OPMAP_COMMIT=${OPMAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# Resume both MoE/MLA presets' sanitizer runs from check/state/ in the background (pids), each
+# within $1 seconds; further arguments go to `opmap check`. Copy OUT/*/state.jsonl back into
+# check/state/ when a run is cut off.
+pids=()
+sanitizer_bg() {
+  local limit=$1; shift
+  for m in qwen3-30b-a3b deepseek-v2-lite; do
+    mkdir -p "$out/$m"
+    [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+    (timeout "$limit" python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" \
+      --out "$out/$m" "$@" > "$out/$m/check.log" 2>&1) &
+    pids+=($!)
+  done
+}
 case $part in
   correctness)
-    pids=()
-    for m in qwen3-30b-a3b deepseek-v2-lite; do
-      mkdir -p "$out/$m"
-      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      (STEPS=check MODELS=$m CHECK_TIMEOUT=${SAN_TIMEOUT:-470} \
-        CHECK_ARGS="--sanitizer --jobs 6 --resume $out/$m/state.jsonl --out $out/$m" \
-        timeout $(( ${SAN_TIMEOUT:-470} + 15 )) scripts/gpu.sh "$out/$m" > "$out/$m/driver.log" 2>&1) &
-      pids+=($!)
-    done
+    sanitizer_bg ${SAN_TIMEOUT:-470} --jobs 6
     # Lanes of two files each: the whole call must end inside the device's 600 s.
     (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
       TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py tests/gpu/test_mla_gpu.py" \
       timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
-    tail -n 5 "$out"/*/driver.log "$out/tests-driver.log" ;;
-  fixes)
-    # The sanitizer's leftovers (state files) beside the GPU tests of this session's fixes.
-    pids=()
-    for m in qwen3-30b-a3b deepseek-v2-lite; do
-      mkdir -p "$out/$m"
-      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      (timeout ${SAN_TIMEOUT:-130} python3 -m opmap.cli check --model $m --sanitizer --jobs 6 \
-        --resume "$out/$m/state.jsonl" --out "$out/$m" > "$out/$m/check.log" 2>&1) &
-      pids+=($!)
-    done
-    timeout 125 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_gpu.py -k rope_append \
-      > "$out/tests-rope-append.log" 2>&1
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_parity_gpu.py -k mixtral -s \
-      > "$out/tests-parity-mixtral.log" 2>&1 &
-    pids+=($!)
-    for p in "${pids[@]}"; do wait "$p"; done ;;
+    tail -n 5 "$out"/*/check.log "$out/tests-driver.log" ;;
   final)
     # The sanitizer's leftovers for both MoE/MLA presets (the check's other sections run first),
-    # then, alone on the GPU, the sampling and kv_append bench.
-    pids=()
-    for m in qwen3-30b-a3b deepseek-v2-lite; do
-      mkdir -p "$out/$m"
-      [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      # --batch 1: each leftover case in its own child, so a verdict is saved as soon as it ends
-      # (a batch saves nothing until all its cases end: the fifth session's final call lost its
-      # last 330 s that way).
-      (timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --jobs 7 --batch 1 \
-        --resume "$out/$m/state.jsonl" --out "$out/$m" > "$out/$m/check.log" 2>&1) &
-      pids+=($!)
-    done
+    # then, alone on the GPU, the sampling and kv_append bench. --batch 1: each case in its own
+    # child, so a verdict is saved as soon as it ends (a batch saves nothing until all its cases
+    # end: the fifth session's final call lost its last 330 s that way).
+    sanitizer_bg ${SAN_TIMEOUT:-330} --jobs 7 --batch 1
     for p in "${pids[@]}"; do wait "$p"; done
     timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
@@ -76,9 +58,6 @@ case $part in
       > "$out/tests-sampling.log" 2>&1
     timeout 90 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1 ;;
-  bench-sampling)
-    timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
-      > "$out/bench.log" 2>&1 ;;
   bench)
     # Quick grids: sampling + kv_append (rope+append against two launches), decode, MLA.
     timeout 120 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
