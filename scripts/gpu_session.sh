@@ -8,8 +8,10 @@
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
+#   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
+#                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|flashinfer|verify OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 cd "$(dirname "$0")/.."
 # FlashInfer only in its own part (the others compare our kernels with their own switches).
@@ -74,6 +76,17 @@ case $part in
       --case 1 --no-hf --out "$out/e2e-unfused" > "$out/e2e-unfused.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
+  verify)
+    # The changes built on the CPU after the fifth session: GPU tests first (three lanes at once:
+    # correctness only), then alone on the GPU the e2e B=1 (readback fix), the sampling bench
+    # (tiered histogram, per-lane pass A) and, with what is left, the per-kernel sampler profile.
+    (STEPS=tests TEST_TIMEOUT=200 \
+      TEST_LANES="tests/gpu/test_sampling_gpu.py|tests/gpu/test_mla_gpu.py|tests/gpu/test_attention_gpu.py" \
+      timeout 210 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1)
+    timeout 120 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
+      > "$out/e2e.log" 2>&1
+    timeout 110 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1
+    timeout 60 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
