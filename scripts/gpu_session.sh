@@ -20,7 +20,12 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 res=$out
 [ "$part" != flashinfer ] && out=/tmp/opmap-session-$part && rm -rf "$out" && mkdir -p "$out"
-export OPMAP_COMMIT=${OPMAP_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# Name the commit in the device call (OPMAP_COMMIT=$(git rev-parse --short HEAD) scripts/gpu_session.sh ...):
+# the device's copy of .git has a stale HEAD, so the result files would name the wrong commit.
+[ -z "${OPMAP_COMMIT:-}" ] && echo "warning: OPMAP_COMMIT is not set; result files name the device copy's stale HEAD" >&2
+# compute-sanitizer children outlive an opmap check that `timeout` killed: on a machine kept warm
+# they ran on into the next call (sixth session: its bench figures were 4x slow, a racecheck timed out).
+pkill -f compute-sanitizer 2>/dev/null
 # Resume both MoE/MLA presets' sanitizer runs from check/state/ in the background (pids), each
 # within $1 seconds; further arguments go to `opmap check`. Copy OUT/*/state.jsonl back into
 # check/state/ when a run is cut off.
@@ -44,6 +49,7 @@ case $part in
       timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
+    pkill -f compute-sanitizer 2>/dev/null
     tail -n 5 "$out"/*/check.log "$out/tests-driver.log" ;;
   final)
     # The sanitizer's leftovers for both MoE/MLA presets (the check's other sections run first),
@@ -52,6 +58,7 @@ case $part in
     # end: the fifth session's final call lost its last 330 s that way).
     sanitizer_bg ${SAN_TIMEOUT:-330} --jobs 7 --batch 1
     for p in "${pids[@]}"; do wait "$p"; done
+    pkill -f compute-sanitizer 2>/dev/null
     timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
   sampler)

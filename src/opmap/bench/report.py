@@ -14,10 +14,10 @@ from typing import Optional
 
 
 def git_commit() -> Optional[str]:
-    """HEAD of the checkout this package runs from (+dirty); a copy without .git (a GPU machine
-    that received the working tree) can name it in OPMAP_COMMIT."""
-    found = _git_head()
-    return found or os.environ.get("OPMAP_COMMIT")
+    """The commit named in OPMAP_COMMIT, else HEAD of the checkout this package runs from (+dirty).
+    The variable comes first: the GPU machine's copy of the working tree carries a .git whose HEAD
+    is stale (the sixth session's files all read the previous session's commit)."""
+    return os.environ.get("OPMAP_COMMIT") or _git_head()
 
 
 def _git_head() -> Optional[str]:
