@@ -34,7 +34,7 @@ def main():
             inp = _setup(B, 128256, FILTERS[f])(torch.device("cuda"))
             args = (inp["x"], inp["T"], inp["k"], inp["p"], inp["mp"], inp["seeds"], inp["pos"])
             for name, kw in (("default", {}), ("no B/C", dict(bracket=False)),
-                             ("bl1024,w4", dict(config=(1024, 4))), ("bl2048,w16", dict(config=(2048, 16)))):
+                             ("bl1024,w4", dict(config=(1024, 4))), ("bl2048,w8", dict(config=(2048, 8)))):
                 t = kernel_times(lambda: sample(*args, **kw))
                 key = f"B={B},{f},{name}"
                 out[key] = t

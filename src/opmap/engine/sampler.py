@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from .. import specs as S
-from ..ops.sampling.batch import SamplingTensors, penalty_state
+from ..ops.sampling.batch import SamplingTensors, penalty_state, to_device
 from ..select import select
 from .opset import _ranged
 
@@ -63,7 +63,7 @@ class Sampler:
             self.penalties(logits, seen, counts, st.repetition, st.frequency, st.presence)
         if mask is not None:
             self.bitmask(logits, *mask)
-        positions = _to_device([s.num_tokens for s in seqs], torch.int64, logits.device)
+        positions = to_device([s.num_tokens for s in seqs], torch.int64, logits.device)
         ids, invalid = self.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, positions)
         lps: list = [None] * len(seqs)
         if raw is not None:
@@ -75,16 +75,3 @@ class Sampler:
                     lps[b] = {"token": chosen[b], "top": list(zip(ti[b][:k], tv[b][:k]))}
         return ids, invalid, lps
 
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a host synchronisation.
-
-    ``torch.tensor(values, device="cuda")`` copies from pageable memory, after which PyTorch
-    synchronises the stream: the host waited for the whole forward that produced the logits
-    before it could launch the sampler, so the sampler's launch time was added to every step.
-    From pinned memory with ``non_blocking`` the copy is queued behind the forward and the host
-    goes on launching; the caching host allocator keeps the pinned block alive until the copy ran.
-    """
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -1,0 +1,30 @@
+"""The sampler's per-row kernel compiles for sm90 (H200) on this CPU-only machine at the launch
+configuration the GPU uses (``sampler._config``): 16 warps, BLOCK 2048, the candidates of passes B
+and C in registers. At 8 warps it took 200 registers; a spill at 16 (at most 128 per thread) would
+put the candidate search in local memory, which the profiles that chose 16 warps did not show.
+Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
+from sm90_compile import needs_ptxas, run
+
+SCRIPT = r'''
+import torch
+from opmap.ops.sampling import sampler as s
+
+block, cand, warps, _ = s._config(torch.device("cuda"))
+sig = {"logits_ptr": "*fp32", "stride_row": "i32", "V": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
+       "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64", "ids_ptr": "*i64",
+       "invalid_ptr": "*i1", "support_ptr": "*i64", "sz_ptr": "*fp32", "si_ptr": "*i32", "cnt_ptr": "*i32",
+       "part_ptr": "*fp32", "n_parts": "i32", "br_ptr": "*i32", "BLOCK": "constexpr", "CAND": "constexpr",
+       "WRITE_SUPPORT": "constexpr", "USE_PARTS": "constexpr", "S_P": "constexpr", "HIST": "constexpr"}
+ce = {"BLOCK": block, "CAND": cand, "WRITE_SUPPORT": False, "USE_PARTS": True, "S_P": 16, "HIST": True}
+k = compile_sm90(s._sample_kernel, sig, ce, {"num_warps": warps},
+                 (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17))
+print("RESULT " + json.dumps({"warps": warps, **usage(k)}))
+'''
+
+
+@needs_ptxas
+def test_per_row_kernel_fits_registers_at_its_launch_config():
+    r = run(SCRIPT)
+    assert r["warps"] == 16
+    assert r["stack"] == 0 and r["local"] == 0, r  # no spill
+    assert r["reg"] <= 128, r  # 16 warps x 32 threads x 128 fill one SM's register file
