@@ -247,15 +247,20 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     assert D._config(16, 512, 128) == (16, 32, 4, 2)
     assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
+    # The merge: whole latent rows at B=64 x 16 heads (1024 programs), blocks of 128 at B=1.
+    assert D._merge_block_r(64, 16, 512, "cuda") == 512 and D._merge_block_r(1, 16, 512, "cuda") == 128
     monkeypatch.setenv("OPMAP_MLA_DECODE_CONFIG", "16,32,4,3")
     assert D._config(128, 512, 64) == (16, 32, 4, 3)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
-def test_split_merge_many_splits(sparse):
+@pytest.mark.parametrize("whole_rows", [False, True])
+def test_split_merge_many_splits(sparse, whole_rows, monkeypatch):
     """The merge launch with a split count that is not a power of two (37, in tiles of splits) and
-    the real rank 512 (4 blocks of 128 per head): equal to the reference, a length-0 sequence
-    zero with LSE -inf, one whose plan uses a single split, and two launches bitwise equal."""
+    the real rank 512, in 4 blocks of 128 per head or whole rows (the tile a large batch gets):
+    equal to the reference, a length-0 sequence zero with LSE -inf, one whose plan uses a single
+    split, and two launches bitwise equal."""
+    monkeypatch.setattr(dec, "_merge_block_r", lambda B, H, R, device: 512 if whole_rows else 128)
     g = torch.Generator().manual_seed(21)
     lens = [0, 5, 40, 900]
     pc = make_cache(lens, 512, 64, 16, torch.float16, gen=g)
