@@ -301,9 +301,9 @@ def test_failed_batch_reruns_its_cases_side_by_side_within_the_jobs_limit(fake_t
     tool, cases = fake_tool
     monkeypatch.setenv("FAKE_SANITIZER_ERROR", "1")  # the batch reports an error in our kernel
     live, peak, lock = [0], [0], threading.Lock()
-    real_run = san.subprocess.run
+    real_run = san.run_group
 
-    def counting_run(cmd, **kw):
+    def counting_run(cmd, *a, **kw):
         if cmd.count("--case") == 1:  # a single-case rerun
             with lock:
                 live[0] += 1
@@ -311,12 +311,81 @@ def test_failed_batch_reruns_its_cases_side_by_side_within_the_jobs_limit(fake_t
             _time.sleep(0.5)
             with lock:
                 live[0] -= 1
-        return real_run(cmd, **kw)
+        return real_run(cmd, *a, **kw)
 
-    monkeypatch.setattr(san.subprocess, "run", counting_run)
+    monkeypatch.setattr(san, "run_group", counting_run)
     out = san.run_batch("fakesan_pkg.cases", [cases[0], cases[1], cases[0]], True, "memcheck", 120, tool)
     assert len(out) == 3 and peak[0] == 3  # no limit outside run_all: all three at once
     peak[0] = 0
     monkeypatch.setattr(san, "_SLOTS", threading.BoundedSemaphore(2))
     san.run_batch("fakesan_pkg.cases", [cases[0], cases[1], cases[0]], True, "memcheck", 120, tool)
     assert peak[0] == 2
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (a reparented child that nobody reaps in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _spawner(pidfile) -> list:
+    """A child that starts a grandchild (as compute-sanitizer starts the checked Python), writes
+    the grandchild's pid, then sleeps."""
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+            f"open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    return [sys.executable, "-c", code]
+
+
+def _wait_pid(pidfile, limit=30.0) -> int:
+    import time
+
+    t = time.time()
+    while time.time() - t < limit:
+        if pidfile.exists() and pidfile.read_text():
+            return int(pidfile.read_text())
+        time.sleep(0.05)
+    raise AssertionError("the child never wrote its grandchild's pid")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_timeout_kills_the_tool_and_the_process_it_checks(tmp_path):
+    """A timed-out child's whole process group dies: the tool's checked process too (the sixth
+    GPU session found such processes still on the GPU in the next call)."""
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "pid"
+    t = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        san.run_group(_spawner(pidfile), timeout=8)
+    assert time.time() - t < 60
+    pid = _wait_pid(pidfile, 1)
+    deadline = time.time() + 5
+    while not _gone(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
+    assert not san._CHILDREN
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_kill_children_ends_running_groups(tmp_path):
+    """What the SIGTERM handler does first: every running child group is killed, and run_group
+    returns at once with the kill's exit status."""
+    import threading
+    import time
+
+    pidfile = tmp_path / "pid"
+    got = {}
+    th = threading.Thread(target=lambda: got.setdefault("p", san.run_group(_spawner(pidfile), timeout=100)))
+    th.start()
+    pid = _wait_pid(pidfile)
+    san.kill_children()
+    th.join(20)
+    assert not th.is_alive() and got["p"].returncode != 0
+    deadline = time.time() + 5
+    while not _gone(pid) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -143,6 +144,53 @@ def _env(graph: bool, tool: str) -> dict:
 _SLOTS: Optional[threading.BoundedSemaphore] = None
 
 
+# Children still running, each the leader of its own process group. compute-sanitizer starts the
+# checked Python as its own child, so killing the tool alone (subprocess.run's timeout) left that
+# process on the GPU; and an `opmap check` killed by `timeout` left both. On a GPU machine kept
+# warm between calls they ran on into the next call (the sixth session: bench figures 4x slow, a
+# racecheck timed out). Their whole groups are killed on a timeout and when this process is
+# terminated (run_all's SIGTERM handler).
+_CHILDREN: set = set()
+_STOPPING = threading.Event()  # set on SIGTERM: start no child, record no verdict
+
+
+def run_group(cmd: list, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=...) in a new process group,
+    killed whole on timeout (raises TimeoutExpired) or by ``kill_children``."""
+    if _STOPPING.is_set():
+        raise SystemExit("terminated")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    _CHILDREN.add(p)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(p)
+        p.communicate()
+        raise
+    finally:
+        _CHILDREN.discard(p)
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_children(signum=None, frame=None) -> None:
+    """Kill every running child's process group; as a signal handler, then exit (the verdicts of
+    the killed cases are not recorded: a resume runs them again)."""
+    if signum is not None:
+        _STOPPING.set()
+    for p in list(_CHILDREN):
+        _kill_group(p)
+    if signum is not None:
+        raise SystemExit(128 + signum)
+
+
 def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: float):
     """Run ``cases`` (one family, one tool) in one child under the tool: (completed process or
     None on timeout, {title: outcome})."""
@@ -153,8 +201,7 @@ def _launch(exe: str, tool: str, fam: str, cases: list, quick: bool, timeout: fl
     cmd += ["--quick"] if quick else []
     try:
         with _SLOTS or contextlib.nullcontext():
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                               env=_env(cases[0].section == "graph", tool))
+            p = run_group(cmd, timeout, _env(cases[0].section == "graph", tool))
     except subprocess.TimeoutExpired:
         return None, {}
     outcomes = {}
@@ -297,7 +344,12 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
 
     def one(ks):
         f, _, tool = jobs[ks[0]]
-        rs = run_batch(f, [jobs[k][1] for k in ks], quick, tool, timeout, exe)
+        try:
+            rs = run_batch(f, [jobs[k][1] for k in ks], quick, tool, timeout, exe)
+        except SystemExit:  # terminated (kill_children): nothing to record
+            return
+        if _STOPPING.is_set():
+            return  # killed mid-run: these verdicts are the kill's, not the kernels'
         for k, r in zip(ks, rs):
             results[k] = r
             with lock:
@@ -313,11 +365,17 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
                       file=sys.stderr, flush=True)
 
     _SLOTS = threading.BoundedSemaphore(max(1, jobs_n))
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGTERM, kill_children) if main else None
     try:
         with ThreadPoolExecutor(max_workers=max(1, jobs_n)) as pool:
             list(pool.map(one, chunks))
     finally:
         _SLOTS = None
+        kill_children()  # none left after a normal end; all of them after an exception
+        if main:
+            signal.signal(signal.SIGTERM, before)
+        _STOPPING.clear()
     return results
 
 
