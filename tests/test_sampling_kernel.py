@@ -264,3 +264,46 @@ def test_tiny_vocabularies(V):
     for chunk in (0, 16):
         ids, invalid = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=chunk)
         assert torch.equal(ids, ref[0]) and not invalid.any() and (ids < V).all()
+
+
+@pytest.mark.parametrize("cand", [2048, 256, 64])
+def test_fine_bracket_for_flat_top_p_rows(cand, monkeypatch):
+    """Top-p alone over a flat body (the benchmark's logits: a nucleus of thousands of tokens whose
+    boundary lies in a half-nat bin, more than CAND values above the bracket's lo): pass B2's fine
+    histogram narrows the bracket, the gather keeps the values inside it, and the values above it
+    enter the search and the draw as figures. Exact support and the reference's tokens, the same as
+    without passes B and C. With fewer candidate slots the fine bracket overflows on some rows and
+    those rows search the whole row instead (the fallbacks)."""
+    V, B = 32768, 4
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, V, generator=g) * 2.0
+    x[:, :20] += torch.rand(B, 20, generator=g) * 4
+    x[3] = torch.round(x[3] * 8) / 8  # ties: values equal to the boundary
+    T = torch.tensor([0.8, 0.8, 0.9, 0.8])
+    k = torch.zeros(B, dtype=torch.int32)
+    p = torch.tensor([0.9, 0.7, 0.8, 0.9])
+    mp = torch.zeros(B)
+    seeds, pos = torch.arange(B) + 5, torch.arange(B) * 3 + 1
+    block, _, warps, chunk = sampler._config(torch.device("cpu"))
+    monkeypatch.setattr(sampler, "_config", lambda dev: (block, cand, warps, chunk))
+    seen = []
+    carve = sampler._carve
+
+    def keep(dtype, device, *shapes):
+        out = carve(dtype, device, *shapes)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(sampler, "_carve", keep)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=4096)
+    br = seen[1][2]  # (si, cnt, br, hist): the bracket records
+    over = br[:, 3] > cand  # more values above lo than candidate slots
+    assert (br[:, 0] == 2).all() and over[[0, 2, 3]].all()  # row 1 (p 0.7) fits: a plain gather, in the same batch
+    assert torch.equal(br[:, 5] > 0, over)  # those rows, and only those, went through the fine pass
+    if cand == 2048:
+        assert (br[over, 5] == 2).all()  # and were gathered inside their fine bracket
+    target = R.filtered_probs(x, T, k, p, mp)
+    assert torch.equal(sampler.support_from_boundary(x, T, sup), target > 0)
+    assert torch.equal(ids, R.sample(x, T, k, p, mp, seeds, pos)[0]) and not invalid.any()
+    whole = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=4096, bracket=False)
+    assert torch.equal(ids, whole[0]) and torch.equal(sup, whole[2])

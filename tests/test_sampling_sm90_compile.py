@@ -13,11 +13,11 @@ block, cand, warps, _ = s._config(torch.device("cuda"))
 sig = {"logits_ptr": "*fp32", "stride_row": "i32", "V": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
        "topp_ptr": "*fp32", "minp_ptr": "*fp32", "seed_ptr": "*i64", "pos_ptr": "*i64", "ids_ptr": "*i64",
        "invalid_ptr": "*i1", "support_ptr": "*i64", "sz_ptr": "*fp32", "si_ptr": "*i32", "cnt_ptr": "*i32",
-       "part_ptr": "*fp32", "n_parts": "i32", "br_ptr": "*i32", "BLOCK": "constexpr", "CAND": "constexpr",
+       "part_ptr": "*fp32", "n_parts": "i32", "br_ptr": "*i32", "agg2_ptr": "*fp32", "BLOCK": "constexpr", "CAND": "constexpr",
        "WRITE_SUPPORT": "constexpr", "USE_PARTS": "constexpr", "S_P": "constexpr", "HIST": "constexpr"}
 ce = {"BLOCK": block, "CAND": cand, "WRITE_SUPPORT": False, "USE_PARTS": True, "S_P": 16, "HIST": True}
 k = compile_sm90(s._sample_kernel, sig, ce, {"num_warps": warps},
-                 (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17))
+                 (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17, 18))
 print("RESULT " + json.dumps({"warps": warps, **usage(k)}))
 '''
 

@@ -16,7 +16,11 @@ tokens equal to t that are kept (the n lowest ids): keep = z > t, or z == t and 
    the top-k boundary exactly and bounds of the bins' mass bracket a top-p-alone boundary
    (``_sample_bracket_kernel``, one program per row), so the search below starts inside one bin; when
    at most CAND values lie above it, pass C (``_sample_gather_kernel``, same chunks) gathers them and
-   this row's program reads no full row at all.
+   this row's program reads no full row at all. A top-p-alone row with more values above the
+   bracket (a flat nucleus of thousands of tokens) first gets pass B2 (``_sample_refine_kernel``):
+   128 fine bins inside the bracket and the exact mass above it. Pass C then gathers the values
+   inside the narrowed bracket and sums those above it (count, mass, race winner) per chunk;
+   those enter the search and the draw as figures.
 2. top-k (and min-p, whose cut log(min_p) is a known key): bisection over keys for the largest
    key t with count(z >= t) >= k. Each step is one pass that returns, for the midpoint, the
    count and mass above it plus the nearest keys on both sides with their multiplicities, so the
@@ -37,13 +41,17 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from .sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, PART, _combine_parts, _parts_max, _hist_bins,  # noqa: F401
-                          _hist_bracket, _key, _load_z, _pass_a, _race_block, _race_lanes, _search, _unkey)
+from .sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, NB2, PART, _combine_parts, _fine_bin,  # noqa: F401
+                          _fine_bracket, _gumbel, _hist_bins, _hist_bracket, _key, _load_z, _parts_max, _pass_a,
+                          _race_block, _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
 
-BR = tl.constexpr(8)  # ints per row of the bracket record (_sample_bracket_kernel; 5 used)
+# Ints per row of the bracket record: mode, lo, hi, count >= lo, gathered (_sample_bracket_kernel);
+# then the fine bracket of a top-p-alone row with more than CAND values above lo: state (0 none,
+# 1 refined by _sample_refine_kernel, 2 its fine bracket gathered), lo2, hi2 (_sample_gather_kernel).
+BR = tl.constexpr(8)
 
 
 @triton.jit
@@ -161,37 +169,145 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
     tl.store(out + 2, hi)
     tl.store(out + 3, c)
     tl.store(out + 4, ((mode > 0) & (c <= CAND)).to(tl.int32))
+    tl.store(out + 5, ((mode == 2) & (c > CAND)).to(tl.int32))
+    tl.store(out + 6, lo)
+    tl.store(out + 7, hi)
     tl.store(cnt_ptr + row, 0)
 
 
 @triton.jit
-def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
-                          br_ptr, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, CHUNK: tl.constexpr,
-                          BLOCK: tl.constexpr, S_P: tl.constexpr):
-    """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
-    bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
-    The per-row kernel then starts from those candidates in registers and reads no full row:
-    the compaction pass it would run alone on one SM is spread over the GPU here."""
+def _sample_refine_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
+                          br_ptr, hist_ptr, agg_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+    """Pass B2 of one chunk of a row (grid: rows x chunks), for top-p-alone rows whose bracket
+    holds more than CAND values (flat rows: a nucleus of thousands of tokens whose boundary lies
+    in a half-nat bin): NB2 fine bins of z inside the bracket [lo, hi], and the exact count and
+    mass of the values above hi. _sample_gather_kernel narrows the bracket from them."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if tl.load(br_ptr + row * BR + 4) != 0:
+    if tl.load(br_ptr + row * BR + 5) != 0:
         k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
             temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
         lo_key = tl.load(br_ptr + row * BR + 1)
+        hi_key = tl.load(br_ptr + row * BR + 2)
+        z_lo = _unkey(lo_key)
+        span = _unkey(hi_key) - z_lo
+        inv_w = tl.where(span > 0.0, NB2 / tl.where(span > 0.0, span, 1.0), 0.0)
         row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
+        h = tl.zeros([NB2], tl.int32)
+        c_v = tl.zeros([BLOCK], tl.int32)
+        w_v = tl.zeros([BLOCK], tl.float32)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             z = _load_z(row_ptr, offs, hi, m, inv_t)
-            sel = (offs < hi) & (_key(z) >= lo_key)
-            slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
-            ok = sel & (slot < CAND)
-            tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
-            tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+            kz = _key(z)
+            ok = offs < hi
+            inr = ok & (kz >= lo_key) & (kz <= hi_key)
+            h += tl.histogram(tl.where(inr, _fine_bin(z, z_lo, inv_w), 0), NB2, mask=inr)
+            ab = ok & (kz > hi_key)
+            c_v += ab.to(tl.int32)
+            w_v += tl.where(ab, tl.exp(z), 0.0)
+        tl.store(hist_ptr + (row * n_parts + c) * NB2 + tl.arange(0, NB2), h)
+        tl.store(agg_ptr + (row * n_parts + c) * 2, tl.sum(c_v, 0).to(tl.float32))
+        tl.store(agg_ptr + (row * n_parts + c) * 2 + 1, tl.sum(w_v, 0))
+
+
+@triton.jit
+def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
+                          part_ptr, n_parts, br_ptr, sz_ptr, si_ptr, cnt_ptr, hist_ptr, agg_ptr, agg2_ptr,
+                          CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+    """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
+    bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
+    The per-row kernel then starts from those candidates in registers and reads no full row:
+    the compaction pass it would run alone on one SM is spread over the GPU here.
+
+    A refined row (record state != 0) gets its fine bracket [lo2, hi2] from pass B2's figures
+    (every chunk's program computes the same one; chunk 0 records it). When at most CAND values
+    are estimated inside it, those are gathered, and the values above hi2 (surely kept) are summed
+    here instead: count, mass and their race winner (z + Gumbel noise, lowest id on a tie), per
+    chunk into agg2, for the per-row kernel."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    go = tl.load(br_ptr + row * BR + 4) != 0
+    refined = tl.load(br_ptr + row * BR + 5) != 0
+    if go | refined:
+        k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
+            temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
+        lo_key = tl.load(br_ptr + row * BR + 1)
+        hi_key = tl.full([], INT_MAX, tl.int32)
+        if refined:
+            m_row, gid, bad, n_fin, s, rb_id, xmin = _combine_parts(part_ptr + row * n_parts * PART, n_parts, inv_t, S_P)
+            lo2, hi2, c_in = _fine_bracket(hist_ptr + row * n_parts * NB2, agg_ptr + row * n_parts * 2, n_parts,
+                                           lo_key, tl.load(br_ptr + row * BR + 2), p * s, S_P)
+            go = c_in <= CAND
+            lo_key = lo2
+            hi_key = hi2
+            if go & (c == 0):
+                tl.store(br_ptr + row * BR + 6, lo2)
+                tl.store(br_ptr + row * BR + 7, hi2)
+                tl.store(br_ptr + row * BR + 5, 2)  # the other programs read it as "refined" either way
+        if go:
+            row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
+            if refined:
+                seed = tl.load(seed_ptr + row)
+                pos = tl.load(pos_ptr + row)
+                c_v = tl.zeros([BLOCK // 4], tl.int32)
+                w_v = tl.zeros([BLOCK // 4], tl.float32)
+                gb = tl.full([BLOCK // 4], float("-inf"), tl.float32)
+                gi = tl.full([BLOCK // 4], INT_MAX, tl.int32)
+                # A quarter block: four per-lane vectors and the noise at BLOCK would need 192
+                # registers, and the plain gather below shares this kernel's allocation.
+                for start in range(lo, hi, BLOCK // 4):
+                    offs = start + tl.arange(0, BLOCK // 4)
+                    z = _load_z(row_ptr, offs, hi, m, inv_t)
+                    kz = _key(z)
+                    sel = (offs < hi) & (kz >= lo_key) & (kz <= hi_key)
+                    slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
+                    ok = sel & (slot < CAND)
+                    tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
+                    tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+                    ab = (offs < hi) & (kz > hi_key)
+                    c_v += ab.to(tl.int32)
+                    w_v += tl.where(ab, tl.exp(z), 0.0)
+                    g = tl.where(ab, z + _gumbel(seed, pos, offs), float("-inf"))
+                    better = g > gb  # strict: within a lane the earlier (lower) id keeps a tie
+                    gi = tl.where(better, offs, gi)
+                    gb = tl.where(better, g, gb)
+                g_max = tl.max(gb, 0)
+                q = agg2_ptr + (row * n_parts + c) * 4
+                tl.store(q, tl.sum(c_v, 0).to(tl.float32))
+                tl.store(q + 1, tl.sum(w_v, 0))
+                tl.store(q + 2, g_max)
+                tl.store(q + 3, tl.min(tl.where(gb == g_max, gi, INT_MAX), 0).to(tl.float32))
+            else:
+                for start in range(lo, hi, BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    z = _load_z(row_ptr, offs, hi, m, inv_t)
+                    sel = (offs < hi) & (_key(z) >= lo_key)
+                    slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
+                    ok = sel & (slot < CAND)
+                    tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
+                    tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+
+
+@triton.jit
+def _above_fine(agg2_ptr, n_parts, S_P: tl.constexpr):
+    """The values above a row's fine bracket, from the gather's per-chunk figures in a fixed order
+    (so the same bits in any batch): count, mass, and the race winner (g, id; lowest id on a tie)."""
+    j = tl.arange(0, S_P)
+    ok = j < n_parts
+    q = agg2_ptr + j * 4
+    c_ab = tl.sum(tl.load(q, mask=ok, other=0.0), 0).to(tl.int32)
+    w_ab = tl.sum(tl.load(q + 1, mask=ok, other=0.0), 0)
+    g = tl.load(q + 2, mask=ok, other=float("-inf"))
+    g_ab = tl.max(g, 0)
+    id_ab = tl.min(tl.where(ok & (g == g_ab) & (g > float("-inf")),
+                            tl.load(q + 3, mask=ok, other=0.0).to(tl.int32), INT_MAX), 0)
+    return c_ab, w_ab, g_ab, id_ab
 
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, br_ptr,
+                   ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, br_ptr, agg2_ptr,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
                    USE_PARTS: tl.constexpr, S_P: tl.constexpr, HIST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -226,18 +342,35 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             lo_b = lo0
             hi_b = tl.zeros([], tl.int32)
             c_b = n_fin
+            # A top-p-alone row gathered inside its fine bracket (_sample_gather_kernel): the values
+            # above it are not candidates but figures (count, mass, race winner) added to the search
+            # and the draw. ``restricted`` says so.
+            restricted = tl.zeros([], tl.int32)
+            lo_r = lo0
+            hi_r = tl.zeros([], tl.int32)
+            c_ab = tl.zeros([], tl.int32)
+            w_ab = tl.zeros([], tl.float32)
+            g_ab = tl.full([], float("-inf"), tl.float32)
+            id_ab = tl.full([], INT_MAX, tl.int32)
+            n_c = tl.zeros([], tl.int32)
             if HIST:  # the first search's bracket (_sample_bracket_kernel) and its gathered candidates
                 br = br_ptr + row * BR
                 mode = tl.load(br + 0)
                 lo_b = tl.load(br + 1)
                 hi_b = tl.load(br + 2)
                 c_b = tl.load(br + 3)
-                if tl.load(br + 4) != 0:
-                    n_c = tl.load(cnt_ptr + row)
+                n_c = tl.load(cnt_ptr + row)
+                fine = (tl.load(br + 5) == 2) & (n_c <= CAND)  # more than CAND: the estimate was off
+                if (tl.load(br + 4) != 0) | fine:
                     jc = tl.arange(0, CAND)
                     zc = tl.load(sz + jc, mask=jc < n_c, other=float("-inf"))
                     ic = tl.load(si + jc, mask=jc < n_c, other=V)
                     compacted = tl.full([], 1, tl.int32)
+                if fine:
+                    restricted = tl.full([], 1, tl.int32)
+                    lo_r = tl.load(br + 6)
+                    hi_r = tl.load(br + 7)
+                    c_ab, w_ab, g_ab, id_ab = _above_fine(agg2_ptr + row * n_parts * 4, n_parts, S_P)
             mass1 = s
             c_lo = n_fin
             m_lo = s
@@ -252,7 +385,8 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                 c_lo = tl.where(mode == 1, c_b, c_lo)
                 f1, t1, c1, w1, e1, lo, c_lo, m_lo, compacted, zc, ic = _search(
                     row_ptr, V, m, inv_t, lo1, hi1, c_lo, m_lo, target1, 0, use_mp.to(tl.int32),
-                    compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
+                    compacted, zc, ic, sz, si, cnt_ptr + row, tl.zeros([], tl.int32), tl.zeros([], tl.float32),
+                    CAND, BLOCK)
                 if f1 != 0:
                     t = t1
                     e_t = e1
@@ -266,12 +400,30 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             if use_p:
                 target2 = p * mass1
                 # top-p alone: bounds of the mass above each bin edge bracket t the same way.
-                lo2 = tl.where(mode == 2, lo_b, t + 1)
-                hi2 = tl.where(mode == 2, hi_b, 0)
-                c_lo = tl.where(mode == 2, c_b, c_lo)
-                f2, t2, c2, w2, e2, lo, c_lo, m_lo, compacted, zc, ic = _search(
-                    row_ptr, V, m, inv_t, lo2, hi2, c_lo, m_lo, target2, 1, 0,
-                    compacted, zc, ic, sz, si, cnt_ptr + row, CAND, BLOCK)
+                lo2 = tl.where(mode == 2, tl.where(restricted != 0, lo_r, lo_b), t + 1)
+                hi2 = tl.where(mode == 2, tl.where(restricted != 0, hi_r, hi_b), 0)
+                c_lo = tl.where(mode == 2, tl.where(restricted != 0, c_ab + n_c, c_b), c_lo)
+                m_lo2 = m_lo
+                f2 = tl.zeros([], tl.int32)
+                t2 = t
+                c2 = tl.zeros([], tl.int32)
+                w2 = tl.zeros([], tl.float32)
+                e2 = tl.zeros([], tl.int32)
+                again = tl.full([], 1, tl.int32)
+                while again != 0:  # at most twice: a fine bracket that missed t, then the whole row
+                    f2, t2, c2, w2, e2, lo, c_lo, m_lo, compacted, zc, ic = _search(
+                        row_ptr, V, m, inv_t, lo2, hi2, c_lo, m_lo2, target2, 1, 0,
+                        compacted, zc, ic, sz, si, cnt_ptr + row, c_ab, w_ab, CAND, BLOCK)
+                    again = tl.zeros([], tl.int32)
+                    if (restricted != 0) & (f2 == 0):
+                        restricted = tl.zeros([], tl.int32)
+                        compacted = tl.zeros([], tl.int32)
+                        c_ab = tl.zeros([], tl.int32)
+                        w_ab = tl.zeros([], tl.float32)
+                        lo2 = lo_b
+                        hi2 = hi_b
+                        c_lo = c_b
+                        again = tl.full([], 1, tl.int32)
                 if f2 != 0:
                     q2 = tl.exp(_unkey(t2))
                     n = tl.minimum(tl.ceil(tl.minimum((target2 - w2) / q2, e2.to(tl.float32))).to(tl.int32), e2)
@@ -291,6 +443,10 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             if (compacted != 0) & all_or_none:
                 best, best_id, carry = _race_block(zc, ic, zc > float("-inf"), t, tl.where(n > 0, CAND, 0), 0,
                                                    seed, pos, best, best_id)
+                if restricted != 0:  # the values above the fine bracket: all kept, their winner known
+                    better = (g_ab > best) | ((g_ab == best) & (id_ab < best_id))
+                    best_id = tl.where(better, id_ab, best_id)
+                    best = tl.where(better, g_ab, best)
             elif all_or_none:
                 best_id = _race_lanes(row_ptr, V, m, inv_t, t, n > 0, seed, pos, BLOCK)
             else:
@@ -362,10 +518,13 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         # Scratch in two allocations (per call at every decode step: one caching-allocator call
         # per dtype instead of six): candidates and pass A's partials in fp32; candidate ids,
         # compaction counters (zeroed in the kernels), brackets and histograms in int32.
-        sz, part = _carve(torch.float32, dev, (B, cand), (B, n_parts, PART.value) if use_parts else None)
+        sz, part, agg, agg2 = _carve(torch.float32, dev, (B, cand), (B, n_parts, PART.value) if use_parts else None,
+                                     (B, n_parts, 2) if use_hist else None, (B, n_parts, 4) if use_hist else None)
+        # pass B's histogram, then (same rows, B2 overwrites it) the fine one of refined rows
         si, cnt, br, hist = _carve(torch.int32, dev, (B, cand), (B,), (B, BR.value) if use_hist else None,
-                                   (B, n_parts, HIST_NB.value) if use_hist else None)
+                                   (B, n_parts, max(HIST_NB.value, NB2.value)) if use_hist else None)
         part, br = part if use_parts else sz, br if use_hist else cnt  # unused pointers when off
+        agg, agg2 = (agg, agg2) if use_hist else (sz, sz)
         s_p = max(2, triton.next_power_of_2(n_parts))
         flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
         cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
@@ -375,9 +534,11 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
             _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
             _sample_bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
                                          S_P=s_p, num_warps=4)
-            _sample_gather_kernel[(B, n_parts)](*flags, part, n_parts, br, sz, si, cnt, CAND=cand, S_P=s_p, **cb)
+            _sample_refine_kernel[(B, n_parts)](*flags, part, n_parts, br, hist, agg, S_P=s_p, **cb)
+            _sample_gather_kernel[(B, n_parts)](*flags, seeds, positions, part, n_parts, br, sz, si, cnt, hist, agg, agg2,
+                                                CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
-                             ids, invalid, support, sz, si, cnt, part, n_parts, br, BLOCK=block, CAND=cand,
+                             ids, invalid, support, sz, si, cnt, part, n_parts, br, agg2, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_hist,
                              num_warps=warps)
     return (ids, invalid, support) if return_support else (ids, invalid)

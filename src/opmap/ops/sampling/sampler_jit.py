@@ -109,9 +109,11 @@ def _stats(z, ok, mid, c_ge, w_ge, s_up, n_up, s_dn, n_dn):
 
 
 @triton.jit
-def _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK: tl.constexpr):
-    c_ge = tl.zeros([], tl.int32)
-    w_ge = tl.zeros([], tl.float32)
+def _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, c_off, w_off, BLOCK: tl.constexpr):
+    """Count and mass at or above ``mid`` (+ c_off / w_off: values above the candidates' range that
+    are not among them, see _fine_bracket), and the nearest keys on both sides."""
+    c_ge = c_off
+    w_ge = w_off
     s_up = tl.full([], INT_MAX, tl.int32)
     n_up = tl.zeros([], tl.int32)
     s_dn = tl.full([], INT_MIN, tl.int32)
@@ -185,7 +187,7 @@ def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constex
 
 @triton.jit
 def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at_lo,
-            compacted, zc, ic, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
+            compacted, zc, ic, sz_ptr, si_ptr, cnt_ptr, c_off, w_off, CAND: tl.constexpr, BLOCK: tl.constexpr):
     """Find t = the largest key in [lo, hi] whose metric_ge(t) >= target, where the metric is the
     count (use_mass == 0) or the mass exp(z) of the values with key >= t. Returns
     (found, t, count_gt(t), mass_gt(t), multiplicity of t, lo, c_lo, m_lo, compacted, zc, ic).
@@ -214,14 +216,19 @@ def _search(row_ptr, V, m, inv_t, lo, hi, c_lo, m_lo, target, use_mass, first_at
             mid_v = _key(_unkey(lo) * 0.5 + _unkey(hi) * 0.5 + 0.0)
             use_v = (it < 12) & (mid_v > lo) & (mid_v <= hi)
             mid = tl.where(at_lo, lo, tl.where(use_v, mid_v, mid_k))
-            c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, BLOCK)
+            c_ge, w_ge, s_up, n_up, s_dn, n_dn = _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, c_off, w_off,
+                                                           BLOCK)
             if at_lo:
                 c_lo = c_ge
                 m_lo = w_ge
             w_up = tl.exp(_unkey(s_up))
             w_dn = tl.exp(_unkey(s_dn))
             met_ge = tl.where(use_mass != 0, w_ge, c_ge.to(tl.float32))
-            if met_ge >= target:
+            if (met_ge >= target) & (s_up == INT_MAX):
+                # Only the offsets reach the target: t lies above the candidates' range (a fine
+                # bracket that missed; the caller then searches the whole row). Not found.
+                done = one
+            elif met_ge >= target:
                 # t >= s_up; s_up is t when dropping its copies falls below the target.
                 met_gt = met_ge - n_up.to(tl.float32) * tl.where(use_mass != 0, w_up, 1.0)
                 if met_gt < target:
@@ -462,3 +469,50 @@ def _hist_bracket(hist_ptr, n_parts, target, use_mass, NB: tl.constexpr):
     hi = tl.where(ju > 0, _key(-_hist_u_lo(tl.minimum(ju, NB - 1))), 0)
     c_lo = tl.sum(tl.where(jb == jj, c_cum, 0), 0)
     return usable, lo, hi, c_lo
+
+
+NB2 = tl.constexpr(128)  # bins of the fine histogram inside a top-p bracket (_sample_refine_kernel)
+
+
+@triton.jit
+def _fine_bin(z, z_lo, inv_w):
+    """Bin of z in the fine histogram over [z_lo, z_hi] (inv_w = NB2 / (z_hi - z_lo), 0 when the
+    range is one value): floor of the offset in bin widths, clamped."""
+    return tl.minimum(tl.maximum(tl.floor((z - z_lo) * inv_w), 0.0), NB2 - 1.0).to(tl.int32)
+
+
+@triton.jit
+def _fine_bracket(hist_ptr, agg_ptr, n_parts, lo, hi, target, S_P: tl.constexpr):
+    """A tighter bracket [lo2, hi2] of a top-p boundary inside [lo, hi] from the fine histogram
+    (NB2 bins of z over [z(lo), z(hi)], per chunk) and the exact count and mass above hi (per chunk,
+    2 floats each). The mass bounds are as in _hist_bracket (0.1% margins), but a bin spans
+    (z_hi - z_lo) / 128 nats. Returns (lo2, hi2, estimated count in [lo2, hi2]). A value that
+    rounding put in a neighbouring bin can make the bracket miss t; the per-row kernel then finds
+    no boundary in it and searches the whole row, so a miss costs time, never a wrong token."""
+    jb = tl.arange(0, NB2)
+    cnt = tl.zeros([NB2], tl.int32)
+    for part in range(0, n_parts):
+        cnt += tl.load(hist_ptr + part * NB2 + jb)
+    jp = tl.arange(0, S_P)
+    w_ab = tl.sum(tl.load(agg_ptr + jp * 2 + 1, mask=jp < n_parts, other=0.0), 0)
+    z_lo = _unkey(lo)
+    z_hi = _unkey(hi)
+    wdt = (z_hi - z_lo) / NB2
+    cf = cnt.to(tl.float32)
+    e_lo = z_lo + jb.to(tl.float32) * wdt  # each bin's lower edge
+    # Mass at or above each bin's lower edge, bounded below (every value at its bin's lower edge)
+    # and above (at its upper edge), summed from the top bin down.
+    lb = w_ab + tl.cumsum(cf * tl.exp(e_lo), 0, reverse=True)
+    ub = w_ab + tl.cumsum(cf * tl.exp(tl.minimum(e_lo + wdt, z_hi)), 0, reverse=True)
+    # t >= the lower edge of the highest bin whose lower bound surely reaches the target.
+    reach = lb >= target * 1.001
+    j_lo = tl.max(tl.where(reach, jb, -1), 0)
+    # t < the lower edge of the lowest bin whose upper bound surely falls short: t is in a bin below.
+    short = ub < target * 0.999
+    j_hi = tl.min(tl.where(short, jb, NB2), 0) - 1
+    lo2 = tl.where(j_lo >= 0, tl.maximum(_key(tl.sum(tl.where(jb == tl.maximum(j_lo, 0), e_lo, 0.0), 0) + 0.0), lo), lo)
+    hi2 = tl.where(j_hi < NB2 - 1,
+                   tl.minimum(_key(tl.sum(tl.where(jb == tl.minimum(j_hi + 1, NB2 - 1), e_lo, 0.0), 0) + 0.0), hi), hi)
+    hi2 = tl.maximum(hi2, lo2)
+    c_in = tl.sum(tl.where((jb >= tl.maximum(j_lo, 0)) & (jb <= j_hi), cnt, 0), 0)
+    return lo2, hi2, c_in
