@@ -147,6 +147,30 @@ def test_invalid_rows_do_not_disturb_the_batch():
     assert torch.equal(ids[[0, 2, 5]], clean[[0, 2, 5]]) and (ids[[1, 3, 4]] == 0).all()
 
 
+def test_fine_bracket_at_the_benchmark_shape():
+    """Top-p alone at B=64 / vocab 128256 over the benchmark's logits (flat body, nuclei of
+    thousands of tokens): pass B2 narrows the bracket and the values above it enter as figures.
+    Exact support against the reference, the tokens of the whole-row search (bracket=False), in
+    fp32 and bf16 (ties at the boundary), and batch invariant."""
+    B, V = 64, 128256
+    g = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(B, V, generator=g, device=DEV) * 2.0
+    x[:, :200] += torch.rand(B, 200, generator=g, device=DEV) * 8
+    T = torch.full((B,), 0.8, device=DEV)
+    k = torch.zeros(B, dtype=torch.int32, device=DEV)
+    p = torch.tensor([0.9, 0.95, 0.8, 0.99], device=DEV).repeat(B // 4)
+    mp = torch.zeros(B, device=DEV)
+    seeds = torch.arange(B, device=DEV) * 11 + 2
+    pos = torch.arange(B, device=DEV) + 100
+    for xs in (x, x.to(torch.bfloat16)):
+        ids, invalid, sup = sampler.sample(xs, T, k, p, mp, seeds, pos, return_support=True)
+        assert_support_matches(sampler.support_from_boundary(xs, T, sup), xs, T, k, p, mp)
+        whole = sampler.sample(xs, T, k, p, mp, seeds, pos, return_support=True, bracket=False)
+        assert torch.equal(ids, whole[0]) and torch.equal(sup, whole[2]) and not invalid.any()
+        sub = sampler.sample(xs[5:9], T[5:9], k[5:9], p[5:9], mp[5:9], seeds[5:9], pos[5:9])[0]
+        assert torch.equal(sub, ids[5:9])
+
+
 def test_seeded_rows_are_batch_invariant():
     V = 128256
     g = torch.Generator(device=DEV).manual_seed(2)
