@@ -307,3 +307,35 @@ def test_fine_bracket_for_flat_top_p_rows(cand, monkeypatch):
     assert torch.equal(ids, R.sample(x, T, k, p, mp, seeds, pos)[0]) and not invalid.any()
     whole = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=4096, bracket=False)
     assert torch.equal(ids, whole[0]) and torch.equal(sup, whole[2])
+
+
+def test_min_p_alone_is_drawn_in_the_gather(monkeypatch):
+    """Min-p alone: the support {z >= log(min_p)} is known after pass A, so the spread gather races
+    over it (state 3) and the per-row kernel reads no row. Same tokens as the reference and as the
+    whole-row race, beside rows with other filters, with ties and an all-equal row."""
+    g = torch.Generator().manual_seed(13)
+    B, V = 6, 3000
+    x = torch.randn(B, V, generator=g) * 2
+    x[2] = torch.round(x[2] * 2) / 2  # ties
+    x[3] = 0.5  # every value equal: all kept, the noise decides
+    T = torch.tensor([1.0, 0.7, 1.0, 1.0, 1.3, 1.0])
+    k = torch.tensor([0, 0, 0, 0, 40, 0], dtype=torch.int32)
+    p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.8])
+    mp = torch.tensor([0.05, 0.3, 0.1, 0.2, 0.1, 0.0])
+    seeds, pos = torch.arange(B) + 17, torch.arange(B) * 5
+    seen = []
+    carve = sampler._carve
+
+    def keep(dtype, device, *shapes):
+        out = carve(dtype, device, *shapes)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(sampler, "_carve", keep)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256)
+    assert seen[1][2][:, 5].tolist() == [3, 3, 3, 3, 0, 0]  # min-p alone rows only
+    target = R.filtered_probs(x, T, k, p, mp)
+    assert torch.equal(sampler.support_from_boundary(x, T, sup), target > 0)
+    assert torch.equal(ids, R.sample(x, T, k, p, mp, seeds, pos)[0]) and not invalid.any()
+    whole = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=256, bracket=False)[0]
+    assert torch.equal(ids, whole)

@@ -169,7 +169,9 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
     tl.store(out + 2, hi)
     tl.store(out + 3, c)
     tl.store(out + 4, ((mode > 0) & (c <= CAND)).to(tl.int32))
-    tl.store(out + 5, ((mode == 2) & (c > CAND)).to(tl.int32))
+    # Min-p alone: the support is {key >= lo0}, known now; the gather races over it (state 3).
+    mp_alone = use_mp & not_(use_k | use_p) & not_(greedy) & (bad == 0) & (m > float("-inf"))
+    tl.store(out + 5, tl.where(mp_alone, 3, ((mode == 2) & (c > CAND)).to(tl.int32)))
     tl.store(out + 6, lo)
     tl.store(out + 7, hi)
     tl.store(cnt_ptr + row, 0)
@@ -184,7 +186,7 @@ def _sample_refine_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
     mass of the values above hi. _sample_gather_kernel narrows the bracket from them."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    if tl.load(br_ptr + row * BR + 5) != 0:
+    if tl.load(br_ptr + row * BR + 5) == 1:
         k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
             temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
         lo_key = tl.load(br_ptr + row * BR + 1)
@@ -224,12 +226,16 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
     (every chunk's program computes the same one; chunk 0 records it). When at most CAND values
     are estimated inside it, those are gathered, and the values above hi2 (surely kept) are summed
     here instead: count, mass and their race winner (z + Gumbel noise, lowest id on a tie), per
-    chunk into agg2, for the per-row kernel."""
+    chunk into agg2, for the per-row kernel. A min-p-alone row (state 3) gets the same figures over
+    its whole support {key >= lo} and no candidates: its draw is done here, spread over the chunks,
+    instead of one program racing over the whole row."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     go = tl.load(br_ptr + row * BR + 4) != 0
-    refined = tl.load(br_ptr + row * BR + 5) != 0
-    if go | refined:
+    st = tl.load(br_ptr + row * BR + 5)
+    refined = (st == 1) | (st == 2)
+    race_only = st == 3
+    if go | refined | race_only:
         k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
             temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
         lo_key = tl.load(br_ptr + row * BR + 1)
@@ -245,9 +251,12 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
                 tl.store(br_ptr + row * BR + 6, lo2)
                 tl.store(br_ptr + row * BR + 7, hi2)
                 tl.store(br_ptr + row * BR + 5, 2)  # the other programs read it as "refined" either way
+        if race_only:
+            hi_key = lo_key - 1  # every kept value lies "above": no candidate, only the figures
+            go = go | race_only
         if go:
             row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
-            if refined:
+            if refined | race_only:
                 seed = tl.load(seed_ptr + row)
                 pos = tl.load(pos_ptr + row)
                 c_v = tl.zeros([BLOCK // 4], tl.int32)
@@ -353,6 +362,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             g_ab = tl.full([], float("-inf"), tl.float32)
             id_ab = tl.full([], INT_MAX, tl.int32)
             n_c = tl.zeros([], tl.int32)
+            drawn = tl.zeros([], tl.int32)  # min-p alone: the gather's race already has the token
             if HIST:  # the first search's bracket (_sample_bracket_kernel) and its gathered candidates
                 br = br_ptr + row * BR
                 mode = tl.load(br + 0)
@@ -360,7 +370,10 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                 hi_b = tl.load(br + 2)
                 c_b = tl.load(br + 3)
                 n_c = tl.load(cnt_ptr + row)
-                fine = (tl.load(br + 5) == 2) & (n_c <= CAND)  # more than CAND: the estimate was off
+                st = tl.load(br + 5)
+                fine = (st == 2) & (n_c <= CAND)  # more than CAND: the estimate was off
+                raced = st == 3
+                drawn = raced.to(tl.int32)
                 if (tl.load(br + 4) != 0) | fine:
                     jc = tl.arange(0, CAND)
                     zc = tl.load(sz + jc, mask=jc < n_c, other=float("-inf"))
@@ -370,6 +383,7 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
                     restricted = tl.full([], 1, tl.int32)
                     lo_r = tl.load(br + 6)
                     hi_r = tl.load(br + 7)
+                if fine | raced:
                     c_ab, w_ab, g_ab, id_ab = _above_fine(agg2_ptr + row * n_parts * 4, n_parts, S_P)
             mass1 = s
             c_lo = n_fin
@@ -440,7 +454,9 @@ def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp
             # unless the boundary keeps only some of the values equal to t (the lowest ids),
             # which needs the ordered pass with a running tie rank.
             all_or_none = (n == 0) | (n >= e_t)
-            if (compacted != 0) & all_or_none:
+            if drawn != 0:
+                best_id = id_ab
+            elif (compacted != 0) & all_or_none:
                 best, best_id, carry = _race_block(zc, ic, zc > float("-inf"), t, tl.where(n > 0, CAND, 0), 0,
                                                    seed, pos, best, best_id)
                 if restricted != 0:  # the values above the fine bracket: all kept, their winner known
