@@ -185,3 +185,23 @@ def test_structured_output(single_thread):
     assert outs[2].text in ("yes!", "no!")
     assert outs[3].finish_reason == "error" and outs[3].error.startswith("json_schema")
     assert len(outs[4].text) == 4 and outs[4].text[0] == "a" and outs[4].text[1:3].isdigit()
+
+
+def test_structured_output_prepared_at_start_up(single_thread):
+    """EngineConfig.structured_output builds the compiler and the bitmask buffer in the
+    constructor (before the engine's objects are frozen), so a constrained request pays no set-up;
+    the tokens are those of an engine that builds them on first use."""
+    pytest.importorskip("xgrammar")
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+    sp = SamplingParams(max_tokens=24, temperature=0.0, json_schema=schema)
+    lazy = LLM("tiny-llama3", max_num_seqs=4)
+    assert lazy._structured is None and lazy._bitmask is None
+    want = lazy.generate(["x", "y"], sp)
+    ready = LLM("tiny-llama3", max_num_seqs=4, structured_output=True)
+    made = ready._structured
+    assert made is not None and ready._bitmask is not None
+    got = ready.generate(["x", "y"], sp)
+    assert ready._structured is made  # not made again
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    lazy.close()
+    ready.close()

@@ -76,6 +76,8 @@ class LLM:
             log.info("%s", line)
         self._structured = None  # opmap.ops.grammar.structured.StructuredOutput, made on first use
         self._bitmask = None
+        if self.ecfg.structured_output:
+            self._ensure_structured()  # before gc.freeze() below: its objects are frozen too
         self.stats = StepStats()
         self.last_summary: Optional[dict] = None
         self._parts = dict.fromkeys(HOST_PARTS, 0.0)  # this step's host time by part (metrics.HOST_PARTS)
@@ -154,17 +156,23 @@ class LLM:
         except (InputError, ValueError, TypeError) as e:
             return RequestOutput(i, text, ids, "", [], "error", error=str(e))
 
-    def _grammar_state(self, params):
-        if self._structured is None:
-            try:
-                from ..ops.grammar.structured import BitmaskBuffer, StructuredOutput
+    def _ensure_structured(self) -> None:
+        """The grammar compiler and the bitmask buffer, made once (EngineConfig.structured_output:
+        at start-up; else on the first constrained request)."""
+        if self._structured is not None:
+            return
+        try:
+            from ..ops.grammar.structured import BitmaskBuffer, StructuredOutput
 
-                ends = self.eos_ids or getattr(self.tokenizer, "grammar_end", None)
-                self._structured = StructuredOutput(self.tokenizer.tok, vocab_size=self.cfg.vocab,
-                                                    stop_token_ids=ends or None)
-            except ImportError as e:
-                raise InputError("structured output", f"unavailable ({e})", "the xgrammar package") from None
-            self._bitmask = BitmaskBuffer(self.ecfg.max_num_seqs, self.cfg.vocab, self.runner.device)
+            ends = self.eos_ids or getattr(self.tokenizer, "grammar_end", None)
+            self._structured = StructuredOutput(self.tokenizer.tok, vocab_size=self.cfg.vocab,
+                                                stop_token_ids=ends or None)
+        except ImportError as e:
+            raise InputError("structured output", f"unavailable ({e})", "the xgrammar package") from None
+        self._bitmask = BitmaskBuffer(self.ecfg.max_num_seqs, self.cfg.vocab, self.runner.device)
+
+    def _grammar_state(self, params):
+        self._ensure_structured()
         try:
             return self._structured.request(params)
         except Exception as e:  # noqa: BLE001 - e.g. a JSON schema that is not JSON: this request's error
