@@ -266,6 +266,21 @@ def test_tiny_vocabularies(V):
         assert torch.equal(ids, ref[0]) and not invalid.any() and (ids < V).all()
 
 
+def _keep_scratch(monkeypatch) -> list:
+    """The sampler's scratch views of each call, appended as made: [(sz, part, agg, agg2),
+    (si, cnt, br, hist)] per call; br holds the bracket records (sampler.BR ints per row)."""
+    seen = []
+    carve = sampler._carve
+
+    def keep(dtype, device, *shapes):
+        out = carve(dtype, device, *shapes)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(sampler, "_carve", keep)
+    return seen
+
+
 @pytest.mark.parametrize("cand", [2048, 256, 64])
 def test_fine_bracket_for_flat_top_p_rows(cand, monkeypatch):
     """Top-p alone over a flat body (the benchmark's logits: a nucleus of thousands of tokens whose
@@ -286,15 +301,7 @@ def test_fine_bracket_for_flat_top_p_rows(cand, monkeypatch):
     seeds, pos = torch.arange(B) + 5, torch.arange(B) * 3 + 1
     block, _, warps, chunk = sampler._config(torch.device("cpu"))
     monkeypatch.setattr(sampler, "_config", lambda dev: (block, cand, warps, chunk))
-    seen = []
-    carve = sampler._carve
-
-    def keep(dtype, device, *shapes):
-        out = carve(dtype, device, *shapes)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(sampler, "_carve", keep)
+    seen = _keep_scratch(monkeypatch)
     ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=4096)
     br = seen[1][2]  # (si, cnt, br, hist): the bracket records
     over = br[:, 3] > cand  # more values above lo than candidate slots
@@ -323,15 +330,7 @@ def test_min_p_alone_is_drawn_in_the_gather(monkeypatch):
     p = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.8])
     mp = torch.tensor([0.05, 0.3, 0.1, 0.2, 0.1, 0.0])
     seeds, pos = torch.arange(B) + 17, torch.arange(B) * 5
-    seen = []
-    carve = sampler._carve
-
-    def keep(dtype, device, *shapes):
-        out = carve(dtype, device, *shapes)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(sampler, "_carve", keep)
+    seen = _keep_scratch(monkeypatch)
     ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256)
     assert seen[1][2][:, 5].tolist() == [3, 3, 3, 3, 0, 0]  # min-p alone rows only
     target = R.filtered_probs(x, T, k, p, mp)
