@@ -126,6 +126,9 @@ def _decode_case(B, H, ctx, fp8, quick):
         # registers and no stack. At B=1 also twice the programs (256 splits of 128 keys).
         # In the quick grid too.
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=8,s=3]", _ours("mla_decode", (16, 32, 8, 3))))
+        # BLOCK_N 16 with 3 stages: the sm90 build keeps one tile's copy in flight (async_wait 1;
+        # the default waits for every copy, async_wait 0) at 209 registers and no stack.
+        provs.append(Provider("opmap-triton[bh=16,bn=16,w=4,s=3]", _ours("mla_decode", (16, 16, 4, 3))))
         if B == 1:
             provs.append(Provider("opmap-triton[splits=256,min=128]",
                                   _ours("mla_decode", num_splits=256, split_min=128)))
