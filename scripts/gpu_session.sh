@@ -81,6 +81,10 @@ case $part in
       > "$out/e2e.log" 2>&1
     OPMAP_ROPE_APPEND=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
       --case 1 --no-hf --out "$out/e2e-unfused" > "$out/e2e-unfused.log" 2>&1
+    # Where the B=1 step's 4.47 ms go now that the host no longer waits inside it (sixth session):
+    # the per-kernel table against the 3.52 ms weight floor.
+    timeout 120 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 1 --num-requests 2 \
+      --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b1.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
   verify)
