@@ -6,7 +6,7 @@
 #   scripts/gpu_session.sh final OUTDIR        # sanitizer leftovers (one case per child), then the sampling bench
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
-#   scripts/gpu_session.sh engine OUTDIR       # e2e B=1 fused / unfused, profiles (alone on the GPU)
+#   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
@@ -79,8 +79,6 @@ case $part in
   engine)
     timeout 150 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
       > "$out/e2e.log" 2>&1
-    OPMAP_ROPE_APPEND=0 timeout 130 python3 -m opmap.bench.cases.e2e --model llama3-8b \
-      --case 1 --no-hf --out "$out/e2e-unfused" > "$out/e2e-unfused.log" 2>&1
     # Where the B=1 step's 4.47 ms go now that the host no longer waits inside it (sixth session):
     # the per-kernel table against the 3.52 ms weight floor.
     timeout 120 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 1 --num-requests 2 \
