@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from opmap.contract import InputError
 from opmap.ops.sampling import reference as R
@@ -338,3 +340,33 @@ def test_min_p_alone_is_drawn_in_the_gather(monkeypatch):
     assert torch.equal(ids, R.sample(x, T, k, p, mp, seeds, pos)[0]) and not invalid.any()
     whole = sampler.sample(x, T, k, p, mp, seeds, pos, chunk=256, bracket=False)[0]
     assert torch.equal(ids, whole)
+
+
+@triton.jit
+def _bracket_at_top(hist_ptr, agg_ptr, n_parts, lo, hi, target, S_P: tl.constexpr):
+    return hi, hi, lo * 0
+
+
+@triton.jit
+def _bracket_at_bottom(hist_ptr, agg_ptr, n_parts, lo, hi, target, S_P: tl.constexpr):
+    return lo, lo, lo * 0
+
+
+@pytest.mark.parametrize("wrong", [_bracket_at_top, _bracket_at_bottom], ids=["above", "below"])
+def test_a_fine_bracket_that_misses_falls_back_to_the_whole_row(wrong, monkeypatch):
+    """A fine bracket that does not hold the boundary (rounding put a value in a neighbouring bin)
+    must cost time, not tokens: forced here to a one-key bracket at the coarse bracket's top or
+    bottom, the per-row search finds no boundary in it and searches the whole row."""
+    monkeypatch.setattr(sampler, "_fine_bracket", wrong)
+    V, B = 32768, 2
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(B, V, generator=g) * 2.0
+    T, k = torch.full((B,), 0.8), torch.zeros(B, dtype=torch.int32)
+    p, mp = torch.tensor([0.9, 0.9]), torch.zeros(B)
+    seeds, pos = torch.arange(B) + 9, torch.arange(B) + 4
+    seen = _keep_scratch(monkeypatch)
+    ids, invalid, sup = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=4096)
+    assert (seen[1][2][:, 5] == 2).all()  # both rows went through the (wrong) fine bracket
+    target = R.filtered_probs(x, T, k, p, mp)
+    assert torch.equal(sampler.support_from_boundary(x, T, sup), target > 0)
+    assert torch.equal(ids, R.sample(x, T, k, p, mp, seeds, pos)[0]) and not invalid.any()
