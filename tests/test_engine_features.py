@@ -205,3 +205,36 @@ def test_structured_output_prepared_at_start_up(single_thread):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     lazy.close()
     ready.close()
+
+
+def test_penalty_counts_are_updated_on_the_device_between_decode_steps(single_thread, monkeypatch):
+    """With penalties the sampler rebuilds the prompt mask and output counts from the host's token
+    lists only when the batch changes; in steady decode it adds the previous step's sampled ids on
+    the device. The tokens equal those of rebuilding at every step, in lockstep and one step ahead."""
+    from opmap.engine import sampler as esampler
+
+    params = [SamplingParams(max_tokens=n, temperature=t, repetition_penalty=1.5, frequency_penalty=0.8,
+                             presence_penalty=0.3, seed=s, ignore_eos=True)
+              for n, t, s in ((18, 0.0, 1), (11, 0.8, 2), (14, 1.0, 3))]
+    prompts = [[5, 6, 7, 5], [9, 9, 9], [1, 2, 3, 4, 5, 6]]
+    calls = []
+    real = esampler.penalty_state
+    monkeypatch.setattr(esampler, "penalty_state", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got = {}
+    for asyn in (False, True):
+        for rebuild in (False, True):
+            llm = LLM("tiny-llama3", max_num_seqs=4, async_decode=asyn)
+            if rebuild:  # forget the last launch's state before every launch
+                launch = llm.sampler.launch
+
+                def fresh(*a, _launch=launch, _s=llm.sampler, **k):
+                    _s._pen = None
+                    return _launch(*a, **k)
+
+                llm.sampler.launch = fresh
+            calls.clear()
+            got[asyn, rebuild] = [o.token_ids for o in llm.generate(prompts, params)]
+            if not rebuild:
+                assert len(calls) < 10  # one rebuild per change of the batch, not one per step
+            llm.close()
+    assert got[False, False] == got[False, True] == got[True, False] == got[True, True]
