@@ -3,7 +3,7 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
-#   scripts/gpu_session.sh final OUTDIR        # sanitizer leftovers (one case per child), then the sampling bench
+#   scripts/gpu_session.sh final OUTDIR        # sanitizer leftovers (qwen3, then deepseek reusing its verdicts), then the sampling bench
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
@@ -55,11 +55,20 @@ case $part in
     # The sanitizer's leftovers for both MoE/MLA presets (the check's other sections run first),
     # then, alone on the GPU, the sampling and kv_append bench. --batch 1: each case in its own
     # child, so a verdict is saved as soon as it ends (a batch saves nothing until all its cases
-    # end: the fifth session's final call lost its last 330 s that way).
-    sanitizer_bg ${SAN_TIMEOUT:-330} --jobs 7 --batch 1
-    for p in "${pids[@]}"; do wait "$p"; done
+    # end: the fifth session's final call lost its last 330 s that way). The presets share most GPU
+    # cases (the same keys: the families that do not depend on the model), so qwen3-30b-a3b runs
+    # first and deepseek-v2-lite reuses its verdicts (--reuse) and runs only its own cases.
+    t0=$SECONDS
+    m=qwen3-30b-a3b; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+    timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" \
+      --out "$out/$m" --jobs 7 --batch 1 > "$out/$m/check.log" 2>&1
+    left=$(( ${SAN_TIMEOUT:-330} + 120 - (SECONDS - t0) ))
+    m=deepseek-v2-lite; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+    timeout $(( left > 60 ? left : 60 )) python3 -m opmap.cli check --model $m --sanitizer \
+      --resume "$out/$m/state.jsonl" --reuse "$out/qwen3-30b-a3b/state.jsonl" --out "$out/$m" --jobs 7 --batch 1 \
+      > "$out/$m/check.log" 2>&1
     pkill -f compute-sanitizer 2>/dev/null
-    timeout 150 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
+    timeout 100 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
       > "$out/bench.log" 2>&1 ;;
   sampler)
     # After a sampler change: its GPU tests, then (alone) each kernel's time and the bench.

@@ -219,6 +219,26 @@ def test_resume_reuses_finished_verdicts_and_runs_the_rest(fake_tool, monkeypatc
     assert len(state.read_text().splitlines()) == 3
 
 
+def test_reuse_takes_the_same_cases_from_another_runs_state(fake_tool, monkeypatch, tmp_path):
+    """--reuse: another run's verdicts (another preset's) count where the key is the same; only the
+    other cases run, and the reused verdicts are copied into this run's state file."""
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    other, mine = tmp_path / "other.jsonl", tmp_path / "mine.jsonl"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    import unittest.mock as mock
+
+    pairs = [("fakesan_pkg.cases", cases[0]), ("fakesan_pkg.cases", cases[1]), ("fakesan_pkg.cases", cases[3])]
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        first = san.run_all(pairs[:2], True, 120, progress=False, jobs_n=1, state=str(other))
+        n_runs = len(_runs(log))
+        got = san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(mine), reuse=[str(other)])
+    assert len(_runs(log)) == n_runs + 1 and "replay" in _runs(log)[-1]  # only the case the other run lacks
+    assert [(r.case, r.passed, r.figure) for r in got[:2]] == [(r.case, r.passed, r.figure) for r in first]
+    assert len(mine.read_text().splitlines()) == 3 and len(other.read_text().splitlines()) == 2
+    assert [r.case for r in san.load_state(str(mine)).values()].count("replay [memcheck]") == 1
+
+
 def test_batch_with_our_error_or_a_timeout_reruns_each_case_alone(fake_tool, monkeypatch, tmp_path):
     tool, cases = fake_tool
     log = tmp_path / "runs.txt"

@@ -295,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--resume", metavar="FILE",
                    help="sanitizer verdicts as JSON lines: each is appended as it finishes, and "
                         "those already there are reused (continue a run that was cut off)")
+    c.add_argument("--reuse", metavar="FILE", action="append", default=[],
+                   help="another run's sanitizer verdicts (JSON lines, as --resume writes) to reuse where "
+                        "the case is the same (same key), e.g. another preset's: its GPU cases of families "
+                        "that do not depend on the model are the same; repeatable; copied into --resume's file")
     c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")

@@ -238,7 +238,8 @@ def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
 
 
 def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
-          sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6) -> tuple[list[Result], dict]:
+          sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
+          reuse=()) -> tuple[list[Result], dict]:
     """Run the checklist; returns the results and facts for the JSON (selection, notes)."""
     from ..report import short_error
 
@@ -260,7 +261,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
             notes.append("--sanitizer: compute-sanitizer needs a GPU; no case was run under it")
         else:
             gpu = [(f, c) for f, c in selected if san.wants_sanitizer(c)]
-            results += san.run_all(gpu, quick, timeout, progress, jobs, batch=batch, state=resume)
+            results += san.run_all(gpu, quick, timeout, progress, jobs, batch=batch, state=resume, reuse=reuse)
     missing = missing_families()
     if missing:
         notes.append("families without check cases: " + ", ".join(missing))
@@ -280,7 +281,7 @@ def main(args) -> int:
         results, extra = check(args.model, args.backend, args.op, args.section, args.quick,
                                sanitizer=args.sanitizer, timeout=args.timeout, console=console,
                                jobs=args.jobs, resume=getattr(args, "resume", None),
-                               batch=getattr(args, "batch", 6))
+                               batch=getattr(args, "batch", 6), reuse=getattr(args, "reuse", None) or ())
     except ValueError as e:  # unknown preset
         print(f"error: {e}", file=sys.stderr)
         return 2

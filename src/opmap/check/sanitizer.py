@@ -307,9 +307,12 @@ def load_state(path: Optional[str]) -> dict:
 
 
 def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4,
-            batch: int = BATCH, state: Optional[str] = None) -> list:
+            batch: int = BATCH, state: Optional[str] = None, reuse=()) -> list:
     """Every (family, case) under its tools. ``state``: a JSON-lines file that each verdict is
-    appended to as it finishes; verdicts already in it are reused, not run again."""
+    appended to as it finishes; verdicts already in it are reused, not run again. ``reuse``: other
+    runs' state files whose verdicts count where the key (family, section, case title, tool) is
+    the same, e.g. another preset's run: the cases of families that do not depend on the model
+    are the same cases. Those verdicts are copied into ``state``."""
     global _SLOTS
     from dataclasses import asdict
 
@@ -325,6 +328,17 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     if progress and any(r is not None for r in results):
         print(f"[sanitizer] {sum(r is not None for r in results)} of {len(jobs)} verdicts reused from {state}",
               file=sys.stderr, flush=True)
+    for other in reuse:
+        shared, n = load_state(other), 0
+        for k, (f, c, tool) in enumerate(jobs):
+            key = _key(f, c, tool)
+            if results[k] is None and key in shared:
+                results[k], n = shared[key], n + 1
+                if state:
+                    with open(state, "a", encoding="utf-8") as fh:
+                        fh.write(json.dumps({"key": key, **asdict(results[k])}) + "\n")
+        if progress and n:
+            print(f"[sanitizer] {n} verdicts of the same cases reused from {other}", file=sys.stderr, flush=True)
     lock = threading.Lock()
     if not jobs:
         return [Result("sanitizer", "-", "-", "(no case of our kernels selected)", True,
