@@ -43,7 +43,7 @@ import triton.language as tl
 from ...contract import expect
 from .sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, NB2, PART, _combine_parts, _fine_bin,  # noqa: F401
                           _fine_bracket, _gumbel, _hist_bins, _hist_bracket, _key, _load_z, _parts_max, _pass_a,
-                          _race_block, _race_lanes, _search, _unkey)
+                          _put_candidates, _race_block, _race_lanes, _search, _unkey)
 from .validate import check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
@@ -270,10 +270,7 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
                     z = _load_z(row_ptr, offs, hi, m, inv_t)
                     kz = _key(z)
                     sel = (offs < hi) & (kz >= lo_key) & (kz <= hi_key)
-                    slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
-                    ok = sel & (slot < CAND)
-                    tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
-                    tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+                    _put_candidates(z, offs, sel, sz_ptr + row * CAND, si_ptr + row * CAND, cnt_ptr + row, CAND)
                     ab = (offs < hi) & (kz > hi_key)
                     c_v += ab.to(tl.int32)
                     w_v += tl.where(ab, tl.exp(z), 0.0)
@@ -292,10 +289,7 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
                     offs = start + tl.arange(0, BLOCK)
                     z = _load_z(row_ptr, offs, hi, m, inv_t)
                     sel = (offs < hi) & (_key(z) >= lo_key)
-                    slot = tl.atomic_add(cnt_ptr + row + offs * 0, 1, mask=sel)
-                    ok = sel & (slot < CAND)
-                    tl.store(sz_ptr + row * CAND + slot, z, mask=ok)
-                    tl.store(si_ptr + row * CAND + slot, offs, mask=ok)
+                    _put_candidates(z, offs, sel, sz_ptr + row * CAND, si_ptr + row * CAND, cnt_ptr + row, CAND)
 
 
 @triton.jit

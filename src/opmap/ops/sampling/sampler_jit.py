@@ -157,6 +157,16 @@ def _evaluate(row_ptr, V, m, inv_t, mid, compacted, zc, c_off, w_off, BLOCK: tl.
 
 
 @triton.jit
+def _put_candidates(z, offs, sel, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr):
+    """Append the selected values and their ids to a row's candidate scratch (slots from the
+    row's atomic counter, which goes on counting past CAND: the caller can tell an overflow)."""
+    slot = tl.atomic_add(cnt_ptr + offs * 0, 1, mask=sel)
+    ok = sel & (slot < CAND)
+    tl.store(sz_ptr + slot, z, mask=ok)
+    tl.store(si_ptr + slot, offs, mask=ok)
+
+
+@triton.jit
 def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constexpr, BLOCK: tl.constexpr):
     """Copy the values with key >= lo (at most CAND of them) to this row's scratch and load them
     back into registers: later evaluations and the draw read no more memory. Slots come from an
@@ -172,10 +182,7 @@ def _compact(row_ptr, V, m, inv_t, lo, sz_ptr, si_ptr, cnt_ptr, CAND: tl.constex
         z = z_n
         z_n = _load_z(row_ptr, offs + BLOCK, V, m, inv_t)  # see _ahead
         sel = (offs < V) & (_key(z) >= lo)
-        pos = tl.atomic_add(cnt_ptr + offs * 0, 1, mask=sel)
-        ok = sel & (pos < CAND)
-        tl.store(sz_ptr + pos, z, mask=ok)
-        tl.store(si_ptr + pos, offs, mask=ok)
+        _put_candidates(z, offs, sel, sz_ptr, si_ptr, cnt_ptr, CAND)
         c_v += sel.to(tl.int32)
     base = tl.sum(c_v, 0)
     tl.debug_barrier()  # the stores of every thread are visible to the loads below
