@@ -45,6 +45,11 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+# SamplingTensors' float fields and the SamplingParams fields they come from, in one order.
+_F32_NAMES = ("temperature", "top_p", "min_p", "repetition", "frequency", "presence")
+_F32_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
 def _fresh_seed() -> int:
     return int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
 
@@ -74,17 +79,14 @@ class SamplingTensors:
         seeds = tuple(p.seed if p.seed is not None else _fresh_seed() for p in params)
         top_k = [0 if p.top_k >= vocab else p.top_k for p in params]
 
-        def f32(vals):
-            return to_device([float(v) for v in vals], torch.float32, device)
-
+        # The six float fields in one copy: rows of a [6, n] tensor, n padded to 16 bytes so that
+        # each row starts as aligned as a tensor of its own (Triton specialises on alignment).
+        B, n = len(params), -(-len(params) // 4) * 4
+        rows = [[float(getattr(p, f)) for p in params] + [0.0] * (n - B) for f in _F32_FIELDS]
+        f32 = to_device(rows, torch.float32, device)[:, :B]
         st = cls(
-            temperature=f32(p.temperature for p in params),
+            **dict(zip(_F32_NAMES, f32.unbind(0))),
             top_k=to_device(top_k, torch.int32, device),
-            top_p=f32(p.top_p for p in params),
-            min_p=f32(p.min_p for p in params),
-            repetition=f32(p.repetition_penalty for p in params),
-            frequency=f32(p.frequency_penalty for p in params),
-            presence=f32(p.presence_penalty for p in params),
             seeds=to_device(seeds, torch.int64, device),
             any_penalties=any(p.has_penalties for p in params),
             all_greedy=all(p.greedy for p in params),
