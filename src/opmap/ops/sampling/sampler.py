@@ -172,8 +172,6 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
     # Min-p alone: the support is {key >= lo0}, known now; the gather races over it (state 3).
     mp_alone = use_mp & not_(use_k | use_p) & not_(greedy) & (bad == 0) & (m > float("-inf"))
     tl.store(out + 5, tl.where(mp_alone, 3, ((mode == 2) & (c > CAND)).to(tl.int32)))
-    tl.store(out + 6, lo)
-    tl.store(out + 7, hi)
     tl.store(cnt_ptr + row, 0)
 
 
