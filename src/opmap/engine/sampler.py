@@ -7,7 +7,7 @@ so a seeded request draws the same tokens alone or inside any batch.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -37,11 +37,10 @@ class Sampler:
                            "sample")
         self.bitmask = pick("grammar_mask", S.GrammarMaskSpec(vocab=vocab, **base), "apply_bitmask")
         self._key, self._st = None, None
-        # (key, prompt mask, output counts, output lengths, the ids sampled) of the last launch with
-        # penalties: the next decode step adds those ids on the device instead of rebuilding both
-        # [B, V] tensors from every token of every row on the host (~5 ms per step at B=32 with
-        # 512-token prompts: more than the GPU's step).
-        self._pen = None
+        # The last launch's penalty state: the next decode step adds its sampled ids on the device
+        # instead of rebuilding both [B, V] tensors from every token of every row on the host
+        # (~5 ms per step at B=32 with 512-token prompts: more than the GPU's step).
+        self._pen: Optional[_PenaltyState] = None
 
     def condensed(self) -> list:
         return [c.condensed() for _, c in self.choices]
@@ -66,11 +65,11 @@ class Sampler:
             # (named seen, not mask: the grammar bitmask argument below is called mask)
             outs = tuple(s.num_output_tokens for s in seqs)
             pen = self._pen
-            if pen is not None and pen[0] == key and all(o == q + 1 for o, q in zip(outs, pen[3])):
+            if pen is not None and pen.key == key and all(o == q + 1 for o, q in zip(outs, pen.outs)):
                 # Same rows, one token each since the last launch: the ids it sampled (a row whose
                 # token was not appended ended, which changes the key).
-                seen, counts = pen[1], pen[2]
-                update_output_counts(counts, pen[4])
+                seen, counts = pen.seen, pen.counts
+                update_output_counts(counts, pen.ids)
             else:
                 seen, counts = penalty_state([s.token_ids[:s.num_prompt_tokens] for s in seqs],
                                              [s.output_token_ids for s in seqs], self.vocab, device=logits.device)
@@ -79,7 +78,7 @@ class Sampler:
             self.bitmask(logits, *mask)
         positions = to_device([s.num_tokens for s in seqs], torch.int64, logits.device)
         ids, invalid = self.sample(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, positions)
-        self._pen = (key, seen, counts, outs, ids) if outs is not None else None
+        self._pen = _PenaltyState(key, seen, counts, outs, ids) if outs is not None else None
         lps: list = [None] * len(seqs)
         if raw is not None:
             n = max(x for x in want_lp if x is not None)
@@ -90,3 +89,10 @@ class Sampler:
                     lps[b] = {"token": chosen[b], "top": list(zip(ti[b][:k], tv[b][:k]))}
         return ids, invalid, lps
 
+
+class _PenaltyState(NamedTuple):
+    key: tuple  # the batch's sequence ids
+    seen: torch.Tensor  # [B, V] bool: tokens of the prompt
+    counts: torch.Tensor  # [B, V] int32: occurrences in the output, up to the launch
+    outs: tuple  # output lengths at the launch
+    ids: torch.Tensor  # [B] the tokens that launch sampled (on the device)
