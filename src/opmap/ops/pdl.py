@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off (enabled()
 
 # Read once: launchers ask per launch, and the MoE launch path is kept to a few us of host time
 # (set OPMAP_PDL before the process starts).
-_ASKED = (os.environ.get("OPMAP_PDL", "0") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+_ASKED = (os.environ.get("OPMAP_PDL", "1") == "1" and os.environ.get("TRITON_INTERPRET") != "1"
           and gdc_wait is not None)
 
 
@@ -56,7 +56,12 @@ def launch(device) -> dict:
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a PDL-aware kernel: release the dependents, wait for the predecessor."""
+    """First statement of a PDL-aware kernel: wait for the predecessor, then release the dependents.
+
+    In this order at most one kernel waits ahead of the running one. Released first (the order
+    measured 7% slower at batch 1 in the third and seventh sessions), each early kernel released
+    the next at once, so the whole chain became resident and spun in ``griddepcontrol.wait`` on
+    the SMs that the running kernel needed."""
     if PDL:
-        gdc_launch_dependents()
         gdc_wait()
+        gdc_launch_dependents()

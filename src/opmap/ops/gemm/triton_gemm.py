@@ -93,10 +93,11 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
     k_end = tl.minimum(k0 + K_PER_SPLIT, K)
     if PDL:
         # The weight does not depend on the previous kernel: while that one finishes, start
-        # pulling the head of this program's weight slice into L2, then wait for x.
-        gdc_launch_dependents()
+        # pulling the head of this program's weight slice into L2, then wait for x. The
+        # dependents are released only after the wait (see pdl.enter).
         _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, PREFETCH_LINES, 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8)
         gdc_wait()
+        gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
     xdt = x_ptr.dtype.element_ty
