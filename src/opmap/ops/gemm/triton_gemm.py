@@ -61,7 +61,11 @@ def _e4m3_to_bf16(w):
         "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
-PREFETCH_LINES: tl.constexpr = tl.constexpr(16)  # 128-byte lines per weight row prefetched under PDL
+# 128-byte lines per weight row prefetched under PDL while the previous kernel finishes (0: none).
+_LINES = int(os.environ.get("OPMAP_GEMM_PREFETCH_LINES", "16"))
+if _LINES < 0 or _LINES & (_LINES - 1):
+    raise ValueError(f"OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got {_LINES}")
+PREFETCH_LINES: tl.constexpr = tl.constexpr(_LINES)
 
 
 @triton.jit
@@ -95,7 +99,9 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
         # The weight does not depend on the previous kernel: while that one finishes, start
         # pulling the head of this program's weight slice into L2, then wait for x. The
         # dependents are released only after the wait (see pdl.enter).
-        _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, PREFETCH_LINES, 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8)
+        if PREFETCH_LINES > 0:
+            _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, PREFETCH_LINES,
+                         128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8)
         gdc_wait()
         gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
