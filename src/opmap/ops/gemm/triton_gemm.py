@@ -62,7 +62,7 @@ def _e4m3_to_bf16(w):
 
 
 # 128-byte lines per weight row prefetched under PDL while the previous kernel finishes (0: none).
-_LINES = int(os.environ.get("OPMAP_GEMM_PREFETCH_LINES", "16"))
+_LINES = int(os.environ.get("OPMAP_GEMM_PREFETCH_LINES", "0"))
 if _LINES < 0 or _LINES & (_LINES - 1):
     raise ValueError(f"OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got {_LINES}")
 PREFETCH_LINES: tl.constexpr = tl.constexpr(_LINES)
