@@ -118,5 +118,5 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
     _, nblocks, chunk, e_pow2, warps = align_plan(n, num_experts, bm)
     (sorted_ids, block_expert, total), _ = outputs(n, nblocks, bm, ids.device)
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
-                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps, **pdl.launch(ids.device))
+                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps, **pdl.launch(ids.device, moe=True))
     return sorted_ids, block_expert, total

@@ -175,7 +175,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
             a.stride(0), w.stride(0), w.stride(1), out.stride(0))
     # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
     flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
-                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **pdl.launch(a.device))
+                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **pdl.launch(a.device, moe=True))
     if _interpreting() or a.dtype == torch.float32:
         # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
@@ -207,5 +207,5 @@ _BEST: dict = {}
 def combine(y: torch.Tensor, T: int, top_k: int, out: torch.Tensor) -> torch.Tensor:
     H = y.shape[1]
     bh = min(1024, next_pow2(H))
-    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh, **pdl.launch(y.device))
+    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh, **pdl.launch(y.device, moe=True))
     return out

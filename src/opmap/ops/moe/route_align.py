@@ -114,5 +114,5 @@ def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormaliz
         logits, bias, w, ids, sorted_ids, block_expert, total, T, E, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, K_POW2=max(2, next_pow2(top_k)), E_POW2=max(e_tile, e_pow2), T_POW2=t_pow2,
         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None, RENORM=bool(renormalize), BM=bm,
-        num_warps=8 if tile >= 1024 else 4, **pdl.launch(dev))
+        num_warps=8 if tile >= 1024 else 4, **pdl.launch(dev, moe=True))
     return w, ids, sorted_ids, block_expert, total

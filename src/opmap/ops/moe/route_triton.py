@@ -103,7 +103,7 @@ def launch(router_logits, top_k, router, renormalize, n_group, topk_group, route
                         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None,
                         N_GROUP=n_group, G_POW2=g_pow2,
                         TOPK_GROUP=topk_group, RENORM=bool(renormalize),
-                        num_warps=4 if e_pow2 <= 256 else 8, **pdl.launch(logits.device))
+                        num_warps=4 if e_pow2 <= 256 else 8, **pdl.launch(logits.device, moe=True))
     return w, ids
 
 
