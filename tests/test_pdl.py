@@ -1,14 +1,15 @@
-"""Programmatic dependent launch (opmap.ops.pdl): off unless OPMAP_PDL=1 and a CUDA sm90+ device
-(never in the interpreter); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
-both griddepcontrol instructions (release the dependents, wait for the predecessor), the decode
-GEMM with L2 prefetches of its weight slice ahead of the wait (compiled as in sm90_compile)."""
+"""Programmatic dependent launch (opmap.ops.pdl): only on a CUDA sm90+ device and never in the
+interpreter (on by default there, OPMAP_PDL=0 turns it off); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
+both griddepcontrol instructions, the wait for the predecessor before the release of the
+dependents; the decode GEMM's optional L2 prefetch of its weight slice ahead of the wait (compiled
+as in sm90_compile)."""
 from sm90_compile import needs_ptxas, run
 
 from opmap.ops import pdl
 
 
 def test_off_by_default_and_on_cpu(monkeypatch):
-    assert pdl.launch("cpu") == {"PDL": False}  # OPMAP_PDL is not set for the test run
+    assert pdl.launch("cpu") == {"PDL": False}  # the CPU run: interpreter or not, never PDL
     monkeypatch.setattr(pdl, "_ASKED", True)  # as if OPMAP_PDL=1 had been set at start-up
     assert not pdl.enabled("cpu")  # not a CUDA device
     assert pdl.launch("cpu") == {"PDL": False}
@@ -26,7 +27,8 @@ def comp(fn, sig, ce, nw=4, ns=3):
     k = compile_sm90(fn, sig, dict(ce, PDL=True), {"num_warps": nw, "num_stages": ns, "launch_pdl": True})
     ptx = k.asm["ptx"]
     return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
-            "prefetch": ptx.count("prefetch.global.L2")}
+            "prefetch": ptx.count("prefetch.global.L2"),
+            "wait_first": ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents")}
 
 res = {}
 res["rmsnorm"] = comp(n._rmsnorm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16",
@@ -90,10 +92,34 @@ print("RESULT " + json.dumps(res))
 
 
 @needs_ptxas
-def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
+def test_pdl_kernels_compile_with_both_griddepcontrol_instructions(monkeypatch):
+    # the decode GEMM's optional L2 prefetch of its weight slice ahead of the wait (off by default)
+    monkeypatch.setenv("OPMAP_GEMM_PREFETCH_LINES", "16")
     res = run(SCRIPT)
     assert len(res) == 13
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
-    # the decode GEMM starts pulling its weight slice into L2 before it waits for x
+        # waiting before releasing keeps the chain one kernel deep (the reverse order measured slower)
+        assert r["wait_first"], f"{name}: {r}"
     assert res["gemm"]["prefetch"] >= 1, res["gemm"]
+
+
+GEMM_ONLY = SCRIPT.split("res[\"splitk\"]")[0] + "print(\"RESULT \" + json.dumps(res))\n"
+
+
+@needs_ptxas
+def test_gemm_prefetch_off_by_default(monkeypatch):
+    monkeypatch.delenv("OPMAP_GEMM_PREFETCH_LINES", raising=False)
+    res = run(GEMM_ONLY)
+    assert res["gemm"]["prefetch"] == 0 and res["gemm"]["wait_first"], res["gemm"]
+
+
+def test_prefetch_lines_must_be_a_power_of_two():
+    # in a child: importing the module again in this process would replace its kernels
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, OPMAP_GEMM_PREFETCH_LINES="12")
+    out = subprocess.run([sys.executable, "-c", "import opmap.ops.gemm.triton_gemm"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got 12" in out.stderr
