@@ -3,7 +3,7 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
-#   scripts/gpu_session.sh final OUTDIR        # sanitizer leftovers (qwen3, then deepseek reusing its verdicts), then the sampling bench
+#   scripts/gpu_session.sh final OUTDIR        # every preset's sanitizer section, resumed (qwen3, deepseek, llama3 reusing the runs before)
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
@@ -25,7 +25,7 @@ res=$out
 [ -z "${OPMAP_COMMIT:-}" ] && echo "warning: OPMAP_COMMIT is not set; result files name the device copy's stale HEAD" >&2
 # compute-sanitizer children outlive an opmap check that `timeout` killed: on a machine kept warm
 # they ran on into the next call (sixth session: its bench figures were 4x slow, a racecheck timed out).
-pkill -f compute-sanitizer 2>/dev/null
+pkill -f '[c]ompute-sanitizer' 2>/dev/null
 # Resume both MoE/MLA presets' sanitizer runs from check/state/ in the background (pids), each
 # within $1 seconds; further arguments go to `opmap check`. Copy OUT/*/state.jsonl back into
 # check/state/ when a run is cut off.
@@ -49,27 +49,26 @@ case $part in
       timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
     pids+=($!)
     for p in "${pids[@]}"; do wait "$p"; done
-    pkill -f compute-sanitizer 2>/dev/null
+    pkill -f '[c]ompute-sanitizer' 2>/dev/null
     tail -n 5 "$out"/*/check.log "$out/tests-driver.log" ;;
   final)
-    # The sanitizer's leftovers for both MoE/MLA presets (the check's other sections run first),
-    # then, alone on the GPU, the sampling and kv_append bench. --batch 1: each case in its own
-    # child, so a verdict is saved as soon as it ends (a batch saves nothing until all its cases
-    # end: the fifth session's final call lost its last 330 s that way). The presets share most GPU
-    # cases (the same keys: the families that do not depend on the model), so qwen3-30b-a3b runs
-    # first and deepseek-v2-lite reuses its verdicts (--reuse) and runs only its own cases.
-    t0=$SECONDS
-    m=qwen3-30b-a3b; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-    timeout ${SAN_TIMEOUT:-330} python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" \
-      --out "$out/$m" --jobs 7 --batch 1 > "$out/$m/check.log" 2>&1
-    left=$(( ${SAN_TIMEOUT:-330} + 120 - (SECONDS - t0) ))
-    m=deepseek-v2-lite; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-    timeout $(( left > 60 ? left : 60 )) python3 -m opmap.cli check --model $m --sanitizer \
-      --resume "$out/$m/state.jsonl" --reuse "$out/qwen3-30b-a3b/state.jsonl" --out "$out/$m" --jobs 7 --batch 1 \
-      > "$out/$m/check.log" 2>&1
-    pkill -f compute-sanitizer 2>/dev/null
-    timeout 100 python3 -m opmap.cli bench --quick --op sampling --op kv_append --out "$out/bench" \
-      > "$out/bench.log" 2>&1 ;;
+    # Every preset's sanitizer section (the check's other sections run each time), resuming from
+    # check/state/ and within ${SAN_TIMEOUT:-480} s in all: qwen3-30b-a3b first (the most cases),
+    # then deepseek-v2-lite and llama3-8b, each reusing the verdicts of the same cases from the
+    # runs before it (--reuse). Only verdicts whose family's source fingerprint is today's count
+    # (check/fingerprint.py), so a kernel edited since its verdict runs again. --batch 1: each case
+    # in its own child, so a verdict is saved as soon as it ends. Copy OUT/*/state.jsonl back into
+    # check/state/ and call again until every preset reports all cases done.
+    t0=$SECONDS; budget=${SAN_TIMEOUT:-480}; prev=()
+    for m in qwen3-30b-a3b deepseek-v2-lite llama3-8b; do
+      left=$(( budget - (SECONDS - t0) )); [ $left -lt 40 ] && break
+      mkdir -p "$out/$m"; [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+      reuse=(); for p in "${prev[@]}"; do reuse+=(--reuse "$p"); done
+      timeout $left python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" "${reuse[@]}" \
+        --out "$out/$m" --jobs 7 --batch 1 > "$out/$m/check.log" 2>&1
+      prev+=("$out/$m/state.jsonl")
+      pkill -f '[c]ompute-sanitizer' 2>/dev/null
+    done ;;
   sampler)
     # After a sampler change: its GPU tests, then (alone) each kernel's time and the bench.
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sampling_gpu.py \

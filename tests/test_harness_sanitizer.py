@@ -409,3 +409,55 @@ def test_kill_children_ends_running_groups(tmp_path):
     while not _gone(pid) and time.time() < deadline:
         time.sleep(0.05)
     assert _gone(pid)
+
+
+def test_resume_runs_again_what_changed_since(fake_tool, monkeypatch, tmp_path):
+    """A state file's verdict counts only while its family's source fingerprint is today's: a
+    case module edited after the run, a line saved before fingerprints existed, or a run under
+    other OPMAP_* settings runs again."""
+    import json as _json
+    import unittest.mock as mock
+
+    from opmap.check import fingerprint as fp
+
+    tool, cases = fake_tool
+    log = tmp_path / "runs.txt"
+    state = tmp_path / "state.jsonl"
+    monkeypatch.setenv("FAKE_SANITIZER_LOG", str(log))
+    pairs = [("fakesan_pkg.cases", cases[0]), ("fakesan_pkg.cases", cases[1])]
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(state))
+        n = len(_runs(log))
+        assert all(_json.loads(ln)["source"] == fp.fingerprint("fakesan_pkg.cases")
+                   for ln in state.read_text().splitlines())
+        san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(state))
+        assert len(_runs(log)) == n  # unchanged: both reused
+        monkeypatch.setenv("OPMAP_PDL", "0")  # another setting: another fingerprint
+        assert san.stale_count(str(state)) == 2 and san.load_state(str(state), current=True) == {}
+        monkeypatch.delenv("OPMAP_PDL")
+        assert san.stale_count(str(state)) == 0
+        # the family's module edited after the run
+        mod = tmp_path / "fakesan_pkg" / "cases.py"
+        mod.write_text(mod.read_text() + "\n# edited\n")
+        fp._of.cache_clear()
+        assert san.stale_count(str(state)) == 2
+        san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(state))
+        assert len(_runs(log)) == n + 1 and "T=3" in _runs(log)[-1] and "T=4" in _runs(log)[-1]  # both again
+        # a line without a fingerprint (saved before they were recorded) is not reused
+        lines = [_json.loads(ln) for ln in state.read_text().splitlines()][-2:]
+        for d in lines:
+            d.pop("source")
+        state.write_text("".join(_json.dumps(d) + "\n" for d in lines))
+        assert san.stale_count(str(state)) == 2 and len(san.load_state(str(state))) == 2
+    fp._of.cache_clear()
+
+
+def test_fingerprint_follows_a_familys_imports():
+    from opmap.check.fingerprint import files_of, fingerprint
+
+    names = {"/".join(p.parts[-2:]) for p in files_of("norm")}
+    assert {"cases/norm.py", "norm/triton_norm.py", "ops/pdl.py", "check/base.py", "opmap/registry.py"} <= names
+    assert not any(n.startswith("attention/") for n in names)
+    mla = {"/".join(p.parts[-2:]) for p in files_of("mla")}
+    assert "mla/decode.py" in mla and "attention/merge.py" in mla  # the MLA merge is the shared split merge
+    assert fingerprint("norm") != fingerprint("rope") and len(fingerprint("norm")) == 16

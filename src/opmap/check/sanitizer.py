@@ -289,21 +289,44 @@ def _key(fam: str, c: CheckCase, tool: str) -> str:
     return f"{fam}{SEP}{c.section}{SEP}{c.title}{SEP}{tool}"
 
 
-def load_state(path: Optional[str]) -> dict:
+def load_state(path: Optional[str], current: bool = False) -> dict:
     """Finished sanitizer verdicts of an earlier run (one JSON line each), by case key. A run cut
     off by a time limit resumes from here instead of starting over: on the H200 a full preset is
-    100+ tool runs of 20-150 s each."""
+    100+ tool runs of 20-150 s each. ``current``: only the verdicts whose family's source
+    fingerprint (check.fingerprint) is today's; a verdict of code edited since, or of a line
+    saved before fingerprints were recorded, is left out (``stale_count`` says how many)."""
+    return _load(path, current)[0]
+
+
+def stale_count(path: Optional[str]) -> int:
+    """Verdicts in the state file that ``load_state(path, current=True)`` leaves out."""
+    return _load(path, True)[1]
+
+
+def _load(path: Optional[str], current: bool) -> tuple:
+    from .fingerprint import fingerprint
     from .runner import Result
 
-    done = {}
+    done, stale = {}, 0
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             for ln in f:
                 if ln.strip():
                     d = json.loads(ln)
-                    key = d.pop("key")
+                    key, source = d.pop("key"), d.pop("source", None)
+                    if current and source != fingerprint(key.split(SEP, 1)[0]):
+                        stale += 1
+                        continue
                     done[key] = Result(**d)
-    return done
+    return done, stale
+
+
+def _line(fam: str, c: CheckCase, tool: str, r) -> str:
+    from dataclasses import asdict
+
+    from .fingerprint import fingerprint
+
+    return json.dumps({"key": _key(fam, c, tool), "source": fingerprint(fam), **asdict(r)}) + "\n"
 
 
 def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, jobs_n: int = 4,
@@ -312,10 +335,9 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     appended to as it finishes; verdicts already in it are reused, not run again. ``reuse``: other
     runs' state files whose verdicts count where the key (family, section, case title, tool) is
     the same, e.g. another preset's run: the cases of families that do not depend on the model
-    are the same cases. Those verdicts are copied into ``state``."""
+    are the same cases. Those verdicts are copied into ``state``. Either way only verdicts whose
+    family's source fingerprint is today's count (check.fingerprint)."""
     global _SLOTS
-    from dataclasses import asdict
-
     from .runner import Result
 
     exe = find_sanitizer()
@@ -323,22 +345,24 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
         return [Result("sanitizer", "-", "-", "(all GPU cases)", False,
                        "compute-sanitizer not found on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin")]
     jobs = [(f, c, tool) for f, c in pairs for tool in tools_for(c)]
-    earlier = load_state(state)
+    earlier, stale = _load(state, True)
     results: list = [earlier.get(_key(f, c, tool)) for f, c, tool in jobs]
-    if progress and any(r is not None for r in results):
-        print(f"[sanitizer] {sum(r is not None for r in results)} of {len(jobs)} verdicts reused from {state}",
+    if progress and (stale or any(r is not None for r in results)):
+        print(f"[sanitizer] {sum(r is not None for r in results)} of {len(jobs)} verdicts reused from {state}"
+              + (f"; {stale} left out: their family's sources or settings changed since" if stale else ""),
               file=sys.stderr, flush=True)
     for other in reuse:
-        shared, n = load_state(other), 0
+        (shared, stale), n = _load(other, True), 0
         for k, (f, c, tool) in enumerate(jobs):
             key = _key(f, c, tool)
             if results[k] is None and key in shared:
                 results[k], n = shared[key], n + 1
                 if state:
                     with open(state, "a", encoding="utf-8") as fh:
-                        fh.write(json.dumps({"key": key, **asdict(results[k])}) + "\n")
-        if progress and n:
-            print(f"[sanitizer] {n} verdicts of the same cases reused from {other}", file=sys.stderr, flush=True)
+                        fh.write(_line(f, c, tool, results[k]))
+        if progress and (n or stale):
+            print(f"[sanitizer] {n} verdicts of the same cases reused from {other}"
+                  + (f"; {stale} left out (stale)" if stale else ""), file=sys.stderr, flush=True)
     lock = threading.Lock()
     if not jobs:
         return [Result("sanitizer", "-", "-", "(no case of our kernels selected)", True,
@@ -370,7 +394,7 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
                 done[0] += 1
                 if state:
                     with open(state, "a", encoding="utf-8") as fh:
-                        fh.write(json.dumps({"key": _key(f, jobs[k][1], tool), **asdict(r)}) + "\n")
+                        fh.write(_line(f, jobs[k][1], tool, r))
             if progress:
                 # A failure's figure goes to the log at once: a run cut off by a time limit still
                 # says why each finished case failed.
