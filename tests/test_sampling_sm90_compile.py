@@ -18,7 +18,14 @@ sig = {"logits_ptr": "*fp32", "stride_row": "i32", "V": "i32", "temp_ptr": "*fp3
 ce = {"BLOCK": block, "CAND": cand, "WRITE_SUPPORT": False, "USE_PARTS": True, "S_P": 16, "HIST": True}
 k = compile_sm90(s._sample_kernel, sig, ce, {"num_warps": warps},
                  (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17, 18))
-print("RESULT " + json.dumps({"warps": warps, **usage(k)}))
+res = {"warps": warps, **usage(k)}
+# under PDL (on by default on sm90): the same budget, the wait ahead of the release
+k = compile_sm90(s._sample_kernel, dict(sig, PDL="constexpr"), dict(ce, PDL=True), {"num_warps": warps, "launch_pdl": True},
+                 (0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17, 18))
+ptx = k.asm["ptx"]
+w, l = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+res["pdl"] = {"wait_first": 0 <= w < l, **usage(k)}
+print("RESULT " + json.dumps(res))
 '''
 
 
@@ -28,3 +35,5 @@ def test_per_row_kernel_fits_registers_at_its_launch_config():
     assert r["warps"] == 16
     assert r["stack"] == 0 and r["local"] == 0, r  # no spill
     assert r["reg"] <= 128, r  # 16 warps x 32 threads x 128 fill one SM's register file
+    p = r["pdl"]
+    assert p["wait_first"] and p["stack"] == 0 and p["local"] == 0 and p["reg"] <= 128, p

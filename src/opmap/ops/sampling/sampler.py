@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
+from .. import pdl
+from ..pdl import enter
 from .sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, NB2, PART, _combine_parts, _fine_bin,  # noqa: F401
                           _fine_bracket, _gumbel, _hist_bins, _hist_bracket, _key, _load_z, _parts_max, _pass_a,
                           _put_candidates, _race_block, _race_lanes, _search, _unkey)
@@ -78,8 +80,9 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
 
 @triton.jit
 def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                            part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                            part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs."""
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
@@ -112,9 +115,11 @@ def _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK: tl.const
 
 @triton.jit
 def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
-                        hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+                        hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
     whose first search is top-k or top-p alone. The row max comes from pass A's partials."""
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
@@ -139,10 +144,11 @@ def _lo0(m, xmin, n_fin, inv_t, mp, use_mp):
 
 @triton.jit
 def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, n_parts, hist_ptr, br_ptr,
-                           cnt_ptr, CAND: tl.constexpr, S_P: tl.constexpr):
+                           cnt_ptr, CAND: tl.constexpr, S_P: tl.constexpr, PDL: tl.constexpr = False):
     """Per row, from pass A's partials and pass B's histogram: the bracket of the first search
     (BR ints: mode 0 none / 1 top-k / 2 top-p alone, lo, hi, count at or above lo, gathered) and
     whether its candidates (at most CAND) are gathered by _sample_gather_kernel. Zeroes the row's counter."""
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
         temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V)
@@ -177,11 +183,13 @@ def _sample_bracket_kernel(temp_ptr, topk_ptr, topp_ptr, minp_ptr, V, part_ptr, 
 
 @triton.jit
 def _sample_refine_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
-                          br_ptr, hist_ptr, agg_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+                          br_ptr, hist_ptr, agg_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Pass B2 of one chunk of a row (grid: rows x chunks), for top-p-alone rows whose bracket
     holds more than CAND values (flat rows: a nucleus of thousands of tokens whose boundary lies
     in a half-nat bin): NB2 fine bins of z inside the bracket [lo, hi], and the exact count and
     mass of the values above hi. _sample_gather_kernel narrows the bracket from them."""
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if tl.load(br_ptr + row * BR + 5) == 1:
@@ -214,7 +222,8 @@ def _sample_refine_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
 @triton.jit
 def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
                           part_ptr, n_parts, br_ptr, sz_ptr, si_ptr, cnt_ptr, hist_ptr, agg_ptr, agg2_ptr,
-                          CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr):
+                          CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr,
+                          PDL: tl.constexpr = False):
     """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
     bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
     The per-row kernel then starts from those candidates in registers and reads no full row:
@@ -227,6 +236,7 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
     chunk into agg2, for the per-row kernel. A min-p-alone row (state 3) gets the same figures over
     its whole support {key >= lo} and no candidates: its draw is done here, spread over the chunks,
     instead of one program racing over the whole row."""
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     go = tl.load(br_ptr + row * BR + 4) != 0
@@ -310,7 +320,8 @@ def _above_fine(agg2_ptr, n_parts, S_P: tl.constexpr):
 def _sample_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
                    ids_ptr, invalid_ptr, support_ptr, sz_ptr, si_ptr, cnt_ptr, part_ptr, n_parts, br_ptr, agg2_ptr,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, WRITE_SUPPORT: tl.constexpr,
-                   USE_PARTS: tl.constexpr, S_P: tl.constexpr, HIST: tl.constexpr):
+                   USE_PARTS: tl.constexpr, S_P: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_row
     k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s = _row_flags(
@@ -535,20 +546,21 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         agg, agg2 = (agg, agg2) if use_hist else (sz, sz)
         s_p = max(2, triton.next_power_of_2(n_parts))
         flags = (logits, logits.stride(0), V, temperature, top_k, top_p, min_p)
-        cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4)
+        pl = pdl.launch(dev)  # the six passes are back to back: each launches while the one before ends
+        cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4, **pl)
         if use_parts:
             _sample_partials_kernel[(B, n_parts)](*flags, seeds, positions, part, **cb)
         if use_hist:
             _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
             _sample_bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
-                                         S_P=s_p, num_warps=4)
+                                         S_P=s_p, num_warps=4, **pl)
             _sample_refine_kernel[(B, n_parts)](*flags, part, n_parts, br, hist, agg, S_P=s_p, **cb)
             _sample_gather_kernel[(B, n_parts)](*flags, seeds, positions, part, n_parts, br, sz, si, cnt, hist, agg, agg2,
                                                 CAND=cand, S_P=s_p, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
                              ids, invalid, support, sz, si, cnt, part, n_parts, br, agg2, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_hist,
-                             num_warps=warps)
+                             num_warps=warps, **pl)
     return (ids, invalid, support) if return_support else (ids, invalid)
 
 
