@@ -7,11 +7,12 @@
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
+#   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|flashinfer|verify OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|profiles|flashinfer|verify OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 cd "$(dirname "$0")/.."
 # FlashInfer only in its own part (the others compare our kernels with their own switches).
@@ -93,6 +94,15 @@ case $part in
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b1.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
+  profiles)
+    # Where the B=32 decode step's 5.1 ms go (floor 3.47 ms), and which MoE kernel PDL slows
+    # (Qwen3 B=1 TPOT 3.55 ms with the MoE kernels off PDL, 3.96 with them: seventh session).
+    timeout 150 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 32 \
+      --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b32.log" 2>&1
+    timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
+      --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1
+    OPMAP_PDL_MOE=1 timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
+      --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1-pdl-moe.log" 2>&1 ;;
   verify)
     # The changes built on the CPU after the fifth session: GPU tests first (three lanes at once:
     # correctness only), then alone on the GPU the e2e B=1 (readback fix), the sampling bench
