@@ -99,6 +99,23 @@ def test_check_sanitizer_without_gpu_says_so(fake_family, monkeypatch):
     monkeypatch.setattr(runner, "collect", lambda device, quick: ([], []))
     res, extra = runner.check(sections=["parity"], device="cpu", progress=False, sanitizer=True)
     assert res == [] and any("compute-sanitizer needs a GPU" in n for n in extra["notes"])
+    assert "sanitizer_sources" not in extra
+
+
+def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
+    """On a GPU the JSON names each sanitised family's source fingerprint: the code every
+    sanitizer line of that report (run or resumed) is a verdict on."""
+    from opmap.check import sanitizer as san
+    from opmap.check.base import CheckCase, Outcome
+    from opmap.check.fingerprint import fingerprint
+
+    cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "x", lambda: Outcome(True, "ok"), device="cuda")),
+             ("rope", CheckCase("parity", "rope", "triton", "y", lambda: Outcome(True, "ok"), device="cuda"))]
+    monkeypatch.setattr(runner, "collect", lambda device, quick: (cases, []))
+    monkeypatch.setattr(runner, "run", lambda selected, progress: [])
+    monkeypatch.setattr(san, "run_all", lambda gpu, *a, **k: [])
+    _, extra = runner.check(device="cuda", progress=False, sanitizer=True)
+    assert extra["sanitizer_sources"] == {"norm": fingerprint("norm"), "rope": fingerprint("rope")}
 
 
 # ---- bench ----------------------------------------------------------------------------------

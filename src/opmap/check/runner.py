@@ -262,6 +262,11 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
         else:
             gpu = [(f, c) for f, c in selected if san.wants_sanitizer(c)]
             results += san.run_all(gpu, quick, timeout, progress, jobs, batch=batch, state=resume, reuse=reuse)
+            from .fingerprint import fingerprint
+
+            # What the verdicts (run now or resumed) were computed from: resumed ones count only
+            # at these fingerprints, so every sanitizer line of the report is of this code.
+            sources = {f: fingerprint(f) for f in sorted({f for f, _ in gpu})}
     missing = missing_families()
     if missing:
         notes.append("families without check cases: " + ", ".join(missing))
@@ -269,6 +274,8 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
              "selection": [{"phase": p, "op": op, "label": lb, "backend": ch.name if ch else None,
                             "why": ch.why() if ch else err} for p, op, lb, ch, err in
                            (targets.choices if targets else [])]}
+    if sanitizer and device == "cuda":
+        extra["sanitizer_sources"] = sources
     return results, extra
 
 
