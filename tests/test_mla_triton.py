@@ -251,6 +251,11 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     assert D._merge_block_r(64, 16, 512, "cuda") == 512 and D._merge_block_r(1, 16, 512, "cuda") == 128
     monkeypatch.setenv("OPMAP_MLA_DECODE_CONFIG", "16,32,4,3")
     assert D._config(128, 512, 64) == (16, 32, 4, 3)
+    # the TMA kernel holds one program per SM (two 72 KB stages): half the splits of 4-warp programs
+    monkeypatch.setenv("OPMAP_MLA_DECODE_CONFIG", "16,64,4,2,tma")
+    assert D._config(16, 512, 64) == (16, 64, 4, 2, "tma") and D._per_sm(D._config(16, 512, 64)) == 1
+    assert D.plan_splits(64, 16, "cuda", 16, 4, D._per_sm((16, 64, 4, 2, "tma"))) == 2
+    assert D.plan_splits(64, 16, "cuda", 16, 4, D._per_sm((16, 32, 4, 2))) == 4
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -279,3 +284,62 @@ def test_split_merge_many_splits(sparse, whole_rows, monkeypatch):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     _check(a, want, torch.float16)
     assert torch.all(a[0][0] == 0) and torch.isinf(a[1][0]).all()
+
+
+def _poison_past_lengths(pc, page):
+    """NaN in every cache row past a sequence's length in its last page: a kernel that reads a
+    tile's rows beyond the length without masking them turns the output into NaN."""
+    for b, n in enumerate(pc.seq_lens.tolist()):
+        if n % page:
+            pc.cache[int(pc.block_tables[b, n // page]), n % page:] = float("nan")
+
+
+@pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16)])
+def test_tma_decode_matches_reference(page, splits, bn):
+    """config (..., "tma"): the latent tiles through tensor descriptors, the partial last tile of
+    each split through masked loads; lengths around the page and tile edges, shuffled pages."""
+    g = torch.Generator().manual_seed(40 + page + splits)
+    lens = [0, 1, bn - 1, bn, bn + 1, page - 1, page, page + 1, 3 * page + 5]
+    pc = make_cache(lens, R, DR, page, torch.float16, gen=g)
+    _poison_past_lengths(pc, page)
+    qn, qp = _q(len(lens), torch.float16, g)
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True)
+    ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
+                         workspace=ws, config=(4, bn, 4, 2, "tma"))
+    _check(got, want, torch.float16)
+    assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
+    plain = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
+                           workspace=ws, config=(4, bn, 4, 2))
+    assert_close(got[0], plain[0], dtype=torch.float16, what="tma vs pointer kernel")
+
+
+def test_tma_decode_real_rank_two_halves():
+    """R = 512 is read as two 256-wide TMA boxes with an accumulator each."""
+    g = torch.Generator().manual_seed(44)
+    lens = [1, 63, 64, 200]
+    pc = make_cache(lens, 512, 64, 64, torch.float16, gen=g)
+    _poison_past_lengths(pc, 64)
+    qn, qp = _q(len(lens), torch.float16, g, h=16, r=512, dr=64)
+    s = 576 ** -0.5
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True)
+    ws = dec.make_workspace(len(lens), 16, 512, "cpu", num_splits=2, split_min=32)
+    _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True,
+                          workspace=ws, config=(16, 32, 4, 2, "tma")), want, torch.float16)
+
+
+def test_tma_decode_refuses_what_it_cannot_read():
+    g = torch.Generator().manual_seed(45)
+    pc = make_cache([20, 9], R, DR, 16, torch.float16, gen=g)
+    qn, qp = _q(2, torch.float16, g)
+    args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables)
+    with pytest.raises(InputError, match="config.*page size 16 is not a multiple of BLOCK_N 32"):
+        dec.mla_decode(*args, scale=0.2, config=(4, 32, 4, 2, "tma"))
+    with pytest.raises(InputError, match="config.*dense decode"):
+        dec.mla_sparse_decode(*args, sparse_indices([20, 9], 8, gen=g), scale=0.2, config=(4, 16, 4, 2, "tma"))
+    with pytest.raises(InputError, match="config"):
+        dec.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2, "fast"))
+    f8 = make_cache([20, 9], R, DR, 16, fp8=True, gen=g)
+    with pytest.raises(InputError, match="config.*bf16/fp16"):
+        dec.mla_decode(qn, qp, f8.cache, f8.seq_lens, f8.block_tables, scale=0.2, kv_scale=f8.kv_scale,
+                       config=(4, 16, 4, 2, "tma"))

@@ -232,3 +232,32 @@ def test_split_merge_against_reference(H, lens):
     assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
     _agree(runs[0][0], want, what=f"H={H} lens={lens[:4]}")
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_tma_decode_bf16(H):
+    """The TMA kernel (config (16, 64, 4, 2, "tma")) at real shapes: lengths around the 64-token
+    tiles and pages, a 32k context, an empty sequence; NaN in every row past a length (the tail
+    tile must not read them); then a CUDA-graph replay after re-planning."""
+    lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
+    pc = _cache(lens, 64, 40 + H)
+    for b, n in enumerate(lens):
+        if n % 64:
+            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    qn, qp = _q(len(lens), H, _gen(41))
+    cfg = (16, 64, 4, 2, "tma")
+    ws = dec.make_workspace(len(lens), H, R, "cuda", config=cfg)
+    run = lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
+                                 return_lse=True, workspace=ws, config=cfg)
+    got = run()
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    _agree(got[0], want[0])
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    # shorter or equal lengths only: the rows past the old ones hold NaN
+    pc.seq_lens.copy_(torch.tensor([1, 40, 64, 64, 700, 0, 4000, 30000], dtype=torch.int32))
+    graph.replay()
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    _agree(out[0], want[0], what="replay")

@@ -61,7 +61,7 @@ def _ours(entry, config=None, **ws_kw):
         from opmap.ops.mla import decode as dec
 
         B, H, _ = inp["qn"].shape
-        ws = dec.make_workspace(B, H, R, inp["qn"].device, **ws_kw)
+        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=config, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
         fn = getattr(dec, entry)
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,
@@ -129,6 +129,10 @@ def _decode_case(B, H, ctx, fp8, quick):
         # BLOCK_N 16 with 3 stages: the sm90 build keeps one tile's copy in flight (async_wait 1;
         # the default waits for every copy, async_wait 0) at 209 registers and no stack.
         provs.append(Provider("opmap-triton[bh=16,bn=16,w=4,s=3]", _ours("mla_decode", (16, 16, 4, 3))))
+        # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), two 72 KB
+        # stages, one program per SM: the sm90 build has 220 registers and no stack
+        # (ops/mla/decode_tma.py, test_mla_sm90_compile.py).
+        provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         if B == 1:
             provs.append(Provider("opmap-triton[splits=256,min=128]",
                                   _ours("mla_decode", num_splits=256, split_min=128)))

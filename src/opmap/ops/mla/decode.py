@@ -50,19 +50,27 @@ def _sm_count(device) -> int:
     return 8  # interpreter: any small number exercises the split path
 
 
-def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: int = 4) -> int:
+def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: int = 4, per_sm: int = 0) -> int:
     """Splits per sequence: as many as fit in one wave (floor, so that a partial second wave does
     not double the time), at most 128. A wave is two 4-warp programs per SM, or one 8-warp program
-    (the 64-head blocks: on the H200 at B=64, 128 heads, two splits of them took 626 us and one 568)."""
+    (the 64-head blocks: on the H200 at B=64, 128 heads, two splits of them took 626 us and one 568),
+    or ``per_sm`` where given (the TMA kernel's two 72 KB stages leave room for one per SM)."""
     progs = max(batch, 1) * triton.cdiv(num_heads, block_h)
-    per_sm = 2 if warps <= 4 else 1
+    per_sm = per_sm or (2 if warps <= 4 else 1)
     return max(1, min(128, per_sm * _sm_count(device) // progs))
 
 
+def _per_sm(config) -> int:
+    """Programs per SM the split plan counts for a config: 1 for the TMA kernel, else by warps."""
+    return 1 if len(config) > 4 or config[2] > 4 else 2
+
+
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
-                   num_splits: Optional[int] = None, split_min: int = 256) -> Workspace:
-    bh, _, warps, _ = _config(num_heads, rank, max_batch)
-    s = num_splits or plan_splits(max_batch, num_heads, device, bh, warps)
+                   num_splits: Optional[int] = None, split_min: int = 256, config=None) -> Workspace:
+    """``config``: the decode config the workspace is for (default: ``_config``'s), which sets
+    the split plan."""
+    c = config or _config(num_heads, rank, max_batch)
+    s = num_splits or plan_splits(max_batch, num_heads, device, c[0], c[2], _per_sm(c))
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
@@ -71,10 +79,10 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
 
 def _config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
-    overrides it for tuning on a GPU without editing code."""
+    (or "bh,bn,w,s,tma": the TMA kernel) overrides it for tuning on a GPU without editing code."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
-    if env:
-        return tuple(int(x) for x in env.split(","))  # type: ignore[return-value]
+    if env:  # "bh,bn,w,s" or "bh,bn,w,s,tma"
+        return tuple(x if x == "tma" else int(x) for x in env.split(","))  # type: ignore[return-value]
     if H >= 64 and B is not None and B >= 64:
         # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
         # twice as many heads. H200, bench/results/2026-11-29-h200-mla.*: 1.3x at B=64 and 128
@@ -106,6 +114,23 @@ def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NP
 
 
 @triton.jit
+def _split_range(SEQ_LENS, b, split, K_SPARSE, SPLIT_MIN, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPARSE: tl.constexpr):
+    """(seq_len, used splits, first token, end) of this program's split: the device-side plan."""
+    seq_len = tl.load(SEQ_LENS + b)
+    if SPARSE:
+        total = seq_len * 0 + K_SPARSE
+    else:
+        total = seq_len
+    # at least one split, so that an empty sequence still writes zeros and lse = -inf
+    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)
+    chunk = tl.cdiv(tl.cdiv(total, used), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, total)
+    return seq_len, used, start, end
+
+
+@triton.jit
 def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, LSE, PO, PLSE,
                    sm_scale, kv_scale, H, R, DR, MAXP, NPAGES, K_SPARSE, SPLIT_MIN,
                    s_qnb, s_qnh, s_qpb, s_qph, s_cp, s_cr, s_tb, s_ib, s_ob, s_oh,
@@ -117,18 +142,9 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-    seq_len = tl.load(SEQ_LENS + b)
-    if SPARSE:
-        total = seq_len * 0 + K_SPARSE
-    else:
-        total = seq_len
-    # at least one split, so that an empty sequence still writes zeros and lse = -inf
-    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)
+    seq_len, used, start, end = _split_range(SEQ_LENS, b, split, K_SPARSE, SPLIT_MIN, NUM_SPLITS, BLOCK_N, SPARSE)
     if split >= used:
         return
-    chunk = tl.cdiv(tl.cdiv(total, used), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, total)
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_r = tl.arange(0, BLOCK_R)
@@ -232,11 +248,16 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    bh, bn, warps, stages = config or _config(H, R, B)
+    # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma"]); "tma" loads the latent tiles with tensor
+    # descriptors (decode_tma.py; dense 16-bit caches)
+    bh, bn, warps, stages, *how = config or _config(H, R, B)
+    tma = how == ["tma"]
+    expect(how in ([], ["tma"]), "config", repr(config), '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma"')
+    expect(not (tma and indices is not None), "config", "tma", "dense decode (sparse decode reads rows by index)")
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
-        workspace = make_workspace(B, H, R, q_nope.device, num_splits=plan_splits(B, H, q_nope.device, bh, warps))
+        workspace = make_workspace(B, H, R, q_nope.device, config=(bh, bn, warps, stages, *how))
     expect(workspace.max_batch >= B and workspace.part_o.shape[1] == H and workspace.part_o.shape[3] == R,
            "workspace", f"buffers {tuple(workspace.part_o.shape)}", f"at least ({B}, {H}, splits, {R})")
     expect(workspace.part_o.device == q_nope.device, "workspace", str(workspace.part_o.device),
@@ -252,17 +273,23 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
-    _mla_decode_kernel[grid](
-        q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
-        out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
-        H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,
-        out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
-        BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps,
-        num_stages=stages)
+    if tma:
+        from . import decode_tma
+
+        decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn,
+                          warps, stages)
+    else:
+        _mla_decode_kernel[grid](
+            q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
+            out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
+            H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
+            q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+            cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,
+            out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+            BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
+            BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
+            IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps,
+            num_stages=stages)
     if S > 1:
         br = _merge_block_r(B, H, R, q_nope.device)
         s_p = triton.next_power_of_2(S)

@@ -1,0 +1,187 @@
+"""MLA decode with the latent tiles loaded by TMA (tensor descriptors), dense 16-bit caches.
+
+Why: on sm90 the pointer kernel (decode.py) at 16 heads computes a [BLOCK_N, 576] pointer tile per
+key tile; its build has 255 registers and a stack frame, and it waits for every copy it issues
+(``async_wait 0``), so one program streams one tile at a time and the 16-head decode reached 0.16
+(B=1) to 0.55 (B=64) of the read ceiling. A TMA load takes one row coordinate: no address
+registers, the tile lands in shared memory, and the pipeliner can keep ``num_stages`` tiles in
+flight.
+
+What changes against the pointer kernel: a key tile lies inside one page (PAGE % BLOCK_N == 0 and
+tiles start at multiples of BLOCK_N), so it is one TMA box of a [pages, page, R] view of the cache
+(one descriptor for the latent, whose shape stops at R so columns past R read as zeros, one for the
+RoPE part). TMA boxes are at most 256 wide, so R = 512 is read as two halves with an accumulator
+each. The dots run transposed (keys as rows), on wgmma from shared memory. A split's partial last
+tile is read so that it ends at the length (see _step): rows past the length are never read, since
+they may hold anything and 0 * NaN would poison the output. A page id outside the cache (never in
+a valid table; a captured graph skips the host checks) moves the box out of the descriptor's
+pages, which reads zeros, and its scores are masked to -inf, as the pointer kernel does.
+
+Sparse decode (rows from an index list) and fp8 caches stay on the pointer kernel.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ...contract import expect
+from .decode import _split_range
+
+MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
+
+
+def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
+    """None when the TMA kernel can serve this call, else the reason."""
+    elt = cache.element_size()
+    page = cache.shape[1]
+    if cache.dtype != q.dtype or cache.dtype not in (torch.bfloat16, torch.float16):
+        return f"the TMA path reads bf16/fp16 caches of q's dtype, not {cache.dtype}"
+    if page % block_n:
+        return f"page size {page} is not a multiple of BLOCK_N {block_n}"
+    if cache.stride(2) != 1 or cache.stride(1) != R + Dr or cache.stride(0) != page * (R + Dr):
+        return "the cache is not contiguous"
+    if ((R + Dr) * elt) % 16 or (R * elt) % 16 or (Dr * elt) % 16 or cache.data_ptr() % 16:
+        return "TMA needs 16-byte aligned rows, latent and RoPE parts"
+    if R > 2 * MAX_BOX:
+        return f"R = {R} > {2 * MAX_BOX}"
+    return None
+
+
+def descriptors(cache: torch.Tensor, R: int, Dr: int, block_n: int, block_rh: int, block_dr: int):
+    """[pages, page, R] and [pages, page, Dr] views of the cache: a box is one page's rows, so rows
+    before the page (negative) or past it read as zeros."""
+    P, page, _ = cache.shape
+    strides = [page * (R + Dr), R + Dr, 1]
+    kv = TensorDescriptor(cache, [P, page, R], strides, [1, block_n, block_rh])
+    pe = TensorDescriptor(cache[:, :, R:], [P, page, Dr], strides, [1, block_n, block_dr])
+    return kv, pe
+
+
+@triton.jit
+def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, qt0, qt1, qpt, qk_scale, m_i, l_i, acc0, acc1,
+          BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
+          PAGE: tl.constexpr, TAIL: tl.constexpr):
+    """The key tile at n0 (inside one page) through TMA, folded into the online softmax, with keys
+    as rows (transposed: scores^T = K q^T, out^T += V^T p^T), so that each dot has the 64-row key
+    tile or the latent as its M side and runs on wgmma straight from shared memory (with heads as M,
+    16 rows, the dots are mma.sync and every tile passes through registers).
+
+    TAIL: n0 is the split's partial last tile, [n0, end) with end - n0 < BLOCK_N. The tile is then
+    read ending at ``end`` instead of starting at n0: its rows are the tokens before ``end`` in the
+    same page, the ones before the page read as zeros (negative rows are outside the descriptor),
+    and the ones before n0 (done already) are masked. Every row is a written token or zero, never
+    the unwritten rows past the length, which may hold NaN (0 * NaN would poison the output),
+    and no tile passes through registers to be cleaned."""
+    pidx = n0 // PAGE
+    page = tl.load(TABLES + b * s_tb + tl.minimum(pidx, MAXP - 1))
+    ok = (pidx < MAXP) & (page >= 0) & (page < NPAGES)
+    page = tl.where(ok, page, NPAGES)  # a bad page id reads past the descriptor's pages: zeros, masked below
+    if TAIL:
+        r0 = end - BLOCK_N - pidx * PAGE  # may be negative
+    else:
+        r0 = n0 % PAGE
+    kv0 = KV_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_RH)
+    kv1 = kv0
+    if R_CHUNKS == 2:
+        kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
+    kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
+    if TAIL:
+        ok = ok & ((end - BLOCK_N + tl.arange(0, BLOCK_N)) >= n0)[:, None]
+    st = tl.dot(kv0, qt0)  # [BLOCK_N, BLOCK_H]
+    if R_CHUNKS == 2:
+        st += tl.dot(kv1, qt1)
+    st += tl.dot(kpe, qpt)
+    st = tl.where(ok, st * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(st, 0))
+    alpha = tl.exp2(m_i - m_new)
+    pt = tl.exp2(st - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(pt, 0)
+    pt = pt.to(kv0.dtype)
+    acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(kv0), pt)  # [BLOCK_RH, BLOCK_H]
+    if R_CHUNKS == 2:
+        acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(kv1), pt)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit
+def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE,
+                           sm_scale, H, R, DR, MAXP, NPAGES, SPLIT_MIN,
+                           s_qnb, s_qnh, s_qpb, s_qph, s_tb, s_ob, s_oh,
+                           s_pob, s_poh, s_pos, s_plb, s_plh,
+                           BLOCK_H: tl.constexpr, BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr,
+                           BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           PAGE: tl.constexpr):
+    hb = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    _, used, start, end = _split_range(SEQ_LENS, b, split, 0, SPLIT_MIN, NUM_SPLITS, BLOCK_N, False)
+    if split >= used:
+        return
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r = tl.arange(0, BLOCK_RH)
+    offs_d = tl.arange(0, BLOCK_DR)
+    mh, md = offs_h < H, offs_d < DR
+    mr0 = offs_r < R
+    mr1 = (offs_r + BLOCK_RH) < R
+    # q transposed: [latent, heads]
+    qcol = QN + b * s_qnb + offs_h[None, :] * s_qnh
+    qt0 = tl.load(qcol + offs_r[:, None], mask=mr0[:, None] & mh[None, :], other=0.0)
+    qt1 = qt0
+    if R_CHUNKS == 2:
+        qt1 = tl.load(qcol + BLOCK_RH + offs_r[:, None], mask=mr1[:, None] & mh[None, :], other=0.0)
+    qpt = tl.load(QP + b * s_qpb + offs_h[None, :] * s_qph + offs_d[:, None], mask=md[:, None] & mh[None, :],
+                  other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+
+    m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_RH, BLOCK_H], tl.float32)
+    acc1 = tl.zeros([BLOCK_RH, BLOCK_H], tl.float32)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, qt0, qt1, qpt, qk_scale,
+                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, False)
+    if full_end < end:  # the split's partial last tile
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, full_end, end, MAXP, NPAGES, qt0, qt1, qpt,
+                                     qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, True)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    acc0 = acc0 / l_safe[None, :]
+    acc1 = acc1 / l_safe[None, :]
+    if NUM_SPLITS == 1:
+        o = O + b * s_ob + offs_h[None, :] * s_oh
+        tl.store(o + offs_r[:, None], acc0.to(O.dtype.element_ty), mask=mr0[:, None] & mh[None, :])
+        if R_CHUNKS == 2:
+            tl.store(o + BLOCK_RH + offs_r[:, None], acc1.to(O.dtype.element_ty), mask=mr1[:, None] & mh[None, :])
+        tl.store(LSE + b * H + offs_h, lse, mask=mh)
+    else:
+        o = PO + b * s_pob + offs_h[None, :] * s_poh + split * s_pos
+        tl.store(o + offs_r[:, None], acc0, mask=mr0[:, None] & mh[None, :])
+        if R_CHUNKS == 2:
+            tl.store(o + BLOCK_RH + offs_r[:, None], acc1, mask=mr1[:, None] & mh[None, :])
+        tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
+
+
+def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages):
+    """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments)."""
+    B, H, R = q_nope.shape
+    Dr = q_pe.shape[2]
+    why = usable(cache, q_nope, R, Dr, bn)
+    expect(why is None, "config", "tma", f"a cache the TMA path can read ({why})")
+    block_r = triton.next_power_of_2(R)
+    chunks = 2 if block_r > MAX_BOX else 1
+    block_rh = block_r // chunks
+    block_dr = max(16, triton.next_power_of_2(Dr))
+    kv_desc, pe_desc = descriptors(cache, R, Dr, bn, block_rh, block_dr)
+    S = workspace.num_splits
+    po, pl = workspace.part_o, workspace.part_lse
+    _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
+        q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, out, lse, po, pl, float(scale),
+        H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
+        BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
+        PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
