@@ -129,14 +129,14 @@ def _decode_case(B, H, ctx, fp8, quick):
         # BLOCK_N 16 with 3 stages: the sm90 build keeps one tile's copy in flight (async_wait 1;
         # the default waits for every copy, async_wait 0) at 209 registers and no stack.
         provs.append(Provider("opmap-triton[bh=16,bn=16,w=4,s=3]", _ours("mla_decode", (16, 16, 4, 3))))
-        # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), two 72 KB
-        # stages, one program per SM: the sm90 build has 220 registers and no stack
-        # (ops/mla/decode_tma.py, test_mla_sm90_compile.py).
-        provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         if B == 1:
             provs.append(Provider("opmap-triton[splits=256,min=128]",
                                   _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
+        # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), two 72 KB
+        # stages, one program per SM: the sm90 build has 220 registers and no stack
+        # (ops/mla/decode_tma.py, test_mla_sm90_compile.py). Larger head blocks spill there.
+        provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
     return BenchCase("attention.mla_decode",
