@@ -51,6 +51,12 @@ def test_triton_split_k(fmt):
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p))  # deterministic
     assert tri.plan(1, 2048, 8192, sms=132)["SPLIT"] > 1  # 32 tiles for 132 SMs: split
     assert tri.plan(1, 4096, 14336, sms=132)["SPLIT"] == 1  # 64 tiles: no split won on the H200
+    old = tri.SPLIT_BELOW
+    try:  # OPMAP_GEMM_SPLIT_BELOW=1 (read at import): the 64-tile GEMMs split too
+        tri.SPLIT_BELOW = 1
+        assert tri.plan(32, 4096, 14336, sms=132)["SPLIT"] > 1
+    finally:
+        tri.SPLIT_BELOW = old
     assert tri.plan(1, 28672, 4096, sms=132)["SPLIT"] == 1  # enough N tiles already
     assert tri.plan(64, 28672, 4096, sms=132)["BLOCK_N"] == 128  # x re-reads halved at M = 64
     # an over-asked split shrinks to the splits that have K left (no empty programs)

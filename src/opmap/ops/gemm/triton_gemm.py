@@ -226,6 +226,14 @@ def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
     return W_SAME
 
 
+# K is split while the tiles number fewer than sms // SPLIT_BELOW. OPMAP_GEMM_SPLIT_BELOW=1 splits
+# the 64-tile GEMMs (N = 4096) too: an e2e A/B at batch 32, where each of 64 programs does 32x the
+# MMA work per weight byte that it does at M = 1 (not yet measured).
+SPLIT_BELOW = int(os.environ.get("OPMAP_GEMM_SPLIT_BELOW", "4"))
+if SPLIT_BELOW < 1:
+    raise ValueError(f"OPMAP_GEMM_SPLIT_BELOW must be >= 1, got {SPLIT_BELOW}")
+
+
 def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     """Tile shape and split-K for a problem (BLOCK_K is autotuned on a GPU)."""
     small = M <= 64
@@ -239,7 +247,7 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     # on the H200 at M = 1 (bench/results/2026-11-29-h200-gemm-split.json): with 64 tiles
     # (N = 4096, K = 14336) and 96 tiles (N = 6144) no split beat split 1 by more than 1%, and
     # a split costs one reduce launch (1.5 us in a decode step's graph) on top.
-    if small and tiles < sms // 4:
+    if small and tiles < sms // SPLIT_BELOW:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
     d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
