@@ -48,6 +48,9 @@ DECODE = [
     ("b3-d128-fp8-split-window", [300, 17, 1], 16, 8, 2, 128, F16, 50, None, True, dict(min_chunk=16)),
     ("b3-d16-tiny-preset", [33, 1, 16], 16, 4, 2, 16, F16, None, None, False, dict(min_chunk=16)),
     ("b3-no-workspace-group6", [300, 0, 16], 16, 6, 1, 64, F32, None, 10.0, False, None),
+    # the auto plan past MAX_SPLITS_AUTO (per_sm): 3 x 64 pretend SMs allow the workspace's 64
+    # splits, which min_chunk 16 brings to 24 for 383 keys (32 would have been the cap before)
+    ("b1-per-sm-48-splits", [383], 16, 8, 1, 64, F16, None, None, False, dict(min_chunk=16, per_sm=3, max_splits=64)),
 ]
 
 

@@ -92,3 +92,7 @@ def test_decode_min_chunk_auto_and_explicit(monkeypatch):
     fixed = dec.make_workspace(1, 32, 128, device="cpu", min_chunk=256)
     assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[1] == 64
     assert dec._splits(fixed, 1, 32, 128, 8, 16, bt, "cpu")[1] == 256
+    # per_sm: the auto plan fills that many programs per SM, up to the workspace's max_splits
+    assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[2] == 32  # 2 x 132 // 8 = 33, capped at 32
+    three = dec.make_workspace(1, 32, 128, device="cpu", per_sm=3, max_splits=64)
+    assert dec._splits(three, 1, 32, 128, 8, 16, bt, "cpu")[2] == 49  # 3 x 132 // 8

@@ -81,7 +81,7 @@ def _tag(cfg):
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
-def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
+def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None, per_sm=None):
     def make(inp):
         from opmap.ops.attention import decode as Dm
         from opmap.ops.attention import mixed as Mx
@@ -92,7 +92,8 @@ def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
                                    max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk,
-                                   split_tokens=split_tokens)
+                                   split_tokens=split_tokens, per_sm=per_sm,
+                                   max_splits=64 if per_sm else None)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
                                      config=config, **kw)
         if phase == "prefill":
@@ -205,6 +206,9 @@ def _decode_case(B, L, fp8, quick):
         # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
         # (64 and 128 splits) against 2048 (16), in the quick grid too.
         provs += [Provider(f"opmap-triton[split_tokens={n}]", _ours("decode", split_tokens=n)) for n in (256, 512, 2048)]
+        # the auto plan at three programs per SM (the sm90 build's shared memory allows three):
+        # 49 splits, 392 programs, one wave (three per SM hold 396)
+        provs.append(Provider("opmap-triton[per_sm=3]", _ours("decode", per_sm=3)))
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))

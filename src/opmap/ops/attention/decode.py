@@ -48,14 +48,21 @@ class DecodeWorkspace:
     max_splits: int
     split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
     min_chunk: int  # 0: auto_min_chunk per launch
+    per_sm: int = 0  # auto plan's programs per SM (0: auto_max_splits' two); see make_workspace
 
 
 def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
                    batch_invariant: bool = False, split_tokens: Optional[int] = None,
-                   max_splits: Optional[int] = None, min_chunk: Optional[int] = None) -> DecodeWorkspace:
-    """``min_chunk``: fewest keys per split in auto mode; None chooses per launch (auto_min_chunk)."""
+                   max_splits: Optional[int] = None, min_chunk: Optional[int] = None,
+                   per_sm: Optional[int] = None) -> DecodeWorkspace:
+    """``min_chunk``: fewest keys per split in auto mode; None chooses per launch (auto_min_chunk).
+    ``per_sm``: programs per SM the auto plan fills (default two, at most MAX_SPLITS_AUTO splits);
+    with it the plan goes up to ``max_splits``. The d128 bf16 decode's sm90 build (72 KB of shared
+    memory, 121 registers) leaves room for three: at B=1 with 8 KV heads, 49 splits instead of 32
+    (a benchmark variant; not measured yet)."""
     expect(max_batch >= 1, "max_batch", max_batch, ">= 1")
     expect(min_chunk is None or min_chunk >= 1, "min_chunk", min_chunk, ">= 1 or None")
+    expect(per_sm is None or per_sm >= 1, "per_sm", per_sm, ">= 1 or None")
     fixed = 0
     if batch_invariant or split_tokens:
         fixed = int(split_tokens or SPLIT_TOKENS_FIXED)
@@ -69,7 +76,7 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     dev = torch.device(device)
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
-                           splits, fixed, int(min_chunk or 0))
+                           splits, fixed, int(min_chunk or 0), int(per_sm or 0))
 
 
 @triton.jit
@@ -204,10 +211,11 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
         tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
 
 
-def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per sequence so that B * Hk * splits fills one wave of about two programs per SM
-    (rounded down: a second, mostly empty wave would cost as much as the first)."""
-    return max(1, min(MAX_SPLITS_AUTO, (2 * sm_count(device)) // max(1, batch * num_kv_heads)))
+def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2,
+                    cap: int = MAX_SPLITS_AUTO) -> int:
+    """Splits per sequence so that B * Hk * splits fills one wave of about ``per_sm`` programs per
+    SM (rounded down: a second, mostly empty wave would cost as much as the first)."""
+    return max(1, min(cap, (per_sm * sm_count(device)) // max(1, batch * num_kv_heads)))
 
 
 def auto_min_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -238,7 +246,9 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
         expect(splits <= workspace.max_splits, "workspace", f"{workspace.max_splits} splits",
                f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
     else:
-        splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
+        per_sm = workspace.per_sm
+        splits = min(workspace.max_splits, auto_max_splits(B, hk, device, per_sm or 2,
+                                                           workspace.max_splits if per_sm else MAX_SPLITS_AUTO))
     return (fixed, workspace.min_chunk or auto_min_chunk(B, hk, device), splits, workspace.part_o,
             workspace.part_lse)
 
