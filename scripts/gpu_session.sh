@@ -55,19 +55,21 @@ case $part in
     tail -n 5 "$out"/*/check.log "$out/tests-driver.log" ;;
   final)
     # Every preset's sanitizer section (the check's other sections run each time), resuming from
-    # check/state/ and within ${SAN_TIMEOUT:-480} s in all: qwen3-30b-a3b first (the most cases),
+    # check/state/ and within ${SAN_TIMEOUT:-540} s in all: qwen3-30b-a3b first (the most cases),
     # then deepseek-v2-lite and llama3-8b, each reusing the verdicts of the same cases from the
     # runs before it (--reuse). Only verdicts whose family's source fingerprint is today's count
     # (check/fingerprint.py), so a kernel edited since its verdict runs again. --batch 1: each case
     # in its own child, so a verdict is saved as soon as it ends. Copy OUT/*/state.jsonl back into
     # check/state/ and call again until every preset reports all cases done.
-    t0=$SECONDS; budget=${SAN_TIMEOUT:-480}; prev=()
+    # --timeout 480: the MoE racecheck at qwen3 shapes took 359 s alone (sixth session); the
+    # runs start longest first (racecheck, MoE first), so it starts at the top of a call.
+    t0=$SECONDS; budget=${SAN_TIMEOUT:-540}; prev=()
     for m in qwen3-30b-a3b deepseek-v2-lite llama3-8b; do
       left=$(( budget - (SECONDS - t0) )); [ $left -lt 40 ] && break
       mkdir -p "$out/$m"; [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
       reuse=(); for p in "${prev[@]}"; do reuse+=(--reuse "$p"); done
       timeout $left python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" "${reuse[@]}" \
-        --out "$out/$m" --jobs 7 --batch 1 > "$out/$m/check.log" 2>&1
+        --out "$out/$m" --jobs ${SAN_JOBS:-9} --batch 1 --timeout 480 > "$out/$m/check.log" 2>&1
       prev+=("$out/$m/state.jsonl")
       pkill -f '[c]ompute-sanitizer' 2>/dev/null
     done ;;

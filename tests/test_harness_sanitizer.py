@@ -461,3 +461,28 @@ def test_fingerprint_follows_a_familys_imports():
     mla = {"/".join(p.parts[-2:]) for p in files_of("mla")}
     assert "mla/decode.py" in mla and "attention/merge.py" in mla  # the MLA merge is the shared split merge
     assert fingerprint("norm") != fingerprint("rope") and len(fingerprint("norm")) == 16
+
+
+def test_longest_runs_start_first(monkeypatch):
+    """Racecheck runs, MoE first, start before memcheck ones (one job: the start order is the
+    order of the calls); results keep the case order."""
+    from opmap.check.base import CheckCase, Outcome
+    from opmap.check.runner import Result
+
+    ok = lambda: Outcome(True, "ok")  # noqa: E731
+    cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "a", ok, device="cuda")),
+             ("moe", CheckCase("parity", "moe", "triton", "b", ok, device="cuda")),
+             ("sampling", CheckCase("parity", "sampling", "triton", "c", ok, device="cuda"))]
+    monkeypatch.setattr(san, "find_sanitizer", lambda: "/bin/true")
+    monkeypatch.setattr(san, "tools_for", lambda c: ["memcheck", "racecheck"])
+    order = []
+
+    def fake_batch(fam, cs, quick, tool, timeout, exe):
+        order.append((fam, tool))
+        return [Result("sanitizer", c.op, c.backend, f"{c.case} [{tool}]", True, "ok", family=fam) for c in cs]
+
+    monkeypatch.setattr(san, "run_batch", fake_batch)
+    res = san.run_all(cases, True, 60, progress=False, jobs_n=1, batch=1)
+    assert order[0] == ("moe", "racecheck") and [t for _, t in order[:3]] == ["racecheck"] * 3
+    assert [r.case for r in res] == ["a [memcheck]", "a [racecheck]", "b [memcheck]", "b [racecheck]",
+                                     "c [memcheck]", "c [racecheck]"]
