@@ -486,3 +486,17 @@ def test_longest_runs_start_first(monkeypatch):
     assert order[0] == ("moe", "racecheck") and [t for _, t in order[:3]] == ["racecheck"] * 3
     assert [r.case for r in res] == ["a [memcheck]", "a [racecheck]", "b [memcheck]", "b [racecheck]",
                                      "c [memcheck]", "c [racecheck]"]
+
+
+def test_a_timed_out_verdict_is_reported_not_kept(fake_tool, monkeypatch, tmp_path):
+    """A time-out says nothing about the kernel: the run reports it, the state file does not keep
+    it, so a resumed run (alone, or with a longer --timeout) tries the case again."""
+    import unittest.mock as mock
+
+    tool, cases = fake_tool
+    state = tmp_path / "state.jsonl"
+    with mock.patch.object(san, "find_sanitizer", lambda: tool):
+        res = san.run_all([("fakesan_pkg.cases", cases[2]), ("fakesan_pkg.cases", cases[0])], True, 3,
+                          progress=False, jobs_n=2, batch=1, state=str(state))
+    assert not res[0].passed and res[0].figure.startswith("timed out after") and res[1].passed
+    assert [k.split("::")[2] for k in san.load_state(str(state))] == ["rope/triton T=3"]

@@ -285,6 +285,10 @@ BATCH = 6  # cases per child process (same family, tool and allocator setting)
 BATCH_EXTRA_S = 30.0  # batch timeout: one case's timeout plus this per further case
 
 
+def _timed_out(r) -> bool:
+    return not r.passed and r.figure.startswith("timed out after")
+
+
 def _key(fam: str, c: CheckCase, tool: str) -> str:
     return f"{fam}{SEP}{c.section}{SEP}{c.title}{SEP}{tool}"
 
@@ -395,7 +399,9 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
             results[k] = r
             with lock:
                 done[0] += 1
-                if state:
+                # A time-out is a verdict on the time limit, not on the kernel: reported, not kept,
+                # so that a resumed run tries the case again (with a longer --timeout, or alone).
+                if state and not _timed_out(r):
                     with open(state, "a", encoding="utf-8") as fh:
                         fh.write(_line(f, jobs[k][1], tool, r))
             if progress:
