@@ -7,14 +7,16 @@
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
+#   scripts/gpu_session.sh next OUTDIR         # sampler, then kernels, in one call (~7 min)
 #   scripts/gpu_session.sh kernels OUTDIR      # MLA GPU tests, MLA and GQA decode quick grids (TMA kernel, per_sm=3 plan)
 #   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|kernels|profiles|flashinfer|verify OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 # FlashInfer only in its own part (the others compare our kernels with their own switches).
 [ "$part" != flashinfer ] && export NO_FLASHINFER=1
@@ -97,6 +99,10 @@ case $part in
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b1.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
+  next)
+    # The eighth session's first call: `sampler` then `kernels` in one call (one start-up).
+    "$self" sampler "$out/sampler-part" > "$out/sampler-part.log" 2>&1
+    "$self" kernels "$out/kernels-part" > "$out/kernels-part.log" 2>&1 ;;
   kernels)
     # Built on the CPU after the seventh session: the MLA decode's TMA kernel (ops/mla/decode_tma.py)
     # with its GPU tests, then the MLA quick grid (it runs beside the pointer kernel) and the GQA
