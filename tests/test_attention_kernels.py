@@ -54,14 +54,16 @@ DECODE = [
 ]
 
 
+@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
 @pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode(case):
+def test_decode(case, trans):
+    """Both layouts of the dots (config TRANS: keys as rows, the sm90 wgmma form) on every case."""
     _, seq, page, hq, hk, d, dt, win, cap, fp8, ws = case
     pc = make_paged(seq, hk, d, page, dtype=dt, fp8=fp8, shared=True, poison=True)
     q, _ = make_query([1] * len(seq), hq, d, dtype=dt)
     w = D.make_workspace(len(seq), hq, d, device="cpu", **ws) if ws is not None else None
     out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
-                        soft_cap=cap, return_lse=True, workspace=w, **pc.kw)
+                        soft_cap=cap, return_lse=True, workspace=w, config={"TRANS": trans}, **pc.kw)
     ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
                         soft_cap=cap, return_lse=True, **pc.kw)
     _check(out, lse, ref, ref_lse, dt, fp8)

@@ -96,3 +96,23 @@ def test_decode_min_chunk_auto_and_explicit(monkeypatch):
     assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[2] == 32  # 2 x 132 // 8 = 33, capped at 32
     three = dec.make_workspace(1, 32, 128, device="cpu", per_sm=3, max_splits=64)
     assert dec._splits(three, 1, 32, 128, 8, 16, bt, "cpu")[2] == 49  # 3 x 132 // 8
+
+
+TRANS_SCRIPT = SCRIPT.split("out = {}")[0] + r'''
+from opmap.ops.attention.common import _default_config
+import torch
+cfg = _default_config("decode", 128, 4, torch.device("cuda"))
+ce = dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=False,
+          HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=1, TRANS=1)
+r = comp(Dm._decode_kernel, dict(dsig, TRANS="constexpr"), ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+print("RESULT " + json.dumps(r))
+'''
+
+
+@needs_ptxas
+def test_decode_with_keys_as_rows_runs_on_wgmma():
+    """config TRANS=1 (the bench's opmap-triton[trans]): both dots on wgmma, pipelined, no spill."""
+    r = run(TRANS_SCRIPT)
+    assert r["wgmma"] == 2 and r["local"] == 0 and r["stack"] == 0, r
+    assert any(int(w) > 0 for w in r["waits"]), r  # copies stay in flight across iterations
+    assert r["shared"] <= 227 * 1024 // 2, r  # two programs per SM

@@ -54,14 +54,16 @@ DECODE = [
 ]
 
 
+@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
 @pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode(case):
+def test_decode(case, trans):
+    """Both layouts of the dots (config TRANS=1: keys as rows, on wgmma; the bench's [trans] rows)."""
     _, seq, page, hq, hk, d, win, cap, fp8 = case
     pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
     q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
     for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV)):
         out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
-                            soft_cap=cap, return_lse=True, workspace=ws, **pc.kw)
+                            soft_cap=cap, return_lse=True, workspace=ws, config={"TRANS": trans}, **pc.kw)
         ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
                             soft_cap=cap, return_lse=True, **pc.kw)
         _close(out, ref, scale=2.0 if fp8 else 1.0)

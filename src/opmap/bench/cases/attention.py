@@ -200,6 +200,11 @@ def _decode_case(B, L, fp8, quick):
             # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
             provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
             provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
+    if not fp8:
+        # Keys as rows (scores^T = K q^T, out^T += V^T p^T): the sm90 build runs both dots on wgmma
+        # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72
+        # (two programs per SM instead of three). In the quick grid: one GPU run decides.
+        provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more

@@ -96,8 +96,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, TRANS: tl.constexpr = 0,
                    PDL: tl.constexpr = False):
+    """TRANS: the dots with keys as rows (scores^T = K q^T, out^T += V^T p^T), whose M sides (the
+    key tile, the value dims) are >= 64 rows and so can run on wgmma from shared memory; with
+    the query heads as M (16 rows) they are mma.sync with every tile passed through registers."""
     enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -122,14 +125,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     row_ok = r < GROUP
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    if TRANS:
+        q = tl.load(q_ptr + row * s_qb + head[None, :] * s_qh + d[:, None], mask=row_ok[None, :], other=0.0)
+    else:
+        q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul = 1.0
     v_mul = 1.0
     if FP8:
         k_mul = tl.load(ks_ptr + kvh)
         v_mul = tl.load(vs_ptr + kvh)
     qk_scale = scale * k_mul * 1.4426950408889634
-    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    if TRANS:
+        acc = tl.zeros([DV, BLOCK_H], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b * s_bt
@@ -148,34 +157,60 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                     other=0.0).to(q.dtype)
         v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
                     other=0.0).to(q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if TRANS:
+            if IEEE:
+                s = tl.dot(k, q, input_precision="ieee")
+            else:
+                s = tl.dot(k, q)
         else:
-            s = tl.dot(q, tl.trans(k))
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
         if HAS_CAP:
             s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
         else:
             s = s * qk_scale
-        s = tl.where(mj[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        if TRANS:  # s: [BLOCK_N, BLOCK_H]
+            s = tl.where(mj[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            if IEEE:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee")
+            else:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            s = tl.where(mj[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
-    out = acc * tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)[:, None]
+    inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    if TRANS:  # acc: [DV, BLOCK_H]
+        out = acc * inv[None, :]
+        o_off = head[None, :] * s_oh + dv[:, None]
+        po_off = head[None, :] * s_poh + dv[:, None]
+        o_ok = row_ok[None, :]
+    else:
+        out = acc * inv[:, None]
+        o_off = head[:, None] * s_oh + dv[None, :]
+        po_off = head[:, None] * s_poh + dv[None, :]
+        o_ok = row_ok[:, None]
     if n <= 1:
-        tl.store(o_ptr + row * s_ob + head[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
+        tl.store(o_ptr + row * s_ob + o_off, out.to(o_ptr.dtype.element_ty), mask=o_ok)
         if RETURN_LSE:
             tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + head, lse2 * 0.6931471805599453, mask=row_ok)
     else:
-        tl.store(po_ptr + b * s_pob + head[:, None] * s_poh + sp * s_pos + dv[None, :], out, mask=row_ok[:, None])
+        tl.store(po_ptr + b * s_pob + sp * s_pos + po_off, out, mask=o_ok)
         tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
 
 
@@ -289,7 +324,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl.launch(q.device))
     if splits > 1:
         s_p = triton.next_power_of_2(splits)
