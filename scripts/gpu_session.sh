@@ -107,7 +107,10 @@ case $part in
     # Built on the CPU after the seventh session: the MLA decode's TMA kernel (ops/mla/decode_tma.py)
     # with its GPU tests, then the MLA quick grid (it runs beside the pointer kernel) and the GQA
     # decode quick grid (the per_sm=3 split plan at B=1 / 32k beside the default).
+    # (and the GQA decode with keys as rows, config TRANS=1: its GPU tests, then its [trans] rows)
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_gpu.py -k "test_decode" \
+      > "$out/tests-attention-decode.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
     timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1 ;;
   profiles)
