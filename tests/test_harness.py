@@ -116,6 +116,7 @@ def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
     monkeypatch.setattr(san, "run_all", lambda gpu, *a, **k: [])
     _, extra = runner.check(device="cuda", progress=False, sanitizer=True)
     assert extra["sanitizer_sources"] == {"norm": fingerprint("norm"), "rope": fingerprint("rope")}
+    assert runner.sources_line(extra).count("`") == 4 and runner.sources_line({}) == ""
 
 
 # ---- bench ----------------------------------------------------------------------------------

@@ -209,6 +209,15 @@ def print_tables(results: list[Result], console=None) -> None:
         console.print(t)
 
 
+def sources_line(extra: dict) -> str:
+    """The sanitizer verdicts' source fingerprints, for the Markdown report ("" without them)."""
+    src = extra.get("sanitizer_sources")
+    if not src:
+        return ""
+    return ("Sanitizer verdicts are of these sources (check/fingerprint.py): "
+            + ", ".join(f"{f} `{h}`" for f, h in src.items()) + "\n\n")
+
+
 def to_markdown(results: list[Result], heading: str = "##") -> str:
     out = []
     for sec, title in SECTIONS.items():
@@ -303,7 +312,7 @@ def main(args) -> int:
         console.print(f"wrote {args.json}")
     if args.markdown:
         with open(args.markdown, "w") as f:
-            f.write("# opmap check\n\n" + to_markdown(results))
+            f.write("# opmap check\n\n" + sources_line(extra) + to_markdown(results))
         console.print(f"wrote {args.markdown}")
     if args.out:
         from ..bench.report import result_stem
@@ -313,7 +322,7 @@ def main(args) -> int:
         extra["command"] = " ".join(sys.argv)
         stem.with_suffix(".json").write_text(json.dumps(as_json(results, extra), indent=1))
         stem.with_suffix(".md").write_text(f"# opmap check{' --model ' + args.model if args.model else ''}\n\n"
-                                           + to_markdown(results))
+                                           + sources_line(extra) + to_markdown(results))
         console.print(f"wrote {stem}.json and {stem}.md")
     if not results:
         console.print("no check case matched (nothing was checked)")
