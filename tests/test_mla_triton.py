@@ -294,10 +294,12 @@ def _poison_past_lengths(pc, page):
             pc.cache[int(pc.block_tables[b, n // page]), n % page:] = float("nan")
 
 
+@pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
 @pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16)])
-def test_tma_decode_matches_reference(page, splits, bn):
+def test_tma_decode_matches_reference(page, splits, bn, bh):
     """config (..., "tma"): the latent tiles through tensor descriptors, the partial last tile of
-    each split through masked loads; lengths around the page and tile edges, shuffled pages."""
+    each split read so that it ends at the length; lengths around the page and tile edges,
+    shuffled pages; both dot layouts (keys as rows below 64 heads per block)."""
     g = torch.Generator().manual_seed(40 + page + splits)
     lens = [0, 1, bn - 1, bn, bn + 1, page - 1, page, page + 1, 3 * page + 5]
     pc = make_cache(lens, R, DR, page, torch.float16, gen=g)
@@ -306,7 +308,7 @@ def test_tma_decode_matches_reference(page, splits, bn):
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True)
     ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
     got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
-                         workspace=ws, config=(4, bn, 4, 2, "tma"))
+                         workspace=ws, config=(bh, bn, 4, 2, "tma"))
     _check(got, want, torch.float16)
     assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
     plain = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
@@ -314,7 +316,8 @@ def test_tma_decode_matches_reference(page, splits, bn):
     assert_close(got[0], plain[0], dtype=torch.float16, what="tma vs pointer kernel")
 
 
-def test_tma_decode_real_rank_two_halves():
+@pytest.mark.parametrize("cfg", [(16, 32, 4, 2, "tma"), (64, 32, 8, 2, "tma")], ids=["keys-rows", "heads-rows"])
+def test_tma_decode_real_rank_two_halves(cfg):
     """R = 512 is read as two 256-wide TMA boxes with an accumulator each."""
     g = torch.Generator().manual_seed(44)
     lens = [1, 63, 64, 200]
@@ -325,7 +328,7 @@ def test_tma_decode_real_rank_two_halves():
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True)
     ws = dec.make_workspace(len(lens), 16, 512, "cpu", num_splits=2, split_min=32)
     _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True,
-                          workspace=ws, config=(16, 32, 4, 2, "tma")), want, torch.float16)
+                          workspace=ws, config=cfg), want, torch.float16)
 
 
 def test_tma_decode_refuses_what_it_cannot_read():

@@ -234,18 +234,18 @@ def test_split_merge_against_reference(H, lens):
     _agree(runs[0][0], want, what=f"H={H} lens={lens[:4]}")
 
 
-@pytest.mark.parametrize("H", [16, 128])
-def test_tma_decode_bf16(H):
-    """The TMA kernel (config (16, 64, 4, 2, "tma")) at real shapes: lengths around the 64-token
-    tiles and pages, a 32k context, an empty sequence; NaN in every row past a length (the tail
-    tile must not read them); then a CUDA-graph replay after re-planning."""
+@pytest.mark.parametrize("H,cfg", [(16, (16, 64, 4, 2, "tma")), (128, (16, 64, 4, 2, "tma")),
+                                   (128, (64, 32, 8, 2, "tma"))], ids=["h16-keys-rows", "h128-keys-rows", "h128-heads-rows"])
+def test_tma_decode_bf16(H, cfg):
+    """The TMA kernel at real shapes, in both dot layouts: lengths around the 64-token tiles and
+    pages, a 32k context, an empty sequence; NaN in every row past a length (the tail tile must not
+    read them); then a CUDA-graph replay after re-planning."""
     lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
     pc = _cache(lens, 64, 40 + H)
     for b, n in enumerate(lens):
         if n % 64:
             pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
     qn, qp = _q(len(lens), H, _gen(41))
-    cfg = (16, 64, 4, 2, "tma")
     ws = dec.make_workspace(len(lens), H, R, "cuda", config=cfg)
     run = lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
                                  return_lse=True, workspace=ws, config=cfg)

@@ -60,13 +60,16 @@ def descriptors(cache: torch.Tensor, R: int, Dr: int, block_n: int, block_rh: in
 
 
 @triton.jit
-def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, qt0, qt1, qpt, qk_scale, m_i, l_i, acc0, acc1,
+def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
           BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
-          PAGE: tl.constexpr, TAIL: tl.constexpr):
-    """The key tile at n0 (inside one page) through TMA, folded into the online softmax, with keys
-    as rows (transposed: scores^T = K q^T, out^T += V^T p^T), so that each dot has the 64-row key
-    tile or the latent as its M side and runs on wgmma straight from shared memory (with heads as M,
-    16 rows, the dots are mma.sync and every tile passes through registers).
+          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr):
+    """The key tile at n0 (inside one page) through TMA, folded into the online softmax.
+
+    Every dot must have an M side of >= 64 rows to run on wgmma from shared memory (with 16 rows
+    it is mma.sync and every tile passes through registers). KEYS_ROWS (head blocks of 16): keys
+    as rows, scores^T = K q^T and out^T += V^T p^T, whose M sides are the 64-key tile and the
+    latent; q and the accumulators come transposed. Else (head blocks of 64, two warpgroups) heads
+    are the rows, as FlashMLA does.
 
     TAIL: n0 is the split's partial last tile, [n0, end) with end - n0 < BLOCK_N. The tile is then
     read ending at ``end`` instead of starting at n0: its rows are the tokens before ``end`` in the
@@ -87,21 +90,39 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, qt0, qt1, qp
     if R_CHUNKS == 2:
         kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
     kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
-    if TAIL:
-        ok = ok & ((end - BLOCK_N + tl.arange(0, BLOCK_N)) >= n0)[:, None]
-    st = tl.dot(kv0, qt0)  # [BLOCK_N, BLOCK_H]
-    if R_CHUNKS == 2:
-        st += tl.dot(kv1, qt1)
-    st += tl.dot(kpe, qpt)
-    st = tl.where(ok, st * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(st, 0))
-    alpha = tl.exp2(m_i - m_new)
-    pt = tl.exp2(st - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(pt, 0)
-    pt = pt.to(kv0.dtype)
-    acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(kv0), pt)  # [BLOCK_RH, BLOCK_H]
-    if R_CHUNKS == 2:
-        acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(kv1), pt)
+    live = (end - BLOCK_N + tl.arange(0, BLOCK_N)) >= n0  # used by TAIL only
+    if KEYS_ROWS:
+        if TAIL:
+            ok = ok & live[:, None]
+        st = tl.dot(kv0, q0)  # [BLOCK_N, BLOCK_H]
+        if R_CHUNKS == 2:
+            st += tl.dot(kv1, q1)
+        st += tl.dot(kpe, qp)
+        st = tl.where(ok, st * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(st, 0))
+        alpha = tl.exp2(m_i - m_new)
+        pt = tl.exp2(st - m_new[None, :])
+        l_i = l_i * alpha + tl.sum(pt, 0)
+        pt = pt.to(kv0.dtype)
+        acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(kv0), pt)  # [BLOCK_RH, BLOCK_H]
+        if R_CHUNKS == 2:
+            acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(kv1), pt)
+    else:
+        if TAIL:
+            ok = ok & live[None, :]
+        s = tl.dot(q0, tl.trans(kv0))  # [BLOCK_H, BLOCK_N]
+        if R_CHUNKS == 2:
+            s += tl.dot(q1, tl.trans(kv1))
+        s += tl.dot(qp, tl.trans(kpe))
+        s = tl.where(ok, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(kv0.dtype)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0)  # [BLOCK_H, BLOCK_RH]
+        if R_CHUNKS == 2:
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1)
     return m_new, l_i, acc0, acc1
 
 
@@ -112,7 +133,7 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
                            s_pob, s_poh, s_pos, s_plb, s_plh,
                            BLOCK_H: tl.constexpr, BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr,
                            BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           PAGE: tl.constexpr):
+                           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr):
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -125,43 +146,66 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
     mh, md = offs_h < H, offs_d < DR
     mr0 = offs_r < R
     mr1 = (offs_r + BLOCK_RH) < R
-    # q transposed: [latent, heads]
-    qcol = QN + b * s_qnb + offs_h[None, :] * s_qnh
-    qt0 = tl.load(qcol + offs_r[:, None], mask=mr0[:, None] & mh[None, :], other=0.0)
-    qt1 = qt0
-    if R_CHUNKS == 2:
-        qt1 = tl.load(qcol + BLOCK_RH + offs_r[:, None], mask=mr1[:, None] & mh[None, :], other=0.0)
-    qpt = tl.load(QP + b * s_qpb + offs_h[None, :] * s_qph + offs_d[:, None], mask=md[:, None] & mh[None, :],
-                  other=0.0)
+    if KEYS_ROWS:  # q and the accumulators transposed: [latent, heads]
+        qcol = QN + b * s_qnb + offs_h[None, :] * s_qnh
+        q0 = tl.load(qcol + offs_r[:, None], mask=mr0[:, None] & mh[None, :], other=0.0)
+        q1 = q0
+        if R_CHUNKS == 2:
+            q1 = tl.load(qcol + BLOCK_RH + offs_r[:, None], mask=mr1[:, None] & mh[None, :], other=0.0)
+        qp = tl.load(QP + b * s_qpb + offs_h[None, :] * s_qph + offs_d[:, None], mask=md[:, None] & mh[None, :],
+                     other=0.0)
+        acc0 = tl.zeros([BLOCK_RH, BLOCK_H], tl.float32)
+    else:
+        qrow = QN + b * s_qnb + offs_h[:, None] * s_qnh
+        q0 = tl.load(qrow + offs_r[None, :], mask=mh[:, None] & mr0[None, :], other=0.0)
+        q1 = q0
+        if R_CHUNKS == 2:
+            q1 = tl.load(qrow + BLOCK_RH + offs_r[None, :], mask=mh[:, None] & mr1[None, :], other=0.0)
+        qp = tl.load(QP + b * s_qpb + offs_h[:, None] * s_qph + offs_d[None, :], mask=mh[:, None] & md[None, :],
+                     other=0.0)
+        acc0 = tl.zeros([BLOCK_H, BLOCK_RH], tl.float32)
+    acc1 = acc0
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc0 = tl.zeros([BLOCK_RH, BLOCK_H], tl.float32)
-    acc1 = tl.zeros([BLOCK_RH, BLOCK_H], tl.float32)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
     for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, qt0, qt1, qpt, qk_scale,
-                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, False)
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale,
+                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS,
+                                     False)
     if full_end < end:  # the split's partial last tile
-        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, full_end, end, MAXP, NPAGES, qt0, qt1, qpt,
-                                     qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, True)
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, full_end, end, MAXP, NPAGES, q0, q1, qp,
+                                     qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
+                                     KEYS_ROWS, True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    acc0 = acc0 / l_safe[None, :]
-    acc1 = acc1 / l_safe[None, :]
+    if KEYS_ROWS:  # [latent, heads]
+        acc0 = acc0 / l_safe[None, :]
+        acc1 = acc1 / l_safe[None, :]
+        off0 = offs_h[None, :] * s_oh + offs_r[:, None]
+        poff0 = offs_h[None, :] * s_poh + offs_r[:, None]
+        ok0 = mr0[:, None] & mh[None, :]
+        ok1 = mr1[:, None] & mh[None, :]
+    else:  # [heads, latent]
+        acc0 = acc0 / l_safe[:, None]
+        acc1 = acc1 / l_safe[:, None]
+        off0 = offs_h[:, None] * s_oh + offs_r[None, :]
+        poff0 = offs_h[:, None] * s_poh + offs_r[None, :]
+        ok0 = mh[:, None] & mr0[None, :]
+        ok1 = mh[:, None] & mr1[None, :]
     if NUM_SPLITS == 1:
-        o = O + b * s_ob + offs_h[None, :] * s_oh
-        tl.store(o + offs_r[:, None], acc0.to(O.dtype.element_ty), mask=mr0[:, None] & mh[None, :])
+        o = O + b * s_ob + off0
+        tl.store(o, acc0.to(O.dtype.element_ty), mask=ok0)
         if R_CHUNKS == 2:
-            tl.store(o + BLOCK_RH + offs_r[:, None], acc1.to(O.dtype.element_ty), mask=mr1[:, None] & mh[None, :])
+            tl.store(o + BLOCK_RH, acc1.to(O.dtype.element_ty), mask=ok1)
         tl.store(LSE + b * H + offs_h, lse, mask=mh)
     else:
-        o = PO + b * s_pob + offs_h[None, :] * s_poh + split * s_pos
-        tl.store(o + offs_r[:, None], acc0, mask=mr0[:, None] & mh[None, :])
+        o = PO + b * s_pob + split * s_pos + poff0
+        tl.store(o, acc0, mask=ok0)
         if R_CHUNKS == 2:
-            tl.store(o + BLOCK_RH + offs_r[:, None], acc1, mask=mr1[:, None] & mh[None, :])
+            tl.store(o + BLOCK_RH, acc1, mask=ok1)
         tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
 
 
@@ -184,4 +228,4 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
-        PAGE=cache.shape[1], num_warps=warps, num_stages=stages)
+        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, num_warps=warps, num_stages=stages)
