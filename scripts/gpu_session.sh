@@ -3,10 +3,12 @@
 # PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
-#   scripts/gpu_session.sh final OUTDIR        # every preset's sanitizer section, resumed (qwen3, deepseek, llama3 reusing the runs before)
+#   scripts/gpu_session.sh final OUTDIR        # every preset's sanitizer section, resumed (qwen3, deepseek, llama3 reusing the runs before);
+#                                              # FINAL_TESTS="a.py|b.py" runs GPU test lanes beside it
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
+#   scripts/gpu_session.sh benches OUTDIR      # timings only: sampler profile + bench, MLA and GQA decode grids (~6 min)
 #   scripts/gpu_session.sh next OUTDIR         # sampler, then kernels, in one call (~7 min)
 #   scripts/gpu_session.sh kernels OUTDIR      # MLA GPU tests, MLA and GQA decode quick grids (TMA kernel, per_sm=3 plan)
 #   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
@@ -14,7 +16,7 @@
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|sampler|bench|benches|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -65,6 +67,14 @@ case $part in
     # check/state/ and call again until every preset reports all cases done.
     # --timeout 480: the MoE racecheck at qwen3 shapes took 359 s alone (sixth session); the
     # runs start longest first (racecheck, MoE first), so it starts at the top of a call.
+    # FINAL_TESTS="a.py|b.py c.py": GPU test lanes beside the sanitizer (correctness only, so they
+    # may share the GPU; timings never run here).
+    tpid=
+    if [ -n "${FINAL_TESTS:-}" ]; then
+      (STEPS=tests TEST_TIMEOUT=300 TEST_LANES="$FINAL_TESTS" timeout 420 scripts/gpu.sh "$out/tests" \
+        > "$out/tests-driver.log" 2>&1) &
+      tpid=$!
+    fi
     t0=$SECONDS; budget=${SAN_TIMEOUT:-540}; prev=()
     for m in qwen3-30b-a3b deepseek-v2-lite llama3-8b; do
       left=$(( budget - (SECONDS - t0) )); [ $left -lt 40 ] && break
@@ -74,7 +84,15 @@ case $part in
         --out "$out/$m" --jobs ${SAN_JOBS:-9} --batch 1 --timeout 480 > "$out/$m/check.log" 2>&1
       prev+=("$out/$m/state.jsonl")
       pkill -f '[c]ompute-sanitizer' 2>/dev/null
-    done ;;
+    done
+    [ -n "$tpid" ] && wait "$tpid" ;;
+  benches)
+    # Timings only, alone on the GPU (their GPU tests ran beside the sanitizer: FINAL_TESTS):
+    # the sampler's per-kernel profile and bench, then the MLA and GQA decode quick grids.
+    timeout 90 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
+    timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1 ;;
   sampler)
     # After a sampler change: its GPU tests, then (alone) each kernel's time and the bench.
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sampling_gpu.py \
