@@ -140,6 +140,11 @@ case $part in
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1
     OPMAP_PDL_MOE=1 timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1-pdl-moe.log" 2>&1
+    # the MoE kernels under PDL without the early release, against off and "1", one process each
+    for v in 0 late 1; do
+      OPMAP_PDL_MOE=$v timeout 80 python3 -m opmap.bench.cases.e2e --model qwen3-30b-a3b --case 1 --no-hf \
+        --out "$out/e2e-qwen-pdl-moe-$v" > "$out/e2e-qwen-pdl-moe-$v.log" 2>&1
+    done
     # B=32 with the 64-tile GEMMs (N = 4096) split along K, against the default, one process each
     for v in 4 1; do
       OPMAP_GEMM_SPLIT_BELOW=$v timeout 80 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \

@@ -123,3 +123,31 @@ def test_prefetch_lines_must_be_a_power_of_two():
     out = subprocess.run([sys.executable, "-c", "import opmap.ops.gemm.triton_gemm"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got 12" in out.stderr
+
+
+def test_moe_kernels_follow_their_own_switch(monkeypatch):
+    """OPMAP_PDL_MOE (read at import): off by default, "1" as the other kernels, "late" waits
+    without the early release (PDL == 2)."""
+    monkeypatch.setattr(pdl, "enabled", lambda device: True)
+    assert pdl.launch("cuda") == {"PDL": 1, "launch_pdl": True}
+    assert pdl.launch("cuda", moe=True) == {"PDL": False}
+    for env, want in (("1", pdl._ON), ("late", pdl._LATE)):
+        monkeypatch.setattr(pdl, "_MOE", {"1": pdl._ON, "late": pdl._LATE}[env])
+        assert pdl.launch("cuda", moe=True) is want
+    assert pdl._LATE["PDL"] == 2
+
+
+LATE_SCRIPT = r'''
+from opmap.ops.moe import grouped_gemm as gg
+sig = {"y_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "top_k": "i32", "stride_y": "i32", "stride_o": "i32",
+       "BH": "constexpr", "PDL": "constexpr"}
+k = compile_sm90(gg._combine_kernel, sig, {"BH": 1024, "PDL": 2}, {"num_warps": 4, "launch_pdl": True})
+ptx = k.asm["ptx"]
+print("RESULT " + json.dumps({"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}))
+'''
+
+
+@needs_ptxas
+def test_late_release_waits_without_releasing():
+    r = run(LATE_SCRIPT)
+    assert r == {"wait": 1, "launch": 0}, r

@@ -46,26 +46,32 @@ def _sm90(device) -> bool:
     return dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
 
 
-_ON = {"PDL": True, "launch_pdl": True}
+_ON = {"PDL": 1, "launch_pdl": True}
+_LATE = {"PDL": 2, "launch_pdl": True}  # wait, but release the dependents only at exit
 _OFF = {"PDL": False}
 
 
 # The MoE kernels (routing, align, grouped GEMM, combine) only when asked: with them launched
-# under PDL, Qwen3-30B-A3B's batch-1 decode step was 2.3% slower (seventh session, 3.95 against
-# 3.86 ms TPOT) while Llama-3-8B's was 4% faster.
-_MOE = os.environ.get("OPMAP_PDL_MOE", "0") == "1"
+# under PDL, Qwen3-30B-A3B's batch-1 decode step was slower (seventh session: 3.96 against 3.55 ms
+# TPOT) while Llama-3-8B's was 4% faster. OPMAP_PDL_MOE=1 launches them as the others;
+# OPMAP_PDL_MOE=late launches them with PDL but without the early release (the dependents launch
+# as each program exits), to tell whether the dependents waiting on the SMs are the cost.
+_MOE = {"1": _ON, "late": _LATE}.get(os.environ.get("OPMAP_PDL_MOE", "0"), _OFF)
 
 
 def launch(device, moe: bool = False) -> dict:
     """Keyword arguments for ``kernel[grid](...)``: the PDL constexpr and, when on, the launch
     attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel). ``moe``: a MoE
-    kernel, under PDL only with ``OPMAP_PDL_MOE=1``. Do not mutate."""
-    return _ON if enabled(device) and (_MOE or not moe) else _OFF
+    kernel, under PDL only as ``OPMAP_PDL_MOE`` says. Do not mutate."""
+    if not enabled(device):
+        return _OFF
+    return _MOE if moe else _ON
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a PDL-aware kernel: wait for the predecessor, then release the dependents.
+    """First statement of a PDL-aware kernel: wait for the predecessor, then release the dependents
+    (PDL == 1; PDL == 2 waits only, and the dependents launch as the programs exit).
 
     In this order at most one kernel waits ahead of the running one. Released first (the order
     measured 7% slower at batch 1 in the third and seventh sessions), each early kernel released
@@ -73,4 +79,5 @@ def enter(PDL: tl.constexpr):
     the SMs that the running kernel needed."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL == 1:
+            gdc_launch_dependents()
