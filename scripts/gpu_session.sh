@@ -134,20 +134,20 @@ case $part in
   profiles)
     # Where the B=32 decode step's 5.1 ms go (floor 3.47 ms), and which MoE kernel PDL slows
     # (Qwen3 B=1 TPOT 3.55 ms with the MoE kernels off PDL, 3.96 with them: seventh session).
-    timeout 150 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 32 \
+    timeout 100 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 32 \
       --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b32.log" 2>&1
-    timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
+    timeout 90 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1
-    OPMAP_PDL_MOE=1 timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
+    OPMAP_PDL_MOE=1 timeout 90 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1-pdl-moe.log" 2>&1
     # the MoE kernels under PDL without the early release, against off and "1", one process each
     for v in 0 late 1; do
-      OPMAP_PDL_MOE=$v timeout 80 python3 -m opmap.bench.cases.e2e --model qwen3-30b-a3b --case 1 --no-hf \
+      OPMAP_PDL_MOE=$v timeout 60 python3 -m opmap.bench.cases.e2e --model qwen3-30b-a3b --case 1 --no-hf \
         --out "$out/e2e-qwen-pdl-moe-$v" > "$out/e2e-qwen-pdl-moe-$v.log" 2>&1
     done
     # B=32 with the 64-tile GEMMs (N = 4096) split along K, against the default, one process each
     for v in 4 1; do
-      OPMAP_GEMM_SPLIT_BELOW=$v timeout 80 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \
+      OPMAP_GEMM_SPLIT_BELOW=$v timeout 60 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \
         --out "$out/e2e-b32-split-below-$v" > "$out/e2e-b32-split-below-$v.log" 2>&1
     done ;;
   verify)
