@@ -164,8 +164,12 @@ def _Ceil_dc():
     return Ceilings(4.0, 4.0, 800.0, "NVIDIA H200", "580.1", "2026-01-01T00:00:00+00:00")
 
 
-def test_result_files(tmp_path):
+def test_result_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPMAP_PDL", "0")
+    monkeypatch.setenv("OPMAP_COMMIT", "abc1234")
     doc = _doc()
+    assert doc["environment"]["settings"].get("OPMAP_PDL") == "0"  # the variant a file timed
+    assert "OPMAP_COMMIT" not in doc["environment"]["settings"]
     assert bench_report.gpu_slug("NVIDIA H200") == "h200"
     assert bench_report.gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
     p1 = bench_report.write(doc, str(tmp_path))

@@ -51,6 +51,9 @@ def environment(ceilings=None) -> dict:
         "python": info.python,
         "triton_interpret": info.interpreter,
         "commit": git_commit(),
+        # the switches that change what runs (OPMAP_PDL, OPMAP_GEMM_SPLIT_BELOW, ...): a result
+        # file says which variant of the code it timed
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPMAP_") and k != "OPMAP_COMMIT"},
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": ceilings.as_dict() if ceilings is not None else None,
