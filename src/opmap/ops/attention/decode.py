@@ -340,7 +340,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
            k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None,
            config=None):
-    """``config``: optional tile override (BLOCK_H, BLOCK_N, num_warps, num_stages), for tuning."""
+    """``config``: optional override of the launch config (BLOCK_H, BLOCK_N, num_warps, num_stages,
+    PREFETCH, TRANS: see common._default_config and _decode_kernel), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale)
     out = torch.empty(B, q.shape[1], dv, dtype=q.dtype, device=q.device)
