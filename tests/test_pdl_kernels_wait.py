@@ -1,0 +1,73 @@
+"""Every PDL-aware kernel waits for its predecessor before it touches memory.
+
+A kernel launched with ``launch_pdl=True`` may start while the kernel before it still runs; if it
+loads, stores or atomically updates global memory before ``griddepcontrol.wait``, it can read
+stale data or race with the predecessor, and no test on an idle GPU would notice. So: for each
+@triton.jit kernel under opmap.ops that takes a ``PDL`` parameter, no statement before the first
+``enter(PDL)`` / ``gdc_wait()`` may call a memory operation. Checked on the source (AST), so it
+runs on the CPU and covers kernels added later."""
+import ast
+import importlib
+import inspect
+import pkgutil
+import textwrap
+
+import opmap.ops
+
+MEMORY = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min",
+          "atomic_and", "atomic_or", "atomic_xor"}
+WAITS = {"enter", "gdc_wait"}
+
+
+def _pdl_kernels():
+    out = {}
+    for m in pkgutil.walk_packages(opmap.ops.__path__, "opmap.ops."):
+        mod = importlib.import_module(m.name)
+        for name, obj in vars(mod).items():
+            # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1: both keep the Python function
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and "PDL" in (getattr(obj, "arg_names", None) or ()):
+                out[f"{fn.__module__}.{fn.__name__}"] = fn
+    return out
+
+
+def _calls(node):
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call):
+            f = n.func
+            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+    return names
+
+
+def _problem(src: str):
+    """None when the function waits before any memory operation, else what is wrong."""
+    body = ast.parse(textwrap.dedent(src)).body[0].body
+    before = []
+    for stmt in body:
+        if _calls(stmt) & WAITS:
+            break
+        before.append(stmt)
+    else:
+        return "takes PDL but never waits (enter(PDL) / gdc_wait())"
+    touched = set().union(set(), *(_calls(s) for s in before)) & MEMORY
+    return f"{sorted(touched)} before the PDL wait" if touched else None
+
+
+def test_the_check_sees_a_load_before_the_wait():
+    bad = """
+def k(x_ptr, PDL: tl.constexpr = False):
+    x = tl.load(x_ptr)
+    enter(PDL)
+    tl.store(x_ptr, x)
+"""
+    good = bad.replace("    x = tl.load(x_ptr)\n    enter(PDL)\n", "    enter(PDL)\n    x = tl.load(x_ptr)\n")
+    assert _problem(bad) == "['load'] before the PDL wait" and _problem(good) is None
+    assert "never waits" in _problem("def k(PDL):\n    tl.store(p, 1)\n")
+
+
+def test_every_pdl_kernel_waits_before_touching_memory():
+    kernels = _pdl_kernels()
+    assert len(kernels) >= 15, sorted(kernels)  # the decode-step kernels and the sampler's passes at least
+    problems = {name: p for name, fn in kernels.items() if (p := _problem(inspect.getsource(fn)))}
+    assert not problems, problems
