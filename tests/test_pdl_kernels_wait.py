@@ -71,3 +71,59 @@ def test_every_pdl_kernel_waits_before_touching_memory():
     assert len(kernels) >= 15, sorted(kernels)  # the decode-step kernels and the sampler's passes at least
     problems = {name: p for name, fn in kernels.items() if (p := _problem(inspect.getsource(fn)))}
     assert not problems, problems
+
+
+def _launch_sites():
+    """(module, kernel expression) of every ``kernel[grid](..., **pdl.launch(...))`` under opmap.ops,
+    and of launches whose keyword dict came from pdl.launch by name (``**pl``, ``**cb``)."""
+    sites = []
+    for m in pkgutil.walk_packages(opmap.ops.__path__, "opmap.ops."):
+        mod = importlib.import_module(m.name)
+        try:
+            tree = ast.parse(inspect.getsource(mod))
+        except (OSError, TypeError):
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.Module)):
+                continue
+            # names bound to pdl.launch(...) or to dicts that unpack it, in this function
+            pdl_names = set()
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name):
+                    v = n.value
+                    uses = any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "launch"
+                               and getattr(c.func.value, "id", "") == "pdl" for c in ast.walk(v))
+                    if uses or any(isinstance(x, ast.Name) and x.id in pdl_names for x in ast.walk(v)):
+                        pdl_names.add(n.targets[0].id)
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript):
+                    for kw in n.keywords:
+                        if kw.arg is not None:
+                            continue
+                        v = kw.value
+                        direct = (isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute)
+                                  and v.func.attr == "launch" and getattr(v.func.value, "id", "") == "pdl")
+                        if direct or (isinstance(v, ast.Name) and v.id in pdl_names):
+                            sites.append((mod, ast.unparse(n.func.value)))
+    return sites
+
+
+def test_every_kernel_launched_with_pdl_takes_the_pdl_parameter():
+    """A kernel launched with launch_pdl=True but without a PDL parameter would start early and
+    never wait."""
+    sites = _launch_sites()
+    assert len(sites) >= 15, sites
+    missing = []
+    for mod, expr in set(sites):
+        if "(" in expr:  # triton_gemm's _tuned(small): the autotuned kernel of one shape class
+            expr = expr.split("(")[0] + "(True)"
+        obj = eval(expr, vars(mod))  # noqa: S307 - a name or call from our own source
+        names = getattr(obj, "arg_names", None)
+        if names is None:  # an autotuner or heuristics wrapper: the kernel underneath
+            inner = obj
+            while names is None and hasattr(inner, "fn"):
+                inner = inner.fn
+                names = getattr(inner, "arg_names", None)
+        if not names or "PDL" not in names:
+            missing.append(f"{mod.__name__}: {expr}")
+    assert not missing, missing
