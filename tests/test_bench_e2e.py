@@ -34,3 +34,25 @@ def test_engine_cases_records_and_grammar_overlap_variants(single_thread):
     for r in (js, serial):
         assert r["structured_overhead"] is not None and r["host_ms"]["decode"]["grammar"] > 0
         assert "first constrained request (warm-up, untimed)" in r["note"]  # one-time costs kept out
+
+
+def test_kv_bytes_and_step_floor_figures(monkeypatch):
+    """Llama-3-8B at B=32, prompt 512, 128 new tokens: 32 x 576 x 32 layers x (2 x 8 x 128) x 2 B
+    = 2.42 GB of KV per decode step; MLA counts the latent and RoPE key."""
+    from opmap.bench.cases import e2e
+    from opmap.presets import get_preset
+
+    assert abs(e2e.kv_bytes_per_step(get_preset("llama3-8b"), 32, 512, 128) - 2.416e9) < 1e7
+    ds = get_preset("deepseek-v2-lite")
+    assert e2e.kv_bytes_per_step(ds, 1, 100, 0) == 100 * ds.layers * (512 + 64) * 2
+
+    class _L:
+        class ecfg:
+            async_decode = True
+
+    monkeypatch.delenv("OPMAP_PDL", raising=False)
+    monkeypatch.delenv("OPMAP_PDL_MOE", raising=False)
+    assert e2e._engine_name(_L) == "opmap-engine"
+    monkeypatch.setenv("OPMAP_PDL", "0")
+    monkeypatch.setenv("OPMAP_PDL_MOE", "late")
+    assert e2e._engine_name(_L) == "opmap-engine[no-pdl,pdl-moe=late]"
