@@ -294,11 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "off by a time limit is the slow cases, which then run side by side)")
     c.add_argument("--resume", metavar="FILE",
                    help="sanitizer verdicts as JSON lines: each is appended as it finishes, and "
-                        "those already there are reused (continue a run that was cut off)")
+                        "those already there are reused (continue a run that was cut off) while their "
+                        "family's sources and OPMAP_* settings are unchanged; time-outs are not kept")
     c.add_argument("--reuse", metavar="FILE", action="append", default=[],
                    help="another run's sanitizer verdicts (JSON lines, as --resume writes) to reuse where "
                         "the case is the same (same key), e.g. another preset's: its GPU cases of families "
-                        "that do not depend on the model are the same; repeatable; copied into --resume's file")
+                        "that do not depend on the model are the same; repeatable; copied into --resume's file; "
+                        "only verdicts of today's source fingerprint count (check/fingerprint.py)")
     c.set_defaults(func=cmd_check)
 
     b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")
