@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from .common import check_attention, kernel_config, prepare_scales, sm_count
-from .merge import _split_sum
+from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
 from .prefill import _pages, _tanh
@@ -158,40 +158,19 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
         v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
                     other=0.0).to(q.dtype)
         if TRANS:
-            if IEEE:
-                s = tl.dot(k, q, input_precision="ieee")
-            else:
-                s = tl.dot(k, q)
+            s = tl.dot(k, q, input_precision="ieee" if IEEE else None)
         else:
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)
         if HAS_CAP:
             s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
         else:
             s = s * qk_scale
-        if TRANS:  # s: [BLOCK_N, BLOCK_H]
-            s = tl.where(mj[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 0))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            if IEEE:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee")
-            else:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype))
+        if TRANS:  # s: [BLOCK_N, BLOCK_H], keys along axis 0
+            m_i, alpha, p, l_i = _softmax_step(tl.where(mj[:, None], s, float("-inf")), m_i, l_i, 0)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee" if IEEE else None)
         else:
-            s = tl.where(mj[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+            m_i, alpha, p, l_i = _softmax_step(tl.where(mj[None, :], s, float("-inf")), m_i, l_i, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
     inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))

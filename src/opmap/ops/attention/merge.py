@@ -1,6 +1,7 @@
-"""Merge of two partial attention states by their LSE (natural log, fp32), in Triton; and
+"""Merge of two partial attention states by their LSE (natural log, fp32), in Triton;
 ``_split_sum``, the split-KV decodes' merge of n split partials (GQA ``_combine_kernel``, MLA
-``_mla_merge_kernel``).
+``_mla_merge_kernel``); and ``_softmax_step``, the online-softmax update of one key tile that the
+decode kernels and MLA's prefill share.
 
 o = (o_a e^{lse_a} + o_b e^{lse_b}) / (e^{lse_a} + e^{lse_b}); a state with LSE -inf
 contributes nothing, two empty states give zeros and -inf (as the reference).
@@ -14,6 +15,18 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from . import validate as V
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i, AX: tl.constexpr):
+    """One key tile of the online softmax (exp2 domain): the scores ``s`` hold the keys along axis
+    ``AX`` (1: rows are query heads; 0: rows are keys, the transposed dots). Returns the new running
+    max, the factor that rescales the old accumulator and sum, the tile's weights and the new sum.
+    The caller scales its accumulator by ``alpha`` (expanded along AX) and adds p times V."""
+    m_new = tl.maximum(m_i, tl.max(s, AX))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - tl.expand_dims(m_new, AX))
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, AX)
 
 
 @triton.jit

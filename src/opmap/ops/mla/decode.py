@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from ..attention.merge import _split_sum
+from ..attention.merge import _softmax_step, _split_sum
 from .validate import check_decode, check_sparse_indices
 
 LOG2E = 1.4426950408889634
@@ -181,16 +181,8 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
         else:
             s = tl.dot(qn, tl.trans(kv))
             s += tl.dot(qp, tl.trans(kpe))
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        m_i = m_new
+        m_i, alpha, p, l_i = _softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee" if IEEE else None)
 
     # natural-log LSE of the scores (sm_scale * q.k); -inf where nothing was attended
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -27,6 +27,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ...contract import expect
+from ..attention.merge import _softmax_step
 from .decode import _split_range
 
 MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
@@ -98,11 +99,7 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
         if R_CHUNKS == 2:
             st += tl.dot(kv1, q1)
         st += tl.dot(kpe, qp)
-        st = tl.where(ok, st * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(st, 0))
-        alpha = tl.exp2(m_i - m_new)
-        pt = tl.exp2(st - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(pt, 0)
+        m_i, alpha, pt, l_i = _softmax_step(tl.where(ok, st * qk_scale, float("-inf")), m_i, l_i, 0)
         pt = pt.to(kv0.dtype)
         acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(kv0), pt)  # [BLOCK_RH, BLOCK_H]
         if R_CHUNKS == 2:
@@ -114,16 +111,12 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
         if R_CHUNKS == 2:
             s += tl.dot(q1, tl.trans(kv1))
         s += tl.dot(qp, tl.trans(kpe))
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, alpha, p, l_i = _softmax_step(tl.where(ok, s * qk_scale, float("-inf")), m_i, l_i, 1)
         p = p.to(kv0.dtype)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0)  # [BLOCK_H, BLOCK_RH]
         if R_CHUNKS == 2:
             acc1 = acc1 * alpha[:, None] + tl.dot(p, kv1)
-    return m_new, l_i, acc0, acc1
+    return m_i, l_i, acc0, acc1
 
 
 @triton.jit

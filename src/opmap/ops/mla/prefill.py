@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
+from ..attention.merge import _softmax_step
 from .validate import check_prefill, scale_value
 
 CHUNK_BUDGET_BYTES = 512 * 2**20  # expanded K/V of one chunk
@@ -85,16 +86,8 @@ def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, 
         ok = mn[None, :]
         if CAUSAL:
             ok = ok & ((chunk_start + offs_n)[None, :] <= qpos[:, None])
-        s = tl.where(ok, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, alpha, p, l_i = _softmax_step(tl.where(ok, s * qk_scale, float("-inf")), m_i, l_i, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(o_ptrs, acc / l_safe[:, None], mask=mm[:, None] & mdv[None, :])
     tl.store(LSE + rows * s_lt + h, tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634,
