@@ -236,14 +236,17 @@ def test_prefill_empty_sequence_with_padding_table_row():
 
 
 def test_decode_config_follows_the_h200_grid(monkeypatch):
-    """64-head blocks (8 warps) only for >= 64 heads at batch >= 64, where the H200 measured
-    1.3x; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
+    """>= 64 heads: the TMA kernel's 64-head blocks (H200: 1.4x at B=64, 1.6x at B=1/32k); the
+    pointer kernel's 64-head blocks only at batch >= 64, where the H200 measured 1.3x; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
     from opmap.ops.mla import decode as D
 
     monkeypatch.delenv("OPMAP_MLA_DECODE_CONFIG", raising=False)
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
-    assert D._config(128, 512, 64) == (64, 32, 8, 1)
-    assert D._config(128, 512, 16) == D._config(128, 512) == (16, 32, 4, 2)
+    # 128 heads: the TMA kernel with 64 heads as rows at every batch; the pointer kernel (fp8,
+    # sparse) keeps its own choice
+    assert D._config(128, 512, 64) == D._config(128, 512, 1) == D._config(128, 512) == (64, 32, 8, 2, "tma")
+    assert D._pointer_config(128, 512, 64) == (64, 32, 8, 1)
+    assert D._pointer_config(128, 512, 16) == D._pointer_config(128, 512) == (16, 32, 4, 2)
     assert D._config(16, 512, 128) == (16, 32, 4, 2)
     assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
@@ -346,3 +349,32 @@ def test_tma_decode_refuses_what_it_cannot_read():
     with pytest.raises(InputError, match="config.*bf16/fp16"):
         dec.mla_decode(qn, qp, f8.cache, f8.seq_lens, f8.block_tables, scale=0.2, kv_scale=f8.kv_scale,
                        config=(4, 16, 4, 2, "tma"))
+
+
+def test_default_config_many_heads_tma_or_pointer(monkeypatch):
+    """>= 64 heads default to the TMA kernel; where it cannot read the cache (a page of 16 under
+    its 32-token tiles, an fp8 cache, sparse indices) the pointer kernel serves the call instead
+    of an error, and every path matches the reference."""
+    monkeypatch.delenv("OPMAP_MLA_DECODE_CONFIG", raising=False)
+    from opmap.ops.mla import decode_tma
+
+    calls = []
+    real = decode_tma.launch
+    monkeypatch.setattr(decode_tma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(46)
+    h, lens = 64, [1, 31, 33, 70]
+    qn, qp = _q(len(lens), torch.float16, g, h=h)
+    for page, fp8, sparse, tma in [(64, False, False, True), (16, False, False, False), (64, True, False, False),
+                                   (64, False, True, False)]:
+        pc = make_cache(lens, R, DR, page, torch.float16, fp8=fp8, gen=g)
+        kw = dict(scale=0.2, return_lse=True, kv_scale=pc.kv_scale if fp8 else None)
+        calls.clear()
+        if sparse:
+            idx = sparse_indices(lens, 16, gen=g)
+            got = dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, **kw)
+            want = ref.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, **kw)
+        else:
+            got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
+            want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
+        _check(got, want, torch.float16)
+        assert bool(calls) == tma, (page, fp8, sparse)

@@ -77,12 +77,24 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
                      torch.empty(max_batch, num_heads, s, dtype=torch.float32, device=device), s, split_min)
 
 
-def _config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
-    (or "bh,bn,w,s,tma": the TMA kernel) overrides it for tuning on a GPU without editing code."""
+def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
+    """(BLOCK_H, BLOCK_N, num_warps, num_stages[, "tma"]) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
+    (or "bh,bn,w,s,tma": the TMA kernel) overrides it for tuning on a GPU without editing code.
+    A TMA config falls back to ``_pointer_config`` where the TMA kernel cannot read the cache
+    (fp8, sparse; see _launch)."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
     if env:  # "bh,bn,w,s" or "bh,bn,w,s,tma"
         return tuple(x if x == "tma" else int(x) for x in env.split(","))  # type: ignore[return-value]
+    if H >= 64:
+        # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py). H200, 128 heads,
+        # bench/results/2026-11-30-h200-session8-mla.md: B=64/4096 404.5 us against the pointer
+        # kernel's 574.1, B=1/32k 74.8 against 121.9.
+        return (64, 32, 8, 2, "tma")
+    return _pointer_config(H, R, B)
+
+
+def _pointer_config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
+    """The pointer kernel's config (fp8 and sparse decode, and 16 heads)."""
     if H >= 64 and B is not None and B >= 64:
         # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
         # twice as many heads. H200, bench/results/2026-11-29-h200-mla.*: 1.3x at B=64 and 128
@@ -234,6 +246,12 @@ def _merge_block_r(B: int, H: int, R: int, device) -> int:
     return r if B * H >= 4 * _sm_count(device) else min(128, r)
 
 
+def _tma_unusable(cache, q, R, Dr, block_n) -> bool:
+    from . import decode_tma
+
+    return decode_tma.usable(cache, q, R, Dr, block_n) is not None
+
+
 def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
             workspace, config=None):
     B, H, R = q_nope.shape
@@ -242,7 +260,11 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
     # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma"]); "tma" loads the latent tiles with tensor
     # descriptors (decode_tma.py; dense 16-bit caches)
-    bh, bn, warps, stages, *how = config or _config(H, R, B)
+    if config is None:
+        config = _config(H, R, B)
+        if len(config) > 4 and (indices is not None or _tma_unusable(cache, q_nope, R, Dr, config[1])):
+            config = _pointer_config(H, R, B)
+    bh, bn, warps, stages, *how = config
     tma = how == ["tma"]
     expect(how in ([], ["tma"]), "config", repr(config), '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma"')
     expect(not (tma and indices is not None), "config", "tma", "dense decode (sparse decode reads rows by index)")
