@@ -63,7 +63,7 @@ def descriptors(cache: torch.Tensor, R: int, Dr: int, block_n: int, block_rh: in
 @triton.jit
 def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
           BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
-          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr, TAIL_CLEAN: tl.constexpr):
+          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr):
     """The key tile at n0 (inside one page) through TMA, folded into the online softmax.
 
     Every dot must have an M side of >= 64 rows to run on wgmma from shared memory (with 16 rows
@@ -77,17 +77,12 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
     same page, the ones before the page read as zeros (negative rows are outside the descriptor),
     and the ones before n0 (done already) are masked. Every row is a written token or zero, never
     the unwritten rows past the length, which may hold NaN (0 * NaN would poison the output),
-    and no tile passes through registers to be cleaned.
-
-    TAIL_CLEAN (the keys-as-rows layout with 64-token tiles): the H200 got that tail wrong
-    (eighth session, scripts/probes/mla_tma_keys_rows.py: 0.042 off at length 65, where 32-token
-    tiles and the heads-as-rows layout agree with the reference to 1e-3; cause not found). There
-    the tail tile is read from n0 and its rows past the length are zeroed in registers instead."""
+    and no tile passes through registers to be cleaned."""
     pidx = n0 // PAGE
     page = tl.load(TABLES + b * s_tb + tl.minimum(pidx, MAXP - 1))
     ok = (pidx < MAXP) & (page >= 0) & (page < NPAGES)
     page = tl.where(ok, page, NPAGES)  # a bad page id reads past the descriptor's pages: zeros, masked below
-    if TAIL and not TAIL_CLEAN:
+    if TAIL:
         r0 = end - BLOCK_N - pidx * PAGE  # may be negative
     else:
         r0 = n0 % PAGE
@@ -96,14 +91,7 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
     if R_CHUNKS == 2:
         kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
     kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
-    if TAIL and TAIL_CLEAN:
-        # the tile from n0, its rows past the length (unwritten: may be NaN) zeroed in registers
-        live = (n0 + tl.arange(0, BLOCK_N)) < end
-        kv0 = tl.where(live[:, None], kv0, 0.0).to(kv0.dtype)
-        kv1 = tl.where(live[:, None], kv1, 0.0).to(kv0.dtype)
-        kpe = tl.where(live[:, None], kpe, 0.0).to(kv0.dtype)
-    else:
-        live = (end - BLOCK_N + tl.arange(0, BLOCK_N)) >= n0  # used by TAIL only
+    live = (end - BLOCK_N + tl.arange(0, BLOCK_N)) >= n0  # used by TAIL only
     if KEYS_ROWS:
         if TAIL:
             ok = ok & live[:, None]
@@ -178,11 +166,11 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
     for n0 in range(start, full_end, BLOCK_N):
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale,
                                      m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS,
-                                     False, False)
+                                     False)
     if full_end < end:  # the split's partial last tile
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, full_end, end, MAXP, NPAGES, q0, q1, qp,
                                      qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
-                                     KEYS_ROWS, True, KEYS_ROWS and BLOCK_N >= 64)
+                                     KEYS_ROWS, True)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
