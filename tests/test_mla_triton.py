@@ -345,6 +345,9 @@ def test_tma_decode_refuses_what_it_cannot_read():
         dec.mla_sparse_decode(*args, sparse_indices([20, 9], 8, gen=g), scale=0.2, config=(4, 16, 4, 2, "tma"))
     with pytest.raises(InputError, match="config"):
         dec.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2, "fast"))
+    p64 = make_cache([20, 9], R, DR, 64, torch.float16, gen=g)
+    with pytest.raises(InputError, match="config.*64-token tiles"):  # wrong on sm90 (decode_tma.usable)
+        dec.mla_decode(qn, qp, p64.cache, p64.seq_lens, p64.block_tables, scale=0.2, config=(16, 64, 4, 2, "tma"))
     f8 = make_cache([20, 9], R, DR, 16, fp8=True, gen=g)
     with pytest.raises(InputError, match="config.*bf16/fp16"):
         dec.mla_decode(qn, qp, f8.cache, f8.seq_lens, f8.block_tables, scale=0.2, kv_scale=f8.kv_scale,

@@ -234,7 +234,7 @@ def test_split_merge_against_reference(H, lens):
     _agree(runs[0][0], want, what=f"H={H} lens={lens[:4]}")
 
 
-@pytest.mark.parametrize("H,cfg", [(16, (16, 64, 4, 2, "tma")), (128, (16, 64, 4, 2, "tma")),
+@pytest.mark.parametrize("H,cfg", [(16, (16, 32, 4, 2, "tma")), (128, (16, 32, 4, 2, "tma")),
                                    (128, (64, 32, 8, 2, "tma")), (16, (64, 32, 8, 2, "tma"))],
                          ids=["h16-keys-rows", "h128-keys-rows", "h128-heads-rows", "h16-heads-rows"])
 def test_tma_decode_bf16(H, cfg):

@@ -33,7 +33,7 @@ from .decode import _split_range
 MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
 
 
-def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
+def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int, keys_rows: bool = False) -> str | None:
     """None when the TMA kernel can serve this call, else the reason."""
     elt = cache.element_size()
     page = cache.shape[1]
@@ -47,6 +47,12 @@ def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) 
         return "TMA needs 16-byte aligned rows, latent and RoPE parts"
     if R > 2 * MAX_BOX:
         return f"R = {R} > {2 * MAX_BOX}"
+    if keys_rows and block_n >= 64:
+        # H200, eighth session (scripts/probes/mla_tma_keys_rows.py): whole tiles agree with the
+        # reference, but a split's partial last tile came out 0.042 off at length 65 (garbage in the
+        # GPU test), where 32-token tiles and the heads-as-rows layout agree to 1e-3. Cause not found;
+        # zeroing that tile's rows in registers instead spills the sm90 build (255 registers, 552 B).
+        return "keys as rows (head blocks below 64) with 64-token tiles: the partial last tile comes out wrong on sm90"
     return None
 
 
@@ -206,7 +212,7 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments)."""
     B, H, R = q_nope.shape
     Dr = q_pe.shape[2]
-    why = usable(cache, q_nope, R, Dr, bn)
+    why = usable(cache, q_nope, R, Dr, bn, keys_rows=bh < 64)
     expect(why is None, "config", "tma", f"a cache the TMA path can read ({why})")
     block_r = triton.next_power_of_2(R)
     chunks = 2 if block_r > MAX_BOX else 1
