@@ -298,11 +298,12 @@ def _poison_past_lengths(pc, page):
 
 
 @pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
-@pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16)])
-def test_tma_decode_matches_reference(page, splits, bn, bh):
+@pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16), (64, 3, 64)])
+def test_tma_decode_matches_reference(page, splits, bn, bh, monkeypatch):
     """config (..., "tma"): the latent tiles through tensor descriptors, the partial last tile of
     each split read so that it ends at the length; lengths around the page and tile edges,
     shuffled pages; both dot layouts (keys as rows below 64 heads per block)."""
+    monkeypatch.setenv("OPMAP_MLA_TMA_UNVERIFIED", "1")  # keys as rows, 64-token tiles (decode_tma.usable)
     g = torch.Generator().manual_seed(40 + page + splits)
     lens = [0, 1, bn - 1, bn, bn + 1, page - 1, page, page + 1, 3 * page + 5]
     pc = make_cache(lens, R, DR, page, torch.float16, gen=g)
@@ -334,7 +335,8 @@ def test_tma_decode_real_rank_two_halves(cfg):
                           workspace=ws, config=cfg), want, torch.float16)
 
 
-def test_tma_decode_refuses_what_it_cannot_read():
+def test_tma_decode_refuses_what_it_cannot_read(monkeypatch):
+    monkeypatch.delenv("OPMAP_MLA_TMA_UNVERIFIED", raising=False)
     g = torch.Generator().manual_seed(45)
     pc = make_cache([20, 9], R, DR, 16, torch.float16, gen=g)
     qn, qp = _q(2, torch.float16, g)

@@ -134,9 +134,11 @@ def _decode_case(B, H, ctx, fp8, quick):
                                   _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), one program
-        # per SM (ops/mla/decode_tma.py). 32-token tiles: with 64 (108 us at B=64/4096 on the
-        # H200, whole tiles only) a split's partial last tile came out wrong, so that is refused.
+        # per SM (ops/mla/decode_tma.py). 64-token tiles: 108 us at B=64/4096 on the H200, but a
+        # split's partial last tile came out wrong; rebuilt as one loop since, it is refused unless
+        # OPMAP_MLA_TMA_UNVERIFIED=1 (test_tma_decode_bf16 says whether it is right).
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
+        provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default
         # from 64 heads): at 16 heads three quarters of its rows are padding (FlashMLA pads the
         # same way), and the wgmma dots still leave it memory-bound there.
