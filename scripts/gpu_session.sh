@@ -13,8 +13,8 @@
 #   scripts/gpu_session.sh kernels OUTDIR      # MLA GPU tests, MLA and GQA decode quick grids (TMA kernel, per_sm=3 plan)
 #   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
-#   scripts/gpu_session.sh mla-tma OUTDIR      # eighth session: which TMA dot fails (probe), MLA GPU tests,
-#                                              # sampler PDL A/B, MLA quick grid; then `final` for SAN_TIMEOUT s
+#   scripts/gpu_session.sh mla-tma OUTDIR      # MLA TMA keys-as-rows probe, MLA GPU tests, MLA quick grid;
+#                                              # then `final` for SAN_TIMEOUT s (SAN_TIMEOUT=300: one call)
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
@@ -164,16 +164,16 @@ case $part in
     timeout 110 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1
     timeout 60 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1 ;;
   mla-tma)
-    # The keys-as-rows TMA kernel gave garbage on the H200 (eighth session), heads-as-rows passed:
-    # one dot per mode on one TMA tile against torch; then the MLA GPU tests (16 heads with
-    # 64-head padded blocks added), the sampler with and without PDL (one process each: B=1
-    # went from 46.9 to 51.4 us after its passes went under PDL), the MLA quick grid.
-    timeout 90 python3 scripts/probes/mla_tma_dots.py > "$out/probe-mla-tma-dots.log" 2>&1
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
-    for v in 0 1; do
-      OPMAP_PDL=$v timeout 60 python3 scripts/probes/sampler_pdl_ab.py > "$out/sampler-pdl-$v.log" 2>&1
-    done
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
+    # Ninth session's first call. The keys-as-rows TMA kernel with 64-token tiles gave garbage on
+    # the H200 at a split's partial last tile (eighth session); rebuilt as one loop since. Its
+    # probe, the MLA GPU tests and the MLA quick grid run it (OPMAP_MLA_TMA_UNVERIFIED=1 on those
+    # commands only: an OPMAP_* setting changes the sanitizer fingerprints). Then `final` for
+    # SAN_TIMEOUT s: qwen3's last case, deepseek's MLA cases, llama3's own.
+    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 90 python3 scripts/probes/mla_tma_keys_rows.py > "$out/probe-mla-tma-keys-rows.log" 2>&1
+    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py \
+      > "$out/tests-mla.log" 2>&1
+    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
+      > "$out/mla.log" 2>&1
     [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
