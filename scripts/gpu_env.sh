@@ -15,5 +15,8 @@ fi
 if [ -f .whl/flashinfer.tar.xz ] && [ -z "${NO_FLASHINFER:-}" ]; then
   mkdir -p /tmp/opmap-fi /tmp/opmap-fi-cache && tar -C /tmp/opmap-fi -xJf .whl/flashinfer.tar.xz
   [ -f .whl/flashinfer-cache.tar.xz ] && tar -C /tmp/opmap-fi-cache -xJf .whl/flashinfer-cache.tar.xz
+  # Modules built ahead of time on the CPU machine (scripts/build_flashinfer_aot.sh): FlashInfer
+  # loads flashinfer/data/aot/<module>/<module>.so before it tries a JIT build.
+  [ -f .whl/flashinfer-aot.tar.xz ] && tar -C /tmp/opmap-fi/flashinfer/data -xJf .whl/flashinfer-aot.tar.xz
   export PYTHONPATH="$PYTHONPATH:/tmp/opmap-fi" MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_WORKSPACE_BASE=/tmp/opmap-fi-cache
 fi

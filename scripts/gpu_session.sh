@@ -13,17 +13,19 @@
 #   scripts/gpu_session.sh kernels OUTDIR      # MLA GPU tests, MLA and GQA decode quick grids (TMA kernel, per_sm=3 plan)
 #   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
+#   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
+#                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
 #   scripts/gpu_session.sh mla-tma OUTDIR      # MLA TMA keys-as-rows probe, MLA GPU tests, MLA quick grid;
 #                                              # then `final` for SAN_TIMEOUT s (SAN_TIMEOUT=300: one call)
 #   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
 #                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|mla-tma|sampler|bench|benches|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh correctness|final|mla-tma|fi-bench|sampler|bench|benches|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-# FlashInfer only in its own part (the others compare our kernels with their own switches).
-[ "$part" != flashinfer ] && export NO_FLASHINFER=1
+# FlashInfer only in its own parts (the others compare our kernels with their own switches).
+case $part in flashinfer|fi-bench) ;; *) export NO_FLASHINFER=1 ;; esac
 . scripts/gpu_env.sh
 mkdir -p "$out"
 res=$out
@@ -175,6 +177,16 @@ case $part in
     OPMAP_MLA_TMA_UNVERIFIED=1 timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
       > "$out/mla.log" 2>&1
     [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
+  fi-bench)
+    # FlashInfer beside our kernels in one run, from the modules built ahead of time on the CPU
+    # machine (.whl/flashinfer-aot.tar.xz: sampling, the tensor-core decode, the FA3 prefill, the
+    # MLA decode; all bf16). FLASHINFER_DISABLE_JIT=1: a module not built ahead (fp8 KV) fails at
+    # once and its row says so, instead of an nvcc build eating the call.
+    export FLASHINFER_DISABLE_JIT=1
+    timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1
+    timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --out "$out/prefill" > "$out/prefill.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
