@@ -183,6 +183,10 @@ case $part in
     # MLA decode; all bf16). FLASHINFER_DISABLE_JIT=1: a module not built ahead (fp8 KV) fails at
     # once and its row says so, instead of an nvcc build eating the call.
     export FLASHINFER_DISABLE_JIT=1
+    # FlashInfer's check cases first, against the references: a peer's time is quoted only if its
+    # output is right (the cases that need modules not built ahead fail fast, naming the module)
+    timeout 120 python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
+      > "$out/check-flashinfer.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1
     timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --out "$out/prefill" > "$out/prefill.log" 2>&1
