@@ -5,17 +5,18 @@
 # directory (flashinfer/data/aot/<module>/<module>.so), which FlashInfer loads before it tries to
 # JIT-build a module: the GPU calls then spend no device time on nvcc, where every earlier
 # attempt ran out of time (docs/results-2026-11-29.md, "FlashInfer").
-#   scripts/build_flashinfer_aot.sh [sampling] [fa2] [fa3] [mla]   # default: all four
+#   scripts/build_flashinfer_aot.sh [sampling] [fa2] [fa3] [mla] [fa2-feat] [fa3-feat]   # default: all
 # sampling: flashinfer.sampling (top-k / top-p / min-p / joint); fa2: the tensor-core decode
 # (BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True): the prefill kernels, FA2); fa3: the
-# paged prefill on sm90 (FA3); mla: the MLA decode (FA3, FA2 fallback). All bf16, head_dim 128, int32 indices, no RoPE / window / soft-cap:
+# paged prefill on sm90 (FA3); mla: the MLA decode (FA3, FA2 fallback); *-feat: fa2 / fa3 with a
+# sliding window and a soft-cap (opmap check's window+soft-cap cases). All bf16, head_dim 128, int32 indices, no RoPE / window / soft-cap:
 # the shapes opmap's adapters ask for in the bench (scripts/flashinfer_warm.py).
 # A module whose .so FlashInfer cannot load on the GPU (say, an older glibc there) is logged
 # ("Failed to load AOT artifact") and JIT-built as before.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$PWD
-mods=("$@"); [ ${#mods[@]} -eq 0 ] && mods=(sampling fa2 fa3 mla)
+mods=("$@"); [ ${#mods[@]} -eq 0 ] && mods=(sampling fa2 fa3 mla fa2-feat fa3-feat)
 fi=/tmp/opmap-fi; deps=/tmp/opmap-fi-deps
 # The same FlashInfer the GPU machine unpacks, plus the Python 3.11 build of tvm-ffi's core
 # (the archive's is for the GPU machine's 3.12) and FlashInfer's import-time dependencies.

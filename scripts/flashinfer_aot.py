@@ -2,7 +2,7 @@
 directory (flashinfer/data/aot/<name>/<name>.so), where FlashInfer loads it before any JIT build.
 Run through scripts/build_flashinfer_aot.sh (which sets the paths and the target architecture).
 
-  python3 scripts/flashinfer_aot.py sampling fa2 fa3 mla
+  python3 scripts/flashinfer_aot.py sampling fa2 fa3 mla fa2-feat fa3-feat
 
 The module arguments are the ones FlashInfer 0.7.2.post1's wrappers derive for opmap's adapters
 at the bench shapes: bf16 q / kv / out, int32 indices, head_dim 128, no RoPE (posenc 0), no
@@ -24,11 +24,16 @@ from flashinfer.jit.attention import modules as M
 
 BF = torch.bfloat16
 ARGS = (BF, BF, BF, torch.int32, 128, 128, 0, False, False, False)
+# with a sliding window and a soft-cap: opmap check's "window+soft-cap" cases
+FEAT = (BF, BF, BF, torch.int32, 128, 128, 0, True, True, False)
 SPECS = {
     "sampling": lambda: [sampling.gen_sampling_module()],
     "fa2": lambda: [M._gen_batch_prefill_primary_module("fa2", *ARGS),
                     M._gen_batch_prefill_independent_paged_module("fa2", *ARGS)],
     "fa3": lambda: [M.gen_batch_prefill_module("fa3", *ARGS)],
+    "fa2-feat": lambda: [M._gen_batch_prefill_primary_module("fa2", *FEAT),
+                         M._gen_batch_prefill_independent_paged_module("fa2", *FEAT)],
+    "fa3-feat": lambda: [M.gen_batch_prefill_module("fa3", *FEAT)],
     # MLA decode (BatchMLAPagedAttentionWrapper(backend="auto"): FA3 first on sm90, FA2 its
     # fallback), latent 512 + RoPE 64, int32 query offsets, no profiler
     "mla": lambda: [M.gen_batch_mla_module(b, BF, BF, BF, torch.int32, 512, 64, False) for b in ("fa3", "fa2")],
