@@ -183,6 +183,8 @@ case $part in
     # MLA decode; all bf16). FLASHINFER_DISABLE_JIT=1: a module not built ahead (fp8 KV) fails at
     # once and its row says so, instead of an nvcc build eating the call.
     export FLASHINFER_DISABLE_JIT=1
+    (ldd --version | head -1; python3 -c "import flashinfer.jit.env as e; print(e.get_aot_artifacts('sampling'))") \
+      > "$out/fi-env.log" 2>&1  # the modules need glibc >= 2.34
     # FlashInfer's check cases first, against the references: a peer's time is quoted only if its
     # output is right (the cases that need modules not built ahead fail fast, naming the module)
     timeout 120 python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
