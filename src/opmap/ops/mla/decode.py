@@ -87,8 +87,8 @@ def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
         return tuple(x if x == "tma" else int(x) for x in env.split(","))  # type: ignore[return-value]
     if H >= 64:
         # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py). H200, 128 heads,
-        # bench/results/2026-11-30-h200-session8-mla.md: B=64/4096 404.5 us against the pointer
-        # kernel's 574.1, B=1/32k 74.8 against 121.9.
+        # bench/results/2026-11-30-h200-mla-session8-call{1,3}.md: B=64/4096 404.5 us against the
+        # pointer kernel's 574.1, B=1/32k 74.5-74.8 against 121.9.
         return (64, 32, 8, 2, "tma")
     return _pointer_config(H, R, B)
 

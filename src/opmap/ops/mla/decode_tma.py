@@ -92,9 +92,10 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
     TAIL 2: any tile of a loop that runs to ``end`` (keys as rows): a whole tile is read from n0,
     a partial one as in TAIL 1. On the H200 (eighth session) the keys-as-rows build with 64-token
     tiles got TAIL 1's separate step after the loop wrong (0.042 off at length 65; whole tiles, 32-
-    token tiles and heads as rows right; scripts/probes/mla_tma_keys_rows.py). Its shared memory
-    (168 KB) is less than two pipeline stages plus the step's own tiles (216 KB), so the step's
-    tiles share the loop's buffers. One loop has one set of buffers. TAIL 0: a whole tile."""
+    token tiles and heads as rows right; scripts/probes/mla_tma_keys_rows.py). The cause is not
+    known. A guess: that build's shared memory (168 KB) is less than two pipeline stages plus the
+    step's own tiles (216 KB), so the step's tiles reuse the loop's buffers; one loop has one set
+    of buffers and nothing to reuse. TAIL 0: a whole tile."""
     pidx = n0 // PAGE
     page = tl.load(TABLES + b * s_tb + tl.minimum(pidx, MAXP - 1))
     ok = (pidx < MAXP) & (page >= 0) & (page < NPAGES)
