@@ -5,7 +5,8 @@ run: PyTorch sort + cumsum + multinomial ("torch-sort"), the exponential race in
 ("torch-race", which sorts too when a filter is on), the unfiltered race as the speed line the
 target names ("torch-race-unfiltered": a different, cheaper distribution), FlashInfer where it is
 installed ("flashinfer" for one filter kind, "flashinfer-joint" for top-k + top-p in its joint
-order). Logits processors (penalties) are a separate line ("logits").
+order, and "flashinfer-joint[from probs]": its kernel alone from precomputed probabilities, as
+TARGETS.md's FlashInfer figure is taken). Logits processors (penalties) are a separate line ("logits").
 
 Minimal bytes: the logits read once (B x V x 4) plus the per-row parameters and the ids. FLOPs:
 4 per logit (scale, subtract, exp, accumulate), the work of one softmax pass.
@@ -70,6 +71,20 @@ def _ours_config(block=None, warps=None, bracket=True):
     return make
 
 
+def _flashinfer_from_probs(inp):
+    """FlashInfer's joint top-k + top-p kernel alone, from probabilities computed outside the timed
+    call: what TARGETS.md's FlashInfer figure (185 us at B=64) times. Every other row here starts
+    from logits (temperature, softmax and the checks included), so this row is the kernel's lower
+    bound, not a like-for-like engine step."""
+    import flashinfer.sampling as fs
+
+    from opmap.ops.sampling.flashinfer_peer import _probs
+
+    _, probs, _, _ = _probs(inp["x"], inp["T"], inp["k"])
+    k, p = inp["k"].to(torch.int32), inp["p"]
+    return lambda: fs.top_k_top_p_sampling_from_probs(probs, k, p, filter_apply_order="joint")
+
+
 def _flashinfer_ok():
     return registry.all_of(registry.needs_cuda, registry.package_available("flashinfer"))()
 
@@ -124,6 +139,8 @@ def cases(quick: bool) -> list[BenchCase]:
                                       for bl, w in ((8192, 16), (8192, 32), (4096, 16), (2048, 8), (1024, 4))]  # (2048, 16): the default
                 if fname == "top_k+top_p":
                     providers.append(Provider("flashinfer-joint", _backend("flashinfer", "sample_joint"),
+                                              available=_flashinfer_ok))
+                    providers.append(Provider("flashinfer-joint[from probs]", _flashinfer_from_probs,
                                               available=_flashinfer_ok))
                 out.append(BenchCase(op="sampling", case=f"B={B},vocab={V},filter={fname},dtype=fp32",
                                      flops=4.0 * B * V, bytes=4.0 * B * V + 40.0 * B, setup=_setup(B, V, f),
