@@ -1,0 +1,36 @@
+"""The GPU session scripts name files and bench ops that exist: a typo there costs a device call
+(30 minutes of GPU time a session), and nothing else runs these scripts on the CPU machine."""
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = [ROOT / "scripts" / n for n in ("gpu_session.sh", "gpu.sh", "gpu_env.sh", "build_flashinfer_aot.sh")]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_shell_syntax(script):
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_named_paths_exist(script):
+    text = script.read_text()
+    paths = set(re.findall(r"\b((?:scripts|tests)/[\w./-]+\.(?:py|sh))\b", text))
+    assert paths, f"{script.name} names no scripts or tests"
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    assert not missing, f"{script.name} names files that do not exist: {missing}"
+
+
+def test_bench_ops_exist():
+    """Every `--op X` in gpu_session.sh selects at least one bench case (--op is a prefix)."""
+    from opmap.bench.cases import attention, mla, sampling
+
+    names = {c.op for mod in (attention, mla, sampling) for c in mod.cases(quick=True)}
+    ops = set(re.findall(r"bench --quick(?: --op [\w.]+)+", (ROOT / "scripts" / "gpu_session.sh").read_text()))
+    wanted = {o for line in ops for o in re.findall(r"--op ([\w.]+)", line)}
+    assert wanted
+    unknown = sorted(o for o in wanted if not any(n.startswith(o) for n in names))
+    assert not unknown, f"bench --op selects nothing: {unknown}"
