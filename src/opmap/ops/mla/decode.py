@@ -246,12 +246,6 @@ def _merge_block_r(B: int, H: int, R: int, device) -> int:
     return r if B * H >= 4 * _sm_count(device) else min(128, r)
 
 
-def _tma_unusable(cache, q, R, Dr, block_n) -> bool:
-    from . import decode_tma
-
-    return decode_tma.usable(cache, q, R, Dr, block_n) is not None
-
-
 def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
             workspace, config=None):
     B, H, R = q_nope.shape
@@ -260,14 +254,21 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
     # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma"]); "tma" loads the latent tiles with tensor
     # descriptors (decode_tma.py; dense 16-bit caches)
-    if config is None:
-        config = _config(H, R, B)
-        if len(config) > 4 and (indices is not None or _tma_unusable(cache, q_nope, R, Dr, config[1])):
-            config = _pointer_config(H, R, B)
+    default = config is None
+    config = config or _config(H, R, B)
     bh, bn, warps, stages, *how = config
     tma = how == ["tma"]
     expect(how in ([], ["tma"]), "config", repr(config), '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma"')
-    expect(not (tma and indices is not None), "config", "tma", "dense decode (sparse decode reads rows by index)")
+    if tma:
+        from . import decode_tma
+
+        why = "sparse" if indices is not None else decode_tma.usable(cache, q_nope, R, Dr, bn, keys_rows=bh < 64)
+        if why and default:  # what the TMA kernel cannot read, the pointer kernel's own config serves
+            bh, bn, warps, stages = _pointer_config(H, R, B)
+            how, tma = [], False
+        else:
+            expect(indices is None, "config", "tma", "dense decode (sparse decode reads rows by index)")
+            expect(why is None, "config", "tma", f"a cache the TMA path can read ({why})")
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
@@ -288,8 +289,6 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
     if tma:
-        from . import decode_tma
-
         decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn,
                           warps, stages)
     else:

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ...contract import expect
 from ..attention.merge import _softmax_step
 from .decode import _split_range
 
@@ -231,11 +230,10 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
 
 
 def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages):
-    """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments)."""
+    """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
+    ``usable`` included)."""
     B, H, R = q_nope.shape
     Dr = q_pe.shape[2]
-    why = usable(cache, q_nope, R, Dr, bn, keys_rows=bh < 64)
-    expect(why is None, "config", "tma", f"a cache the TMA path can read ({why})")
     block_r = triton.next_power_of_2(R)
     chunks = 2 if block_r > MAX_BOX else 1
     block_rh = block_r // chunks
