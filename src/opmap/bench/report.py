@@ -35,6 +35,7 @@ def _git_head() -> Optional[str]:
 
 
 def environment(ceilings=None) -> dict:
+    from ..check.fingerprint import code_settings
     from ..hw import detect
 
     info = detect()
@@ -53,7 +54,7 @@ def environment(ceilings=None) -> dict:
         "commit": git_commit(),
         # the switches that change what runs (OPMAP_PDL, OPMAP_GEMM_SPLIT_BELOW, ...): a result
         # file says which variant of the code it timed
-        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPMAP_") and k != "OPMAP_COMMIT"},
+        "settings": code_settings(),
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": ceilings.as_dict() if ceilings is not None else None,

@@ -97,12 +97,17 @@ def files_of(family: str) -> list:
     return sorted(seen)
 
 
+def code_settings() -> dict:
+    """This process's ``OPMAP_*`` switches that change what is compiled or launched, sorted (the
+    benchmark result files record them too)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPMAP_") and k not in _NOT_CODE}
+
+
 def _settings() -> list:
     import torch
     import triton
 
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("OPMAP_") and k not in _NOT_CODE)
-    return [("torch", torch.__version__), ("triton", triton.__version__)] + env
+    return [("torch", torch.__version__), ("triton", triton.__version__)] + list(code_settings().items())
 
 
 @functools.lru_cache(maxsize=None)
