@@ -257,7 +257,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
     found, errors = collect(device, quick)
     selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
     results = list(errors) + run(selected, progress)
-    notes = []
+    notes, sources = [], None
     if targets is not None:
         for phase, op, label, ch, err in targets.choices:
             if err is not None:
@@ -283,7 +283,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
              "selection": [{"phase": p, "op": op, "label": lb, "backend": ch.name if ch else None,
                             "why": ch.why() if ch else err} for p, op, lb, ch, err in
                            (targets.choices if targets else [])]}
-    if sanitizer and device == "cuda":
+    if sources is not None:
         extra["sanitizer_sources"] = sources
     return results, extra
 
