@@ -1,26 +1,20 @@
 #!/usr/bin/env bash
-# The next GPU session's calls (docs/results-2026-11-29.md, "The next GPU session"), one per
-# PART, each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
+# The GPU sessions' calls (docs/results-2026-11-30.md, "The next GPU session"), one per PART,
+# each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
-#   scripts/gpu_session.sh correctness OUTDIR  # sanitizer resumes (MoE, MLA presets) beside GPU tests
 #   scripts/gpu_session.sh final OUTDIR        # every preset's sanitizer section, resumed (qwen3, deepseek, llama3 reusing the runs before);
 #                                              # FINAL_TESTS="a.py|b.py" runs GPU test lanes beside it
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
-#   scripts/gpu_session.sh benches OUTDIR      # timings only: sampler profile + bench, MLA and GQA decode grids (~6 min)
-#   scripts/gpu_session.sh next OUTDIR         # sampler, then kernels, in one call (~7 min)
-#   scripts/gpu_session.sh kernels OUTDIR      # MLA GPU tests, MLA and GQA decode quick grids (TMA kernel, per_sm=3 plan)
 #   scripts/gpu_session.sh profiles OUTDIR     # Llama B=32 profile; Qwen3 B=1 with and without the MoE kernels under PDL
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
 #   scripts/gpu_session.sh mla-tma OUTDIR      # MLA TMA keys-as-rows probe, MLA GPU tests, MLA quick grid;
 #                                              # then `final` for SAN_TIMEOUT s (SAN_TIMEOUT=300: one call)
-#   scripts/gpu_session.sh verify OUTDIR       # sixth session's first call: the CPU-built changes'
-#                                              # GPU tests (sampling, MLA, attention), e2e B=1, sampler bench
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh correctness|final|mla-tma|fi-bench|sampler|bench|benches|engine|kernels|next|profiles|flashinfer|verify OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|mla-tma|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -36,31 +30,7 @@ res=$out
 # compute-sanitizer children outlive an opmap check that `timeout` killed: on a machine kept warm
 # they ran on into the next call (sixth session: its bench figures were 4x slow, a racecheck timed out).
 pkill -f '[c]ompute-sanitizer' 2>/dev/null
-# Resume both MoE/MLA presets' sanitizer runs from check/state/ in the background (pids), each
-# within $1 seconds; further arguments go to `opmap check`. Copy OUT/*/state.jsonl back into
-# check/state/ when a run is cut off.
-pids=()
-sanitizer_bg() {
-  local limit=$1; shift
-  for m in qwen3-30b-a3b deepseek-v2-lite; do
-    mkdir -p "$out/$m"
-    [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-    (timeout "$limit" python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" \
-      --out "$out/$m" "$@" > "$out/$m/check.log" 2>&1) &
-    pids+=($!)
-  done
-}
 case $part in
-  correctness)
-    sanitizer_bg ${SAN_TIMEOUT:-470} --jobs 6
-    # Lanes of two files each: the whole call must end inside the device's 600 s.
-    (STEPS=tests TEST_TIMEOUT=${TEST_TIMEOUT:-240} \
-      TEST_LANES="tests/gpu/test_parity_gpu.py tests/gpu/test_engine_gpu.py|tests/gpu/test_sampling_gpu.py tests/gpu/test_moe_gpu.py|tests/gpu/test_attention_gpu.py tests/gpu/test_dense_gpu.py tests/gpu/test_mla_gpu.py" \
-      timeout 490 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1) &
-    pids+=($!)
-    for p in "${pids[@]}"; do wait "$p"; done
-    pkill -f '[c]ompute-sanitizer' 2>/dev/null
-    tail -n 5 "$out"/*/check.log "$out/tests-driver.log" ;;
   final)
     # Every preset's sanitizer section (the check's other sections run each time), resuming from
     # check/state/ and within ${SAN_TIMEOUT:-540} s in all: qwen3-30b-a3b first (the most cases),
@@ -90,13 +60,6 @@ case $part in
       pkill -f '[c]ompute-sanitizer' 2>/dev/null
     done
     [ -n "$tpid" ] && wait "$tpid" ;;
-  benches)
-    # Timings only, alone on the GPU (their GPU tests ran beside the sanitizer: FINAL_TESTS):
-    # the sampler's per-kernel profile and bench, then the MLA and GQA decode quick grids.
-    timeout 90 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
-    timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1 ;;
   sampler)
     # After a sampler change: its GPU tests, then (alone) each kernel's time and the bench.
     timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_sampling_gpu.py \
@@ -121,20 +84,6 @@ case $part in
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b1.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model qwen3-30b-a3b --max-num-seqs 1 --num-requests 2 \
       --input-len 1024 --output-len 128 --steps 60 --kernels 25 > "$out/profile-qwen3-30b-a3b-b1.log" 2>&1 ;;
-  next)
-    # The eighth session's first call: `sampler` then `kernels` in one call (one start-up).
-    "$self" sampler "$out/sampler-part" > "$out/sampler-part.log" 2>&1
-    "$self" kernels "$out/kernels-part" > "$out/kernels-part.log" 2>&1 ;;
-  kernels)
-    # Built on the CPU after the seventh session: the MLA decode's TMA kernel (ops/mla/decode_tma.py)
-    # with its GPU tests, then the MLA quick grid (it runs beside the pointer kernel) and the GQA
-    # decode quick grid (the per_sm=3 split plan at B=1 / 32k beside the default).
-    # (and the GQA decode with keys as rows, config TRANS=1: its GPU tests, then its [trans] rows)
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_gpu.py -k "test_decode" \
-      > "$out/tests-attention-decode.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
-    timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1 ;;
   profiles)
     # Where the B=32 decode step's 5.1 ms go (floor 3.47 ms), and which MoE kernel PDL slows
     # (Qwen3 B=1 TPOT 3.55 ms with the MoE kernels off PDL, 3.96 with them: seventh session).
@@ -154,17 +103,6 @@ case $part in
       OPMAP_GEMM_SPLIT_BELOW=$v timeout 60 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \
         --out "$out/e2e-b32-split-below-$v" > "$out/e2e-b32-split-below-$v.log" 2>&1
     done ;;
-  verify)
-    # The changes built on the CPU after the fifth session: GPU tests first (three lanes at once:
-    # correctness only), then alone on the GPU the e2e B=1 (readback fix), the sampling bench
-    # (tiered histogram, per-lane pass A) and, with what is left, the per-kernel sampler profile.
-    (STEPS=tests TEST_TIMEOUT=200 \
-      TEST_LANES="tests/gpu/test_sampling_gpu.py|tests/gpu/test_mla_gpu.py|tests/gpu/test_attention_gpu.py" \
-      timeout 210 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1)
-    timeout 120 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 1 --no-hf --out "$out/e2e" \
-      > "$out/e2e.log" 2>&1
-    timeout 110 python3 -m opmap.cli bench --quick --op sampling --out "$out/bench" > "$out/bench.log" 2>&1
-    timeout 60 python3 scripts/profile_sampler.py "$out/profile-sampler.json" > "$out/profile-sampler.log" 2>&1 ;;
   mla-tma)
     # Ninth session's first call. The keys-as-rows TMA kernel with 64-token tiles gave garbage on
     # the H200 at a split's partial last tile (eighth session); rebuilt as one loop since. Its
