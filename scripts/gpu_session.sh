@@ -109,10 +109,10 @@ case $part in
     # probe, the MLA GPU tests and the MLA quick grid run it (OPMAP_MLA_TMA_UNVERIFIED=1 on those
     # commands only: an OPMAP_* setting changes the sanitizer fingerprints). Then `final` for
     # SAN_TIMEOUT s: qwen3's last case, deepseek's MLA cases, llama3's own.
-    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 90 python3 scripts/probes/mla_tma_keys_rows.py > "$out/probe-mla-tma-keys-rows.log" 2>&1
-    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py \
+    timeout 90 python3 scripts/probes/mla_tma_keys_rows.py > "$out/probe-mla-tma-keys-rows.log" 2>&1
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py \
       > "$out/tests-mla.log" 2>&1
-    OPMAP_MLA_TMA_UNVERIFIED=1 timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
       > "$out/mla.log" 2>&1
     [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
   fi-bench)

@@ -22,9 +22,7 @@ def test_case_grid():
     assert 0 < len(bm.cases(quick=True)) < len(full)
 
 
-def test_providers_agree_on_tiny_inputs(monkeypatch):
-    # the keys-as-rows TMA row with 64-token tiles (refused without this until a GPU run, decode_tma.usable)
-    monkeypatch.setenv("OPMAP_MLA_TMA_UNVERIFIED", "1")
+def test_providers_agree_on_tiny_inputs():
     dec = bm._decode_case(2, 16, 96, False, quick=False)
     inp = bm._setup(2, 16, 96, False, dt=torch.float16)("cpu")
     outs = {p.name: p.make(inp)() for p in dec.providers if p.name != "flashinfer"}

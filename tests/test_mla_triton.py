@@ -236,7 +236,8 @@ def test_prefill_empty_sequence_with_padding_table_row():
 
 
 def test_decode_config_follows_the_h200_grid(monkeypatch):
-    """>= 64 heads: the TMA kernel's 64-head blocks (H200: 1.4x at B=64, 1.6x at B=1/32k); the
+    """>= 64 heads: the TMA kernel's 64-head blocks (H200: 1.4x at B=64, 1.6x at B=1/32k), below
+    64 its 16-head blocks with 64-token tiles (1.2x at B=64, 1.3x at B=1/32k); the
     pointer kernel's 64-head blocks only at batch >= 64, where the H200 measured 1.3x; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
     from opmap.ops.mla import decode as D
 
@@ -247,7 +248,9 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     assert D._config(128, 512, 64) == D._config(128, 512, 1) == D._config(128, 512) == (64, 32, 8, 2, "tma")
     assert D._pointer_config(128, 512, 64) == (64, 32, 8, 1)
     assert D._pointer_config(128, 512, 16) == D._pointer_config(128, 512) == (16, 32, 4, 2)
-    assert D._config(16, 512, 128) == (16, 32, 4, 2)
+    # below 64 heads: keys as rows, 64-token tiles (H200 16 heads: 107 vs 128 us at B=64/4096)
+    assert D._config(16, 512, 128) == D._config(16, 512, 1) == (16, 64, 4, 2, "tma")
+    assert D._pointer_config(16, 512, 128) == (16, 32, 4, 2)
     assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
     # The merge: whole latent rows at B=64 x 16 heads (1024 programs), blocks of 128 at B=1.
@@ -299,11 +302,10 @@ def _poison_past_lengths(pc, page):
 
 @pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
 @pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16), (64, 3, 64)])
-def test_tma_decode_matches_reference(page, splits, bn, bh, monkeypatch):
+def test_tma_decode_matches_reference(page, splits, bn, bh):
     """config (..., "tma"): the latent tiles through tensor descriptors, the partial last tile of
     each split read so that it ends at the length; lengths around the page and tile edges,
     shuffled pages; both dot layouts (keys as rows below 64 heads per block)."""
-    monkeypatch.setenv("OPMAP_MLA_TMA_UNVERIFIED", "1")  # keys as rows, 64-token tiles (decode_tma.usable)
     g = torch.Generator().manual_seed(40 + page + splits)
     lens = [0, 1, bn - 1, bn, bn + 1, page - 1, page, page + 1, 3 * page + 5]
     pc = make_cache(lens, R, DR, page, torch.float16, gen=g)
@@ -335,8 +337,7 @@ def test_tma_decode_real_rank_two_halves(cfg):
                           workspace=ws, config=cfg), want, torch.float16)
 
 
-def test_tma_decode_refuses_what_it_cannot_read(monkeypatch):
-    monkeypatch.delenv("OPMAP_MLA_TMA_UNVERIFIED", raising=False)
+def test_tma_decode_refuses_what_it_cannot_read():
     g = torch.Generator().manual_seed(45)
     pc = make_cache([20, 9], R, DR, 16, torch.float16, gen=g)
     qn, qp = _q(2, torch.float16, g)
@@ -347,18 +348,17 @@ def test_tma_decode_refuses_what_it_cannot_read(monkeypatch):
         dec.mla_sparse_decode(*args, sparse_indices([20, 9], 8, gen=g), scale=0.2, config=(4, 16, 4, 2, "tma"))
     with pytest.raises(InputError, match="config"):
         dec.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2, "fast"))
-    p64 = make_cache([20, 9], R, DR, 64, torch.float16, gen=g)
-    with pytest.raises(InputError, match="config.*64-token tiles"):  # wrong on sm90 (decode_tma.usable)
-        dec.mla_decode(qn, qp, p64.cache, p64.seq_lens, p64.block_tables, scale=0.2, config=(16, 64, 4, 2, "tma"))
     f8 = make_cache([20, 9], R, DR, 16, fp8=True, gen=g)
     with pytest.raises(InputError, match="config.*bf16/fp16"):
         dec.mla_decode(qn, qp, f8.cache, f8.seq_lens, f8.block_tables, scale=0.2, kv_scale=f8.kv_scale,
                        config=(4, 16, 4, 2, "tma"))
 
 
-def test_default_config_many_heads_tma_or_pointer(monkeypatch):
-    """>= 64 heads default to the TMA kernel; where it cannot read the cache (a page of 16 under
-    its 32-token tiles, an fp8 cache, sparse indices) the pointer kernel serves the call instead
+@pytest.mark.parametrize("h", [16, 64])
+def test_default_config_tma_or_pointer(h, monkeypatch):
+    """Decode defaults to the TMA kernel (heads as rows from 64 heads, keys as rows with 64-token
+    tiles below); where it cannot read the cache (a page of 16 under its tiles, an fp8 cache,
+    sparse indices) the pointer kernel serves the call instead
     of an error, and every path matches the reference."""
     monkeypatch.delenv("OPMAP_MLA_DECODE_CONFIG", raising=False)
     from opmap.ops.mla import decode_tma
@@ -367,7 +367,7 @@ def test_default_config_many_heads_tma_or_pointer(monkeypatch):
     real = decode_tma.launch
     monkeypatch.setattr(decode_tma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(46)
-    h, lens = 64, [1, 31, 33, 70]
+    lens = [1, 31, 33, 70]
     qn, qp = _q(len(lens), torch.float16, g, h=h)
     for page, fp8, sparse, tma in [(64, False, False, True), (16, False, False, False), (64, True, False, False),
                                    (64, False, True, False)]:
@@ -382,4 +382,4 @@ def test_default_config_many_heads_tma_or_pointer(monkeypatch):
             got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
             want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
         _check(got, want, torch.float16)
-        assert bool(calls) == tma, (page, fp8, sparse)
+        assert bool(calls) == tma, (h, page, fp8, sparse)

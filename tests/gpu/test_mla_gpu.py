@@ -239,13 +239,10 @@ def test_split_merge_against_reference(H, lens):
                                    (128, (64, 32, 8, 2, "tma")), (16, (64, 32, 8, 2, "tma"))],
                          ids=["h16-keys-rows-bn32", "h128-keys-rows-bn32", "h16-keys-rows-bn64",
                               "h128-keys-rows-bn64", "h128-heads-rows", "h16-heads-rows"])
-def test_tma_decode_bf16(H, cfg, monkeypatch):
+def test_tma_decode_bf16(H, cfg):
     """The TMA kernel at real shapes, in both dot layouts: lengths around the 64-token tiles and
     pages, a 32k context, an empty sequence; NaN in every row past a length (the tail tile must not
     read them); then a CUDA-graph replay after re-planning."""
-    # keys as rows with 64-token tiles: wrong on the H200 at a partial tile before it became one
-    # loop (decode_tma.usable refuses it unless this is set)
-    monkeypatch.setenv("OPMAP_MLA_TMA_UNVERIFIED", "1")
     lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
     pc = _cache(lens, 64, 40 + H)
     for b, n in enumerate(lens):

@@ -134,9 +134,8 @@ def _decode_case(B, H, ctx, fp8, quick):
                                   _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), one program
-        # per SM (ops/mla/decode_tma.py). 64-token tiles: 108 us at B=64/4096 on the H200, but a
-        # split's partial last tile came out wrong; rebuilt as one loop since, it is refused unless
-        # OPMAP_MLA_TMA_UNVERIFIED=1 (test_tma_decode_bf16 says whether it is right).
+        # per SM (ops/mla/decode_tma.py). 64-token tiles are the default below 64 heads since the
+        # ninth session (one loop with the partial tile inside; 107 us at B=64/4096 on the H200).
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
         provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default

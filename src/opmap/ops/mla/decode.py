@@ -90,11 +90,15 @@ def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
         # bench/results/2026-11-30-h200-mla-session8-call{1,3}.md: B=64/4096 404.5 us against the
         # pointer kernel's 574.1, B=1/32k 74.5-74.8 against 121.9.
         return (64, 32, 8, 2, "tma")
-    return _pointer_config(H, R, B)
+    # Below 64 heads: 16-head blocks with the keys as the rows of the dots, 64-token tiles through
+    # TMA. H200, 16 heads, bench/results/2026-11-30-h200-mla-session9-call1.md: B=64/4096 107.0 us
+    # against the pointer kernel's 128.1 (0.66 of the read ceiling), B=1/32k 31.9 against 42.9.
+    # Pages that are not a multiple of 64 (and fp8, sparse) fall back to the pointer kernel.
+    return (16, 64, 4, 2, "tma")
 
 
 def _pointer_config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
-    """The pointer kernel's config (fp8 and sparse decode, and 16 heads)."""
+    """The pointer kernel's config (fp8 and sparse decode, pages the TMA kernel cannot tile)."""
     if H >= 64 and B is not None and B >= 64:
         # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
         # twice as many heads. H200, bench/results/2026-11-29-h200-mla.*: 1.3x at B=64 and 128
@@ -262,7 +266,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     if tma:
         from . import decode_tma
 
-        why = "sparse" if indices is not None else decode_tma.usable(cache, q_nope, R, Dr, bn, keys_rows=bh < 64)
+        why = "sparse" if indices is not None else decode_tma.usable(cache, q_nope, R, Dr, bn)
         if why and default:  # what the TMA kernel cannot read, the pointer kernel's own config serves
             bh, bn, warps, stages = _pointer_config(H, R, B)
             how, tma = [], False

@@ -21,7 +21,6 @@ Sparse decode (rows from an index list) and fp8 caches stay on the pointer kerne
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -34,7 +33,7 @@ from .decode import _split_range
 MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
 
 
-def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int, keys_rows: bool = False) -> str | None:
+def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
     """None when the TMA kernel can serve this call, else the reason."""
     elt = cache.element_size()
     page = cache.shape[1]
@@ -48,14 +47,6 @@ def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int, 
         return "TMA needs 16-byte aligned rows, latent and RoPE parts"
     if R > 2 * MAX_BOX:
         return f"R = {R} > {2 * MAX_BOX}"
-    if keys_rows and block_n >= 64 and os.environ.get("OPMAP_MLA_TMA_UNVERIFIED") != "1":
-        # H200, eighth session (scripts/probes/mla_tma_keys_rows.py): whole tiles agreed with the
-        # reference, but a split's partial last tile came out 0.042 off at length 65 (garbage in the
-        # GPU test), where 32-token tiles and the heads-as-rows layout agreed to 1e-3; one stage hit
-        # an illegal address. The layout runs as one loop since (_step's TAIL 2), not yet run on a
-        # GPU: until it is, OPMAP_MLA_TMA_UNVERIFIED=1 (the GPU tests, the bench) lets it run.
-        return ("keys as rows (head blocks below 64) with 64-token tiles came out wrong on sm90 "
-                "(OPMAP_MLA_TMA_UNVERIFIED=1 runs its rebuilt form)")
     return None
 
 
