@@ -3,7 +3,8 @@
 # each within one device call (< 600 s; start-up excluded). Works in /tmp and leaves
 # OUTDIR/all.tgz (every log and result) and OUTDIR/summary.txt. Carry .whl in the device call.
 #   scripts/gpu_session.sh final OUTDIR        # every preset's sanitizer section, resumed (qwen3, deepseek, llama3 reusing the runs before);
-#                                              # FINAL_TESTS="a.py|b.py" runs GPU test lanes beside it
+#                                              # FINAL_TESTS="a.py|b.py" runs GPU test lanes beside it;
+#                                              # SAN_PARALLEL="1 5 3": the presets side by side with those --jobs
 #   scripts/gpu_session.sh sampler OUTDIR      # sampler GPU tests, per-kernel profile, sampling bench (~4 min)
 #   scripts/gpu_session.sh bench OUTDIR        # kernel benchmarks, each fused path against its switch
 #   scripts/gpu_session.sh engine OUTDIR       # e2e B=1, Llama and Qwen3-MoE B=1 profiles (alone on the GPU)
@@ -50,7 +51,22 @@ case $part in
       tpid=$!
     fi
     t0=$SECONDS; budget=${SAN_TIMEOUT:-540}; prev=()
+    if [ -n "${SAN_PARALLEL:-}" ]; then
+      # The three presets side by side, SAN_PARALLEL="jobs jobs jobs" each (one qwen3 case left
+      # took the whole of a 300 s call alone, the GPU idle beside it); each reuses the verdicts
+      # of the presets before it as they stood at the start.
+      read -r -a js <<< "$SAN_PARALLEL"; i=0; pids=()
+      for m in qwen3-30b-a3b deepseek-v2-lite llama3-8b; do
+        mkdir -p "$out/$m"; [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+        reuse=(); for p in "${prev[@]}"; do reuse+=(--reuse "$p"); done
+        timeout $budget python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" "${reuse[@]}" \
+          --out "$out/$m" --jobs ${js[$i]:-3} --batch 1 --timeout 480 > "$out/$m/check.log" 2>&1 &
+        pids+=($!); prev+=("check/state/$m.jsonl"); i=$((i + 1))
+      done
+      wait "${pids[@]}"; pkill -f '[c]ompute-sanitizer' 2>/dev/null
+    fi
     for m in qwen3-30b-a3b deepseek-v2-lite llama3-8b; do
+      [ -n "${SAN_PARALLEL:-}" ] && break
       left=$(( budget - (SECONDS - t0) )); [ $left -lt 40 ] && break
       mkdir -p "$out/$m"; [ -f "check/state/$m.jsonl" ] && cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
       reuse=(); for p in "${prev[@]}"; do reuse+=(--reuse "$p"); done
