@@ -82,3 +82,18 @@ def test_loader_errors_name_the_tensor(tmp_path):
     out = torch.empty(2, 3)
     L2.copy(out, "x")
     assert out.sum() == 15 and L2.unused() == []
+
+
+def test_page_size_defaults_to_64_for_mla_models():
+    """MLA models get 64-token pages (the MLA decode's TMA kernel tiles 64 keys of one page), others
+    16; an explicit page size is kept, and the selector's op map follows the same default."""
+    from opmap import presets
+    from opmap.engine.config import EngineConfig
+
+    ds, ll = presets.PRESETS["deepseek-v2-lite"], presets.PRESETS["llama3-8b"]
+    assert EngineConfig().for_model(ds).page_size == 64
+    assert EngineConfig().for_model(ll).page_size == 16
+    assert EngineConfig(page_size=32).for_model(ds).page_size == 32
+    pages = {spec.page_size for cfg in (ds, ll) for _, _, spec in presets.op_map(cfg, "decode", "sm90")
+             if getattr(spec, "page_size", None)}
+    assert pages == {64, 16}

@@ -144,10 +144,13 @@ def get_preset(name: str) -> ModelConfig:
 
 
 
-def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_size: int = 16,
+def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_size: Optional[int] = None,
            kv_dtype: Optional[str] = None, cuda_graph: Optional[bool] = None,
            tokens: Optional[int] = None) -> list[tuple[str, str, S.Spec]]:
-    """The operators of one step of ``cfg`` in ``phase`` as (op, label, spec), in map order."""
+    """The operators of one step of ``cfg`` in ``phase`` as (op, label, spec), in map order.
+    ``page_size``: the engine's default when None (engine.config.EngineConfig.page_size)."""
+    if page_size is None:
+        page_size = 64 if cfg.is_mla else 16
     kv_dtype = kv_dtype or dtype
     graph = (phase == "decode") if cuda_graph is None else cuda_graph
     if tokens is None:

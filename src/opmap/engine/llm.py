@@ -61,6 +61,7 @@ class LLM:
         if source is None and path is not None:
             source = SafetensorsSource(path)
         self.cfg = cfg
+        self.ecfg.for_model(cfg)
         self.runner = ModelRunner(cfg, self.ecfg, source)
         if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
             tokenizer = HFTokenizer(tokenizer)  # a tokenizers.Tokenizer
