@@ -56,11 +56,14 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
     return setup
 
 
-def _ours(entry, config=None, **ws_kw):
+def _ours(entry, config=None, per_sm=None, **ws_kw):
+    """``per_sm``: plan the splits for that many programs per SM instead of the config's own count."""
     def make(inp):
         from opmap.ops.mla import decode as dec
 
         B, H, _ = inp["qn"].shape
+        if per_sm:
+            ws_kw["num_splits"] = dec.plan_splits(B, H, inp["qn"].device, config[0], config[2], per_sm)
         ws = dec.make_workspace(B, H, R, inp["qn"].device, config=config, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
         fn = getattr(dec, entry)
@@ -138,6 +141,12 @@ def _decode_case(B, H, ctx, fp8, quick):
         # ninth session (one loop with the partial tile inside; 107 us at B=64/4096 on the H200).
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
         provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
+        if H < 64:
+            # 32-token tiles take two 36 KB stages, so three programs fit on an SM, but the split
+            # plan counts one TMA program per SM (128 programs at B=64: 158.9 us against the
+            # 64-token tiles' 107.0, ninth session). Three per SM: 384 programs.
+            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma,per_sm=3]",
+                                  _ours("mla_decode", (16, 32, 4, 2, "tma"), per_sm=3)))
         # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default
         # from 64 heads): at 16 heads three quarters of its rows are padding (FlashMLA pads the
         # same way), and the wgmma dots still leave it memory-bound there.
