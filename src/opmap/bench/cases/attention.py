@@ -29,12 +29,12 @@ SDPA = (("cudnn-sdpa", "CUDNN_ATTENTION"), ("torch-sdpa-flash", "FLASH_ATTENTION
 _FP8 = torch.float8_e4m3fn
 
 
-def _paged(B, L, hk, q_lens, hq, fp8, device, dt=torch.bfloat16):
-    maxp = -(-L // PAGE)
+def _paged(B, L, hk, q_lens, hq, fp8, device, dt=torch.bfloat16, page=PAGE):
+    maxp = -(-L // page)
     P = B * maxp + 8
-    kc = torch.randn(P, PAGE, hk, D, device=device, dtype=dt)
-    vc = torch.randn(P, PAGE, hk, D, device=device, dtype=dt)
-    inp = dict(bt=torch.randperm(P, device=device)[:B * maxp].view(B, maxp).to(torch.int32).contiguous(),
+    kc = torch.randn(P, page, hk, D, device=device, dtype=dt)
+    vc = torch.randn(P, page, hk, D, device=device, dtype=dt)
+    inp = dict(page=page, bt=torch.randperm(P, device=device)[:B * maxp].view(B, maxp).to(torch.int32).contiguous(),
                seq_lens=torch.full((B,), L, dtype=torch.int32, device=device), scale=D ** -0.5, L=L, hq=hq, hk=hk,
                k_scale=None, v_scale=None)
     if fp8:
@@ -58,8 +58,9 @@ def _contiguous(inp, repeat=False):
     if key not in inp:
         B, maxp = inp["bt"].shape
         L = inp["L"]
-        k = inp["kc"][inp["bt"].long()].view(B, maxp * PAGE, inp["hk"], D)[:, :L].transpose(1, 2)
-        v = inp["vc"][inp["bt"].long()].view(B, maxp * PAGE, inp["hk"], D)[:, :L].transpose(1, 2)
+        pg = inp["page"]
+        k = inp["kc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], D)[:, :L].transpose(1, 2)
+        v = inp["vc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], D)[:, :L].transpose(1, 2)
         if repeat:
             g = inp["hq"] // inp["hk"]
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -91,7 +92,7 @@ def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None, pe
         if phase == "decode":
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
-                                   max_seq_len=inp["bt"].shape[1] * PAGE, min_chunk=min_chunk,
+                                   max_seq_len=inp["bt"].shape[1] * inp["page"], min_chunk=min_chunk,
                                    split_tokens=split_tokens, per_sm=per_sm,
                                    max_splits=64 if per_sm else None)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
@@ -136,19 +137,20 @@ def _flex(inp):
     q_lens = (cu[1:] - cu[:-1]).long()
     seq_of = torch.repeat_interleave(torch.arange(B, device=q.device), q_lens, output_size=T)
     qpos = sl.long()[seq_of] - q_lens[seq_of] + (torch.arange(T, device=q.device) - cu.long()[seq_of])
-    inv = flex._inverse_pages(sl, bt, P, PAGE)
+    pg = inp["page"]
+    inv = flex._inverse_pages(sl, bt, P, pg)
     lens = sl.long()
 
     def mask_mod(b, h, qi, kv):
         s = seq_of[qi]
-        lp = inv[s, kv // PAGE]
-        pos = lp * PAGE + kv % PAGE
+        lp = inv[s, kv // pg]
+        pos = lp * pg + kv % pg
         return (lp >= 0) & (pos < lens[s]) & (pos <= qpos[qi])
 
-    bm = create_block_mask(mask_mod, 1, None, T, P * PAGE, device=q.device)  # the plan: not timed
+    bm = create_block_mask(mask_mod, 1, None, T, P * pg, device=q.device)  # the plan: not timed
     Q = q.transpose(0, 1).unsqueeze(0)
-    K = kc.view(1, P * PAGE, kc.shape[2], D).transpose(1, 2)
-    V = vc.view(1, P * PAGE, kc.shape[2], D).transpose(1, 2)
+    K = kc.view(1, P * pg, kc.shape[2], D).transpose(1, 2)
+    V = vc.view(1, P * pg, kc.shape[2], D).transpose(1, 2)
     fn = flex._flex_fn(q.device.type)
     return lambda: fn(Q, K, V, block_mask=bm, scale=inp["scale"], enable_gqa=hq != kc.shape[2])
 
@@ -160,15 +162,15 @@ def _flashinfer(phase):
         from opmap.ops.attention.flashinfer import _paged_meta, _workspace
 
         q, kc = inp["q"], inp["kc"]
-        indptr, indices, last = _paged_meta(inp["seq_lens"], inp["bt"], PAGE)
+        indptr, indices, last = _paged_meta(inp["seq_lens"], inp["bt"], inp["page"])
         if phase == "decode":
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(str(q.device)), kv_layout="NHD",
                                                               use_tensor_cores=True)
-            w.plan(indptr, indices, last, inp["hq"], inp["hk"], D, PAGE, pos_encoding_mode="NONE",
+            w.plan(indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], pos_encoding_mode="NONE",
                    q_data_type=q.dtype, kv_data_type=kc.dtype, sm_scale=inp["scale"])
         else:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(str(q.device)), kv_layout="NHD")
-            w.plan(inp["cu"], indptr, indices, last, inp["hq"], inp["hk"], D, PAGE, causal=True,
+            w.plan(inp["cu"], indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], causal=True,
                    pos_encoding_mode="NONE", sm_scale=inp["scale"], q_data_type=q.dtype, kv_data_type=kc.dtype)
         return lambda: w.run(q, (kc, inp["vc"]))
 
@@ -181,8 +183,8 @@ def _fi_available():
     return registry.get("attention", "flashinfer").available()
 
 
-def _spec(phase, hk, fp8, graph):
-    return AttentionSpec(arch="sm90", phase=phase, num_heads=HQ, num_kv_heads=hk, head_dim=D, page_size=PAGE,
+def _spec(phase, hk, fp8, graph, page=PAGE):
+    return AttentionSpec(arch="sm90", phase=phase, num_heads=HQ, num_kv_heads=hk, head_dim=D, page_size=page,
                          kv_dtype="fp8" if fp8 else "bf16", cuda_graph=graph)
 
 
@@ -227,20 +229,25 @@ def _decode_case(B, L, fp8, quick):
                      spec=_spec("decode", HK, fp8, True))
 
 
-def _prefill_case(B, S, hk, quick=True):
+def _prefill_case(B, S, hk, quick=True, page=PAGE):
     pairs = B * S * (S + 1) / 2
     nbytes = B * S * (HQ * 2 + hk * 2) * D * 2
     provs = [Provider("opmap-triton", _ours("prefill"), backend=("attention", "triton"))]
     if not quick:
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("prefill", config=c)) for c in VARIANTS["prefill"]]
+    if page % 64 == 0:
+        # K/V tiles through TMA (ops/attention/prefill_tma.py): pages holding whole 64-key tiles
+        provs.append(Provider("opmap-triton[tma=1]", _ours("prefill", config=dict(TMA=1))))
     provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
     if hk != HQ:
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
                   if n != "torch-sdpa-flash"]
-    provs += [Provider("torch-flex", _flex), Provider("flashinfer", _flashinfer("prefill"), available=_fi_available)]
-    return BenchCase("attention.prefill", f"B={B},S={S},h={HQ}/{hk},d={D},page={PAGE},causal,dtype=bf16",
-                     4.0 * HQ * D * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, HQ, False, dev), provs,
-                     bound="compute", spec=_spec("prefill", hk, False, False))
+    if page == PAGE:  # flex's block mask over 64-token pages adds nothing the page-16 rows lack
+        provs.append(Provider("torch-flex", _flex))
+    provs.append(Provider("flashinfer", _flashinfer("prefill"), available=_fi_available))
+    return BenchCase("attention.prefill", f"B={B},S={S},h={HQ}/{hk},d={D},page={page},causal,dtype=bf16",
+                     4.0 * HQ * D * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, HQ, False, dev, page=page),
+                     provs, bound="compute", spec=_spec("prefill", hk, False, False, page))
 
 
 def _mixed_case():
@@ -349,6 +356,9 @@ def cases(quick: bool) -> list[BenchCase]:
     for S in ((8192,) if quick else (512, 2048, 8192, 16384)):
         out.append(_prefill_case(1, S, HQ, quick))
     out.append(_prefill_case(4, 4096, HK, quick))
+    # Pages of 64 (TensorRT-LLM's default block, FlashMLA's page): the TMA prefill beside the gather
+    # kernel and the peers
+    out += [_prefill_case(1, 8192, HQ, quick, page=64), _prefill_case(4, 4096, HK, quick, page=64)]
     if not quick:
         # The engine's own prefill shapes (Llama-3-8B, one prompt: the e2e TTFT case is S=1024).
         # At S=512 with 32 heads the default tile took 200 us against 113 us for BLOCK_N=32 / 4

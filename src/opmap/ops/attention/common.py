@@ -70,12 +70,14 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     pf = PREFETCH
     if interpreted(device):
         if kind == "prefill":
-            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
+            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
         return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TRANS=0)
     if kind == "prefill":
+        # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
+        # bf16/fp16). A benchmark variant until timed.
         if head_dim <= 128:
-            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf)
-        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf)
+            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=0)
+        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
     bn = 64 if head_dim <= 128 else 32
     # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant until timed
     return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, TRANS=0)

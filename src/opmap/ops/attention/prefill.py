@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...contract import expect
 from .common import check_attention, kernel_config, prepare_scales
 
 
@@ -52,23 +53,39 @@ def _tile(acc, l_i, m_i, q, kc_ptr, vc_ptr, pg, start, hi, qpos, kv_off_k, kv_of
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if HAS_CAP:
-        s = soft_cap * _tanh(s * (scale / soft_cap)) * 1.4426950408889634
-    else:
-        s = s * qk_scale
+    s = _scaled(s, qk_scale, scale, soft_cap, HAS_CAP)
     if MASK:
-        ok = mj[None, :]
-        if CAUSAL:
-            ok = ok & (j[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            ok = ok & (j[None, :] > qpos[:, None] - window)
-        s = tl.where(ok, s, float("-inf"))
+        s = tl.where(_allowed(mj, j, qpos, window, CAUSAL, HAS_WINDOW), s, float("-inf"))
+    return _update(acc, l_i, m_i, s, v.to(q.dtype), IEEE)
+
+
+@triton.jit
+def _scaled(s, qk_scale, scale, soft_cap, HAS_CAP: tl.constexpr):
+    """Raw scores to the exp2 domain, through the soft cap where there is one."""
+    if HAS_CAP:
+        return soft_cap * _tanh(s * (scale / soft_cap)) * 1.4426950408889634
+    return s * qk_scale
+
+
+@triton.jit
+def _allowed(mj, j, qpos, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """[rows, keys] mask: key j is in range (mj), at or before the query (causal), inside the window."""
+    ok = mj[None, :]
+    if CAUSAL:
+        ok = ok & (j[None, :] <= qpos[:, None])
+    if HAS_WINDOW:
+        ok = ok & (j[None, :] > qpos[:, None] - window)
+    return ok
+
+
+@triton.jit
+def _update(acc, l_i, m_i, s, v, IEEE: tl.constexpr):
+    """The online softmax step of one tile of scores (exp2 domain) and its values."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -97,6 +114,46 @@ def _walk(acc, l_i, m_i, pg, q, kc_ptr, vc_ptr, bt_row, lo, end, hi, qpos, kv_of
 
 
 @triton.jit
+def _locate(cu_ptr, B, pid, BLOCK_Q: tl.constexpr):
+    """(b, q0, q_len, local): the sequence that owns program ``pid`` (the largest b with
+    cu[b] // BLOCK_Q + b <= pid), its first token, its query length and the program's block in it."""
+    lo = pid * 0
+    hi = pid * 0 + B - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        st = tl.load(cu_ptr + mid) // BLOCK_Q + mid
+        go = st <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    b = lo
+    q0 = tl.load(cu_ptr + b)
+    q_len = tl.load(cu_ptr + b + 1) - q0
+    return b, q0, q_len, pid - (q0 // BLOCK_Q + b)
+
+
+@triton.jit
+def _kv_range(L, q_len, local, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr):
+    """(kv_lo, full_end, kv_hi) of a query block: its keys are [kv_lo, kv_hi), and the tiles in
+    [kv_lo, full_end) lie below every row's diagonal and inside L, so they need no mask."""
+    first_pos = L - q_len + local * BLOCK_Q
+    last_pos = L - q_len + tl.minimum((local + 1) * BLOCK_Q, q_len) - 1
+    kv_hi = L
+    if CAUSAL:
+        kv_hi = tl.minimum(L, last_pos + 1)
+    kv_lo = 0
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    full_end = kv_lo
+    if not HAS_WINDOW:
+        if CAUSAL:
+            full_end = tl.minimum(first_pos + 1, L) // BLOCK_N * BLOCK_N
+        else:
+            full_end = L // BLOCK_N * BLOCK_N
+    return kv_lo, full_end, kv_hi
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
                     scale, soft_cap, window, B,
                     s_qt, s_qh, s_ot, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
@@ -110,19 +167,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     # keys; starting them first shortens the tail of the grid.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
-    # Which sequence owns this program: the largest b with cu[b] // BLOCK_Q + b <= pid.
-    lo = pid * 0
-    hi = pid * 0 + B - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        st = tl.load(cu_ptr + mid) // BLOCK_Q + mid
-        go = st <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid - 1)
-    b = lo
-    q0 = tl.load(cu_ptr + b)
-    q_len = tl.load(cu_ptr + b + 1) - q0
-    local = pid - (q0 // BLOCK_Q + b)
+    b, q0, q_len, local = _locate(cu_ptr, B, pid, BLOCK_Q)
     skip = local * BLOCK_Q >= q_len
     if SKIP_SINGLE:  # mixed batches: the decode kernel serves the one-token sequences
         skip = skip | (q_len == 1)
@@ -145,21 +190,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
         v_mul = tl.load(vs_ptr + kvh)
     qk_scale = scale * k_mul * 1.4426950408889634
     sc = scale * k_mul
-    first_pos = L - q_len + local * BLOCK_Q
-    last_pos = L - q_len + tl.minimum((local + 1) * BLOCK_Q, q_len) - 1
-    kv_hi = L
-    if CAUSAL:
-        kv_hi = tl.minimum(L, last_pos + 1)
-    kv_lo = 0
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
-    # Tiles below every row's diagonal (and inside L) need no mask.
-    full_end = kv_lo
-    if not HAS_WINDOW:
-        if CAUSAL:
-            full_end = tl.minimum(first_pos + 1, L) // BLOCK_N * BLOCK_N
-        else:
-            full_end = L // BLOCK_N * BLOCK_N
+    kv_lo, full_end, kv_hi = _kv_range(L, q_len, local, window, BLOCK_Q, BLOCK_N, CAUSAL, HAS_WINDOW)
     acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -191,6 +222,15 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
         return
     group = hq // hk
     cfg = kernel_config("prefill", d, group, q.device, config)
+    if cfg["TMA"]:
+        from . import prefill_tma
+
+        why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"])
+        expect(why is None, "config", "TMA=1", f"a cache the TMA prefill can read ({why})")
+        expect(not skip_single, "config", "TMA=1", "a prefill call (mixed batches use the gather kernel)")
+        prefill_tma.launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale,
+                           causal=causal, window=window, soft_cap=soft_cap, return_lse=return_lse)
+        return
     bm = cfg["BLOCK_M"]
     grid = (T // (bm // group) + B, hk)
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
