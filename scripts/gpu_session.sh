@@ -14,8 +14,10 @@
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
 #   scripts/gpu_session.sh mla-tma OUTDIR      # MLA TMA keys-as-rows probe, MLA GPU tests, MLA quick grid;
 #                                              # then `final` for SAN_TIMEOUT s (SAN_TIMEOUT=300: one call)
+#   scripts/gpu_session.sh verify9 OUTDIR      # attention, engine and MLA GPU tests beside the sanitizer's
+#                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|mla-tma|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify9|mla-tma|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -131,6 +133,14 @@ case $part in
     timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
       > "$out/mla.log" 2>&1
     [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
+  verify9)
+    # After the ninth session: the GPU tests of what changed on the CPU (the TMA prefill and the
+    # prefill refactor; the engine's 64-token MLA pages; the MLA 16-head TMA default), in two lanes
+    # beside the sanitizer re-run of the families whose sources changed (attention). Their timings
+    # (the page-64 prefill rows, the MLA per_sm=3 row) are in fi-bench's quick grids.
+    FINAL_TESTS="tests/gpu/test_attention_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py" \
+      SAN_TIMEOUT=${SAN_TIMEOUT:-400} SAN_PARALLEL="${SAN_PARALLEL:-4 2 3}" "$self" final "$out/final-part" \
+      > "$out/final-part.log" 2>&1 ;;
   fi-bench)
     # FlashInfer beside our kernels in one run, from the modules built ahead of time on the CPU
     # machine (.whl/flashinfer-aot.tar.xz: sampling, the tensor-core decode, the FA3 prefill, the
