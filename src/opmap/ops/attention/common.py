@@ -79,7 +79,8 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
             return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=0)
         return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
     bn = 64 if head_dim <= 128 else 32
-    # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant until timed
+    # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant that lost
+    # on the H200 (B=64 / 4096: 342.9 against 254.4 us; docs/attention.md)
     return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, TRANS=0)
 
 
