@@ -102,6 +102,22 @@ def _prefill(device, name, paged, entry="prefill", feats=False):
     return run
 
 
+def _prefill_tma(device):
+    """The TMA prefill (config TMA=1; ops/attention/prefill_tma.py) on 64-token pages: lengths at
+    the 64-key tile edges, chunks over cached prefixes, a zero-token sequence."""
+    def run():
+        from opmap.ops.attention import prefill as P
+        from opmap.ops.attention import reference as R
+
+        lens, ql = [1, 63, 64, 65, 1025, 0, 300], [1, 3, 64, 65, 512, 0, 1]
+        s, pc, q, cu = _inputs(device, 13, lens, ql, page=64)
+        kw = dict(scale=s["d"] ** -0.5)
+        out = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
+        return _vs(out, _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw), q.dtype)
+
+    return run
+
+
 def _ref_vs_sdpa(device):
     def run():
         import torch.nn.functional as F
@@ -364,6 +380,10 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                              _batch_invariance(device)))
         out.append(CheckCase("input", "attention", "triton", "page id / length / heads / dtype errors",
                              _bad_input(device, "triton")))
+    if device == "cuda" and "triton" in _runnable("attention", base.replace(phase="prefill", page_size=64)):
+        tma_shape = f"h={s['hq']}/{s['hk']},d={s['d']},page=64,dtype={dts}"
+        out.append(CheckCase("boundaries", "attention", "triton", f"prefill TMA tiles,{tma_shape}",
+                             _prefill_tma(device), device="cuda", quick=False))
     if device == "cuda" and "triton" in _runnable("attention", base.replace(cuda_graph=True)):
         out.append(CheckCase("graph", "attention", "triton", "decode replay after re-planning,h=32/8",
                              _graph_replay(), device="cuda"))
