@@ -132,6 +132,17 @@ def _locate(cu_ptr, B, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _rows(L, q_len, local, kvh, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(token, head, valid, position) of each of a program's rows: BLOCK_M // GROUP query tokens
+    times the GROUP query heads of KV head ``kvh``, token-major."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+    r = tl.arange(0, BLOCK_M)
+    tok = local * BLOCK_Q + r // GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    return tok, kvh * GROUP + r % GROUP, row_ok, L - q_len + tok
+
+
+@triton.jit
 def _kv_range(L, q_len, local, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr):
     """(kv_lo, full_end, kv_hi) of a query block: its keys are [kv_lo, kv_hi), and the tiles in
@@ -174,11 +185,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     if skip:
         return
     L = tl.load(sl_ptr + b)
-    r = tl.arange(0, BLOCK_M)
-    tok = local * BLOCK_Q + r // GROUP
-    head = kvh * GROUP + r % GROUP
-    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
-    qpos = L - q_len + tok
+    tok, head, row_ok, qpos = _rows(L, q_len, local, kvh, GROUP, BLOCK_M)
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
     t64 = (q0 + tok).to(tl.int64)

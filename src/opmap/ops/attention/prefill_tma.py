@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .prefill import _allowed, _kv_range, _locate, _scaled, _update
+from .prefill import _allowed, _kv_range, _locate, _rows, _scaled, _update
 
 MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
 
@@ -81,11 +81,7 @@ def _prefill_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, b
     if local * BLOCK_Q >= q_len:
         return
     L = tl.load(sl_ptr + b)
-    r = tl.arange(0, BLOCK_M)
-    tok = local * BLOCK_Q + r // GROUP
-    head = kvh * GROUP + r % GROUP
-    row_ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
-    qpos = L - q_len + tok
+    tok, head, row_ok, qpos = _rows(L, q_len, local, kvh, GROUP, BLOCK_M)
     t64 = (q0 + tok).to(tl.int64)
     q = tl.load(q_ptr + (t64 * s_qt + head * s_qh)[:, None] + tl.arange(0, D)[None, :], mask=row_ok[:, None],
                 other=0.0)
