@@ -142,11 +142,18 @@ def _decode_case(B, H, ctx, fp8, quick):
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
         provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
         if H < 64:
-            # 32-token tiles take two 36 KB stages, so three programs fit on an SM, but the split
-            # plan counts one TMA program per SM (128 programs at B=64: 158.9 us against the
-            # 64-token tiles' 107.0, ninth session). Three per SM: 384 programs.
-            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma,per_sm=3]",
-                                  _ours("mla_decode", (16, 32, 4, 2, "tma"), per_sm=3)))
+            # 32-token tiles: two 28 KB stages and 199 registers (sm90 build), so two programs fit
+            # on an SM by registers, but the split plan counts one TMA program per SM (128 programs
+            # at B=64: 158.9 us against the 64-token tiles' 107.0, ninth session). Two per SM here.
+            # Their score dots have 32 rows, so they run on mma.sync, not wgmma.
+            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma,per_sm=2]",
+                                  _ours("mla_decode", (16, 32, 4, 2, "tma"), per_sm=2)))
+            # 64-token tiles with two warpgroups (sm90 build: warpsPerCTA [8, 1], so they split the
+            # 512 latent rows of the value dots; 139 registers instead of 198, no stack). At one
+            # program per SM a tile takes ~3 us (107 us for 32 tiles), longer than its 72 KB take
+            # to arrive at the SM's share of the bandwidth (~2 us): the dots, not the loads, set
+            # the pace, and two warpgroups issue them side by side.
+            provs.append(Provider("opmap-triton[bh=16,bn=64,w=8,s=2,tma]", _ours("mla_decode", (16, 64, 8, 2, "tma"))))
         # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default
         # from 64 heads): at 16 heads three quarters of its rows are padding (FlashMLA pads the
         # same way), and the wgmma dots still leave it memory-bound there.
