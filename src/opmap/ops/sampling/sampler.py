@@ -127,9 +127,11 @@ def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr,
     h = tl.zeros([HIST_NB], tl.int32)
     if not_(greedy) & (use_k | (use_p & not_(use_mp))):
         row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
+        z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            z = _load_z(row_ptr, offs, hi, m, inv_t)
+            z = z_n
+            z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
             h += _hist_bins(z, (offs < hi) & (z > float("-inf")), HIST_NB)
     tl.store(hist_ptr + (row * n_parts + c) * HIST_NB + tl.arange(0, HIST_NB), h)
 
@@ -293,9 +295,11 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
                 tl.store(q + 2, g_max)
                 tl.store(q + 3, tl.min(tl.where(gb == g_max, gi, INT_MAX), 0).to(tl.float32))
             else:
+                z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
                 for start in range(lo, hi, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
-                    z = _load_z(row_ptr, offs, hi, m, inv_t)
+                    z = z_n
+                    z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
                     sel = (offs < hi) & (_key(z) >= lo_key)
                     _put_candidates(z, offs, sel, sz_ptr + row * CAND, si_ptr + row * CAND, cnt_ptr + row, CAND)
 

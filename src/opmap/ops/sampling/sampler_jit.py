@@ -62,7 +62,9 @@ def _unkey(k):
 
 
 # _ahead: the per-row kernel's full-row loops (_evaluate, _compact, _race_lanes) load block i+1
-# before working on block i. One program per row reads a 0.5 MB row; with one 16-byte load in
+# before working on block i; so do the chunk passes A (_pass_a_lanes), B and C since the ninth
+# session: pass A read its 33 MB at B=64 in 24 us (~1.4 TB/s; at 139 registers three 4-warp
+# programs fit on an SM, ~12 KB in flight), three times the read at the ceiling. One program per row reads a 0.5 MB row; with one 16-byte load in
 # flight per thread (the sm90 build has no async copies in these loops) a pass took ~85 us on the
 # H200, about 6 GB/s: the load latency times the blocks, as Little's law predicts for ~8 KB in
 # flight per SM. Two loads in flight halve the wait. Same values, same order: the same bits.
@@ -337,9 +339,13 @@ def _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK: tl.constexpr):
     n_v = tl.zeros([BLOCK], tl.int32)
     xmin_v = tl.full([BLOCK], float("inf"), tl.float32)
     s_v = tl.zeros([BLOCK], tl.float32)
+    x_n = tl.load(row_ptr + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi,
+                  other=float("-inf")).to(tl.float32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
+        x = x_n
+        # the next block in flight during this one (see _ahead): pass A of a chunk is latency-bound
+        x_n = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < hi, other=float("-inf")).to(tl.float32)
         nan = x != x
         bad_v += (nan | (x == float("inf"))).to(tl.int32)
         xs = tl.where(nan, float("-inf"), x)
