@@ -250,6 +250,18 @@ def test_passes_b_and_c_change_no_token():
     assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
+def test_loads_ahead_change_no_bit():
+    """ahead=False (one block in flight in passes A, B and C: the benchmark's same-run comparison)
+    gives the same support boundary and tokens, top-k, top-p alone and min-p alone among the rows;
+    chunks that end inside a block (V = 3001 over chunks of 256)."""
+    x, T, k, p, mp, seeds, pos = _random_case(4, 7, 3001, 2.0, False)
+    k[3], p[3], mp[3] = 0, 0.9, 0.0  # top-p alone
+    k[5], p[5], mp[5] = 0, 1.0, 0.05  # min-p alone
+    a = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256)
+    b = sampler.sample(x, T, k, p, mp, seeds, pos, return_support=True, chunk=256, ahead=False)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
 @pytest.mark.parametrize("V", [1, 2, 3, 17])
 def test_tiny_vocabularies(V):
     """Vocabularies smaller than a lane block (a one-token vocabulary included): every filter

@@ -61,12 +61,12 @@ def _race_unfiltered(inp):
     return run
 
 
-def _ours_config(block=None, warps=None, bracket=True):
+def _ours_config(block=None, warps=None, bracket=True, ahead=True):
     def make(inp):
         from opmap.ops.sampling.sampler import sample
 
         cfg = (block, warps) if block else None
-        return lambda: sample(*_args(inp), config=cfg, bracket=bracket)
+        return lambda: sample(*_args(inp), config=cfg, bracket=bracket, ahead=ahead)
 
     return make
 
@@ -128,6 +128,9 @@ def cases(quick: bool) -> list[BenchCase]:
                         # Passes B and C (histogram bracket, spread gather) against the per-row
                         # search from the whole row that they replace, in the same run.
                         providers.append(Provider("opmap-triton[no B/C]", _ours_config(bracket=False)))
+                        # Passes A, B and C with one block in flight (before the ninth session)
+                        # against the default's next block loaded ahead, in the same run.
+                        providers.append(Provider("opmap-triton[ahead=0]", _ours_config(ahead=False)))
                     if not quick and V == 128256 and B == 64:
                         # The per-row search runs one program per row: at 423 us for top-k+top-p
                         # (B=64) each of its ~4 passes over a 0.5 MB row took ~90 us, far below one

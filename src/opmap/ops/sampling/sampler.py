@@ -80,8 +80,10 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
 
 @triton.jit
 def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
-                            part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs."""
+                            part_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                            AHEAD: tl.constexpr = True):
+    """Pass A of one chunk of a row (grid: rows x chunks), so that a row is read by many SMs.
+    AHEAD (here and in passes B and C): the next block's load in flight during the current one."""
     enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -92,7 +94,7 @@ def _sample_partials_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, V)
     m, gid, bad, n_fin, s, rb_x, rb_g, rb_id, xmin = _pass_a(logits_ptr + row * stride_row, lo, hi, inv_t, seed,
-                                                             pos, need_s, unfiltered, BLOCK)
+                                                             pos, need_s, unfiltered, BLOCK, AHEAD)
     out = part_ptr + (row * tl.num_programs(1) + c) * PART
     tl.store(out + 0, m)
     tl.store(out + 1, gid.to(tl.float32))  # ids and counts < 2**24: exact in fp32
@@ -116,7 +118,7 @@ def _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK: tl.const
 @triton.jit
 def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, part_ptr, n_parts,
                         hist_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PDL: tl.constexpr = False, AHEAD: tl.constexpr = True):
     """Pass B of one chunk of a row (grid: rows x chunks): the count histogram of z, for the rows
     whose first search is top-k or top-p alone. The row max comes from pass A's partials."""
     enter(PDL)  # under PDL: wait for the kernel before (see ops.pdl)
@@ -127,11 +129,15 @@ def _sample_hist_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr,
     h = tl.zeros([HIST_NB], tl.int32)
     if not_(greedy) & (use_k | (use_p & not_(use_mp))):
         row_ptr, m, lo, hi = _chunk(logits_ptr, stride_row, row, c, part_ptr, n_parts, V, CHUNK, S_P)
-        z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
+        if AHEAD:
+            z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
         for start in range(lo, hi, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            z = z_n
-            z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
+            if AHEAD:
+                z = z_n
+                z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
+            else:
+                z = _load_z(row_ptr, offs, hi, m, inv_t)
             h += _hist_bins(z, (offs < hi) & (z > float("-inf")), HIST_NB)
     tl.store(hist_ptr + (row * n_parts + c) * HIST_NB + tl.arange(0, HIST_NB), h)
 
@@ -225,7 +231,7 @@ def _sample_refine_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
 def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, pos_ptr,
                           part_ptr, n_parts, br_ptr, sz_ptr, si_ptr, cnt_ptr, hist_ptr, agg_ptr, agg2_ptr,
                           CAND: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S_P: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          PDL: tl.constexpr = False, AHEAD: tl.constexpr = True):
     """Pass C of one chunk of a row (grid: rows x chunks): copy the values at or above the
     bracket's lo to the row's candidate scratch, where _sample_bracket_kernel found at most CAND of them.
     The per-row kernel then starts from those candidates in registers and reads no full row:
@@ -295,11 +301,15 @@ def _sample_gather_kernel(logits_ptr, stride_row, V, temp_ptr, topk_ptr, topp_pt
                 tl.store(q + 2, g_max)
                 tl.store(q + 3, tl.min(tl.where(gb == g_max, gi, INT_MAX), 0).to(tl.float32))
             else:
-                z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
+                if AHEAD:
+                    z_n = _load_z(row_ptr, lo + tl.arange(0, BLOCK), hi, m, inv_t)
                 for start in range(lo, hi, BLOCK):
                     offs = start + tl.arange(0, BLOCK)
-                    z = z_n
-                    z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
+                    if AHEAD:
+                        z = z_n
+                        z_n = _load_z(row_ptr, offs + BLOCK, hi, m, inv_t)  # see sampler_jit's _ahead
+                    else:
+                        z = _load_z(row_ptr, offs, hi, m, inv_t)
                     sel = (offs < hi) & (_key(z) >= lo_key)
                     _put_candidates(z, offs, sel, sz_ptr + row * CAND, si_ptr + row * CAND, cnt_ptr + row, CAND)
 
@@ -513,13 +523,14 @@ def _carve(dtype, device, *shapes):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return_support: bool = False,
-           chunk: Optional[int] = None, config: Optional[tuple] = None, bracket: bool = True):
+           chunk: Optional[int] = None, config: Optional[tuple] = None, bracket: bool = True, ahead: bool = True):
     """See the module docstring. With ``return_support`` a third tensor [B, 2] int32 holds each
     row's boundary (key t, tie count n); ``support_from_boundary`` turns it into a mask (tests).
     ``chunk`` overrides the split of pass A (0 = none; tests exercise both paths); ``config``
     (BLOCK, num_warps) overrides the per-row kernel's tile (benchmark variants); ``bracket=False``
     leaves out passes B and C (the per-row kernel searches from the whole row, as before them:
-    the benchmark's same-run comparison; the tokens are the same)."""
+    the benchmark's same-run comparison; the tokens are the same); ``ahead=False`` keeps one block
+    in flight in passes A, B and C (the benchmark's same-run comparison for the loads ahead)."""
     B, V = check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
     expect(V < 2**24, "logits", f"vocabulary {V}", "fewer than 2**24 columns (ids travel as fp32)")
     dev = logits.device
@@ -553,14 +564,14 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, return
         pl = pdl.launch(dev)  # the six passes are back to back: each launches while the one before ends
         cb = dict(CHUNK=chunk, BLOCK=min(2048, chunk), num_warps=4, **pl)
         if use_parts:
-            _sample_partials_kernel[(B, n_parts)](*flags, seeds, positions, part, **cb)
+            _sample_partials_kernel[(B, n_parts)](*flags, seeds, positions, part, AHEAD=ahead, **cb)
         if use_hist:
-            _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, **cb)
+            _sample_hist_kernel[(B, n_parts)](*flags, part, n_parts, hist, S_P=s_p, AHEAD=ahead, **cb)
             _sample_bracket_kernel[(B,)](temperature, top_k, top_p, min_p, V, part, n_parts, hist, br, cnt, CAND=cand,
                                          S_P=s_p, num_warps=4, **pl)
             _sample_refine_kernel[(B, n_parts)](*flags, part, n_parts, br, hist, agg, S_P=s_p, **cb)
             _sample_gather_kernel[(B, n_parts)](*flags, seeds, positions, part, n_parts, br, sz, si, cnt, hist, agg, agg2,
-                                                CAND=cand, S_P=s_p, **cb)
+                                                CAND=cand, S_P=s_p, AHEAD=ahead, **cb)
         _sample_kernel[(B,)](logits, logits.stride(0), V, temperature, top_k, top_p, min_p, seeds, positions,
                              ids, invalid, support, sz, si, cnt, part, n_parts, br, agg2, BLOCK=block, CAND=cand,
                              WRITE_SUPPORT=return_support, USE_PARTS=use_parts, S_P=s_p, HIST=use_hist,

@@ -309,7 +309,7 @@ def _race_block(z, ids, ok, t, n, carry, seed, pos, best, best_id):
 
 
 @triton.jit
-def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.constexpr):
+def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.constexpr, AHEAD: tl.constexpr = True):
     """One scan of row[lo:hi]: max, lowest-id argmax, NaN/+inf count, finite count, the mass
     sum(exp((x - max) / T)) when ``need_s``, and the race winner (x, noise, id) when ``unfiltered``.
     Rows without the race reduce per lane (``_pass_a_lanes``)."""
@@ -319,7 +319,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
     else:
         # Half the block: six per-lane vectors of a 2048 block held 168 registers and spilled on
         # sm90 (4 warps); 1024 keeps them at 8 values per thread.
-        m, gid, bad, n_fin, s, xmin = _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK // 2)
+        m, gid, bad, n_fin, s, xmin = _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK // 2, AHEAD)
         rb_x = tl.full([], float("-inf"), tl.float32)
         rb_g = tl.zeros([], tl.float32)
         rb_id = tl.full([], INT_MAX, tl.int32)
@@ -327,7 +327,7 @@ def _pass_a(row_ptr, lo, hi, inv_t, seed, pos, need_s, unfiltered, BLOCK: tl.con
 
 
 @triton.jit
-def _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK: tl.constexpr):
+def _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK: tl.constexpr, AHEAD: tl.constexpr = True):
     """Pass A without the race, with per-lane accumulators reduced once after the loop (as
     _evaluate does): no cross-warp reduction, hence no barrier, inside the loop, so the loads of
     successive blocks overlap. The block-by-block version (_pass_a_blocks) reduces six figures
@@ -339,13 +339,17 @@ def _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK: tl.constexpr):
     n_v = tl.zeros([BLOCK], tl.int32)
     xmin_v = tl.full([BLOCK], float("inf"), tl.float32)
     s_v = tl.zeros([BLOCK], tl.float32)
-    x_n = tl.load(row_ptr + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi,
-                  other=float("-inf")).to(tl.float32)
+    if AHEAD:
+        x_n = tl.load(row_ptr + lo + tl.arange(0, BLOCK), mask=lo + tl.arange(0, BLOCK) < hi,
+                      other=float("-inf")).to(tl.float32)
     for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x = x_n
-        # the next block in flight during this one (see _ahead): pass A of a chunk is latency-bound
-        x_n = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < hi, other=float("-inf")).to(tl.float32)
+        if AHEAD:
+            x = x_n
+            # the next block in flight during this one (see _ahead): pass A of a chunk is latency-bound
+            x_n = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < hi, other=float("-inf")).to(tl.float32)
+        else:  # the bench's [ahead=0] row: one block in flight, as before the ninth session
+            x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         nan = x != x
         bad_v += (nan | (x == float("inf"))).to(tl.int32)
         xs = tl.where(nan, float("-inf"), x)
