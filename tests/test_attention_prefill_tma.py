@@ -82,3 +82,24 @@ def test_tma_prefill_refuses_what_it_cannot_read():
     p16 = make_paged([40, 9], 2, 64, 16, dtype=F16)
     with pytest.raises(InputError, match="config.*mixed batches use the gather kernel"):
         mixed(q, p16.k_cache, p16.v_cache, cu, p16.seq_lens, p16.block_tables, scale=0.125, config=TMA)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tma_prefill_random_shapes(seed):
+    """Random batches: lengths 0-200 with chunks over cached prefixes, pages of 16 / 32 / 64, GQA
+    groups 1-4, head dims 32 / 64, causal or not, window and soft cap or not; NaN in unused slots."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    r = lambda n: int(torch.randint(0, n, (1,), generator=g))  # noqa: E731
+    B = 1 + r(5)
+    lens = [r(201) for _ in range(B)]
+    ql = [min(n, r(n + 1) if r(2) else n) for n in lens]
+    page, hk, group, d = (16, 32, 64)[r(3)], 1 + r(2), (1, 2, 4)[r(3)], (32, 64)[r(2)]
+    causal = bool(r(4))
+    win = (None, 1 + r(100))[r(2)] if causal else None
+    cap = (None, 20.0)[r(2)]
+    pc = make_paged(lens, hk, d, page, dtype=F16, shared=bool(r(2)), poison=True, generator=g)
+    q, cu = make_query(ql, hk * group, d, dtype=F16, generator=g)
+    kw = dict(scale=d ** -0.5, causal=causal, window=win, soft_cap=cap, return_lse=True)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config=TMA, **kw)
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _check(out, lse, ref, ref_lse, F16, False)
