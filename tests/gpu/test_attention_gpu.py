@@ -54,6 +54,23 @@ DECODE = [
 ]
 
 
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
+def test_decode_tma(case, block_n):
+    """The TMA decode (config TMA=1; ops/attention/decode_tma.py): a box per page (four per 64-key
+    tile at page 16) on every decode case; NaN in every unused slot."""
+    _, seq, page, hq, hk, d, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
+    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV, per_sm=4, max_splits=64)):
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
+                            config={"TMA": 1, "BLOCK_N": block_n}, **kw)
+        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
+        _close(out, ref, scale=2.0 if fp8 else 1.0)
+        _lse_ok(lse, ref_lse)
+
+
 @pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
 @pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
 def test_decode(case, trans):
@@ -140,8 +157,8 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("fixed", [False, True], ids=["auto-split", "fixed-split"])
-def test_decode_cuda_graph_replan(fixed):
+@pytest.mark.parametrize("fixed,tma", [(False, 0), (True, 0), (False, 1)], ids=["auto-split", "fixed-split", "tma"])
+def test_decode_cuda_graph_replan(fixed, tma):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
     is checked against the reference (split counts change with the lengths, on the device)."""
     B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
@@ -152,7 +169,8 @@ def test_decode_cuda_graph_replan(fixed):
     sl_buf, bt_buf = lens.to(DEV), bt.to(DEV)
     q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
     ws = D.make_workspace(B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
-    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws)  # noqa
+    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws,  # noqa
+                           config={"TMA": tma})
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

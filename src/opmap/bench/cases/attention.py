@@ -207,6 +207,13 @@ def _decode_case(B, L, fp8, quick):
         # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72
         # (two programs per SM instead of three). In the quick grid: one GPU run decides.
         provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
+    # K/V rows through TMA, a box per 16-token page (ops/attention/decode_tma.py): one copy per
+    # page instead of one per 16 bytes of every row; in the quick grid (one GPU run decides)
+    provs.append(Provider("opmap-triton[tma=1]", _ours("decode", config={"TMA": 1})))
+    if B == 1 and L >= 16384:
+        # its sm90 build takes 38 KB of shared memory and 102 registers: room for four programs
+        # per SM, so the auto plan at four (64 splits, 512 programs)
+        provs.append(Provider("opmap-triton[tma=1,per_sm=4]", _ours("decode", config={"TMA": 1}, per_sm=4)))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more

@@ -294,17 +294,27 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
-    _decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
-        float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
-        GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl.launch(q.device))
+    if cfg["TMA"]:
+        from . import decode_tma
+
+        why = decode_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"])
+        expect(why is None, "config", "TMA=1", f"a cache the TMA decode can read ({why})")
+        decode_tma.launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, cfg,
+                          (B, hk, splits), scale=scale, window=window, soft_cap=soft_cap, fixed=fixed, splits=splits,
+                          min_chunk=min_chunk, return_lse=return_lse, q_from_cu=cu_seqlens_q is not None,
+                          pdl_kw=pdl.launch(q.device))
+    else:
+        _decode_kernel[(B, hk, splits)](
+            q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
+            float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
+            GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+            HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+            RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
+            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            **pdl.launch(q.device))
     if splits > 1:
         s_p = triton.next_power_of_2(splits)
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
@@ -320,7 +330,8 @@ def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=
            k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None,
            config=None):
     """``config``: optional override of the launch config (BLOCK_H, BLOCK_N, num_warps, num_stages,
-    PREFETCH, TRANS: see common._default_config and _decode_kernel), for tuning."""
+    PREFETCH, TRANS: see common._default_config and _decode_kernel; TMA: the K/V rows through tensor
+    descriptors, decode_tma.py), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale)
     out = torch.empty(B, q.shape[1], dv, dtype=q.dtype, device=q.device)
