@@ -134,13 +134,13 @@ case $part in
       > "$out/mla.log" 2>&1
     [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
   verify9)
-    # After the ninth session: the GPU tests of what changed on the CPU (the TMA prefill and the
-    # prefill refactor; the sampler's chunk passes loading ahead; the engine's 64-token MLA pages;
+    # After the ninth session: the GPU tests of what changed on the CPU (the TMA decode and
+    # prefill, in their own file and process; the prefill refactor; the sampler's chunk passes loading ahead; the engine's 64-token MLA pages;
     # the MLA 16-head TMA default), in two lanes beside the sanitizer re-run of the families whose
     # sources changed (attention and sampling: qwen3's run
     # does its cases, llama3's reuses them; so no SAN_PARALLEL). Their timings
     # (the page-64 prefill rows, the MLA per_sm=3 row) are in fi-bench's quick grids.
-    FINAL_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py" \
+    FINAL_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py" \
       SAN_TIMEOUT=${SAN_TIMEOUT:-400} SAN_JOBS=${SAN_JOBS:-8} "$self" final "$out/final-part" \
       > "$out/final-part.log" 2>&1 ;;
   fi-bench)

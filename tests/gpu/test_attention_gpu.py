@@ -54,23 +54,6 @@ DECODE = [
 ]
 
 
-@pytest.mark.parametrize("block_n", [64, 128])
-@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode_tma(case, block_n):
-    """The TMA decode (config TMA=1; ops/attention/decode_tma.py): a box per page (four per 64-key
-    tile at page 16) on every decode case; NaN in every unused slot."""
-    _, seq, page, hq, hk, d, win, cap, fp8 = case
-    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
-    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
-    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, return_lse=True, **pc.kw)
-    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV, per_sm=4, max_splits=64)):
-        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
-                            config={"TMA": 1, "BLOCK_N": block_n}, **kw)
-        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
-        _close(out, ref, scale=2.0 if fp8 else 1.0)
-        _lse_ok(lse, ref_lse)
-
-
 @pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
 @pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
 def test_decode(case, trans):
@@ -110,32 +93,6 @@ def test_prefill(case):
     _lse_ok(lse, ref_lse)
 
 
-TMA_PREFILL = [
-    # id, seq_lens, q_lens, page, heads, kv_heads, head_dim, window, soft_cap, causal
-    ("b5-gqa-page64-edges", [63, 64, 65, 4099, 4096], [63, 64, 1, 1000, 4096], 64, 32, 8, 128, None, None, True),
-    ("b2-mha-page128-chunk", [3000, 129], [700, 129], 128, 32, 32, 128, None, None, True),
-    ("b2-d64-page64-window-cap", [700, 300], [700, 100], 64, 8, 2, 64, 128, 50.0, True),
-    ("b3-noncausal-page64", [200, 65, 1], [200, 3, 1], 64, 16, 4, 128, None, None, False),
-]
-
-
-@pytest.mark.parametrize("case", TMA_PREFILL, ids=[c[0] for c in TMA_PREFILL])
-def test_prefill_tma(case):
-    """The TMA prefill (config TMA=1; ops/attention/prefill_tma.py) in bf16 on real shapes: NaN in
-    every slot past a length (a partial tail tile must not read them), shared and shuffled pages;
-    against the fp32 reference and the gather kernel."""
-    _, seq, ql, page, hq, hk, d, win, cap, causal = case
-    pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)
-    q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
-    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, causal=causal, return_lse=True)
-    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
-    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
-    _close(out, ref)
-    _lse_ok(lse, ref_lse)
-    plain, _ = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
-    _close(out, plain.float(), what="TMA vs gather kernel")
-
-
 def test_mixed_step():
     seq, ql = [3000, 17, 1, 9000, 64], [512, 1, 1, 1, 64]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, poison=True, device=DEV)
@@ -157,7 +114,7 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("fixed,tma", [(False, 0), (True, 0), (False, 1)], ids=["auto-split", "fixed-split", "tma"])
+@pytest.mark.parametrize("fixed,tma", [(False, 0), (True, 0)], ids=["auto-split", "fixed-split"])
 def test_decode_cuda_graph_replan(fixed, tma):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
     is checked against the reference (split counts change with the lengths, on the device)."""

@@ -1,0 +1,62 @@
+"""The TMA attention kernels on the GPU (config TMA=1: ops/attention/decode_tma.py and
+prefill_tma.py), in their own file so that a kernel fault here cannot take the other attention GPU
+tests' process down with it. Helpers and cases from test_attention_gpu."""
+import pytest
+
+import test_attention_gpu as base
+from opmap.ops.attention import decode as D
+from opmap.ops.attention import prefill as P
+from opmap.ops.attention import reference as R
+from opmap.ops.attention.testing import make_paged, make_query
+
+from test_attention_gpu import BF, DECODE, DEV, _close, _lse_ok, _ref
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
+def test_decode_tma(case, block_n):
+    """The TMA decode (config TMA=1; ops/attention/decode_tma.py): a box per page (four per 64-key
+    tile at page 16) on every decode case; NaN in every unused slot."""
+    _, seq, page, hq, hk, d, win, cap, fp8 = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
+    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV, per_sm=4, max_splits=64)):
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
+                            config={"TMA": 1, "BLOCK_N": block_n}, **kw)
+        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
+        _close(out, ref, scale=2.0 if fp8 else 1.0)
+        _lse_ok(lse, ref_lse)
+
+
+TMA_PREFILL = [
+    # id, seq_lens, q_lens, page, heads, kv_heads, head_dim, window, soft_cap, causal
+    ("b5-gqa-page64-edges", [63, 64, 65, 4099, 4096], [63, 64, 1, 1000, 4096], 64, 32, 8, 128, None, None, True),
+    ("b2-mha-page128-chunk", [3000, 129], [700, 129], 128, 32, 32, 128, None, None, True),
+    ("b2-d64-page64-window-cap", [700, 300], [700, 100], 64, 8, 2, 64, 128, 50.0, True),
+    ("b3-noncausal-page64", [200, 65, 1], [200, 3, 1], 64, 16, 4, 128, None, None, False),
+]
+
+
+@pytest.mark.parametrize("case", TMA_PREFILL, ids=[c[0] for c in TMA_PREFILL])
+def test_prefill_tma(case):
+    """The TMA prefill (config TMA=1; ops/attention/prefill_tma.py) in bf16 on real shapes: NaN in
+    every slot past a length (a partial tail tile must not read them), shared and shuffled pages;
+    against the fp32 reference and the gather kernel."""
+    _, seq, ql, page, hq, hk, d, win, cap, causal = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)
+    q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
+    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, causal=causal, return_lse=True)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, ref)
+    _lse_ok(lse, ref_lse)
+    plain, _ = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, plain.float(), what="TMA vs gather kernel")
+
+
+def test_decode_tma_cuda_graph_replan():
+    """The TMA decode captured once and replayed after rewriting lengths, tables and queries."""
+    base.test_decode_cuda_graph_replan(False, 1)
