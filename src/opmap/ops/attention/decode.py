@@ -32,7 +32,7 @@ from .common import check_attention, kernel_config, prepare_scales, sm_count
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
-from .prefill import _pages, _tanh
+from .prefill import _kv_scales, _pages, _tanh
 
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
@@ -102,38 +102,17 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     key tile, the value dims) are >= 64 rows and so can run on wgmma from shared memory; with
     the query heads as M (16 rows) they are mma.sync with every tile passed through registers."""
     enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1).to(tl.int64)
-    sp = tl.program_id(2)
-    L = tl.load(sl_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(L - window, 0)
-    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
-    skip = sp >= tl.maximum(n, 1)
-    row = b  # query / output row; partials are indexed by the sequence b
-    if Q_FROM_CU:  # mixed batches: serve the sequences with exactly one query token, at row cu[b]
-        r0 = tl.load(cu_ptr + b)
-        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
-        row = r0.to(tl.int64)
+    skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
+        sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
     if skip:
         return
-    start0 = lo + sp * chunk
-    end = tl.minimum(start0 + chunk, L)
-    r = tl.arange(0, BLOCK_H)
-    head = kvh * GROUP + r
-    row_ok = r < GROUP
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
     if TRANS:
         q = tl.load(q_ptr + row * s_qb + head[None, :] * s_qh + d[:, None], mask=row_ok[None, :], other=0.0)
     else:
         q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
-    k_mul = 1.0
-    v_mul = 1.0
-    if FP8:
-        k_mul = tl.load(ks_ptr + kvh)
-        v_mul = tl.load(vs_ptr + kvh)
+    k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
     qk_scale = scale * k_mul * 1.4426950408889634
     if TRANS:
         acc = tl.zeros([DV, BLOCK_H], dtype=tl.float32)
@@ -184,6 +163,42 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
         o_off = head[:, None] * s_oh + dv[None, :]
         po_off = head[:, None] * s_poh + dv[None, :]
         o_ok = row_ok[:, None]
+    _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
+                 s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
+
+
+@triton.jit
+def _split_of(sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP: tl.constexpr,
+              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, Q_FROM_CU: tl.constexpr):
+    """What this program (sequence b, kv head kvh, split sp) does: (skip, b, kvh, sp, row, start0,
+    end, n, head, row_ok). The split covers keys [start0, end) of the n splits of the sequence's
+    plan; ``row`` is the query / output row (cu[b] in mixed batches, which serve only the sequences
+    with exactly one query token; partials are indexed by b); ``head`` the BLOCK_H query heads of
+    the tile, of which the first GROUP are real (``row_ok``)."""
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    sp = tl.program_id(2)
+    L = tl.load(sl_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
+    skip = sp >= tl.maximum(n, 1)
+    row = b
+    if Q_FROM_CU:
+        r0 = tl.load(cu_ptr + b)
+        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
+        row = r0.to(tl.int64)
+    start0 = lo + sp * chunk
+    r = tl.arange(0, BLOCK_H)
+    return skip, b, kvh, sp, row, start0, tl.minimum(start0 + chunk, L), n, kvh * GROUP + r, r < GROUP
+
+
+@triton.jit
+def _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
+                 s_pob, s_pos, s_plb, s_plh, GROUP: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """A split's normalised output and LSE (log2): into the output when the sequence has one split,
+    else into the partials that _combine_kernel merges."""
     if n <= 1:
         tl.store(o_ptr + row * s_ob + o_off, out.to(o_ptr.dtype.element_ty), mask=o_ok)
         if RETURN_LSE:

@@ -22,14 +22,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .decode import _plan
-from .merge import _softmax_step
-from .prefill import _tanh
 from ..pdl import enter
-
-MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
+from .decode import _split_of, _store_split
+from .merge import _softmax_step
+from .prefill import _kv_scales, _tanh
+from .tma import cache_problem, descriptors
 
 
 def sub_rows(page: int, block_n: int) -> int:
@@ -44,18 +42,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
         return f"page size {page} < 16 (a box's rows are the N side of a dot)"
     if block_n % sub_rows(page, block_n):
         return f"BLOCK_N {block_n} is not a multiple of the page size {page}"
-    for c in (k_cache, v_cache):
-        if c.stride(3) != 1 or any((st * c.element_size()) % 16 for st in c.stride()[:3]) or c.data_ptr() % 16:
-            return "TMA needs the cache's last dimension contiguous and 16-byte aligned rows"
-        if c.shape[3] > MAX_BOX or c.shape[3] * c.element_size() < 16:
-            return f"head_dim {c.shape[3]}: a TMA box row is 16 bytes to {MAX_BOX} elements"
-    return None
-
-
-def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, sub: int):
-    """[pages, page, kv_heads, D] descriptors whose box is one kv head's ``sub`` rows of one page."""
-    return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, sub, 1, c.shape[3]])
-                 for c in (k_cache, v_cache))
+    return cache_problem(k_cache, v_cache)
 
 
 @triton.jit
@@ -82,33 +69,12 @@ def _decode_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
                        HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
                        Q_FROM_CU: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    kvh = tl.program_id(1)
-    sp = tl.program_id(2)
-    L = tl.load(sl_ptr + b)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(L - window, 0)
-    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
-    skip = sp >= tl.maximum(n, 1)
-    row = b
-    if Q_FROM_CU:  # mixed batches: the sequences with exactly one query token, at row cu[b]
-        r0 = tl.load(cu_ptr + b)
-        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
-        row = r0.to(tl.int64)
+    skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
+        sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
     if skip:
         return
-    start0 = lo + sp * chunk
-    end = tl.minimum(start0 + chunk, L)
-    r = tl.arange(0, BLOCK_H)
-    head = kvh * GROUP + r
-    row_ok = r < GROUP
     q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
-    k_mul = 1.0
-    v_mul = 1.0
-    if FP8:
-        k_mul = tl.load(ks_ptr + kvh)
-        v_mul = tl.load(vs_ptr + kvh)
+    k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
     qk_scale = scale * k_mul * 1.4426950408889634
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -116,7 +82,7 @@ def _decode_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
     bt_row = bt_ptr + b * s_bt
     for start in range(start0 // SUB * SUB, end, BLOCK_N):
         for i in tl.static_range(BLOCK_N // SUB):
-            k, v, ok = _box(K_DESC, V_DESC, bt_row, start + i * SUB, start0, end, kvh, PAGE, SUB, D, DV)
+            k, v, ok = _box(K_DESC, V_DESC, bt_row, start + i * SUB, start0, end, kvh.to(tl.int32), PAGE, SUB, D, DV)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee" if IEEE else None)
             if HAS_CAP:
                 s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
@@ -128,16 +94,10 @@ def _decode_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
     # Every split holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
     inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    out = acc * inv[:, None]
     dv = tl.arange(0, DV)
-    if n <= 1:
-        tl.store(o_ptr + row * s_ob + head[:, None] * s_oh + dv[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        if RETURN_LSE:
-            tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + head, lse2 * 0.6931471805599453, mask=row_ok)
-    else:
-        tl.store(po_ptr + b * s_pob + sp * s_pos + head[:, None] * s_poh + dv[None, :], out, mask=row_ok[:, None])
-        tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
+    _store_split(acc * inv[:, None], lse2, n, row, b, sp, head, row_ok, head[:, None] * s_oh + dv[None, :],
+                 head[:, None] * s_poh + dv[None, :], row_ok[:, None], o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s_pob,
+                 s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
 
 
 def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, cfg, grid, *, scale, window,

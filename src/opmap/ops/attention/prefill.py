@@ -132,6 +132,17 @@ def _locate(cu_ptr, B, pid, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_scales(ks_ptr, vs_ptr, kvh, FP8: tl.constexpr):
+    """(k_mul, v_mul): an fp8 cache's per-kv-head scales, folded into the scores and the output."""
+    k_mul = 1.0
+    v_mul = 1.0
+    if FP8:
+        k_mul = tl.load(ks_ptr + kvh)
+        v_mul = tl.load(vs_ptr + kvh)
+    return k_mul, v_mul
+
+
+@triton.jit
 def _rows(L, q_len, local, kvh, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """(token, head, valid, position) of each of a program's rows: BLOCK_M // GROUP query tokens
     times the GROUP query heads of KV head ``kvh``, token-major."""
@@ -190,11 +201,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_pt
     dv = tl.arange(0, DV)
     t64 = (q0 + tok).to(tl.int64)
     q = tl.load(q_ptr + (t64 * s_qt + head * s_qh)[:, None] + d[None, :], mask=row_ok[:, None], other=0.0)
-    k_mul = 1.0
-    v_mul = 1.0
-    if FP8:
-        k_mul = tl.load(ks_ptr + kvh)
-        v_mul = tl.load(vs_ptr + kvh)
+    k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
     qk_scale = scale * k_mul * 1.4426950408889634
     sc = scale * k_mul
     kv_lo, full_end, kv_hi = _kv_range(L, q_len, local, window, BLOCK_Q, BLOCK_N, CAUSAL, HAS_WINDOW)

@@ -20,11 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .prefill import _allowed, _kv_range, _locate, _rows, _scaled, _update
-
-MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
+from .tma import cache_problem, descriptors
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> str | None:
@@ -34,18 +32,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     page = k_cache.shape[1]
     if page % block_n:
         return f"page size {page} is not a multiple of BLOCK_N {block_n}"
-    for c in (k_cache, v_cache):
-        if c.stride(3) != 1 or any((st * c.element_size()) % 16 for st in c.stride()[:3]) or c.data_ptr() % 16:
-            return "TMA needs the cache's last dimension contiguous and 16-byte aligned rows"
-        if c.shape[3] > MAX_BOX:
-            return f"head_dim {c.shape[3]} > {MAX_BOX}"
-    return None
-
-
-def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int):
-    """[pages, page, kv_heads, D] descriptors whose box is one kv head's BLOCK_N rows of one page."""
-    return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, block_n, 1, c.shape[3]])
-                 for c in (k_cache, v_cache))
+    return cache_problem(k_cache, v_cache)
 
 
 @triton.jit
