@@ -33,6 +33,8 @@ res=$out
 # compute-sanitizer children outlive an opmap check that `timeout` killed: on a machine kept warm
 # they ran on into the next call (sixth session: its bench figures were 4x slow, a racecheck timed out).
 pkill -f '[c]ompute-sanitizer' 2>/dev/null
+# A call stopped at its time limit still returns what was done: the archive is made on TERM too.
+[ "$part" != flashinfer ] && trap 'tar -C "$out" -czf "$res/all.tgz" . 2>/dev/null; exit 124' TERM
 case $part in
   final)
     # Every preset's sanitizer section (the check's other sections run each time), resuming from
@@ -153,12 +155,13 @@ case $part in
       > "$out/fi-env.log" 2>&1  # the modules need glibc >= 2.34
     # FlashInfer's check cases first, against the references: a peer's time is quoted only if its
     # output is right (the cases that need modules not built ahead fail fast, naming the module)
-    timeout 120 python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
+    # The timeouts add up to 560 s: a device call ends at 600 s, and the archive below is made last.
+    timeout 90 python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
       > "$out/check-flashinfer.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1
-    timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --out "$out/prefill" > "$out/prefill.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1 ;;
+    timeout 110 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1
+    timeout 130 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1
+    timeout 130 python3 -m opmap.cli bench --quick --op attention.prefill --out "$out/prefill" > "$out/prefill.log" 2>&1
+    timeout 100 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
