@@ -63,11 +63,13 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_tma_decode_builds_without_spilling():
     """The TMA decode (ops/attention/decode_tma.py) at d128, group 4, BLOCK_N 64, 3 stages: a box per
-    16-token page (four K and four V copies a tile) or one per 64-key tile of a 64-token page, no
-    stack, ~102-112 registers, ~21-39 KB of shared memory (each box single-buffered by Triton 3.6's
-    pipeliner), so four programs fit on an SM (the bench's [tma=1,per_sm=4] row)."""
+    16-token page (four K and four V copies a tile) or one per 64-key tile of a 64-token page; no
+    stack, at most 128 registers. The page ids come one tile ahead, so every box is double-buffered
+    (two 32 KB tiles of K and V, ~70 KB: three programs per SM, as the gather kernel); with the ids
+    loaded in the box's own iteration Triton 3.6 single-buffered them (38 KB)."""
     res = run(DECODE)
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 128, (name, r)
-        assert r["shared"] <= 56 * 1024, (name, r)
+        assert r["shared"] <= 75 * 1024, (name, r)
+    assert res["page16-fp80"]["shared"] >= 64 * 1024 and res["page64-fp80"]["shared"] >= 64 * 1024
     assert res["page16-fp80"]["tma"] >= 8 and res["page64-fp80"]["tma"] >= 2

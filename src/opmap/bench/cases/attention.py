@@ -211,12 +211,12 @@ def _decode_case(B, L, fp8, quick):
     # page instead of one per 16 bytes of every row; in the quick grid (one GPU run decides)
     provs.append(Provider("opmap-triton[tma=1]", _ours("decode", config={"TMA": 1})))
     if B == 1 and L >= 16384:
-        # its sm90 build takes 38 KB of shared memory and 102 registers: room for four programs
-        # per SM, so the auto plan at four (64 splits, 512 programs)
-        provs.append(Provider("opmap-triton[tma=1,per_sm=4]", _ours("decode", config={"TMA": 1}, per_sm=4)))
-        # Triton 3.6 single-buffers each box, so one tile is in flight ahead of the one in use:
-        # 128-key tiles (eight boxes a tile at page 16, 70 KB) put twice the bytes in flight
-        provs.append(Provider("opmap-triton[tma=1,bn=128]", _ours("decode", config={"TMA": 1, "BLOCK_N": 128})))
+        # its sm90 build takes 70 KB of shared memory (two tiles in flight) and 95 registers: three
+        # programs per SM, as the gather kernel; the auto plan at three (49 splits, 392 programs)
+        provs.append(Provider("opmap-triton[tma=1,per_sm=3]", _ours("decode", config={"TMA": 1}, per_sm=3)))
+        # 128-key tiles: eight boxes a tile at page 16, twice the bytes per tile (two stages)
+        provs.append(Provider("opmap-triton[tma=1,bn=128,s=2]",
+                              _ours("decode", config={"TMA": 1, "BLOCK_N": 128, "num_stages": 2})))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more

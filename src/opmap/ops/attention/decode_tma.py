@@ -46,14 +46,22 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 @triton.jit
-def _box(K_DESC, V_DESC, bt_row, s0, start0, end, kvh, PAGE: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
+def _box_pages(bt_row, start, end, PAGE: tl.constexpr, SUB: tl.constexpr, NSUB: tl.constexpr):
+    """The page ids of the NSUB boxes of the tile at ``start`` (each box's page is that of its last
+    row, the box clamped to ``end``: see _box). Loaded one tile ahead and carried, so that no TMA
+    copy's coordinate comes from a load in its own iteration (as the gather kernel's PREFETCH)."""
+    s0 = start + tl.arange(0, NSUB) * SUB
+    pidx = (tl.minimum(s0 + SUB, end) - 1) // PAGE
+    return tl.load(bt_row + pidx, mask=start < end, other=0)
+
+
+@triton.jit
+def _box(K_DESC, V_DESC, page, s0, start0, end, kvh, PAGE: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr,
          DV: tl.constexpr):
-    """The box of SUB keys at ``s0`` (a multiple of SUB): (k, v, valid rows), read ending at
-    ``end`` where it would pass it (see the module docstring)."""
+    """The box of SUB keys at ``s0`` (a multiple of SUB) in page ``page`` (_box_pages): (k, v, valid
+    rows), read ending at ``end`` where it would pass it (see the module docstring)."""
     e = tl.minimum(s0 + SUB, end)
-    pidx = (e - 1) // PAGE
-    r0 = e - SUB - pidx * PAGE  # < 0 only for a partial box: those rows read as zeros, masked
-    page = tl.load(bt_row + pidx)
+    r0 = e - SUB - (e - 1) // PAGE * PAGE  # < 0 only for a partial box: those rows read as zeros, masked
     k = K_DESC.load([page, r0, kvh, 0]).reshape(SUB, D)
     v = V_DESC.load([page, r0, kvh, 0]).reshape(SUB, DV)
     j = e - SUB + tl.arange(0, SUB)
@@ -80,9 +88,15 @@ def _decode_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite: an all-masked box adds nothing
     bt_row = bt_ptr + b * s_bt
-    for start in range(start0 // SUB * SUB, end, BLOCK_N):
-        for i in tl.static_range(BLOCK_N // SUB):
-            k, v, ok = _box(K_DESC, V_DESC, bt_row, start + i * SUB, start0, end, kvh.to(tl.int32), PAGE, SUB, D, DV)
+    NSUB: tl.constexpr = BLOCK_N // SUB
+    first = start0 // SUB * SUB
+    pg_next = _box_pages(bt_row, first, end, PAGE, SUB, NSUB)
+    for start in range(first, end, BLOCK_N):
+        pg = pg_next
+        pg_next = _box_pages(bt_row, start + BLOCK_N, end, PAGE, SUB, NSUB)
+        for i in tl.static_range(NSUB):
+            page = tl.sum(tl.where(tl.arange(0, NSUB) == i, pg, 0), 0)
+            k, v, ok = _box(K_DESC, V_DESC, page, start + i * SUB, start0, end, kvh.to(tl.int32), PAGE, SUB, D, DV)
             s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee" if IEEE else None)
             if HAS_CAP:
                 s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
