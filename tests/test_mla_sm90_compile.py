@@ -1,5 +1,5 @@
 """The MLA decode's TMA kernel (ops/mla/decode_tma.py) compiles for sm90 on this CPU-only machine
-at the configs the bench times, (BLOCK_H 16, BLOCK_N 64, 4 warps, 2 stages) with keys as rows (one loop: 198 registers) and
+at the configs the bench times, (BLOCK_H 16, BLOCK_N 64, 4 warps, 2 stages) with keys as rows (one loop: 199 registers) and
 (64, 32, 8, 2) with heads as rows: its latent tiles come by TMA (cp.async.bulk.tensor), its dots
 run on wgmma; the 16-head build fits the registers with no stack, the 64-head one spills 40 bytes. The pointer kernel at 16 heads has 255 registers and a stack frame (docs/mla.md).
 Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""

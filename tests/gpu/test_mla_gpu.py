@@ -237,9 +237,11 @@ def test_split_merge_against_reference(H, lens):
 @pytest.mark.parametrize("H,cfg", [(16, (16, 32, 4, 2, "tma")), (128, (16, 32, 4, 2, "tma")),
                                    (16, (16, 64, 4, 2, "tma")), (128, (16, 64, 4, 2, "tma")),
                                    (128, (64, 32, 8, 2, "tma")), (16, (64, 32, 8, 2, "tma")),
-                                   (16, (16, 64, 8, 2, "tma"))],
+                                   (16, (16, 64, 8, 2, "tma")), (16, (16, 32, 4, 3, "tma")), (16, (16, 32, 4, 4, "tma")),
+                                   (128, (64, 32, 8, 3, "tma"))],
                          ids=["h16-keys-rows-bn32", "h128-keys-rows-bn32", "h16-keys-rows-bn64",
-                              "h128-keys-rows-bn64", "h128-heads-rows", "h16-heads-rows", "h16-keys-rows-bn64-w8"])
+                              "h128-keys-rows-bn64", "h128-heads-rows", "h16-heads-rows", "h16-keys-rows-bn64-w8",
+                              "h16-keys-rows-bn32-s3", "h16-keys-rows-bn32-s4", "h128-heads-rows-s3"])
 def test_tma_decode_bf16(H, cfg):
     """The TMA kernel at real shapes, in both dot layouts: lengths around the 64-token tiles and
     pages, a 32k context, an empty sequence; NaN in every row past a length (the tail tile must not

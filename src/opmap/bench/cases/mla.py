@@ -150,10 +150,19 @@ def _decode_case(B, H, ctx, fp8, quick):
                                   _ours("mla_decode", (16, 32, 4, 2, "tma"), per_sm=2)))
             # 64-token tiles with two warpgroups (sm90 build: warpsPerCTA [8, 1], so they split the
             # 512 latent rows of the value dots; 139 registers instead of 198, no stack). At one
-            # program per SM a tile takes ~3 us (107 us for 32 tiles), longer than its 72 KB take
-            # to arrive at the SM's share of the bandwidth (~2 us): the dots, not the loads, set
-            # the pace, and two warpgroups issue them side by side.
+            # program per SM a tile takes ~3 us (107 us for 32 tiles): its load and its dots one
+            # after the other (below); two warpgroups shorten the dots.
             provs.append(Provider("opmap-triton[bh=16,bn=64,w=8,s=2,tma]", _ours("mla_decode", (16, 64, 8, 2, "tma"))))
+            # Two stages (all that 72 KB tiles allow) let Triton 3.6's pipeliner issue a tile's copies
+            # only at the end of the iteration before, so none overlaps a dot (sm90 TTGIR; docs/mla.md).
+            # 32-token tiles at three and four stages put one and two tiles in flight during the
+            # dots: 93 KB (two programs per SM) and 130 KB (one).
+            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=3,tma,per_sm=2]",
+                                  _ours("mla_decode", (16, 32, 4, 3, "tma"), per_sm=2)))
+            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=4,tma]", _ours("mla_decode", (16, 32, 4, 4, "tma"))))
+        else:
+            # the default from 64 heads at three stages (184 KB): a tile in flight during the dots
+            provs.append(Provider("opmap-triton[bh=64,bn=32,w=8,s=3,tma]", _ours("mla_decode", (64, 32, 8, 3, "tma"))))
         # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default
         # from 64 heads): at 16 heads three quarters of its rows are padding (FlashMLA pads the
         # same way), and the wgmma dots still leave it memory-bound there.

@@ -61,7 +61,16 @@ def descriptors(cache: torch.Tensor, R: int, Dr: int, block_n: int, block_rh: in
 
 
 @triton.jit
-def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
+def _page_id(TABLES, b, s_tb, n0, MAXP, PAGE: tl.constexpr):
+    """The block-table entry of the tile at n0 (the table's last column past its width: _step
+    checks the id). The loops load it one tile ahead and carry it: with the load in the tile's own
+    iteration, the sm90 build issued it, waited for it, and only then the tile's TMA copies, at the
+    end of the iteration before, so no copy overlapped a tile's dots (16 heads: ~3 us a tile)."""
+    return tl.load(TABLES + b * s_tb + tl.minimum(n0 // PAGE, MAXP - 1))
+
+
+@triton.jit
+def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
           BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr):
     """The key tile at n0 (inside one page) through TMA, folded into the online softmax.
@@ -87,9 +96,8 @@ def _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp, 
     step's own tiles (216 KB), so the step's tiles reuse the loop's buffers; one loop has one set
     of buffers and nothing to reuse. TAIL 0: a whole tile."""
     pidx = n0 // PAGE
-    page = tl.load(TABLES + b * s_tb + tl.minimum(pidx, MAXP - 1))
-    ok = (pidx < MAXP) & (page >= 0) & (page < NPAGES)
-    page = tl.where(ok, page, NPAGES)  # a bad page id reads past the descriptor's pages: zeros, masked below
+    ok = (pidx < MAXP) & (raw >= 0) & (raw < NPAGES)
+    page = tl.where(ok, raw, NPAGES)  # a bad page id reads past the descriptor's pages: zeros, masked below
     if TAIL == 2:  # any tile of the one loop: from n0 when whole, else ending at end
         r0 = tl.minimum(n0 % PAGE, end - BLOCK_N - pidx * PAGE)
     elif TAIL == 1:
@@ -172,23 +180,28 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    raw_next = _page_id(TABLES, b, s_tb, start, MAXP, PAGE)
     if KEYS_ROWS:
         # One loop, the partial last tile in it (read ending at the length): no second set of
         # tiles after the loop (see _step's TAIL)
         for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp,
+            raw = raw_next
+            raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
+            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp,
                                          qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
                                          KEYS_ROWS, 2)
     else:
         full_end = start + (end - start) // BLOCK_N * BLOCK_N
         for n0 in range(start, full_end, BLOCK_N):
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, n0, end, MAXP, NPAGES, q0, q1, qp,
+            raw = raw_next
+            raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
+            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp,
                                          qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
                                          KEYS_ROWS, 0)
         if full_end < end:  # the split's partial last tile
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, TABLES, b, s_tb, full_end, end, MAXP, NPAGES, q0, q1, qp,
-                                         qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
-                                         KEYS_ROWS, 1)
+            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, _page_id(TABLES, b, s_tb, full_end, MAXP, PAGE), full_end,
+                                         end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH,
+                                         R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
