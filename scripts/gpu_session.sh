@@ -139,7 +139,7 @@ case $part in
     # After the ninth session: the GPU tests of what changed on the CPU (the TMA decode and
     # prefill, in their own file and process; the prefill refactor; the sampler's chunk passes loading ahead; the engine's 64-token MLA pages;
     # the MLA 16-head TMA default), in two lanes beside the sanitizer re-run of the families whose
-    # sources changed (attention and sampling: qwen3's run
+    # sources changed (attention, sampling and mla: qwen3's run
     # does its cases, llama3's reuses them; so no SAN_PARALLEL). Their timings
     # (the page-64 prefill rows, the MLA per_sm=3 row) are in fi-bench's quick grids.
     FINAL_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py" \
