@@ -36,13 +36,21 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
 
 
 @triton.jit
-def _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, bt_row, start, hi, qpos, kvh, qk_scale, scale, soft_cap, window,
+def _page_of(bt_row, start, last_page, PAGE: tl.constexpr):
+    """The page id of the tile at ``start`` (clamped to the sequence's last page: the loops load it
+    one tile ahead and carry it, so that no TMA copy's coordinate comes from a load in its own
+    iteration; with it there, Triton 3.6 issued each tile's copies one iteration ahead, with it
+    carried two, as in the decode: docs/attention.md)."""
+    return tl.load(bt_row + tl.minimum(start // PAGE, last_page))
+
+
+@triton.jit
+def _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, page, start, hi, qpos, kvh, qk_scale, scale, soft_cap, window,
               D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_CAP: tl.constexpr, MASK: tl.constexpr):
-    """The key tile at ``start`` (a multiple of BLOCK_N, so inside one page). MASK: a tile of the
-    masked tail, read ending at ``hi`` when it is partial (see the module docstring)."""
+    """The key tile at ``start`` (a multiple of BLOCK_N, so inside one page ``page``). MASK: a tile of
+    the masked tail, read ending at ``hi`` when it is partial (see the module docstring)."""
     pidx = start // PAGE
-    page = tl.load(bt_row + pidx)
     r0 = start % PAGE
     if MASK:
         r0 = tl.minimum(r0, hi - BLOCK_N - pidx * PAGE)  # may be negative: those rows read as zeros
@@ -78,11 +86,17 @@ def _prefill_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, b
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    last_page = tl.maximum(kv_hi - 1, 0) // PAGE
+    pg_next = _page_of(bt_row, kv_lo, last_page, PAGE)
     for start in range(kv_lo, full_end, BLOCK_N):
-        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, bt_row, start, kv_hi, qpos, kvh, qk_scale,
+        pg = pg_next
+        pg_next = _page_of(bt_row, start + BLOCK_N, last_page, PAGE)
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, pg, start, kv_hi, qpos, kvh, qk_scale,
                                   scale, soft_cap, window, D, DV, PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, False)
     for start in range(full_end, kv_hi, BLOCK_N):
-        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, bt_row, start, kv_hi, qpos, kvh, qk_scale,
+        pg = pg_next
+        pg_next = _page_of(bt_row, start + BLOCK_N, last_page, PAGE)
+        acc, l_i, m_i = _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, pg, start, kv_hi, qpos, kvh, qk_scale,
                                   scale, soft_cap, window, D, DV, PAGE, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CAP, True)
     inv = tl.where(l_i > 0, 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)
     tl.store(o_ptr + (t64 * s_ot + head * s_oh)[:, None] + tl.arange(0, DV)[None, :],
