@@ -77,3 +77,14 @@ def test_tma_decode_refuses_what_it_cannot_read():
                    config={"TMA": 1, "BLOCK_N": 32})
     ref = _ref(R.decode, q, p64, p64.seq_lens, p64.block_tables, scale=0.125)
     _check(out, torch.zeros(2, 8), ref, torch.zeros(2, 8), F16, False)
+
+
+def test_stages_fit_shared_memory():
+    """A TMA config whose buffers would not fit (d256 at 128-key tiles: 272 KB at 3 stages on sm90)
+    runs at fewer stages instead of failing at launch; the default tiles keep theirs."""
+    from opmap.ops.attention.tma import SMEM_BUDGET, fit_stages
+
+    assert fit_stages(3, 128 * 512 * 2, 16 * 256 * 2, 1) == 2  # decode d256, BLOCK_N 128
+    assert fit_stages(3, 64 * 256 * 2, 16 * 128 * 2, 1) == 3  # decode d128, the default tile
+    assert fit_stages(3, 64 * 256 * 2, 128 * 128 * 2, 0) == 3  # prefill d128, the default tile
+    assert fit_stages(3, 2 * SMEM_BUDGET, 0, 0) == 1  # never below one stage

@@ -27,7 +27,7 @@ from ..pdl import enter
 from .decode import _split_of, _store_split
 from .merge import _softmax_step
 from .prefill import _kv_scales, _tanh
-from .tma import cache_problem, descriptors
+from .tma import cache_problem, descriptors, fit_stages
 
 
 def sub_rows(page: int, block_n: int) -> int:
@@ -121,6 +121,9 @@ def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, 
     hk, page, dv = k_cache.shape[2], k_cache.shape[1], v_cache.shape[3]
     sub = sub_rows(page, cfg["BLOCK_N"])
     kd, vd = descriptors(k_cache, v_cache, sub)
+    # d256 at 128-key tiles would take 272 KB at 3 stages: fewer stages instead of a launch failure
+    stages = fit_stages(cfg["num_stages"], cfg["BLOCK_N"] * (d + dv) * k_cache.element_size(),
+                        cfg["BLOCK_H"] * d * q.element_size(), 1)
     _decode_tma_kernel[grid](
         q, kd, vd, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
         float(scale), float(soft_cap or 1.0), int(window or 0), fixed, splits, min_chunk,
@@ -129,4 +132,4 @@ def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, 
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], SUB=sub,
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=q_from_cu,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kw)
+        num_warps=cfg["num_warps"], num_stages=stages, **pdl_kw)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .prefill import _allowed, _kv_range, _locate, _rows, _scaled, _update
-from .tma import cache_problem, descriptors
+from .tma import cache_problem, descriptors, fit_stages
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> str | None:
@@ -114,10 +114,12 @@ def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, 
     group = hq // hk
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kd, vd = descriptors(k_cache, v_cache, bn)
+    stages = fit_stages(cfg["num_stages"], bn * (d + v_cache.shape[3]) * k_cache.element_size(),
+                        bm * d * q.element_size(), 0)
     _prefill_tma_kernel[(T // (bm // group) + B, hk)](
         q, kd, vd, out, lse, cu_seqlens_q, seq_lens, block_tables,
         float(scale), float(soft_cap or 1.0), int(window or 0), B,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, D=d, DV=v_cache.shape[3], PAGE=page, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=stages)
