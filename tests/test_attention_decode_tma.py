@@ -88,3 +88,25 @@ def test_stages_fit_shared_memory():
     assert fit_stages(3, 64 * 256 * 2, 16 * 128 * 2, 1) == 3  # decode d128, the default tile
     assert fit_stages(3, 64 * 256 * 2, 128 * 128 * 2, 0) == 3  # prefill d128, the default tile
     assert fit_stages(3, 2 * SMEM_BUDGET, 0, 0) == 1  # never below one stage
+
+
+@pytest.mark.parametrize("split_tokens,window", [(40, None), (48, 100), (16, None)])
+def test_tma_decode_fixed_splits_off_the_box_grid(split_tokens, window):
+    """Fixed splits whose edges fall inside a box (40 keys) and windows that start anywhere: the
+    boxes stay on the 16-row grid, the rows outside [start0, end) masked; batch invariant."""
+    seq = [600, 17, 0, 64, 129, 48, 1]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True, poison=True)
+    q, _ = make_query([1] * len(seq), 8, 64, dtype=F16)
+    ws = D.make_workspace(len(seq), 8, 64, device="cpu", split_tokens=split_tokens,
+                          max_seq_len=pc.block_tables.shape[1] * 16)
+    kw = dict(scale=0.125, window=window, return_lse=True)
+    out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
+                        config={"TMA": 1, "BLOCK_N": 64}, **kw)
+    ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
+    _check(out, lse, ref, ref_lse, F16, False)
+    sub = [3, 0, 4]
+    ws2 = D.make_workspace(len(sub), 8, 64, device="cpu", split_tokens=split_tokens,
+                           max_seq_len=pc.block_tables.shape[1] * 16)
+    part = D.decode(q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], workspace=ws2,
+                    config={"TMA": 1, "BLOCK_N": 64}, **kw)
+    assert torch.equal(part[0], out[sub]) and torch.equal(part[1], lse[sub])
