@@ -180,28 +180,20 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    # Keys as rows: one loop, the partial last tile in it (read ending at the length; _step's TAIL
+    # 2), no second set of tiles after the loop. Heads as rows: the whole tiles, then the partial one.
+    loop_end = end
+    if not KEYS_ROWS:
+        loop_end = start + (end - start) // BLOCK_N * BLOCK_N
     raw_next = _page_id(TABLES, b, s_tb, start, MAXP, PAGE)
-    if KEYS_ROWS:
-        # One loop, the partial last tile in it (read ending at the length): no second set of
-        # tiles after the loop (see _step's TAIL)
-        for n0 in range(start, end, BLOCK_N):
-            raw = raw_next
-            raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp,
-                                         qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
-                                         KEYS_ROWS, 2)
-    else:
-        full_end = start + (end - start) // BLOCK_N * BLOCK_N
-        for n0 in range(start, full_end, BLOCK_N):
-            raw = raw_next
-            raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp,
-                                         qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE,
-                                         KEYS_ROWS, 0)
-        if full_end < end:  # the split's partial last tile
-            m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, _page_id(TABLES, b, s_tb, full_end, MAXP, PAGE), full_end,
-                                         end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1, BLOCK_RH,
-                                         R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1)
+    for n0 in range(start, loop_end, BLOCK_N):
+        raw = raw_next
+        raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i,
+                                     acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 2 * KEYS_ROWS)
+    if loop_end < end:  # heads as rows: the split's partial last tile, whose page id raw_next holds
+        m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw_next, loop_end, end, MAXP, NPAGES, q0, q1, qp, qk_scale,
+                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
