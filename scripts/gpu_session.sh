@@ -12,12 +12,10 @@
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
-#   scripts/gpu_session.sh mla-tma OUTDIR      # MLA TMA keys-as-rows probe, MLA GPU tests, MLA quick grid;
-#                                              # then `final` for SAN_TIMEOUT s (SAN_TIMEOUT=300: one call)
 #   scripts/gpu_session.sh verify9 OUTDIR      # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify9|mla-tma|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify9|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -123,18 +121,6 @@ case $part in
       OPMAP_GEMM_SPLIT_BELOW=$v timeout 60 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \
         --out "$out/e2e-b32-split-below-$v" > "$out/e2e-b32-split-below-$v.log" 2>&1
     done ;;
-  mla-tma)
-    # Ninth session's first call. The keys-as-rows TMA kernel with 64-token tiles gave garbage on
-    # the H200 at a split's partial last tile (eighth session); rebuilt as one loop since. Its
-    # probe, the MLA GPU tests and the MLA quick grid run it (OPMAP_MLA_TMA_UNVERIFIED=1 on those
-    # commands only: an OPMAP_* setting changes the sanitizer fingerprints). Then `final` for
-    # SAN_TIMEOUT s: qwen3's last case, deepseek's MLA cases, llama3's own.
-    timeout 90 python3 scripts/probes/mla_tma_keys_rows.py > "$out/probe-mla-tma-keys-rows.log" 2>&1
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py \
-      > "$out/tests-mla.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
-      > "$out/mla.log" 2>&1
-    [ "${SAN_TIMEOUT:-0}" -gt 60 ] && "$self" final "$out/final-part" > "$out/final-part.log" 2>&1 ;;
   verify9)
     # After the ninth session: the GPU tests of what changed on the CPU (the TMA decode and
     # prefill, in their own file and process; the prefill refactor; the sampler's chunk passes loading ahead; the engine's 64-token MLA pages;
