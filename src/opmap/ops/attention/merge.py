@@ -18,14 +18,19 @@ from . import validate as V
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, AX: tl.constexpr):
+def _softmax_step(s, m_i, l_i, AX: tl.constexpr, SAFE: tl.constexpr = False):
     """One key tile of the online softmax (exp2 domain): the scores ``s`` hold the keys along axis
     ``AX`` (1: rows are query heads; 0: rows are keys, the transposed dots). Returns the new running
     max, the factor that rescales the old accumulator and sum, the tile's weights and the new sum.
-    The caller scales its accumulator by ``alpha`` (expanded along AX) and adds p times V."""
+    The caller scales its accumulator by ``alpha`` (expanded along AX) and adds p times V.
+    SAFE: a row whose max is still -inf (every key so far masked, the prefill's rows) gets weights
+    and factors of 0 instead of NaN."""
     m_new = tl.maximum(m_i, tl.max(s, AX))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - tl.expand_dims(m_new, AX))
+    m_ref = m_new
+    if SAFE:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - tl.expand_dims(m_ref, AX))
     return m_new, alpha, p, l_i * alpha + tl.sum(p, AX)
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ...contract import expect
 from .common import check_attention, kernel_config, prepare_scales
+from .merge import _softmax_step
 
 
 @triton.jit
@@ -81,15 +82,8 @@ def _allowed(mj, j, qpos, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
 @triton.jit
 def _update(acc, l_i, m_i, s, v, IEEE: tl.constexpr):
     """The online softmax step of one tile of scores (exp2 domain) and its values."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, 1, True)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     return acc, l_i, m_new
 
 
