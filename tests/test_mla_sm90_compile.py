@@ -1,7 +1,9 @@
 """The MLA decode's TMA kernel (ops/mla/decode_tma.py) compiles for sm90 on this CPU-only machine
-at the configs the bench times, (BLOCK_H 16, BLOCK_N 64, 4 warps, 2 stages) with keys as rows (one loop: 199 registers) and
-(64, 32, 8, 2) with heads as rows: its latent tiles come by TMA (cp.async.bulk.tensor), its dots
-run on wgmma; the 16-head build fits the registers with no stack, the 64-head one spills 40 bytes. The pointer kernel at 16 heads has 255 registers and a stack frame (docs/mla.md).
+at its two defaults, (BLOCK_H 16, BLOCK_N 32, 4 warps, 3 stages) with keys as rows (one loop: 199
+registers, 93 KB of shared memory, so two programs share an SM as decode._per_sm plans) and
+(64, 32, 8, 3) with heads as rows: the latent tiles come by TMA (cp.async.bulk.tensor); the value
+dots run on wgmma (at 16 heads the 32-row score dots run on mma.sync), the 64-head build's score
+dots too; the 16-head build fits the registers with no stack, the 64-head one spills 40 bytes. The pointer kernel at 16 heads has 255 registers and a stack frame (docs/mla.md).
 Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @triton.jit here."""
 from sm90_compile import needs_ptxas, run
 
@@ -15,7 +17,7 @@ for x in ["s_qnb", "s_qnh", "s_qpb", "s_qph", "s_tb", "s_ob", "s_oh", "s_pob", "
     sig[x] = "i32"
 res = {}
 # (BLOCK_H, BLOCK_N, warps, stages): 16 heads with keys as rows; 64 heads with heads as rows
-for bh, bn, w, st in [(16, 64, 4, 2), (64, 32, 8, 2)]:
+for bh, bn, w, st in [(16, 32, 4, 3), (64, 32, 8, 3)]:
     ce = dict(BLOCK_H=bh, BLOCK_RH=256, R_CHUNKS=2, BLOCK_DR=64, BLOCK_N=bn, NUM_SPLITS=4, PAGE=64, KEYS_ROWS=bh < 64)
     s = dict(sig, KV_DESC=f"tensordesc<bf16[1,{bn},256]>", PE_DESC=f"tensordesc<bf16[1,{bn},64]>")
     for x in ce:
@@ -32,6 +34,8 @@ def test_tma_kernel_builds_on_wgmma_without_spilling():
     assert res["bh16"]["stack"] == 0 and res["bh16"]["local"] == 0, res["bh16"]
     # 64 heads: 128 accumulator registers a thread at 8 warps, q in registers; a 40-byte stack
     assert res["bh64"]["stack"] <= 64 and res["bh64"]["local"] == 0, res["bh64"]
+    assert res["bh16"]["wgmma"] >= 2 and res["bh64"]["wgmma"] >= 5, res  # 2 value dots (+ 3 score dots)
+    assert 2 * res["bh16"]["shared"] <= 227 * 1024, res["bh16"]  # two programs per SM
     for name, r in res.items():
-        assert r["wgmma"] >= 5 and r["tma"] >= 3, (name, r)  # 3 score dots, 2 value dots; 3 boxes a tile
+        assert r["tma"] >= 3, (name, r)  # 3 boxes a tile
         assert r["shared"] <= 227 * 1024, (name, r)

@@ -245,11 +245,15 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     # 128 heads: the TMA kernel with 64 heads as rows at every batch; the pointer kernel (fp8,
     # sparse) keeps its own choice
-    assert D._config(128, 512, 64) == D._config(128, 512, 1) == D._config(128, 512) == (64, 32, 8, 2, "tma")
+    assert D._config(128, 512, 64) == D._config(128, 512, 1) == D._config(128, 512) == (64, 32, 8, 3, "tma")
+    assert D._per_sm(D._config(128, 512)) == 1
     assert D._pointer_config(128, 512, 64) == (64, 32, 8, 1)
     assert D._pointer_config(128, 512, 16) == D._pointer_config(128, 512) == (16, 32, 4, 2)
-    # below 64 heads: keys as rows, 64-token tiles (H200 16 heads: 107 vs 128 us at B=64/4096)
-    assert D._config(16, 512, 128) == D._config(16, 512, 1) == (16, 64, 4, 2, "tma")
+    # below 64 heads: keys as rows, 32-token tiles at three stages, two programs per SM (H200 16
+    # heads: 94 us at B=64/4096; 105 with 64-token tiles, one per SM; 128 for the pointer kernel)
+    assert D._config(16, 512, 128) == D._config(16, 512, 1) == (16, 32, 4, 3, "tma")
+    assert D._per_sm(D._config(16, 512)) == 2 and D._per_sm((16, 32, 4, 4, "tma")) == 1
+    assert D._per_sm((16, 32, 4, 2, "tma")) == 2 and D._per_sm((16, 64, 4, 2, "tma")) == 1
     assert D._pointer_config(16, 512, 128) == (16, 32, 4, 2)
     assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2

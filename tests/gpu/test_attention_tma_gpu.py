@@ -57,6 +57,26 @@ def test_prefill_tma(case):
     _close(out, plain.float(), what="TMA vs gather kernel")
 
 
+@pytest.mark.parametrize("page,fp8,tma", [(64, False, True), (128, False, True), (16, False, False),
+                                          (64, True, False)])
+def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):
+    """The default prefill runs the TMA kernel on pages holding whole 64-key tiles in bf16, the
+    gather kernel on page 16 and on fp8 caches; right either way."""
+    from opmap.ops.attention import prefill_tma
+
+    calls = []
+    real = prefill_tma.launch
+    monkeypatch.setattr(prefill_tma, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    pc = make_paged([700, 65], 8, 128, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, cu = make_query([700, 65], 32, 128, dtype=BF, device=DEV)
+    kw = dict(scale=128 ** -0.5, causal=True, return_lse=True, **pc.kw)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
+    assert bool(calls) == tma
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, ref, scale=2.0 if fp8 else 1.0)
+    _lse_ok(lse, ref_lse)
+
+
 def test_decode_tma_cuda_graph_replan():
     """The TMA decode captured once and replayed after rewriting lengths, tables and queries."""
     base.test_decode_cuda_graph_replan(False, 1)

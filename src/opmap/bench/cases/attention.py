@@ -208,15 +208,10 @@ def _decode_case(B, L, fp8, quick):
         # (two programs per SM instead of three). In the quick grid: one GPU run decides.
         provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
     # K/V rows through TMA, a box per 16-token page (ops/attention/decode_tma.py): one copy per
-    # page instead of one per 16 bytes of every row; in the quick grid (one GPU run decides)
+    # page instead of one per 16 bytes of every row. Lost on the H200 (tenth session): B=1 / 32k
+    # 63.2 us against the gather kernel's 52.2 (60.4 at three programs per SM, 65.7 with 128-key
+    # tiles; those two rows dropped since), B=64 / 4096 467.3 against 254.2.
     provs.append(Provider("opmap-triton[tma=1]", _ours("decode", config={"TMA": 1})))
-    if B == 1 and L >= 16384:
-        # its sm90 build takes 70 KB of shared memory (two tiles in flight) and 95 registers: three
-        # programs per SM, as the gather kernel; the auto plan at three (49 splits, 392 programs)
-        provs.append(Provider("opmap-triton[tma=1,per_sm=3]", _ours("decode", config={"TMA": 1}, per_sm=3)))
-        # 128-key tiles: eight boxes a tile at page 16, twice the bytes per tile (two stages)
-        provs.append(Provider("opmap-triton[tma=1,bn=128,s=2]",
-                              _ours("decode", config={"TMA": 1, "BLOCK_N": 128, "num_stages": 2})))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more
@@ -246,8 +241,9 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE):
     if not quick:
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("prefill", config=c)) for c in VARIANTS["prefill"]]
     if page % 64 == 0:
-        # K/V tiles through TMA (ops/attention/prefill_tma.py): pages holding whole 64-key tiles
-        provs.append(Provider("opmap-triton[tma=1]", _ours("prefill", config=dict(TMA=1))))
+        # The default reads these pages through TMA (ops/attention/prefill_tma.py, pages holding
+        # whole 64-key tiles); the gather kernel beside it
+        provs.append(Provider("opmap-triton[tma=0]", _ours("prefill", config=dict(TMA=0))))
     provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
     if hk != HQ:
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA

@@ -136,38 +136,19 @@ def _decode_case(B, H, ctx, fp8, quick):
             provs.append(Provider("opmap-triton[splits=256,min=128]",
                                   _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
-        # TMA loads, keys as the rows of transposed dots (wgmma from shared memory), one program
-        # per SM (ops/mla/decode_tma.py). 64-token tiles are the default below 64 heads since the
-        # ninth session (one loop with the partial tile inside; 107 us at B=64/4096 on the H200).
+        # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
+        # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads
+        # in the ninth session: 107 us at B=64/4096 on the H200).
         provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
         provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
-        if H < 64:
-            # 32-token tiles: two 28 KB stages and 199 registers (sm90 build), so two programs fit
-            # on an SM by registers, but the split plan counts one TMA program per SM (128 programs
-            # at B=64: 158.9 us against the 64-token tiles' 107.0, ninth session). Two per SM here.
-            # Their score dots have 32 rows, so they run on mma.sync, not wgmma.
-            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma,per_sm=2]",
-                                  _ours("mla_decode", (16, 32, 4, 2, "tma"), per_sm=2)))
-            # 64-token tiles with two warpgroups (sm90 build: warpsPerCTA [8, 1], so they split the
-            # 512 latent rows of the value dots; 139 registers instead of 198, no stack). At one
-            # program per SM a tile takes ~3 us (107 us for 32 tiles): its load and its dots one
-            # after the other (below); two warpgroups shorten the dots.
-            provs.append(Provider("opmap-triton[bh=16,bn=64,w=8,s=2,tma]", _ours("mla_decode", (16, 64, 8, 2, "tma"))))
-            # Two stages (all that 72 KB tiles allow) let Triton 3.6's pipeliner issue a tile's copies
-            # only at the end of the iteration before, so none overlaps a dot (sm90 TTGIR; docs/mla.md).
-            # 32-token tiles at three and four stages put one and two tiles in flight during the
-            # dots: 93 KB (two programs per SM) and 130 KB (one).
-            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=3,tma,per_sm=2]",
-                                  _ours("mla_decode", (16, 32, 4, 3, "tma"), per_sm=2)))
-            provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=4,tma]", _ours("mla_decode", (16, 32, 4, 4, "tma"))))
-        else:
-            # the default from 64 heads at three stages (184 KB): a tile in flight during the dots
-            provs.append(Provider("opmap-triton[bh=64,bn=32,w=8,s=3,tma]", _ours("mla_decode", (64, 32, 8, 3, "tma"))))
-        # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups; the default
-        # from 64 heads): at 16 heads three quarters of its rows are padding (FlashMLA pads the
-        # same way), and the wgmma dots still leave it memory-bound there.
-        if H < 64:
-            provs.append(Provider("opmap-triton[bh=64,bn=32,w=8,s=2,tma]", _ours("mla_decode", (64, 32, 8, 2, "tma"))))
+        # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups), at two stages:
+        # the default from 64 heads until the tenth session (three since: 321.0 against 394.5 us at
+        # B=64/4096). At 16 heads three quarters of its rows are padding (FlashMLA pads the same
+        # way). The default below 64 heads since the tenth session is 32-token tiles at three
+        # stages, two programs per SM (decode._per_sm): 94.2 us at B=64/4096 against 105.3 for the
+        # 64-token tiles above. Dropped after that run: 64-token tiles on two warpgroups (139.6 us)
+        # and 32-token tiles at four stages, one per SM (110.5 us).
+        provs.append(Provider("opmap-triton[bh=64,bn=32,w=8,s=2,tma]", _ours("mla_decode", (64, 32, 8, 2, "tma"))))
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
     return BenchCase("attention.mla_decode",

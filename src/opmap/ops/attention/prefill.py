@@ -234,8 +234,12 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
         from . import prefill_tma
 
         why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"])
-        expect(why is None, "config", "TMA=1", f"a cache the TMA prefill can read ({why})")
-        expect(not skip_single, "config", "TMA=1", "a prefill call (mixed batches use the gather kernel)")
+        if cfg["TMA"] < 0:  # the default: TMA where it can read the cache, the gather kernel elsewhere
+            cfg["TMA"] = int(why is None and not skip_single)
+        else:
+            expect(why is None, "config", "TMA=1", f"a cache the TMA prefill can read ({why})")
+            expect(not skip_single, "config", "TMA=1", "a prefill call (mixed batches use the gather kernel)")
+    if cfg["TMA"]:
         prefill_tma.launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale,
                            causal=causal, window=window, soft_cap=soft_cap, return_lse=return_lse)
         return

@@ -60,9 +60,14 @@ def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: in
     return max(1, min(128, per_sm * _sm_count(device) // progs))
 
 
-def _per_sm(config) -> int:
-    """Programs per SM the split plan counts for a config: 1 for the TMA kernel, else by warps."""
-    return 1 if len(config) > 4 or config[2] > 4 else 2
+def _per_sm(config, rank: int = 512, rope_dim: int = 64) -> int:
+    """Programs per SM the split plan counts for a config: by warps for the pointer kernel; for the
+    TMA kernel two 4-warp programs where their stages of bf16 tiles fit beside each other in the
+    H200's 228 KB of shared memory (32-token tiles at 2 or 3 stages), else one."""
+    if len(config) > 4:
+        stage = config[1] * (rank + rope_dim) * 2
+        return 2 if config[2] <= 4 and 2 * config[3] * stage <= 224 * 1024 else 1
+    return 1 if config[2] > 4 else 2
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
@@ -70,7 +75,7 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
     """``config``: the decode config the workspace is for (default: ``_config``'s), which sets
     the split plan."""
     c = config or _config(num_heads, rank, max_batch)
-    s = num_splits or plan_splits(max_batch, num_heads, device, c[0], c[2], _per_sm(c))
+    s = num_splits or plan_splits(max_batch, num_heads, device, c[0], c[2], _per_sm(c, rank))
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
@@ -86,15 +91,17 @@ def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
     if env:  # "bh,bn,w,s" or "bh,bn,w,s,tma"
         return tuple(x if x == "tma" else int(x) for x in env.split(","))  # type: ignore[return-value]
     if H >= 64:
-        # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py). H200, 128 heads,
-        # bench/results/2026-11-30-h200-mla-session8-call{1,3}.md: B=64/4096 404.5 us against the
-        # pointer kernel's 574.1, B=1/32k 74.5-74.8 against 121.9.
-        return (64, 32, 8, 2, "tma")
-    # Below 64 heads: 16-head blocks with the keys as the rows of the dots, 64-token tiles through
-    # TMA. H200, 16 heads, bench/results/2026-11-30-h200-mla-session9-call1.md: B=64/4096 107.0 us
-    # against the pointer kernel's 128.1 (0.66 of the read ceiling), B=1/32k 31.9 against 42.9.
-    # Pages that are not a multiple of 64 (and fp8, sparse) fall back to the pointer kernel.
-    return (16, 64, 4, 2, "tma")
+        # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py), three stages so
+        # that a tile is in flight during the dots. H200, 128 heads,
+        # bench/results/2026-11-30-h200-mla-fi-session10.md: B=64/4096 321.0 us against two
+        # stages' 394.5 (the pointer kernel: 574.1), B=1/32k 61.3 against 73.3.
+        return (64, 32, 8, 3, "tma")
+    # Below 64 heads: 16-head blocks with the keys as the rows of the dots, 32-token tiles through
+    # TMA at three stages, two programs per SM (_per_sm). H200, 16 heads, same file: B=64/4096
+    # 94.2 us (0.75 of the read ceiling) against 64-token tiles at two stages' 105.3 (the pointer
+    # kernel: 128.1), B=1/32k 30.1 against 31.8.
+    # Pages that are not a multiple of 32 (and fp8, sparse) fall back to the pointer kernel.
+    return (16, 32, 4, 3, "tma")
 
 
 def _pointer_config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
