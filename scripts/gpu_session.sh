@@ -12,10 +12,10 @@
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
-#   scripts/gpu_session.sh verify9 OUTDIR      # attention, engine and MLA GPU tests beside the sanitizer's
+#   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify9|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -121,14 +121,14 @@ case $part in
       OPMAP_GEMM_SPLIT_BELOW=$v timeout 60 python3 -m opmap.bench.cases.e2e --model llama3-8b --case 32 --no-hf \
         --out "$out/e2e-b32-split-below-$v" > "$out/e2e-b32-split-below-$v.log" 2>&1
     done ;;
-  verify9)
-    # After the ninth session: the GPU tests of what changed on the CPU (the TMA decode and
+  verify9|verify)
+    # After the ninth session (and as "verify" after any change to these families): the GPU tests of what changed on the CPU (the TMA decode and
     # prefill, in their own file and process; the prefill refactor; the sampler's chunk passes loading ahead; the engine's 64-token MLA pages;
     # the MLA 16-head TMA default), in two lanes beside the sanitizer re-run of the families whose
     # sources changed (attention, sampling and mla: qwen3's run
     # does its cases, llama3's reuses them; so no SAN_PARALLEL). Their timings
     # (the page-64 prefill rows, the MLA per_sm=3 row) are in fi-bench's quick grids.
-    FINAL_TESTS="tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py" \
+    FINAL_TESTS=${FINAL_TESTS:-"tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py"} \
       SAN_TIMEOUT=${SAN_TIMEOUT:-400} SAN_JOBS=${SAN_JOBS:-8} "$self" final "$out/final-part" \
       > "$out/final-part.log" 2>&1 ;;
   fi-bench)
@@ -142,13 +142,19 @@ case $part in
     # FlashInfer's check cases first, against the references: a peer's time is quoted only if its
     # output is right (the cases that need modules not built ahead fail fast, naming the module)
     # The timeouts add up to 560 s: a device call ends at 600 s, and the archive below is made last.
-    timeout 90 python3 -m opmap.cli check --backend flashinfer mla-flashinfer --json "$out/check-flashinfer.json" \
-      > "$out/check-flashinfer.log" 2>&1
+    # FI_PARTS="prefill mla": only those grids (after a change to their defaults; ~4 min)
+    parts=" ${FI_PARTS:-check sampling decode prefill mla} "
+    [[ $parts == *" check "* ]] && timeout 90 python3 -m opmap.cli check --backend flashinfer mla-flashinfer \
+      --json "$out/check-flashinfer.json" > "$out/check-flashinfer.log" 2>&1
     # (the prefill grid has four cases now, two of them compiling FlexAttention)
-    timeout 100 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1
-    timeout 120 python3 -m opmap.cli bench --quick --op attention.decode --out "$out/decode" > "$out/decode.log" 2>&1
-    timeout 160 python3 -m opmap.cli bench --quick --op attention.prefill --out "$out/prefill" > "$out/prefill.log" 2>&1
-    timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1 ;;
+    [[ $parts == *" sampling "* ]] && timeout 100 python3 -m opmap.cli bench --quick --op sampling --out "$out/sampling" \
+      > "$out/sampling.log" 2>&1
+    [[ $parts == *" decode "* ]] && timeout 120 python3 -m opmap.cli bench --quick --op attention.decode \
+      --out "$out/decode" > "$out/decode.log" 2>&1
+    [[ $parts == *" prefill "* ]] && timeout 160 python3 -m opmap.cli bench --quick --op attention.prefill \
+      --out "$out/prefill" > "$out/prefill.log" 2>&1
+    [[ $parts == *" mla "* ]] && timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
+      > "$out/mla.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;

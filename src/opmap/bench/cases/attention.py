@@ -244,6 +244,11 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE):
         # The default reads these pages through TMA (ops/attention/prefill_tma.py, pages holding
         # whole 64-key tiles); the gather kernel beside it
         provs.append(Provider("opmap-triton[tma=0]", _ours("prefill", config=dict(TMA=0))))
+        # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
+        # 64-row query blocks (two programs per SM)
+        provs.append(Provider("opmap-triton[tma=1,s=2]", _ours("prefill", config=dict(TMA=1, num_stages=2))))
+        provs.append(Provider("opmap-triton[tma=1,bm=64,w=4]",
+                              _ours("prefill", config=dict(TMA=1, BLOCK_M=64, num_warps=4))))
     provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
     if hk != HQ:
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
