@@ -162,6 +162,38 @@ def test_prefill_row_tiles(bm):
     assert_close(got, want, torch.float16, scale=2)
 
 
+@pytest.mark.parametrize("E,k", [(64, 6), (128, 8), (8, 2), (4, 1)])
+def test_token_counts_cover_every_tuning_key(E, k, monkeypatch):
+    """grouped_gemm.token_counts: one count per (rows bucket, BM) key that 1..max tokens can hit
+    (with the GPU's row tiles), so the engine's warm-up leaves no key for a step to tune."""
+    from opmap.ops.moe import grouped_gemm as gg
+    from opmap.ops.moe.align import next_pow2
+
+    monkeypatch.setattr(gg, "_INTERPRETING", False)  # the GPU's tile choice
+    key = lambda t: (next_pow2(t * k), gg.pick_bm(t * k, E))  # noqa: E731
+    counts = gg.token_counts(2048, k, E)
+    assert counts[0] == 1 and counts == sorted(set(counts)) and counts[-1] <= 2048
+    assert len({key(t) for t in counts}) == len(counts)  # one count per key
+    assert {key(t) for t in range(1, 2049)} == {key(t) for t in counts}
+    assert len(counts) <= 2 * (next_pow2(2048 * k).bit_length())
+
+
+def test_warm_up_runs_every_count():
+    """triton_moe.warm_up (the engine calls it at start-up on a GPU) runs the op at every count."""
+    from opmap.ops.moe import grouped_gemm as gg
+
+    E, H, I, k = 4, 32, 16, 2
+    w13, w2 = _weights(E, H, I, torch.float16)
+    seen = []
+    real = triton_moe.moe
+    try:
+        triton_moe.moe = lambda x, logits, *a, **kw: (seen.append(x.shape[0]), real(x, logits, *a, **kw))[1]
+        n = triton_moe.warm_up(w13, w2, k, 40, router="softmax", renormalize=True)
+    finally:
+        triton_moe.moe = real
+    assert n == len(seen) and seen == gg.token_counts(40, k, E)
+
+
 def test_host_helpers_match_triton():
     # The launchers use plain-int helpers instead of Triton's (slow on the host) ConstexprFunctions.
     import triton

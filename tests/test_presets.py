@@ -18,6 +18,23 @@ def test_shapes_match_published_parameter_counts(name):
     assert abs(n / PUBLISHED[name] - 1) < 1e-3, n
 
 
+def test_decode_weight_bytes():
+    """What one decode step reads: no embedding table, all experts only as rows grow."""
+    llama = presets.get_preset("llama3-8b")
+    assert llama.decode_weight_bytes(1) == llama.decode_weight_bytes(64) == \
+        (llama.num_params() - llama.vocab * llama.hidden) * 2
+    ds = presets.get_preset("deepseek-v2-lite")
+    expert = 3 * ds.hidden * ds.moe_intermediate * (ds.layers - ds.first_dense_layers)
+    base = ds.num_params() - ds.vocab * ds.hidden - ds.num_experts * expert
+    # one row: its top_k experts (6 of 64) per MoE layer; many rows: every expert
+    assert abs(ds.decode_weight_bytes(1, 1) - (base + ds.top_k * expert)) < 1e-3 * expert
+    assert abs(ds.decode_weight_bytes(10_000, 1) - (base + ds.num_experts * expert)) < 1e-3 * expert
+    b = [ds.decode_weight_bytes(r) for r in (1, 2, 8, 32, 256)]
+    assert b == sorted(b) and b[0] < b[-1]
+    # 16B parameters, of which a B=1 step reads ~2.6B
+    assert 2.0e9 < ds.decode_weight_bytes(1, 1) < 3.5e9
+
+
 def test_tiny_presets_keep_the_architecture():
     for name in PUBLISHED:
         cfg = presets.get_preset(name)

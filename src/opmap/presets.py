@@ -60,9 +60,17 @@ class ModelConfig:
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    def weight_bytes(self, bytes_per_param: float = 2.0) -> float:
-        """Bytes of the weights one decode step reads (MoE: all experts counted)."""
-        return self.num_params() * bytes_per_param
+    def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0) -> float:
+        """Bytes of the weights one decode step of ``rows`` sequences reads: every dense weight and
+        the LM head, not the embedding table (``rows`` rows of it; unless tied to the LM head), and
+        of each MoE layer's routed experts the expected number of distinct ones that rows x top_k
+        uniform picks hit, E (1 - (1 - k/E)^rows)."""
+        total = self.num_params() - (0 if self.tie_embeddings else self.vocab * self.hidden)
+        if self.is_moe:
+            E, k = self.num_experts, self.top_k
+            unused = E - E * (1 - (1 - k / E) ** max(rows, 1))
+            total -= (self.layers - self.first_dense_layers) * unused * 3 * self.hidden * self.moe_intermediate
+        return total * bytes_per_param
 
     def num_params(self) -> int:
         h, L = self.hidden, self.layers

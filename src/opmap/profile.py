@@ -173,7 +173,8 @@ def _weight_floor_ms(llm):
     from .hw import ceilings
 
     c = ceilings(measure=False)
-    return llm.runner.model.weight_bytes() / (c.read_tbps * 1e12) * 1e3 if c else None
+    r = llm.runner
+    return r.cfg.decode_weight_bytes(r.max_seqs, r.dtype.itemsize) / (c.read_tbps * 1e12) * 1e3 if c else None
 
 
 def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> dict:

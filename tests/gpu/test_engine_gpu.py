@@ -93,6 +93,28 @@ def test_profile_attributes_gpu_kernels_to_operators():
     assert any(line.startswith("[decode]") for line in lines)
 
 
+def test_moe_gemms_tuned_at_start_up_not_in_steps():
+    """The engine tunes the MoE grouped GEMMs at start-up for every token count a step can bring
+    (runner._warm_moe): prefill, mixed and decode steps of many sizes then tune nothing (a
+    DeepSeek-V2-Lite run at batch 32 spent ~85 ms of each mixed step tuning, tenth session)."""
+    from opmap.engine.llm import LLM
+    from opmap.ops.moe import grouped_gemm as G
+    from opmap.ops.sampling.params import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS["deepseek-v2-lite"], layers=3)  # two MoE layers
+    llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=384, max_model_len=2048, num_pages=256, seed=1)
+    assert llm.runner.moe_warm_s > 0
+    keys = set(G._BEST)
+    assert len(keys) >= 2 * len(G.token_counts(384, cfg.top_k, cfg.num_experts)), keys  # gate/up and down
+    prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1, 257, 383, 129, 64, 5))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert all(o.error is None and len(o.token_ids) == 12 for o in outs)
+    assert llm.stats.steps["mixed"] > 0 and llm.stats.steps["decode"] > 0
+    assert set(G._BEST) == keys, set(G._BEST) - keys
+    llm.close()
+    free_gpu()
+
+
 def test_second_engine_sized_from_free_memory_and_close_returns_it():
     from opmap.engine.llm import LLM
     from opmap.ops.sampling.params import SamplingParams

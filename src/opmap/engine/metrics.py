@@ -95,7 +95,9 @@ def format_host(per_step: dict) -> list:
     return [f"{ph} host per step: {host_line(parts)}" for ph, parts in per_step.items()]
 
 
-def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: float, kv_bytes_per_token: float) -> dict:
+def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes, kv_bytes_per_token: float) -> dict:
+    """``weight_bytes(rows)``: the weight bytes a decode step of ``rows`` sequences reads
+    (ModelConfig.decode_weight_bytes; for MoE it grows with the rows)."""
     ok = [o for o in outputs if o.error is None]
     ttft = [o.ttft * 1e3 for o in ok if o.ttft is not None]
     tpot = [o.tpot * 1e3 for o in ok if o.tpot is not None]
@@ -115,7 +117,8 @@ def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes: floa
     n, t = stats.steps["decode"], stats.seconds["decode"]
     if n and t > 0:
         d["decode_step_ms"] = t / n * 1e3
-        d["decode_weight_tbps"] = weight_bytes * n / t / 1e12
+        d["decode_rows_mean"] = stats.decode_rows / n
+        d["decode_weight_tbps"] = weight_bytes(d["decode_rows_mean"]) * n / t / 1e12
         d["decode_kv_tbps"] = kv_bytes_per_token * stats.decode_kv_tokens / t / 1e12
     return d
 
@@ -132,7 +135,8 @@ def format_summary(d: dict) -> list:
         + f"; preemptions {d['preemptions']}",
     ]
     if "decode_step_ms" in d:
-        lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s, "
+        lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s "
+                     f"(at {d['decode_rows_mean']:.1f} rows a step; MoE: the experts they are expected to hit), "
                      f"KV at {d['decode_kv_tbps']:.3f} TB/s (host wall clock per step)")
     lines += format_host(d.get("host_ms_per_step") or {})
     if d.get("step_ms_max"):

@@ -209,9 +209,6 @@ class DecoderModel:
     def rope_dim(self) -> int:
         return self.cfg.head_dim
 
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.params.values())
-
 
 def build_model(cfg: ModelConfig, device, dtype):
     if cfg.is_mla:

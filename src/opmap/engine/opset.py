@@ -39,6 +39,7 @@ class OpSet:
         self.rope_append = None  # RoPE + KV append in one launch, where both ops chose one backend
         self.qk_norm_in_rope_append = False
         self.gemm: dict = {}
+        self.moe_warm_up = None
         if cfg.is_mla:
             qk = cfg.qk_nope_dim + cfg.qk_rope_dim
             if cfg.q_lora_rank:
@@ -94,6 +95,9 @@ class OpSet:
                 num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
                 router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, weight_dtype=dtype,
                 tokens=m, **base), "moe")
+            moe_backend = self.choices[-1][2].backend
+            # a backend that tunes kernels per token count does it once at start-up (runner)
+            self.moe_warm_up = moe_backend.fn("warm_up") if "warm_up" in moe_backend.impl else None
             if cfg.shared_experts:
                 si = cfg.shared_experts * cfg.moe_intermediate
                 self.gemm["shared_gate_up"] = gemm("shared gate/up proj", 2 * si, h)

@@ -32,19 +32,6 @@ def cases(quick: bool) -> list:
     return []
 
 
-def active_weight_bytes(cfg, batch: int, bytes_per_param: float = 2.0) -> float:
-    """Bytes one decode step of ``batch`` rows reads: all dense weights, the LM head, and for MoE
-    the expected number of distinct routed experts, E * (1 - (1 - k/E)^batch), per layer."""
-    if not cfg.is_moe:
-        return cfg.weight_bytes(bytes_per_param) - cfg.vocab * cfg.hidden * bytes_per_param * (0 if cfg.tie_embeddings else 1)
-    E, k = cfg.num_experts, cfg.top_k
-    used = E * (1 - (1 - k / E) ** batch)
-    expert = 3 * cfg.hidden * cfg.moe_intermediate
-    moe_layers = cfg.layers - cfg.first_dense_layers
-    total = cfg.num_params() - moe_layers * (E - used) * expert - cfg.vocab * cfg.hidden  # embedding rows: negligible
-    return total * bytes_per_param
-
-
 def kv_bytes_per_step(cfg, batch: int, prompt: int, new: int, bytes_per_elt: float = 2.0) -> float:
     """KV-cache bytes one decode step of ``batch`` rows reads, at the mean context of the decode
     (prompt + new / 2 tokens): K and V per KV head, or MLA's latent and RoPE key."""
@@ -109,9 +96,9 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             llm.generate(ps, sps)
             d = llm.last_summary
             case = f"model={model},requests=256,input=100:1024,output=100:1024"
-            floor = active_weight_bytes(cfg, llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
+            floor = cfg.decode_weight_bytes(llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
             out.append(_record(model, case, _engine_name(llm), d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
-                               floor, active_weight_bytes(cfg, llm.ecfg.max_num_seqs), ceil,
+                               floor, cfg.decode_weight_bytes(llm.ecfg.max_num_seqs), ceil,
                                f"tok_per_s = total (prompt + generated); {d['preemptions']} preemptions"))
             skipped.append({"op": "e2e", "case": case, "provider": "hf-transformers-eager",
                             "reason": "HF generate has no continuous batching: 256 mixed-length requests are not comparable"})
@@ -147,7 +134,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             sps = [SamplingParams(max_tokens=new, json_schema=schema if i % 2 else None, **greedy) for i in range(32)]
             # Fresh prompts of the same length: the same prompts would hit the prefix cache, skip
             # the prefill steps that the plain run interleaved with decode, and look faster.
-            wb = active_weight_bytes(cfg, 32)
+            wb = cfg.decode_weight_bytes(32)
             # With the bitmask fill overlapping the forward pass (the engine's way), then serial
             # (the fill waits for the forward), each on fresh prompts: what the overlap saves.
             for overlap, seed in ((True, 33), (False, 34)):
@@ -174,7 +161,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         d = sorted(runs, key=lambda x: x["tpot_ms_p50"])[len(runs) // 2]  # the median run by TPOT
         dec = d["step_seconds"]["decode"]
         tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
-        wb = active_weight_bytes(cfg, b)
+        wb = cfg.decode_weight_bytes(b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
         note = "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"
         if len(runs) > 1:
@@ -231,7 +218,7 @@ def _hf(model, cases_of_model, ceil, out, skipped):
         t1 = timed(ids, 1)
         tn = timed(ids, new)
         tpot = (tn - t1) / (new - 1) * 1e3
-        wb = active_weight_bytes(cfg, b)
+        wb = cfg.decode_weight_bytes(b)
         out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "hf-transformers-eager",
                            t1 * 1e3, tpot, b * (new - 1) / (tn - t1), wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
                            "HF generate, eager attention; TTFT = generate(1 token), TPOT = (t(new) - t(1)) / (new - 1)"))

@@ -91,7 +91,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": "opmap.ops.moe.route_triton:route"},
+    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": "opmap.ops.moe.route_triton:route",
+          "warm_up": "opmap.ops.moe.triton_moe:warm_up"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     available=registry.triton_available,
     notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM "
