@@ -238,3 +238,17 @@ def test_penalty_counts_are_updated_on_the_device_between_decode_steps(single_th
                 assert len(calls) < 10  # one rebuild per change of the batch, not one per step
             llm.close()
     assert got[False, False] == got[False, True] == got[True, False] == got[True, True]
+
+
+def test_warm_up_runs_prefill_mixed_and_decode_then_starts_clean(ckpt, prompts, whole, single_thread):
+    """warmup=True (the default on a GPU): a prefill, a mixed step and decode steps before the
+    first request; afterwards the counters and the prefix cache are empty and the tokens are
+    those of an engine without it."""
+    llm = LLM(ckpt, max_num_batched_tokens=32, max_num_seqs=8, warmup=True)
+    assert llm.warmup_s > 0
+    w = llm.warmup_steps
+    assert w["prefill"] >= 1 and w["mixed"] >= 1 and w["decode"] >= 1, w
+    assert llm.stats.steps == {"prefill": 0, "mixed": 0, "decode": 0} and llm.last_summary is None
+    assert llm.bm.num_free_blocks == llm.runner.num_pages and not llm.bm.table
+    assert tokens(llm.generate(prompts, GREEDY)) == whole
+    assert LLM(ckpt, max_num_seqs=8).warmup_s == 0.0  # off by default on the CPU

@@ -37,6 +37,9 @@ def _engine_args(p) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     p.add_argument("--num-pages", type=int, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up (two requests that compile the kernels of a prefill, a mixed "
+                        "and a decode step; on by default on a GPU), so the first requests carry the compiles")
     p.add_argument("--lockstep", action="store_true",
                    help="read every decode step's tokens before launching the next (no one-step-ahead decode)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -83,6 +86,7 @@ def _build(args, **extra):
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
                enforce_eager=args.enforce_eager, async_decode=not args.lockstep,
+               warmup=False if args.no_warmup else None,
                prefix_caching=not args.no_prefix_caching,
                chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
                backends=dict(args.backend) or None, **extra)

@@ -49,6 +49,11 @@ class EngineConfig:
     # it (~0.7 s on the development CPU; on the H200 run it also brought 499 garbage collections).
     # Its objects are then frozen with the engine's (see LLM.__init__). Needs xgrammar.
     structured_output: bool = False
+    # Run a short workload at start-up (a prefill, a mixed chunked-prefill step, decode steps,
+    # greedy and filtered sampling) so that the first requests do not carry the JIT compiles of
+    # the kernel variants those steps launch. None: on a GPU only (compiles are the interpreter's
+    # normal cost on the CPU). See LLM._warm_up.
+    warmup: Optional[bool] = None
 
     def for_model(self, cfg) -> "EngineConfig":
         """The page size resolved for a model (see ``page_size``)."""
