@@ -185,7 +185,8 @@ def test_declarations_and_selection():
     names = {b.name for b in registry.backends("moe")}
     assert {"reference", "torch-loop", "torch-grouped-mm", "triton"} <= names
     for b in registry.backends("moe"):
-        assert set(b.impl) == {"moe", "route"}
+        # warm_up: where a backend tunes kernels per token count (the engine runs it at start-up)
+        assert set(b.impl) == ({"moe", "route", "warm_up"} if b.name == "triton" else {"moe", "route"})
     cpu = select("moe", MoESpec(arch="cpu", dtype="fp32", weight_dtype="fp32"), runtime=False)
     assert cpu.name == "reference"
     gm = registry.get("moe", "torch-grouped-mm")

@@ -57,7 +57,7 @@ def _field_types(op: str) -> dict:
 def _cell(backend: registry.Backend, field: str, arch: str, ftype: str) -> Cell:
     if field == "arch":
         if arch in backend.priority:
-            return Cell(FULL, f"priority {backend.priority[arch]}")
+            return Cell(FULL, backend.describe_priority(arch))
         served = ", ".join(sorted(backend.priority)) or "none"
         return Cell(NONE, f"not served (serves {served})")
     conds = []
@@ -84,8 +84,10 @@ def op_matrix(op: str, arch: str) -> OpMatrix:
         cells = {f: _cell(b, f, arch, types.get(f, "")) for f in cols}
         loose = [c.condition for c in b.checks if not c.field or c.field not in cols]
         other = Cell(COND, "; ".join(loose)) if loose else Cell(FULL)
-        rows.append(Row(b.name, b.provider, b.provider_version(), b.priority.get(arch), cells, other,
-                        b.notes))
+        prio = b.priority.get(arch)
+        if isinstance(prio, dict):  # per phase (the arch cell lists them): the highest orders the rows
+            prio = max(prio.values())
+        rows.append(Row(b.name, b.provider, b.provider_version(), prio, cells, other, b.notes))
     # Highest priority on this arch first, unserved last: the order the selector would try them.
     rows.sort(key=lambda r: -(r.priority if r.priority is not None else -1))
     return OpMatrix(op, arch, cols, rows)

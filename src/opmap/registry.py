@@ -5,7 +5,8 @@ declarations of what it serves. ``validate(spec)`` is *derived* from those decla
 the capability matrix (``opmap matrix``) and the selector can never disagree.
 
 Declarations:
-- ``priority``: arch -> priority. An arch absent from it is not served.
+- ``priority``: arch -> priority, or arch -> {phase: priority, "*": the other phases} where the
+  measured order differs by phase. An arch absent from it is not served.
 - ``reqs``: ``Req(field, allowed, condition)``: the spec field must take one of ``allowed``
   (or satisfy ``allowed`` when it is a callable); ``condition`` is the human text shown in the
   matrix as a conditional cell.
@@ -75,6 +76,17 @@ class Backend:
             except Exception as e:  # a missing package is a fact to show, not a crash
                 return f"n/a ({type(e).__name__})"
         return self.version
+
+    def priority_for(self, arch: str, phase: Optional[str] = None) -> Optional[int]:
+        """The priority on ``arch`` in ``phase`` (None where the arch is not served)."""
+        p = self.priority.get(arch)
+        return p.get(phase, p.get("*")) if isinstance(p, dict) else p
+
+    def describe_priority(self, arch: str) -> str:
+        p = self.priority[arch]
+        if not isinstance(p, dict):
+            return f"priority {p}"
+        return "priority " + ", ".join(f"{v} {'other phases' if k == '*' else k}" for k, v in p.items())
 
     def validate(self, spec: Spec, runtime: bool = False) -> list[str]:
         """Reasons this backend cannot serve ``spec`` (empty = it can), in tree order."""

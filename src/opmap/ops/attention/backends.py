@@ -144,7 +144,11 @@ register(Backend(
 
 register(Backend(
     op="attention", name="flashinfer", provider="flashinfer", version=package_version("flashinfer-python"),
-    priority={"sm80": 40, "sm90": 40},
+    # Prefill first on sm90: its FA3-template kernel took 1051 / 1126 us against our 1560 / 1238 us
+    # (B=4 S=4096 GQA page 16 / B=1 S=8192 page 64; bench/results/2026-11-30-h200-prefill-*-session10),
+    # plan() and its host synchronisation included. Decode stays ours (254 against 258 us at
+    # B=64 / 4096, 52 against 54 at B=1 / 32k); mixed batches were not timed.
+    priority={"sm80": 40, "sm90": {"prefill": 55, "*": 40}},
     available=package_available("flashinfer"),
     impl={"prefill": f"{PKG}.flashinfer:prefill", "decode": f"{PKG}.flashinfer:decode",
           "mixed": f"{PKG}.flashinfer:prefill"},
@@ -153,9 +157,10 @@ register(Backend(
           Req("cuda_graph", (False,), "no CUDA-graph capture through this adapter (plan() per call)"),
           Req("batch_invariant", (False,))),
     checks=(KV_SAME, DV_SAME),
-    notes=("FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper (JIT-built); not installed on "
-           "the H200 machine, so untested there; fp8 KV not declared: FlashInfer takes one scalar "
-           "scale per cache, opmap's fp8 KV has per-kv-head scales"),
+    notes=("FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper (modules built ahead: "
+           "scripts/build_flashinfer_aot.sh); checked on the H200 against the references; plan() per call "
+           "synchronises the host; fp8 KV not declared: FlashInfer takes one scalar scale per cache, "
+           "opmap's fp8 KV has per-kv-head scales"),
 ))
 
 # ---- attention_merge ---------------------------------------------------------------------------
