@@ -12,10 +12,11 @@
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
+#   scripts/gpu_session.sh e2e10 OUTDIR        # e2e llama3 / qwen3 B=1 and 32 with the start-up warm-up; llama3 pages 16 vs 64
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|e2e10|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -155,6 +156,25 @@ case $part in
       --out "$out/prefill" > "$out/prefill.log" 2>&1
     [[ $parts == *" mla "* ]] && timeout 90 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" \
       > "$out/mla.log" 2>&1 ;;
+  e2e10)
+    # After the tenth session (docs/results-2026-11-30.md, "The next GPU session"): the engine's
+    # start-up warm-up and MoE tuning, end to end (one process per run; no HF: its figures are in
+    # the seventh session's files). ~6 min.
+    for m in llama3-8b qwen3-30b-a3b; do
+      for c in 1 32; do
+        timeout 150 python3 -m opmap.bench.cases.e2e --model $m --case $c --no-hf --out "$out/e2e-$m-b$c" \
+          > "$out/e2e-$m-b$c.log" 2>&1
+      done
+    done
+    # 64-token pages for a GQA model: the TMA prefill (19-22% faster than the gather kernel at
+    # S >= 4096) against 16-token pages, TTFT and TPOT at B=1 / 1024 and B=32 / 512
+    for pg in 16 64; do
+      for b in 1 32; do
+        timeout 90 python3 -m opmap.cli run --model llama3-8b --page-size $pg --max-num-seqs $b --num-requests $b \
+          --input-len $((b == 1 ? 1024 : 512)) --output-len 128 --no-progress --json "$out/run-llama3-p$pg-b$b.json" \
+          > "$out/run-llama3-p$pg-b$b.log" 2>&1
+      done
+    done ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
