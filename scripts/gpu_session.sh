@@ -12,16 +12,17 @@
 #   scripts/gpu_session.sh flashinfer OUTDIR   # FlashInfer JIT builds for the bench shapes
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
+#   scripts/gpu_session.sh sampling-full OUTDIR # the full sampling grid with FlashInfer's rows (~5 min)
 #   scripts/gpu_session.sh e2e10 OUTDIR        # e2e llama3 / qwen3 B=1 and 32 with the start-up warm-up; llama3 pages 16 vs 64
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|e2e10|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
 # FlashInfer only in its own parts (the others compare our kernels with their own switches).
-case $part in flashinfer|fi-bench) ;; *) export NO_FLASHINFER=1 ;; esac
+case $part in flashinfer|fi-bench|sampling-full) ;; *) export NO_FLASHINFER=1 ;; esac
 . scripts/gpu_env.sh
 mkdir -p "$out"
 res=$out
@@ -132,6 +133,12 @@ case $part in
     FINAL_TESTS=${FINAL_TESTS:-"tests/gpu/test_attention_gpu.py tests/gpu/test_sampling_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_engine_gpu.py tests/gpu/test_mla_gpu.py"} \
       SAN_TIMEOUT=${SAN_TIMEOUT:-400} SAN_JOBS=${SAN_JOBS:-8} "$self" final "$out/final-part" \
       > "$out/final-part.log" 2>&1 ;;
+  sampling-full)
+    # The full sampling grid (B {1, 8, 64, 256} x vocab {32000, 128256, 151936}) at the current
+    # sampler with FlashInfer's rows (modules built ahead; no JIT), the committed full grid being
+    # from the first session. ~5 min.
+    export FLASHINFER_DISABLE_JIT=1
+    timeout 420 python3 -m opmap.cli bench --op sampling --out "$out/sampling" > "$out/sampling.log" 2>&1 ;;
   fi-bench)
     # FlashInfer beside our kernels in one run, from the modules built ahead of time on the CPU
     # machine (.whl/flashinfer-aot.tar.xz: sampling, the tensor-core decode, the FA3 prefill, the
