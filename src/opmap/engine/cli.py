@@ -138,8 +138,11 @@ def cli_run(args) -> int:
             print(o.text)
     for line in format_summary(llm.last_summary):
         print(line)
+    r = llm.runner
+    startup = {"load_s": r.load_s, "moe_tuning_s": r.moe_warm_s, "warmup_s": llm.warmup_s}
+    print("start-up: weights %.2f s, MoE kernel tuning %.2f s, warm-up %.2f s" % tuple(startup.values()))
     if args.json:
-        doc = {"model": args.model, "summary": llm.last_summary, "backends": llm.runner.choice_lines,
+        doc = {"model": args.model, "summary": llm.last_summary, "startup": startup, "backends": llm.runner.choice_lines,
                "outputs": [{"index": o.index, "finish_reason": o.finish_reason, "error": o.error,
                             "num_tokens": len(o.token_ids), "ttft": o.ttft, "tpot": o.tpot} for o in outs]}
         with open(args.json, "w") as f:
