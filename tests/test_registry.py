@@ -131,8 +131,8 @@ def test_every_op_with_backends_has_a_reference():
         ref = [b for b in bs if b.name == "reference"]
         assert ref, f"{op}: backends {[b.name for b in bs]} but no 'reference'"
         assert ref[0].priority["cpu"] == registry.REFERENCE_PRIORITY["cpu"]
-        others = [b.priority_for("sm90", ph) for b in bs if b is not ref[0] and "sm90" in b.priority
-                  for ph in ("prefill", "decode", "mixed")]
+        others = [b.priority["sm90"] for b in bs if b is not ref[0] and "sm90" in b.priority]
+        others = [min(p.value, p.otherwise) if isinstance(p, registry.Prefer) else p for p in others]
         if others:
             assert ref[0].priority["sm90"] <= min(others), f"{op}: the reference must be last on sm90"
         for b in bs:
@@ -149,21 +149,29 @@ def test_loading_the_registry_imports_no_kernel_or_peer():
     assert out.stdout.strip() == "", f"importing backends.py pulled in: {out.stdout.strip()}"
 
 
-def test_priority_per_phase():
-    """A priority may differ by phase ({phase: p, "*": the others}): the selector ranks by the
-    spec's phase, the matrix lists every phase."""
+def test_priority_by_spec():
+    """A priority may depend on the spec (registry.Prefer): the selector ranks by the spec's
+    phase or head count, the matrix says when."""
     from opmap import matrix
     from opmap.select import select
     from opmap.specs import AttentionSpec
 
     registry.load_all()
     fi = next(b for b in registry.backends("attention") if b.name == "flashinfer")
-    assert fi.priority_for("sm90", "prefill") == 55 and fi.priority_for("sm90", "decode") == 40
-    assert fi.priority_for("sm80", "prefill") == 40 and fi.priority_for("cpu", "prefill") is None
-    assert fi.describe_priority("sm90") == "priority 55 prefill, 40 other phases"
     kw = dict(arch="sm90", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16, dtype="bf16", kv_dtype="bf16")
-    pre = select("attention", AttentionSpec(phase="prefill", **kw), runtime=False)
-    dec = select("attention", AttentionSpec(phase="decode", **kw), runtime=False)
-    assert pre.backend.name == "flashinfer" and dec.backend.name == "triton", (pre.backend.name, dec.backend.name)
+    pre, dec = AttentionSpec(phase="prefill", **kw), AttentionSpec(phase="decode", **kw)
+    assert fi.priority_for(pre) == 55 and fi.priority_for(dec) == 40
+    assert fi.priority_for(AttentionSpec(phase="prefill", **dict(kw, arch="sm80"))) == 40
+    assert fi.describe_priority("sm90") == "priority 55 where phase = prefill, else 40"
+    assert select("attention", pre, runtime=False).backend.name == "flashinfer"
+    assert select("attention", dec, runtime=False).backend.name == "triton"
     row = next(r for r in matrix.op_matrix("attention", "sm90").rows if r.backend == "flashinfer")
-    assert row.priority == 55 and row.cells["arch"].condition == "priority 55 prefill, 40 other phases"
+    assert row.priority == 55 and row.cells["arch"].condition == "priority 55 where phase = prefill, else 40"
+    # FlashInfer's MLA decode first from 64 heads, ours below
+    mla = dict(arch="sm90", phase="decode", kind="mla", num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64,
+               dtype="bf16", kv_dtype="bf16")
+    assert select("attention", AttentionSpec(num_heads=128, **mla), runtime=False).backend.name == "mla-flashinfer"
+    assert select("attention", AttentionSpec(num_heads=16, **mla), runtime=False).backend.name == "mla-triton"
+    # under CUDA graphs (the engine's decode) FlashInfer's per-call plan is refused whatever its priority
+    g = AttentionSpec(num_heads=128, cuda_graph=True, **mla)
+    assert select("attention", g, runtime=False).backend.name == "mla-triton"

@@ -84,10 +84,8 @@ def op_matrix(op: str, arch: str) -> OpMatrix:
         cells = {f: _cell(b, f, arch, types.get(f, "")) for f in cols}
         loose = [c.condition for c in b.checks if not c.field or c.field not in cols]
         other = Cell(COND, "; ".join(loose)) if loose else Cell(FULL)
-        prio = b.priority.get(arch)
-        if isinstance(prio, dict):  # per phase (the arch cell lists them): the highest orders the rows
-            prio = max(prio.values())
-        rows.append(Row(b.name, b.provider, b.provider_version(), prio, cells, other, b.notes))
+        # a priority that depends on the spec (the arch cell says how) is ordered by its highest
+        rows.append(Row(b.name, b.provider, b.provider_version(), b.top_priority(arch), cells, other, b.notes))
     # Highest priority on this arch first, unserved last: the order the selector would try them.
     rows.sort(key=lambda r: -(r.priority if r.priority is not None else -1))
     return OpMatrix(op, arch, cols, rows)

@@ -5,8 +5,9 @@ declarations of what it serves. ``validate(spec)`` is *derived* from those decla
 the capability matrix (``opmap matrix``) and the selector can never disagree.
 
 Declarations:
-- ``priority``: arch -> priority, or arch -> {phase: priority, "*": the other phases} where the
-  measured order differs by phase. An arch absent from it is not served.
+- ``priority``: arch -> priority, or arch -> ``Prefer(value, otherwise, when, condition)`` where
+  the measured order depends on the spec (the phase, the head count). An arch absent from it is
+  not served.
 - ``reqs``: ``Req(field, allowed, condition)``: the spec field must take one of ``allowed``
   (or satisfy ``allowed`` when it is a callable); ``condition`` is the human text shown in the
   matrix as a conditional cell.
@@ -55,6 +56,19 @@ class Check:
     field: str = ""  # tree level the check belongs to (for ordering the trace)
 
 
+@dataclass(frozen=True)
+class Prefer:
+    """A priority that depends on the spec: ``value`` where ``when(spec)`` holds, else
+    ``otherwise``; ``condition`` says when, in the selector's trace and the matrix."""
+    value: int
+    otherwise: int
+    when: Callable[[Spec], bool]
+    condition: str
+
+    def of(self, spec: Spec) -> int:
+        return self.value if self.when(spec) else self.otherwise
+
+
 @dataclass
 class Backend:
     op: str
@@ -77,16 +91,21 @@ class Backend:
                 return f"n/a ({type(e).__name__})"
         return self.version
 
-    def priority_for(self, arch: str, phase: Optional[str] = None) -> Optional[int]:
-        """The priority on ``arch`` in ``phase`` (None where the arch is not served)."""
+    def priority_for(self, spec: Spec) -> Optional[int]:
+        """The priority for ``spec`` on its arch (None where the arch is not served)."""
+        p = self.priority.get(spec.arch)
+        return p.of(spec) if isinstance(p, Prefer) else p
+
+    def top_priority(self, arch: str) -> Optional[int]:
+        """The highest priority on ``arch`` over all specs (the matrix orders its rows by it)."""
         p = self.priority.get(arch)
-        return p.get(phase, p.get("*")) if isinstance(p, dict) else p
+        return max(p.value, p.otherwise) if isinstance(p, Prefer) else p
 
     def describe_priority(self, arch: str) -> str:
         p = self.priority[arch]
-        if not isinstance(p, dict):
+        if not isinstance(p, Prefer):
             return f"priority {p}"
-        return "priority " + ", ".join(f"{v} {'other phases' if k == '*' else k}" for k, v in p.items())
+        return f"priority {p.value} where {p.condition}, else {p.otherwise}"
 
     def validate(self, spec: Spec, runtime: bool = False) -> list[str]:
         """Reasons this backend cannot serve ``spec`` (empty = it can), in tree order."""

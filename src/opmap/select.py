@@ -110,7 +110,7 @@ def _select(op, spec, forced, forced_by, runtime) -> Choice:
     cands = []
     for b in registry.backends(op):
         reasons = tuple(b.validate(spec, runtime=runtime))
-        cands.append((b, Candidate(b.name, b.provider, b.provider_version(), b.priority_for(spec.arch, spec.phase),
+        cands.append((b, Candidate(b.name, b.provider, b.provider_version(), b.priority_for(spec),
                                    b.first_level(spec, runtime) if reasons else None, reasons)))
     valid = sorted((bc for bc in cands if bc[1].valid), key=lambda bc: -bc[1].priority)
     rejected = [bc for bc in cands if not bc[1].valid]

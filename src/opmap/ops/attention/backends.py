@@ -6,7 +6,7 @@ Declarations only: importing this module imports no kernel module and no peer pa
 """
 from __future__ import annotations
 
-from ...registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Req, needs_cuda,
+from ...registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Prefer, Req, needs_cuda,
                          package_available, package_version, register, torch_version, triton_available,
                          triton_version)
 
@@ -148,7 +148,7 @@ register(Backend(
     # (B=4 S=4096 GQA page 16 / B=1 S=8192 page 64; bench/results/2026-11-30-h200-prefill-*-session10),
     # plan() and its host synchronisation included. Decode stays ours (254 against 258 us at
     # B=64 / 4096, 52 against 54 at B=1 / 32k); mixed batches were not timed.
-    priority={"sm80": 40, "sm90": {"prefill": 55, "*": 40}},
+    priority={"sm80": 40, "sm90": Prefer(55, 40, lambda s: s.phase == "prefill", "phase = prefill")},
     available=package_available("flashinfer"),
     impl={"prefill": f"{PKG}.flashinfer:prefill", "decode": f"{PKG}.flashinfer:decode",
           "mixed": f"{PKG}.flashinfer:prefill"},
