@@ -252,3 +252,27 @@ def test_warm_up_runs_prefill_mixed_and_decode_then_starts_clean(ckpt, prompts, 
     assert llm.bm.num_free_blocks == llm.runner.num_pages and not llm.bm.table
     assert tokens(llm.generate(prompts, GREEDY)) == whole
     assert LLM(ckpt, max_num_seqs=8).warmup_s == 0.0  # off by default on the CPU
+
+
+def test_mla_prefill_gets_the_step_lengths_from_the_host(single_thread):
+    """Prefill and mixed steps hand the MLA prefill its plan's lengths (the longest query chunk
+    and sequence) from the scheduler, so it never reads them from the device (a host sync in
+    every layer on a GPU); the values are the true ones."""
+    llm = LLM("tiny-deepseek", max_num_batched_tokens=24, max_num_seqs=4)
+    seen = []
+    for phase in ("prefill", "mixed"):
+        ops = llm.runner.ops[phase]
+        real = ops.attention
+
+        def spy(*a, _real=real, **kw):
+            cu, lens = a[5].tolist(), a[6].tolist()
+            seen.append((kw.get("max_q_len"), kw.get("max_seq_len"),
+                         max(y - x for x, y in zip(cu, cu[1:])), max(lens)))
+            return _real(*a, **kw)
+
+        ops.attention = spy
+    outs = llm.generate(random_prompts(PRESETS["tiny-deepseek"].vocab, (5, 40, 3), seed=2),
+                        SamplingParams(max_tokens=4, temperature=0.0))
+    assert all(o.error is None for o in outs)
+    assert llm.stats.steps["mixed"] > 0 and seen
+    assert all(q == tq and s == ts for q, s, tq, ts in seen), seen

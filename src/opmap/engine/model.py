@@ -30,6 +30,12 @@ class Step:
     logits_idx: Optional[torch.Tensor]  # rows whose logits are wanted (None = every row)
     is_decode: bool
     workspace: Any = None
+    # Host ints of prefill and mixed steps: the longest query chunk and sequence. The MLA prefill
+    # plans its chunks from them; without them it reads them from the device, a host
+    # synchronisation in every layer (tenth session: DeepSeek-V2-Lite's prefill steps left the
+    # GPU idle 59% of the time).
+    max_q_len: Optional[int] = None
+    max_seq_len: Optional[int] = None
 
 
 class DecoderModel:

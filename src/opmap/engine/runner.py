@@ -178,12 +178,14 @@ class ModelRunner:
             self._copied.record()
         return T, B, width, rows
 
-    def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None) -> Step:
+    def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None,
+              longest=(None, None)) -> Step:
+        """``longest``: (query chunk, sequence) lengths of a prefill or mixed step, host ints."""
         return Step(self.input_ids[:T], self.positions[:T], self.slots[:T], self.seq_lens[:B],
                     self.block_tables[:B] if width is None else self.block_tables[:B, :width],
                     None if decode else self.cu[:B + 1],
                     None if nrows is None else self.logits_idx[:nrows], decode,
-                    self.workspace.get(bucket) if decode else None)
+                    self.workspace.get(bucket) if decode else None, *longest)
 
     # ---- one step -------------------------------------------------------------------------------
     def bucket_for(self, b: int) -> int:
@@ -217,10 +219,11 @@ class ModelRunner:
             return logits[:B] if len(rows) == B else logits[self.logits_idx[:len(rows)]]
         T, B, width, rows = self._fill(items)
         ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
+        longest = (max(it.num_tokens for it in items), max(it.start + it.num_tokens for it in items))
         if not rows:
-            self._forward_no_logits(ops, self._step(T, B, width, False, 0))
+            self._forward_no_logits(ops, self._step(T, B, width, False, 0, longest=longest))
             return None
-        return self.model.forward(ops, self._step(T, B, width, False, len(rows)), self.kv)
+        return self.model.forward(ops, self._step(T, B, width, False, len(rows), longest=longest), self.kv)
 
     def _forward_no_logits(self, ops, st: Step) -> None:
         # A prefill chunk that samples nothing still needs the logits of one row to run the
@@ -256,7 +259,7 @@ class ModelRunner:
             self.seq_lens[:1].fill_(T)
             self.cu[:2].copy_(torch.tensor([0, T], dtype=torch.int32))
             self.logits_idx[:1].fill_(T - 1)
-            self.model.forward(self.ops["prefill"], self._step(T, 1, pages, False, 1), kv)
+            self.model.forward(self.ops["prefill"], self._step(T, 1, pages, False, 1, longest=(T, T)), kv)
         torch.cuda.synchronize()
         act = torch.cuda.max_memory_allocated() - before  # the warm-up's own activation peak
         del kv
