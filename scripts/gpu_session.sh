@@ -173,6 +173,10 @@ case $part in
           > "$out/e2e-$m-b$c.log" 2>&1
       done
     done
+    # DeepSeek-V2-Lite B=32 after the MLA prefill's per-layer host syncs were removed (against
+    # run-deepseek-b32-moe-warm-session10: TTFT p50 301 ms, mixed steps 57 ms)
+    timeout 120 python3 -m opmap.cli run --model deepseek-v2-lite --max-num-seqs 32 --num-requests 32 \
+      --input-len 512 --output-len 128 --no-progress --json "$out/run-deepseek-b32.json" > "$out/run-deepseek-b32.log" 2>&1
     # 64-token pages for a GQA model: the TMA prefill (19-22% faster than the gather kernel at
     # S >= 4096) against 16-token pages, TTFT and TPOT at B=1 / 1024 and B=32 / 512
     for pg in 16 64; do
