@@ -13,7 +13,7 @@
 #   scripts/gpu_session.sh fi-bench OUTDIR     # sampling, GQA decode and prefill quick grids with FlashInfer's
 #                                              # rows from .whl/flashinfer-aot.tar.xz (scripts/build_flashinfer_aot.sh)
 #   scripts/gpu_session.sh sampling-full OUTDIR # the full sampling grid with FlashInfer's rows (~5 min)
-#   scripts/gpu_session.sh e2e10 OUTDIR        # e2e llama3 / qwen3 B=1 and 32 with the start-up warm-up; llama3 pages 16 vs 64
+#   scripts/gpu_session.sh e2e10 OUTDIR        # B=32 e2e llama3 / qwen3, deepseek run, with the start-up fixes; llama3 pages 16 vs 64
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
@@ -165,26 +165,22 @@ case $part in
       > "$out/mla.log" 2>&1 ;;
   e2e10)
     # After the tenth session (docs/results-2026-11-30.md, "The next GPU session"): the engine's
-    # start-up warm-up and MoE tuning, end to end (one process per run; no HF: its figures are in
-    # the seventh session's files). ~6 min.
+    # start-up warm-up, MoE tuning and host-sync-free MLA prefill, end to end at B=32 (one process
+    # per run; no HF: its figures are in the seventh session's files). ~5 min.
     for m in llama3-8b qwen3-30b-a3b; do
-      for c in 1 32; do
-        timeout 150 python3 -m opmap.bench.cases.e2e --model $m --case $c --no-hf --out "$out/e2e-$m-b$c" \
-          > "$out/e2e-$m-b$c.log" 2>&1
-      done
+      timeout 130 python3 -m opmap.bench.cases.e2e --model $m --case 32 --no-hf --out "$out/e2e-$m-b32" \
+        > "$out/e2e-$m-b32.log" 2>&1
     done
-    # DeepSeek-V2-Lite B=32 after the MLA prefill's per-layer host syncs were removed (against
-    # run-deepseek-b32-moe-warm-session10: TTFT p50 301 ms, mixed steps 57 ms)
-    timeout 120 python3 -m opmap.cli run --model deepseek-v2-lite --max-num-seqs 32 --num-requests 32 \
+    # DeepSeek-V2-Lite B=32 (against run-deepseek-b32-moe-warm-session10: TTFT p50 301 ms, mixed
+    # steps 57 ms, with the MLA prefill reading its lengths from the device in every layer)
+    timeout 100 python3 -m opmap.cli run --model deepseek-v2-lite --max-num-seqs 32 --num-requests 32 \
       --input-len 512 --output-len 128 --no-progress --json "$out/run-deepseek-b32.json" > "$out/run-deepseek-b32.log" 2>&1
     # 64-token pages for a GQA model: the TMA prefill (19-22% faster than the gather kernel at
-    # S >= 4096) against 16-token pages, TTFT and TPOT at B=1 / 1024 and B=32 / 512
+    # S >= 4096) against 16-token pages, TTFT at B=1 / 1024 tokens
     for pg in 16 64; do
-      for b in 1 32; do
-        timeout 90 python3 -m opmap.cli run --model llama3-8b --page-size $pg --max-num-seqs $b --num-requests $b \
-          --input-len $((b == 1 ? 1024 : 512)) --output-len 128 --no-progress --json "$out/run-llama3-p$pg-b$b.json" \
-          > "$out/run-llama3-p$pg-b$b.log" 2>&1
-      done
+      timeout 80 python3 -m opmap.cli run --model llama3-8b --page-size $pg --max-num-seqs 1 --num-requests 4 \
+        --input-len 1024 --output-len 64 --no-progress --json "$out/run-llama3-p$pg-b1.json" \
+        > "$out/run-llama3-p$pg-b1.log" 2>&1
     done ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
