@@ -100,7 +100,7 @@ def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
     # TMA at three stages, two programs per SM (_per_sm). H200, 16 heads, same file: B=64/4096
     # 94.2 us (0.75 of the read ceiling) against 64-token tiles at two stages' 105.3 (the pointer
     # kernel: 128.1), B=1/32k 30.1 against 31.8.
-    # Pages that are not a multiple of 32 (and fp8, sparse) fall back to the pointer kernel.
+    # Pages that are not a multiple of 64 (and fp8, sparse) fall back to the pointer kernel.
     return (16, 32, 4, 3, "tma")
 
 
@@ -274,6 +274,8 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
         from . import decode_tma
 
         why = "sparse" if indices is not None else decode_tma.usable(cache, q_nope, R, Dr, bn)
+        if default and not why and cache.shape[1] % 64:
+            why = "the default takes the TMA kernel on pages of 64 or more, the ones its GPU tests cover"
         if why and default:  # what the TMA kernel cannot read, the pointer kernel's own config serves
             bh, bn, warps, stages = _pointer_config(H, R, B)
             how, tma = [], False
