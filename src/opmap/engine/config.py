@@ -23,9 +23,7 @@ class EngineConfig:
     """Knobs of the engine (not of the model)."""
 
     dtype: str = "auto"  # auto = bf16 on a GPU, fp32 on the CPU
-    # Tokens per KV page; None: 64 for MLA models (the MLA decode's TMA kernel tiles 64 keys of one
-    # page: 107 against 128 us at 16 heads, B=64 / 4096 on the H200; docs/mla.md), 16 otherwise.
-    page_size: Optional[int] = None
+    page_size: Optional[int] = None  # tokens per KV page; None: the model's (ModelConfig.default_page_size)
     max_num_seqs: int = 64  # sequences per step (and the largest CUDA-graph bucket)
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
     max_model_len: Optional[int] = None  # None = the model's max_position
@@ -58,7 +56,7 @@ class EngineConfig:
     def for_model(self, cfg) -> "EngineConfig":
         """The page size resolved for a model (see ``page_size``)."""
         if self.page_size is None:
-            self.page_size = 64 if getattr(cfg, "is_mla", False) else 16
+            self.page_size = cfg.default_page_size
         return self
 
     def validate(self) -> None:
