@@ -68,9 +68,7 @@ class LLM:
         self.tokenizer = tokenizer or make_tokenizer(path, cfg.vocab)
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path)
         self.max_model_len = self.runner.max_model_len
-        self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
-        self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
-                                   self.ecfg.chunked_prefill)
+        self._new_scheduling()
         self.sampler = Sampler(cfg.vocab, self.runner.device, self.runner.arch, self.ecfg.backends,
                                trace=self.ecfg.trace_ops)
         for line in self.sampler.condensed():
@@ -105,6 +103,12 @@ class LLM:
         if self.ecfg.warmup if self.ecfg.warmup is not None else self.runner.device.type == "cuda":
             self.warmup_s = self._warm_up()
 
+    def _new_scheduling(self) -> None:
+        """An empty page allocator (and prefix cache) and the scheduler over it."""
+        self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
+        self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
+                                   self.ecfg.chunked_prefill)
+
     def _warm_up(self) -> float:
         """Two requests before the first real one: a 3-token prompt and one a little longer than
         the step's token budget, so that the steps run are a prefill of two sequences, a mixed
@@ -127,9 +131,7 @@ class LLM:
         self.warmup_steps = dict(self.stats.steps)
         if any(o.error for o in outs):  # e.g. a model length too short for the long prompt
             log.warning("warm-up: %s", "; ".join(str(o.error) for o in outs if o.error))
-        self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
-        self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
-                                   self.ecfg.chunked_prefill)
+        self._new_scheduling()
         self.stats = StepStats()
         self.last_summary = None
         took = time.perf_counter() - t0

@@ -126,13 +126,14 @@ class ModelRunner:
         self._copied = None  # CUDA event after the last step's copies out of the pinned buffers
 
     def _fill(self, items, pad_to: int = 0):
-        """Host metadata -> device buffers; returns (T, B, block-table width, rows that sample).
-        The pinned staging tensors are written through numpy views (no per-row tensors)."""
+        """Host metadata -> device buffers; returns (T, B, block-table width, rows that sample,
+        (longest query chunk, longest sequence)). The pinned staging tensors are written through
+        numpy views (no per-row tensors)."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's host->device copies have read the pinned buffers
         page = self.page
         ids, pos, slots, lens, cu, rows = [], [], [], [], [0], []
-        width = 1
+        width = longest_q = 1
         for it in items:
             s, n, a = it.seq, it.num_tokens, it.start
             bt = s.block_table
@@ -147,6 +148,7 @@ class ModelRunner:
             lens.append(a + n)
             cu.append(cu[-1] + n)
             width = max(width, len(bt))
+            longest_q = max(longest_q, n)
             if it.samples:
                 rows.append(cu[-1] - 1)
         T, B = len(ids), len(items)
@@ -176,7 +178,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return T, B, width, rows
+        return T, B, width, rows, (longest_q, max(lens, default=1))
 
     def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None,
               longest=(None, None)) -> Step:
@@ -202,7 +204,7 @@ class ModelRunner:
         items = batch.items
         if batch.is_decode:
             bs = self.bucket_for(len(items))
-            T, B, _, rows = self._fill(items, pad_to=bs)
+            T, B, _, rows, _ = self._fill(items, pad_to=bs)
             if dev_ids is not None:
                 # Queued after _fill's host->device copy of the placeholder ids, so it wins.
                 self.input_ids[:B].copy_(dev_ids[:B], non_blocking=True)
@@ -217,9 +219,8 @@ class ModelRunner:
             # _fill already copied ``rows`` into logits_idx (queued, non-blocking): indexing with a
             # fresh torch.tensor(rows, device=...) would copy from pageable memory and synchronise.
             return logits[:B] if len(rows) == B else logits[self.logits_idx[:len(rows)]]
-        T, B, width, rows = self._fill(items)
+        T, B, width, rows, longest = self._fill(items)
         ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
-        longest = (max(it.num_tokens for it in items), max(it.start + it.num_tokens for it in items))
         if not rows:
             self._forward_no_logits(ops, self._step(T, B, width, False, 0, longest=longest))
             return None
@@ -284,15 +285,12 @@ class ModelRunner:
         c, P = self.cfg, self.model.params
         layer = next(i for i in range(c.layers) if f"{i}.w13" in P)
         t0 = time.perf_counter()
-        done = set()
-        for ops in self.ops.values():
-            if ops.moe_warm_up is None or ops.moe_warm_up in done:
-                continue
-            done.add(ops.moe_warm_up)
+        # the prefill and mixed op sets: one call per distinct backend entry
+        for warm_up in {ops.moe_warm_up for ops in self.ops.values()} - {None}:
             with torch.inference_mode():
-                n = ops.moe_warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, router=c.router,
-                                    renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                                    routed_scaling=c.routed_scaling)
+                n = warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, router=c.router,
+                            renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
+                            routed_scaling=c.routed_scaling)
             torch.cuda.synchronize()
             log.info("MoE kernels tuned for %d token counts up to %d in %.1f s", n, self.max_tokens,
                      time.perf_counter() - t0)
