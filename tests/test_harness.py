@@ -203,6 +203,14 @@ def test_bench_case_filters_and_provider_reasons():
     assert not bench_runner.keep(case, ["gemm"], None)
     assert bench_runner.keep(case, ["rmsnorm.fu"], None)  # a prefix of the name, not only whole parts
     assert bench_runner.keep(case, None, {"rmsnorm", "gemm"}) and not bench_runner.keep(case, None, {"gemm"})
+    # --provider: exact names; a case left with no provider is dropped, the others keep theirs only
+    other = BenchCase("gemm", "M=1", 0, 1, setup=lambda d: None, providers=[prov_ok])
+    kept = bench_runner.only_providers([case, other], ["opmap-triton", "peer"])
+    assert [c.case for c in kept] == ["T=1,H=4096"]
+    assert [p.name for p in kept[0].providers] == ["peer", "opmap-triton"]
+    assert [p.name for p in case.providers] == ["torch", "peer", "opmap-triton"]  # the case itself unchanged
+    assert bench_runner.only_providers([case], None) == [case]
+    assert bench_runner.only_providers([case], ["opmap-triton[bh=16]"]) == []
     from opmap.specs import AttentionSpec
 
     mla_case = BenchCase("attention.mla_decode", "B=1", 1, 1, setup=lambda d: None, providers=[prov_ok],

@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--op", action="append", help="only bench ops whose name starts with this (repeatable; e.g. attention, attention.mla)")
     b.add_argument("--model", help="only the cases of the ops of this preset")
     b.add_argument("--quick", action="store_true")
+    b.add_argument("--provider", action="append", metavar="NAME",
+                   help="only the providers of this exact name (repeatable; e.g. opmap-triton for our default "
+                        "without its [config] variants, flashinfer)")
     b.add_argument("--out", default="bench/results", metavar="DIR")
     b.add_argument("--no-png", action="store_true", help="skip the roofline PNG")
     b.set_defaults(func=cmd_bench)

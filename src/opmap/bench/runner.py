@@ -3,6 +3,7 @@ as a fraction of this GPU's measured ceilings; results to bench/results/<date>-<
 + roofline .png. On a machine without a GPU it says so and writes nothing."""
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from typing import Optional
@@ -136,9 +137,24 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
     return recs, skipped
 
 
-def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None) -> dict:
+def only_providers(cases: list[BenchCase], names: Optional[list]) -> list[BenchCase]:
+    """The cases with only the providers named (exact names, e.g. "opmap-triton" for our default
+    and not its "opmap-triton[...]" variants); cases left with none are dropped."""
+    if not names:
+        return cases
+    out = []
+    for c in cases:
+        provs = [p for p in c.providers if p.name in names]
+        if provs:
+            out.append(dataclasses.replace(c, providers=provs))
+    return out
+
+
+def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None,
+          providers: Optional[list] = None) -> dict:
     """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
-    JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed."""
+    JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed.
+    ``providers``: only these providers (``only_providers``)."""
     from .. import hw, presets
     from .report import environment
 
@@ -150,12 +166,13 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
         mla = cfg.is_mla
     cases, errors = collect(quick)
-    cases = [c for c in cases if keep(c, ops, model_ops, mla)]
+    cases = only_providers([c for c in cases if keep(c, ops, model_ops, mla)], providers)
     results, skipped = [], []
     device = torch.device("cuda")
 
     def doc(**extra) -> dict:
-        return {"environment": environment(ceil), "quick": quick, "model": model, "results": results,
+        return {"environment": environment(ceil), "quick": quick, "model": model, "providers": providers,
+                "results": results,
                 "skipped": skipped, "load_errors": errors, **extra}
 
     for i, c in enumerate(cases):
@@ -205,7 +222,7 @@ def main(args) -> int:
     info = hw.detect()
     if info.kind != "cuda":
         cases, errors = collect(args.quick)
-        n = sum(keep(c, args.op, None) for c in cases)
+        n = len(only_providers([c for c in cases if keep(c, args.op, None)], args.provider))
         print(f"opmap bench: GPU timings need a GPU, and this machine has none ({info.name}, arch cpu).\n"
               f"Nothing was timed and no result file was written ({n} benchmark cases are defined; "
               "run `opmap bench` on a CUDA GPU to time them).")
@@ -216,7 +233,7 @@ def main(args) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "bench-partial.json")
-    doc = bench(args.op, args.model, args.quick, partial=partial)
+    doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider)
     print_table(doc)
     if not doc["results"]:
         print("no benchmark result (no case matched, or no provider could run)")
