@@ -198,6 +198,18 @@ case $part in
     timeout 250 python3 -m opmap.cli bench --op attention.mla --provider opmap-triton --provider flashinfer \
       --provider "torch-sdpa (contiguous latent)" --provider torch-gather+sdpa --provider torch-sdpa \
       --out "$out/mla-full" > "$out/mla-full.log" 2>&1 ;;
+  mem11)
+    # Where the engine's memory goes after the KV plan (the engine test's second engine ran out of
+    # memory in its start-up warm-up), with FlashInfer off and on; then the B=32 profiles: Llama-3
+    # (5.1 ms decode steps against the 3.48 ms weight floor) and DeepSeek-V2-Lite (mixed steps
+    # of 52 ms whose host time is all forward: 51 ms, waiting 0.02).
+    timeout 90 python3 scripts/probes/engine_memory.py > "$out/engine-memory.log" 2>&1
+    (unset NO_FLASHINFER; . scripts/gpu_env.sh; FLASHINFER_DISABLE_JIT=1 timeout 90 python3 scripts/probes/engine_memory.py) \
+      > "$out/engine-memory-fi.log" 2>&1
+    timeout 100 python3 -m opmap.cli profile --model llama3-8b --max-num-seqs 32 --num-requests 32 \
+      --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b32.log" 2>&1
+    timeout 120 python3 -m opmap.cli profile --model deepseek-v2-lite --max-num-seqs 32 --num-requests 32 \
+      --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-deepseek-v2-lite-b32.log" 2>&1 ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
