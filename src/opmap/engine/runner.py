@@ -86,6 +86,15 @@ class ModelRunner:
                                for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
+        # The decode workspaces before the KV plan, so that it counts them as this engine's own:
+        # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
+        # the plan's 1 GiB margin, and a second engine sized from free memory ran out of memory in
+        # its start-up warm-up (eleventh session, scripts/probes/engine_memory.py).
+        self.workspace = {}
+        for b, ops in self.decode_ops.items():
+            if ops.make_workspace is not None:
+                width = cfg.kv_lora_rank if cfg.is_mla else cfg.head_dim
+                self.workspace[b] = ops.make_workspace(b, cfg.heads, width, device=self.device)
         self.num_pages = self._size_kv()
         self.moe_warm_s = self._warm_moe()
         cap = self.num_pages * self.page
@@ -98,11 +107,6 @@ class ModelRunner:
         self.kv = self.model.make_kv(self.num_pages, self.page)
         self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), self.max_model_len, cfg.rope_theta,
                                            cfg.rope_scaling, device=self.device)
-        self.workspace = {}
-        for b, ops in self.decode_ops.items():
-            if ops.make_workspace is not None:
-                width = cfg.kv_lora_rank if cfg.is_mla else cfg.head_dim
-                self.workspace[b] = ops.make_workspace(b, cfg.heads, width, device=self.device)
         self.graphs: dict = {}
         self.graph_errors: dict = {}
         if self.use_graphs:
