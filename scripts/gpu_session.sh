@@ -210,6 +210,18 @@ case $part in
       --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-llama3-8b-b32.log" 2>&1
     timeout 120 python3 -m opmap.cli profile --model deepseek-v2-lite --max-num-seqs 32 --num-requests 32 \
       --input-len 512 --output-len 128 --steps 60 --kernels 25 > "$out/profile-deepseek-v2-lite-b32.log" 2>&1 ;;
+  ab11)
+    # The 16-head MLA decode's split count at B=1 and 16; Llama-3-8B B=32 with the decode GEMMs
+    # split along K from 64 tiles (N = 4096; 448-tile gate/up unchanged), and with cuBLAS for them.
+    timeout 80 python3 scripts/probes/mla_splits.py > "$out/mla-splits.log" 2>&1
+    for v in default split1 cublas; do
+      extra=(); envs=()
+      [ $v = split1 ] && envs=(OPMAP_GEMM_SPLIT_BELOW=1)
+      [ $v = cublas ] && extra=(--backend gemm=cublas)
+      env "${envs[@]}" timeout 100 python3 -m opmap.cli run --model llama3-8b --max-num-seqs 32 --num-requests 32 \
+        --input-len 512 --output-len 128 --no-progress "${extra[@]}" --json "$out/run-llama3-b32-$v.json" \
+        > "$out/run-llama3-b32-$v.log" 2>&1
+    done ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
