@@ -222,6 +222,14 @@ case $part in
         --input-len 512 --output-len 128 --no-progress "${extra[@]}" --json "$out/run-llama3-b32-$v.json" \
         > "$out/run-llama3-b32-$v.log" 2>&1
     done ;;
+  compiles11)
+    # Which kernels compile where in a Llama-3-8B B=32 run, twice on one machine (fresh disk cache,
+    # then warm): the default run spent 11.9 s in its warm-up and ~0.5 s per mixed step.
+    for i in 1 2; do
+      TRITON_PRINT_AUTOTUNING=1 timeout 100 python3 scripts/probes/compile_log.py run --model llama3-8b --max-num-seqs 32 \
+        --num-requests 32 --input-len 512 --output-len 128 --no-progress --json "$out/run-llama3-b32-$i.json" \
+        > "$out/compiles-llama3-b32-$i.log" 2>&1
+    done ;;
   flashinfer)
     STEPS=flashinfer scripts/gpu.sh "$out" ;;
   *) echo "unknown part $part"; exit 2 ;;
