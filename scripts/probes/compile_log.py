@@ -21,7 +21,8 @@ def listener(*, src, metadata, metadata_group, times, cache_hit):
     total = times.total / 1e6  # microseconds
     print(f"[compile] t={time.perf_counter() - T0:7.2f}s {metadata.get('name', '?'):40s} "
           f"{'disk cache' if cache_hit else f'compiled in {total:.2f} s'} "
-          f"in {'/'.join(where) or 'other'}{' (step)' if step else ''}", file=sys.stderr, flush=True)
+          f"in {'/'.join(where) or 'other'}{' (step)' if step else ''} "
+          f"attrs={str(getattr(src, 'attrs', ''))[:160]}", file=sys.stderr, flush=True)
 
 
 knobs.compilation.listener = listener

@@ -110,10 +110,10 @@ class LLM:
                                    self.ecfg.chunked_prefill)
 
     def _warm_up(self) -> float:
-        """Two requests before the first real one: a 3-token prompt and one a little longer than
-        the step's token budget, so that the steps run are a prefill of two sequences, a mixed
-        step (a decode beside the long prompt's last chunk) and decode steps, sampled greedily and
-        with top-k / top-p. The kernel variants they launch (Triton compiles one per
+        """Requests before the first real one: a 3-token prompt and one a little longer than the
+        step's token budget, so that the steps run are a prefill of two sequences, a mixed step (a
+        decode beside the long prompt's last chunk) and decode steps, sampled greedily and with
+        top-k / top-p; then the same with 16 short prompts beside the long one (below). The kernel variants they launch (Triton compiles one per
         specialisation of its integer arguments: a batch of 1 or more, lengths divisible by 16 or
         not) are then compiled before any request waits on them: a Qwen3-30B-A3B run at batch 32
         without it spent 1.21 s in its first prefill step and 415 ms per mixed step, against
@@ -124,10 +124,18 @@ class LLM:
         t0 = time.perf_counter()
         g = random.Random(0)
         long = max(4, min(self.ecfg.max_num_batched_tokens + 8, self.max_model_len - 4))
-        prompts = [[g.randrange(self.cfg.vocab) for _ in range(n)] for n in (3, long)]
-        params = [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
-                  SamplingParams(max_tokens=3, temperature=0.8, top_k=20, top_p=0.9, seed=0, ignore_eos=True)]
-        outs = self.generate(prompts, params)
+        greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=3, temperature=0.8, top_k=20, top_p=0.9, seed=0, ignore_eos=True)
+        # Round 2: 16 short prompts of lengths 3..18 beside a long one, so that steps of 16 and 17
+        # rows, 16 decode rows beside a chunk, and token counts of both residues mod 16 are run
+        # too (Triton compiles separate variants for integer arguments divisible by 16). With
+        # round 1 alone, a fresh machine's Llama-3-8B B=32 run compiled five more prefill and
+        # decode kernel variants inside its mixed steps: 3.5 s of TTFT (scripts/probes/compile_log.py).
+        short = min(16, max(self.ecfg.max_num_seqs - 1, 0))
+        outs = []
+        for lens in ((3, long), (*range(3, 3 + short), long)):
+            prompts = [[g.randrange(self.cfg.vocab) for _ in range(n)] for n in lens]
+            outs += self.generate(prompts, [greedy if i % 2 == 0 else sampled for i in range(len(prompts))])
         self.warmup_steps = dict(self.stats.steps)
         if any(o.error for o in outs):  # e.g. a model length too short for the long prompt
             log.warning("warm-up: %s", "; ".join(str(o.error) for o in outs if o.error))
