@@ -88,7 +88,10 @@ def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
     return chunk, (E + chunk - 1) // chunk
 
 
-@triton.jit
+# max_splits and min_chunk come from the batch size (auto plan): not specialized, so that every
+# batch of a run launches the one binary the start-up compiled (Triton compiles a variant per
+# integer that is 1 or a multiple of 16; tests/test_engine_triton.py checks the engine's steps).
+@triton.jit(do_not_specialize=["max_splits", "min_chunk"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
                    scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
@@ -208,7 +211,7 @@ def _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_
         tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_splits", "min_chunk"])
 def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
                     s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
                     DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -261,9 +264,13 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
         splits = auto_max_splits(B, hk, device)
         if splits == 1:
             return 0, MIN_CHUNK, 1, None, None
-        # A split plan needs partial buffers; without a workspace they are allocated here.
-        return (0, auto_min_chunk(B, hk, device), splits, torch.empty(B, hq, splits, dv, dtype=torch.float32, device=device),
-                torch.empty(B, hq, splits, dtype=torch.float32, device=device))
+        # A split plan needs partial buffers; without a workspace they are allocated here, with
+        # room for MAX_SPLITS_AUTO whatever this batch uses, so that their strides (kernel
+        # arguments, specialized) are the same for every batch size: one binary for all of them.
+        # Splits happen below ~2 programs per SM only (B * Hk < 2 * SMs): a few MB.
+        room = max(splits, MAX_SPLITS_AUTO)
+        return (0, auto_min_chunk(B, hk, device), splits, torch.empty(B, hq, room, dv, dtype=torch.float32, device=device),
+                torch.empty(B, hq, room, dtype=torch.float32, device=device))
     expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
            "a DecodeWorkspace from make_workspace")
     expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=device)
@@ -331,7 +338,9 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
             PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             **pdl.launch(q.device))
     if splits > 1:
-        s_p = triton.next_power_of_2(splits)
+        # sized by the partial buffers' most splits (the workspace's), not this batch's: one
+        # binary for every batch size
+        s_p = triton.next_power_of_2(po4.shape[2])
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
                                  out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
                                  pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],

@@ -68,7 +68,7 @@ def _box(K_DESC, V_DESC, page, s0, start0, end, kvh, PAGE: tl.constexpr, SUB: tl
     return k, v, (j >= tl.maximum(s0, start0)) & (j < e)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_splits", "min_chunk"])  # per batch size (decode._decode_kernel)
 def _decode_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
                        scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                        s_qb, s_qh, s_ob, s_oh, s_bt, s_pob, s_poh, s_pos, s_plb, s_plh,

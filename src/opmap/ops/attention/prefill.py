@@ -169,7 +169,8 @@ def _kv_range(L, q_len, local, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.conste
     return kv_lo, full_end, kv_hi
 
 
-@triton.jit
+# B (sequences in the step) varies per step: not specialized (see decode._decode_kernel)
+@triton.jit(do_not_specialize=["B"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr,
                     scale, soft_cap, window, B,
                     s_qt, s_qh, s_ot, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,

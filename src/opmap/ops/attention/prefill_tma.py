@@ -63,7 +63,7 @@ def _tile_tma(acc, l_i, m_i, q, K_DESC, V_DESC, page, start, hi, qpos, kvh, qk_s
     return _update(acc, l_i, m_i, s, v, False)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])  # per step (prefill._prefill_kernel)
 def _prefill_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr,
                         scale, soft_cap, window, B, s_qt, s_qh, s_ot, s_oh, s_bt,
                         GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,

@@ -27,7 +27,9 @@ from .validate import check_prefill, scale_value
 CHUNK_BUDGET_BYTES = 512 * 2**20  # expanded K/V of one chunk
 
 
-@triton.jit
+# the chunk's start and length vary per step: not specialized, so that every step launches the
+# binaries the start-up compiled (attention decode._decode_kernel says why)
+@triton.jit(do_not_specialize=["chunk_start", "chunk_len"])
 def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, chunk_len, sm_scale,
                     H, DN, DR, DV,
                     s_qnt, s_qnh, s_qpt, s_qph, s_knb, s_knn, s_knh, s_kpb, s_kpn,

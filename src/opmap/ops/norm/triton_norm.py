@@ -34,7 +34,8 @@ def _norm_rows(v, w, H, eps, dt: tl.constexpr):
     return (v * rstd[:, None]).to(dt).to(tl.float32) * w
 
 
-@triton.jit
+# R (rows: the step's tokens) varies per step: not specialized (see attention decode._decode_kernel)
+@triton.jit(do_not_specialize=["R"])
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R, H, eps,
                     HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr = False):
@@ -86,7 +87,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R,
             tl.store(o_row + offs, y.to(dt), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _qk_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_t, stride_h, R, NH, HQ, D, eps,
                     ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """ROWS (token, head) rows of qk per program, normalised in place; heads < HQ take w_q."""
@@ -124,8 +125,9 @@ def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_hea
 
 def _packing(block: int, R: int) -> tuple:
     """(rows per program, warps) of a one-pass launch: rows shorter than 1024 are packed so that
-    a program holds ~1024 elements."""
-    rows = min(max(1024 // block, 1), triton.next_power_of_2(R))
+    a program holds ~1024 elements. Not cut down to R: the rows past R are masked, and a packing
+    that followed R (the step's tokens) compiled a new binary for each power of two of it."""
+    rows = max(1024 // block, 1)
     return rows, min(max(block * rows // 512, 1), 16)
 
 
