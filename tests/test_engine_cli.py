@@ -121,6 +121,23 @@ def test_analyse_gpu_trace_and_diagnosis():
     assert any(x.strip().startswith("host: 0.200 ms of work + 0.500 ms waiting") for x in P.format_profile(res))
 
 
+def test_analyse_counts_overlapping_kernels_once():
+    """PDL: a kernel launched early overlaps the one before it (it waits inside); the categories
+    count the overlap once, so that they add up to the busy time."""
+    ev = [
+        _x("user_annotation", "opmap::step::decode", 0, 100),
+        _x("kernel", "_gemm_kernel", 10, 40),       # 10-50
+        _x("kernel", "_rmsnorm_kernel", 30, 25),    # launched early: 30-55, its own 50-55
+        _x("kernel", "_decode_kernel", 52, 20),     # 52-72, its own 55-72
+        _x("kernel", "_act_mul_kernel", 60, 5),     # inside the one before: none of its own
+    ]
+    d = P.analyse({"traceEvents": ev})["phases"]["decode"]
+    c = d["by_category"]
+    assert c["GEMM"] == 40 and c["norm"] == 5 and c["attention"] == 17 and c["activation"] == 0
+    assert d["busy_us"] == 62 == sum(c.values())
+    assert sum(d["symbols"]["norm"].values()) == 5
+
+
 def test_categorize_symbols():
     cases = {"_prefill_kernel": "attention", "flash_fwd_kernel": "attention", "_append_kernel": "attention",
              "sm90_xmma_gemm_bf16bf16": "GEMM", "_gemm_kernel": "GEMM", "_grouped_gemm_kernel": "MoE",

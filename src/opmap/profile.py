@@ -83,6 +83,7 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         ph["wall_us"] += s["dur"]
     gpu_ops.sort(key=lambda e: e["ts"])
     op_starts = [o["ts"] for o in gpu_ops]
+    own = _exclusive(kernels)
     for ev in (kernels if on_gpu else cpu_ops):
         s = step_of(ev["ts"])
         if s is None:
@@ -99,8 +100,9 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         else:
             op = _op_of(ev["name"])
             cat, sym = OP_CATEGORY.get(op[0], "other"), f"{op[1]} (host)"
-        ph["by_category"][cat] += ev["dur"]
-        ph["symbols"][cat][sym[:90]] += ev["dur"]
+        t = own[id(ev)] if on_gpu else ev["dur"]
+        ph["by_category"][cat] += t
+        ph["symbols"][cat][sym[:90]] += t
         ph["launches"][sym[:90]] += 1
         if op:
             ph["backends"][cat].add(op[2])
@@ -109,6 +111,20 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         d["busy_us"] = _union_inside(kernels, steps_of_ph) if on_gpu else sum(d["by_category"].values())
         d["idle_us"] = max(d["wall_us"] - d["busy_us"], 0.0) if on_gpu else None
     return {"on_gpu": on_gpu, "phases": phases}
+
+
+def _exclusive(kernels: list) -> dict:
+    """Each kernel's GPU time not already covered by an earlier-starting one (by id). Under PDL a
+    kernel starts before the one it depends on has finished and waits inside (griddepcontrol.wait),
+    so the profiler's durations overlap: summed as they are, an H200 Llama-3-8B B=32 decode step
+    came to 8.5 ms of kernel time in 4.98 ms of busy GPU (eleventh session). These times add up
+    to the busy time, and the waiting is counted once, for the kernel being waited on."""
+    out, end = {}, float("-inf")
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        stop = k["ts"] + k["dur"]
+        out[id(k)] = max(stop - max(k["ts"], end), 0.0)
+        end = max(end, stop)
+    return out
 
 
 def _union_inside(kernels: list, steps: list) -> float:
@@ -237,6 +253,9 @@ def format_kernels(res: dict, top: int = 20) -> list:
 
 def format_profile(res: dict) -> list:
     lines = []
+    if res["on_gpu"]:
+        lines.append("GPU times per kernel exclude what overlaps an earlier kernel (PDL launches early), so the "
+                     "categories add up to the busy time")
     for name, p in res["phases"].items():
         n = max(p["steps"], 1)
         head = f"[{name}] {p['steps']} steps, {p['wall_us'] / n / 1e3:.3f} ms/step host wall"
