@@ -84,16 +84,19 @@ def test_loader_errors_name_the_tensor(tmp_path):
     assert out.sum() == 15 and L2.unused() == []
 
 
-def test_page_size_defaults_to_64_for_mla_models():
-    """MLA models get 64-token pages (the MLA decode's TMA kernel tiles 64 keys of one page), others
-    16; an explicit page size is kept, and the selector's op map follows the same default."""
+def test_page_size_defaults_to_64_for_mla_models_and_on_sm90():
+    """MLA models get 64-token pages (the MLA decode's TMA kernel tiles 64 keys of one page), and
+    every model on sm90 (the TMA prefill's 64-key tiles); others 16. An explicit page size is kept,
+    and the selector's op map follows the same default."""
     from opmap import presets
     from opmap.engine.config import EngineConfig
 
     ds, ll = presets.PRESETS["deepseek-v2-lite"], presets.PRESETS["llama3-8b"]
     assert EngineConfig().for_model(ds).page_size == 64
     assert EngineConfig().for_model(ll).page_size == 16
-    assert EngineConfig(page_size=32).for_model(ds).page_size == 32
-    pages = {spec.page_size for cfg in (ds, ll) for _, _, spec in presets.op_map(cfg, "decode", "sm90")
-             if getattr(spec, "page_size", None)}
-    assert pages == {64, 16}
+    assert EngineConfig().for_model(ll, "sm90").page_size == 64
+    assert EngineConfig().for_model(ll, "sm80").page_size == 16
+    assert EngineConfig(page_size=32).for_model(ds, "sm90").page_size == 32
+    pages = {arch: {spec.page_size for cfg in (ds, ll) for _, _, spec in presets.op_map(cfg, "decode", arch)
+                    if getattr(spec, "page_size", None)} for arch in ("sm90", "sm80")}
+    assert pages == {"sm90": {64}, "sm80": {64, 16}}

@@ -62,9 +62,13 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     oracle's best (opmap.engine.oracle says why exact agreement with HF bf16 is not a criterion:
     random weights give top-2 gaps of a few hundredths). Where the tokens first differ from HF
     bf16 greedy is reported, not asserted."""
-    # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB).
+    # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB) in pages
+    # of the default size (64 on sm90: the TMA prefill).
+    from opmap.hw import local_arch
+
+    page = PRESETS["llama3-8b"].default_page_size(local_arch())
     oracle_parity(PRESETS["llama3-8b"], record_property, (128, 517), 32, max_num_seqs=4,
-                   max_num_batched_tokens=1024, max_model_len=2048, num_pages=4 * 128)
+                   max_num_batched_tokens=1024, max_model_len=2048, num_pages=4 * 2048 // page)
 
 
 def test_profile_attributes_gpu_kernels_to_operators():

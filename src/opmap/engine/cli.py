@@ -33,7 +33,7 @@ def _engine_args(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None,
-                   help="tokens per KV page (default: 64 for MLA models, 16 otherwise)")
+                   help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
     p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
     p.add_argument("--num-pages", type=int, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")

@@ -23,7 +23,7 @@ class EngineConfig:
     """Knobs of the engine (not of the model)."""
 
     dtype: str = "auto"  # auto = bf16 on a GPU, fp32 on the CPU
-    page_size: Optional[int] = None  # tokens per KV page; None: the model's (ModelConfig.default_page_size)
+    page_size: Optional[int] = None  # tokens per KV page; None: the model's on this GPU (ModelConfig.default_page_size)
     max_num_seqs: int = 64  # sequences per step (and the largest CUDA-graph bucket)
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
     max_model_len: Optional[int] = None  # None = the model's max_position
@@ -53,10 +53,10 @@ class EngineConfig:
     # normal cost on the CPU). See LLM._warm_up.
     warmup: Optional[bool] = None
 
-    def for_model(self, cfg) -> "EngineConfig":
-        """The page size resolved for a model (see ``page_size``)."""
+    def for_model(self, cfg, arch: str = "cpu") -> "EngineConfig":
+        """The page size resolved for a model on ``arch`` (see ``page_size``)."""
         if self.page_size is None:
-            self.page_size = cfg.default_page_size
+            self.page_size = cfg.default_page_size(arch)
         return self
 
     def validate(self) -> None:

@@ -19,7 +19,7 @@ from ..ops.sampling.params import SamplingParams
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_model
 from .metrics import HOST_PARTS, GcTimer, StepStats, summarize
-from .runner import ModelRunner
+from .runner import ModelRunner, device_arch
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -61,7 +61,7 @@ class LLM:
         if source is None and path is not None:
             source = SafetensorsSource(path)
         self.cfg = cfg
-        self.ecfg.for_model(cfg)
+        self.ecfg.for_model(cfg, device_arch(self.ecfg.device)[1])
         self.runner = ModelRunner(cfg, self.ecfg, source)
         if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
             tokenizer = HFTokenizer(tokenizer)  # a tokenizers.Tokenizer

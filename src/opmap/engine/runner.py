@@ -40,14 +40,19 @@ def buckets(max_seqs: int) -> list:
     return sorted(set(out))
 
 
+def device_arch(device: Optional[str]) -> tuple:
+    """(torch.device, arch) of an engine's ``device`` setting (None: cuda if available)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return dev, (local_arch() if dev.type == "cuda" else "cpu")
+
+
 class ModelRunner:
     def __init__(self, cfg, ecfg: EngineConfig, source=None):
         self.cfg, self.ecfg = cfg, ecfg
-        self.device = torch.device(ecfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device, self.arch = device_arch(ecfg.device)
         on_gpu = self.device.type == "cuda"
         dt = ecfg.dtype if ecfg.dtype != "auto" else ("bf16" if on_gpu else "fp32")
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
-        self.arch = local_arch() if on_gpu else "cpu"
         self.page = ecfg.page_size
         if on_gpu:
             torch.cuda.synchronize(self.device)
