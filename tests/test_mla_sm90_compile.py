@@ -12,18 +12,23 @@ from opmap.ops.mla import decode_tma as t
 
 sig = {"QN": "*bf16", "QP": "*bf16", "KV_DESC": "tensordesc<bf16[1,64,256]>", "PE_DESC": "tensordesc<bf16[1,64,64]>",
        "SEQ_LENS": "*i32", "TABLES": "*i32", "O": "*bf16", "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32",
-       "sm_scale": "fp32", "H": "i32", "R": "i32", "DR": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32"}
+       "sm_scale": "fp32", "H": "i32", "R": "i32", "DR": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32",
+       "SCALE_PTR": "*fp32", "kv_scale": "fp32"}
 for x in ["s_qnb", "s_qnh", "s_qpb", "s_qph", "s_tb", "s_ob", "s_oh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
     sig[x] = "i32"
 res = {}
 # (BLOCK_H, BLOCK_N, warps, stages): 16 heads with keys as rows; 64 heads with heads as rows
-for bh, bn, w, st in [(16, 32, 4, 3), (64, 32, 8, 3)]:
-    ce = dict(BLOCK_H=bh, BLOCK_RH=256, R_CHUNKS=2, BLOCK_DR=64, BLOCK_N=bn, NUM_SPLITS=4, PAGE=64, KEYS_ROWS=bh < 64)
-    s = dict(sig, KV_DESC=f"tensordesc<bf16[1,{bn},256]>", PE_DESC=f"tensordesc<bf16[1,{bn},64]>")
+# and the 16-head build on an fp8 cache (tiles converted in registers; explicit configs only) on two
+# warpgroups: on one (4 warps) it spills 176 bytes, on two 255 registers and no stack
+for bh, bn, w, st, fp8 in [(16, 32, 4, 3, False), (64, 32, 8, 3, False), (16, 32, 8, 3, True)]:
+    ce = dict(BLOCK_H=bh, BLOCK_RH=256, R_CHUNKS=2, BLOCK_DR=64, BLOCK_N=bn, NUM_SPLITS=4, PAGE=64, KEYS_ROWS=bh < 64,
+              FP8=fp8, SCALE_FROM_PTR=fp8)
+    el = "fp8e4nv" if fp8 else "bf16"
+    s = dict(sig, KV_DESC=f"tensordesc<{el}[1,{bn},256]>", PE_DESC=f"tensordesc<{el}[1,{bn},64]>")
     for x in ce:
         s[x] = "constexpr"
     k = compile_sm90(t._mla_decode_tma_kernel, s, ce, {"num_warps": w, "num_stages": st}, (0, 1, 4, 5, 6, 7, 8, 9))
-    res[f"bh{bh}"] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor")}
+    res[f"bh{bh}" + ("-fp8" if fp8 else "")] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor")}
 print("RESULT " + json.dumps(res))
 '''
 
@@ -35,6 +40,7 @@ def test_tma_kernel_builds_on_wgmma_without_spilling():
     # 64 heads: 128 accumulator registers a thread at 8 warps, q in registers; a 40-byte stack
     assert res["bh64"]["stack"] <= 64 and res["bh64"]["local"] == 0, res["bh64"]
     assert res["bh16"]["wgmma"] >= 2 and res["bh64"]["wgmma"] >= 5, res  # 2 value dots (+ 3 score dots)
+    assert res["bh16-fp8"]["stack"] == 0 and res["bh16-fp8"]["wgmma"] >= 2, res["bh16-fp8"]
     assert 2 * res["bh16"]["shared"] <= 227 * 1024, res["bh16"]  # two programs per SM
     for name, r in res.items():
         assert r["tma"] >= 3, (name, r)  # 3 boxes a tile

@@ -352,10 +352,35 @@ def test_tma_decode_refuses_what_it_cannot_read():
         dec.mla_sparse_decode(*args, sparse_indices([20, 9], 8, gen=g), scale=0.2, config=(4, 16, 4, 2, "tma"))
     with pytest.raises(InputError, match="config"):
         dec.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2, "fast"))
-    f8 = make_cache([20, 9], R, DR, 16, fp8=True, gen=g)
+    f32 = make_cache([20, 9], R, DR, 16, torch.float32, gen=g)
     with pytest.raises(InputError, match="config.*bf16/fp16"):
-        dec.mla_decode(qn, qp, f8.cache, f8.seq_lens, f8.block_tables, scale=0.2, kv_scale=f8.kv_scale,
+        dec.mla_decode(qn.float(), qp.float(), f32.cache, f32.seq_lens, f32.block_tables, scale=0.2,
                        config=(4, 16, 4, 2, "tma"))
+
+
+@pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
+@pytest.mark.parametrize("page,splits,bn", [(16, 3, 16), (64, 2, 32)])
+def test_tma_decode_fp8_cache(page, splits, bn, bh):
+    """An fp8 e4m3 cache through the TMA kernel (explicit config): 1-byte tiles converted to q's
+    dtype in registers, the scale (a [1] tensor, graph-safe, or a float) on the scores and the
+    output; NaN past the lengths is never read. Same results as the reference and the pointer
+    kernel's fp8 path."""
+    g = torch.Generator().manual_seed(47 + page + bh)
+    lens = [0, 1, bn + 1, page + 1, 3 * page + 5]
+    pc = make_cache(lens, R, DR, page, fp8=True, gen=g)
+    _poison_past_lengths(pc, page)
+    qn, qp = _q(len(lens), torch.float16, g)
+    ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
+    for ks in (pc.kv_scale, float(pc.kv_scale)):
+        want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks,
+                              return_lse=True)
+        got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks,
+                             return_lse=True, workspace=ws, config=(bh, bn, 4, 2, "tma"))
+        _check(got, want, torch.float16)
+        assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
+    plain = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=pc.kv_scale,
+                           workspace=ws, config=(4, bn, 4, 2))
+    assert_close(got[0], plain, dtype=torch.float16, what="tma vs pointer kernel, fp8")
 
 
 @pytest.mark.parametrize("h", [16, 64])

@@ -267,3 +267,37 @@ def test_tma_decode_bf16(H, cfg):
     graph.replay()
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
     _agree(out[0], want[0], what="replay")
+
+
+def test_tma_decode_fp8_cache():
+    """The fp8 cache through the TMA kernel at 16 heads, (16, 32, 8, 3, "tma") (the build without a
+    stack; tests/test_mla_sm90_compile.py): NaN past every length, a 32k context, an empty
+    sequence, the scale as a tensor; cosine >= 0.999 against the same cache in bf16, the
+    reference's fp8 result within bf16 noise, and a CUDA-graph replay after re-planning."""
+    cfg = (16, 32, 8, 3, "tma")
+    lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
+    pc = _cache(lens, 64, 48, fp8=True)
+    for b, n in enumerate(lens):
+        if n % 64:
+            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    qn, qp = _q(len(lens), 16, _gen(49))
+    ws = dec.make_workspace(len(lens), 16, R, "cuda", config=cfg)
+    run = lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
+                                 kv_scale=pc.kv_scale, workspace=ws, config=cfg)
+    got = run()
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    _agree(got, want)
+    clean = pc.values.clone()
+    for b, n in enumerate(lens):
+        if n % 64:
+            clean[int(pc.block_tables[b, n // 64]), n % 64:] = 0
+    bf = ref.mla_decode(qn, qp, clean.to(BF), pc.seq_lens, pc.block_tables, scale=SCALE)
+    live = [b for b, n in enumerate(lens) if n]
+    assert cosine(got[live], bf[live]) >= 0.999
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    pc.seq_lens.copy_(torch.tensor([1, 40, 64, 64, 700, 0, 4000, 30000], dtype=torch.int32))
+    graph.replay()
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    _agree(out, want, what="replay")
