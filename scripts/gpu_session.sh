@@ -16,10 +16,12 @@
 #   scripts/gpu_session.sh e2e10 OUTDIR        # B=32 e2e llama3 / qwen3, deepseek run, with the start-up fixes; llama3 pages 16 vs 64
 #   scripts/gpu_session.sh mla11 OUTDIR        # engine GPU tests alone; MLA 16-head decomposition probe; the full MLA grid
 #                                              # (default, FlashInfer and the torch peers only) (~8 min)
+#   scripts/gpu_session.sh check12 OUTDIR      # after the eleventh session: GPU tests of every changed family (engine alone),
+#                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -184,6 +186,20 @@ case $part in
         --input-len 1024 --output-len 64 --no-progress --json "$out/run-llama3-p$pg-b1.json" \
         > "$out/run-llama3-p$pg-b1.log" 2>&1
     done ;;
+  check12)
+    # After the eleventh session (docs/results-2026-11-30.md, "The next GPU session"): kernels'
+    # per-step integers no longer specialized, combine/partials/norm packing sized independent of the
+    # batch, the fp8 MLA TMA path, 64-token pages on sm90 by default, the two-round warm-up.
+    # Test lanes in parallel (correctness only); the engine file alone afterwards (its memory tests
+    # size the cache from free memory).
+    STEPS=tests TEST_TIMEOUT=280 TEST_LANES="tests/gpu/test_attention_gpu.py tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_mla_gpu.py|tests/gpu/test_dense_gpu.py tests/gpu/test_parity_gpu.py" \
+      timeout 300 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_engine_gpu.py > "$out/tests-engine.log" 2>&1
+    # First-use compiles on an empty Triton cache: none expected inside generate's steps now.
+    TRITON_CACHE_DIR=/tmp/triton-fresh-$$ timeout 80 python3 scripts/probes/compile_log.py run --model llama3-8b \
+      --max-num-seqs 32 --num-requests 32 --input-len 512 --output-len 128 --no-progress \
+      --json "$out/run-llama3-b32-fresh-cache.json" > "$out/compiles-llama3-b32-fresh-cache.log" 2>&1
+    timeout 60 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1 ;;
   mla11)
     # Eleventh session. The engine's GPU tests alone: in the verify call beside the sanitizer,
     # test_second_engine_sized_from_free_memory ran out of memory (the sanitizer's processes took
