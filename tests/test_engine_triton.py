@@ -95,8 +95,8 @@ def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, 
         return run(batch, *a, **kw)
 
     llm.runner.run = tracked
-    prompts = random_prompts(cfg.vocab, [16] * 6 + [13, 21, 30, 5, 16, 40], seed=4)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    prompts = random_prompts(cfg.vocab, [16] * 4 + [13, 21, 30, 5, 40], seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert all(o.error is None for o in outs)
     steps = llm.stats.steps
     assert steps["prefill"] >= 1 and steps["mixed"] >= 2, steps
