@@ -22,6 +22,9 @@ CASES = [("qwen2.5-7b", None, 32), ("qwen3-8b", None, 32), ("mixtral-8x7b", 4, 1
 @torch.no_grad()
 @pytest.mark.parametrize("name,layers,n_new", CASES, ids=[c[0] for c in CASES])
 def test_bf16_within_bf16_noise_of_fp32_oracle(name, layers, n_new, record_property):
+    from opmap.hw import local_arch
+
     cfg = PRESETS[name] if layers is None else dataclasses.replace(PRESETS[name], layers=layers)
+    page = cfg.default_page_size(local_arch())  # 64 on sm90: 4 x 2048 tokens either way
     oracle_parity(cfg, record_property, (96, 333), n_new, max_num_seqs=4, max_num_batched_tokens=1024,
-                  max_model_len=2048, num_pages=4 * 128)
+                  max_model_len=2048, num_pages=4 * 2048 // page)
