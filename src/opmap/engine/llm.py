@@ -113,12 +113,11 @@ class LLM:
         """Requests before the first real one: a 3-token prompt and one a little longer than the
         step's token budget, so that the steps run are a prefill of two sequences, a mixed step (a
         decode beside the long prompt's last chunk) and decode steps, sampled greedily and with
-        top-k / top-p; then the same with 16 short prompts beside the long one (below). The kernel variants they launch (Triton compiles one per
-        specialisation of its integer arguments: a batch of 1 or more, lengths divisible by 16 or
-        not) are then compiled before any request waits on them: a Qwen3-30B-A3B run at batch 32
-        without it spent 1.21 s in its first prefill step and 415 ms per mixed step, against
-        69 and 73 ms once warm (tenth session). The prefix cache and the counters start empty
-        after it. Seconds taken."""
+        top-k / top-p; then the same with 16 short prompts beside the long one (below). The kernel
+        variants they launch are then compiled before any request waits on them: a Qwen3-30B-A3B
+        run at batch 32 without it spent 1.21 s in its first prefill step and 415 ms per mixed
+        step, against 69 and 73 ms once warm (tenth session). The prefix cache and the counters
+        start empty after it. Seconds taken."""
         import random
 
         t0 = time.perf_counter()
@@ -127,10 +126,10 @@ class LLM:
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         sampled = SamplingParams(max_tokens=3, temperature=0.8, top_k=20, top_p=0.9, seed=0, ignore_eos=True)
         # Round 2: 16 short prompts of lengths 3..18 beside a long one, so that steps of 16 and 17
-        # rows, 16 decode rows beside a chunk, and token counts of both residues mod 16 are run
-        # too (Triton compiles separate variants for integer arguments divisible by 16). With
-        # round 1 alone, a fresh machine's Llama-3-8B B=32 run compiled five more prefill and
-        # decode kernel variants inside its mixed steps: 3.5 s of TTFT (scripts/probes/compile_log.py).
+        # rows, 16 decode rows beside a chunk, and token counts of both residues mod 16 run too:
+        # what still varies per step after the kernels stopped specializing the step's integers
+        # (e.g. the MoE route-align tile over a step's tokens; without this round
+        # tests/test_engine_triton.py finds Qwen3-MoE's mixed steps launching new variants).
         short = min(16, max(self.ecfg.max_num_seqs - 1, 0))
         outs = []
         for lens in ((3, long), (*range(3, 3 + short), long)):
