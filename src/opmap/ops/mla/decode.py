@@ -117,6 +117,26 @@ def _pointer_config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, 
 
 
 @triton.jit
+def _cache_scale(SCALE_PTR, kv_scale, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr):
+    """An fp8 cache's scale (from a [1] tensor, graph-safe, or a float argument); 1 otherwise."""
+    ks = 1.0
+    if FP8:
+        if SCALE_FROM_PTR:
+            ks = tl.load(SCALE_PTR)
+        else:
+            ks = kv_scale
+    return ks
+
+
+def scale_args(cache, kv_scale, unused_ptr):
+    """(FP8, SCALE_FROM_PTR, SCALE_PTR, kv_scale float) launch arguments of ``_cache_scale``;
+    ``unused_ptr``: any tensor, passed where no scale pointer is read."""
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
+    return fp8, from_ptr, kv_scale if from_ptr else unused_ptr, float(kv_scale) if fp8 and not from_ptr else 1.0
+
+
+@triton.jit
 def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
           BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGE: tl.constexpr):
     """Cache row offsets of the key tile at ``n0`` and which of them are valid (in range, a
@@ -177,13 +197,7 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                  mask=mh[:, None] & mr[None, :], other=0.0)
     qp = tl.load(QP + b * s_qpb + offs_h[:, None] * s_qph + offs_d[None, :],
                  mask=mh[:, None] & md[None, :], other=0.0)
-    if FP8:
-        if SCALE_FROM_PTR:
-            ks = tl.load(SCALE_PTR)
-        else:
-            ks = kv_scale
-    else:
-        ks = 1.0
+    ks = _cache_scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
     qk_scale = sm_scale * ks * 1.4426950408889634  # exp2 domain; the fp8 scale folds in here
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
@@ -297,9 +311,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     S = workspace.num_splits
     split_min = max(workspace.split_min, bn)
     sparse = indices is not None
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
-    scale_ptr = kv_scale if from_ptr else seq_lens  # any pointer when unused
+    fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
@@ -309,7 +321,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     else:
         _mla_decode_kernel[grid](
             q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,
-            out, lse, po, pl, float(scale), float(kv_scale) if fp8 and not from_ptr else 1.0,
+            out, lse, po, pl, float(scale), ks_value,
             H, R, Dr, block_tables.shape[1], cache.shape[0], k_sparse, split_min,
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
             cache.stride(1), block_tables.stride(0), indices.stride(0) if sparse else 0,

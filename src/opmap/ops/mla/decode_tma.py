@@ -31,9 +31,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..attention.merge import _softmax_step
-from .decode import _split_range
-
-MAX_BOX = 256  # a TMA box is at most 256 elements along each dimension
+from ..attention.tma import MAX_BOX
+from .decode import _cache_scale, _split_range, scale_args
 
 
 def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
@@ -185,12 +184,8 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         acc0 = tl.zeros([BLOCK_H, BLOCK_RH], tl.float32)
     acc1 = acc0
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-    ks = 1.0
+    ks = _cache_scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
     if FP8:  # the cache scale folds into the scores' scale
-        if SCALE_FROM_PTR:
-            ks = tl.load(SCALE_PTR)
-        else:
-            ks = kv_scale
         qk_scale = qk_scale * ks
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
@@ -257,12 +252,11 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     kv_desc, pe_desc = descriptors(cache, R, Dr, bn, block_rh, block_dr)
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
+    fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
     _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
         q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, out, lse, po, pl, float(scale),
         H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
-        kv_scale if from_ptr else seq_lens, float(kv_scale) if fp8 and not from_ptr else 1.0,
+        scale_ptr, ks_value,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
