@@ -79,6 +79,31 @@ def test_decode_fp8_cache():
     assert cosine(got, unq) >= 0.999
 
 
+def test_decode_fp8_cache_queries_at_the_edge_of_fp16():
+    """On an fp8 cache the pointer kernel's dots run in fp16 (the GPU converts the tiles with
+    cvt.rn.f16x2.e4m3x2), with q divided by a power of two where it would not fit fp16: queries up to
+    6e4 (factor 2 here) give the reference's result. The "cast" config (the dots in q's own dtype,
+    as before) gives it too."""
+    g = torch.Generator().manual_seed(19)
+    lens = [33, 70, 1]
+    pc = make_cache(lens, R, DR, 16, fp8=True, gen=g)
+    qn, qp = _q(3, torch.float32, g)
+    top = torch.maximum(qn.abs().max(), qp.abs().max())
+    qn, qp = (qn * 6e4 / top).half(), (qp * 6e4 / top).half()  # scores of ~1 at this scale
+    s = 3e-5
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
+                          return_lse=True)
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
+                         return_lse=True)
+    _check(got, want, torch.float16)
+    cast = dec._pointer_config(H, R) + ("cast",)
+    _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
+                          return_lse=True, config=cast), want, torch.float16)
+    with pytest.raises(InputError, match="config"):
+        dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
+                       config=cast[:4] + ("fast",))
+
+
 def test_sparse_decode_and_its_errors():
     g = torch.Generator().manual_seed(10)
     lens = [3, 40, 90]

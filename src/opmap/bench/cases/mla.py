@@ -135,12 +135,17 @@ def _decode_case(B, H, ctx, fp8, quick):
         if B == 1:
             provs.append(Provider("opmap-triton[splits=256,min=128]",
                                   _ours("mla_decode", num_splits=256, split_min=128)))
-    if fp8 and H == 16:
-        # The fp8 cache through the TMA kernel (tiles converted to bf16 in registers) on two
-        # warpgroups, the build without a stack (tests/test_mla_sm90_compile.py); the default
-        # for fp8 stays the pointer kernel (0.20-0.24 of the read ceiling, eleventh session)
-        # until this row is timed.
-        provs.append(Provider("opmap-triton[bh=16,bn=32,w=8,s=3,tma]", _ours("mla_decode", (16, 32, 8, 3, "tma"))))
+    if fp8:
+        # The pointer kernel with Triton's own cast of the tiles to q's dtype and bf16 dots: the
+        # fp8 default until the twelfth session (0.20-0.24 of the read ceiling), against today's
+        # fp16 dots on tiles converted once by PTX (tests/test_mla_sm90_compile.py says what the
+        # two builds do). Dropped after the twelfth session's quick grid: the fp8 cache through the
+        # TMA kernel, (16, 32, 8, 3, "tma"), 292.5 us at B=64/4096 against the pointer kernel's
+        # 166.8 (B=1/32k: 51.3 against 47.0).
+        from opmap.ops.mla.decode import _pointer_config
+
+        cast = _pointer_config(H, R, B) + ("cast",)
+        provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},cast]".format(*cast), _ours("mla_decode", cast)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
         # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
+from ..attention.common import interpreted
 from ..attention.merge import _softmax_step, _split_sum
 from .validate import check_decode, check_sparse_indices
 
@@ -64,7 +65,7 @@ def _per_sm(config, rank: int = 512, rope_dim: int = 64) -> int:
     """Programs per SM the split plan counts for a config: by warps for the pointer kernel; for the
     TMA kernel two 4-warp programs where their stages of bf16 tiles fit beside each other in the
     H200's 228 KB of shared memory (32-token tiles at 2 or 3 stages), else one."""
-    if len(config) > 4:
+    if tuple(config[4:]) == ("tma",):
         stage = config[1] * (rank + rope_dim) * 2
         return 2 if config[2] <= 4 and 2 * config[3] * stage <= 224 * 1024 else 1
     return 1 if config[2] > 4 else 2
@@ -84,12 +85,13 @@ def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
 
 def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
     """(BLOCK_H, BLOCK_N, num_warps, num_stages[, "tma"]) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
-    (or "bh,bn,w,s,tma": the TMA kernel) overrides it for tuning on a GPU without editing code.
+    (or "bh,bn,w,s,tma": the TMA kernel; "bh,bn,w,s,cast": the pointer kernel with Triton's own
+    fp8 cast) overrides it for tuning on a GPU without editing code.
     A TMA config falls back to ``_pointer_config`` where the TMA kernel cannot read the cache
     (fp8, sparse; see _launch)."""
     env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
     if env:  # "bh,bn,w,s" or "bh,bn,w,s,tma"
-        return tuple(x if x == "tma" else int(x) for x in env.split(","))  # type: ignore[return-value]
+        return tuple(x if x in ("tma", "cast") else int(x) for x in env.split(","))  # type: ignore[return-value]
     if H >= 64:
         # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py), three stages so
         # that a tile is in flight during the dots. H200, 128 heads,
@@ -137,6 +139,31 @@ def scale_args(cache, kv_scale, unused_ptr):
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """4 e4m3 bytes per 32-bit register -> 4 fp16 (exact) with sm89+'s packed conversion.
+    Impure on purpose: a pure elementwise op lets Triton's layout pass move the dot operands'
+    layout changes ahead of it, and then the sm90 build passed the fp8 tile through shared memory
+    byte by byte and converted it twice, once per dot (tests/test_mla_sm90_compile.py: 128
+    LDS.U8 and 272 F2F a tile with Triton's cast; with this, 16-byte copies, ldmatrix, one
+    conversion)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi;\n"
+        "mov.b32 {lo, hi}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def _f16_queries(qn, qp):
+    """q in fp16 for the fp8 cache's fp16 dots: divided by a power of two (exact) where its
+    largest magnitude would not fit fp16's range; returns the factor the scores are scaled back by."""
+    big = tl.maximum(tl.max(tl.max(tl.abs(qn.to(tl.float32)), 1), 0), tl.max(tl.max(tl.abs(qp.to(tl.float32)), 1), 0))
+    f = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(big, 1.0) / 32768.0)), 0.0))
+    return (qn.to(tl.float32) / f).to(tl.float16), (qp.to(tl.float32) / f).to(tl.float16), f
+
+
+@triton.jit
 def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NPAGES,
           BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, PAGE: tl.constexpr):
     """Cache row offsets of the key tile at ``n0`` and which of them are valid (in range, a
@@ -181,7 +208,9 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPARSE: tl.constexpr,
                    FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
-                   PAGE: tl.constexpr):  # constexpr: // and % by a power of two are shifts
+                   PAGE: tl.constexpr,  # constexpr: // and % by a power of two are shifts
+                   F16: tl.constexpr = False,  # fp8 cache: fp16 dots (q in fp16 by _f16_queries)
+                   ASM: tl.constexpr = False):  # ... on tiles converted by _e4m3_to_f16 (not interpreted)
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -199,6 +228,9 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                  mask=mh[:, None] & md[None, :], other=0.0)
     ks = _cache_scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
     qk_scale = sm_scale * ks * 1.4426950408889634  # exp2 domain; the fp8 scale folds in here
+    if F16:
+        qn, qp, qf = _f16_queries(qn, qp)
+        qk_scale = qk_scale * qf
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -209,7 +241,10 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
         kv = tl.load(CACHE + row[:, None] + offs_r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
         kpe = tl.load(CACHE + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :],
                       other=0.0)
-        if FP8:  # e4m3 -> q dtype is exact; the scale is applied to scores and output instead
+        if ASM:
+            kv = _e4m3_to_f16(kv)
+            kpe = _e4m3_to_f16(kpe)
+        elif FP8:  # e4m3 -> q dtype is exact; the scale is applied to scores and output instead
             kv = kv.to(qn.dtype)
             kpe = kpe.to(qn.dtype)
         if IEEE:
@@ -277,13 +312,14 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma"]); "tma" loads the latent tiles with tensor
+    # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma" | "cast"]); "tma" loads the latent tiles with tensor
     # descriptors (decode_tma.py; dense 16-bit caches)
     default = config is None
     config = config or _config(H, R, B)
     bh, bn, warps, stages, *how = config
     tma = how == ["tma"]
-    expect(how in ([], ["tma"]), "config", repr(config), '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma"')
+    expect(how in ([], ["tma"], ["cast"]), "config", repr(config),
+           '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma" or "cast"')
     if tma:
         from . import decode_tma
 
@@ -312,6 +348,10 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     split_min = max(workspace.split_min, bn)
     sparse = indices is not None
     fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
+    # fp8: fp16 dots, on a GPU on tiles converted by inline PTX (the interpreter runs no PTX and
+    # casts; fp32 queries keep their IEEE dots); "cast": Triton's own cast to q's dtype and dots in
+    # it, as before the twelfth session, for comparison
+    f16 = fp8 and how != ["cast"] and q_nope.dtype != torch.float32
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
@@ -328,7 +368,8 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
             out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
             BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-            IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], num_warps=warps,
+            IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], F16=f16,
+            ASM=f16 and not interpreted(q_nope.device), num_warps=warps,
             num_stages=stages)
     if S > 1:
         br = _merge_block_r(B, H, R, q_nope.device)
