@@ -18,10 +18,12 @@
 #                                              # (default, FlashInfer and the torch peers only) (~8 min)
 #   scripts/gpu_session.sh check12 OUTDIR      # after the eleventh session: GPU tests of every changed family (engine alone),
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
+#   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: MLA GPU tests, the quick MLA grid with
+#                                              # the fp8 "cast" rows, the sanitizer's mla cases (~5 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|check13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -186,6 +188,18 @@ case $part in
         --input-len 1024 --output-len 64 --no-progress --json "$out/run-llama3-p$pg-b1.json" \
         > "$out/run-llama3-p$pg-b1.log" 2>&1
     done ;;
+  check13)
+    # After the twelfth session (docs/mla.md, "Twelfth session"): the fp8 MLA decode's fp16 dots on
+    # tiles converted by PTX. Its GPU tests, the quick MLA grid (fp8 rows beside "cast": Triton's
+    # cast and bf16 dots, the path before), then the sanitizer over deepseek-v2-lite, which re-runs
+    # only the mla family's 18 cases (every other verdict in check/state/ is today's); copy
+    # OUT/deepseek-v2-lite/state.jsonl back into check/state/.
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
+    timeout 60 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
+    m=deepseek-v2-lite; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+    timeout 300 python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" --out "$out/$m" \
+      --jobs 9 --batch 1 --timeout 240 > "$out/$m/check.log" 2>&1
+    pkill -f '[c]ompute-sanitizer' 2>/dev/null ;;
   check12)
     # After the eleventh session (docs/results-2026-11-30.md, "The next GPU session"): kernels'
     # per-step integers no longer specialized, combine/partials/norm packing sized independent of the
