@@ -19,7 +19,7 @@
 #   scripts/gpu_session.sh check12 OUTDIR      # after the eleventh session: GPU tests of every changed family (engine alone),
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: MLA GPU tests, the quick MLA grid with
-#                                              # the fp8 "cast" rows, the sanitizer's mla cases (~5 min)
+#                                              # the fp8 "cast" rows, the sanitizer's mla cases, host-time probes (~8 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
@@ -194,12 +194,19 @@ case $part in
     # cast and bf16 dots, the path before), then the sanitizer over deepseek-v2-lite, which re-runs
     # only the mla family's 18 cases (every other verdict in check/state/ is today's); copy
     # OUT/deepseek-v2-lite/state.jsonl back into check/state/.
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
+    # Then the prefill's host time: Llama-3-8B B=1 after generates of 1 and of 128 tokens (the e2e
+    # bench's step had 28.7 ms of host work in forward, the probe's 18.2-18.5 after 1-token ones;
+    # on the CPU with tiny-llama3 the same order gave 3.6-4.1 against 4.4-5.6 ms), and DeepSeek-V2-Lite
+    # B=32 under cProfile (its prefill/mixed steps: 78 ms of host work against 31 ms of GPU time).
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
     timeout 60 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
     m=deepseek-v2-lite; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-    timeout 300 python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" --out "$out/$m" \
-      --jobs 9 --batch 1 --timeout 240 > "$out/$m/check.log" 2>&1
-    pkill -f '[c]ompute-sanitizer' 2>/dev/null ;;
+    timeout 200 python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" --out "$out/$m" \
+      --jobs 9 --batch 1 --timeout 180 > "$out/$m/check.log" 2>&1
+    pkill -f '[c]ompute-sanitizer' 2>/dev/null
+    timeout 80 python3 scripts/probes/host_prefill.py --new 1 --new 128 > "$out/host-prefill-llama3-b1.log" 2>&1
+    timeout 110 python3 scripts/probes/host_prefill.py --model deepseek-v2-lite --len 512 --batch 32 \
+      > "$out/host-prefill-deepseek-b32.log" 2>&1 ;;
   check12)
     # After the eleventh session (docs/results-2026-11-30.md, "The next GPU session"): kernels'
     # per-step integers no longer specialized, combine/partials/norm packing sized independent of the

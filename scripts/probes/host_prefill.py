@@ -1,8 +1,12 @@
 """Where the host time of an eager prefill step goes (twelfth session: Llama-3-8B, B=1, a 1024-token
-prompt: 29 ms of host work in forward against 20.7 ms of GPU busy time, so TTFT is host-bound).
-Runs the prompt a few times to warm up, then once under cProfile and prints the functions by own
-time and by cumulative time.
-Usage (GPU): python3 scripts/probes/host_prefill.py [--model llama3-8b] [--len 1024] [--batch 1]"""
+prompt; the e2e bench's step had 28.7 ms of host work in `forward` and no wait, this probe's
+18.2-18.5 ms and 4-6 ms of waiting). Builds the engine as the e2e bench does (no prefix caching:
+the prompts repeat), runs each prompt shape a few times to warm up, then times generate with
+``--new`` tokens (1: only the prefill; 128: the e2e's B=1 case) on prompts over the whole vocabulary
+(as the e2e's) or ids below 1000, printing the prefill step's host parts and TTFT; then one
+generate under cProfile (functions by own and by cumulative time).
+Usage: python3 scripts/probes/host_prefill.py [--model llama3-8b] [--len 1024] [--batch 1]
+             [--new 1 --new 128] [--profile-new 1]"""
 import argparse
 import cProfile
 import pstats
@@ -17,26 +21,42 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="llama3-8b")
 ap.add_argument("--len", type=int, default=1024)
 ap.add_argument("--batch", type=int, default=1)
+ap.add_argument("--new", type=int, action="append", help="new tokens per request (repeatable; default 1)")
+ap.add_argument("--profile-new", type=int, default=1, help="new tokens of the profiled generate (0: none)")
 a = ap.parse_args()
 g = torch.Generator().manual_seed(0)
-# As the e2e bench builds it; no prefix caching (repeated prompts would be served from the cache).
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)  # a tiny preset runs on a CPU
 llm = LLM(a.model, max_num_seqs=32, max_num_batched_tokens=4096, max_model_len=4096, prefix_caching=False)
-prompts = [torch.randint(10, 1000, (a.len,), generator=g).tolist() for _ in range(a.batch)]
-params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-for _ in range(3):
-    llm.generate(prompts, params)
-for _ in range(3):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    llm.generate(prompts, params)
-    torch.cuda.synchronize()
-    print(f"one generate (prefill + 1 token): {1e3 * (time.perf_counter() - t):.2f} ms; "
-          f"host ms by part {llm.last_summary.get('host_ms_per_step', {}).get('prefill')}")
-pr = cProfile.Profile()
-pr.enable()
-llm.generate(prompts, params)
-torch.cuda.synchronize()
-pr.disable()
-st = pstats.Stats(pr)
-st.sort_stats("tottime").print_stats(45)
-st.sort_stats("cumulative").print_stats(60)
+V = llm.runner.cfg.vocab
+
+
+def prompts(low_ids: bool):
+    hi = min(1000, V) if low_ids else V
+    return [torch.randint(10, hi, (a.len,), generator=g).tolist() for _ in range(a.batch)]
+
+
+for new in a.new or [1]:
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    for low in (True, False):
+        for _ in range(2):
+            llm.generate(prompts(low), params)
+        for _ in range(3):
+            sync()
+            t = time.perf_counter()
+            llm.generate(prompts(low), params)
+            sync()
+            d = llm.last_summary
+            host = {k: round(v, 2) for k, v in (d.get("host_ms_per_step", {}).get("prefill") or {}).items() if v}
+            print(f"new={new} ids<{min(1000, V) if low else V}: generate {1e3 * (time.perf_counter() - t):.2f} ms, "
+                  f"TTFT {d['ttft_ms_p50']:.2f} ms; prefill host ms {host}")
+if a.profile_new:
+    pr = cProfile.Profile()
+    params = SamplingParams(max_tokens=a.profile_new, temperature=0.0, ignore_eos=True)
+    p = prompts(False)
+    pr.enable()
+    llm.generate(p, params)
+    sync()
+    pr.disable()
+    st = pstats.Stats(pr)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(60)
