@@ -18,8 +18,8 @@
 #                                              # (default, FlashInfer and the torch peers only) (~8 min)
 #   scripts/gpu_session.sh check12 OUTDIR      # after the eleventh session: GPU tests of every changed family (engine alone),
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
-#   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: MLA GPU tests, the quick MLA grid with
-#                                              # the fp8 "cast" rows, the sanitizer's mla cases, host-time probes (~8 min)
+#   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
+#                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
@@ -189,21 +189,19 @@ case $part in
         > "$out/run-llama3-p$pg-b1.log" 2>&1
     done ;;
   check13)
-    # After the twelfth session (docs/mla.md, "Twelfth session"): the fp8 MLA decode's fp16 dots on
-    # tiles converted by PTX. Its GPU tests, the quick MLA grid (fp8 rows beside "cast": Triton's
-    # cast and bf16 dots, the path before), then the sanitizer over deepseek-v2-lite, which re-runs
-    # only the mla family's 18 cases (every other verdict in check/state/ is today's); copy
-    # OUT/deepseek-v2-lite/state.jsonl back into check/state/.
-    # Then the prefill's host time: Llama-3-8B B=1 after generates of 1 and of 128 tokens (the e2e
-    # bench's step had 28.7 ms of host work in forward, the probe's 18.2-18.5 after 1-token ones;
-    # on the CPU with tiny-llama3 the same order gave 3.6-4.1 against 4.4-5.6 ms), and DeepSeek-V2-Lite
-    # B=32 under cProfile (its prefill/mixed steps: 78 ms of host work against 31 ms of GPU time).
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py > "$out/tests-mla.log" 2>&1
-    timeout 60 python3 -m opmap.cli bench --quick --op attention.mla_decode --out "$out/mla" > "$out/mla.log" 2>&1
-    m=deepseek-v2-lite; mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-    timeout 200 python3 -m opmap.cli check --model $m --sanitizer --resume "$out/$m/state.jsonl" --out "$out/$m" \
-      --jobs 9 --batch 1 --timeout 180 > "$out/$m/check.log" 2>&1
-    pkill -f '[c]ompute-sanitizer' 2>/dev/null
+    # After the twelfth session (docs/results-2026-11-30.md, "Twelfth GPU session"): fp8 KV caches
+    # run fp16 dots on tiles converted once by PTX, in the GQA decode and the MLA decode
+    # (ops/attention/fp8.py). Their GPU tests in two lanes; the quick grids of both decodes (fp8
+    # rows beside the previous path: "[f16=0]" for GQA, "[...,cast]" for MLA). Then the prefill's
+    # host time: Llama-3-8B B=1 after generates of 1 and of 128 tokens (the e2e bench's step had
+    # 28.7 ms of host work in forward, the probe's 18.2-18.5 after 1-token ones; on the CPU with
+    # tiny-llama3 the same order gave 3.6-4.1 against 4.4-5.6 ms), and DeepSeek-V2-Lite B=32 under
+    # cProfile (its prefill/mixed steps: 78 ms of host work against 31 ms of GPU time).
+    # The sanitizer's re-run of the two families is the next call: SAN_TIMEOUT=420 ... final OUT.
+    STEPS=tests TEST_TIMEOUT=150 TEST_LANES="tests/gpu/test_attention_gpu.py|tests/gpu/test_mla_gpu.py" \
+      timeout 160 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.decode --op attention.mla_decode --out "$out/decode" \
+      > "$out/decode.log" 2>&1
     timeout 80 python3 scripts/probes/host_prefill.py --new 1 --new 128 > "$out/host-prefill-llama3-b1.log" 2>&1
     timeout 110 python3 scripts/probes/host_prefill.py --model deepseek-v2-lite --len 512 --batch 32 \
       > "$out/host-prefill-deepseek-b32.log" 2>&1 ;;

@@ -48,6 +48,16 @@ def usage(k):
     return {"reg": int(fields["REG"]), "stack": int(fields["STACK"]), "local": int(fields["LOCAL"]),
             "shared": k.metadata.shared, "async": tt.count("async_copy_global_to_local"),
             "waits": re.findall(r"async_wait[^{]*\{num = (\d+)", tt), "wgmma": tt.count("warp_group_dot ")}
+
+
+def sass_ops(k):
+    # how many of each SASS instruction the build has (cuobjdump -sass; predicates dropped)
+    import collections
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    return dict(collections.Counter(m.group(1) for m in
+                                    re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass)))
 """
 
 

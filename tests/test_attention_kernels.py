@@ -70,6 +70,27 @@ def test_decode(case, trans):
     assert torch.all(out[pc.seq_lens == 0] == 0)
 
 
+@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_decode_fp8_cache_queries_at_the_edge_of_fp16(trans, cap):
+    """On fp8 caches the decode's dots run in fp16 (the GPU converts the tiles with
+    cvt.rn.f16x2.e4m3x2; ops/attention/fp8.py), q divided by a power of two where it would not fit
+    fp16: queries up to 6e4 (factor 2 here) give the reference's result, with and without a soft
+    cap. Config F16=0 (Triton's cast, as before) gives it too."""
+    seq = [300, 17, 1]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, fp8=True, shared=True, poison=True)
+    q, _ = make_query([1] * 3, 8, 64, dtype=F32)
+    q = (q * 6e4 / q.abs().max()).half()
+    s = 64 ** -0.5 / 2e4  # scores as at unit queries
+    w = D.make_workspace(3, 8, 64, device="cpu", min_chunk=16)
+    ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=s, soft_cap=cap, return_lse=True,
+                        **pc.kw)
+    for f16 in (1, 0):
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=s, soft_cap=cap,
+                            return_lse=True, workspace=w, config={"TRANS": trans, "F16": f16}, **pc.kw)
+        _check(out, lse, ref, ref_lse, F16, True)
+
+
 def test_decode_fixed_split_is_batch_invariant():
     """Rows of a sub-batch are bitwise equal to the same rows run inside a larger batch."""
     seq = [300, 17, 0, 64, 129]

@@ -48,7 +48,6 @@ def test_tma_kernel_builds_on_wgmma_without_spilling():
 
 
 POINTER_FP8 = r'''
-import collections
 from opmap.ops.mla import decode as d
 
 sig = {"QN": "*bf16", "QP": "*bf16", "CACHE": "*fp8e4nv", "SEQ_LENS": "*i32", "TABLES": "*i32", "INDICES": "*i32",
@@ -67,11 +66,7 @@ for f16 in (False, True):
               SCALE_FROM_PTR=True, IEEE=False, PAGE=64, F16=f16, ASM=f16)
     s = dict(sig, **{x: "constexpr" for x in ce})
     k = compile_sm90(d._mla_decode_kernel, s, ce, {"num_warps": 4, "num_stages": 2}, div)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass))
-    res["f16" if f16 else "cast"] = {**usage(k), "ops": dict(ops)}
+    res["f16" if f16 else "cast"] = {**usage(k), "ops": sass_ops(k)}
 print("RESULT " + json.dumps(res))
 '''
 

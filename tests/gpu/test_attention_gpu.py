@@ -249,6 +249,28 @@ def test_prefill_batch_invariance_bitwise():
     assert torch.equal(one, full[1000:1700])
 
 
+@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
+def test_decode_fp8_fp16_dots_with_queries_past_fp16(trans):
+    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (ops/attention/fp8.py,
+    twelfth session); bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a
+    power of two), at the logits of unit queries, with a soft cap too: finite and the reference's
+    result. Config F16=0 (Triton's cast and bf16 dots, as before) agrees."""
+    seq = [1, 17, 300, 4097, 32768]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=True, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), 32, 128, dtype=torch.float32, device=DEV)
+    big = 1e6 / float(q.abs().max())
+    q = (q * big).to(BF)
+    for cap in (None, 30.0):
+        kw = dict(scale=128 ** -0.5 / big, soft_cap=cap, return_lse=True, **pc.kw)
+        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
+        for f16 in (1, 0):
+            out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables,
+                                config={"TRANS": trans, "F16": f16}, **kw)
+            assert torch.isfinite(out).all()
+            _close(out, ref, scale=2.0, what=f"F16={f16}, cap={cap}")
+            _lse_ok(lse, ref_lse)
+
+
 def test_fp8_quality_gate():
     """fp8 KV (per-kv-head scales from the absolute max) against the bf16 result on random data."""
     seq = [4096] * 8

@@ -202,6 +202,11 @@ def _decode_case(B, L, fp8, quick):
             # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
             provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
             provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
+    if fp8:
+        # Triton's cast of the fp8 tiles to bf16 and bf16 dots, the default until the twelfth
+        # session (B=64 / 4096: 261 us, bf16 260: not faster for half the bytes), against the
+        # fp16 dots on tiles converted once by PTX (ops/attention/fp8.py)
+        provs.append(Provider("opmap-triton[f16=0]", _ours("decode", config={"F16": 0})))
     if not fp8:
         # Keys as rows (scores^T = K q^T, out^T += V^T p^T): the sm90 build runs both dots on wgmma
         # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72

@@ -71,7 +71,7 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     if interpreted(device):
         if kind == "prefill":
             return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TRANS=0, TMA=0)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TRANS=0, TMA=0, F16=1)
     if kind == "prefill":
         # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
         # bf16/fp16). -1 = wherever prefill_tma.usable says it can, on sm90 at the head dims its
@@ -85,7 +85,8 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant that lost
     # on the H200 (B=64 / 4096: 342.9 against 254.4 us; docs/attention.md)
     # TMA: K/V rows through tensor descriptors, a box per page (decode_tma.py); a benchmark variant
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, TRANS=0, TMA=0)
+    # F16: fp8 caches run fp16 dots on tiles converted once (fp8.py); 0: Triton's cast, as before
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, TRANS=0, TMA=0, F16=1)
 
 
 def _sm90_or_newer(device: torch.device) -> bool:

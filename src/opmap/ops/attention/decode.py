@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...contract import expect, expect_tensor
-from .common import check_attention, kernel_config, prepare_scales, sm_count
+from .common import check_attention, interpreted, kernel_config, prepare_scales, sm_count
+from .fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
@@ -100,10 +101,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
                    Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, TRANS: tl.constexpr = 0,
-                   PDL: tl.constexpr = False):
+                   PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """TRANS: the dots with keys as rows (scores^T = K q^T, out^T += V^T p^T), whose M sides (the
     key tile, the value dims) are >= 64 rows and so can run on wgmma from shared memory; with
-    the query heads as M (16 rows) they are mma.sync with every tile passed through registers."""
+    the query heads as M (16 rows) they are mma.sync with every tile passed through registers.
+    F16 (fp8 caches): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the tiles converted by
+    ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -116,6 +119,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     else:
         q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
+    if F16:
+        qf = f16_factor(absmax(q))
+        q = (q.to(tl.float32) / qf).to(tl.float16)
+        k_mul = k_mul * qf  # the scores' scale; v_mul (the output's) is q-free
     qk_scale = scale * k_mul * 1.4426950408889634
     if TRANS:
         acc = tl.zeros([DV, BLOCK_H], dtype=tl.float32)
@@ -136,9 +143,15 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
             pg = _pages(bt_row, start, end, PAGE, BLOCK_N).to(tl.int64)
         slot = j % PAGE
         k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=mj[:, None],
-                    other=0.0).to(q.dtype)
+                    other=0.0)
         v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
-                    other=0.0).to(q.dtype)
+                    other=0.0)
+        if ASM:
+            k = e4m3_to_f16(k)
+            v = e4m3_to_f16(v)
+        else:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if TRANS:
             s = tl.dot(k, q, input_precision="ieee" if IEEE else None)
         else:
@@ -316,6 +329,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
+    f16 = fp16_dots(k_cache.dtype, q.dtype, bool(cfg.get("F16", 1)))  # fp8 caches (attention/fp8.py)
     if cfg["TMA"]:
         from . import decode_tma
 
@@ -335,8 +349,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
             GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
             HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
             RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **pdl.launch(q.device))
+            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], F16=f16, ASM=f16 and not interpreted(q.device),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
         # binary for every batch size

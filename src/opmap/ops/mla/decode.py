@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ...contract import expect
 from ..attention.common import interpreted
+from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots
 from ..attention.merge import _softmax_step, _split_sum
 from .validate import check_decode, check_sparse_indices
 
@@ -139,27 +140,10 @@ def scale_args(cache, kv_scale, unused_ptr):
 
 
 @triton.jit
-def _e4m3_to_f16(x):
-    """4 e4m3 bytes per 32-bit register -> 4 fp16 (exact) with sm89+'s packed conversion.
-    Impure on purpose: a pure elementwise op lets Triton's layout pass move the dot operands'
-    layout changes ahead of it, and then the sm90 build passed the fp8 tile through shared memory
-    byte by byte and converted it twice, once per dot (tests/test_mla_sm90_compile.py: 128
-    LDS.U8 and 272 F2F a tile with Triton's cast; with this, 16-byte copies, ldmatrix, one
-    conversion)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi;\n"
-        "mov.b32 {lo, hi}, $2;\n"
-        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def _f16_queries(qn, qp):
-    """q in fp16 for the fp8 cache's fp16 dots: divided by a power of two (exact) where its
-    largest magnitude would not fit fp16's range; returns the factor the scores are scaled back by."""
-    big = tl.maximum(tl.max(tl.max(tl.abs(qn.to(tl.float32)), 1), 0), tl.max(tl.max(tl.abs(qp.to(tl.float32)), 1), 0))
-    f = tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(big, 1.0) / 32768.0)), 0.0))
+    """q in fp16 for the fp8 cache's fp16 dots (attention/fp8.py), both parts divided by the one
+    power of two their largest magnitude needs; returns the factor the scores are scaled back by."""
+    f = f16_factor(tl.maximum(absmax(qn), absmax(qp)))
     return (qn.to(tl.float32) / f).to(tl.float16), (qp.to(tl.float32) / f).to(tl.float16), f
 
 
@@ -210,7 +194,7 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
                    FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr, IEEE: tl.constexpr,
                    PAGE: tl.constexpr,  # constexpr: // and % by a power of two are shifts
                    F16: tl.constexpr = False,  # fp8 cache: fp16 dots (q in fp16 by _f16_queries)
-                   ASM: tl.constexpr = False):  # ... on tiles converted by _e4m3_to_f16 (not interpreted)
+                   ASM: tl.constexpr = False):  # ... on tiles converted by fp8.e4m3_to_f16 (not interpreted)
     hb = tl.program_id(0)  # fastest: head blocks of one (b, split) run together and share KV in L2
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -242,8 +226,8 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
         kpe = tl.load(CACHE + row[:, None] + R + offs_d[None, :], mask=valid[:, None] & md[None, :],
                       other=0.0)
         if ASM:
-            kv = _e4m3_to_f16(kv)
-            kpe = _e4m3_to_f16(kpe)
+            kv = e4m3_to_f16(kv)
+            kpe = e4m3_to_f16(kpe)
         elif FP8:  # e4m3 -> q dtype is exact; the scale is applied to scores and output instead
             kv = kv.to(qn.dtype)
             kpe = kpe.to(qn.dtype)
@@ -348,10 +332,10 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     split_min = max(workspace.split_min, bn)
     sparse = indices is not None
     fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
-    # fp8: fp16 dots, on a GPU on tiles converted by inline PTX (the interpreter runs no PTX and
-    # casts; fp32 queries keep their IEEE dots); "cast": Triton's own cast to q's dtype and dots in
-    # it, as before the twelfth session, for comparison
-    f16 = fp8 and how != ["cast"] and q_nope.dtype != torch.float32
+    # fp8: fp16 dots, on a GPU on tiles converted by inline PTX (attention/fp8.py; the interpreter
+    # runs no PTX and casts); "cast": Triton's own cast to q's dtype and dots in it, as before the
+    # twelfth session, for comparison
+    f16 = fp16_dots(cache.dtype, q_nope.dtype, how != ["cast"])
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)

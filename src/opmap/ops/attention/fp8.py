@@ -1,0 +1,49 @@
+"""fp8 (e4m3) KV tiles for 16-bit tensor-core dots in the decode kernels (GQA and MLA).
+
+With Triton's own cast (``tile.to(q.dtype)``) on sm90, Triton's layout pass moves the dots'
+layout changes ahead of the cast, because moving 1-byte elements through shared memory is
+cheaper than moving 2-byte ones: the builds then read the tile back from shared memory one byte
+at a time (``LDS.U8``) and convert it once per dot, e4m3 -> f16 -> bf16 one element at a time
+(tests/test_mla_sm90_compile.py, tests/test_attention_sm90_compile.py). ``e4m3_to_f16`` converts
+with sm89+'s packed instruction in inline PTX marked impure, which the layout pass does not move
+ops across: the tile is copied in 16 bytes, converted once, and reaches the dots by ldmatrix.
+The dots then run in fp16 (e4m3 -> fp16 is exact), so q is converted to fp16 after division by a
+power of two wherever its largest magnitude would not fit (``f16_factor``; the factor goes into
+the score scale).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e4m3_to_f16(x):
+    """4 e4m3 bytes per 32-bit register -> 4 fp16, exact (cvt.rn.f16x2.e4m3x2, sm89+). Not for the
+    interpreter, which runs no PTX (its kernels cast instead)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi;\n"
+        "mov.b32 {lo, hi}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def absmax(x):
+    """Largest magnitude of a 2-D tile, in fp32."""
+    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+
+
+@triton.jit
+def f16_factor(big):
+    """The power of two (>= 1; dividing by it is exact) that brings magnitudes up to ``big`` to at
+    most 2^15, inside fp16's range (65504)."""
+    return tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(big, 1.0) / 32768.0)), 0.0))
+
+
+def fp16_dots(cache_dtype, q_dtype, enabled: bool = True) -> bool:
+    """Whether a decode on this cache runs fp16 dots: fp8 caches with 16-bit queries (fp32
+    queries keep their IEEE dots); ``enabled``: the launch config's switch (its bench rows
+    compare the cast path, as before the twelfth session)."""
+    import torch
+
+    return enabled and cache_dtype == torch.float8_e4m3fn and q_dtype in (torch.float16, torch.bfloat16)
