@@ -213,3 +213,14 @@ def test_page_prefetch_changes_nothing(win, cap):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     ref = _ref(R.decode, qd, pc, pc.seq_lens, pc.block_tables, **kw)
     _check(runs[1][0], runs[1][1], ref[0], ref[1], F16, False)
+
+
+def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
+    """Which decodes take the fp16-dot path (ops/attention/fp8.py): fp8 caches with fp16 or bf16
+    queries, unless the config turns it off; fp32 queries keep their IEEE dots."""
+    from opmap.ops.attention.fp8 import fp16_dots
+
+    f8 = torch.float8_e4m3fn
+    assert fp16_dots(f8, torch.bfloat16) and fp16_dots(f8, torch.float16)
+    assert not fp16_dots(f8, torch.float32) and not fp16_dots(f8, torch.bfloat16, enabled=False)
+    assert not fp16_dots(torch.bfloat16, torch.bfloat16) and not fp16_dots(torch.float16, torch.float16)
