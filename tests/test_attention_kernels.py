@@ -215,6 +215,23 @@ def test_page_prefetch_changes_nothing(win, cap):
     _check(runs[1][0], runs[1][1], ref[0], ref[1], F16, False)
 
 
+def test_decode_fp8_cache_non_finite_query_stays_in_its_head():
+    """The fp16 path's query factor comes from finite magnitudes only: an inf or NaN in one head's
+    query makes that head's output non-finite, as in the reference, and leaves the other heads of
+    its program (the same KV head) equal to the reference."""
+    seq = [300, 17]
+    pc = make_paged(seq, 2, 64, 16, dtype=F16, fp8=True, shared=True, poison=True)
+    q, _ = make_query([1] * 2, 8, 64, dtype=F16)
+    q[0, 1, 3], q[1, 4, 0] = float("nan"), float("inf")
+    w = D.make_workspace(2, 8, 64, device="cpu", min_chunk=16)
+    out = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.125, workspace=w, **pc.kw)
+    ref = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=0.125, **pc.kw)
+    bad = torch.zeros(2, 8, dtype=torch.bool)
+    bad[0, 1] = bad[1, 4] = True
+    assert not torch.isfinite(out[bad]).all(), "the non-finite heads"
+    assert_close(out[~bad], ref[~bad], F16, scale=4.0)
+
+
 def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
     """Which decodes take the fp16-dot path (ops/attention/fp8.py): fp8 caches with fp16 or bf16
     queries, unless the config turns it off; fp32 queries keep their IEEE dots."""

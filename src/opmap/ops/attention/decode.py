@@ -329,7 +329,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
-    f16 = fp16_dots(k_cache.dtype, q.dtype, bool(cfg.get("F16", 1)))  # fp8 caches (attention/fp8.py)
+    f16 = fp16_dots(k_cache.dtype, q.dtype, bool(cfg["F16"]))  # fp8 caches (attention/fp8.py)
     if cfg["TMA"]:
         from . import decode_tma
 

@@ -29,8 +29,11 @@ def e4m3_to_f16(x):
 
 @triton.jit
 def absmax(x):
-    """Largest magnitude of a 2-D tile, in fp32."""
-    return tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0)
+    """Largest finite magnitude of a 2-D tile, in fp32. Non-finite entries are left out, so that an
+    inf or NaN in one head's query stays in that head's output (as in the reference) instead of
+    setting the factor, and so the result, of every head of the program."""
+    a = tl.abs(x.to(tl.float32))
+    return tl.max(tl.max(tl.where(a < float("inf"), a, 0.0), 1), 0)
 
 
 @triton.jit
