@@ -436,9 +436,12 @@ def test_resume_runs_again_what_changed_since(fake_tool, monkeypatch, tmp_path):
         assert san.stale_count(str(state)) == 2 and san.load_state(str(state), current=True) == {}
         monkeypatch.delenv("OPMAP_PDL")
         assert san.stale_count(str(state)) == 0
-        # the family's module edited after the run
+        # the family's module edited after the run: a comment alone changes nothing that runs
         mod = tmp_path / "fakesan_pkg" / "cases.py"
         mod.write_text(mod.read_text() + "\n# edited\n")
+        fp._of.cache_clear()
+        assert san.stale_count(str(state)) == 0
+        mod.write_text(mod.read_text() + "EDITED = 1\n")
         fp._of.cache_clear()
         assert san.stale_count(str(state)) == 2
         san.run_all(pairs, True, 120, progress=False, jobs_n=1, state=str(state))
@@ -461,6 +464,26 @@ def test_fingerprint_follows_a_familys_imports():
     mla = {"/".join(p.parts[-2:]) for p in files_of("mla")}
     assert "mla/decode.py" in mla and "attention/merge.py" in mla  # the MLA merge is the shared split merge
     assert fingerprint("norm") != fingerprint("rope") and len(fingerprint("norm")) == 16
+
+
+def test_fingerprint_is_of_the_code_not_its_docstrings_comments_or_layout(tmp_path):
+    """A verdict stays current through edits that cannot change what runs (a docstring, a
+    comment, line breaks); any change of code, a string constant in it included, makes it stale."""
+    from opmap.check.fingerprint import code_of
+
+    base = 'import triton\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n\n\nASM = "cvt.rn.f16x2.e4m3x2"\n'
+    same = ('import triton\n# a comment\n\ndef f(x):\n    """Other\n    words."""\n    return (x +\n            1)\n\n\n'
+            'ASM = "cvt.rn.f16x2.e4m3x2"\n')
+    p = tmp_path / "m.py"
+
+    def code(text):
+        p.write_text(text)
+        return code_of(p)
+
+    assert code(base) == code(same)
+    assert code(base) != code(base.replace("x + 1", "x + 2"))
+    assert code(base) != code(base.replace("e4m3x2", "e5m2x2"))  # strings that are code, not docstrings
+    assert code(base) == code(base.replace('    """Doc."""\n', ""))
 
 
 def test_longest_runs_start_first(monkeypatch):

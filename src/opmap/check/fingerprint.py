@@ -1,7 +1,7 @@
-"""What a family's sanitizer verdict was computed from: a hash of the source files its cases can
-run (the family's check-cases module, its ops package, and every opmap module those import,
-followed through the import statements), the ``OPMAP_*`` settings that change what is compiled
-or launched, and the torch and Triton versions.
+"""What a family's sanitizer verdict was computed from: a hash of the code of the source files its
+cases can run (the family's check-cases module, its ops package, and every opmap module those
+import, followed through the import statements; docstrings, comments and layout left out), the
+``OPMAP_*`` settings that change what is compiled or launched, and the torch and Triton versions.
 
 A verdict saved in a state file (``opmap check --sanitizer --resume/--reuse``) counts again only
 while its family's fingerprint is unchanged: a kernel edited after the run, or a run under other
@@ -110,11 +110,25 @@ def _settings() -> list:
     return [("torch", torch.__version__), ("triton", triton.__version__)] + list(code_settings().items())
 
 
+def code_of(path: Path) -> bytes:
+    """A source file's code: its syntax tree without docstrings, comments and layout (``ast.dump``
+    keeps neither comments nor line numbers). Editing those cannot change what runs, so it does
+    not make a verdict stale; every other edit does."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
 @functools.lru_cache(maxsize=None)
 def _of(family: str, settings: tuple) -> str:
     h = hashlib.sha256()
     for path in files_of(family):
-        h.update(path.parent.name.encode() + b"/" + path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        h.update(path.parent.name.encode() + b"/" + path.name.encode() + b"\0" + code_of(path) + b"\0")
     h.update(repr(settings).encode())
     return h.hexdigest()[:16]
 
