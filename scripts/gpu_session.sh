@@ -20,10 +20,11 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
+#   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|check13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -205,6 +206,16 @@ case $part in
     timeout 80 python3 scripts/probes/host_prefill.py --new 1 --new 128 > "$out/host-prefill-llama3-b1.log" 2>&1
     timeout 110 python3 scripts/probes/host_prefill.py --model deepseek-v2-lite --len 512 --batch 32 \
       > "$out/host-prefill-deepseek-b32.log" 2>&1 ;;
+  fp8-13)
+    # After check13: the fp8 halves of the issue grids at today's defaults, each row beside the
+    # path before the twelfth session in the same run: the MLA decode (16 and 128 heads, B x
+    # context, bf16 rows of our default as the same-run reference) and the GQA decode
+    # (B {1..128} x kv {512..32k}).
+    timeout 280 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
+      --provider "opmap-triton[bh=16,bn=32,w=4,s=2,cast]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
+      --out "$out/mla-fp8" > "$out/mla-fp8.log" 2>&1
+    timeout 280 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[f16=0]" \
+      --out "$out/decode-fp8" > "$out/decode-fp8.log" 2>&1 ;;
   check12)
     # After the eleventh session (docs/results-2026-11-30.md, "The next GPU session"): kernels'
     # per-step integers no longer specialized, combine/partials/norm packing sized independent of the
