@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ...contract import expect, expect_tensor
 from .common import check_attention, interpreted, kernel_config, prepare_scales, sm_count
-from .fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots
+from .fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
@@ -121,7 +121,7 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
     if F16:
         qf = f16_factor(absmax(q))
-        q = (q.to(tl.float32) / qf).to(tl.float16)
+        q = scaled_f16(q, qf)
         k_mul = k_mul * qf  # the scores' scale; v_mul (the output's) is q-free
     qk_scale = scale * k_mul * 1.4426950408889634
     if TRANS:

@@ -11,6 +11,7 @@ The dots then run in fp16 (e4m3 -> fp16 is exact), so q is converted to fp16 aft
 power of two wherever its largest magnitude would not fit (``f16_factor``; the factor goes into
 the score scale).
 """
+import torch
 import triton
 import triton.language as tl
 
@@ -43,10 +44,14 @@ def f16_factor(big):
     return tl.exp2(tl.maximum(tl.ceil(tl.log2(tl.maximum(big, 1.0) / 32768.0)), 0.0))
 
 
+@triton.jit
+def scaled_f16(x, f):
+    """``x / f`` in fp16 (``f`` from ``f16_factor``: a power of two, so the division is exact)."""
+    return (x.to(tl.float32) / f).to(tl.float16)
+
+
 def fp16_dots(cache_dtype, q_dtype, enabled: bool = True) -> bool:
     """Whether a decode on this cache runs fp16 dots: fp8 caches with 16-bit queries (fp32
     queries keep their IEEE dots); ``enabled``: the launch config's switch (its bench rows
     compare the cast path, as before the twelfth session)."""
-    import torch
-
     return enabled and cache_dtype == torch.float8_e4m3fn and q_dtype in (torch.float16, torch.bfloat16)

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ...contract import expect
 from ..attention.common import interpreted
-from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots
+from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots, scaled_f16
 from ..attention.merge import _softmax_step, _split_sum
 from .validate import check_decode, check_sparse_indices
 
@@ -144,7 +144,7 @@ def _f16_queries(qn, qp):
     """q in fp16 for the fp8 cache's fp16 dots (attention/fp8.py), both parts divided by the one
     power of two their largest magnitude needs; returns the factor the scores are scaled back by."""
     f = f16_factor(tl.maximum(absmax(qn), absmax(qp)))
-    return (qn.to(tl.float32) / f).to(tl.float16), (qp.to(tl.float32) / f).to(tl.float16), f
+    return scaled_f16(qn, f), scaled_f16(qp, f), f
 
 
 @triton.jit
