@@ -212,7 +212,7 @@ case $part in
     # context, bf16 rows of our default as the same-run reference) and the GQA decode
     # (B {1..128} x kv {512..32k}).
     timeout 280 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
-      --provider "opmap-triton[bh=16,bn=32,w=4,s=2,cast]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
+      --provider "opmap-triton[bh=16,bn=32,w=4,s=2,cast]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" \
       --out "$out/mla-fp8" > "$out/mla-fp8.log" 2>&1
     timeout 280 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[f16=0]" \
       --out "$out/decode-fp8" > "$out/decode-fp8.log" 2>&1 ;;

@@ -334,8 +334,11 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
     # fp8: fp16 dots, on a GPU on tiles converted by inline PTX (attention/fp8.py; the interpreter
     # runs no PTX and casts); "cast": Triton's own cast to q's dtype and dots in it, as before the
-    # twelfth session, for comparison
-    f16 = fp16_dots(cache.dtype, q_nope.dtype, how != ["cast"])
+    # twelfth session, for comparison. The default keeps the cast at 64-head blocks (128 heads,
+    # B >= 64): there the fp16 path measured slower, B=64/4096 808.0 against 681.1 us (H200,
+    # bench/results/2026-11-30-h200-decode-quick-session13.*); at 16-head blocks it is faster
+    # (135.6 against 167.6 us).
+    f16 = fp16_dots(cache.dtype, q_nope.dtype, how != ["cast"] and not (default and bh >= 64))
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
