@@ -20,11 +20,12 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
+#   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
 #   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -206,6 +207,22 @@ case $part in
     timeout 80 python3 scripts/probes/host_prefill.py --new 1 --new 128 > "$out/host-prefill-llama3-b1.log" 2>&1
     timeout 110 python3 scripts/probes/host_prefill.py --model deepseek-v2-lite --len 512 --batch 32 \
       > "$out/host-prefill-deepseek-b32.log" 2>&1 ;;
+  san13)
+    # Thirteenth session: the sanitizer's stale families only, two presets side by side (the
+    # fingerprint is now the same on the CPU's Python 3.11 and the GPU's 3.12, so check/state/ was
+    # re-keyed on the CPU for every family whose code is unchanged): MLA (deepseek-v2-lite, 18
+    # cases) and the attention cases qwen3-30b-a3b has not re-run at today's code (llama3-8b reuses
+    # them). First the device's fingerprints, to compare with the CPU's (same code, same versions).
+    python3 -c "from opmap.check.fingerprint import fingerprint as f
+for x in ['activation','attention','gemm','grammar','mla','moe','norm','rope','sampling']: print(x, f(x))" \
+      > "$out/fingerprints.txt" 2>&1
+    for m in deepseek-v2-lite qwen3-30b-a3b; do
+      mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
+      timeout ${SAN_TIMEOUT:-450} python3 -m opmap.cli check --model $m --op attention --sanitizer \
+        --resume "$out/$m/state.jsonl" --out "$out/$m" --jobs ${SAN_JOBS:-5} --batch 1 --timeout 420 \
+        > "$out/$m/check.log" 2>&1 &
+    done
+    wait; pkill -f '[c]ompute-sanitizer' 2>/dev/null ;;
   fp8-13)
     # After check13: the fp8 halves of the issue grids at today's defaults, each row beside the
     # path before the twelfth session in the same run: the MLA decode (16 and 128 heads, B x

@@ -486,6 +486,21 @@ def test_fingerprint_is_of_the_code_not_its_docstrings_comments_or_layout(tmp_pa
     assert code(base) == code(base.replace('    """Doc."""\n', ""))
 
 
+def test_fingerprint_code_is_the_same_on_every_python():
+    """The GPU machine runs Python 3.12, this one 3.11: ``ast.dump`` differs between them (3.12 adds
+    ``type_params=[]``), so the dump leaves out empty and None fields and reads the same on both
+    (a literal, so that the test fails on whichever version would differ)."""
+    import ast
+
+    from opmap.check.fingerprint import _dump
+
+    tree = ast.parse("def f(x, *, y=1):\n    return x\n\n\nclass C:\n    pass\n")
+    assert _dump(tree) == (
+        "Module(body=[FunctionDef(name='f', args=arguments(args=[arg(arg='x')], kwonlyargs=[arg(arg='y')], "
+        "kw_defaults=[Constant(value=1)]), body=[Return(value=Name(id='x', ctx=Load()))]), "
+        "ClassDef(name='C', body=[Pass()])])")
+
+
 def test_longest_runs_start_first(monkeypatch):
     """Racecheck runs, MoE first, start before memcheck ones (one job: the start order is the
     order of the calls); results keep the case order."""

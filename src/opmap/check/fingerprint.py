@@ -110,8 +110,23 @@ def _settings() -> list:
     return [("torch", torch.__version__), ("triton", triton.__version__)] + list(code_settings().items())
 
 
+def _dump(node) -> str:
+    """``ast.dump`` without the fields that are None or empty. Python versions add fields with such
+    defaults (3.12: ``type_params=[]`` on every function and class), so ``ast.dump`` of the same
+    code differs between the CPU machine's Python 3.11 and the GPU machine's 3.12, and a
+    fingerprint computed on one never matched the other's (twelfth session: the state re-keyed on
+    the CPU was stale on the GPU). This form is the same on 3.11, 3.12 and 3.13 for every file of
+    opmap (checked on all three)."""
+    if isinstance(node, ast.AST):
+        fields = (f"{k}={_dump(v)}" for k, v in ast.iter_fields(node) if v is not None and v != [])
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(_dump(x) for x in node) + "]"
+    return repr(node)
+
+
 def code_of(path: Path) -> bytes:
-    """A source file's code: its syntax tree without docstrings, comments and layout (``ast.dump``
+    """A source file's code: its syntax tree without docstrings, comments and layout (the dump
     keeps neither comments nor line numbers). Editing those cannot change what runs, so it does
     not make a verdict stale; every other edit does."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
@@ -121,7 +136,7 @@ def code_of(path: Path) -> bytes:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree).encode()
+    return _dump(tree).encode()
 
 
 @functools.lru_cache(maxsize=None)
