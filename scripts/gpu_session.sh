@@ -212,13 +212,13 @@ case $part in
     # fingerprint is now the same on the CPU's Python 3.11 and the GPU's 3.12, so check/state/ was
     # re-keyed on the CPU for every family whose code is unchanged): MLA (deepseek-v2-lite, 18
     # cases) and the attention cases qwen3-30b-a3b has not re-run at today's code (llama3-8b reuses
-    # them). First the device's fingerprints, to compare with the CPU's (same code, same versions).
+    # them); SAN_OP=kv_append: the append cases of the same families. First the device's fingerprints, to compare with the CPU's (same code, same versions).
     python3 -c "from opmap.check.fingerprint import fingerprint as f
 for x in ['activation','attention','gemm','grammar','mla','moe','norm','rope','sampling']: print(x, f(x))" \
       > "$out/fingerprints.txt" 2>&1
     for m in deepseek-v2-lite qwen3-30b-a3b; do
       mkdir -p "$out/$m"; cp "check/state/$m.jsonl" "$out/$m/state.jsonl"
-      timeout ${SAN_TIMEOUT:-450} python3 -m opmap.cli check --model $m --op attention --sanitizer \
+      timeout ${SAN_TIMEOUT:-450} python3 -m opmap.cli check --model $m --op ${SAN_OP:-attention} --sanitizer \
         --resume "$out/$m/state.jsonl" --out "$out/$m" --jobs ${SAN_JOBS:-5} --batch 1 --timeout 420 \
         > "$out/$m/check.log" 2>&1 &
     done
