@@ -210,7 +210,9 @@ def test_bench_case_filters_and_provider_reasons():
     assert [p.name for p in kept[0].providers] == ["peer", "opmap-triton"]
     assert [p.name for p in case.providers] == ["torch", "peer", "opmap-triton"]  # the case itself unchanged
     assert bench_runner.only_providers([case], None) == [case]
-    assert bench_runner.only_providers([case], ["opmap-triton[bh=16]"]) == []
+    # a name no case has is an error naming the closest rows, not a run of the other rows only
+    with pytest.raises(ValueError, match=r"'opmap-triton\[bh=16\]'.*closest \['opmap-triton'\]"):
+        bench_runner.only_providers([case, other], ["opmap-triton", "opmap-triton[bh=16]"])
     from opmap.specs import AttentionSpec
 
     mla_case = BenchCase("attention.mla_decode", "B=1", 1, 1, setup=lambda d: None, providers=[prov_ok],

@@ -139,9 +139,20 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
 
 def only_providers(cases: list[BenchCase], names: Optional[list]) -> list[BenchCase]:
     """The cases with only the providers named (exact names, e.g. "opmap-triton" for our default
-    and not its "opmap-triton[...]" variants); cases left with none are dropped."""
+    and not its "opmap-triton[...]" variants); cases left with none are dropped. A name no case
+    has is a ValueError naming the closest ones: a misspelt or invented config row used to be
+    left out without a word, and the run timed only the other rows (thirteenth GPU session)."""
     if not names:
         return cases
+    have = {p.name for c in cases for p in c.providers}
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        import difflib
+
+        hints = "; ".join(f"{n!r}: closest {difflib.get_close_matches(n, sorted(have), n=4, cutoff=0.5) or 'none'}"
+                          for n in unknown)
+        raise ValueError(f"no benchmark row is named {', '.join(map(repr, unknown))} in the cases selected "
+                         f"({len(cases)} cases, {len(have)} provider names). {hints}")
     out = []
     for c in cases:
         provs = [p for p in c.providers if p.name in names]
@@ -220,9 +231,14 @@ def main(args) -> int:
     from . import report
 
     info = hw.detect()
+    cases, errors = collect(args.quick)
+    try:  # a --provider no case has is named before anything is timed
+        selected = only_providers([c for c in cases if keep(c, args.op, None)], args.provider)
+    except ValueError as e:
+        print(f"opmap bench: {e}", file=sys.stderr)
+        return 2
     if info.kind != "cuda":
-        cases, errors = collect(args.quick)
-        n = len(only_providers([c for c in cases if keep(c, args.op, None)], args.provider))
+        n = len(selected)
         print(f"opmap bench: GPU timings need a GPU, and this machine has none ({info.name}, arch cpu).\n"
               f"Nothing was timed and no result file was written ({n} benchmark cases are defined; "
               "run `opmap bench` on a CUDA GPU to time them).")
@@ -233,7 +249,11 @@ def main(args) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "bench-partial.json")
-    doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider)
+    try:
+        doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider)
+    except ValueError as e:  # a --provider only cases of other models have (--model)
+        print(f"opmap bench: {e}", file=sys.stderr)
+        return 2
     print_table(doc)
     if not doc["results"]:
         print("no benchmark result (no case matched, or no provider could run)")
