@@ -20,12 +20,13 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
+#   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast; fp8 tile variants and 128-head MLA configs (~8 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
 #   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|ncu14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -207,6 +208,35 @@ case $part in
     timeout 80 python3 scripts/probes/host_prefill.py --new 1 --new 128 > "$out/host-prefill-llama3-b1.log" 2>&1
     timeout 110 python3 scripts/probes/host_prefill.py --model deepseek-v2-lite --len 512 --batch 32 \
       > "$out/host-prefill-deepseek-b32.log" 2>&1 ;;
+  ncu14)
+    # After the thirteenth session: what bounds the fp8 decodes (GQA fp8 at bf16's time per token
+    # for half the bytes; MLA fp8 at 0.27 of its read ceiling at 16 heads and 95 TFLOP/s at 128,
+    # docs/attention.md, docs/mla.md). ncu's stall, occupancy and memory sections on one launch of
+    # each build beside its bf16 or cast counterpart (scripts/probes/decode_once.py: warm-up outside
+    # the profiled range). --clock-control none: the device notes say leave the clocks alone.
+    # Each ncu run ~30-60 s (python start, compiles, the sections' replays).
+    g="B=64,kv=4096,h=32/8,d=128,page=16,dtype"; m="B=64,kv=4096,h=16,R=512,Dr=64,page=64,kv_dtype"
+    m128="B=64,kv=4096,h=128,R=512,Dr=64,page=64,kv_dtype"; i=0
+    for spec in "attention.decode|$g=fp8|opmap-triton" "attention.decode|$g=fp8|opmap-triton[f16=0]" \
+                "attention.decode|$g=bf16|opmap-triton" "attention.mla_decode|$m=fp8|opmap-triton" \
+                "attention.mla_decode|$m=bf16|opmap-triton" "attention.mla_decode|$m128=fp8|opmap-triton" \
+                "attention.mla_decode|$m128=fp8|opmap-triton[bh=64,bn=32,w=8,s=1]"; do
+      IFS='|' read -r op cs pv <<< "$spec"; i=$((i + 1))
+      echo "== $i $op $cs $pv" >> "$out/ncu-index.txt"
+      timeout 120 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters --export "$out/ncu-$i" --force-overwrite \
+        python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
+      ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
+    done
+    # the tile variants on the fp8 GQA rows and the 128-head fp8 MLA configs by batch (the bench
+    # has both since the thirteenth session)
+    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" \
+      --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
+      --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
+      --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
+      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
   san13)
     # Thirteenth session: the sanitizer's stale families only, two presets side by side (the
     # fingerprint is now the same on the CPU's Python 3.11 and the GPU's 3.12, so check/state/ was

@@ -34,3 +34,18 @@ def test_bench_ops_exist():
     assert wanted
     unknown = sorted(o for o in wanted if not any(n.startswith(o) for n in names))
     assert not unknown, f"bench --op selects nothing: {unknown}"
+
+
+def test_bench_providers_exist():
+    """Every `--provider X` in gpu_session.sh names a row some bench case has (the bench now
+    refuses an unknown one; before, the thirteenth session's call 9 timed only the default rows)."""
+    from opmap.bench.runner import collect
+
+    cases, errors = collect(quick=False)
+    assert not errors, errors
+    have = {p.name for c in cases for p in c.providers}
+    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    wanted = set(re.findall(r'--provider "([^"]+)"', text)) | set(re.findall(r"--provider ([^\s\"\\]+)", text))
+    assert wanted
+    unknown = sorted(w for w in wanted if w not in have)
+    assert not unknown, f"gpu_session.sh names bench rows no case has: {unknown}"

@@ -194,8 +194,10 @@ def _decode_case(B, L, fp8, quick):
     provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
-        if not fp8:
-            provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
+        # the tile variants on fp8 caches too since the thirteenth session: the fp16-dot fp8 build
+        # runs at bf16's time per token (0.52 of its read ceiling at B=64/4096), and its shared
+        # memory and registers differ from bf16's
+        provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
             # picks one of them by B x Hk: decode.auto_min_chunk): at B=1, kv=1152 the engine's

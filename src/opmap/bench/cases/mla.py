@@ -144,8 +144,13 @@ def _decode_case(B, H, ctx, fp8, quick):
         # 166.8 (B=1/32k: 51.3 against 47.0).
         from opmap.ops.mla.decode import _pointer_config
 
-        cast = _pointer_config(H, R, B) + ("cast",)
-        provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},cast]".format(*cast), _ours("mla_decode", cast)))
+        # At 128 heads the 64-head blocks' cast at every batch too: the default from B=64 since the
+        # thirteenth session (767.8 against the fp16 path's 817.6 us at B=64/4096), not yet timed
+        # below B=64, where the 64-head fp16 build beat the default 16-head one (221.4 against
+        # 250.8 us at B=16/4096).
+        for c in dict.fromkeys([_pointer_config(H, R, B)] + ([(64, 32, 8, 1)] if H >= 64 else [])):
+            cast = c + ("cast",)
+            provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},cast]".format(*cast), _ours("mla_decode", cast)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
         # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads
