@@ -21,12 +21,13 @@
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
 #   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast; fp8 tile variants and 128-head MLA configs (~8 min)
+#   scripts/gpu_session.sh host14 OUTDIR       # the B=1 prefill host-time probe with idle gaps and SM clocks (~2 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
 #   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|ncu14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|ncu14|host14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -237,6 +238,11 @@ case $part in
     timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
       --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
+  host14)
+    # The B=1 prefill took 23 ms after 128-token generates and 30-44 ms after 1-token ones
+    # (thirteenth session); with idle gaps and the SM clock read before each generate.
+    timeout 150 python3 scripts/probes/host_prefill.py --new 1 --new 128 --idle 0 --idle 1 --profile-new 0 \
+      > "$out/host-prefill-llama3-b1-idle.log" 2>&1 ;;
   san13)
     # Thirteenth session: the sanitizer's stale families only, two presets side by side (the
     # fingerprint is now the same on the CPU's Python 3.11 and the GPU's 3.12, so check/state/ was

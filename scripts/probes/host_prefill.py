@@ -5,11 +5,17 @@ the prompts repeat), runs each prompt shape a few times to warm up, then times g
 ``--new`` tokens (1: only the prefill; 128: the e2e's B=1 case) on prompts over the whole vocabulary
 (as the e2e's) or ids below 1000, printing the prefill step's host parts and TTFT; then one
 generate under cProfile (functions by own and by cumulative time).
+Thirteenth session: after 128-token generates the prefill took 23 ms, after 1-token ones 30-44 ms.
+One guess is the GPU's clocks (a GPU just busy with decode steps runs the prefill faster), so each
+timed line also shows the SM clock read by nvidia-smi just before that generate, and ``--idle S``
+sleeps S seconds before each timed generate.
 Usage: python3 scripts/probes/host_prefill.py [--model llama3-8b] [--len 1024] [--batch 1]
-             [--new 1 --new 128] [--profile-new 1]"""
+             [--new 1 --new 128] [--idle 0 --idle 1] [--profile-new 1]"""
 import argparse
 import cProfile
 import pstats
+import shutil
+import subprocess
 import time
 
 import torch
@@ -22,6 +28,7 @@ ap.add_argument("--model", default="llama3-8b")
 ap.add_argument("--len", type=int, default=1024)
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--new", type=int, action="append", help="new tokens per request (repeatable; default 1)")
+ap.add_argument("--idle", type=float, action="append", help="seconds idle before each timed generate (repeatable; default 0)")
 ap.add_argument("--profile-new", type=int, default=1, help="new tokens of the profiled generate (0: none)")
 a = ap.parse_args()
 g = torch.Generator().manual_seed(0)
@@ -35,20 +42,31 @@ def prompts(low_ids: bool):
     return [torch.randint(10, hi, (a.len,), generator=g).tolist() for _ in range(a.batch)]
 
 
-for new in a.new or [1]:
+def sm_clock() -> str:
+    """The SM clock now (MHz), by nvidia-smi; '' where there is none."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    r = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                       capture_output=True, text=True)
+    return f", SM clock {r.stdout.strip()} MHz before" if r.returncode == 0 else ""
+
+
+for new, idle in [(n, i) for n in a.new or [1] for i in a.idle or [0.0]]:
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     for low in (True, False):
         for _ in range(2):
             llm.generate(prompts(low), params)
         for _ in range(3):
             sync()
+            time.sleep(idle)
+            clock = sm_clock()
             t = time.perf_counter()
             llm.generate(prompts(low), params)
             sync()
             d = llm.last_summary
             host = {k: round(v, 2) for k, v in (d.get("host_ms_per_step", {}).get("prefill") or {}).items() if v}
-            print(f"new={new} ids<{min(1000, V) if low else V}: generate {1e3 * (time.perf_counter() - t):.2f} ms, "
-                  f"TTFT {d['ttft_ms_p50']:.2f} ms; prefill host ms {host}")
+            print(f"new={new} idle={idle}s ids<{min(1000, V) if low else V}: generate "
+                  f"{1e3 * (time.perf_counter() - t):.2f} ms, TTFT {d['ttft_ms_p50']:.2f} ms; prefill host ms {host}{clock}")
 if a.profile_new:
     pr = cProfile.Profile()
     params = SamplingParams(max_tokens=a.profile_new, temperature=0.0, ignore_eos=True)
