@@ -20,6 +20,7 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
+#   scripts/gpu_session.sh ws14 OUTDIR         # the warp-specialized prefill: GPU tests, quick page-64 prefill grid beside TMA and cuDNN (~5 min)
 #   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast; fp8 tile variants and 128-head MLA configs (~8 min)
 #   scripts/gpu_session.sh host14 OUTDIR       # the B=1 prefill host-time probe with idle gaps and SM clocks (~2 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
@@ -27,7 +28,7 @@
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|ncu14|host14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|ws14|ncu14|host14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -238,6 +239,17 @@ case $part in
     timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
       --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
+  ws14)
+    # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1; built on the CPU in the
+    # thirteenth session): its GPU tests, then the page-64 prefill cases beside our default (the
+    # TMA kernel) and cuDNN. Predicted: between the TMA kernel (1238 us at B=1 S=8192, 0.84x
+    # cuDNN) and cuDNN (1037): the producer takes the copies and page ids off the consumers, but
+    # every tile is masked and the softmax still waits on the QK dot in each consumer.
+    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_tma_gpu.py -k "prefill_ws" \
+      > "$out/tests-prefill-ws.log" 2>&1
+    timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
+      --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
+      --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1 ;;
   host14)
     # The B=1 prefill took 23 ms after 128-token generates and 30-44 ms after 1-token ones
     # (thirteenth session); with idle gaps and the SM clock read before each generate.
