@@ -20,7 +20,7 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
-#   scripts/gpu_session.sh ws14 OUTDIR         # the warp-specialized prefill: GPU tests, quick page-64 prefill grid beside TMA and cuDNN (~5 min)
+#   scripts/gpu_session.sh ws14 OUTDIR         # the warp-specialized prefill and the MLA prefill configs: GPU tests, quick grids (~7 min)
 #   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast; fp8 tile variants and 128-head MLA configs (~8 min)
 #   scripts/gpu_session.sh host14 OUTDIR       # the B=1 prefill host-time probe with idle gaps and SM clocks (~2 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
@@ -249,7 +249,14 @@ case $part in
       > "$out/tests-prefill-ws.log" 2>&1
     timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
       --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
-      --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1 ;;
+      --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
+    # The MLA prefill's tile configs (ops/mla/prefill.py: the default's sm90 build waits for every
+    # copy at the top of each tile; 128-row blocks at 3 stages, "split" unmasked tiles): GPU test,
+    # then the quick case (16 heads, 4096 new tokens: 135.5 TFLOP/s at the default, eleventh session)
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py -k "prefill" \
+      > "$out/tests-mla-prefill.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
+      > "$out/mla-prefill.log" 2>&1 ;;
   host14)
     # The B=1 prefill took 23 ms after 128-token generates and 30-44 ms after 1-token ones
     # (thirteenth session); with idle gaps and the SM clock read before each generate.

@@ -89,3 +89,40 @@ def test_pointer_kernel_fp8_tiles_cross_shared_memory_once_in_16_bytes():
     assert f16.get("LDSM.16.M88.4", 0) > 0 and f16.get("HMMA.16816.F32", 0) > 0, f16
     assert res["f16"]["stack"] == 0 and res["f16"]["local"] == 0, res["f16"]
     assert 2 * res["f16"]["shared"] <= 227 * 1024, res["f16"]  # still two programs per SM
+
+
+PREFILL = r'''
+from opmap.ops.mla import prefill as t
+
+sig = {"QN": "*bf16", "QP": "*bf16", "KN": "*bf16", "KP": "*bf16", "V": "*bf16", "O": "*fp32", "LSE": "*fp32",
+       "CU_Q": "*i32", "SEQ_LENS": "*i32", "chunk_start": "i32", "chunk_len": "i32", "sm_scale": "fp32",
+       "H": "i32", "DN": "i32", "DR": "i32", "DV": "i32"}
+for x in ["s_qnt", "s_qnh", "s_qpt", "s_qph", "s_knb", "s_knn", "s_knh", "s_kpb", "s_kpn", "s_vb", "s_vn", "s_vh",
+          "s_ot", "s_oh", "s_lt"]:
+    sig[x] = "i32"
+# what the launch specializes at DeepSeek's shapes: pointers, dims and strides multiples of 16
+div = tuple(i for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("H", "DN", "DR", "DV") or n.startswith("s_"))
+res = {}
+for bm, bn, w, st, split in [(64, 64, 8, 2, False), (128, 64, 8, 3, False), (128, 64, 8, 3, True)]:
+    ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_DN=128, BLOCK_DR=64, BLOCK_DV=128, CAUSAL=True, IEEE=False, SPLIT=split)
+    s = dict(sig, **{x: "constexpr" for x in ce})
+    k = compile_sm90(t._mla_prefill_kernel, s, ce, {"num_warps": w, "num_stages": st}, div)
+    res[f"{bm}-{bn}-{st}" + ("-split" if split else "")] = usage(k)
+print("RESULT " + json.dumps(res))
+'''
+
+
+@needs_ptxas
+def test_prefill_builds_keep_copies_in_flight_at_three_stages():
+    """The MLA prefill kernel at DeepSeek's dims (192-dim keys, 128-dim values): the default
+    (64 x 64 tiles, 2 stages) waits for every copy at the top of each tile (async_wait 0), the
+    128-row builds at 3 stages keep copies in flight; no spill in any. Which is faster is the
+    bench's rows to say (docs/mla.md)."""
+    res = run(PREFILL)
+    assert set(res["64-64-2"]["waits"]) == {"0"}, res["64-64-2"]
+    for name in ("128-64-3", "128-64-3-split"):
+        assert any(int(w) > 0 for w in res[name]["waits"]), (name, res[name])
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0 and r["wgmma"] >= 3, (name, r)
+        assert r["shared"] <= 227 * 1024, (name, r)
+    assert res["128-64-3-split"]["wgmma"] == 2 * res["128-64-3"]["wgmma"]  # the two loops' dots

@@ -172,6 +172,32 @@ def test_prefill_matches_reference(dt, chunk):
                        pc.block_tables, scale=0.2)
 
 
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, "split"), (32, 16, 4, 1, "split"), (16, 32, 4, 1)])
+def test_prefill_configs_match_reference(config):
+    """Other tiles, and "split" (the tiles below a block's diagonal in an unmasked loop of their
+    own): queries at 16-row block edges over prefixes, chunk starts inside and past a block's
+    diagonal, a one-token and a whole-prompt sequence, causal and not."""
+    g = torch.Generator().manual_seed(21)
+    Dn, Dv = 16, 16
+    lens, qlens = [17, 100, 33, 1], [17, 40, 1, 1]
+    pc = make_cache(lens, R, DR, 16, torch.float16, gen=g)
+    T = sum(qlens)
+    qn, qp = torch.randn(T, H, Dn, generator=g).half(), torch.randn(T, H, DR, generator=g).half()
+    wk, wv = (torch.randn(H, Dn, R, generator=g) / 4).half(), (torch.randn(H, Dv, R, generator=g) / 4).half()
+    cu = torch.tensor([0, 17, 57, 58, 59], dtype=torch.int32)
+    for causal in (True, False):
+        want = ref.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2,
+                               causal=causal, return_lse=True)
+        for chunk in (None, 48):
+            got = pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2,
+                                 causal=causal, return_lse=True, chunk_size=chunk, config=config)
+            assert_close(got[0], want[0], scale=2.0)
+            assert_close(got[1], want[1], dtype=torch.float16, what="lse")
+    with pytest.raises(InputError, match="config"):
+        pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2,
+                       config=(16, 16, 4, 1, "tma"))
+
+
 def test_prefill_fp8_cache_prefix():
     g = torch.Generator().manual_seed(13)
     Dn, Dv, lens = 16, 16, [50]

@@ -165,6 +165,29 @@ def test_prefill_bf16_prefix_chunked(H, chunk):
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
+@pytest.mark.parametrize("config", [(128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"),
+                                    (64, 64, 8, 3, "split")])
+def test_prefill_configs(config):
+    """The bench's prefill rows (128-row blocks at 3 stages; "split": the tiles below a block's
+    diagonal unmasked in a loop of their own) on the chunked-prefix case, 16 heads."""
+    H, Dn, Dv = 16, 128, 128
+    lens, qlens = [3000, 517, 64], [1000, 517, 1]
+    pc = _cache(lens, 64, 9)
+    g = _gen(7)
+    T = sum(qlens)
+    qn = torch.randn(T, H, Dn, generator=g, device="cuda").to(BF)
+    qp = torch.randn(T, H, DR, generator=g, device="cuda").to(BF)
+    wk = (torch.randn(H, Dn, R, generator=g, device="cuda") / 16).to(BF)
+    wv = (torch.randn(H, Dv, R, generator=g, device="cuda") / 16).to(BF)
+    cu = torch.tensor([0, 1000, 1517, 1518], dtype=torch.int32, device="cuda")
+    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+    want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
+    for chunk in (None, 1024):
+        got = pf.mla_prefill(*args, scale=SCALE, return_lse=True, chunk_size=chunk, config=config)
+        _agree(got[0], want[0], scale=2.0)
+        assert_close(got[1], want[1], dtype=BF, what="lse")
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 def test_append_exact(fp8):
     g = _gen(10)

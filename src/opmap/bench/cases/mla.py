@@ -200,14 +200,15 @@ def _prefill_setup(H, new, prefix):
     return setup
 
 
-def _prefill_call(backend):
+def _prefill_call(backend, config=None):
     def make(inp):
         from opmap import registry
 
         fn = registry.get("attention", backend).fn("mla_prefill")
         n = int(inp["seq_lens"][0])
+        kw = {"config": config} if config else {}
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["wk"], inp["wv"], inp["cu"], inp["seq_lens"],
-                          inp["tables"], scale=inp["scale"], max_q_len=inp["qn"].shape[0], max_seq_len=n)
+                          inp["tables"], scale=inp["scale"], max_q_len=inp["qn"].shape[0], max_seq_len=n, **kw)
 
     return make
 
@@ -220,6 +221,13 @@ def _prefill_case(H, new, prefix):
     nbytes = n * (R + DR) * 2 + new * H * (128 + DR + 128) * 2 + H * 256 * R * 2
     provs = [Provider("opmap-triton", _prefill_call("mla-triton"), backend=("attention", "mla-triton")),
              Provider("torch-sdpa", _prefill_call("mla-sdpa"), backend=("attention", "mla-sdpa"))]
+    # The default's sm90 build (64 x 64 tiles, 2 stages) waits for every copy at the top of each
+    # tile; at 3 stages copies stay in flight (tests/test_mla_sm90_compile.py). "split": the tiles
+    # below the diagonal in an unmasked loop of their own. In the quick grid too: not yet timed
+    # (thirteenth session; the default reached 135.5 TFLOP/s at 16 heads / 4096 tokens).
+    for c in [(128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"), (64, 64, 8, 3, "split")]:
+        name = "opmap-triton[bm={},bn={},w={},s={}{}]".format(*c[:4], ",split" if len(c) > 4 else "")
+        provs.append(Provider(name, _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
     return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
                      flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",
                      spec=_spec(H, False, phase="prefill"), tags=("mla",))
