@@ -35,7 +35,8 @@ def gemm(a_desc, b_desc, C, T, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.
 
 
 @triton.jit
-def _attention_loop(q, k_desc, v_desc, L, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+def _loop(q, k_desc, v_desc, L, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
+    """The specialized loop: K and V by descriptor, the online softmax between the two dots."""
     m_i = tl.full([BM], -1e30, tl.float32)
     l_i = tl.zeros([BM], tl.float32) + 1.0
     acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -56,52 +57,21 @@ def _attention_loop(q, k_desc, v_desc, L, BM: tl.constexpr, BN: tl.constexpr, D:
 @triton.jit
 def attention(q_desc, k_desc, v_desc, o_desc, L, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """q, K, V and the output by descriptor."""
-    q = q_desc.load([0, 0])
-    m_i = tl.full([BM], -1e30, tl.float32)
-    l_i = tl.zeros([BM], tl.float32) + 1.0
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    for n in tl.range(0, L, BN, warp_specialize=True):
-        k = k_desc.load([n, 0])
-        s = tl.dot(q, k.T)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        v = v_desc.load([n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(tl.bfloat16), v, acc)
-    o_desc.store([0, 0], (acc / l_i[:, None]).to(tl.bfloat16))
+    o_desc.store([0, 0], _loop(q_desc.load([0, 0]), k_desc, v_desc, L, BM, BN, D))
 
 
 @triton.jit
 def attention_optr(q_desc, k_desc, v_desc, o_ptr, L, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
-    """q, K and V by descriptor, the output by pointer (the descriptor store fails when the rows
-    are split between the two consumer warpgroups: 'descriptor block and tensor types must match')."""
-    q = q_desc.load([0, 0])
-    m_i = tl.full([BM], -1e30, tl.float32)
-    l_i = tl.zeros([BM], tl.float32) + 1.0
-    acc = tl.zeros([BM, D], dtype=tl.float32)
-    for n in tl.range(0, L, BN, warp_specialize=True):
-        k = k_desc.load([n, 0])
-        s = tl.dot(q, k.T)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        v = v_desc.load([n, 0])
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(tl.bfloat16), v, acc)
+    """q, K and V by descriptor, the output by pointer."""
     offs = tl.arange(0, BM)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(o_ptr + offs, (acc / l_i[:, None]).to(tl.bfloat16))
+    tl.store(o_ptr + offs, _loop(q_desc.load([0, 0]), k_desc, v_desc, L, BM, BN, D))
 
 
 @triton.jit
 def attention_qptr(q_ptr, k_desc, v_desc, o_ptr, L, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr):
     """q and the output by pointer (as our prefill kernels), K and V by descriptor."""
     offs = tl.arange(0, BM)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(o_ptr + offs, _attention_loop(tl.load(q_ptr + offs), k_desc, v_desc, L, BM, BN, D))
+    tl.store(o_ptr + offs, _loop(tl.load(q_ptr + offs), k_desc, v_desc, L, BM, BN, D))
 
 
 def _desc(shape):
@@ -113,8 +83,8 @@ PATTERNS = {
     "gemm 128x128x64, 4 warps, 3 stages": ("gemm", dict(PAGED=False), {"num_warps": 4, "num_stages": 3}),
     "gemm, rows from a table (paged)": ("gemm", dict(PAGED=True), {"num_warps": 4, "num_stages": 3}),
     "gemm, 8 warps": ("gemm", dict(PAGED=False), {"num_warps": 8, "num_stages": 3}),
-    "attention, q by descriptor, 2 stages": ("attention", {}, {"num_warps": 4, "num_stages": 2}),
-    "attention, q by descriptor, 3 stages": ("attention", {}, {"num_warps": 4, "num_stages": 3}),
+    "attention, output by descriptor, 2 stages": ("attention", {}, {"num_warps": 4, "num_stages": 2}),
+    "attention, output by descriptor, 3 stages": ("attention", {}, {"num_warps": 4, "num_stages": 3}),
     "attention, output by pointer, 2 stages": ("attention_optr", {}, {"num_warps": 4, "num_stages": 2}),
     "attention, output by pointer, 3 stages": ("attention_optr", {}, {"num_warps": 4, "num_stages": 3}),
     "attention, q by pointer, 2 stages": ("attention_qptr", {}, {"num_warps": 4, "num_stages": 2}),

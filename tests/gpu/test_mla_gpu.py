@@ -146,19 +146,24 @@ def test_sparse_decode_topk_2048(ctx):
         dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, bad, scale=SCALE)
 
 
-@pytest.mark.parametrize("H,chunk", [(16, None), (128, 1024)])
-def test_prefill_bf16_prefix_chunked(H, chunk):
+def _prefill_args(H, seed):
+    """A cached prefix (1000 new tokens of 3000), a whole prompt of 517 and a one-token sequence;
+    DeepSeek's per-head dims (128 + 64 keys, 128 values)."""
     Dn, Dv = 128, 128
-    lens, qlens = [3000, 517, 64], [1000, 517, 1]  # cached prefix, whole prompt, one token
-    pc = _cache(lens, 64, 9)
-    g = _gen(6)
-    T = sum(qlens)
+    pc = _cache([3000, 517, 64], 64, 9)
+    g = _gen(seed)
+    T = 1000 + 517 + 1
     qn = torch.randn(T, H, Dn, generator=g, device="cuda").to(BF)
     qp = torch.randn(T, H, DR, generator=g, device="cuda").to(BF)
     wk = (torch.randn(H, Dn, R, generator=g, device="cuda") / 16).to(BF)
     wv = (torch.randn(H, Dv, R, generator=g, device="cuda") / 16).to(BF)
     cu = torch.tensor([0, 1000, 1517, 1518], dtype=torch.int32, device="cuda")
-    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+    return (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+
+
+@pytest.mark.parametrize("H,chunk", [(16, None), (128, 1024)])
+def test_prefill_bf16_prefix_chunked(H, chunk):
+    args = _prefill_args(H, 6)
     want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
     got = pf.mla_prefill(*args, scale=SCALE, return_lse=True, chunk_size=chunk)
     _agree(got[0], want[0], scale=2.0)  # K/V rounded to bf16 after the kv_b GEMM, as in HF
@@ -170,17 +175,7 @@ def test_prefill_bf16_prefix_chunked(H, chunk):
 def test_prefill_configs(config):
     """The bench's prefill rows (128-row blocks at 3 stages; "split": the tiles below a block's
     diagonal unmasked in a loop of their own) on the chunked-prefix case, 16 heads."""
-    H, Dn, Dv = 16, 128, 128
-    lens, qlens = [3000, 517, 64], [1000, 517, 1]
-    pc = _cache(lens, 64, 9)
-    g = _gen(7)
-    T = sum(qlens)
-    qn = torch.randn(T, H, Dn, generator=g, device="cuda").to(BF)
-    qp = torch.randn(T, H, DR, generator=g, device="cuda").to(BF)
-    wk = (torch.randn(H, Dn, R, generator=g, device="cuda") / 16).to(BF)
-    wv = (torch.randn(H, Dv, R, generator=g, device="cuda") / 16).to(BF)
-    cu = torch.tensor([0, 1000, 1517, 1518], dtype=torch.int32, device="cuda")
-    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+    args = _prefill_args(16, 7)
     want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
     for chunk in (None, 1024):
         got = pf.mla_prefill(*args, scale=SCALE, return_lse=True, chunk_size=chunk, config=config)
