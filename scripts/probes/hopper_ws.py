@@ -20,15 +20,21 @@ import triton.language as tl
 
 
 @triton.jit
-def gemm(a_desc, b_desc, C, T, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAGED: tl.constexpr):
+def gemm(a_desc, a_ptr, b_desc, C, T, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+         PAGED: tl.constexpr, GATHER: tl.constexpr):
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    rows = tl.load(T + pm * BM + tl.arange(0, BM))
     for k in tl.range(0, K, BK, warp_specialize=True):
         row = pm * BM
         if PAGED:  # the tile's row from a table, as a paged cache's page id
             row = tl.load(T + k // BK)
-        acc = tl.dot(a_desc.load([row, k]), b_desc.load([pn * BN, k]).T, acc)
+        if GATHER:  # A's rows gathered by pointer, as the MoE grouped GEMM does
+            a = tl.load(a_ptr + rows[:, None] * K + k + tl.arange(0, BK)[None, :])
+        else:
+            a = a_desc.load([row, k])
+        acc = tl.dot(a, b_desc.load([pn * BN, k]).T, acc)
     offs_m = pm * BM + tl.arange(0, BM)
     offs_n = pn * BN + tl.arange(0, BN)
     tl.store(C + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.bfloat16))
@@ -80,9 +86,10 @@ def _desc(shape):
 
 PATTERNS = {
     # name: (kernel, signature, constexprs, options)
-    "gemm 128x128x64, 4 warps, 3 stages": ("gemm", dict(PAGED=False), {"num_warps": 4, "num_stages": 3}),
-    "gemm, rows from a table (paged)": ("gemm", dict(PAGED=True), {"num_warps": 4, "num_stages": 3}),
-    "gemm, 8 warps": ("gemm", dict(PAGED=False), {"num_warps": 8, "num_stages": 3}),
+    "gemm 128x128x64, 4 warps, 3 stages": ("gemm", dict(PAGED=False, GATHER=False), {"num_warps": 4, "num_stages": 3}),
+    "gemm, rows from a table (paged)": ("gemm", dict(PAGED=True, GATHER=False), {"num_warps": 4, "num_stages": 3}),
+    "gemm, 8 warps": ("gemm", dict(PAGED=False, GATHER=False), {"num_warps": 8, "num_stages": 3}),
+    "gemm, A rows gathered by pointer": ("gemm", dict(PAGED=False, GATHER=True), {"num_warps": 4, "num_stages": 3}),
     "attention, output by descriptor, 2 stages": ("attention", {}, {"num_warps": 4, "num_stages": 2}),
     "attention, output by descriptor, 3 stages": ("attention", {}, {"num_warps": 4, "num_stages": 3}),
     "attention, output by pointer, 2 stages": ("attention_optr", {}, {"num_warps": 4, "num_stages": 2}),
@@ -98,8 +105,8 @@ def compile_one(name: str) -> dict:
     kern, ce, opts = PATTERNS[name]
     if kern == "gemm":
         fn = gemm
-        sig = {"a_desc": _desc([128, 64]), "b_desc": _desc([128, 64]), "C": "*bf16", "T": "*i32", "N": "i32",
-               "K": "i32"}
+        sig = {"a_desc": _desc([128, 64]), "a_ptr": "*bf16", "b_desc": _desc([128, 64]), "C": "*bf16", "T": "*i32",
+               "N": "i32", "K": "i32"}
         ce = dict(BM=128, BN=128, BK=64, **ce)
     else:
         fn = {"attention": attention, "attention_optr": attention_optr, "attention_qptr": attention_qptr}[kern]
