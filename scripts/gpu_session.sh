@@ -233,7 +233,7 @@ case $part in
     done
     # the tile variants on the fp8 GQA rows and the 128-head fp8 MLA configs by batch (the bench
     # has both since the thirteenth session)
-    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" \
+    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
       --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
       --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \

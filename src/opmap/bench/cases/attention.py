@@ -71,8 +71,8 @@ def _contiguous(inp, repeat=False):
 # Alternative tiles timed in the full run (ours only), so one GPU run also tunes the defaults.
 # PREFETCH=0: the page-id load inside the iteration, as before the prefetch (see
 # ops/attention/common.py): the row that measures what the pipelining change did.
-VARIANTS = {"decode": [dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=128, num_stages=2), dict(num_warps=8),
-                       dict(PREFETCH=0)],
+VARIANTS = {"decode": [dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=128, num_stages=2),
+                       dict(num_warps=8), dict(PREFETCH=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
                         dict(PREFETCH=0)]}
 
@@ -195,8 +195,9 @@ def _decode_case(B, L, fp8, quick):
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
         # the tile variants on fp8 caches too since the thirteenth session: the fp16-dot fp8 build
-        # runs at bf16's time per token (0.52 of its read ceiling at B=64/4096), and its shared
-        # memory and registers differ from bf16's
+        # runs at bf16's time per token (0.52 of its read ceiling at B=64/4096). Its sm90 build
+        # fits 3 programs an SM (138 registers, 68 KB), so B=64 x 8 KV heads (one split) is 512
+        # programs on 396 slots: two rounds. 32-key tiles fit 4 (112 registers, 37-45 KB): one.
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
