@@ -277,7 +277,13 @@ for x in ['activation','attention','gemm','grammar','mla','moe','norm','rope','s
         --resume "$out/$m/state.jsonl" --out "$out/$m" --jobs ${SAN_JOBS:-5} --batch 1 --timeout 420 \
         > "$out/$m/check.log" 2>&1 &
     done
-    wait; pkill -f '[c]ompute-sanitizer' 2>/dev/null ;;
+    wait; pkill -f '[c]ompute-sanitizer' 2>/dev/null
+    # llama3-8b: the same attention cases, reused from qwen3-30b-a3b's run (same keys)
+    mkdir -p "$out/llama3-8b"; cp check/state/llama3-8b.jsonl "$out/llama3-8b/state.jsonl"
+    timeout 120 python3 -m opmap.cli check --model llama3-8b --op ${SAN_OP:-attention} --sanitizer \
+      --resume "$out/llama3-8b/state.jsonl" --reuse "$out/qwen3-30b-a3b/state.jsonl" --out "$out/llama3-8b" \
+      --jobs ${SAN_JOBS:-5} --batch 1 --timeout 420 > "$out/llama3-8b/check.log" 2>&1
+    pkill -f '[c]ompute-sanitizer' 2>/dev/null ;;
   fp8-13)
     # After check13: the fp8 halves of the issue grids at today's defaults, each row beside the
     # path before the twelfth session in the same run: the MLA decode (16 and 128 heads, B x
