@@ -30,6 +30,17 @@ def test_select_issue_example(capsys):
         assert rc == 2 and err.startswith("error: attention: no backend") and "Traceback" not in err
 
 
+def test_select_mla_defaults_to_a_latent_layer(capsys):
+    """--kind mla without shapes: DeepSeek-V2-Lite's latent layer, not the GQA defaults (which no
+    MLA backend serves); given fields still win."""
+    assert cli.main(["select", "attention", "--kind", "mla", "--arch", "sm90", "--kv-dtype", "fp8"]) == 0
+    out, _ = capsys.readouterr()
+    assert "num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512" in out and "page_size=64" in out
+    assert "attention [decode] -> mla-" in out
+    assert cli.main(["select", "attention", "--kind", "mla", "--heads", "128", "--arch", "sm90"]) == 0
+    assert "num_heads=128, num_kv_heads=1" in capsys.readouterr()[0]
+
+
 def test_select_forced_backend_error(capsys):
     names = [b.name for b in registry.backends("attention")]
     assert "reference" in names

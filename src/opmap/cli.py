@@ -78,6 +78,11 @@ def add_spec_flags(p: argparse.ArgumentParser) -> None:
                    help="any spec field, e.g. --set head_dim_v=512")
 
 
+# `opmap select attention --kind mla`: the fields not given (DeepSeek-V2-Lite: 16 heads over one
+# latent KV head of rank 512 + 64 RoPE dims, values of rank 512, 64-token pages)
+MLA_DEFAULTS = {"num_heads": 16, "num_kv_heads": 1, "head_dim": 576, "head_dim_v": 512, "page_size": 64}
+
+
 def spec_from_args(op: str, args, arch: str) -> S.Spec:
     if op not in S.OP_SPECS:
         raise CLIError(f"unknown op {op!r}; known ops: {', '.join(S.OP_SPECS)}")
@@ -98,6 +103,10 @@ def spec_from_args(op: str, args, arch: str) -> S.Spec:
             fields = ", ".join(f for f in types if f not in ("arch", "phase"))
             raise CLIError(f"{name!r} is not a field of the {op} spec; its fields: {fields}")
         kw[name] = _convert(op, name, text, types[name])
+    if op == "attention" and kw.get("kind") == "mla":
+        # the spec's defaults are a GQA layer's; for MLA, DeepSeek-V2-Lite's latent layer where not given
+        for name, value in MLA_DEFAULTS.items():
+            kw.setdefault(name, value)
     try:
         return S.spec_for(op, arch=arch, phase=args.phase, **kw)
     except (TypeError, ValueError) as e:
