@@ -172,7 +172,8 @@ def test_prefill_matches_reference(dt, chunk):
                        pc.block_tables, scale=0.2)
 
 
-@pytest.mark.parametrize("config", [(16, 16, 4, 1, "split"), (32, 16, 4, 1, "split"), (16, 32, 4, 1)])
+@pytest.mark.parametrize("config", [(16, 16, 4, 1, "split"), (32, 16, 4, 1, "split"), (16, 32, 4, 1),
+                                    (16, 16, 4, 1, "tma"), (32, 16, 4, 1, "ws")])
 def test_prefill_configs_match_reference(config):
     """Other tiles, and "split" (the tiles below a block's diagonal in an unmasked loop of their
     own): queries at 16-row block edges over prefixes, chunk starts inside and past a block's
@@ -194,6 +195,48 @@ def test_prefill_configs_match_reference(config):
             assert_close(got[0], want[0], scale=2.0)
             assert_close(got[1], want[1], dtype=torch.float16, what="lse")
     with pytest.raises(InputError, match="config"):
+        pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2,
+                       config=(16, 16, 4, 1, "bogus"))
+
+
+@pytest.mark.parametrize("how", ["tma", "ws"])
+def test_prefill_tma_reads_no_slot_past_a_length(how):
+    """The TMA prefill's tiles run past a sequence's keys in the chunk (into the next sequence's
+    rows): with NaN in every cache slot past a length and in every page no sequence owns, the
+    output is still the reference's. q_nope / q_pe as slices of one fused projection (heads not
+    adjacent: the kernel's descriptors take a copy)."""
+    g = torch.Generator().manual_seed(22)
+    Dn, Dv = 16, 16
+    lens, qlens = [17, 50, 33], [17, 20, 5]
+    pc = make_cache(lens, R, DR, 16, torch.float16, gen=g)
+    owned = torch.zeros(pc.cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for i in range(n):
+            owned[int(pc.block_tables[b, i // 16]), i % 16] = True
+    pc.cache[~owned] = float("nan")
+    T = sum(qlens)
+    q = torch.randn(T, H, Dn + DR, generator=g).half()
+    qn, qp = q[..., :Dn], q[..., Dn:]
+    wk, wv = (torch.randn(H, Dn, R, generator=g) / 4).half(), (torch.randn(H, Dv, R, generator=g) / 4).half()
+    cu = torch.tensor([0, 17, 37, 42], dtype=torch.int32)
+    args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+    clean = pc.cache.clone()
+    clean[~owned] = 0
+    want = ref.mla_prefill(qn, qp, clean, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True)
+    for chunk in (None, 32):
+        got = pf.mla_prefill(*args, scale=0.2, return_lse=True, chunk_size=chunk, config=(16, 16, 4, 1, how))
+        assert torch.isfinite(got[0]).all()
+        assert_close(got[0], want[0], scale=2.0)
+        assert_close(got[1], want[1], dtype=torch.float16, what="lse")
+
+
+def test_prefill_tma_refuses_head_dims_it_cannot_tile():
+    g = torch.Generator().manual_seed(23)
+    pc = make_cache([20], R, DR, 16, torch.float16, gen=g)
+    qn, qp = torch.randn(20, H, 24, generator=g).half(), torch.randn(20, H, DR, generator=g).half()
+    wk, wv = torch.randn(H, 24, R, generator=g).half(), torch.randn(H, 16, R, generator=g).half()
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    with pytest.raises(InputError, match="Dn=24"):
         pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2,
                        config=(16, 16, 4, 1, "tma"))
 

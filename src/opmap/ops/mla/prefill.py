@@ -150,8 +150,10 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
                 scale: float, kv_scale=None, causal: bool = True, return_lse: bool = False,
                 max_q_len: Optional[int] = None, max_seq_len: Optional[int] = None,
                 chunk_size: Optional[int] = None, config: Optional[tuple] = None):
-    """``config``: (BLOCK_M, BLOCK_N, warps, stages[, "split"]) for the kernel, else ``_config``
-    ("split": the tiles wholly below a block's diagonal in an unmasked loop of their own)."""
+    """``config``: (BLOCK_M, BLOCK_N, warps, stages[, "split" | "tma" | "ws"]) for the kernel, else
+    ``_config`` ("split": the tiles wholly below a block's diagonal in an unmasked loop of their
+    own; "tma": the tiles through tensor descriptors, prefill_tma.py; "ws": that kernel
+    warp-specialized, 4 warps)."""
     check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
     T, H, Dn = q_nope.shape
     Dr, R, Dv = q_pe.shape[2], w_kc.shape[2], w_vc.shape[1]
@@ -172,8 +174,15 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
         page, maxp = cache.shape[1], block_tables.shape[1]
         kscale = scale_value(kv_scale, dev) if cache.dtype == torch.float8_e4m3fn else None
         BLOCK_M, BLOCK_N, warps, stages, *how = config or _config(dev, Dn + Dv)
-        expect(how in ([], ["split"]) and min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config),
-               '(BLOCK_M, BLOCK_N, warps, stages) or with a fifth "split", blocks >= 16')
+        expect(how in ([], ["split"], ["tma"], ["ws"]) and min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config),
+               '(BLOCK_M, BLOCK_N, warps, stages) or with a fifth "split", "tma" or "ws", blocks >= 16')
+        tma = how in (["tma"], ["ws"])
+        if tma:
+            from . import prefill_tma
+
+            why = prefill_tma.usable(Dn, Dr, Dv, dt)
+            expect(why is None, "config", repr(config), f"head dims and dtype the TMA prefill can tile ({why})")
+            qd, pd = prefill_tma.queries(q_nope, q_pe, BLOCK_M)
         ieee = dt == torch.float32
         for c0 in range(0, max_seq_len, chunk):
             n = min(chunk, max_seq_len - c0)
@@ -184,10 +193,16 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
             own = pos[None, :] < seq_lens[:, None]
             pages = torch.where(own, block_tables.gather(1, pidx), 0).long().clamp_(0, cache.shape[0] - 1)
             rows = cache[pages, (pos % page)[None, :].expand(B, n)]  # [B, n, R + Dr]
+            if tma:  # its tiles read rows past a sequence's keys (masked, but 0 * NaN is NaN): zeros
+                rows = torch.where(own[..., None], rows, torch.zeros((), dtype=rows.dtype, device=dev))
             rows = rows.to(dt) if kscale is None else (rows.float() * kscale).to(dt)
             kv = (rows[..., :R] @ w.T).view(B, n, H, Dn + Dv)
             kn, v = kv[..., :Dn], kv[..., Dn:]
             kp = rows[..., R:]
+            if tma:
+                prefill_tma.launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, c0, n, scale, H, Dn, Dr, Dv,
+                                   causal, BLOCK_M, BLOCK_N, warps, stages, how == ["ws"], max_q_len)
+                continue
             grid = (triton.cdiv(max_q_len, BLOCK_M), B, H)
             _mla_prefill_kernel[grid](
                 q_nope, q_pe, kn, kp, v, o, lse, cu_seqlens_q, seq_lens, c0, n, float(scale),
