@@ -240,6 +240,52 @@ case $part in
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
       --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
   ws14)
+    # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1) and the MLA prefill's
+    # configs (ops/mla/prefill.py tiles and "split", ops/mla/prefill_tma.py "tma" / "ws"), all
+    # built on the CPU in the thirteenth session. Their GPU tests side by side (correctness only),
+    # then the quick grids alone: the page-64 GQA prefill cases beside our default (the TMA kernel)
+    # and cuDNN, predicted 1050-1200 us at B=1 S=8192 (1238 and 1037 before); the MLA prefill at 16
+    # heads / 4096 new tokens (135.5 TFLOP/s at the default, eleventh session), predicted 1.5-2.5x.
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_tma_gpu.py -k "prefill_ws" \
+      > "$out/tests-prefill-ws.log" 2>&1 &
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py -k "prefill" \
+      > "$out/tests-mla-prefill.log" 2>&1 &
+    wait
+    timeout 150 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
+      --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
+      --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
+    timeout 180 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
+      > "$out/mla-prefill.log" 2>&1 ;;
+  ncu14)
+    # After the thirteenth session: what bounds the fp8 decodes (GQA fp8 at bf16's time per token
+    # for half the bytes; MLA fp8 at 0.27 of its read ceiling at 16 heads and 95 TFLOP/s at 128,
+    # docs/attention.md, docs/mla.md). ncu's stall, occupancy and memory sections on one launch of
+    # each build beside its bf16 or cast counterpart (scripts/probes/decode_once.py: warm-up outside
+    # the profiled range). --clock-control none: the device notes say leave the clocks alone.
+    # Each ncu run ~30-60 s (python start, compiles, the sections' replays).
+    g="B=64,kv=4096,h=32/8,d=128,page=16,dtype"; m="B=64,kv=4096,h=16,R=512,Dr=64,page=64,kv_dtype"
+    m128="B=64,kv=4096,h=128,R=512,Dr=64,page=64,kv_dtype"; i=0
+    for spec in "attention.decode|$g=fp8|opmap-triton" "attention.decode|$g=fp8|opmap-triton[f16=0]" \
+                "attention.decode|$g=bf16|opmap-triton" "attention.mla_decode|$m=fp8|opmap-triton" \
+                "attention.mla_decode|$m=bf16|opmap-triton" "attention.mla_decode|$m128=fp8|opmap-triton" \
+                "attention.mla_decode|$m128=fp8|opmap-triton[bh=64,bn=32,w=8,s=1]"; do
+      IFS='|' read -r op cs pv <<< "$spec"; i=$((i + 1))
+      echo "== $i $op $cs $pv" >> "$out/ncu-index.txt"
+      timeout 120 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section SourceCounters --export "$out/ncu-$i" --force-overwrite \
+        python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
+      ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
+    done
+    # the tile variants on the fp8 GQA rows and the 128-head fp8 MLA configs by batch (the bench
+    # has both since the thirteenth session)
+    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
+      --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
+      --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
+    timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
+      --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
+      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
+  ws14)
     # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1; built on the CPU in the
     # thirteenth session): its GPU tests, then the page-64 prefill cases beside our default (the
     # TMA kernel) and cuDNN. Predicted: between the TMA kernel (1238 us at B=1 S=8192, 0.84x
