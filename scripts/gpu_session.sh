@@ -231,14 +231,15 @@ case $part in
         python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
       ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
     done
-    # the tile variants on the fp8 GQA rows and the 128-head fp8 MLA configs by batch (the bench
-    # has both since the thirteenth session)
+    # the tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
+    # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth session)
     timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
       --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
       --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
-      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
+      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --provider "opmap-triton[bh=16,bn=32,w=4,s=3,tma]" \
+      --provider "opmap-triton[bh=16,bn=32,w=8,s=3,tma]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
   ws14)
     # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1) and the MLA prefill's
     # configs (ops/mla/prefill.py tiles and "split", ops/mla/prefill_tma.py "tma" / "ws"), all
@@ -277,14 +278,15 @@ case $part in
         python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
       ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
     done
-    # the tile variants on the fp8 GQA rows and the 128-head fp8 MLA configs by batch (the bench
-    # has both since the thirteenth session)
+    # the tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
+    # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth session)
     timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
       --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
       --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
-      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
+      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --provider "opmap-triton[bh=16,bn=32,w=4,s=3,tma]" \
+      --provider "opmap-triton[bh=16,bn=32,w=8,s=3,tma]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
   ws14)
     # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1; built on the CPU in the
     # thirteenth session): its GPU tests, then the page-64 prefill cases beside our default (the

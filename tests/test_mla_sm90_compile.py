@@ -20,15 +20,16 @@ res = {}
 # (BLOCK_H, BLOCK_N, warps, stages): 16 heads with keys as rows; 64 heads with heads as rows
 # and the 16-head build on an fp8 cache (tiles converted in registers; explicit configs only) on two
 # warpgroups: on one (4 warps) it spills 176 bytes, on two 255 registers and no stack
-for bh, bn, w, st, fp8 in [(16, 32, 4, 3, False), (64, 32, 8, 3, False), (16, 32, 8, 3, True)]:
+for bh, bn, w, st, fp8 in [(16, 32, 4, 3, False), (64, 32, 8, 3, False), (16, 32, 8, 3, True), (16, 32, 4, 3, True)]:
     ce = dict(BLOCK_H=bh, BLOCK_RH=256, R_CHUNKS=2, BLOCK_DR=64, BLOCK_N=bn, NUM_SPLITS=4, PAGE=64, KEYS_ROWS=bh < 64,
-              FP8=fp8, SCALE_FROM_PTR=fp8)
+              FP8=fp8, SCALE_FROM_PTR=fp8, F16=fp8, ASM=fp8)
     el = "fp8e4nv" if fp8 else "bf16"
     s = dict(sig, KV_DESC=f"tensordesc<{el}[1,{bn},256]>", PE_DESC=f"tensordesc<{el}[1,{bn},64]>")
     for x in ce:
         s[x] = "constexpr"
     k = compile_sm90(t._mla_decode_tma_kernel, s, ce, {"num_warps": w, "num_stages": st}, (0, 1, 4, 5, 6, 7, 8, 9))
-    res[f"bh{bh}" + ("-fp8" if fp8 else "")] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor")}
+    name = f"bh{bh}" + (f"-fp8-w{w}" if fp8 else "")
+    res[name] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor"), "ops": sass_ops(k) if fp8 else {}}
 print("RESULT " + json.dumps(res))
 '''
 
@@ -40,7 +41,11 @@ def test_tma_kernel_builds_on_wgmma_without_spilling():
     # 64 heads: 128 accumulator registers a thread at 8 warps, q in registers; a 40-byte stack
     assert res["bh64"]["stack"] <= 64 and res["bh64"]["local"] == 0, res["bh64"]
     assert res["bh16"]["wgmma"] >= 2 and res["bh64"]["wgmma"] >= 5, res  # 2 value dots (+ 3 score dots)
-    assert res["bh16-fp8"]["stack"] == 0 and res["bh16-fp8"]["wgmma"] >= 2, res["bh16-fp8"]
+    for name in ("bh16-fp8-w8", "bh16-fp8-w4"):  # fp16 dots on tiles converted once (attention/fp8.py)
+        r, ops = res[name], res[name]["ops"]
+        assert r["stack"] == 0 and r["wgmma"] >= 2 and r["reg"] < 255, (name, r)
+        assert ops.get("LDS.U8", 0) == 0 and ops.get("F2F.BF16.F16", 0) == 0, (name, ops)  # the cast's build
+        assert 0 < ops.get("F2FP.F16.E4M3.UNPACK", 0) <= 72 and 2 * r["shared"] <= 227 * 1024, (name, r)
     assert 2 * res["bh16"]["shared"] <= 227 * 1024, res["bh16"]  # two programs per SM
     for name, r in res.items():
         assert r["tma"] >= 3, (name, r)  # 3 boxes a tile

@@ -83,7 +83,7 @@ def test_decode_fp8_cache_queries_at_the_edge_of_fp16():
     """On an fp8 cache the pointer kernel's dots run in fp16 (the GPU converts the tiles with
     cvt.rn.f16x2.e4m3x2), with q divided by a power of two where it would not fit fp16: queries up to
     6e4 (factor 2 here) give the reference's result. The "cast" config (the dots in q's own dtype,
-    as before) gives it too."""
+    as before) gives it too, and so does the TMA kernel's fp16 path (thirteenth session)."""
     g = torch.Generator().manual_seed(19)
     lens = [33, 70, 1]
     pc = make_cache(lens, R, DR, 16, fp8=True, gen=g)
@@ -99,6 +99,9 @@ def test_decode_fp8_cache_queries_at_the_edge_of_fp16():
     cast = dec._pointer_config(H, R) + ("cast",)
     _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
                           return_lse=True, config=cast), want, torch.float16)
+    for tma in ((4, 16, 4, 2, "tma"), (64, 16, 4, 2, "tma")):  # the TMA kernel's fp16 dots, both layouts
+        _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
+                              return_lse=True, config=tma), want, torch.float16)
     with pytest.raises(InputError, match="config"):
         dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
                        config=cast[:4] + ("fast",))

@@ -80,13 +80,14 @@ def test_decode_fp8_cosine(H):
     _agree(q8, want)
 
 
-@pytest.mark.parametrize("H,config", [(16, None), (128, None), (128, (64, 32, 8, 1))])
+@pytest.mark.parametrize("H,config", [(16, None), (128, None), (128, (64, 32, 8, 1)), (16, (16, 32, 4, 3, "tma")),
+                                      (16, (16, 32, 8, 3, "tma"))])
 def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     """The fp8 cache's fp16 dots (tiles converted by cvt.rn.f16x2.e4m3x2, twelfth session) with bf16
     queries up to 1e6, far past fp16's range (the kernel divides q by a power of two): finite and
     the reference's result, at the same logits as unit queries. The "cast" build (Triton's cast,
     bf16 dots, as before) agrees. (64, 32, 8, 1): the 64-head build the pointer kernel takes at
-    B >= 64."""
+    B >= 64; "tma": the TMA kernel's fp16 path (thirteenth session)."""
     lens = [100, 2048, 5000]
     pc = _cache(lens, 64, 7, fp8=True)
     qn, qp = _q(3, H, _gen(5))
@@ -97,7 +98,7 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, config=config, **kw)
     assert torch.isfinite(got).all()
     _agree(got, want)
-    cast = (config or dec._pointer_config(H, R, 3)) + ("cast",)
+    cast = (config[:4] if config else dec._pointer_config(H, R, 3)) + ("cast",)
     _agree(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, config=cast, **kw), want, what="cast")
 
 

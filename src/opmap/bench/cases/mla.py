@@ -151,6 +151,13 @@ def _decode_case(B, H, ctx, fp8, quick):
         for c in dict.fromkeys([_pointer_config(H, R, B)] + ([(64, 32, 8, 1)] if H >= 64 else [])):
             cast = c + ("cast",)
             provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},cast]".format(*cast), _ours("mla_decode", cast)))
+        if H < 64:
+            # The TMA kernel on fp8 with the pointer kernel's fix (fp16 dots on tiles converted once
+            # by PTX; thirteenth session, CPU): its sm90 build no longer reads the tiles byte by byte
+            # (188-203 registers instead of 255, 92 KB: two programs an SM). Before the fix it was
+            # slower than the pointer kernel (292.5 against 166.8 us at B=64/4096).
+            for c in ((16, 32, 4, 3, "tma"), (16, 32, 8, 3, "tma")):
+                provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},tma]".format(*c), _ours("mla_decode", c)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
         # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads
