@@ -21,14 +21,15 @@
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
 #   scripts/gpu_session.sh ws14 OUTDIR         # the warp-specialized prefill and the MLA prefill configs: GPU tests, quick grids (~7 min)
-#   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast; fp8 tile variants and 128-head MLA configs (~8 min)
+#   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast (~5 min)
+#   scripts/gpu_session.sh grid14 OUTDIR       # fp8 GQA tile variants, 128-head fp8 MLA configs, 16-head fp8 MLA via TMA (~8 min)
 #   scripts/gpu_session.sh host14 OUTDIR       # the B=1 prefill host-time probe with idle gaps and SM clocks (~2 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
 #   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|ws14|ncu14|host14|san13|check13|fp8-13|check12|mla11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|ws14|ncu14|grid14|host14|san13|check13|fp8-13|check12|mla11|mem11|ab11|compiles11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -231,12 +232,15 @@ case $part in
         python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
       ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
     done
-    # the tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
-    # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth session)
-    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
+    ;;
+  grid14)
+    # The tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
+    # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth
+    # session): full grids, only those rows and our default.
+    timeout 240 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
       --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
       --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
+    timeout 280 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
       --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --provider "opmap-triton[bh=16,bn=32,w=4,s=3,tma]" \
       --provider "opmap-triton[bh=16,bn=32,w=8,s=3,tma]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
@@ -256,54 +260,6 @@ case $part in
       --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
       --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
     timeout 180 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
-      > "$out/mla-prefill.log" 2>&1 ;;
-  ncu14)
-    # After the thirteenth session: what bounds the fp8 decodes (GQA fp8 at bf16's time per token
-    # for half the bytes; MLA fp8 at 0.27 of its read ceiling at 16 heads and 95 TFLOP/s at 128,
-    # docs/attention.md, docs/mla.md). ncu's stall, occupancy and memory sections on one launch of
-    # each build beside its bf16 or cast counterpart (scripts/probes/decode_once.py: warm-up outside
-    # the profiled range). --clock-control none: the device notes say leave the clocks alone.
-    # Each ncu run ~30-60 s (python start, compiles, the sections' replays).
-    g="B=64,kv=4096,h=32/8,d=128,page=16,dtype"; m="B=64,kv=4096,h=16,R=512,Dr=64,page=64,kv_dtype"
-    m128="B=64,kv=4096,h=128,R=512,Dr=64,page=64,kv_dtype"; i=0
-    for spec in "attention.decode|$g=fp8|opmap-triton" "attention.decode|$g=fp8|opmap-triton[f16=0]" \
-                "attention.decode|$g=bf16|opmap-triton" "attention.mla_decode|$m=fp8|opmap-triton" \
-                "attention.mla_decode|$m=bf16|opmap-triton" "attention.mla_decode|$m128=fp8|opmap-triton" \
-                "attention.mla_decode|$m128=fp8|opmap-triton[bh=64,bn=32,w=8,s=1]"; do
-      IFS='|' read -r op cs pv <<< "$spec"; i=$((i + 1))
-      echo "== $i $op $cs $pv" >> "$out/ncu-index.txt"
-      timeout 120 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        --section SourceCounters --export "$out/ncu-$i" --force-overwrite \
-        python3 scripts/probes/decode_once.py "$op" "$cs" "$pv" > "$out/ncu-$i.log" 2>&1
-      ncu --import "$out/ncu-$i.ncu-rep" --page details > "$out/ncu-$i.txt" 2>&1
-    done
-    # the tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
-    # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth session)
-    timeout 150 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
-      --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
-      --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \
-      --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
-      --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --provider "opmap-triton[bh=16,bn=32,w=4,s=3,tma]" \
-      --provider "opmap-triton[bh=16,bn=32,w=8,s=3,tma]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
-  ws14)
-    # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1; built on the CPU in the
-    # thirteenth session): its GPU tests, then the page-64 prefill cases beside our default (the
-    # TMA kernel) and cuDNN. Predicted: between the TMA kernel (1238 us at B=1 S=8192, 0.84x
-    # cuDNN) and cuDNN (1037): the producer takes the copies and page ids off the consumers, but
-    # every tile is masked and the softmax still waits on the QK dot in each consumer.
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_tma_gpu.py -k "prefill_ws" \
-      > "$out/tests-prefill-ws.log" 2>&1
-    timeout 200 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
-      --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
-      --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
-    # The MLA prefill's tile configs (ops/mla/prefill.py: the default's sm90 build waits for every
-    # copy at the top of each tile; 128-row blocks at 3 stages, "split" unmasked tiles): GPU test,
-    # then the quick case (16 heads, 4096 new tokens: 135.5 TFLOP/s at the default, eleventh session)
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py -k "prefill" \
-      > "$out/tests-mla-prefill.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
       > "$out/mla-prefill.log" 2>&1 ;;
   host14)
     # The B=1 prefill took 23 ms after 128-token generates and 30-44 ms after 1-token ones

@@ -49,3 +49,15 @@ def test_bench_providers_exist():
     assert wanted
     unknown = sorted(w for w in wanted if w not in have)
     assert not unknown, f"gpu_session.sh names bench rows no case has: {unknown}"
+
+
+def test_session_parts_are_unique_and_listed():
+    """Each `case` part of gpu_session.sh appears once (bash takes the first of two labels without a
+    word, so an edited copy further down would never run) and is named in the usage line."""
+    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    parts = re.findall(r"^  ([\w-]+)\)$", text, flags=re.M)
+    dup = sorted({p for p in parts if parts.count(p) > 1})
+    assert not dup, f"parts defined twice: {dup}"
+    usage = re.search(r"usage: scripts/gpu_session.sh ([\w|-]+) OUTDIR", text).group(1).split("|")
+    missing = sorted(set(parts) - set(usage))
+    assert not missing, f"parts not in the usage line: {missing}"
