@@ -247,15 +247,14 @@ case $part in
   ws14)
     # The warp-specialized prefill (ops/attention/prefill_ws.py, config WS=1) and the MLA prefill's
     # configs (ops/mla/prefill.py tiles and "split", ops/mla/prefill_tma.py "tma" / "ws"), all
-    # built on the CPU in the thirteenth session. Their GPU tests side by side (correctness only),
-    # then the quick grids alone: the page-64 GQA prefill cases beside our default (the TMA kernel)
-    # and cuDNN, predicted 1050-1200 us at B=1 S=8192 (1238 and 1037 before); the MLA prefill at 16
-    # heads / 4096 new tokens (135.5 TFLOP/s at the default, eleventh session), predicted 1.5-2.5x.
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_attention_tma_gpu.py -k "prefill_ws" \
-      > "$out/tests-prefill-ws.log" 2>&1 &
-    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_mla_gpu.py -k "prefill" \
-      > "$out/tests-mla-prefill.log" 2>&1 &
-    wait
+    # built on the CPU in the thirteenth session, and the MLA TMA decode's fp8 fp16 dots. The GPU
+    # test files of every family changed since the last GPU tests (attention, attention TMA, MLA)
+    # side by side (correctness only), then the quick grids alone: the page-64 GQA prefill cases
+    # beside our default (the TMA kernel) and cuDNN, predicted 1050-1200 us at B=1 S=8192 (1238 and
+    # 1037 before); the MLA prefill at 16 heads / 4096 new tokens (135.5 TFLOP/s at the default,
+    # eleventh session), predicted 1.5-2.5x.
+    STEPS=tests TEST_TIMEOUT=240 TEST_LANES="tests/gpu/test_attention_gpu.py|tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_mla_gpu.py" \
+      timeout 250 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1
     timeout 150 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
       --provider "opmap-triton[ws=1]" --provider "opmap-triton[ws=1,s=2]" --provider cudnn-sdpa \
       --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
