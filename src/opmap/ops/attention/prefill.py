@@ -234,7 +234,7 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
     if cfg["WS"]:  # the warp-specialized TMA kernel, explicit configs only
         from . import prefill_tma, prefill_ws
 
-        why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"]) or prefill_ws.usable(q, cfg["BLOCK_N"])
+        why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"]) or prefill_ws.usable(q)
         expect(why is None, "config", "WS=1", f"a cache and q the warp-specialized prefill can read ({why})")
         expect(not skip_single, "config", "WS=1", "a prefill call (mixed batches use the gather kernel)")
         prefill_ws.launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale,

@@ -26,20 +26,18 @@ import triton.language as tl
 from ...contract import expect
 from .prefill import _kv_range
 from .prefill_tma import _page_of, _tile_tma
-from .tma import MAX_BOX, descriptors
+from .tma import descriptors
 
 SEARCH_STEPS = 16  # the unrolled sequence search covers up to 2**16 sequences a call
 
 
-def usable(q: torch.Tensor, block_n: int) -> str | None:
+def usable(q: torch.Tensor) -> str | None:
     """None when q can be read through the kernel's descriptor (the cache: prefill_tma.usable)."""
-    T, hq, d = q.shape
+    T, hq, d = q.shape  # d is a power of two from 16 to 256 (check_attention)
     if q.stride(2) != 1 or q.stride(1) != d:
         return "the warp-specialized prefill reads q as [tokens, heads * head_dim]: heads adjacent, dims contiguous"
     if (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
         return "the warp-specialized prefill needs q's rows 16-byte aligned (a TMA descriptor)"
-    if d > MAX_BOX or d * q.element_size() < 16:
-        return f"head_dim {d}: a TMA box row is 16 bytes to {MAX_BOX} elements"
     return None
 
 
