@@ -126,6 +126,18 @@ def test_bench_on_cpu_writes_nothing(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bench_names_a_misspelt_op_or_row(tmp_path, capsys):
+    """A --op that selects no case, or a --provider no selected case has, is an error (exit 2) that
+    names the closest ones, before anything is timed, on any machine."""
+    assert cli.main(["bench", "--quick", "--op", "atention.decode", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark case matches --op 'atention.decode'" in err and "closest ['attention.decode'" in err
+    assert cli.main(["bench", "--quick", "--op", "attention.decode", "--provider", "opmap-triton[f16=1]",
+                     "--out", str(tmp_path)]) == 2
+    assert "no benchmark row is named 'opmap-triton[f16=1]'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_check_quick_tiny_llama3(tmp_path, capsys):
     js = tmp_path / "check.json"
     t0 = time.perf_counter()

@@ -232,6 +232,16 @@ def main(args) -> int:
 
     info = hw.detect()
     cases, errors = collect(args.quick)
+    unknown = [o for o in args.op or [] if not any(keep(c, [o], None) for c in cases)]
+    if unknown:  # a misspelt --op selects nothing: say so before anything is timed
+        import difflib
+
+        ops = sorted({c.op for c in cases})
+        hints = "; ".join(f"{o!r}: closest {difflib.get_close_matches(o, ops, n=3, cutoff=0.5) or 'none'}"
+                          for o in unknown)
+        print(f"opmap bench: no benchmark case matches --op {', '.join(map(repr, unknown))} (an op name or a "
+              f"prefix of one; ops: {', '.join(ops)}). {hints}", file=sys.stderr)
+        return 2
     try:  # a --provider no case has is named before anything is timed
         selected = only_providers([c for c in cases if keep(c, args.op, None)], args.provider)
     except ValueError as e:
