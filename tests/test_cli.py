@@ -138,6 +138,15 @@ def test_bench_names_a_misspelt_op_or_row(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_check_names_a_misspelt_filter(capsys):
+    """opmap check --op / --backend / --section with a name no case has: exit 2 and the closest
+    names, not a run of nothing."""
+    assert cli.main(["check", "--quick", "--op", "atention"]) == 2
+    assert "no check case has op 'atention'" in capsys.readouterr().err
+    assert cli.main(["check", "--quick", "--backend", "tritn"]) == 2
+    assert "closest ['triton'" in capsys.readouterr().err
+
+
 def test_check_quick_tiny_llama3(tmp_path, capsys):
     js = tmp_path / "check.json"
     t0 = time.perf_counter()

@@ -126,6 +126,23 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     return Targets(pairs, ops, choices, cfg)
 
 
+def _known(found, **given) -> None:
+    """A --op / --backend / --section value no case on this device has is a ValueError naming the
+    closest ones (a misspelt filter used to check nothing and say only that nothing matched)."""
+    import difflib
+
+    if not found:  # nothing collected at all (the load errors say why): no name to check against
+        return
+    for what, values in given.items():
+        have = sorted({getattr(c, what[:-1]) for _, c in found})
+        bad = [v for v in values or () if v not in have]
+        if bad:
+            hints = "; ".join(f"{v!r}: closest {difflib.get_close_matches(v, have, n=3, cutoff=0.5) or 'none'}"
+                              for v in bad)
+            raise ValueError(f"no check case has {what[:-1]} {', '.join(map(repr, bad))} here "
+                             f"({what}: {', '.join(have)}). {hints}")
+
+
 def keep(case: CheckCase, targets: Optional[Targets], backends=None, ops=None, sections=None) -> bool:
     if sections and case.section not in sections:
         return False
@@ -255,6 +272,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
     device = device or local_device()
     targets = model_targets(model) if model else None
     found, errors = collect(device, quick)
+    _known(found, ops=ops, backends=backends, sections=sections)
     selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
     results = list(errors) + run(selected, progress)
     notes, sources = [], None
@@ -298,7 +316,7 @@ def main(args) -> int:
                                sanitizer=args.sanitizer, timeout=args.timeout, console=console,
                                jobs=args.jobs, resume=getattr(args, "resume", None),
                                batch=getattr(args, "batch", 6), reuse=getattr(args, "reuse", None) or ())
-    except ValueError as e:  # unknown preset
+    except ValueError as e:  # unknown preset, or a filter that names nothing
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_tables(results, console)
