@@ -237,7 +237,7 @@ case $part in
     # The tile variants on the fp8 GQA rows, the 128-head fp8 MLA configs by batch, and the 16-head
     # fp8 MLA through the TMA kernel with fp16 dots (the bench has them since the thirteenth
     # session): full grids, only those rows and our default.
-    timeout 240 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" \
+    timeout 240 python3 -m opmap.cli bench --op attention.decode --provider opmap-triton --provider "opmap-triton[bn=32,s=4]" --provider "opmap-triton[bn=32,s=3]" --provider "opmap-triton[trans]" \
       --provider "opmap-triton[bn=128,s=2]" --provider "opmap-triton[w=8]" --provider "opmap-triton[pf=0]" \
       --out "$out/decode-variants" > "$out/decode-variants.log" 2>&1
     timeout 280 python3 -m opmap.cli bench --op attention.mla_decode --provider opmap-triton \

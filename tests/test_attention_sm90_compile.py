@@ -150,3 +150,19 @@ def test_decode_fp8_tiles_cross_shared_memory_once_in_16_bytes():
     assert f16.get("LDSM.16.M88.4", 0) > 0 and f16.get("HMMA.16816.F32", 0) > 0, f16
     r = res["f16"]
     assert r["stack"] == 0 and r["local"] == 0 and any(int(w) > 0 for w in r["waits"]), r
+
+
+FP8_TRANS = FP8_SCRIPT.replace("for f16 in (False, True):", "for f16 in (True,):").replace(
+    "F16=f16, ASM=f16)", "F16=f16, ASM=f16, TRANS=1)").replace(
+    's = dict(dsig, kc_ptr="*fp8e4nv", vc_ptr="*fp8e4nv")', 's = dict(dsig, kc_ptr="*fp8e4nv", vc_ptr="*fp8e4nv", TRANS="constexpr")')
+
+
+@needs_ptxas
+def test_decode_fp8_keys_as_rows_fits_four_programs_an_sm():
+    """config TRANS=1 on an fp8 cache with the fp16 dots: both dots on wgmma, pipelined, no byte
+    loads, and registers and shared memory for four programs an SM (the bench's fp8 [trans] rows;
+    with Triton's cast this build had 231 registers)."""
+    r = run(FP8_TRANS)["f16"]
+    assert r["wgmma"] == 2 and r["stack"] == 0 and any(int(w) > 0 for w in r["waits"]), r
+    assert r["ops"].get("LDS.U8", 0) == 0 and r["ops"].get("F2F.BF16.F16", 0) == 0, r["ops"]
+    assert r["reg"] <= 128 and 4 * r["shared"] <= 227 * 1024, r

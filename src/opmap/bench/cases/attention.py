@@ -210,11 +210,12 @@ def _decode_case(B, L, fp8, quick):
         # session (B=64 / 4096: 261 us, bf16 260: not faster for half the bytes), against the
         # fp16 dots on tiles converted once by PTX (ops/attention/fp8.py)
         provs.append(Provider("opmap-triton[f16=0]", _ours("decode", config={"F16": 0})))
-    if not fp8:
-        # Keys as rows (scores^T = K q^T, out^T += V^T p^T): the sm90 build runs both dots on wgmma
-        # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72
-        # (two programs per SM instead of three). In the quick grid: one GPU run decides.
-        provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
+    # Keys as rows (scores^T = K q^T, out^T += V^T p^T): the sm90 build runs both dots on wgmma
+    # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72
+    # (two programs per SM instead of three): slower in bf16 (B=64/4096: 342.9 against 254.4 us).
+    # On fp8 caches with the fp16 dots (thirteenth session, CPU) the build has 128 registers and
+    # 55 KB: four programs an SM against three (the fp8 wave hypothesis, docs/attention.md).
+    provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
     # K/V rows through TMA, a box per 16-token page (ops/attention/decode_tma.py): one copy per
     # page instead of one per 16 bytes of every row. Lost on the H200 (tenth session): B=1 / 32k
     # 63.2 us against the gather kernel's 52.2 (60.4 at three programs per SM, 65.7 with 128-key
