@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from .. import registry
+from ..contract import closest
 from .base import BenchCase, Provider
 from .cases import FAMILIES
 
@@ -147,12 +148,8 @@ def only_providers(cases: list[BenchCase], names: Optional[list]) -> list[BenchC
     have = {p.name for c in cases for p in c.providers}
     unknown = [n for n in names if n not in have]
     if unknown:
-        import difflib
-
-        hints = "; ".join(f"{n!r}: closest {difflib.get_close_matches(n, sorted(have), n=4, cutoff=0.5) or 'none'}"
-                          for n in unknown)
         raise ValueError(f"no benchmark row is named {', '.join(map(repr, unknown))} in the cases selected "
-                         f"({len(cases)} cases, {len(have)} provider names). {hints}")
+                         f"({len(cases)} cases, {len(have)} provider names). {closest(unknown, have, n=4)}")
     out = []
     for c in cases:
         provs = [p for p in c.providers if p.name in names]
@@ -234,13 +231,9 @@ def main(args) -> int:
     cases, errors = collect(args.quick)
     unknown = [o for o in args.op or [] if not any(keep(c, [o], None) for c in cases)]
     if unknown:  # a misspelt --op selects nothing: say so before anything is timed
-        import difflib
-
         ops = sorted({c.op for c in cases})
-        hints = "; ".join(f"{o!r}: closest {difflib.get_close_matches(o, ops, n=3, cutoff=0.5) or 'none'}"
-                          for o in unknown)
         print(f"opmap bench: no benchmark case matches --op {', '.join(map(repr, unknown))} (an op name or a "
-              f"prefix of one; ops: {', '.join(ops)}). {hints}", file=sys.stderr)
+              f"prefix of one; ops: {', '.join(ops)}). {closest(unknown, ops)}", file=sys.stderr)
         return 2
     try:  # a --provider no case has is named before anything is timed
         selected = only_providers([c for c in cases if keep(c, args.op, None)], args.provider)

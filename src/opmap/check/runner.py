@@ -129,7 +129,7 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
 def _known(found, **given) -> None:
     """A --op / --backend / --section value no case on this device has is a ValueError naming the
     closest ones (a misspelt filter used to check nothing and say only that nothing matched)."""
-    import difflib
+    from ..contract import closest
 
     if not found:  # nothing collected at all (the load errors say why): no name to check against
         return
@@ -137,10 +137,8 @@ def _known(found, **given) -> None:
         have = sorted({getattr(c, what[:-1]) for _, c in found})
         bad = [v for v in values or () if v not in have]
         if bad:
-            hints = "; ".join(f"{v!r}: closest {difflib.get_close_matches(v, have, n=3, cutoff=0.5) or 'none'}"
-                              for v in bad)
             raise ValueError(f"no check case has {what[:-1]} {', '.join(map(repr, bad))} here "
-                             f"({what}: {', '.join(have)}). {hints}")
+                             f"({what}: {', '.join(have)}). {closest(bad, have)}")
 
 
 def keep(case: CheckCase, targets: Optional[Targets], backends=None, ops=None, sections=None) -> bool:

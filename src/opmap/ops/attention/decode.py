@@ -28,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ...contract import expect, expect_tensor
-from .common import check_attention, interpreted, kernel_config, prepare_scales, sm_count
-from .fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots, scaled_f16
+from .common import check_attention, kernel_config, prepare_scales, sm_count
+from .fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
@@ -329,7 +329,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
-    f16 = fp16_dots(k_cache.dtype, q.dtype, bool(cfg["F16"]))  # fp8 caches (attention/fp8.py)
+    dots = dot_flags(k_cache.dtype, q, bool(cfg["F16"]))  # fp8 caches (attention/fp8.py)
     if cfg["TMA"]:
         from . import decode_tma
 
@@ -349,7 +349,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
             GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
             HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
             RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], F16=f16, ASM=f16 and not interpreted(q.device),
+            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], **dots,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one

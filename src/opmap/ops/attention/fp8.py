@@ -50,6 +50,15 @@ def scaled_f16(x, f):
     return (x.to(tl.float32) / f).to(tl.float16)
 
 
+def dot_flags(cache_dtype, q: torch.Tensor, enabled: bool = True) -> dict:
+    """The kernels' F16 / ASM constexprs: fp16 dots (``fp16_dots``), on tiles converted by
+    ``e4m3_to_f16`` on a GPU and by a cast in the interpreter, which runs no PTX."""
+    from .common import interpreted
+
+    f16 = fp16_dots(cache_dtype, q.dtype, enabled)
+    return dict(F16=f16, ASM=f16 and not interpreted(q.device))
+
+
 def fp16_dots(cache_dtype, q_dtype, enabled: bool = True) -> bool:
     """Whether a decode on this cache runs fp16 dots: fp8 caches with 16-bit queries (fp32
     queries keep their IEEE dots); ``enabled``: the launch config's switch (its bench rows

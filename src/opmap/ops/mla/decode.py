@@ -24,8 +24,7 @@ import triton
 import triton.language as tl
 
 from ...contract import expect
-from ..attention.common import interpreted
-from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots, scaled_f16
+from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step, _split_sum
 from .validate import check_decode, check_sparse_indices
 
@@ -338,7 +337,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     # B >= 64): there the fp16 path measured slower, B=64/4096 808.0 against 681.1 us (H200,
     # bench/results/2026-11-30-h200-decode-quick-session13.*); at 16-head blocks it is faster
     # (135.6 against 167.6 us).
-    f16 = fp16_dots(cache.dtype, q_nope.dtype, how != ["cast"] and not (default and bh >= 64))
+    dots = dot_flags(cache.dtype, q_nope, how != ["cast"] and not (default and bh >= 64))
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
@@ -355,8 +354,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
             out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
             BLOCK_H=bh, BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=max(16, triton.next_power_of_2(Dr)),
             BLOCK_N=bn, NUM_SPLITS=S, SPARSE=sparse, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-            IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], F16=f16,
-            ASM=f16 and not interpreted(q_nope.device), num_warps=warps,
+            IEEE=q_nope.dtype == torch.float32, PAGE=cache.shape[1], **dots, num_warps=warps,
             num_stages=stages)
     if S > 1:
         br = _merge_block_r(B, H, R, q_nope.device)

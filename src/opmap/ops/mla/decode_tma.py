@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..attention.common import interpreted
-from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, fp16_dots, scaled_f16
+from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step
 from ..attention.tma import MAX_BOX
 from .decode import _cache_scale, _split_range, scale_args
@@ -259,7 +258,7 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
 
 
 def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages,
-           kv_scale=None, fp16=True):
+           kv_scale=None):
     """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
     ``usable`` included). ``kv_scale``: an fp8 cache's scale (a float or a [1] fp32 tensor)."""
     B, H, R = q_nope.shape
@@ -272,7 +271,6 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
     fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
-    f16 = fp16_dots(cache.dtype, q_nope.dtype, fp16)
     _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
         q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, out, lse, po, pl, float(scale),
         H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
@@ -280,6 +278,6 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
-        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, FP8=fp8, SCALE_FROM_PTR=from_ptr, F16=f16,
-        ASM=f16 and not interpreted(q_nope.device), num_warps=warps,
+        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, FP8=fp8, SCALE_FROM_PTR=from_ptr,
+        **dot_flags(cache.dtype, q_nope), num_warps=warps,
         num_stages=stages)

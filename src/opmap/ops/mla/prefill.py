@@ -193,16 +193,16 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
             own = pos[None, :] < seq_lens[:, None]
             pages = torch.where(own, block_tables.gather(1, pidx), 0).long().clamp_(0, cache.shape[0] - 1)
             rows = cache[pages, (pos % page)[None, :].expand(B, n)]  # [B, n, R + Dr]
-            if tma:  # its tiles read rows past a sequence's keys (masked, but 0 * NaN is NaN): zeros
-                rows = torch.where(own[..., None], rows, torch.zeros((), dtype=rows.dtype, device=dev))
             rows = rows.to(dt) if kscale is None else (rows.float() * kscale).to(dt)
+            if tma:  # its tiles read rows past a sequence's keys (masked, but 0 * NaN is NaN): zeros
+                rows = rows.masked_fill(~own[..., None], 0)
             kv = (rows[..., :R] @ w.T).view(B, n, H, Dn + Dv)
-            kn, v = kv[..., :Dn], kv[..., Dn:]
             kp = rows[..., R:]
             if tma:
                 prefill_tma.launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, c0, n, scale, H, Dn, Dr, Dv,
                                    causal, BLOCK_M, BLOCK_N, warps, stages, how == ["ws"], max_q_len)
                 continue
+            kn, v = kv[..., :Dn], kv[..., Dn:]
             grid = (triton.cdiv(max_q_len, BLOCK_M), B, H)
             _mla_prefill_kernel[grid](
                 q_nope, q_pe, kn, kp, v, o, lse, cu_seqlens_q, seq_lens, c0, n, float(scale),
