@@ -56,6 +56,13 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
     return setup
 
 
+def _row(rows: str, config: tuple) -> str:
+    """A config's bench row name: (16, 32, 4, 3, "tma") -> "opmap-triton[bh=16,bn=32,w=4,s=3,tma]"
+    (``rows``: "bh" for the decode's head blocks, "bm" for the prefill's query blocks)."""
+    return f"opmap-triton[{rows}={config[0]},bn={config[1]},w={config[2]},s={config[3]}" + \
+        "".join("," + x for x in config[4:]) + "]"
+
+
 def _ours(entry, config=None, per_sm=None, **ws_kw):
     """``per_sm``: plan the splits for that many programs per SM instead of the config's own count."""
     def make(inp):
@@ -121,8 +128,7 @@ def _decode_case(B, H, ctx, fp8, quick):
     flops = 2.0 * B * H * ctx * (2 * R + DR)
     provs = [Provider("opmap-triton", _ours("mla_decode"), backend=("attention", "mla-triton"))]
     if not quick:
-        provs += [Provider("opmap-triton[bh={},bn={},w={},s={}]".format(*c), _ours("mla_decode", c))
-                  for c in VARIANTS[H]]
+        provs += [Provider(_row("bh", c), _ours("mla_decode", c)) for c in VARIANTS[H]]
     if H == 16 and not fp8:
         # 16 heads: the default 4-warp program has 255 registers and a 136-byte stack frame on
         # sm90 (0.14 of the read ceiling at B=1, 0.55 at B=64); with 8 warps it compiles to 206
@@ -149,15 +155,14 @@ def _decode_case(B, H, ctx, fp8, quick):
         # below B=64, where the 64-head fp16 build beat the default 16-head one (221.4 against
         # 250.8 us at B=16/4096).
         for c in dict.fromkeys([_pointer_config(H, R, B)] + ([(64, 32, 8, 1)] if H >= 64 else [])):
-            cast = c + ("cast",)
-            provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},cast]".format(*cast), _ours("mla_decode", cast)))
+            provs.append(Provider(_row("bh", c + ("cast",)), _ours("mla_decode", c + ("cast",))))
         if H < 64:
             # The TMA kernel on fp8 with the pointer kernel's fix (fp16 dots on tiles converted once
             # by PTX; thirteenth session, CPU): its sm90 build no longer reads the tiles byte by byte
             # (188-203 registers instead of 255, 92 KB: two programs an SM). Before the fix it was
             # slower than the pointer kernel (292.5 against 166.8 us at B=64/4096).
             for c in ((16, 32, 4, 3, "tma"), (16, 32, 8, 3, "tma")):
-                provs.append(Provider("opmap-triton[bh={},bn={},w={},s={},tma]".format(*c), _ours("mla_decode", c)))
+                provs.append(Provider(_row("bh", c), _ours("mla_decode", c)))
     if not fp8:
         # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
         # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads
@@ -236,8 +241,7 @@ def _prefill_case(H, new, prefix):
     # (a producer and two consumer warpgroups; 64-key tiles at 3 stages would not fit its shared memory)
     for c in [(128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"), (64, 64, 8, 3, "split"),
               (128, 64, 8, 3, "tma"), (128, 64, 4, 2, "ws"), (128, 32, 4, 3, "ws")]:
-        name = "opmap-triton[bm={},bn={},w={},s={}{}]".format(*c[:4], "," + c[4] if len(c) > 4 else "")
-        provs.append(Provider(name, _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
+        provs.append(Provider(_row("bm", c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
     return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
                      flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",
                      spec=_spec(H, False, phase="prefill"), tags=("mla",))
