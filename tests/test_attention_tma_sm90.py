@@ -73,39 +73,3 @@ def test_tma_decode_builds_without_spilling():
         assert r["shared"] <= 75 * 1024, (name, r)
     assert res["page16-fp80"]["shared"] >= 64 * 1024 and res["page64-fp80"]["shared"] >= 64 * 1024
     assert res["page16-fp80"]["tma"] >= 8 and res["page64-fp80"]["tma"] >= 2
-
-
-WS = r'''
-from opmap.ops.attention import prefill_ws as t
-
-res = {}
-for d, group, st in [(128, 4, 3), (128, 1, 2), (64, 8, 3)]:
-    sig = {"Q_DESC": f"tensordesc<bf16[128,{d}]>", "K_DESC": f"tensordesc<bf16[1,64,1,{d}]>",
-           "V_DESC": f"tensordesc<bf16[1,64,1,{d}]>", "o_ptr": "*bf16", "lse_ptr": "*fp32", "cu_ptr": "*i32",
-           "sl_ptr": "*i32", "bt_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32", "window": "i32", "B": "i32",
-           "s_ot": "i32", "s_oh": "i32", "s_bt": "i32"}
-    ce = dict(GROUP=group, D=d, DV=d, PAGE=64, BLOCK_M=128, BLOCK_N=64, CAUSAL=True, HAS_WINDOW=False, HAS_CAP=False,
-              RETURN_LSE=True, STEPS=t.SEARCH_STEPS)
-    for n in ce:
-        sig[n] = "constexpr"
-    div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n in ("s_ot", "s_oh")]
-    k = compile_sm90(t._prefill_ws_kernel, sig, ce, {"num_warps": 4, "num_stages": st}, div)
-    tt = k.asm["ttgir"]
-    res[f"d{d}-g{group}-s{st}"] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor"),
-                                  "ws": tt.count("ttg.warp_specialize("), "consumers": tt.count("num_warps(4)")}
-print("RESULT " + json.dumps(res))
-'''
-
-
-@needs_ptxas
-def test_ws_prefill_is_warp_specialized():
-    """prefill_ws.py's kernel takes Triton 3.6's Hopper warp specialization: a producer (the default
-    region: page ids and TMA copies) and two consumer warpgroups of 64 rows, each with both dots
-    on wgmma; no spill. Each loop-shape rule in its docstring was found by the pass aborting on
-    or ignoring the alternative (scripts/probes/hopper_ws.py): a regression here means the kernel
-    silently runs as a plain 4-warp loop."""
-    res = run(WS)
-    for name, r in res.items():
-        assert r["ws"] == 1 and r["consumers"] == 2, (name, r)
-        assert r["wgmma"] == 4 and r["tma"] >= 3, (name, r)  # 2 dots x 2 consumers; q, K, V boxes
-        assert r["local"] == 0 and r["stack"] == 0 and r["shared"] <= 227 * 1024, (name, r)

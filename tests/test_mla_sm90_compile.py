@@ -137,35 +137,31 @@ PREFILL_TMA = r'''
 from opmap.ops.mla import prefill_tma as t
 
 res = {}
-for bm, bn, w, st, ws in [(128, 64, 8, 3, False), (128, 64, 4, 2, True), (128, 32, 4, 3, True)]:
+for bm, bn, w, st in [(128, 64, 8, 3), (128, 32, 8, 3)]:
     sig = {"QN_DESC": f"tensordesc<bf16[{bm},128]>", "QP_DESC": f"tensordesc<bf16[{bm},64]>",
            "KN_DESC": f"tensordesc<bf16[{bn},128]>", "KP_DESC": f"tensordesc<bf16[{bn},64]>",
            "V_DESC": f"tensordesc<bf16[{bn},128]>", "O": "*fp32", "LSE": "*fp32", "CU_Q": "*i32", "SEQ_LENS": "*i32",
            "chunk_start": "i32", "chunk_len": "i32", "sm_scale": "fp32", "H": "i32", "s_ot": "i32", "s_oh": "i32",
            "s_lt": "i32", "N_ROWS": "i32"}
-    ce = dict(BLOCK_M=bm, BLOCK_N=bn, DN=128, DR=64, DV=128, CAUSAL=True, WS=ws)
+    ce = dict(BLOCK_M=bm, BLOCK_N=bn, DN=128, DR=64, DV=128, CAUSAL=True)
     for n in ce:
         sig[n] = "constexpr"
     div = [i for i, n in enumerate(sig) if sig[n].startswith("*") or n in ("s_ot", "s_oh", "s_lt")]
     k = compile_sm90(t._mla_prefill_tma_kernel, sig, ce, {"num_warps": w, "num_stages": st}, div)
     tt = k.asm["ttgir"]
-    res[f"{bm}-{bn}-{st}" + ("-ws" if ws else "")] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor"),
-                                                       "ws": tt.count("ttg.warp_specialize("),
-                                                       "consumers": tt.count("num_warps(4)")}
+    res[f"{bm}-{bn}-{st}"] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor"),
+                              "ws": tt.count("ttg.warp_specialize(")}
 print("RESULT " + json.dumps(res))
 '''
 
 
 @needs_ptxas
-def test_prefill_tma_builds_and_warp_specializes():
-    """The TMA MLA prefill (ops/mla/prefill_tma.py) at DeepSeek's dims: tiles by TMA, dots on wgmma,
-    no spill, within shared memory (64-key tiles at 3 stages on the warp-specialized build would
-    take 238 KB: the bench rows use 2 stages there, or 32-key tiles); the WS builds split into a
-    producer and two consumer warpgroups, each with the three dots."""
+def test_prefill_tma_builds():
+    """The TMA MLA prefill (ops/mla/prefill_tma.py) at DeepSeek's dims: tiles by TMA, the three dots
+    on wgmma, no spill, within shared memory, and not warp-specialized (that build failed on the
+    H200: docs/attention.md, "Warp specialization on Hopper")."""
     res = run(PREFILL_TMA)
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0 and r["shared"] <= 227 * 1024, (name, r)
         assert r["tma"] >= 5, (name, r)  # q_nope, q_pe, K, RoPE K, V boxes
-    assert res["128-64-3"]["ws"] == 0 and res["128-64-3"]["wgmma"] == 3, res["128-64-3"]
-    for name in ("128-64-2-ws", "128-32-3-ws"):
-        assert res[name]["ws"] == 1 and res[name]["consumers"] == 2 and res[name]["wgmma"] == 6, (name, res[name])
+        assert r["ws"] == 0 and r["wgmma"] == 3, (name, r)

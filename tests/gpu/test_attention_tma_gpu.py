@@ -57,25 +57,6 @@ def test_prefill_tma(case):
     _close(out, plain.float(), what="TMA vs gather kernel")
 
 
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("case", TMA_PREFILL, ids=[c[0] for c in TMA_PREFILL])
-def test_prefill_ws(case, stages):
-    """The warp-specialized prefill (config WS=1; ops/attention/prefill_ws.py: a producer warpgroup
-    and two consumers, every tile masked in one loop, a program per query head) on the same cases:
-    against the fp32 reference and the TMA kernel."""
-    _, seq, ql, page, hq, hk, d, win, cap, causal = case
-    pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)
-    q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
-    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, causal=causal, return_lse=True)
-    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables,
-                         config={"WS": 1, "num_stages": stages}, **kw)
-    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
-    _close(out, ref)
-    _lse_ok(lse, ref_lse)
-    tma, _ = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
-    _close(out, tma.float(), what="warp-specialized vs TMA kernel")
-
-
 @pytest.mark.parametrize("page,fp8,tma", [(64, False, True), (128, False, True), (16, False, False),
                                           (64, True, False)])
 def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):

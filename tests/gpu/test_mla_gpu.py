@@ -172,12 +172,10 @@ def test_prefill_bf16_prefix_chunked(H, chunk):
 
 
 @pytest.mark.parametrize("config", [(128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"),
-                                    (64, 64, 8, 3, "split"), (128, 64, 8, 3, "tma"), (128, 64, 4, 2, "ws"),
-                                    (128, 32, 4, 3, "ws")])
+                                    (64, 64, 8, 3, "split"), (128, 64, 8, 3, "tma"), (128, 32, 8, 3, "tma")])
 def test_prefill_configs(config):
     """The bench's prefill rows (128-row blocks at 3 stages; "split": the tiles below a block's
-    diagonal unmasked in a loop of their own; "tma": ops/mla/prefill_tma.py; "ws": that kernel
-    warp-specialized) on the chunked-prefix case, 16 heads."""
+    diagonal unmasked in a loop of their own; "tma": ops/mla/prefill_tma.py) on the chunked-prefix case, 16 heads."""
     args = _prefill_args(16, 7)
     want = ref.mla_prefill(*args, scale=SCALE, return_lse=True)
     for chunk in (None, 1024):

@@ -258,11 +258,6 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE):
         provs.append(Provider("opmap-triton[tma=1,s=2]", _ours("prefill", config=dict(TMA=1, num_stages=2))))
         provs.append(Provider("opmap-triton[tma=1,bm=64,w=4]",
                               _ours("prefill", config=dict(TMA=1, BLOCK_M=64, num_warps=4))))
-        # Warp-specialized (ops/attention/prefill_ws.py; Triton 3.6's Hopper pass: a producer
-        # warpgroup, two consumers; one masked loop, a program per query head), at 2 and 3 stages.
-        # In the quick grid too: not yet timed.
-        provs.append(Provider("opmap-triton[ws=1]", _ours("prefill", config=dict(WS=1))))
-        provs.append(Provider("opmap-triton[ws=1,s=2]", _ours("prefill", config=dict(WS=1, num_stages=2))))
     provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
     if hk != HQ:
         provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA

@@ -237,10 +237,9 @@ def _prefill_case(H, new, prefix):
     # tile; at 3 stages copies stay in flight (tests/test_mla_sm90_compile.py). "split": the tiles
     # below the diagonal in an unmasked loop of their own. In the quick grid too: not yet timed
     # (thirteenth session; the default reached 135.5 TFLOP/s at 16 heads / 4096 tokens).
-    # "tma": the tiles through descriptors (ops/mla/prefill_tma.py); "ws": that kernel warp-specialized
-    # (a producer and two consumer warpgroups; 64-key tiles at 3 stages would not fit its shared memory)
+    # "tma": the tiles through descriptors (ops/mla/prefill_tma.py)
     for c in [(128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"), (64, 64, 8, 3, "split"),
-              (128, 64, 8, 3, "tma"), (128, 64, 4, 2, "ws"), (128, 32, 4, 3, "ws")]:
+              (128, 64, 8, 3, "tma"), (128, 32, 8, 3, "tma")]:
         provs.append(Provider(_row("bm", c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
     return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
                      flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",

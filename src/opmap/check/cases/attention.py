@@ -102,11 +102,9 @@ def _prefill(device, name, paged, entry="prefill", feats=False):
     return run
 
 
-def _prefill_tma(device, config=None):
+def _prefill_tma(device):
     """The TMA prefill (config TMA=1; ops/attention/prefill_tma.py) on 64-token pages: lengths at
-    the 64-key tile edges, chunks over cached prefixes, a zero-token sequence. ``config`` {"WS": 1}:
-    its warp-specialized form (prefill_ws.py; a producer and two consumer warpgroups on mbarriers,
-    which is what the sanitizer's racecheck is for)."""
+    the 64-key tile edges, chunks over cached prefixes, a zero-token sequence."""
     def run():
         from opmap.ops.attention import prefill as P
         from opmap.ops.attention import reference as R
@@ -114,8 +112,7 @@ def _prefill_tma(device, config=None):
         lens, ql = [1, 63, 64, 65, 1025, 0, 300], [1, 3, 64, 65, 512, 0, 1]
         s, pc, q, cu = _inputs(device, 13, lens, ql, page=64)
         kw = dict(scale=s["d"] ** -0.5)
-        out = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config=config or {"TMA": 1},
-                        **kw)
+        out = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
         return _vs(out, _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw), q.dtype)
 
     return run
@@ -403,8 +400,6 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         tma_shape = f"h={s['hq']}/{s['hk']},d={s['d']},page=64,dtype={dts}"
         out.append(CheckCase("boundaries", "attention", "triton", f"prefill TMA tiles,{tma_shape}",
                              _prefill_tma(device), device="cuda", quick=False))
-        out.append(CheckCase("boundaries", "attention", "triton", f"prefill warp-specialized,{tma_shape}",
-                             _prefill_tma(device, {"WS": 1}), device="cuda", quick=False))
         out.append(CheckCase("boundaries", "attention", "triton", f"decode TMA boxes,{shape}",
                              _decode_tma(device), device="cuda", quick=False))
     if device == "cuda" and "triton" in _runnable("attention", base.replace(cuda_graph=True)):

@@ -70,18 +70,17 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     pf = PREFETCH
     if interpreted(device):
         if kind == "prefill":
-            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0, WS=0)
+            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
         return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TRANS=0, TMA=0, F16=1)
     if kind == "prefill":
         # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
         # bf16/fp16). -1 = wherever prefill_tma.usable says it can, on sm90 at the head dims its
         # GPU tests cover (64, 128): on the H200 it took 1229 us against the gather kernel's 1583
         # at S=8192 / page 64 (tenth session).
-        # WS: 1 runs the warp-specialized form of the TMA kernel (prefill_ws.py; not yet timed).
         if head_dim <= 128:
             tma = -1 if head_dim in (64, 128) and _sm90_or_newer(device) else 0
-            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=tma, WS=0)
-        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0, WS=0)
+            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=tma)
+        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
     bn = 64 if head_dim <= 128 else 32
     # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant that lost
     # on the H200 (B=64 / 4096: 342.9 against 254.4 us; docs/attention.md)

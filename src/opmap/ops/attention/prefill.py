@@ -231,15 +231,6 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
         return
     group = hq // hk
     cfg = kernel_config("prefill", d, group, q.device, config)
-    if cfg["WS"]:  # the warp-specialized TMA kernel, explicit configs only
-        from . import prefill_tma, prefill_ws
-
-        why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"]) or prefill_ws.usable(q)
-        expect(why is None, "config", "WS=1", f"a cache and q the warp-specialized prefill can read ({why})")
-        expect(not skip_single, "config", "WS=1", "a prefill call (mixed batches use the gather kernel)")
-        prefill_ws.launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale,
-                          causal=causal, window=window, soft_cap=soft_cap, return_lse=return_lse)
-        return
     if cfg["TMA"]:
         from . import prefill_tma
 

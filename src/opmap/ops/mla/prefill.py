@@ -150,10 +150,9 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
                 scale: float, kv_scale=None, causal: bool = True, return_lse: bool = False,
                 max_q_len: Optional[int] = None, max_seq_len: Optional[int] = None,
                 chunk_size: Optional[int] = None, config: Optional[tuple] = None):
-    """``config``: (BLOCK_M, BLOCK_N, warps, stages[, "split" | "tma" | "ws"]) for the kernel, else
+    """``config``: (BLOCK_M, BLOCK_N, warps, stages[, "split" | "tma"]) for the kernel, else
     ``_config`` ("split": the tiles wholly below a block's diagonal in an unmasked loop of their
-    own; "tma": the tiles through tensor descriptors, prefill_tma.py; "ws": that kernel
-    warp-specialized, 4 warps)."""
+    own; "tma": the tiles through tensor descriptors, prefill_tma.py)."""
     check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
     T, H, Dn = q_nope.shape
     Dr, R, Dv = q_pe.shape[2], w_kc.shape[2], w_vc.shape[1]
@@ -174,9 +173,9 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
         page, maxp = cache.shape[1], block_tables.shape[1]
         kscale = scale_value(kv_scale, dev) if cache.dtype == torch.float8_e4m3fn else None
         BLOCK_M, BLOCK_N, warps, stages, *how = config or _config(dev, Dn + Dv)
-        expect(how in ([], ["split"], ["tma"], ["ws"]) and min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config),
-               '(BLOCK_M, BLOCK_N, warps, stages) or with a fifth "split", "tma" or "ws", blocks >= 16')
-        tma = how in (["tma"], ["ws"])
+        expect(how in ([], ["split"], ["tma"]) and min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config),
+               '(BLOCK_M, BLOCK_N, warps, stages) or with a fifth "split" or "tma", blocks >= 16')
+        tma = how == ["tma"]
         if tma:
             from . import prefill_tma
 
@@ -200,7 +199,7 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
             kp = rows[..., R:]
             if tma:
                 prefill_tma.launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, c0, n, scale, H, Dn, Dr, Dv,
-                                   causal, BLOCK_M, BLOCK_N, warps, stages, how == ["ws"], max_q_len)
+                                   causal, BLOCK_M, BLOCK_N, warps, stages, max_q_len)
                 continue
             kn, v = kv[..., :Dn], kv[..., Dn:]
             grid = (triton.cdiv(max_q_len, BLOCK_M), B, H)

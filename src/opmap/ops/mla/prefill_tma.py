@@ -1,5 +1,4 @@
-"""The MLA prefill kernel with its tiles through TMA (tensor descriptors), optionally warp-specialized
-(``WS``: Triton 3.6's Hopper pass; docs/attention.md, "Warp specialization on Hopper").
+"""The MLA prefill kernel with its tiles through TMA (tensor descriptors).
 
 Same chunk loop, state continuation and masks as ``prefill._mla_prefill_kernel``; what differs is
 how tiles reach shared memory: the chunk's expanded keys and values are one [B * n, H * (Dn + Dv)]
@@ -13,9 +12,10 @@ tensor: zeros). Those keys are masked, but their values still meet zero weights,
 NaN: ``prefill.mla_prefill`` zeroes the gathered latent rows past every sequence's length before
 the expansion on this path, so every row a tile can read is finite.
 
-The warp-specialized build follows the pass's rules: one loop, q by descriptor, the output and
-LSE by pointer, no early return (a program with nothing to do runs an empty loop and writes its
-state back unchanged), 4 warps and 128-row blocks (two consumer warpgroups).
+One loop and no early return (a program with nothing to do runs an empty loop and writes its state
+back unchanged): the shape Triton 3.6's Hopper warp specialization takes. Its warp-specialized
+build compiled but failed on the H200 (an illegal address, fourteenth session), so the loop is not
+specialized; docs/attention.md, "Warp specialization on Hopper".
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def usable(Dn: int, Dr: int, Dv: int, dtype: torch.dtype) -> str | None:
 def _mla_prefill_tma_kernel(QN_DESC, QP_DESC, KN_DESC, KP_DESC, V_DESC, O, LSE, CU_Q, SEQ_LENS, chunk_start,
                             chunk_len, sm_scale, H, s_ot, s_oh, s_lt, N_ROWS,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr,
-                            DV: tl.constexpr, CAUSAL: tl.constexpr, WS: tl.constexpr):
+                            DV: tl.constexpr, CAUSAL: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -69,7 +69,7 @@ def _mla_prefill_tma_kernel(QN_DESC, QP_DESC, KN_DESC, KP_DESC, V_DESC, O, LSE, 
         end = tl.minimum(end, seq_len - qlen + tl.minimum(pid_m * BLOCK_M + BLOCK_M, qlen) - chunk_start)
     end = tl.where(pid_m * BLOCK_M < qlen, end, 0)  # a block past its sequence: no tiles (no return)
     row0 = b * N_ROWS  # the sequence's first row in the chunk's [B * n] rows
-    for n0 in tl.range(0, end, BLOCK_N, warp_specialize=WS):
+    for n0 in tl.range(0, end, BLOCK_N):
         kn = KN_DESC.load([row0 + n0, h * (DN + DV)])
         kp = KP_DESC.load([row0 + n0, 0])
         s = tl.dot(qn, tl.trans(kn))
@@ -101,7 +101,7 @@ def queries(q_nope: torch.Tensor, q_pe: torch.Tensor, block_m: int):
 
 
 def launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, chunk_start, n, scale, H, Dn, Dr, Dv, causal, bm, bn,
-           warps, stages, ws, max_q_len):
+           warps, stages, max_q_len):
     """One chunk: ``kv`` [B, n, H, Dn + Dv] contiguous, ``kp`` [B, n, Dr] (a strided view is copied)."""
     B = seq_lens.shape[0]
     kv2 = kv.reshape(B * n, H * (Dn + Dv))
@@ -114,4 +114,4 @@ def launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, chunk_start, n, scale
     _mla_prefill_tma_kernel[(triton.cdiv(max_q_len, bm), B, H)](
         qd, pd, kd, pe, vd, o, lse, cu_seqlens_q, seq_lens, chunk_start, n, float(scale), H,
         o.stride(0), o.stride(1), lse.stride(0), n,
-        BLOCK_M=bm, BLOCK_N=bn, DN=Dn, DR=Dr, DV=Dv, CAUSAL=causal, WS=ws, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, DN=Dn, DR=Dr, DV=Dv, CAUSAL=causal, num_warps=warps, num_stages=stages)
