@@ -129,7 +129,8 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
                **timing.figures(t.median_us, case.flops, case.bytes, case.bound, ceil),
                "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "method": t.method,
                "input_sets": t.sets, "backend": "/".join(p.backend) if p.backend else None,
-               "selected": bool(chosen and p.backend and p.backend[1] == chosen)}
+               # a bracketed name is a config variant of the backend, not what the selector runs
+               "selected": bool(chosen and p.backend and p.backend[1] == chosen and "[" not in p.name)}
         if t.note:
             rec["note"] = t.note
         recs.append(rec)
@@ -202,6 +203,7 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
 
 def print_table(doc: dict, console=None) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     from ..check.runner import wide_console
 
@@ -211,7 +213,8 @@ def print_table(doc: dict, console=None) -> None:
         t.add_column(h, justify="left" if h in ("op", "case", "provider") else "right")
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
     for r in doc["results"]:
-        t.add_row(r["op"], r["case"], r["provider"] + (" *" if r.get("selected") else ""),
+        # Text: rich would read a variant's "[bm=128,...]" as markup and drop it
+        t.add_row(r["op"], r["case"], Text(r["provider"] + (" *" if r.get("selected") else "")),
                   f"{r['median_us']:.2f}", f(r["tbps"], ".3f"), f(r["tflops"], ".1f"),
                   f(r["frac_of_ceiling"], ".1%"))
     console.print(t)

@@ -127,16 +127,20 @@ def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, 
 
 
 def _config(dev: torch.device, width: int) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps, stages). OPMAP_MLA_PREFILL_CONFIG="bm,bn,w,s[,split]" overrides it
-    for tuning on a GPU without editing code. The GPU default's sm90 build (64 x 64 tiles, 2
-    stages) waits for every copy at the top of each tile (async_wait 0: no load overlaps the dots;
-    tests/test_mla_sm90_compile.py); 128-row blocks at 3 stages keep copies in flight. The bench has
-    both (thirteenth session, not yet timed)."""
+    """(BLOCK_M, BLOCK_N, warps, stages). OPMAP_MLA_PREFILL_CONFIG="bm,bn,w,s[,split|tma]" overrides
+    it for tuning on a GPU without editing code. 64 x 64 tiles at 2 stages wait for every copy at the
+    top of each tile in their sm90 build (async_wait 0: no load overlaps the dots;
+    tests/test_mla_sm90_compile.py); 128-row blocks at 3 stages keep copies in flight and need 168
+    KB of shared memory at DeepSeek's dims, so they are the default on sm90 only: on the H200 at 16
+    heads / 4096 new tokens 746.8 us against 843.5 (138.1 against 122.2 TFLOP/s; the split and TMA
+    forms were no faster, fourteenth session, bench/results/*session14*)."""
     env = os.environ.get("OPMAP_MLA_PREFILL_CONFIG")
     if env:
-        return tuple(x if x == "split" else int(x) for x in env.split(","))
+        return tuple(x if x in ("split", "tma") else int(x) for x in env.split(","))
     if dev.type != "cuda":
         return (16, 16, 4, 1)
+    if width > 128 and torch.cuda.get_device_capability(dev)[0] >= 9:
+        return (128, 64, 8, 3)
     return (64, 64, 4 if width <= 128 else 8, 2)
 
 
