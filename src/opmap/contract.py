@@ -18,16 +18,6 @@ class InputError(ValueError):
         super().__init__(f"{arg}: got {given}, expected {expected}")
 
 
-def closest(unknown: Iterable[str], known: Iterable[str], n: int = 3) -> str:
-    """"'x': closest ['y', ...]" for each unknown name, for errors about a name that matches
-    nothing (a misspelt --op, --provider, --backend)."""
-    import difflib
-
-    known = sorted(known)
-    return "; ".join(f"{u!r}: closest {difflib.get_close_matches(u, known, n=n, cutoff=0.5) or 'none'}"
-                     for u in unknown)
-
-
 DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.float16: "fp16",

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .. import registry
-from ..contract import closest
+from ..names import closest
 from .base import BenchCase, Provider
 from .cases import FAMILIES
 

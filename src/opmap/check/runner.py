@@ -129,7 +129,7 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
 def _known(found, **given) -> None:
     """A --op / --backend / --section value no case on this device has is a ValueError naming the
     closest ones (a misspelt filter used to check nothing and say only that nothing matched)."""
-    from ..contract import closest
+    from ..names import closest
 
     if not found:  # nothing collected at all (the load errors say why): no name to check against
         return
