@@ -36,19 +36,37 @@ def test_bench_ops_exist():
     assert not unknown, f"bench --op selects nothing: {unknown}"
 
 
+def _bench_commands(text: str) -> list:
+    """(quick, ops, providers) of each `opmap.cli bench` command in the script (continuations joined)."""
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        if "opmap.cli bench" not in line:
+            continue
+        cmd = line.split("opmap.cli bench", 1)[1].split(">", 1)[0]
+        provs = re.findall(r'--provider "([^"]+)"', cmd) + re.findall(r"--provider ([^\s\"]+)", cmd)
+        out.append(("--quick" in cmd, re.findall(r"--op ([\w.]+)", cmd), provs))
+    return out
+
+
 def test_bench_providers_exist():
-    """Every `--provider X` in gpu_session.sh names a row some bench case has (the bench now
-    refuses an unknown one; before, the thirteenth session's call 9 timed only the default rows)."""
+    """Every `--provider X` in gpu_session.sh names a row that a case of the command's grid (quick
+    or full) and ops has. The bench refuses an unknown one, so a wrong name costs a GPU call: the
+    fourteenth session's fix14 asked the quick grid for variant rows only the full grid has."""
     from opmap.bench.runner import collect
 
-    cases, errors = collect(quick=False)
-    assert not errors, errors
-    have = {p.name for c in cases for p in c.providers}
-    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
-    wanted = set(re.findall(r'--provider "([^"]+)"', text)) | set(re.findall(r"--provider ([^\s\"\\]+)", text))
-    assert wanted
-    unknown = sorted(w for w in wanted if w not in have)
-    assert not unknown, f"gpu_session.sh names bench rows no case has: {unknown}"
+    grids = {}
+    for quick in (True, False):
+        cases, errors = collect(quick=quick)
+        assert not errors, errors
+        grids[quick] = cases
+    cmds = _bench_commands((ROOT / "scripts" / "gpu_session.sh").read_text())
+    assert any(provs for _, _, provs in cmds)
+    bad = []
+    for quick, ops, provs in cmds:
+        have = {p.name for c in grids[quick] if not ops or any(c.op.startswith(o) for o in ops)
+                for p in c.providers}
+        bad += [(w, "quick" if quick else "full", ops) for w in provs if w not in have]
+    assert not bad, f"gpu_session.sh names bench rows its command's grid lacks: {bad}"
 
 
 def test_session_parts_are_unique_and_listed():

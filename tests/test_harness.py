@@ -273,6 +273,32 @@ def test_run_case_plumbing(monkeypatch):
     assert reasons["p-boom"].startswith("failed: RuntimeError: no kernel image")
 
 
+def test_variant_rows_are_not_the_selectors_pick_and_print_whole(monkeypatch):
+    """A bracketed row (a config variant of the selected backend) is not marked as the selector's
+    pick, and the console table prints its whole name: rich read "[bm=128,...]" as markup and
+    printed every MLA prefill variant as "opmap-triton *" (fourteenth session)."""
+    import io
+
+    from rich.console import Console
+
+    monkeypatch.setattr(timing, "time_calls", lambda fns, graph=False, warmup_ms=25, rep_ms=100:
+                        timing.Timing(10.0, "do_bench", len(fns)))
+    monkeypatch.setattr(timing, "num_sets", lambda nbytes, max_sets=16: 1)
+    monkeypatch.setattr(bench_runner, "selected_backend", lambda case: "mla-triton")
+    mk = lambda inp: (lambda: None)  # noqa: E731
+    case = BenchCase("attention.mla_prefill", "new=8", flops=1, bytes=1, setup=lambda d: None,
+                     providers=[Provider("opmap-triton", mk, backend=("attention", "mla-triton")),
+                                Provider("opmap-triton[bm=128,bn=64,w=8,s=3]", mk, backend=("attention", "mla-triton"))])
+    monkeypatch.setattr(bench_runner, "why_not", lambda p, c: None)
+    recs, _ = bench_runner.run_case(case, _Ceil, torch.device("cpu"), quick=True)
+    assert [r["selected"] for r in recs] == [True, False]
+    buf = io.StringIO()
+    bench_runner.print_table({"results": recs, "skipped": [], "load_errors": []},
+                             console=Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "opmap-triton[bm=128,bn=64,w=8,s=3]" in text and "opmap-triton *" in text
+
+
 def test_report_gpu_sections_render(monkeypatch, tmp_path):
     """The GPU-only parts of the report (ceilings, bench lines, engine TTFT/TPOT and profile)
     rendered on the CPU from stand-in results: the layout is checked, no figure is asserted."""

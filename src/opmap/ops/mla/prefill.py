@@ -131,9 +131,11 @@ def _config(dev: torch.device, width: int) -> tuple:
     it for tuning on a GPU without editing code. 64 x 64 tiles at 2 stages wait for every copy at the
     top of each tile in their sm90 build (async_wait 0: no load overlaps the dots;
     tests/test_mla_sm90_compile.py); 128-row blocks at 3 stages keep copies in flight and need 168
-    KB of shared memory at DeepSeek's dims, so they are the default on sm90 only: on the H200 at 16
-    heads / 4096 new tokens 746.8 us against 843.5 (138.1 against 122.2 TFLOP/s; the split and TMA
-    forms were no faster, fourteenth session, bench/results/*session14*)."""
+    KB of shared memory at DeepSeek's dims, so they are the default on sm90 only. On the H200 at 16
+    heads / 4096 new tokens (fourteenth session, bench/results/*mla-prefill*session14*), five
+    alternating processes each: 770-807 us for 64 x 64 / 2 stages, 443-904 (median 502) for 128 x
+    64 / 3 stages. The 128-row build's time moves with the inputs' placement (467 to 996 us in one
+    process as rounds re-allocate them): not yet explained, docs/mla.md."""
     env = os.environ.get("OPMAP_MLA_PREFILL_CONFIG")
     if env:
         return tuple(x if x in ("split", "tma") else int(x) for x in env.split(","))
