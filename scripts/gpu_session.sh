@@ -24,13 +24,14 @@
 #   scripts/gpu_session.sh fix14 OUTDIR        # attention TMA and MLA GPU tests, MLA prefill configs (~3 min)
 #   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast (~5 min)
 #   scripts/gpu_session.sh grid14 OUTDIR       # fp8 GQA tile variants, 128-head fp8 MLA configs, 16-head fp8 MLA via TMA (~8 min)
+#   scripts/gpu_session.sh mla15 OUTDIR        # the MLA prefill's placement-dependent time: rounds with per-kernel GPU times (~2 min)
 #   scripts/gpu_session.sh host14 OUTDIR       # the B=1 prefill host-time probe with idle gaps and SM clocks (~2 min)
 #   scripts/gpu_session.sh san13 OUTDIR        # the MLA and attention sanitizer cases stale at today's code, two presets at once
 #   scripts/gpu_session.sh fp8-13 OUTDIR       # the fp8 halves of the MLA and GQA decode grids beside the previous path (~9 min)
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|ws14|fix14|ncu14|grid14|host14|san13|check13|fp8-13|check12|mla11|mem11|ab11|compiles11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|mla15|ws14|fix14|ncu14|grid14|host14|san13|check13|fp8-13|check12|mla11|mem11|ab11|compiles11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -265,6 +266,19 @@ case $part in
       timeout 210 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1
     timeout 120 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
       > "$out/mla-prefill.log" 2>&1 ;;
+  mla15)
+    # The MLA prefill's 128-row default took 443-996 us for one case depending on where its inputs
+    # landed (fourteenth session, calls 7-9; the old 64 x 64 default 770-939). Rounds with fresh
+    # inputs, each followed by the same calls under torch.profiler: which kernel moves in a slow
+    # round (the attention kernel, the expansion GEMM, the gather). Both configs, alternating (~2 min).
+    c="new=4096,prefix=0,h=16,Dqk=192,Dv=128,page=64"
+    for i in 1 2 3; do
+      for cfg in 128,64,8,3 64,64,8,2; do
+        echo "== process $i config $cfg" >> "$out/mla-prefill-rounds.txt"
+        OPMAP_MLA_PREFILL_CONFIG=$cfg timeout 60 python3 scripts/probes/time_rounds.py attention.mla_prefill \
+          "$c" opmap-triton --fresh --rounds 6 --kernels >> "$out/mla-prefill-rounds.txt" 2>&1
+      done
+    done ;;
   host14)
     # The B=1 prefill took 23 ms after 128-token generates and 30-44 ms after 1-token ones
     # (thirteenth session); with idle gaps and the SM clock read before each generate.

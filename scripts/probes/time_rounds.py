@@ -15,6 +15,20 @@ import torch
 from decode_once import find
 
 
+def per_kernel(fn, calls: int, top: int = 4) -> str:
+    """GPU time per call of the ``top`` kernels of ``calls`` calls, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.key)
+            for e in prof.key_averages()]
+    rows = sorted((t, k) for t, k in rows if t > 0)[::-1][:top]
+    return ", ".join(f"{k[:48]} {t / calls:.1f}" for t, k in rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("op")
@@ -23,6 +37,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--fresh", action="store_true", help="new inputs every round")
+    ap.add_argument("--kernels", action="store_true",
+                    help="after each timed round, the same calls under torch.profiler: GPU time per kernel "
+                         "(which kernel moves when a round is slow: the attention kernel or the expansion GEMM)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("time_rounds: needs a CUDA GPU")
@@ -43,6 +60,8 @@ def main() -> int:
         e.record()
         torch.cuda.synchronize()
         out.append(s.elapsed_time(e) * 1000 / a.calls)
+        if a.kernels:
+            print(f"round {r}: {out[-1]:.1f} us per call; " + per_kernel(fn, a.calls), flush=True)
     print(f"{a.provider}: " + " ".join(f"{x:.1f}" for x in out) + " us per call by round")
     return 0
 
