@@ -20,7 +20,6 @@
 #                                              # a fresh-cache compile log of a B=32 run, the MLA quick grid with the fp8 TMA row (~9 min)
 #   scripts/gpu_session.sh check13 OUTDIR      # after the twelfth session: attention and MLA GPU tests, the quick
 #                                              # decode grids with the fp8 rows of the previous path, host-time probes (~8 min)
-#   scripts/gpu_session.sh ws14 OUTDIR         # as run in the fourteenth session's call 1, less the removed warp-specialized rows
 #   scripts/gpu_session.sh fix14 OUTDIR        # attention TMA and MLA GPU tests, MLA prefill configs (~3 min)
 #   scripts/gpu_session.sh ncu14 OUTDIR        # ncu on the fp8 decodes beside bf16 / cast (~5 min)
 #   scripts/gpu_session.sh grid14 OUTDIR       # fp8 GQA tile variants, 128-head fp8 MLA configs, 16-head fp8 MLA via TMA (~8 min)
@@ -31,7 +30,7 @@
 #   scripts/gpu_session.sh verify OUTDIR       # attention, engine and MLA GPU tests beside the sanitizer's
 #                                              # re-run of changed families (~7 min)
 set -uo pipefail
-part=${1:?usage: scripts/gpu_session.sh final|verify|mla15|ws14|fix14|ncu14|grid14|host14|san13|check13|fp8-13|check12|mla11|mem11|ab11|compiles11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
+part=${1:?usage: scripts/gpu_session.sh final|verify|mla15|fix14|ncu14|grid14|host14|san13|check13|fp8-13|check12|mla11|mem11|ab11|compiles11|e2e10|sampling-full|fi-bench|sampler|bench|engine|profiles|flashinfer OUTDIR}
 out=${2:?usage: scripts/gpu_session.sh PART OUTDIR}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -246,16 +245,6 @@ case $part in
       --provider "opmap-triton[bh=64,bn=32,w=8,s=1]" --provider "opmap-triton[bh=64,bn=32,w=8,s=1,cast]" \
       --provider "opmap-triton[bh=32,bn=32,w=8,s=2]" --provider "opmap-triton[bh=16,bn=32,w=4,s=3,tma]" \
       --provider "opmap-triton[bh=16,bn=32,w=8,s=3,tma]" --out "$out/mla-128" > "$out/mla-128.log" 2>&1 ;;
-  ws14)
-    # Fourteenth session, call 1 (f9db632): the warp-specialized builds failed on the H200 (the
-    # attention prefill hung, the MLA prefill hit an illegal address); removed in the next commit.
-    # Kept as run. The GPU test files of every family changed since the last GPU tests, then the quick grids.
-    STEPS=tests TEST_TIMEOUT=240 TEST_LANES="tests/gpu/test_attention_gpu.py|tests/gpu/test_attention_tma_gpu.py|tests/gpu/test_mla_gpu.py" \
-      timeout 250 scripts/gpu.sh "$out/tests" > "$out/tests-driver.log" 2>&1
-    timeout 150 python3 -m opmap.cli bench --quick --op attention.prefill --provider opmap-triton \
-      --provider cudnn-sdpa --out "$out/prefill-ws" > "$out/prefill-ws.log" 2>&1
-    timeout 180 python3 -m opmap.cli bench --quick --op attention.mla_prefill --out "$out/mla-prefill" \
-      > "$out/mla-prefill.log" 2>&1 ;;
   fix14)
     # After the warp-specialized builds were removed: the attention TMA and MLA GPU test files side
     # by side (correctness only), then alone on the GPU the MLA prefill's configs (quick grid: 16
