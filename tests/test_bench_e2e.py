@@ -51,8 +51,6 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
             async_decode = True
 
     monkeypatch.delenv("OPMAP_PDL", raising=False)
-    monkeypatch.delenv("OPMAP_PDL_MOE", raising=False)
     assert e2e._engine_name(_L) == "opmap-engine"
     monkeypatch.setenv("OPMAP_PDL", "0")
-    monkeypatch.setenv("OPMAP_PDL_MOE", "late")
-    assert e2e._engine_name(_L) == "opmap-engine[no-pdl,pdl-moe=late]"
+    assert e2e._engine_name(_L) == "opmap-engine[no-pdl]"

@@ -4,7 +4,7 @@ import argparse
 import json
 
 from opmap import profile as P
-from opmap.engine import add_profile_parser, add_run_parser
+from opmap.cli_run import add_profile_parser, add_run_parser
 
 from test_engine_util import single_thread  # noqa: F401
 
@@ -144,7 +144,7 @@ def test_categorize_symbols():
              "_align_kernel": "MoE", "_rope_kernel": "RoPE", "_act_mul_kernel": "activation",
              "_bitmask_kernel": "grammar", "Memset (Device)": "memory copies", "void at::native::foo": "other",
              "_route_kernel": "MoE", "_combine_kernel": "MoE", "indexSelectLargeIndex": "memory copies",
-             # the sampler's passes (A split, B, bracket, C) and the fused kernels of the fourth session
+             # the sampler's passes (A split, B, bracket, C) and the fused kernels
              "_sample_partials_kernel": "sampling", "_sample_hist_kernel": "sampling",
              "_sample_bracket_kernel": "sampling", "_sample_gather_kernel": "sampling",
              "_route_align_kernel": "MoE", "_rope_kv_append_kernel": "attention"}

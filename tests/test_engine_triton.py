@@ -57,14 +57,15 @@ def test_triton_path_matches_hf(name, single_thread):
 
 
 def test_rope_append_fusion_can_be_turned_off(monkeypatch, single_thread):
-    """OPMAP_ROPE_APPEND=0: RoPE and the KV append as two launches again (for same-run timing);
-    the same tokens."""
+    """opset.FUSE_ROPE_APPEND False: RoPE and the KV append as two launches again; the same tokens."""
     cfg = dataclasses.replace(PRESETS["tiny-llama3"], head_dim=32)
     hf = make_hf_model(cfg, seed=5)
     prompts = random_prompts(cfg.vocab, (9, 20), seed=2)
     toks = {}
+    from opmap.engine import opset
+
     for flag in ("1", "0"):
-        monkeypatch.setenv("OPMAP_ROPE_APPEND", flag)
+        monkeypatch.setattr(opset, "FUSE_ROPE_APPEND", flag == "1")
         llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=2,
                   backends=forced(cfg))
         assert all((ops.rope_append is not None) == (flag == "1") for ops in llm.runner.decode_ops.values())
@@ -76,7 +77,7 @@ def test_rope_append_fusion_can_be_turned_off(monkeypatch, single_thread):
 def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, single_thread):
     """After the start-up warm-up, a run's prefill and mixed steps launch no Triton kernel in a
     specialization the start-up did not (on a GPU each new one compiles inside the step, 0.2-1.5 s:
-    eleventh session, a fresh H200's Llama-3-8B B=32 run, 3.5 s of TTFT). Decode steps are left
+    a fresh H200's Llama-3-8B B=32 run, 3.5 s of TTFT). Decode steps are left
     out: on a GPU they replay CUDA graphs captured at start-up. The workload has the H200 run's
     shape: prompts of a quarter of the step's token budget, more requests than one step takes,
     so that prefill chunks run beside decoding rows."""

@@ -51,12 +51,6 @@ def test_triton_split_k(fmt):
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p))  # deterministic
     assert tri.plan(1, 2048, 8192, sms=132)["SPLIT"] > 1  # 32 tiles for 132 SMs: split
     assert tri.plan(1, 4096, 14336, sms=132)["SPLIT"] == 1  # 64 tiles: no split won on the H200
-    old = tri.SPLIT_BELOW
-    try:  # OPMAP_GEMM_SPLIT_BELOW=1 (read at import): the 64-tile GEMMs split too
-        tri.SPLIT_BELOW = 1
-        assert tri.plan(32, 4096, 14336, sms=132)["SPLIT"] > 1
-    finally:
-        tri.SPLIT_BELOW = old
     assert tri.plan(1, 28672, 4096, sms=132)["SPLIT"] == 1  # enough N tiles already
     assert tri.plan(64, 28672, 4096, sms=132)["BLOCK_N"] == 128  # x re-reads halved at M = 64
     # an over-asked split shrinks to the splits that have K left (no empty programs)
@@ -179,29 +173,3 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
                 # gated by the check's quant section, not by a tolerance that random draws exceed)
                 want, tol = ref.linear(inp["x"], inp["wq"], None, inp["s"]), 2.0
             assert_close(out, want, scale=tol, what=f"{p.name} {c.case}")
-
-
-def _prmt(a: int, b: int, sel: int) -> int:
-    """PTX prmt.b32 (default mode): byte i of the result is byte sel[4i+3:4i] of {b, a}."""
-    src = (b << 32) | a
-    return sum(((src >> (8 * ((sel >> (4 * i)) & 0x7))) & 0xFF) << (8 * i) for i in range(4))
-
-
-def test_fp8_asm_bit_logic_decodes_every_e4m3_byte():
-    # The GPU-only inline-asm fp8 -> bf16 conversion (W_FP8_ASM) cannot run in the interpreter;
-    # its integer steps are replayed here on every byte quadruple position, then the bf16 bits
-    # times 2^120 must equal the e4m3 value.
-    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # NaN encodings are never produced
-    want = torch.tensor(codes, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    got = []
-    for i in range(0, len(codes), 4):
-        quad = (codes[i:i + 4] + [0, 0, 0])[:4]
-        reg = sum(c << (8 * j) for j, c in enumerate(quad))
-        halves = []
-        for sel in (0x5140, 0x7362):
-            a = _prmt(0, reg, sel)
-            b = ((a & 0x7FFF7FFF) >> 4) | (a & 0x80008000)
-            halves += [b & 0xFFFF, b >> 16]
-        bf = torch.tensor(halves, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).double() * 2.0 ** 120
-        got += bf.tolist()[: len(codes[i:i + 4])]
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from opmap.bench import timing
 from opmap.bench.base import BenchCase, Provider
 from opmap.check import runner
 from opmap.check.base import CheckCase, Outcome
+from opmap.output import environment, gpu_slug
 
 
 def _case(section, op, backend, ok=True, raises=None, **kw):
@@ -147,15 +148,15 @@ def test_rotation_sets(monkeypatch):
 
 
 def _doc():
-    env = bench_report.environment(_Ceil_dc())
+    env = environment(_Ceil_dc())
     env["gpu"] = "NVIDIA H200"
-    recs = [{"op": "rmsnorm", "case": "T=8192,H=8192,dtype=bf16", "provider": p, "median_us": us,
+    recs = [{"op": "rmsnorm", "case": "T=8192,H=8192,dtype=bf16", "family": "norm", "provider": p, "median_us": us,
              **timing.figures(us, 3 * 8192 * 8192, 2 * 2 * 8192 * 8192, "memory", _Ceil), "selected": p == "opmap-triton"}
             for p, us in (("opmap-triton", 70.0), ("torch", 130.0))]
-    recs.append({"op": "gemm", "case": "M=4096,N=4096,K=4096", "provider": "cublas", "median_us": 250.0,
+    recs.append({"op": "gemm", "case": "M=4096,N=4096,K=4096", "family": "gemm", "provider": "cublas", "median_us": 250.0,
                  **timing.figures(250.0, 2 * 4096**3, 3 * 2 * 4096**2, "compute", _Ceil)})
     return {"environment": env, "results": recs,
-            "skipped": [{"op": "gemm", "case": "M=1", "provider": "flashinfer", "reason": "not installed"}]}
+            "skipped": [{"op": "gemm", "case": "M=1", "family": "gemm", "provider": "flashinfer", "reason": "not installed"}]}
 
 
 def _Ceil_dc():
@@ -170,24 +171,38 @@ def test_result_files(tmp_path, monkeypatch):
     doc = _doc()
     assert doc["environment"]["settings"].get("OPMAP_PDL") == "0"  # the variant a file timed
     assert "OPMAP_COMMIT" not in doc["environment"]["settings"]
-    assert bench_report.gpu_slug("NVIDIA H200") == "h200"
-    assert bench_report.gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
     p1 = bench_report.write(doc, str(tmp_path))
+    # one file per family under the GPU's folder, replaced by the next run (never accumulated)
+    assert sorted(p1) == ["gemm", "norm"] and p1["norm"]["json"] == str(tmp_path / "h200" / "norm.json")
+    doc["results"] = [r for r in doc["results"] if r["provider"] != "torch"]
     p2 = bench_report.write(doc, str(tmp_path), png=False)
-    assert p1["json"].endswith("-h200.json") and p2["json"].endswith("-h200-2.json")  # never overwritten
-    d = json.loads(open(p1["json"]).read())
+    assert p2["norm"]["json"] == p1["norm"]["json"] and sorted(p.name for p in (tmp_path / "h200").glob("*.json")) == [
+        "gemm.json", "norm.json"]
+    d = json.loads(open(p2["norm"]["json"]).read())
+    assert [r["provider"] for r in d["results"]] == ["opmap-triton"] and d["family"] == "norm"
+    d = json.loads(open(p1["gemm"]["json"]).read())
     for k in ("gpu", "driver", "torch", "triton", "cuda", "commit", "command", "ceilings"):
         assert k in d["environment"]
     for r in d["results"]:
         assert {"op", "case", "provider", "median_us", "frac_of_ceiling"} <= set(r) and (r["tbps"] or r["tflops"])
-    md = open(p1["markdown"]).read()
+    md = open(p2["norm"]["markdown"]).read()
     assert "| rmsnorm | `T=8192,H=8192,dtype=bf16` | opmap-triton (selected) | 70.00 |" in md
-    assert "flashinfer: not installed" in md
-    if "png" in p1:
-        with open(p1["png"], "rb") as f:
+    assert "flashinfer: not installed" in open(p2["gemm"]["markdown"]).read()
+    if "png" in p1["norm"]:
+        with open(p1["norm"]["png"], "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     else:
-        assert "matplotlib" in p1["png_skipped"]
+        assert "matplotlib" in p1["norm"]["png_skipped"]
+
+
+def test_variant_rows_only_when_asked():
+    dflt = Provider("opmap-triton", make=lambda inp: (lambda: None))
+    var = Provider("opmap-triton[bn=32]", make=lambda inp: (lambda: None))
+    case = BenchCase("rmsnorm", "T=1", 0, 1, setup=lambda d: None, providers=[dflt, var])
+    assert var.variant and not dflt.variant
+    assert [p.name for p in bench_runner.without_variants([case])[0].providers] == ["opmap-triton"]
 
 
 def test_bench_case_filters_and_provider_reasons():
@@ -276,7 +291,7 @@ def test_run_case_plumbing(monkeypatch):
 def test_variant_rows_are_not_the_selectors_pick_and_print_whole(monkeypatch):
     """A bracketed row (a config variant of the selected backend) is not marked as the selector's
     pick, and the console table prints its whole name: rich read "[bm=128,...]" as markup and
-    printed every MLA prefill variant as "opmap-triton *" (fourteenth session)."""
+    printed every MLA prefill variant as "opmap-triton *")."""
     import io
 
     from rich.console import Console

@@ -372,8 +372,8 @@ def _wait_pid(pidfile, limit=30.0) -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
 def test_timeout_kills_the_tool_and_the_process_it_checks(tmp_path):
-    """A timed-out child's whole process group dies: the tool's checked process too (the sixth
-    GPU session found such processes still on the GPU in the next call)."""
+    """A timed-out child's whole process group dies: the tool's checked process too (left alone,
+    such processes stay on the GPU and slow what runs next)."""
     import subprocess
     import time
 
@@ -505,7 +505,7 @@ def test_longest_runs_start_first(monkeypatch):
     """Racecheck runs, MoE first, start before memcheck ones (one job: the start order is the
     order of the calls); results keep the case order."""
     from opmap.check.base import CheckCase, Outcome
-    from opmap.check.runner import Result
+    from opmap.check.result import Result
 
     ok = lambda: Outcome(True, "ok")  # noqa: E731
     cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "a", ok, device="cuda")),

@@ -293,7 +293,7 @@ def test_fused_route_align_equals_route_then_align(T, E, k, kw):
 
 def test_moe_decode_path_with_and_without_the_fused_routing(monkeypatch):
     """triton_moe.moe at a decode batch takes the fused route+align path; turning it off
-    (OPMAP_MOE_ROUTE_ALIGN=0) gives the same output up to fp32 rounding (the routing weights'
+    (triton_moe.FUSE_ROUTE_ALIGN False) gives the same output up to fp32 rounding (the routing weights'
     softmax sums run along a tile's axis instead of a vector: same math, another summation order)."""
     T, H, I, E, k = 5, 32, 24, 16, 4
     w13, w2 = _weights(E, H, I, torch.float32)

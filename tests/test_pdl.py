@@ -1,8 +1,7 @@
 """Programmatic dependent launch (opmap.ops.pdl): only on a CUDA sm90+ device and never in the
 interpreter (on by default there, OPMAP_PDL=0 turns it off); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
 both griddepcontrol instructions, the wait for the predecessor before the release of the
-dependents; the decode GEMM's optional L2 prefetch of its weight slice ahead of the wait (compiled
-as in sm90_compile)."""
+dependents (compiled as in sm90_compile)."""
 from sm90_compile import needs_ptxas, run
 
 from opmap.ops import pdl
@@ -27,7 +26,6 @@ def comp(fn, sig, ce, nw=4, ns=3):
     k = compile_sm90(fn, sig, dict(ce, PDL=True), {"num_warps": nw, "num_stages": ns, "launch_pdl": True})
     ptx = k.asm["ptx"]
     return {"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents"),
-            "prefetch": ptx.count("prefetch.global.L2"),
             "wait_first": ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents")}
 
 res = {}
@@ -70,84 +68,15 @@ res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32",
     "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr",
     "S_P": "constexpr", "BLOCK_S": "constexpr"},
     {"DV": 128, "BLOCK_N": 64, "HAS_WINDOW": False, "RETURN_LSE": False, "Q_FROM_CU": False, "S_P": 32, "BLOCK_S": 32})
-from opmap.ops.moe import grouped_gemm as gg, align as al, route_triton as rt
-res["moe_grouped_gemm"] = comp(gg._grouped_gemm_kernel, {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
-    "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32", "n_pairs": "i32", "N": "i32",
-    "K": "i32", "a_row_div": "i32", "rows_bucket": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
-    "stride_om": "i32", "GATED": "constexpr", "WEIGHTED": "constexpr", "EVEN_K": "constexpr", "PRECISION": "constexpr",
-    "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "GROUP_M": "constexpr"},
-    dict(GATED=True, WEIGHTED=False, EVEN_K=True, PRECISION="tf32", BM=16, BN=32, BK=128, GROUP_M=8))
-res["moe_combine"] = comp(gg._combine_kernel, {"y_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "top_k": "i32",
-    "stride_y": "i32", "stride_o": "i32", "BH": "constexpr"}, {"BH": 1024})
-res["moe_align"] = comp(al._align_kernel, {"ids_ptr": "*i32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
-    "total_ptr": "*i32", "n_pairs": "i32", "E": "i32", "BM": "constexpr", "E_POW2": "constexpr", "CHUNK": "constexpr"},
-    {"BM": 16, "E_POW2": 128, "CHUNK": 1024})
-res["moe_route"] = comp(rt._route_kernel, {"logits_ptr": "*bf16", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i32",
-    "E": "i32", "stride_l": "i32", "routed_scaling": "fp32", "TOP_K": "constexpr", "K_POW2": "constexpr", "E_POW2": "constexpr",
-    "SIGMOID": "constexpr", "HAS_BIAS": "constexpr", "N_GROUP": "constexpr", "G_POW2": "constexpr", "TOPK_GROUP": "constexpr",
-    "RENORM": "constexpr"}, dict(TOP_K=8, K_POW2=8, E_POW2=128, SIGMOID=False, HAS_BIAS=False, N_GROUP=1, G_POW2=1,
-    TOPK_GROUP=1, RENORM=True))
 print("RESULT " + json.dumps(res))
 '''
 
 
 @needs_ptxas
-def test_pdl_kernels_compile_with_both_griddepcontrol_instructions(monkeypatch):
-    # the decode GEMM's optional L2 prefetch of its weight slice ahead of the wait (off by default)
-    monkeypatch.setenv("OPMAP_GEMM_PREFETCH_LINES", "16")
+def test_pdl_kernels_compile_with_both_griddepcontrol_instructions():
     res = run(SCRIPT)
-    assert len(res) == 13
+    assert len(res) == 9, sorted(res)
     for name, r in res.items():
         assert r["wait"] >= 1 and r["launch"] >= 1, f"{name}: {r}"
         # waiting before releasing keeps the chain one kernel deep (the reverse order measured slower)
         assert r["wait_first"], f"{name}: {r}"
-    assert res["gemm"]["prefetch"] >= 1, res["gemm"]
-
-
-GEMM_ONLY = SCRIPT.split("res[\"splitk\"]")[0] + "print(\"RESULT \" + json.dumps(res))\n"
-
-
-@needs_ptxas
-def test_gemm_prefetch_off_by_default(monkeypatch):
-    monkeypatch.delenv("OPMAP_GEMM_PREFETCH_LINES", raising=False)
-    res = run(GEMM_ONLY)
-    assert res["gemm"]["prefetch"] == 0 and res["gemm"]["wait_first"], res["gemm"]
-
-
-def test_prefetch_lines_must_be_a_power_of_two():
-    # in a child: importing the module again in this process would replace its kernels
-    import os
-    import subprocess
-    import sys
-    env = dict(os.environ, OPMAP_GEMM_PREFETCH_LINES="12")
-    out = subprocess.run([sys.executable, "-c", "import opmap.ops.gemm.triton_gemm"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got 12" in out.stderr
-
-
-def test_moe_kernels_follow_their_own_switch(monkeypatch):
-    """OPMAP_PDL_MOE (read at import): off by default, "1" as the other kernels, "late" waits
-    without the early release (PDL == 2)."""
-    monkeypatch.setattr(pdl, "enabled", lambda device: True)
-    assert pdl.launch("cuda") == {"PDL": 1, "launch_pdl": True}
-    assert pdl.launch("cuda", moe=True) == {"PDL": False}
-    for env, want in (("1", pdl._ON), ("late", pdl._LATE)):
-        monkeypatch.setattr(pdl, "_MOE", {"1": pdl._ON, "late": pdl._LATE}[env])
-        assert pdl.launch("cuda", moe=True) is want
-    assert pdl._LATE["PDL"] == 2
-
-
-LATE_SCRIPT = r'''
-from opmap.ops.moe import grouped_gemm as gg
-sig = {"y_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "top_k": "i32", "stride_y": "i32", "stride_o": "i32",
-       "BH": "constexpr", "PDL": "constexpr"}
-k = compile_sm90(gg._combine_kernel, sig, {"BH": 1024, "PDL": 2}, {"num_warps": 4, "launch_pdl": True})
-ptx = k.asm["ptx"]
-print("RESULT " + json.dumps({"wait": ptx.count("griddepcontrol.wait"), "launch": ptx.count("griddepcontrol.launch_dependents")}))
-'''
-
-
-@needs_ptxas
-def test_late_release_waits_without_releasing():
-    r = run(LATE_SCRIPT)
-    assert r == {"wait": 1, "launch": 0}, r

@@ -218,44 +218,6 @@ def cmd_report(args) -> int:
 
 # ---- parser ---------------------------------------------------------------------------------
 
-def _engine_parsers(sub) -> None:
-    """`opmap run` / `opmap profile` come from the engine. When it cannot be imported the
-    commands still exist and say why they are unavailable (never a silent absence)."""
-    for name, factory in (("run", "add_run_parser"), ("profile", "add_profile_parser")):
-        why = None
-        try:
-            import importlib
-
-            mod = None
-            for modname in ("opmap.engine.cli", "opmap.engine"):
-                try:
-                    m = importlib.import_module(modname)
-                except ModuleNotFoundError as e:
-                    if e.name != modname:  # the module exists but one of its imports failed
-                        raise
-                    continue
-                if hasattr(m, factory):
-                    mod = m
-                    break
-            if mod is None:
-                why = f"the engine provides no {factory} (looked in opmap.engine.cli, opmap.engine)"
-            else:
-                getattr(mod, factory)(sub)
-                continue
-        except Exception as e:  # an incomplete engine must not take the whole CLI down
-            why = f"importing the engine failed: {type(e).__name__}: {e}"
-        p = sub.add_parser(name, help=f"(unavailable: {why})", add_help=False)
-        p.set_defaults(func=_unavailable(name, why), unavailable=True)  # its arguments are ignored
-
-
-def _unavailable(name: str, why: str):
-    def run(args) -> int:
-        print(f"opmap {name} is unavailable: {why}", file=sys.stderr)
-        return 2
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -319,8 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--provider", action="append", metavar="NAME",
                    help="only the providers of this exact name (repeatable; e.g. opmap-triton for our default "
                         "without its [config] variants, flashinfer)")
-    b.add_argument("--out", default="bench/results", metavar="DIR")
-    b.add_argument("--no-png", action="store_true", help="skip the roofline PNG")
+    b.add_argument("--variants", action="store_true",
+                   help="also time the tuning variants of our kernels (rows named opmap-triton[...])")
+    b.add_argument("--out", default="bench/baselines", metavar="DIR",
+                   help="results go to DIR/<gpu>/<family>.{json,md,png}, replacing the files there "
+                        "(default: bench/baselines, the figures the docs cite)")
+    b.add_argument("--no-png", action="store_true", help="skip the roofline PNGs")
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", help="the main job: the operator map of a model on this device")
@@ -331,15 +297,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--full", action="store_true", help="full check and bench instead of --quick")
     r.set_defaults(func=cmd_report)
 
-    _engine_parsers(sub)
+    from .cli_run import add_profile_parser, add_run_parser
+
+    add_run_parser(sub)
+    add_profile_parser(sub)
     return p
 
 
 def main(argv: Optional[list] = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "unavailable", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args = parser.parse_args(argv)
     try:
         rc = args.func(args)
     except CLIError as e:

@@ -64,7 +64,7 @@ class ModelConfig:
         """Tokens per KV page when none is asked for: 64 for MLA models (the MLA decode's TMA kernel
         tiles 64 keys of one page; docs/mla.md) and on sm90 (the TMA prefill reads whole 64-key
         tiles of one page: Llama-3-8B's 1024-token prefill step took 26.8 ms against 32.3 on
-        16-token pages, decode steps the same, eleventh session), 16 otherwise."""
+        16-token pages, decode steps the same), 16 otherwise."""
         return 64 if self.is_mla or arch == "sm90" else 16
 
     def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0) -> float:

@@ -117,7 +117,7 @@ def _exclusive(kernels: list) -> dict:
     """Each kernel's GPU time not already covered by an earlier-starting one (by id). Under PDL a
     kernel starts before the one it depends on has finished and waits inside (griddepcontrol.wait),
     so the profiler's durations overlap: summed as they are, an H200 Llama-3-8B B=32 decode step
-    came to 8.5 ms of kernel time in 4.98 ms of busy GPU (eleventh session). These times add up
+    came to 8.5 ms of kernel time in 4.98 ms of busy GPU. These times add up
     to the busy time, and the waiting is counted once, for the kernel being waited on."""
     out, end = {}, float("-inf")
     for k in sorted(kernels, key=lambda e: e["ts"]):

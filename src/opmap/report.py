@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import presets, registry
+from .output import short_error
 from .select import BackendError, Choice, select
 from .specs import AttentionSpec
 
@@ -29,15 +30,6 @@ def _choice_dict(phase: str, op: str, label: str, spec) -> dict:
             "rejected": [{"name": c.name, "level": c.level, "reasons": list(c.reasons)}
                          for c in ch.trace if not c.valid],
             "planned_only": not ch.runtime}
-
-
-def short_error(msg: str) -> str:
-    """A BackendError in one line: each rejected candidate with the level where it fell."""
-    lines = msg.splitlines()
-    rej = [ln.strip()[2:].split(":", 1)[0] for ln in lines[1:] if ln.strip().startswith("- ")]
-    if "no backend can serve" in lines[0]:
-        return "rejected: " + ", ".join(rej) if rej else "no backend is registered for this op"
-    return lines[0]
 
 
 def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
@@ -194,7 +186,7 @@ def _profile_summary(model: str) -> dict:
 
 def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool = False,
           progress: bool = True) -> dict:
-    from .bench.report import environment
+    from .output import environment
     from .hw import ceilings, detect, local_arch
 
     t0 = time.perf_counter()
@@ -227,7 +219,8 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
 
 
 def to_markdown(doc: dict) -> str:
-    from .check.runner import Result, to_markdown as check_md
+    from .check.result import Result
+    from .check.runner import to_markdown as check_md
 
     env, cfg = doc["environment"], doc["config"]
     out = [f"# opmap report: {doc['model']} on {env['device']} ({env['arch']})", "",

@@ -54,16 +54,14 @@ DECODE = [
 ]
 
 
-@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
 @pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode(case, trans):
-    """Both layouts of the dots (config TRANS=1: keys as rows, on wgmma; the bench's [trans] rows)."""
+def test_decode(case):
     _, seq, page, hq, hk, d, win, cap, fp8 = case
     pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
     q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
     for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV)):
         out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
-                            soft_cap=cap, return_lse=True, workspace=ws, config={"TRANS": trans}, **pc.kw)
+                            soft_cap=cap, return_lse=True, workspace=ws, **pc.kw)
         ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
                             soft_cap=cap, return_lse=True, **pc.kw)
         _close(out, ref, scale=2.0 if fp8 else 1.0)
@@ -114,8 +112,8 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("fixed,tma", [(False, 0), (True, 0)], ids=["auto-split", "fixed-split"])
-def test_decode_cuda_graph_replan(fixed, tma):
+@pytest.mark.parametrize("fixed", [False, True], ids=["auto-split", "fixed-split"])
+def test_decode_cuda_graph_replan(fixed):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
     is checked against the reference (split counts change with the lengths, on the device)."""
     B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
@@ -126,8 +124,7 @@ def test_decode_cuda_graph_replan(fixed, tma):
     sl_buf, bt_buf = lens.to(DEV), bt.to(DEV)
     q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
     ws = D.make_workspace(B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
-    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws,  # noqa
-                           config={"TMA": tma})
+    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws)  # noqa
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -249,12 +246,10 @@ def test_prefill_batch_invariance_bitwise():
     assert torch.equal(one, full[1000:1700])
 
 
-@pytest.mark.parametrize("trans", [0, 1], ids=["heads-rows", "keys-rows"])
-def test_decode_fp8_fp16_dots_with_queries_past_fp16(trans):
-    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (ops/attention/fp8.py,
-    twelfth session); bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a
-    power of two), at the logits of unit queries, with a soft cap too: finite and the reference's
-    result. Config F16=0 (Triton's cast and bf16 dots, as before) agrees."""
+def test_decode_fp8_fp16_dots_with_queries_past_fp16():
+    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (ops/attention/fp8.py);
+    bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a power of two), at the
+    logits of unit queries, with a soft cap too: finite and the reference's result."""
     seq = [1, 17, 300, 4097, 32768]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=True, shared=True, poison=True, device=DEV)
     q, _ = make_query([1] * len(seq), 32, 128, dtype=torch.float32, device=DEV)
@@ -263,12 +258,10 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16(trans):
     for cap in (None, 30.0):
         kw = dict(scale=128 ** -0.5 / big, soft_cap=cap, return_lse=True, **pc.kw)
         ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
-        for f16 in (1, 0):
-            out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables,
-                                config={"TRANS": trans, "F16": f16}, **kw)
-            assert torch.isfinite(out).all()
-            _close(out, ref, scale=2.0, what=f"F16={f16}, cap={cap}")
-            _lse_ok(lse, ref_lse)
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, **kw)
+        assert torch.isfinite(out).all()
+        _close(out, ref, scale=2.0, what=f"cap={cap}")
+        _lse_ok(lse, ref_lse)
 
 
 def test_fp8_quality_gate():

@@ -1,34 +1,15 @@
-"""The TMA attention kernels on the GPU (config TMA=1: ops/attention/decode_tma.py and
-prefill_tma.py), in their own file so that a kernel fault here cannot take the other attention GPU
-tests' process down with it. Helpers and cases from test_attention_gpu."""
+"""The TMA attention prefill on the GPU (ops/attention/prefill_tma.py), in its own file so that a
+kernel fault here cannot take the other attention GPU tests' process down with it. Helpers and
+cases from test_attention_gpu."""
 import pytest
 
-import test_attention_gpu as base
-from opmap.ops.attention import decode as D
 from opmap.ops.attention import prefill as P
 from opmap.ops.attention import reference as R
 from opmap.ops.attention.testing import make_paged, make_query
 
-from test_attention_gpu import BF, DECODE, DEV, _close, _lse_ok, _ref
+from test_attention_gpu import BF, DEV, _close, _lse_ok, _ref
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.mark.parametrize("block_n", [64, 128])
-@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode_tma(case, block_n):
-    """The TMA decode (config TMA=1; ops/attention/decode_tma.py): a box per page (four per 64-key
-    tile at page 16) on every decode case; NaN in every unused slot."""
-    _, seq, page, hq, hk, d, win, cap, fp8 = case
-    pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
-    q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
-    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, return_lse=True, **pc.kw)
-    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV, per_sm=4, max_splits=64)):
-        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
-                            config={"TMA": 1, "BLOCK_N": block_n}, **kw)
-        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
-        _close(out, ref, scale=2.0 if fp8 else 1.0)
-        _lse_ok(lse, ref_lse)
 
 
 TMA_PREFILL = [
@@ -75,8 +56,3 @@ def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):
     ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
     _close(out, ref, scale=2.0 if fp8 else 1.0)
     _lse_ok(lse, ref_lse)
-
-
-def test_decode_tma_cuda_graph_replan():
-    """The TMA decode captured once and replayed after rewriting lengths, tables and queries."""
-    base.test_decode_cuda_graph_replan(False, 1)

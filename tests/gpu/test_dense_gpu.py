@@ -156,24 +156,24 @@ def test_linear_bf16(M, N, K, fmt, monkeypatch):
 
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (64, 4096, 14336), (5, 1000, 4095)])
 def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
-    # The inline-asm bit-move fp8 -> bf16 conversion (OPMAP_GEMM_FP8_CVT=asm) and Triton's cast (default) give
+    # The integer bit decoding of fp8 (the path of GPUs before sm89) and Triton's cast (default) give
     # identical weights; outputs agree to the accumulation order of the two compiled kernels.
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's fp8 cast needs sm89+")
     monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
     x, wq, _, s, _ = _lin_inputs(M, N, K, "fp8", seed=21)
-    asm = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8_ASM})
+    asm = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8_BITS})
     native = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8})
     assert_close(asm, native, scale=0.25)
     assert_close(asm, gemm_ref.linear(x, wq, None, s))
-    # every e4m3 byte through the asm path: w = diag-like rows hitting each code once
+    # every e4m3 byte through the bit-decoding path: w = diag-like rows hitting each code once
     codes = torch.arange(256, device=DEV, dtype=torch.int32)
     codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
     wall = codes.view(torch.float8_e4m3fn).reshape(2, 127)
     wall = torch.nn.functional.pad(wall.view(torch.uint8), (0, 1)).view(torch.float8_e4m3fn).contiguous()
     eye = torch.eye(128, device=DEV, dtype=BF16)
     got = triton_gemm.linear(eye, wall, None, torch.ones(2, device=DEV),
-                             _plan={"W_KIND": triton_gemm.W_FP8_ASM})
+                             _plan={"W_KIND": triton_gemm.W_FP8_BITS})
     assert torch.equal(got.t().float(), wall.float())
 
 

@@ -100,7 +100,7 @@ def test_profile_attributes_gpu_kernels_to_operators():
 def test_moe_gemms_tuned_at_start_up_not_in_steps():
     """The engine tunes the MoE grouped GEMMs at start-up for every token count a step can bring
     (runner._warm_moe): prefill, mixed and decode steps of many sizes then tune nothing (a
-    DeepSeek-V2-Lite run at batch 32 spent ~85 ms of each mixed step tuning, tenth session)."""
+    DeepSeek-V2-Lite run at batch 32 spent ~85 ms of each mixed step tuning)."""
     from opmap.engine.llm import LLM
     from opmap.ops.moe import grouped_gemm as G
     from opmap.ops.sampling.params import SamplingParams

@@ -41,7 +41,7 @@ def test_bench_run_writes_consistent_records(tmp_path):
     from opmap.bench.base import BenchCase, Provider
 
     n = 32 * 2**20  # 128 MiB of fp32 read, 128 MiB written
-    case = BenchCase("copy", f"N={n},dtype=fp32", flops=0, bytes=2 * 4 * n,
+    case = BenchCase("copy", f"N={n},dtype=fp32", flops=0, bytes=2 * 4 * n, family="copy",
                      setup=lambda d: (torch.randn(n, device=d), torch.empty(n, device=d)),
                      providers=[Provider("torch-copy", make=lambda s: (lambda: s[1].copy_(s[0]))),
                                 Provider("absent-peer", make=lambda s: (lambda: None),
@@ -49,15 +49,17 @@ def test_bench_run_writes_consistent_records(tmp_path):
     recs, skipped = runner.run_case(case, hw.ceilings(), torch.device("cuda"), quick=True)
     assert [r["provider"] for r in recs] == ["torch-copy"]
     assert skipped == [{"op": "copy", "case": case.case, "provider": "absent-peer",
-                        "reason": "package 'absent' is not installed"}]
+                        "reason": "package 'absent' is not installed", "family": "copy"}]
     r = recs[0]
     assert r["median_us"] > 0 and r["tflops"] is None
     assert r["tbps"] == pytest.approx(case.bytes / (r["median_us"] * 1e-6) / 1e12, rel=1e-3)
     # A fraction far above 1 would mean the L2 served the inputs or the bytes are miscounted.
     assert 0 < r["frac_of_ceiling"] < 2
-    doc = {"environment": report.environment(hw.ceilings()), "results": recs, "skipped": skipped,
+    from opmap.output import environment
+
+    doc = {"environment": environment(hw.ceilings()), "results": recs, "skipped": skipped,
            "load_errors": []}
-    paths = report.write(doc, str(tmp_path))
+    paths = report.write(doc, str(tmp_path))["copy"]
     d = json.loads(open(paths["json"]).read())
     assert d["environment"]["gpu"] and d["environment"]["ceilings"]["read_tbps"] > 0
     assert "torch-copy" in open(paths["markdown"]).read()

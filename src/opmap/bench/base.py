@@ -18,6 +18,11 @@ class Provider:
     backend: Optional[tuple] = None  # (op, backend name) in the registry, to check it can serve the case
     available: Optional[Callable[[], Optional[str]]] = None  # reason it cannot run here, else None
 
+    @property
+    def variant(self) -> bool:
+        """A tuning variant of a backend ("opmap-triton[bn=32,s=3]"): timed with --variants only."""
+        return "[" in self.name
+
 
 @dataclass
 class BenchCase:
@@ -31,3 +36,4 @@ class BenchCase:
     graph: bool = False  # time by CUDA-graph replay (small launches)
     spec: Any = None  # the spec the selector is asked about, when there is one
     tags: tuple = field(default_factory=tuple)
+    family: str = ""  # the cases module it came from (set by runner.collect); names its baseline file

@@ -12,81 +12,22 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
-
-def git_commit() -> Optional[str]:
-    """The commit named in OPMAP_COMMIT, else HEAD of the checkout this package runs from (+dirty).
-    The variable comes first: the GPU machine's copy of the working tree carries a .git whose HEAD
-    is stale (the sixth session's files all read the previous session's commit)."""
-    return os.environ.get("OPMAP_COMMIT") or _git_head()
-
-
-def _git_head() -> Optional[str]:
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        if sha.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def environment(ceilings=None) -> dict:
-    from ..check.fingerprint import code_settings
-    from ..hw import detect
-
-    info = detect()
-    return {
-        "gpu": info.name if info.kind == "cuda" else None,
-        "device": info.name,
-        "arch": info.arch,
-        "sm_count": info.sm_count,
-        "driver": info.driver,
-        "torch": info.torch,
-        "triton": info.triton,
-        "cuda": info.cuda,
-        "cudnn": info.cudnn,
-        "python": info.python,
-        "triton_interpret": info.interpreter,
-        "commit": git_commit(),
-        # the switches that change what runs (OPMAP_PDL, OPMAP_GEMM_SPLIT_BELOW, ...): a result
-        # file says which variant of the code it timed
-        "settings": code_settings(),
-        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "ceilings": ceilings.as_dict() if ceilings is not None else None,
-    }
-
-
-def gpu_slug(name: str) -> str:
-    s = re.sub(r"^nvidia\s+", "", name.strip(), flags=re.I)
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "gpu"
-
-
-def result_stem(out_dir: str, gpu: str) -> Path:
-    """bench/results/<date>-<gpu>; a second run on the same day gets -2, -3, ... (never overwrites)."""
-    d = Path(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    base = f"{datetime.date.today().isoformat()}-{gpu_slug(gpu)}"
-    stem, i = d / base, 2
-    while stem.with_suffix(".json").exists():
-        stem, i = d / f"{base}-{i}", i + 1
-    return stem
+from ..output import baseline_dir
 
 
 def to_markdown(doc: dict) -> str:
     env = doc["environment"]
     c = env.get("ceilings") or {}
-    out = [f"# opmap bench: {env.get('gpu') or env.get('device')} ({env.get('arch')})", "",
+    title = f"opmap bench, {doc['family']}" if doc.get("family") else "opmap bench"
+    out = [f"# {title}: {env.get('gpu') or env.get('device')} ({env.get('arch')})", "",
            f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}, "
            f"commit `{env['commit']}`, {env['date']}", "",
            f"Command: `{env['command']}`", ""]
     if c:
         out += [f"Ceilings (measured on this GPU): read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, "
                 f"bf16 GEMM {c['bf16_tflops']} TFLOP/s.", ""]
+    if doc.get("quick"):
+        out += ["The quick grid (`--quick`).", ""]
     out += ["| op | case | provider | median us | TB/s | TFLOP/s | frac of ceiling | note |",
             "|---|---|---|---:|---:|---:|---:|---|"]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
@@ -141,19 +82,44 @@ def roofline_png(doc: dict, path: Path) -> Optional[str]:
     return None
 
 
+def family_of(op: str, module: str) -> str:
+    """The baseline file a result belongs to: its cases module, with the MLA ops and the KV append
+    in files of their own."""
+    if op.startswith("attention.mla") or (module == "mla" and op != "kv_append"):
+        return "mla"
+    if op == "kv_append":
+        return "kv_append"
+    return module
+
+
+def split_by_family(doc: dict) -> dict:
+    """{family: document}: the run's environment with the results and skips of that family."""
+    fams = {}
+    for key in ("results", "skipped"):
+        for r in doc.get(key, []):
+            fams.setdefault(r.get("family") or "other", {"results": [], "skipped": []})[key].append(r)
+    return {f: {**{k: v for k, v in doc.items() if k not in ("results", "skipped")}, "family": f, **parts}
+            for f, parts in fams.items()}
+
+
 def write(doc: dict, out_dir: str, png: bool = True) -> dict:
-    """Write <stem>.json, <stem>.md and (optionally) <stem>.png; returns the paths written."""
-    stem = result_stem(out_dir, doc["environment"].get("gpu") or "cpu")
-    paths = {"json": str(stem.with_suffix(".json")), "markdown": str(stem.with_suffix(".md"))}
-    Path(paths["json"]).write_text(json.dumps(doc, indent=1, default=_default))
-    Path(paths["markdown"]).write_text(to_markdown(doc))
-    if png:
-        why = roofline_png(doc, stem.with_suffix(".png"))
-        if why is None:
-            paths["png"] = str(stem.with_suffix(".png"))
-        else:
-            paths["png_skipped"] = why
-    return paths
+    """Write <out_dir>/<gpu>/<family>.json, .md and (optionally) .png for every family the run
+    timed, replacing what was there; returns {family: paths written}."""
+    d = baseline_dir(out_dir, doc["environment"].get("gpu") or "cpu")
+    written = {}
+    for fam, sub in sorted(split_by_family(doc).items()):
+        stem = d / fam
+        paths = {"json": str(stem.with_suffix(".json")), "markdown": str(stem.with_suffix(".md"))}
+        Path(paths["json"]).write_text(json.dumps(sub, indent=1, default=_default) + "\n")
+        Path(paths["markdown"]).write_text(to_markdown(sub))
+        if png:
+            why = roofline_png(sub, stem.with_suffix(".png"))
+            if why is None:
+                paths["png"] = str(stem.with_suffix(".png"))
+            else:
+                paths["png_skipped"] = why
+        written[fam] = paths
+    return written
 
 
 def _default(o):

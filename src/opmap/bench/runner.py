@@ -1,6 +1,7 @@
 """`opmap bench`: every provider of every BenchCase timed in the same run on the same inputs,
-as a fraction of this GPU's measured ceilings; results to bench/results/<date>-<gpu>.json + .md
-+ roofline .png. On a machine without a GPU it says so and writes nothing."""
+as a fraction of this GPU's measured ceilings; results to bench/baselines/<gpu>/<family>.json +
+.md + roofline .png, one file per op family, replaced by each run. Tuning variants of our kernels
+run only with ``--variants``. On a machine without a GPU it says so and writes nothing."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import torch
 from .. import registry
 from ..names import closest
 from .base import BenchCase, Provider
+from .report import family_of
 from .cases import FAMILIES
 
 
@@ -22,7 +24,7 @@ def collect(quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]
         modname = f"opmap.bench.cases.{fam}"
         try:
             mod = importlib.import_module(modname)
-            cases += list(mod.cases(quick))
+            cases += [dataclasses.replace(c, family=family_of(c.op, fam)) for c in mod.cases(quick)]
         except ModuleNotFoundError as e:
             if e.name != modname:
                 errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
@@ -100,7 +102,8 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
     for p in case.providers:
         r = why_not(p, case)
         if r:
-            skipped.append({"op": case.op, "case": case.case, "provider": p.name, "reason": r})
+            skipped.append({"op": case.op, "case": case.case, "provider": p.name, "reason": r,
+                            "family": case.family})
         else:
             runnable.append(p)
     if not runnable:
@@ -122,15 +125,16 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
         except Exception as e:  # one provider failing must not hide the others' numbers
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            skipped.append({"op": case.op, "case": case.case, "provider": p.name,
+            skipped.append({"op": case.op, "case": case.case, "provider": p.name, "family": case.family,
                             "reason": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             continue
-        rec = {"op": case.op, "case": case.case, "provider": p.name, "median_us": round(t.median_us, 3),
+        rec = {"op": case.op, "case": case.case, "family": case.family, "provider": p.name,
+               "median_us": round(t.median_us, 3),
                **timing.figures(t.median_us, case.flops, case.bytes, case.bound, ceil),
                "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "method": t.method,
                "input_sets": t.sets, "backend": "/".join(p.backend) if p.backend else None,
-               # a bracketed name is a config variant of the backend, not what the selector runs
-               "selected": bool(chosen and p.backend and p.backend[1] == chosen and "[" not in p.name)}
+               # a variant is a config of the backend, not what the selector runs
+               "selected": bool(chosen and p.backend and p.backend[1] == chosen and not p.variant)}
         if t.note:
             rec["note"] = t.note
         recs.append(rec)
@@ -143,7 +147,7 @@ def only_providers(cases: list[BenchCase], names: Optional[list]) -> list[BenchC
     """The cases with only the providers named (exact names, e.g. "opmap-triton" for our default
     and not its "opmap-triton[...]" variants); cases left with none are dropped. A name no case
     has is a ValueError naming the closest ones: a misspelt or invented config row used to be
-    left out without a word, and the run timed only the other rows (thirteenth GPU session)."""
+    left out without a word, and the run timed only the other rows."""
     if not names:
         return cases
     have = {p.name for c in cases for p in c.providers}
@@ -159,13 +163,24 @@ def only_providers(cases: list[BenchCase], names: Optional[list]) -> list[BenchC
     return out
 
 
+def without_variants(cases: list[BenchCase]) -> list[BenchCase]:
+    """The cases with their tuning variants left out (the defaults against the peers)."""
+    out = []
+    for c in cases:
+        provs = [p for p in c.providers if not p.variant]
+        if provs:
+            out.append(dataclasses.replace(c, providers=provs))
+    return out
+
+
 def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None,
-          providers: Optional[list] = None) -> dict:
+          providers: Optional[list] = None, variants: bool = False) -> dict:
     """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
     JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed.
-    ``providers``: only these providers (``only_providers``)."""
+    ``providers``: only these providers (``only_providers``); ``variants``: also the tuning
+    variants of our kernels (always when ``providers`` names them)."""
     from .. import hw, presets
-    from .report import environment
+    from ..output import environment
 
     ceil = hw.ceilings(measure=True)
     model_ops, mla = None, None
@@ -176,11 +191,14 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         mla = cfg.is_mla
     cases, errors = collect(quick)
     cases = only_providers([c for c in cases if keep(c, ops, model_ops, mla)], providers)
+    if not (variants or providers):
+        cases = without_variants(cases)
     results, skipped = [], []
     device = torch.device("cuda")
 
     def doc(**extra) -> dict:
         return {"environment": environment(ceil), "quick": quick, "model": model, "providers": providers,
+                "variants": variants,
                 "results": results,
                 "skipped": skipped, "load_errors": errors, **extra}
 
@@ -190,7 +208,8 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         try:
             r, s = run_case(c, ceil, device, quick)
         except Exception as e:
-            r, s = [], [{"op": c.op, "case": c.case, "provider": "*", "reason": f"setup failed: {e}"[:300]}]
+            r, s = [], [{"op": c.op, "case": c.case, "provider": "*", "family": c.family,
+                         "reason": f"setup failed: {e}"[:300]}]
         results += r
         skipped += s
         if partial:
@@ -205,7 +224,7 @@ def print_table(doc: dict, console=None) -> None:
     from rich.table import Table
     from rich.text import Text
 
-    from ..check.runner import wide_console
+    from ..output import wide_console
 
     console = console or wide_console()
     t = Table(title="opmap bench", title_justify="left")
@@ -256,7 +275,8 @@ def main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "bench-partial.json")
     try:
-        doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider)
+        doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider,
+                    variants=args.variants)
     except ValueError as e:  # a --provider only cases of other models have (--model)
         print(f"opmap bench: {e}", file=sys.stderr)
         return 2
@@ -264,8 +284,8 @@ def main(args) -> int:
     if not doc["results"]:
         print("no benchmark result (no case matched, or no provider could run)")
         return 1
-    paths = report.write(doc, args.out, png=not args.no_png)
-    os.remove(partial)  # the complete result file replaces it
-    for k, v in paths.items():
-        print(f"{k}: {v}")
+    written = report.write(doc, args.out, png=not args.no_png)
+    os.remove(partial)  # the complete result files replace it
+    for fam, paths in written.items():
+        print(f"{fam}: " + ", ".join(f"{v}" for k, v in paths.items() if k != "png_skipped"))
     return 1 if doc["load_errors"] else 0

@@ -114,8 +114,8 @@ def _dump(node) -> str:
     """``ast.dump`` without the fields that are None or empty. Python versions add fields with such
     defaults (3.12: ``type_params=[]`` on every function and class), so ``ast.dump`` of the same
     code differs between the CPU machine's Python 3.11 and the GPU machine's 3.12, and a
-    fingerprint computed on one never matched the other's (twelfth session: the state re-keyed on
-    the CPU was stale on the GPU). This form is the same on 3.11, 3.12 and 3.13 for every file of
+    fingerprint computed on one never matched the other's (state keyed on the CPU was stale on
+    the GPU). This form is the same on 3.11, 3.12 and 3.13 for every file of
     opmap (checked on all three)."""
     if isinstance(node, ast.AST):
         fields = (f"{k}={_dump(v)}" for k, v in ast.iter_fields(node) if v is not None and v != [])

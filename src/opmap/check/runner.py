@@ -17,35 +17,10 @@ import torch
 
 from .. import presets, registry
 from ..select import BackendError, select
+from ..output import wide_console
 from .base import SECTIONS, CheckCase
+from .result import Result
 from .cases import FAMILIES
-
-
-@dataclass
-class Result:
-    section: str
-    op: str
-    backend: str
-    case: str
-    passed: bool
-    figure: str
-    value: Optional[float] = None
-    limit: Optional[float] = None
-    seconds: float = 0.0
-    family: str = ""
-
-    @property
-    def title(self) -> str:
-        return f"{self.op}/{self.backend} {self.case}"
-
-
-def wide_console():
-    """Off a terminal (CI logs, files) rich assumes 80 columns, which wraps every figure."""
-    import sys
-
-    from rich.console import Console
-
-    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def local_device() -> str:
@@ -254,7 +229,7 @@ def summary(results: list[Result]) -> dict:
 
 
 def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
-    from ..bench.report import environment
+    from ..output import environment
 
     d = {"environment": environment(), **(extra or {}), "summary": summary(results),
          "results": [asdict(r) for r in results]}
@@ -265,7 +240,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
           sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
           reuse=()) -> tuple[list[Result], dict]:
     """Run the checklist; returns the results and facts for the JSON (selection, notes)."""
-    from ..report import short_error
+    from ..output import short_error
 
     device = device or local_device()
     targets = model_targets(model) if model else None
@@ -331,7 +306,7 @@ def main(args) -> int:
             f.write("# opmap check\n\n" + sources_line(extra) + to_markdown(results))
         console.print(f"wrote {args.markdown}")
     if args.out:
-        from ..bench.report import result_stem
+        from ..output import result_stem
         from ..hw import detect
 
         stem = result_stem(args.out, detect().name + (f"-{args.model}" if args.model else ""))

@@ -25,7 +25,7 @@ from typing import Optional
 from .. import registry
 from .base import CheckCase
 
-MARK = "OPMAP_SANITIZER_OUTCOME "
+MARK = "opmap-sanitizer-outcome: "
 SEP = "::"  # between a case's section and title on the child's command line
 # Providers whose kernels are ours (peers are other people's binaries: not ours to sanitise).
 OWN_PROVIDERS = ("opmap-triton",)
@@ -147,8 +147,8 @@ _SLOTS: Optional[threading.BoundedSemaphore] = None
 # Children still running, each the leader of its own process group. compute-sanitizer starts the
 # checked Python as its own child, so killing the tool alone (subprocess.run's timeout) left that
 # process on the GPU; and an `opmap check` killed by `timeout` left both. On a GPU machine kept
-# warm between calls they ran on into the next call (the sixth session: bench figures 4x slow, a
-# racecheck timed out). Their whole groups are killed on a timeout and when this process is
+# warm between runs they ran on into the next run (bench figures 4x slow, a racecheck timed
+# out). Their whole groups are killed on a timeout and when this process is
 # terminated (run_all's SIGTERM handler).
 _CHILDREN: set = set()
 _STOPPING = threading.Event()  # set on SIGTERM: start no child, record no verdict
@@ -233,7 +233,7 @@ def _verdict(tool: str, c: CheckCase, count: int, kernels: list, first: list, ou
 
 def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe: str):
     """One case alone in its own process under the tool."""
-    from .runner import Result
+    from .result import Result
 
     t0 = time.perf_counter()
     case = f"{c.case} [{tool}]"
@@ -253,7 +253,7 @@ def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe
     When the run is clean, or its errors are all in library kernels, each case gets its own
     verdict from its outcome line. Otherwise (an error in one of our kernels, a crash, a timeout)
     every case of the batch runs again alone, so each error is pinned to its case."""
-    from .runner import Result
+    from .result import Result
 
     if len(cases) == 1:
         return [run_one(fam, cases[0], quick, tool, timeout, exe)]
@@ -309,7 +309,7 @@ def stale_count(path: Optional[str]) -> int:
 
 def _load(path: Optional[str], current: bool) -> tuple:
     from .fingerprint import fingerprint
-    from .runner import Result
+    from .result import Result
 
     done, stale = {}, 0
     if path and os.path.exists(path):
@@ -342,7 +342,7 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     are the same cases. Those verdicts are copied into ``state``. Either way only verdicts whose
     family's source fingerprint is today's count (check.fingerprint)."""
     global _SLOTS
-    from .runner import Result
+    from .result import Result
 
     exe = find_sanitizer()
     if exe is None:

@@ -116,7 +116,7 @@ class LLM:
         top-k / top-p; then the same with 16 short prompts beside the long one (below). The kernel
         variants they launch are then compiled before any request waits on them: a Qwen3-30B-A3B
         run at batch 32 without it spent 1.21 s in its first prefill step and 415 ms per mixed
-        step, against 69 and 73 ms once warm (tenth session). The prefix cache and the counters
+        step, against 69 and 73 ms once warm. The prefix cache and the counters
         start empty after it. Seconds taken."""
         import random
 

@@ -32,8 +32,8 @@ class Step:
     workspace: Any = None
     # Host ints of prefill and mixed steps: the longest query chunk and sequence. The MLA prefill
     # plans its chunks from them; without them it reads them from the device, a host
-    # synchronisation in every layer (tenth session: DeepSeek-V2-Lite's prefill steps left the
-    # GPU idle 59% of the time).
+    # synchronisation in every layer (DeepSeek-V2-Lite's prefill steps left the GPU idle 59% of
+    # the time).
     max_q_len: Optional[int] = None
     max_seq_len: Optional[int] = None
 
@@ -214,11 +214,3 @@ class DecoderModel:
 
     def rope_dim(self) -> int:
         return self.cfg.head_dim
-
-
-def build_model(cfg: ModelConfig, device, dtype):
-    if cfg.is_mla:
-        from .model_mla import MLAModel
-
-        return MLAModel(cfg, device, dtype)
-    return DecoderModel(cfg, device, dtype)

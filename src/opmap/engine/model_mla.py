@@ -13,6 +13,7 @@ import math
 import torch
 
 from .model import DecoderModel, Step
+from ..presets import ModelConfig
 from .weights import Loader
 
 
@@ -109,3 +110,10 @@ class MLAModel(DecoderModel):
 
     def rope_dim(self) -> int:
         return self.cfg.qk_rope_dim
+
+
+def build_model(cfg: ModelConfig, device, dtype):
+    """The model for a config: MLA layers for DeepSeek-V2-style configs, else the decoder."""
+    if cfg.is_mla:
+        return MLAModel(cfg, device, dtype)
+    return DecoderModel(cfg, device, dtype)

@@ -9,12 +9,14 @@ Triton / cuBLAS / ... on a GPU.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 from .. import specs as S
 from ..presets import ModelConfig, _scaling
 from ..select import select
+
+# False: RoPE (with Qwen3's q/k norm) and the KV append as separate launches (tests compare the two).
+FUSE_ROPE_APPEND = True
 
 log = logging.getLogger("opmap.engine")
 
@@ -75,7 +77,7 @@ class OpSet:
                 kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")
             app = self.choices[-1][2]
             if (app.backend.name == rope_choice.backend.name and "rope_append" in app.backend.impl
-                    and os.environ.get("OPMAP_ROPE_APPEND", "1") != "0"):
+                    and FUSE_ROPE_APPEND):
                 # One launch instead of two per layer (ops/attention/rope_append.py); the rope
                 # selection above already checked the rope requirements for this backend.
                 # Qwen3's q/k norms ride along when the norm chose that backend's name too.

@@ -27,7 +27,8 @@ from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
 from .config import EngineConfig
 from .kv_plan import MemFigures, plan_pages
-from .model import Step, build_model
+from .model import Step
+from .model_mla import build_model
 from .opset import OpSet, log_choices
 from .scheduler import Batch
 
@@ -94,7 +95,7 @@ class ModelRunner:
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:
         # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
         # the plan's 1 GiB margin, and a second engine sized from free memory ran out of memory in
-        # its start-up warm-up (eleventh session, scripts/probes/engine_memory.py).
+        # its start-up warm-up.
         self.workspace = {}
         for b, ops in self.decode_ops.items():
             if ops.make_workspace is not None:
@@ -288,7 +289,7 @@ class ModelRunner:
     def _warm_moe(self) -> float:
         """Tune the MoE GEMMs at start-up for every token count a prefill or mixed step can bring
         (the backend's ``warm_up``), not in the first steps that hit a new count: a DeepSeek-V2-Lite
-        run at batch 32 spent ~85 ms of each mixed step tuning them (tenth session). Seconds taken."""
+        run at batch 32 spent ~85 ms of each mixed step tuning them. Seconds taken."""
         if self.device.type != "cuda" or not self.cfg.is_moe:
             return 0.0
         c, P = self.cfg, self.model.params

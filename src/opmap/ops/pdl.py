@@ -10,9 +10,9 @@ latency and ramp-up. A kernel before or after one that is not PDL-aware (cuBLAS,
 is serialised as usual, and the wait is a no-op when PDL is off.
 
 On by default on sm90+ (compiled kernels only; the interpreter never sees it); ``OPMAP_PDL=0`` in
-the environment of the process turns it off. Measured in the seventh session (e2e, batch 1):
-Llama-3-8B TPOT 4.54 -> 4.35 ms, Qwen3-30B-A3B 3.81 -> 3.55 ms with the MoE kernels left out
-(``OPMAP_PDL_MOE=1`` puts them under PDL too: 3.96 ms).
+the environment of the process turns it off (to compare, or to rule PDL out when debugging). The
+MoE kernels (routing, align, grouped GEMM, combine) are not PDL-aware: under PDL the MoE decode
+step measured slower (docs/moe.md, Decisions).
 """
 from __future__ import annotations
 
@@ -47,37 +47,24 @@ def _sm90(device) -> bool:
 
 
 _ON = {"PDL": 1, "launch_pdl": True}
-_LATE = {"PDL": 2, "launch_pdl": True}  # wait, but release the dependents only at exit
 _OFF = {"PDL": False}
 
 
-# The MoE kernels (routing, align, grouped GEMM, combine) only when asked: with them launched
-# under PDL, Qwen3-30B-A3B's batch-1 decode step was slower (seventh session: 3.96 against 3.55 ms
-# TPOT) while Llama-3-8B's was 4% faster. OPMAP_PDL_MOE=1 launches them as the others;
-# OPMAP_PDL_MOE=late launches them with PDL but without the early release (the dependents launch
-# as each program exits), to tell whether the dependents waiting on the SMs are the cost.
-_MOE = {"1": _ON, "late": _LATE}.get(os.environ.get("OPMAP_PDL_MOE", "0"), _OFF)
-
-
-def launch(device, moe: bool = False) -> dict:
+def launch(device) -> dict:
     """Keyword arguments for ``kernel[grid](...)``: the PDL constexpr and, when on, the launch
-    attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel). ``moe``: a MoE
-    kernel, under PDL only as ``OPMAP_PDL_MOE`` says. Do not mutate."""
+    attribute (``PDL`` must be a ``tl.constexpr`` parameter of the kernel). Do not mutate."""
     if not enabled(device):
         return _OFF
-    return _MOE if moe else _ON
+    return _ON
 
 
 @triton.jit
 def enter(PDL: tl.constexpr):
-    """First statement of a PDL-aware kernel: wait for the predecessor, then release the dependents
-    (PDL == 1; PDL == 2 waits only, and the dependents launch as the programs exit).
+    """First statement of a PDL-aware kernel: wait for the predecessor, then release the dependents.
 
-    In this order at most one kernel waits ahead of the running one. Released first (the order
-    measured 7% slower at batch 1 in the third and seventh sessions), each early kernel released
-    the next at once, so the whole chain became resident and spun in ``griddepcontrol.wait`` on
-    the SMs that the running kernel needed."""
+    In this order at most one kernel waits ahead of the running one. Released first (measured 7%
+    slower at batch 1), each early kernel released the next at once, so the whole chain became
+    resident and spun in ``griddepcontrol.wait`` on the SMs that the running kernel needed."""
     if PDL:
         gdc_wait()
-        if PDL == 1:
-            gdc_launch_dependents()
+        gdc_launch_dependents()

@@ -82,7 +82,7 @@ def _tag(cfg):
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
-def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None, per_sm=None):
+def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
     def make(inp):
         from opmap.ops.attention import decode as Dm
         from opmap.ops.attention import mixed as Mx
@@ -93,8 +93,7 @@ def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None, pe
             B = inp["q"].shape[0]
             ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
                                    max_seq_len=inp["bt"].shape[1] * inp["page"], min_chunk=min_chunk,
-                                   split_tokens=split_tokens, per_sm=per_sm,
-                                   max_splits=64 if per_sm else None)
+                                   split_tokens=split_tokens)
             return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
                                      config=config, **kw)
         if phase == "prefill":
@@ -194,10 +193,9 @@ def _decode_case(B, L, fp8, quick):
     provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
-        # the tile variants on fp8 caches too since the thirteenth session: the fp16-dot fp8 build
-        # runs at bf16's time per token (0.52 of its read ceiling at B=64/4096). Its sm90 build
-        # fits 3 programs an SM (138 registers, 68 KB), so B=64 x 8 KV heads (one split) is 512
-        # programs on 396 slots: two rounds. 32-key tiles fit 4 (112 registers, 37-45 KB): one.
+        # tile variants, on fp8 caches too: the fp16-dot fp8 build fits 3 programs an SM (138
+        # registers, 68 KB), so B=64 x 8 KV heads (one split) is 512 programs on 396 slots: two
+        # rounds; 32-key tiles fit 4 (112 registers, 37-45 KB): one.
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
@@ -205,31 +203,12 @@ def _decode_case(B, L, fp8, quick):
             # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
             provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
             provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
-    if fp8:
-        # Triton's cast of the fp8 tiles to bf16 and bf16 dots, the default until the twelfth
-        # session (B=64 / 4096: 261 us, bf16 260: not faster for half the bytes), against the
-        # fp16 dots on tiles converted once by PTX (ops/attention/fp8.py)
-        provs.append(Provider("opmap-triton[f16=0]", _ours("decode", config={"F16": 0})))
-    # Keys as rows (scores^T = K q^T, out^T += V^T p^T): the sm90 build runs both dots on wgmma
-    # at 94 registers, against mma.sync at 121, but needs 104 KB of shared memory against 72
-    # (two programs per SM instead of three): slower in bf16 (B=64/4096: 342.9 against 254.4 us).
-    # On fp8 caches with the fp16 dots (thirteenth session, CPU) the build has 128 registers and
-    # 55 KB: four programs an SM against three (the fp8 wave hypothesis, docs/attention.md).
-    provs.append(Provider("opmap-triton[trans]", _ours("decode", config={"TRANS": 1})))
-    # K/V rows through TMA, a box per 16-token page (ops/attention/decode_tma.py): one copy per
-    # page instead of one per 16 bytes of every row. Lost on the H200 (tenth session): B=1 / 32k
-    # 63.2 us against the gather kernel's 52.2 (60.4 at three programs per SM, 65.7 with 128-key
-    # tiles; those two rows dropped since), B=64 / 4096 467.3 against 254.2.
-    provs.append(Provider("opmap-triton[tma=1]", _ours("decode", config={"TMA": 1})))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more
         # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
         # (64 and 128 splits) against 2048 (16), in the quick grid too.
         provs += [Provider(f"opmap-triton[split_tokens={n}]", _ours("decode", split_tokens=n)) for n in (256, 512, 2048)]
-        # the auto plan at three programs per SM (the sm90 build's shared memory allows three):
-        # 49 splits, 392 programs, one wave (three per SM hold 396)
-        provs.append(Provider("opmap-triton[per_sm=3]", _ours("decode", per_sm=3)))
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))

@@ -57,13 +57,12 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
 
 
 def _engine_name(llm) -> str:
-    """opmap-engine, tagged with what differs from the defaults (lockstep decode; PDL off, or the
-    MoE kernels under it). The record's environment.settings lists every OPMAP_* switch."""
+    """opmap-engine, tagged with what differs from the defaults (lockstep decode; PDL off). The
+    record's environment.settings lists every OPMAP_* switch."""
     import os
 
     tags = ["lockstep"] if not llm.ecfg.async_decode else []
     tags += ["no-pdl"] if os.environ.get("OPMAP_PDL", "1") == "0" else []
-    tags += [f"pdl-moe={os.environ['OPMAP_PDL_MOE']}"] if os.environ.get("OPMAP_PDL_MOE", "0") != "0" else []
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
@@ -117,8 +116,8 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             schema = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
             # The first constrained request pays one-time costs: imports (XGrammar's pull in
             # transformers' lazy module tables), the tokenizer info, the compiler. On the CPU the
-            # first constrained run made 145 garbage collections and a repeat none; the sixth H200
-            # session timed that first run (+28% TPOT, 499 collections, a 196 ms full one). Warmed
+            # first constrained run made 145 garbage collections and a repeat none; on the H200 that
+            # first run was 28% slower (499 collections, a 196 ms full one). Warmed
             # here like the plain cases; its time is in the note.
             t0 = time.perf_counter()
             llm.generate(_prompts(cfg.vocab, 2, 16, seed=31), SamplingParams(max_tokens=4, json_schema=schema, **greedy))
@@ -263,11 +262,12 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
 
 def main(argv=None) -> int:
     from opmap import hw
-    from opmap.bench.report import environment, write
+    from opmap.bench.report import write
+    from opmap.output import environment
 
     ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers eager)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
     ap.add_argument("--model", action="append", help="only this preset (repeatable)")
     ap.add_argument("--case", action="append", choices=["1", "32", "workload", "json32"],
                     help="only these cases (by batch: 1, 32, the 256-request workload, JSON at batch 32)")
@@ -283,6 +283,7 @@ def main(argv=None) -> int:
     def save_partial(recs, skipped):  # a run cut off by a time limit keeps the finished models
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "e2e-partial.json").write_text(json.dumps(doc_of(recs, skipped), indent=1, default=str))
+        # the complete files replace the partial one
 
     recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
                             lockstep=a.lockstep)
@@ -301,7 +302,10 @@ def main(argv=None) -> int:
     for s in skipped:
         print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
     if recs:
+        for r in recs + skipped:
+            r["family"] = "e2e"
         print(write(doc, a.out, png=False))
+        (Path(a.out) / "e2e-partial.json").unlink(missing_ok=True)
     return 0 if recs else 1
 
 

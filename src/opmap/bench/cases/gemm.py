@@ -52,14 +52,6 @@ def _ours(backend, quantised):
     return make
 
 
-def _ours_native_fp8_cvt(inp):
-    """Our weight-only kernel with Triton's own fp8 -> bf16 cast instead of the bit-move asm."""
-    from opmap.ops.gemm import triton_gemm
-
-    plan = {"W_KIND": triton_gemm.W_FP8}
-    return lambda: triton_gemm.linear(inp["x"], inp["wq"], None, inp["s"], _plan=plan)
-
-
 def _cublas(inp):
     import torch.nn.functional as F
 
@@ -105,8 +97,6 @@ def cases(quick: bool) -> list[BenchCase]:
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
                     if fmt == "fp8":
-                        provs.append(Provider("opmap-triton-native-cvt", _ours_native_fp8_cvt,
-                                              backend=("gemm", "triton-wo"), available=_sm89))
                         provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89))
                 out.append(BenchCase(
                     op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),

@@ -13,7 +13,7 @@ are (242 FLOP/B), so those report TFLOP/s against the bf16 GEMM ceiling; 16 head
 bound and report the fraction of the read ceiling.
 
 Providers, same inputs, same run: ours (CUDA-graph replay, persistent workspace), with a few other
-tile configurations in the full run so that one GPU run also tunes the default; PyTorch SDPA on
+tile configurations under ``--variants`` so that one GPU run also tunes the default; PyTorch SDPA on
 the latent already gathered into contiguous memory (like "cuDNN on contiguous KV" for GQA: the
 gather is not timed; sparse: the torch gather of the top-k rows *is* timed, it is the op);
 FlashInfer's MLA when importable (plan outside the timing).
@@ -27,7 +27,14 @@ from opmap.specs import AttentionSpec
 
 R, DR, PAGE = 512, 64, 64
 RIDGE = 181.0  # FLOP per byte where the H200's bf16 GEMM ceiling meets its read ceiling
-VARIANTS = {16: [(16, 64, 4, 2), (16, 32, 4, 3)], 128: [(32, 32, 8, 2), (64, 32, 8, 1)]}
+# Tile variants of our decode (with --variants), as config dicts (ops/config.py) over the default
+# the selector picks: the TMA kernel's tiles, and the pointer kernel (TMA=0) beside them.
+VARIANTS = {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_warps=8),
+                 dict(BLOCK_H=64, num_warps=8, num_stages=2), dict(TMA=0, num_stages=2)],
+            128: [dict(num_stages=2), dict(BLOCK_H=32, num_stages=2), dict(TMA=0, num_stages=1)]}
+FP8_VARIANTS = {16: [dict(num_warps=8), dict(BLOCK_N=16, num_stages=3)],
+                128: [dict(BLOCK_H=16, num_warps=4, num_stages=2), dict(BLOCK_H=64, num_warps=8, num_stages=1)]}
+PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
 
 
@@ -56,22 +63,19 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
     return setup
 
 
-def _row(rows: str, config: tuple) -> str:
-    """A config's bench row name: (16, 32, 4, 3, "tma") -> "opmap-triton[bh=16,bn=32,w=4,s=3,tma]"
-    (``rows``: "bh" for the decode's head blocks, "bm" for the prefill's query blocks)."""
-    return f"opmap-triton[{rows}={config[0]},bn={config[1]},w={config[2]},s={config[3]}" + \
-        "".join("," + x for x in config[4:]) + "]"
+def _row(config: dict) -> str:
+    """A config's bench row name: {"BLOCK_N": 64, "num_stages": 2} -> "opmap-triton[bn=64,s=2]"."""
+    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s", "TMA": "tma"}
+    return "opmap-triton[" + ",".join(f"{short[k]}={v}" for k, v in config.items()) + "]"
 
 
-def _ours(entry, config=None, per_sm=None, **ws_kw):
-    """``per_sm``: plan the splits for that many programs per SM instead of the config's own count."""
+def _ours(entry, config=None, **ws_kw):
     def make(inp):
         from opmap.ops.mla import decode as dec
 
         B, H, _ = inp["qn"].shape
-        if per_sm:
-            ws_kw["num_splits"] = dec.plan_splits(B, H, inp["qn"].device, config[0], config[2], per_sm)
-        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=config, **ws_kw)
+        cfg = dec.decode_config(inp["qn"], inp["qp"], inp["cache"], entry == "mla_sparse_decode", config)
+        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=cfg, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
         fn = getattr(dec, entry)
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,
@@ -127,56 +131,10 @@ def _decode_case(B, H, ctx, fp8, quick):
     nbytes = B * ctx * (R + DR) * elt + B * H * (R + DR) * 2 + B * H * R * 2
     flops = 2.0 * B * H * ctx * (2 * R + DR)
     provs = [Provider("opmap-triton", _ours("mla_decode"), backend=("attention", "mla-triton"))]
-    if not quick:
-        provs += [Provider(_row("bh", c), _ours("mla_decode", c)) for c in VARIANTS[H]]
-    if H == 16 and not fp8:
-        # 16 heads: the default 4-warp program has 255 registers and a 136-byte stack frame on
-        # sm90 (0.14 of the read ceiling at B=1, 0.55 at B=64); with 8 warps it compiles to 206
-        # registers and no stack. At B=1 also twice the programs (256 splits of 128 keys).
-        # In the quick grid too.
-        provs.append(Provider("opmap-triton[bh=16,bn=32,w=8,s=3]", _ours("mla_decode", (16, 32, 8, 3))))
-        # BLOCK_N 16 with 3 stages: the sm90 build keeps one tile's copy in flight (async_wait 1;
-        # the default waits for every copy, async_wait 0) at 209 registers and no stack.
-        provs.append(Provider("opmap-triton[bh=16,bn=16,w=4,s=3]", _ours("mla_decode", (16, 16, 4, 3))))
-        if B == 1:
-            provs.append(Provider("opmap-triton[splits=256,min=128]",
-                                  _ours("mla_decode", num_splits=256, split_min=128)))
-    if fp8:
-        # The pointer kernel with Triton's own cast of the tiles to q's dtype and bf16 dots: the
-        # fp8 default until the twelfth session (0.20-0.24 of the read ceiling), against today's
-        # fp16 dots on tiles converted once by PTX (tests/test_mla_sm90_compile.py says what the
-        # two builds do). Dropped after the twelfth session's quick grid: the fp8 cache through the
-        # TMA kernel, (16, 32, 8, 3, "tma"), 292.5 us at B=64/4096 against the pointer kernel's
-        # 166.8 (B=1/32k: 51.3 against 47.0).
-        from opmap.ops.mla.decode import _pointer_config
-
-        # At 128 heads the 64-head blocks' cast at every batch too: the default from B=64 since the
-        # thirteenth session (767.8 against the fp16 path's 817.6 us at B=64/4096), not yet timed
-        # below B=64, where the 64-head fp16 build beat the default 16-head one (221.4 against
-        # 250.8 us at B=16/4096).
-        for c in dict.fromkeys([_pointer_config(H, R, B)] + ([(64, 32, 8, 1)] if H >= 64 else [])):
-            provs.append(Provider(_row("bh", c + ("cast",)), _ours("mla_decode", c + ("cast",))))
-        if H < 64:
-            # The TMA kernel on fp8 with the pointer kernel's fix (fp16 dots on tiles converted once
-            # by PTX; thirteenth session, CPU): its sm90 build no longer reads the tiles byte by byte
-            # (188-203 registers instead of 255, 92 KB: two programs an SM). Before the fix it was
-            # slower than the pointer kernel (292.5 against 166.8 us at B=64/4096).
-            for c in ((16, 32, 4, 3, "tma"), (16, 32, 8, 3, "tma")):
-                provs.append(Provider(_row("bh", c), _ours("mla_decode", c)))
+    provs += [Provider(_row(c), _ours("mla_decode", c)) for c in (FP8_VARIANTS if fp8 else VARIANTS)[H]]
+    if B == 1:
+        provs.append(Provider("opmap-triton[splits=256,min=128]", _ours("mla_decode", num_splits=256, split_min=128)))
     if not fp8:
-        # TMA loads, keys as the rows of transposed dots (ops/mla/decode_tma.py): 32-token tiles
-        # at two stages (two programs per SM) and 64-token tiles (one; the default below 64 heads
-        # in the ninth session: 107 us at B=64/4096 on the H200).
-        provs.append(Provider("opmap-triton[bh=16,bn=32,w=4,s=2,tma]", _ours("mla_decode", (16, 32, 4, 2, "tma"))))
-        provs.append(Provider("opmap-triton[bh=16,bn=64,w=4,s=2,tma]", _ours("mla_decode", (16, 64, 4, 2, "tma"))))
-        # 64 heads per program with heads as rows (FlashMLA's shape: two warpgroups), at two stages:
-        # the default from 64 heads until the tenth session (three since: 321.0 against 394.5 us at
-        # B=64/4096). At 16 heads three quarters of its rows are padding (FlashMLA pads the same
-        # way). The default below 64 heads since the tenth session is 32-token tiles at three
-        # stages, two programs per SM (decode._per_sm): 94.2 us at B=64/4096 against 105.3 for the
-        # 64-token tiles above. Dropped after that run: 64-token tiles on two warpgroups (139.6 us)
-        # and 32-token tiles at four stages, one per SM (110.5 us).
-        provs.append(Provider("opmap-triton[bh=64,bn=32,w=8,s=2,tma]", _ours("mla_decode", (64, 32, 8, 2, "tma"))))
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
     return BenchCase("attention.mla_decode",
@@ -233,14 +191,8 @@ def _prefill_case(H, new, prefix):
     nbytes = n * (R + DR) * 2 + new * H * (128 + DR + 128) * 2 + H * 256 * R * 2
     provs = [Provider("opmap-triton", _prefill_call("mla-triton"), backend=("attention", "mla-triton")),
              Provider("torch-sdpa", _prefill_call("mla-sdpa"), backend=("attention", "mla-sdpa"))]
-    # (64, 64, 8, 2): the default before the fourteenth session, whose sm90 build waits for every
-    # copy at the top of each tile; at 3 stages copies stay in flight (tests/test_mla_sm90_compile.py;
-    # 128 x 64 at 3 stages is the sm90 default now). "split": the tiles below the diagonal in an
-    # unmasked loop of their own; "tma": the tiles through descriptors (ops/mla/prefill_tma.py).
-    # In the quick grid too (their times spread by up to 2x between runs: prefill._config).
-    for c in [(64, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 3, "split"), (128, 32, 8, 3, "split"),
-              (64, 64, 8, 3, "split"), (128, 64, 8, 3, "tma"), (128, 32, 8, 3, "tma")]:
-        provs.append(Provider(_row("bm", c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
+    for c in PREFILL_VARIANTS:
+        provs.append(Provider(_row(c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
     return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
                      flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",
                      spec=_spec(H, False, phase="prefill"), tags=("mla",))

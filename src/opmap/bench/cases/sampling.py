@@ -128,7 +128,7 @@ def cases(quick: bool) -> list[BenchCase]:
                         # Passes B and C (histogram bracket, spread gather) against the per-row
                         # search from the whole row that they replace, in the same run.
                         providers.append(Provider("opmap-triton[no B/C]", _ours_config(bracket=False)))
-                        # Passes A, B and C with one block in flight (before the ninth session)
+                        # Passes A, B and C with one block in flight
                         # against the default's next block loaded ahead, in the same run.
                         providers.append(Provider("opmap-triton[ahead=0]", _ours_config(ahead=False)))
                     if not quick and V == 128256 and B == 64:

@@ -118,22 +118,6 @@ def _prefill_tma(device):
     return run
 
 
-def _decode_tma(device):
-    """The TMA decode (config TMA=1; ops/attention/decode_tma.py): four 16-row boxes per 64-key tile
-    at the case's page size, lengths at box and page edges, split or not."""
-    def run():
-        from opmap.ops.attention import decode as D
-        from opmap.ops.attention import reference as R
-
-        s = _shape(device)
-        s, pc, q, _ = _inputs(device, 14, s["lens"], [1] * len(s["lens"]))
-        kw = dict(scale=s["d"] ** -0.5)
-        out = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
-        return _vs(out, _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw), q.dtype)
-
-    return run
-
-
 def _ref_vs_sdpa(device):
     def run():
         import torch.nn.functional as F
@@ -400,8 +384,6 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         tma_shape = f"h={s['hq']}/{s['hk']},d={s['d']},page=64,dtype={dts}"
         out.append(CheckCase("boundaries", "attention", "triton", f"prefill TMA tiles,{tma_shape}",
                              _prefill_tma(device), device="cuda", quick=False))
-        out.append(CheckCase("boundaries", "attention", "triton", f"decode TMA boxes,{shape}",
-                             _decode_tma(device), device="cuda", quick=False))
     if device == "cuda" and "triton" in _runnable("attention", base.replace(cuda_graph=True)):
         out.append(CheckCase("graph", "attention", "triton", "decode replay after re-planning,h=32/8",
                              _graph_replay(), device="cuda"))

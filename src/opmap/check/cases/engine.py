@@ -30,7 +30,7 @@ def _dev_kw(device, num_pages=64):
     # An explicit, small KV cache: these cases run a handful of short sequences, and on a GPU the
     # default (a fraction of the whole device) costs seconds of allocation and block bookkeeping.
     # The page counts below are in 16-token pages: on sm90 the default is 64 tokens, where 12 pages
-    # held every sequence and the preemption case ran without preempting (twelfth session).
+    # held every sequence and the preemption case ran without preempting.
     return dict(device=device, dtype="fp32", num_pages=num_pages, page_size=16)
 
 

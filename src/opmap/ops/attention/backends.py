@@ -99,7 +99,7 @@ _SDPA = (
     # name, provider, SDPBackend member, priority, dtypes, head-dim condition
     # cuDNN outruns our Triton kernels where it can serve (contiguous KV) on the H200:
     # prefill S=8192 540 vs 303 TFLOP/s, decode B=64/4096 4.22 vs 3.67 TB/s
-    # (bench/results/2026-11-29-h200-attention.md), so it ranks above triton (50) there.
+    # (bench/baselines/h200/attention.md), so it ranks above triton (50) there.
     ("sdpa_cudnn", "cudnn-sdpa", "CUDNN_ATTENTION", {"sm90": 60},
      ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 128, "head_dim <= 128, multiple of 8")),
     ("sdpa_flash", "torch-sdpa-flash", "FLASH_ATTENTION", {"sm80": 30, "sm90": 30},
@@ -145,7 +145,7 @@ register(Backend(
 register(Backend(
     op="attention", name="flashinfer", provider="flashinfer", version=package_version("flashinfer-python"),
     # Prefill first on sm90: its FA3-template kernel took 1051 / 1126 us against our 1560 / 1238 us
-    # (B=4 S=4096 GQA page 16 / B=1 S=8192 page 64; bench/results/2026-11-30-h200-prefill-*-session10),
+    # (B=4 S=4096 GQA page 16 / B=1 S=8192 page 64; docs/attention.md, Decisions),
     # plan() and its host synchronisation included. Decode stays ours (254 against 258 us at
     # B=64 / 4096, 52 against 54 at B=1 / 32k); mixed batches were not timed.
     priority={"sm80": 40, "sm90": Prefer(55, 40, lambda s: s.phase == "prefill", "phase = prefill")},
@@ -158,7 +158,7 @@ register(Backend(
           Req("batch_invariant", (False,))),
     checks=(KV_SAME, DV_SAME),
     notes=("FlashInfer BatchPrefill/BatchDecodeWithPagedKVCacheWrapper (modules built ahead: "
-           "scripts/build_flashinfer_aot.sh); checked on the H200 against the references; plan() per call "
+           "scripts/flashinfer/build_aot.sh); checked on the H200 against the references; plan() per call "
            "synchronises the host; fp8 KV not declared: FlashInfer takes one scalar scale per cache, "
            "opmap's fp8 KV has per-kv-head scales"),
 ))

@@ -7,6 +7,8 @@ import os
 import torch
 import triton
 
+from ...contract import expect
+from ..config import tile_config
 from . import validate as V
 
 LOG2E = 1.4426950408889634
@@ -36,23 +38,15 @@ def interpreted(device: torch.device) -> bool:
 
 
 def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, override=None) -> dict:
-    """``override`` (a dict of the same keys) replaces defaults: the benchmarks time a few
-    alternatives in one GPU run so the defaults can follow measurement."""
-    cfg = _default_config(kind, head_dim, group, device)
+    """``override`` (a dict of some of the same keys: ops/config.py) replaces defaults: the
+    benchmarks' ``--variants`` time alternatives in one GPU run so the defaults can follow
+    measurement."""
+    cfg = tile_config(_default_config(kind, head_dim, group, device), override)
     if override:
-        from ...contract import expect
-
-        bad = set(override) - set(cfg)
-        expect(not bad, "config", sorted(bad), f"keys among {sorted(cfg)}")
-        cfg.update(override)
         rows = cfg.get("BLOCK_M", cfg.get("BLOCK_H"))
         expect(rows >= group and rows >= 16 and cfg["BLOCK_N"] >= 16, "config", override,
                f"row block >= max(16, group={group}) and BLOCK_N >= 16")
     return cfg
-
-
-# Read once at import (launchers ask per call): see _default_config.
-PREFETCH = 0 if os.environ.get("OPMAP_ATTENTION_PREFETCH", "1") == "0" else 1
 
 
 def _default_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
@@ -65,28 +59,23 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
     # addresses, Triton 3.6's pipeliner waits for every outstanding copy at the top of each
     # iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the sm90 TTGIR of
     # both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3 stages).
-    # 0 keeps the in-iteration load (the bench's [pf=0] rows; OPMAP_ATTENTION_PREFETCH=0 makes it
-    # the default). Decode turns it off for large grids (decode.decode_config), as measured.
-    pf = PREFETCH
+    # 0 keeps the in-iteration load. Decode turns it off for large grids (decode.decode_config),
+    # as measured.
+    pf = 1
     if interpreted(device):
         if kind == "prefill":
             return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TRANS=0, TMA=0, F16=1)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
     if kind == "prefill":
         # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
         # bf16/fp16). -1 = wherever prefill_tma.usable says it can, on sm90 at the head dims its
-        # GPU tests cover (64, 128): on the H200 it took 1229 us against the gather kernel's 1583
-        # at S=8192 / page 64 (tenth session).
+        # GPU tests cover (64, 128): faster than the gather kernel there (docs/attention.md).
         if head_dim <= 128:
             tma = -1 if head_dim in (64, 128) and _sm90_or_newer(device) else 0
             return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=tma)
         return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
     bn = 64 if head_dim <= 128 else 32
-    # TRANS: decode's dots with keys as rows (decode._decode_kernel); a benchmark variant that lost
-    # on the H200 (B=64 / 4096: 342.9 against 254.4 us; docs/attention.md)
-    # TMA: K/V rows through tensor descriptors, a box per page (decode_tma.py); a benchmark variant
-    # F16: fp8 caches run fp16 dots on tiles converted once (fp8.py); 0: Triton's cast, as before
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, TRANS=0, TMA=0, F16=1)
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf)
 
 
 def _sm90_or_newer(device: torch.device) -> bool:

@@ -33,7 +33,7 @@ from .fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
-from .prefill import _kv_scales, _pages, _tanh
+from .tiles import _kv_scales, _pages, _tanh
 
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
@@ -49,21 +49,14 @@ class DecodeWorkspace:
     max_splits: int
     split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
     min_chunk: int  # 0: auto_min_chunk per launch
-    per_sm: int = 0  # auto plan's programs per SM (0: auto_max_splits' two); see make_workspace
 
 
 def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
                    batch_invariant: bool = False, split_tokens: Optional[int] = None,
-                   max_splits: Optional[int] = None, min_chunk: Optional[int] = None,
-                   per_sm: Optional[int] = None) -> DecodeWorkspace:
-    """``min_chunk``: fewest keys per split in auto mode; None chooses per launch (auto_min_chunk).
-    ``per_sm``: programs per SM the auto plan fills (default two, at most MAX_SPLITS_AUTO splits);
-    with it the plan goes up to ``max_splits``. The d128 bf16 decode's sm90 build (72 KB of shared
-    memory, 121 registers) leaves room for three: at B=1 with 8 KV heads, 49 splits instead of 32
-    (a benchmark variant; on the H200 it lost: 54.6 against 52.1 us at B=1 / 32k, docs/attention.md)."""
+                   max_splits: Optional[int] = None, min_chunk: Optional[int] = None) -> DecodeWorkspace:
+    """``min_chunk``: fewest keys per split in auto mode; None chooses per launch (auto_min_chunk)."""
     expect(max_batch >= 1, "max_batch", max_batch, ">= 1")
     expect(min_chunk is None or min_chunk >= 1, "min_chunk", min_chunk, ">= 1 or None")
-    expect(per_sm is None or per_sm >= 1, "per_sm", per_sm, ">= 1 or None")
     fixed = 0
     if batch_invariant or split_tokens:
         fixed = int(split_tokens or SPLIT_TOKENS_FIXED)
@@ -77,7 +70,7 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     dev = torch.device(device)
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
-                           splits, fixed, int(min_chunk or 0), int(per_sm or 0))
+                           splits, fixed, int(min_chunk or 0))
 
 
 @triton.jit
@@ -100,13 +93,10 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, TRANS: tl.constexpr = 0,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
-    """TRANS: the dots with keys as rows (scores^T = K q^T, out^T += V^T p^T), whose M sides (the
-    key tile, the value dims) are >= 64 rows and so can run on wgmma from shared memory; with
-    the query heads as M (16 rows) they are mma.sync with every tile passed through registers.
-    F16 (fp8 caches): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the tiles converted by
-    ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
+    """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
+    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -114,20 +104,14 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
         return
     d = tl.arange(0, D)
     dv = tl.arange(0, DV)
-    if TRANS:
-        q = tl.load(q_ptr + row * s_qb + head[None, :] * s_qh + d[:, None], mask=row_ok[None, :], other=0.0)
-    else:
-        q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
     if F16:
         qf = f16_factor(absmax(q))
         q = scaled_f16(q, qf)
         k_mul = k_mul * qf  # the scores' scale; v_mul (the output's) is q-free
     qk_scale = scale * k_mul * 1.4426950408889634
-    if TRANS:
-        acc = tl.zeros([DV, BLOCK_H], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b * s_bt
@@ -152,33 +136,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
         else:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        if TRANS:
-            s = tl.dot(k, q, input_precision="ieee" if IEEE else None)
-        else:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)
         if HAS_CAP:
             s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
         else:
             s = s * qk_scale
-        if TRANS:  # s: [BLOCK_N, BLOCK_H], keys along axis 0
-            m_i, alpha, p, l_i = _softmax_step(tl.where(mj[:, None], s, float("-inf")), m_i, l_i, 0)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision="ieee" if IEEE else None)
-        else:
-            m_i, alpha, p, l_i = _softmax_step(tl.where(mj[None, :], s, float("-inf")), m_i, l_i, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
+        m_i, alpha, p, l_i = _softmax_step(tl.where(mj[None, :], s, float("-inf")), m_i, l_i, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
     inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
     lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    if TRANS:  # acc: [DV, BLOCK_H]
-        out = acc * inv[None, :]
-        o_off = head[None, :] * s_oh + dv[:, None]
-        po_off = head[None, :] * s_poh + dv[:, None]
-        o_ok = row_ok[None, :]
-    else:
-        out = acc * inv[:, None]
-        o_off = head[:, None] * s_oh + dv[None, :]
-        po_off = head[:, None] * s_poh + dv[None, :]
-        o_ok = row_ok[:, None]
+    out = acc * inv[:, None]
+    o_off = head[:, None] * s_oh + dv[None, :]
+    po_off = head[:, None] * s_poh + dv[None, :]
+    o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
 
@@ -265,7 +236,7 @@ def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm:
 
 def auto_min_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Fewest keys per split. 64 when B x Hk is at most 1/16 of the SMs (batch 1 with 8 KV heads
-    on the H200), else 256. Measured on the H200 (bench/results/2026-11-29-h200-attention-session3.*,
+    on the H200), else 256. Measured on the H200 (docs/attention.md, Decisions;
     rows [chunk=64]): B=1, 32/8 heads, kv 512: 12.4 vs 15.1 us (fp8 13.0 vs 18.1), kv 2048: 16.4
     vs 16.4 (fp8 16.1 vs 18.7); at B=8 it was mixed (bf16 4% slower, fp8 5% faster at kv 512)."""
     return 64 if batch * num_kv_heads * 16 <= sm_count(device) else MIN_CHUNK
@@ -295,9 +266,7 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
         expect(splits <= workspace.max_splits, "workspace", f"{workspace.max_splits} splits",
                f">= {splits} for block_tables of {block_tables.shape[1]} pages at split_tokens={fixed}")
     else:
-        per_sm = workspace.per_sm
-        splits = min(workspace.max_splits, auto_max_splits(B, hk, device, per_sm or 2,
-                                                           workspace.max_splits if per_sm else MAX_SPLITS_AUTO))
+        splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
     return (fixed, workspace.min_chunk or auto_min_chunk(B, hk, device), splits, workspace.part_o,
             workspace.part_lse)
 
@@ -306,7 +275,7 @@ def decode_config(head_dim: int, group: int, batch: int, kv_heads: int, device, 
     """Tile configuration of one decode launch (``override``: keys to replace, for tuning)."""
     cfg = kernel_config("decode", head_dim, group, device, override)
     if not (override and "PREFETCH" in override) and batch * kv_heads > 2 * sm_count(device):
-        # Measured on the H200 (bench/results/2026-11-29-h200-attention-session3.*): the page-id
+        # Measured on the H200 (docs/attention.md, Decisions): the page-id
         # prefetch speeds decode up to B*kv_heads = 256 (B=32/32k: 977 vs 1211 us) and slows it
         # from 512 on (B=64/4096: 358 vs 260 us, B=128/8192: 1039 vs 990): with more programs
         # than two per SM, occupancy hides the latency and the carried ids cost more than they buy.
@@ -329,28 +298,18 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
-    dots = dot_flags(k_cache.dtype, q, bool(cfg["F16"]))  # fp8 caches (attention/fp8.py)
-    if cfg["TMA"]:
-        from . import decode_tma
-
-        why = decode_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"])
-        expect(why is None, "config", "TMA=1", f"a cache the TMA decode can read ({why})")
-        decode_tma.launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, cfg,
-                          (B, hk, splits), scale=scale, window=window, soft_cap=soft_cap, fixed=fixed, splits=splits,
-                          min_chunk=min_chunk, return_lse=return_lse, q_from_cu=cu_seqlens_q is not None,
-                          pdl_kw=pdl.launch(q.device))
-    else:
-        _decode_kernel[(B, hk, splits)](
-            q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
-            float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-            v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
-            GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-            HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-            RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-            PREFETCH=cfg["PREFETCH"], TRANS=cfg["TRANS"], **dots,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
+    dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
+    _decode_kernel[(B, hk, splits)](
+        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
+        float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
+        GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
+        PREFETCH=cfg["PREFETCH"], **dots,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
         # binary for every batch size
@@ -368,8 +327,7 @@ def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=
            k_scale=None, v_scale=None, return_lse: bool = False, workspace: Optional[DecodeWorkspace] = None,
            config=None):
     """``config``: optional override of the launch config (BLOCK_H, BLOCK_N, num_warps, num_stages,
-    PREFETCH, TRANS: see common._default_config and _decode_kernel; TMA: the K/V rows through tensor
-    descriptors, decode_tma.py), for tuning."""
+    PREFETCH: see common._default_config), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale)
     out = torch.empty(B, q.shape[1], dv, dtype=q.dtype, device=q.device)

@@ -1,11 +1,10 @@
 """FlashInfer peer (paged, NHD) behind opmap's entry signature.
 
-FlashInfer is not installed on the H200 machine of this project; it travels as a trimmed package
-with modules built ahead on the CPU machine (scripts/build_flashinfer_aot.sh, scripts/gpu_session.sh
-fi-bench). The backend is registered with ``available=package_available("flashinfer")`` so that
+FlashInfer is optional: where it is not installed it can travel as a trimmed package with modules
+built ahead of time (scripts/flashinfer/). The backend is registered with ``available=package_available("flashinfer")`` so that
 the matrix shows it and the selector says why it is not chosen where it is missing. This adapter
 follows the FlashInfer 0.7 wrapper API (plan per call, which synchronises, hence no CUDA graphs
-through it); on the H200 it passed opmap check's FlashInfer cases (tenth session).
+through it); on the H200 it passed opmap check's FlashInfer cases.
 Conventions bridged here: FlashInfer's LSE is base 2 (converted to natural log); its
 ``window_left`` counts the keys left of the query (opmap's window W sees W keys including the
 query: window_left = W - 1); the soft-cap is ``logits_soft_cap``.

@@ -52,7 +52,9 @@ def scaled_f16(x, f):
 
 def dot_flags(cache_dtype, q: torch.Tensor, enabled: bool = True) -> dict:
     """The kernels' F16 / ASM constexprs: fp16 dots (``fp16_dots``), on tiles converted by
-    ``e4m3_to_f16`` on a GPU and by a cast in the interpreter, which runs no PTX."""
+    ``e4m3_to_f16`` on a GPU and by a cast in the interpreter, which runs no PTX. ``enabled``
+    False keeps Triton's cast and dots in q's dtype (the MLA decode's 64-head blocks, where that
+    measured faster)."""
     from .common import interpreted
 
     f16 = fp16_dots(cache_dtype, q.dtype, enabled)
@@ -61,6 +63,5 @@ def dot_flags(cache_dtype, q: torch.Tensor, enabled: bool = True) -> dict:
 
 def fp16_dots(cache_dtype, q_dtype, enabled: bool = True) -> bool:
     """Whether a decode on this cache runs fp16 dots: fp8 caches with 16-bit queries (fp32
-    queries keep their IEEE dots); ``enabled``: the launch config's switch (its bench rows
-    compare the cast path, as before the twelfth session)."""
+    queries keep their IEEE dots), unless the caller keeps the cast (``enabled`` False)."""
     return enabled and cache_dtype == torch.float8_e4m3fn and q_dtype in (torch.float16, torch.bfloat16)

@@ -12,7 +12,7 @@ S >= 8192 on the H200; docs/attention.md).
 A tile never reads rows past a sequence's length (they may hold anything, NaN included, and
 0 * NaN poisons the output): the masked tail's tiles are read *ending* at the tile's upper bound
 ``hi``, the rows before ``start`` (done already) masked, rows before the page read as zeros (a
-negative row is outside the descriptor), as the MLA TMA decode does (ops/mla/decode_tma.py).
+negative row is outside the descriptor).
 Page ids outside the cache read as zeros too (the descriptor's bounds), never other memory.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .prefill import _allowed, _kv_range, _locate, _rows, _scaled, _update
+from .tiles import _allowed, _kv_range, _locate, _rows, _scaled, _update
 from .tma import cache_problem, descriptors, fit_stages
 
 

@@ -29,57 +29,7 @@ from ..pdl import enter, gdc_launch_dependents, gdc_wait
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-W_SAME, W_INT8, W_FP8, W_FP8_BITS, W_FP8_ASM = 0, 1, 2, 3, 4
-# fp8 -> bf16 conversion on a GPU: "asm" (integer bit moves + one bf16x2 FMA per pair, see
-# _e4m3_to_bf16) or "native" (Triton's cast: cvt e4m3x2 -> f16x2, then one cvt per element to
-# bf16, ~1.5 conversions per weight, which the conversion units' 16/clk/SM cap at ~2.8 T
-# weights/s on an H200, below the HBM rate for 1-byte weights). Both are tested and timed.
-# Measured on the H200 (bench/results/2026-11-29-h200-dense.md): "native" was faster in every
-# fp8 row (e.g. M=1, N=28672, K=4096: 59.3 us against 61.8 us for "asm"), against the prediction
-# above; so "native" is the default and "asm" stays selectable.
-FP8_CVT = os.environ.get("OPMAP_GEMM_FP8_CVT", "native")
-
-
-@triton.jit
-def _e4m3_to_bf16(w):
-    """4 e4m3 bytes per 32-bit register -> 4 bf16: move sign, exponent and mantissa into bf16
-    position (value x 2^-120, subnormals included), then multiply by 2^120 (exact)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 a0, a1, b0, b1, e, z;\n"
-        "mov.b32 e, 0x7b807b80;\n"  # bf16x2 (2^120, 2^120)
-        "mov.b32 z, 0x80008000;\n"  # bf16x2 (-0, -0): x * 2^120 + -0 == x * 2^120
-        "prmt.b32 a0, 0, $2, 0x5140;\n"  # bytes 0, 1 into the high byte of each half
-        "prmt.b32 a1, 0, $2, 0x7362;\n"  # bytes 2, 3
-        "and.b32 b0, a0, 0x7fff7fff;\n"
-        "and.b32 b1, a1, 0x7fff7fff;\n"
-        "shr.b32 b0, b0, 4;\n"
-        "shr.b32 b1, b1, 4;\n"
-        "lop3.b32 b0, b0, a0, 0x80008000, 0xf8;\n"  # b0 | (a0 & sign bits)
-        "lop3.b32 b1, b1, a1, 0x80008000, 0xf8;\n"
-        "fma.rn.bf16x2 $0, b0, e, z;\n"
-        "fma.rn.bf16x2 $1, b1, e, z; }",
-        "=r,=r,r", [w], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-# 128-byte lines per weight row prefetched under PDL while the previous kernel finishes (0: none).
-_LINES = int(os.environ.get("OPMAP_GEMM_PREFETCH_LINES", "0"))
-if _LINES < 0 or _LINES & (_LINES - 1):
-    raise ValueError(f"OPMAP_GEMM_PREFETCH_LINES must be 0 or a power of two, got {_LINES}")
-PREFETCH_LINES: tl.constexpr = tl.constexpr(_LINES)
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """prefetch.global.L2 of the first LINES 128-byte lines of each weight row of the tile (a
-    hint: no data returns, nothing can change a result; predicated off past the row or slice)."""
-    cols = k0 + tl.arange(0, LINES) * LINE_ELEMS
-    ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + cols[None, :]
-    ok = (n_mask[:, None] & (cols[None, :] < k_end)).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, ok], dtype=tl.int32, is_pure=False, pack=1)
-
-
+W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -96,12 +46,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
     k0 = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k0 + K_PER_SPLIT, K)
     if PDL:
-        # The weight does not depend on the previous kernel: while that one finishes, start
-        # pulling the head of this program's weight slice into L2, then wait for x. The
-        # dependents are released only after the wait (see pdl.enter).
-        if PREFETCH_LINES > 0:
-            _prefetch_l2(w_ptr, offs_n, n_mask, stride_wn, k0, k_end, PREFETCH_LINES,
-                         128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8)
+        # Wait for x; the dependents are released only after the wait (see pdl.enter).
         gdc_wait()
         gdc_launch_dependents()
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
@@ -116,9 +61,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if W_KIND == 4:
-            wv = _e4m3_to_bf16(w)
-        elif W_KIND == 3:
+        if W_KIND == 3:
             # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
             # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
             u = w.to(tl.int16) & 0xFF
@@ -188,9 +131,9 @@ def _prune(configs, named_args, **kw):
 
 
 _TUNED = {}
-# OPMAP_GEMM_AUTOTUNE=0: run the default config of each regime without autotuning (tests that
-# sweep many shapes use it to spare compile time; benchmarks keep autotuning on).
-AUTOTUNE = os.environ.get("OPMAP_GEMM_AUTOTUNE", "1") != "0"
+# False: run the default config of each regime without autotuning (the check cases and tests that
+# sweep many shapes set it to spare compile time; benchmarks keep autotuning on).
+AUTOTUNE = True
 # Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
 DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
 
@@ -218,20 +161,14 @@ def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
     if w.dtype == torch.float8_e4m3fn:
         if w.device.type != "cuda":
             return W_FP8
-        if x.dtype == torch.bfloat16 and FP8_CVT == "asm":
-            return W_FP8_ASM  # fma.bf16x2: sm80+
         if torch.cuda.get_device_capability(w.device) < (8, 9):
             return W_FP8_BITS
         return W_FP8
     return W_SAME
 
 
-# K is split while the tiles number fewer than sms // SPLIT_BELOW. OPMAP_GEMM_SPLIT_BELOW=1 splits
-# the 64-tile GEMMs (N = 4096) too: an e2e A/B at batch 32, where each of 64 programs does 32x the
-# MMA work per weight byte that it does at M = 1 (not yet measured).
-SPLIT_BELOW = int(os.environ.get("OPMAP_GEMM_SPLIT_BELOW", "4"))
-if SPLIT_BELOW < 1:
-    raise ValueError(f"OPMAP_GEMM_SPLIT_BELOW must be >= 1, got {SPLIT_BELOW}")
+# K is split while the tiles number fewer than sms // SPLIT_BELOW (a quarter of the SMs).
+SPLIT_BELOW = 4
 
 
 def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
@@ -243,10 +180,9 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     bn = 128 if bm == 64 else 64
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
-    # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them). Measured
-    # on the H200 at M = 1 (bench/results/2026-11-29-h200-gemm-split.json): with 64 tiles
-    # (N = 4096, K = 14336) and 96 tiles (N = 6144) no split beat split 1 by more than 1%, and
-    # a split costs one reduce launch (1.5 us in a decode step's graph) on top.
+    # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them): at 64 and
+    # 96 tiles no split beat split 1 on the H200, and a split costs one reduce launch on top
+    # (docs/dense.md, Decisions).
     if small and tiles < sms // SPLIT_BELOW:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
@@ -271,7 +207,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
     split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
     kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
-    wk = w.view(torch.uint8) if kind in (W_FP8_BITS, W_FP8_ASM) else w
+    wk = w.view(torch.uint8) if kind == W_FP8_BITS else w
     dummy = out  # never read when the HAS_* flag is off
     fixed_k = "BLOCK_K" in p
     # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (<= 256 when tuned);

@@ -108,7 +108,7 @@ registry.register(Backend(
     # First from 64 heads on sm90, where the decode is compute-bound and its FlashMLA-style kernel
     # (two warpgroups ping-ponging softmax and value dots) leads: B=64 / 4096 143.7 against our
     # 323.6 us, B=1 / 32k 44.3 against 61.5 (128 heads). At 16 heads ours: 30.1 against 53.1 us at
-    # B=1 / 32k, 94.7 against 91.6 at B=64 (bench/results/2026-11-30-h200-mla-defaults-session10.md).
+    # B=1 / 32k, 94.7 against 91.6 at B=64 (docs/mla.md, Decisions).
     priority={"sm80": 40, "sm90": registry.Prefer(55, 40, lambda s: s.num_heads >= 64, "num_heads >= 64")},
     impl=_impl("flashinfer", ("mla_decode",)),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,

@@ -15,7 +15,6 @@ persistent workspace and ``_mla_merge_kernel`` combines them.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +25,9 @@ import triton.language as tl
 from ...contract import expect
 from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step, _split_sum
+from ..config import tile_config
+from . import decode_tma
+from .common import _cache_scale, _split_range, scale_args
 from .validate import check_decode, check_sparse_indices
 
 LOG2E = 1.4426950408889634
@@ -61,81 +63,64 @@ def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: in
     return max(1, min(128, per_sm * _sm_count(device) // progs))
 
 
-def _per_sm(config, rank: int = 512, rope_dim: int = 64) -> int:
+def _per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64) -> int:
     """Programs per SM the split plan counts for a config: by warps for the pointer kernel; for the
     TMA kernel two 4-warp programs where their stages of bf16 tiles fit beside each other in the
     H200's 228 KB of shared memory (32-token tiles at 2 or 3 stages), else one."""
-    if tuple(config[4:]) == ("tma",):
-        stage = config[1] * (rank + rope_dim) * 2
-        return 2 if config[2] <= 4 and 2 * config[3] * stage <= 224 * 1024 else 1
-    return 1 if config[2] > 4 else 2
+    if cfg["TMA"]:
+        stage = cfg["BLOCK_N"] * (rank + rope_dim) * 2
+        return 2 if cfg["num_warps"] <= 4 and 2 * cfg["num_stages"] * stage <= 224 * 1024 else 1
+    return 1 if cfg["num_warps"] > 4 else 2
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
-                   num_splits: Optional[int] = None, split_min: int = 256, config=None) -> Workspace:
-    """``config``: the decode config the workspace is for (default: ``_config``'s), which sets
-    the split plan."""
-    c = config or _config(num_heads, rank, max_batch)
-    s = num_splits or plan_splits(max_batch, num_heads, device, c[0], c[2], _per_sm(c, rank))
+                   num_splits: Optional[int] = None, split_min: int = 256, config: Optional[dict] = None) -> Workspace:
+    """``config``: the decode config the workspace is for (a dict as ``mla_decode`` takes; default:
+    the dense 16-bit default), which sets the split plan."""
+    c = tile_config(_tma_config(num_heads), config)
+    s = num_splits or plan_splits(max_batch, num_heads, device, c["BLOCK_H"], c["num_warps"], _per_sm(c, rank))
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
                      torch.empty(max_batch, num_heads, s, dtype=torch.float32, device=device), s, split_min)
 
 
-def _config(H: int, R: int, B: Optional[int] = None) -> tuple:
-    """(BLOCK_H, BLOCK_N, num_warps, num_stages[, "tma"]) for a batch of B. OPMAP_MLA_DECODE_CONFIG="bh,bn,w,s"
-    (or "bh,bn,w,s,tma": the TMA kernel; "bh,bn,w,s,cast": the pointer kernel with Triton's own
-    fp8 cast) overrides it for tuning on a GPU without editing code.
-    A TMA config falls back to ``_pointer_config`` where the TMA kernel cannot read the cache
-    (fp8, sparse; see _launch)."""
-    env = os.environ.get("OPMAP_MLA_DECODE_CONFIG")
-    if env:  # "bh,bn,w,s" or "bh,bn,w,s,tma"
-        return tuple(x if x in ("tma", "cast") else int(x) for x in env.split(","))  # type: ignore[return-value]
+def _tma_config(H: int) -> dict:
+    """The TMA kernel's tiles, the default for dense 16-bit caches on pages of 64 or more.
+    64 heads or more: 64-head blocks as the rows of wgmma dots, three stages so that a tile is in
+    flight during the dots. Fewer: 16-head blocks with the keys as the rows of the dots, 32-token
+    tiles at three stages, two programs per SM (_per_sm). Figures: docs/mla.md, Decisions."""
     if H >= 64:
-        # 64 heads as the rows of wgmma dots, tiles through TMA (decode_tma.py), three stages so
-        # that a tile is in flight during the dots. H200, 128 heads,
-        # bench/results/2026-11-30-h200-mla-fi-session10.md: B=64/4096 321.0 us against two
-        # stages' 394.5 (the pointer kernel: 574.1), B=1/32k 61.3 against 73.3.
-        return (64, 32, 8, 3, "tma")
-    # Below 64 heads: 16-head blocks with the keys as the rows of the dots, 32-token tiles through
-    # TMA at three stages, two programs per SM (_per_sm). H200, 16 heads, same file: B=64/4096
-    # 94.2 us (0.75 of the read ceiling) against 64-token tiles at two stages' 105.3 (the pointer
-    # kernel: 128.1), B=1/32k 30.1 against 31.8.
-    # Pages that are not a multiple of 64 (and fp8, sparse) fall back to the pointer kernel.
-    return (16, 32, 4, 3, "tma")
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1)
+    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)
 
 
-def _pointer_config(H: int, R: int, B: Optional[int] = None) -> tuple[int, int, int, int]:
-    """The pointer kernel's config (fp8 and sparse decode, pages the TMA kernel cannot tile)."""
-    if H >= 64 and B is not None and B >= 64:
+def _pointer_config(H: int, R: int, B: int) -> dict:
+    """The pointer kernel's tiles (fp8 and sparse decode, pages the TMA kernel cannot tile)."""
+    if H >= 64 and B >= 64:
         # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
-        # twice as many heads. H200, bench/results/2026-11-29-h200-mla.*: 1.3x at B=64 and 128
-        # (B=64/4096: 568 vs 737 us; fp8 763 vs 1207); at B=16 it loses (91 vs 66 us at 1k).
-        return (64, 32, 8, 1)
+        # twice as many heads; at B=16 they lose.
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0)
     # 16 heads x 32 tokens x 512 keeps the fp32 accumulator at 64 registers per thread (4 warps);
     # larger head blocks re-read less KV from L2 but spill on R = 512.
-    return (16, 32, 4, 2) if R >= 256 else (16, 64, 4, 2)
+    return dict(BLOCK_H=16, BLOCK_N=32 if R >= 256 else 64, num_warps=4, num_stages=2, TMA=0)
 
 
-@triton.jit
-def _cache_scale(SCALE_PTR, kv_scale, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr):
-    """An fp8 cache's scale (from a [1] tensor, graph-safe, or a float argument); 1 otherwise."""
-    ks = 1.0
-    if FP8:
-        if SCALE_FROM_PTR:
-            ks = tl.load(SCALE_PTR)
-        else:
-            ks = kv_scale
-    return ks
-
-
-def scale_args(cache, kv_scale, unused_ptr):
-    """(FP8, SCALE_FROM_PTR, SCALE_PTR, kv_scale float) launch arguments of ``_cache_scale``;
-    ``unused_ptr``: any tensor, passed where no scale pointer is read."""
-    fp8 = cache.dtype == torch.float8_e4m3fn
-    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
-    return fp8, from_ptr, kv_scale if from_ptr else unused_ptr, float(kv_scale) if fp8 and not from_ptr else 1.0
+def decode_config(q_nope, q_pe, cache, sparse: bool, override: Optional[dict] = None) -> dict:
+    """The launch config of one decode: the TMA kernel's where it can read the cache (dense,
+    16-bit, pages a multiple of 64: the pages its GPU tests cover), else the pointer kernel's;
+    ``override`` replaces keys (ops/config.py). An override asking for TMA where the TMA kernel
+    cannot read the cache is an InputError."""
+    B, H, R = q_nope.shape
+    tma = _tma_config(H)
+    default_ok = not sparse and cache.shape[1] % 64 == 0 and decode_tma.usable(
+        cache, q_nope, R, q_pe.shape[2], tma["BLOCK_N"]) is None
+    cfg = tile_config(tma if default_ok else _pointer_config(H, R, B), override)
+    if cfg["TMA"]:
+        why = "sparse decode reads rows by index" if sparse else decode_tma.usable(
+            cache, q_nope, R, q_pe.shape[2], cfg["BLOCK_N"])
+        expect(why is None, "config", f"TMA=1 {override}", f"a cache the TMA path can read ({why})")
+    return cfg
 
 
 @triton.jit
@@ -164,23 +149,6 @@ def _rows(INDICES, TABLES, b, s_ib, s_tb, s_cp, s_cr, n0, end, seq_len, MAXP, NP
     valid = valid & (page_id >= 0) & (page_id < NPAGES)
     row = page_id.to(tl.int64) * s_cp + (pos % PAGE).to(tl.int64) * s_cr
     return row, valid
-
-
-@triton.jit
-def _split_range(SEQ_LENS, b, split, K_SPARSE, SPLIT_MIN, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPARSE: tl.constexpr):
-    """(seq_len, used splits, first token, end) of this program's split: the device-side plan."""
-    seq_len = tl.load(SEQ_LENS + b)
-    if SPARSE:
-        total = seq_len * 0 + K_SPARSE
-    else:
-        total = seq_len
-    # at least one split, so that an empty sequence still writes zeros and lse = -inf
-    used = tl.maximum(tl.minimum(tl.cdiv(total, SPLIT_MIN), NUM_SPLITS), 1)
-    chunk = tl.cdiv(tl.cdiv(total, used), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, total)
-    return seq_len, used, start, end
 
 
 @triton.jit
@@ -284,7 +252,7 @@ def _merge_block_r(B: int, H: int, R: int, device) -> int:
     programs fill the GPU, else blocks of 128 for more programs. Split at B=1 with 16 heads, 64
     programs instead of 16 took the decode from 62.4 to 42.4 us on the H200. Split at B=64,
     4096 programs of 128 lanes where 1024 whole rows had filled the GPU, it went from 129.4 to
-    139.6 us (sixth session). Whole rows there restore the earlier grid shape; not yet timed."""
+    139.6 us. Whole rows there restore the earlier grid shape; not yet timed."""
     r = triton.next_power_of_2(R)
     return r if B * H >= 4 * _sm_count(device) else min(128, r)
 
@@ -295,32 +263,12 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     Dr = q_pe.shape[2]
     expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
            f"{q_nope.dtype} (as q) or float8_e4m3fn")
-    # config: (BLOCK_H, BLOCK_N, warps, stages[, "tma" | "cast"]); "tma" loads the latent tiles with tensor
-    # descriptors (decode_tma.py; dense 16-bit caches)
-    default = config is None
-    config = config or _config(H, R, B)
-    bh, bn, warps, stages, *how = config
-    tma = how == ["tma"]
-    expect(how in ([], ["tma"], ["cast"]), "config", repr(config),
-           '(BLOCK_H, BLOCK_N, warps, stages) or with a fifth "tma" or "cast"')
-    if tma:
-        from . import decode_tma
-
-        why = "sparse" if indices is not None else decode_tma.usable(cache, q_nope, R, Dr, bn)
-        if default and not why and cache.shape[1] % 64:
-            why = "the default takes the TMA kernel on pages of 64 or more, the ones its GPU tests cover"
-        if default and not why and cache.dtype == torch.float8_e4m3fn:
-            why = "fp8 through the TMA kernel measured slower than the pointer kernel (explicit configs only)"
-        if why and default:  # what the TMA kernel cannot read, the pointer kernel's own config serves
-            bh, bn, warps, stages = _pointer_config(H, R, B)
-            how, tma = [], False
-        else:
-            expect(indices is None, "config", "tma", "dense decode (sparse decode reads rows by index)")
-            expect(why is None, "config", "tma", f"a cache the TMA path can read ({why})")
+    cfg = decode_config(q_nope, q_pe, cache, indices is not None, config)
+    bh, bn, warps, stages, tma = cfg["BLOCK_H"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"], cfg["TMA"]
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
-        workspace = make_workspace(B, H, R, q_nope.device, config=(bh, bn, warps, stages, *how))
+        workspace = make_workspace(B, H, R, q_nope.device, config=cfg)
     expect(workspace.max_batch >= B and workspace.part_o.shape[1] == H and workspace.part_o.shape[3] == R,
            "workspace", f"buffers {tuple(workspace.part_o.shape)}", f"at least ({B}, {H}, splits, {R})")
     expect(workspace.part_o.device == q_nope.device, "workspace", str(workspace.part_o.device),
@@ -332,18 +280,15 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     sparse = indices is not None
     fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
     # fp8: fp16 dots, on a GPU on tiles converted by inline PTX (attention/fp8.py; the interpreter
-    # runs no PTX and casts); "cast": Triton's own cast to q's dtype and dots in it, as before the
-    # twelfth session, for comparison. The default keeps the cast at 64-head blocks (128 heads,
-    # B >= 64): there the fp16 path measured slower, B=64/4096 808.0 against 681.1 us (H200,
-    # bench/results/2026-11-30-h200-decode-quick-session13.*); at 16-head blocks it is faster
-    # (135.6 against 167.6 us).
-    dots = dot_flags(cache.dtype, q_nope, how != ["cast"] and not (default and bh >= 64))
+    # runs no PTX and casts); 64-head blocks keep Triton's cast and dots in q's dtype, which
+    # measured faster there (docs/mla.md, Decisions).
+    dots = dot_flags(cache.dtype, q_nope, bh < 64)
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
     if tma:
         decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn,
-                          warps, stages, kv_scale)
+                          warps, stages)
     else:
         _mla_decode_kernel[grid](
             q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,

@@ -17,15 +17,8 @@ they may hold anything and 0 * NaN would poison the output. A page id outside th
 a valid table; a captured graph skips the host checks) moves the box out of the descriptor's
 pages, which reads zeros, and its scores are masked to -inf, as the pointer kernel does.
 
-fp8 caches (FP8): the boxes are 1-byte e4m3 tiles, converted in registers before the dots (the
-conversion is exact); the cache scale multiplies the scores and the output, as in the pointer
-kernel. Explicit configs only: on the H200 it was slower than the pointer kernel (292.5 against
-166.8 us at B=64 / 4096, twelfth session), so decode._launch keeps fp8 there by default. That
-build converted with Triton's cast, which reads the tile back from shared memory byte by byte and
-converts it e4m3 -> f16 -> bf16 one element at a time (the pointer kernel's old build, see
-attention/fp8.py); F16 / ASM now run the pointer kernel's fix here too: fp16 dots on tiles
-converted once by PTX (thirteenth session, CPU; not yet timed). Sparse decode (rows from an index
-list) stays on the pointer kernel.
+fp8 caches and sparse decode (rows from an index list) run on the pointer kernel (docs/mla.md,
+Decisions).
 """
 from __future__ import annotations
 
@@ -35,18 +28,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step
 from ..attention.tma import MAX_BOX
-from .decode import _cache_scale, _split_range, scale_args
+from .common import _split_range
 
 
 def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
     """None when the TMA kernel can serve this call, else the reason."""
     elt = cache.element_size()
     page = cache.shape[1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        return f"the TMA path reads bf16/fp16 caches of q's dtype or fp8 e4m3 ones with 16-bit q, not {cache.dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype != q.dtype:
+        return f"the TMA path reads bf16/fp16 caches of q's dtype, not {cache.dtype}"
     if page % block_n:
         return f"page size {page} is not a multiple of BLOCK_N {block_n}"
     if cache.stride(2) != 1 or cache.stride(1) != R + Dr or cache.stride(0) != page * (R + Dr):
@@ -80,8 +72,7 @@ def _page_id(TABLES, b, s_tb, n0, MAXP, PAGE: tl.constexpr):
 @triton.jit
 def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
           BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
-          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr = False,
-          ASM: tl.constexpr = False):
+          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr):
     """The key tile at n0 (inside one page) through TMA, folded into the online softmax.
 
     Every dot must have an M side of >= 64 rows to run on wgmma from shared memory (with 16 rows
@@ -98,9 +89,9 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
     and no tile passes through registers to be cleaned.
 
     TAIL 2: any tile of a loop that runs to ``end`` (keys as rows): a whole tile is read from n0,
-    a partial one as in TAIL 1. On the H200 (eighth session) the keys-as-rows build with 64-token
+    a partial one as in TAIL 1. On the H200 the keys-as-rows build with 64-token
     tiles got TAIL 1's separate step after the loop wrong (0.042 off at length 65; whole tiles, 32-
-    token tiles and heads as rows right; scripts/probes/mla_tma_keys_rows.py). The cause is not
+    token tiles and heads as rows right). The cause is not
     known. A guess: that build's shared memory (168 KB) is less than two pipeline stages plus the
     step's own tiles (216 KB), so the step's tiles reuse the loop's buffers; one loop has one set
     of buffers and nothing to reuse. TAIL 0: a whole tile."""
@@ -118,14 +109,6 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
     if R_CHUNKS == 2:
         kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
     kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
-    if ASM:  # e4m3 -> fp16 by PTX, once per tile (q is fp16 then: the kernel's F16)
-        kv0 = e4m3_to_f16(kv0)
-        kv1 = e4m3_to_f16(kv1)
-        kpe = e4m3_to_f16(kpe)
-    elif FP8:  # e4m3 -> q's dtype is exact; the scale is in qk_scale and applied to the output
-        kv0 = kv0.to(q0.dtype)
-        kv1 = kv1.to(q0.dtype)
-        kpe = kpe.to(q0.dtype)
     live = (pidx * PAGE + r0 + tl.arange(0, BLOCK_N)) >= n0  # rows done already (TAIL > 0 only)
     if KEYS_ROWS:
         if TAIL > 0:
@@ -156,14 +139,12 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
 
 @triton.jit
 def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE,
-                           sm_scale, H, R, DR, MAXP, NPAGES, SPLIT_MIN, SCALE_PTR, kv_scale,
+                           sm_scale, H, R, DR, MAXP, NPAGES, SPLIT_MIN,
                            s_qnb, s_qnh, s_qpb, s_qph, s_tb, s_ob, s_oh,
                            s_pob, s_poh, s_pos, s_plb, s_plh,
                            BLOCK_H: tl.constexpr, BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr,
                            BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, FP8: tl.constexpr = False,
-                           SCALE_FROM_PTR: tl.constexpr = False, F16: tl.constexpr = False,
-                           ASM: tl.constexpr = False):
+                           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr):
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -196,15 +177,6 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         acc0 = tl.zeros([BLOCK_H, BLOCK_RH], tl.float32)
     acc1 = acc0
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
-    ks = _cache_scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
-    if FP8:  # the cache scale folds into the scores' scale
-        qk_scale = qk_scale * ks
-    if F16:  # fp8 cache, fp16 dots: q in fp16, divided by the power of two its magnitude needs
-        qf = f16_factor(tl.maximum(tl.maximum(absmax(q0), absmax(q1)), absmax(qp)))
-        q0 = scaled_f16(q0, qf)
-        q1 = scaled_f16(q1, qf)
-        qp = scaled_f16(qp, qf)
-        qk_scale = qk_scale * qf
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -218,17 +190,13 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         raw = raw_next
         raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i,
-                                     acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 2 * KEYS_ROWS,
-                                     FP8, ASM)
+                                     acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 2 * KEYS_ROWS)
     if loop_end < end:  # heads as rows: the split's partial last tile, whose page id raw_next holds
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw_next, loop_end, end, MAXP, NPAGES, q0, q1, qp, qk_scale,
-                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1,
-                                     FP8, ASM)
+                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-    if FP8:  # the cache scale on the output (1 otherwise; the 16-bit build is left as it was)
-        l_safe = l_safe / ks
     if KEYS_ROWS:  # [latent, heads]
         acc0 = acc0 / l_safe[None, :]
         acc1 = acc1 / l_safe[None, :]
@@ -257,10 +225,9 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
 
 
-def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages,
-           kv_scale=None):
+def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages):
     """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
-    ``usable`` included). ``kv_scale``: an fp8 cache's scale (a float or a [1] fp32 tensor)."""
+    ``usable`` included)."""
     B, H, R = q_nope.shape
     Dr = q_pe.shape[2]
     block_r = triton.next_power_of_2(R)
@@ -270,14 +237,10 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     kv_desc, pe_desc = descriptors(cache, R, Dr, bn, block_rh, block_dr)
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
-    fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
     _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
         q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, out, lse, po, pl, float(scale),
         H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
-        scale_ptr, ks_value,
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
-        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, FP8=fp8, SCALE_FROM_PTR=from_ptr,
-        **dot_flags(cache.dtype, q_nope), num_warps=warps,
-        num_stages=stages)
+        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, num_warps=warps, num_stages=stages)

@@ -14,7 +14,6 @@ from the host (give them to skip that read); prefill is therefore not CUDA-graph
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -23,6 +22,7 @@ import triton.language as tl
 
 from ...contract import expect
 from ..attention.merge import _softmax_step
+from ..config import tile_config
 from .validate import check_prefill, scale_value
 
 CHUNK_BUDGET_BYTES = 512 * 2**20  # expanded K/V of one chunk
@@ -31,14 +31,11 @@ CHUNK_BUDGET_BYTES = 512 * 2**20  # expanded K/V of one chunk
 @triton.jit
 def _tile(acc, m_i, l_i, qn, qp, KN, KP, V, b64, h, n0, end, chunk_start, qpos, qk_scale,
           s_knb, s_knn, s_knh, s_kpb, s_kpn, s_vb, s_vn, s_vh, offs_dn, offs_dr, offs_dv, mdn, mdr, mdv,
-          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, MASK: tl.constexpr):
-    """The key tile at n0 of the chunk folded into the online softmax. MASK False: a tile wholly
-    inside the chunk and below every query's diagonal (no bounds, no causal mask)."""
+          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """The key tile at n0 of the chunk folded into the online softmax."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n64 = offs_n.to(tl.int64)
     mn = offs_n < end
-    if not MASK:
-        mn = offs_n >= 0  # all true: the compiler drops the masks
     kn = tl.load(KN + b64 * s_knb + n64[:, None] * s_knn + h * s_knh + offs_dn[None, :],
                  mask=mn[:, None] & mdn[None, :], other=0.0)
     kp = tl.load(KP + b64 * s_kpb + n64[:, None] * s_kpn + offs_dr[None, :],
@@ -52,11 +49,10 @@ def _tile(acc, m_i, l_i, qn, qp, KN, KP, V, b64, h, n0, end, chunk_start, qpos, 
         s = tl.dot(qn, tl.trans(kn))
         s += tl.dot(qp, tl.trans(kp))
     s = s * qk_scale
-    if MASK:
-        ok = mn[None, :]
-        if CAUSAL:
-            ok = ok & ((chunk_start + offs_n)[None, :] <= qpos[:, None])
-        s = tl.where(ok, s, float("-inf"))
+    ok = mn[None, :]
+    if CAUSAL:
+        ok = ok & ((chunk_start + offs_n)[None, :] <= qpos[:, None])
+    s = tl.where(ok, s, float("-inf"))
     m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     return acc, m_i, l_i
@@ -71,7 +67,7 @@ def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, 
                     s_vb, s_vn, s_vh, s_ot, s_oh, s_lt,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DN: tl.constexpr,
                     BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr,
-                    IEEE: tl.constexpr, SPLIT: tl.constexpr = False):
+                    IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2).to(tl.int64)
@@ -104,46 +100,26 @@ def _mla_prefill_kernel(QN, QP, KN, KP, V, O, LSE, CU_Q, SEQ_LENS, chunk_start, 
     end = tl.minimum(chunk_len, seq_len - chunk_start)
     if CAUSAL:  # keys past the last query of this block are never seen
         end = tl.minimum(end, seq_len - qlen + tl.minimum(pid_m * BLOCK_M + BLOCK_M, qlen) - chunk_start)
-    # SPLIT: the whole tiles below the block's first query (no bounds, no causal mask) in a loop of
-    # their own, then the rest masked; else every tile masked
-    full = 0
-    if SPLIT:
-        full = tl.minimum(chunk_len, seq_len - chunk_start)
-        if CAUSAL:
-            full = tl.minimum(full, seq_len - qlen + pid_m * BLOCK_M + 1 - chunk_start)
-        full = tl.maximum(full, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(0, full, BLOCK_N):
-            acc, m_i, l_i = _tile(acc, m_i, l_i, qn, qp, KN, KP, V, b64, h, n0, end, chunk_start, qpos, qk_scale,
-                                  s_knb, s_knn, s_knh, s_kpb, s_kpn, s_vb, s_vn, s_vh, offs_dn, offs_dr, offs_dv,
-                                  mdn, mdr, mdv, BLOCK_N, CAUSAL, IEEE, False)
-    for n0 in range(full, end, BLOCK_N):
+    for n0 in range(0, end, BLOCK_N):
         acc, m_i, l_i = _tile(acc, m_i, l_i, qn, qp, KN, KP, V, b64, h, n0, end, chunk_start, qpos, qk_scale,
                               s_knb, s_knn, s_knh, s_kpb, s_kpn, s_vb, s_vn, s_vh, offs_dn, offs_dr, offs_dv,
-                              mdn, mdr, mdv, BLOCK_N, CAUSAL, IEEE, True)
+                              mdn, mdr, mdv, BLOCK_N, CAUSAL, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     tl.store(o_ptrs, acc / l_safe[:, None], mask=mm[:, None] & mdv[None, :])
     tl.store(LSE + rows * s_lt + h, tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634,
                                              float("-inf")), mask=mm)
 
 
-def _config(dev: torch.device, width: int) -> tuple:
-    """(BLOCK_M, BLOCK_N, warps, stages). OPMAP_MLA_PREFILL_CONFIG="bm,bn,w,s[,split|tma]" overrides
-    it for tuning on a GPU without editing code. 64 x 64 tiles at 2 stages wait for every copy at the
-    top of each tile in their sm90 build (async_wait 0: no load overlaps the dots;
-    tests/test_mla_sm90_compile.py); 128-row blocks at 3 stages keep copies in flight and need 168
-    KB of shared memory at DeepSeek's dims, so they are the default on sm90 only. On the H200 at 16
-    heads / 4096 new tokens (fourteenth session, bench/results/*mla-prefill*session14*), five
-    alternating processes each: 770-807 us for 64 x 64 / 2 stages, 443-904 (median 502) for 128 x
-    64 / 3 stages. The 128-row build's time moves with the inputs' placement (467 to 996 us in one
-    process as rounds re-allocate them): not yet explained, docs/mla.md."""
-    env = os.environ.get("OPMAP_MLA_PREFILL_CONFIG")
-    if env:
-        return tuple(x if x in ("split", "tma") else int(x) for x in env.split(","))
+def _config(dev: torch.device, width: int) -> dict:
+    """Tiles (ops/config.py). 64 x 64 tiles at 2 stages wait for every copy at the top of each tile
+    in their sm90 build (async_wait 0: no load overlaps the dots; tests/test_mla_sm90_compile.py);
+    128-row blocks at 3 stages keep copies in flight and need 168 KB of shared memory at
+    DeepSeek's dims, so they are the default on sm90 only (docs/mla.md, Decisions)."""
     if dev.type != "cuda":
-        return (16, 16, 4, 1)
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if width > 128 and torch.cuda.get_device_capability(dev)[0] >= 9:
-        return (128, 64, 8, 3)
-    return (64, 64, 4 if width <= 128 else 8, 2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if width <= 128 else 8, num_stages=2)
 
 
 def _chunk_size(B: int, H: int, width: int, max_seq_len: int, itemsize: int) -> int:
@@ -155,10 +131,9 @@ def _chunk_size(B: int, H: int, width: int, max_seq_len: int, itemsize: int) -> 
 def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, *,
                 scale: float, kv_scale=None, causal: bool = True, return_lse: bool = False,
                 max_q_len: Optional[int] = None, max_seq_len: Optional[int] = None,
-                chunk_size: Optional[int] = None, config: Optional[tuple] = None):
-    """``config``: (BLOCK_M, BLOCK_N, warps, stages[, "split" | "tma"]) for the kernel, else
-    ``_config`` ("split": the tiles wholly below a block's diagonal in an unmasked loop of their
-    own; "tma": the tiles through tensor descriptors, prefill_tma.py)."""
+                chunk_size: Optional[int] = None, config: Optional[dict] = None):
+    """``config``: tile keys replacing ``_config``'s (BLOCK_M, BLOCK_N, num_warps, num_stages;
+    ops/config.py), for tuning."""
     check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
     T, H, Dn = q_nope.shape
     Dr, R, Dv = q_pe.shape[2], w_kc.shape[2], w_vc.shape[1]
@@ -178,16 +153,9 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
         w = torch.cat([w_kc, w_vc], dim=1).reshape(H * (Dn + Dv), R)  # [k_nope | v] per head
         page, maxp = cache.shape[1], block_tables.shape[1]
         kscale = scale_value(kv_scale, dev) if cache.dtype == torch.float8_e4m3fn else None
-        BLOCK_M, BLOCK_N, warps, stages, *how = config or _config(dev, Dn + Dv)
-        expect(how in ([], ["split"], ["tma"]) and min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config),
-               '(BLOCK_M, BLOCK_N, warps, stages) or with a fifth "split" or "tma", blocks >= 16')
-        tma = how == ["tma"]
-        if tma:
-            from . import prefill_tma
-
-            why = prefill_tma.usable(Dn, Dr, Dv, dt)
-            expect(why is None, "config", repr(config), f"head dims and dtype the TMA prefill can tile ({why})")
-            qd, pd = prefill_tma.queries(q_nope, q_pe, BLOCK_M)
+        cfg = tile_config(_config(dev, Dn + Dv), config)
+        BLOCK_M, BLOCK_N = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        expect(min(BLOCK_M, BLOCK_N) >= 16, "config", repr(config), "blocks >= 16 (tl.dot)")
         ieee = dt == torch.float32
         for c0 in range(0, max_seq_len, chunk):
             n = min(chunk, max_seq_len - c0)
@@ -199,14 +167,8 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
             pages = torch.where(own, block_tables.gather(1, pidx), 0).long().clamp_(0, cache.shape[0] - 1)
             rows = cache[pages, (pos % page)[None, :].expand(B, n)]  # [B, n, R + Dr]
             rows = rows.to(dt) if kscale is None else (rows.float() * kscale).to(dt)
-            if tma:  # its tiles read rows past a sequence's keys (masked, but 0 * NaN is NaN): zeros
-                rows = rows.masked_fill(~own[..., None], 0)
             kv = (rows[..., :R] @ w.T).view(B, n, H, Dn + Dv)
             kp = rows[..., R:]
-            if tma:
-                prefill_tma.launch(qd, pd, kv, kp, o, lse, cu_seqlens_q, seq_lens, c0, n, scale, H, Dn, Dr, Dv,
-                                   causal, BLOCK_M, BLOCK_N, warps, stages, max_q_len)
-                continue
             kn, v = kv[..., :Dn], kv[..., Dn:]
             grid = (triton.cdiv(max_q_len, BLOCK_M), B, H)
             _mla_prefill_kernel[grid](
@@ -216,6 +178,6 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
                 v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), lse.stride(0),
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_DN=max(16, triton.next_power_of_2(Dn)),
                 BLOCK_DR=max(16, triton.next_power_of_2(Dr)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-                CAUSAL=causal, IEEE=ieee, SPLIT=how == ["split"], num_warps=warps, num_stages=stages)
+                CAUSAL=causal, IEEE=ieee, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     out = o.to(dt)
     return (out, lse) if return_lse else out

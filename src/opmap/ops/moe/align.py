@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
-from ..pdl import enter
 
 
 @triton.jit
@@ -52,8 +50,7 @@ def _pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pair
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _align_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, n_pairs, E,
-                  BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
+                  BM: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
     e = tl.program_id(0)
     # Pass 1: per-expert counts (every program computes all of them: E is small and this
     # avoids a second launch and a global barrier).
@@ -118,5 +115,5 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int):
     _, nblocks, chunk, e_pow2, warps = align_plan(n, num_experts, bm)
     (sorted_ids, block_expert, total), _ = outputs(n, nblocks, bm, ids.device)
     _align_kernel[(num_experts,)](ids, sorted_ids, block_expert, total, n, num_experts, BM=bm,
-                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps, **pdl.launch(ids.device, moe=True))
+                                  E_POW2=e_pow2, CHUNK=chunk, num_warps=warps)
     return sorted_ids, block_expert, total

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
-from ..pdl import enter
 from .align import next_pow2
 
 
@@ -31,9 +29,8 @@ def _grouped_gemm_kernel(
     n_pairs, N, K, a_row_div, rows_bucket,
     stride_am, stride_we, stride_wn, stride_om,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    enter(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
     num_m = tl.num_programs(0) // num_n
@@ -93,8 +90,7 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, out_ptr, H, top_k, stride_y, stride_o, BH: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
+def _combine_kernel(y_ptr, out_ptr, H, top_k, stride_y, stride_o, BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = offs < H
@@ -193,7 +189,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
             a.stride(0), w.stride(0), w.stride(1), out.stride(0))
     # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
     flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
-                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32", **pdl.launch(a.device, moe=True))
+                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
     if _interpreting() or a.dtype == torch.float32:
         # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
@@ -225,5 +221,5 @@ _BEST: dict = {}
 def combine(y: torch.Tensor, T: int, top_k: int, out: torch.Tensor) -> torch.Tensor:
     H = y.shape[1]
     bh = min(1024, next_pow2(H))
-    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh, **pdl.launch(y.device, moe=True))
+    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh)
     return out

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
-from ..pdl import enter
 from .align import _pad_segment, _segment, align_plan, next_pow2, outputs
 
 MAX_TOKENS = 64
@@ -43,8 +41,7 @@ def fusable(T: int, n_group: int, num_experts: int) -> bool:
 def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, T, E,
                         stride_l, routed_scaling, TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
                         T_POW2: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                        BM: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
+                        BM: tl.constexpr):
     e = tl.program_id(0)
     # ---- routing of every token (route_triton's math, one row per token) ----
     t = tl.arange(0, T_POW2)[:, None]
@@ -114,5 +111,5 @@ def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormaliz
         logits, bias, w, ids, sorted_ids, block_expert, total, T, E, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, K_POW2=max(2, next_pow2(top_k)), E_POW2=max(e_tile, e_pow2), T_POW2=t_pow2,
         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None, RENORM=bool(renormalize), BM=bm,
-        num_warps=8 if tile >= 1024 else 4, **pdl.launch(dev, moe=True))
+        num_warps=8 if tile >= 1024 else 4)
     return w, ids, sorted_ids, block_expert, total

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import pdl
-from ..pdl import enter
 from .align import next_pow2
 from .routing import check_route_args
 
@@ -28,8 +26,7 @@ NEG = tl.constexpr(float("-inf"))
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, routed_scaling,
                   TOP_K: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr,
                   HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, G_POW2: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  RENORM: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
+                  RENORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     idx = tl.arange(0, E_POW2)
     ok = idx < E
@@ -103,7 +100,7 @@ def launch(router_logits, top_k, router, renormalize, n_group, topk_group, route
                         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None,
                         N_GROUP=n_group, G_POW2=g_pow2,
                         TOPK_GROUP=topk_group, RENORM=bool(renormalize),
-                        num_warps=4 if e_pow2 <= 256 else 8, **pdl.launch(logits.device, moe=True))
+                        num_warps=4 if e_pow2 <= 256 else 8)
     return w, ids
 
 

@@ -7,7 +7,6 @@ GEMMs (grouped_gemm.py): warm up before capturing a graph.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -49,8 +48,8 @@ def _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, tota
     return combine(y, T, top_k, torch.empty(T, H, dtype=x.dtype, device=x.device))
 
 
-# OPMAP_MOE_ROUTE_ALIGN=0: routing and align as two launches at decode too (same-run timing).
-FUSE_ROUTE_ALIGN = os.environ.get("OPMAP_MOE_ROUTE_ALIGN", "1") != "0"
+# False: routing and align as two launches at decode too (the GPU tests compare the two).
+FUSE_ROUTE_ALIGN = True
 
 # Argument signatures that passed check_moe_args. Every check there depends only on these fields
 # (dtypes, shapes, strides, devices, and the routing ints / names with their types), so a call
@@ -98,7 +97,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, **
     """Run the op once at every token count whose GEMM tuning key a step of up to ``max_tokens``
     tokens can hit (grouped_gemm.token_counts), on random activations: the engine calls it at
     start-up, so that no step tunes while requests wait (a DeepSeek-V2-Lite run at batch 32 spent
-    ~85 ms of each mixed step tuning, tenth session). Returns how many counts ran."""
+    ~85 ms of each mixed step tuning). Returns how many counts ran."""
     counts = token_counts(max_tokens, top_k, w13.shape[0])
     g = torch.Generator(device=w13.device).manual_seed(0)
     for t in counts:

@@ -1,7 +1,6 @@
 """Input checks shared by every rope backend."""
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -15,8 +14,8 @@ def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> i
     """Validate rope's arguments; returns rotary_dim.
 
     Position values are range-checked when ``check_values`` is set or the tensors are on the
-    CPU; on a GPU that check would synchronise with the host, so there it runs only with
-    OPMAP_DEBUG_CHECKS=1 (an out-of-range position is the caller's contract to keep).
+    CPU; on a GPU that check would synchronise with the host, so there it runs only when asked
+    (an out-of-range position is the caller's contract to keep).
     """
     expect_in("style", style, STYLES)
     expect_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
@@ -31,7 +30,7 @@ def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> i
            f"shape (max_pos, rotary_dim) with rotary_dim even and <= head_dim {D}")
     expect(cos_sin.shape[0] > 0, "cos_sin", f"shape {tuple(cos_sin.shape)}", "max_pos > 0")
     expect_same_device(q=q, k=k, positions=positions, cos_sin=cos_sin)
-    if T and (check_values or positions.device.type == "cpu" or os.environ.get("OPMAP_DEBUG_CHECKS") == "1"):
+    if T and (check_values or positions.device.type == "cpu"):
         lo, hi = int(positions.min()), int(positions.max())
         expect(lo >= 0 and hi < cos_sin.shape[0], "positions", f"values in [{lo}, {hi}]",
                f"values in [0, {cos_sin.shape[0] - 1}] (rows of cos_sin)")

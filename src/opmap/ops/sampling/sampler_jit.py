@@ -62,8 +62,7 @@ def _unkey(k):
 
 
 # _ahead: the per-row kernel's full-row loops (_evaluate, _compact, _race_lanes) load block i+1
-# before working on block i; so do the chunk passes A (_pass_a_lanes), B and C since the ninth
-# session: pass A read its 33 MB at B=64 in 24 us (~1.4 TB/s; at 139 registers three 4-warp
+# before working on block i; so do the chunk passes A (_pass_a_lanes), B and C: without it pass A read its 33 MB at B=64 in 24 us (~1.4 TB/s; at 139 registers three 4-warp
 # programs fit on an SM, ~12 KB in flight), three times the read at the ceiling. One program per row reads a 0.5 MB row; with one 16-byte load in
 # flight per thread (the sm90 build has no async copies in these loops) a pass took ~85 us on the
 # H200, about 6 GB/s: the load latency times the blocks, as Little's law predicts for ~8 KB in
@@ -348,7 +347,7 @@ def _pass_a_lanes(row_ptr, lo, hi, inv_t, need_s, BLOCK: tl.constexpr, AHEAD: tl
             x = x_n
             # the next block in flight during this one (see _ahead): pass A of a chunk is latency-bound
             x_n = tl.load(row_ptr + offs + BLOCK, mask=offs + BLOCK < hi, other=float("-inf")).to(tl.float32)
-        else:  # the bench's [ahead=0] row: one block in flight, as before the ninth session
+        else:  # the bench's [ahead=0] row: one block in flight
             x = tl.load(row_ptr + offs, mask=offs < hi, other=float("-inf")).to(tl.float32)
         nan = x != x
         bad_v += (nan | (x == float("inf"))).to(tl.int32)

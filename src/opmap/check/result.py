@@ -1,0 +1,24 @@
+"""One line of a check run: what `opmap check` prints, writes and resumes from (the runner, the
+sanitizer driver and the report share it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class Result:
+    section: str
+    op: str
+    backend: str
+    case: str
+    passed: bool
+    figure: str
+    value: Optional[float] = None
+    limit: Optional[float] = None
+    seconds: float = 0.0
+    family: str = ""
+
+    @property
+    def title(self) -> str:
+        return f"{self.op}/{self.backend} {self.case}"

@@ -1,0 +1,196 @@
+"""`opmap run` and `opmap profile`: argparse sub-parser factories (wired in by opmap.cli) and their
+functions ``cli_run(args)`` / ``cli_profile(args)``."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+
+from .contract import InputError
+
+
+def _range(s: str) -> tuple:
+    a, _, b = s.partition(":")
+    lo, hi = int(a), int(b or a)
+    if lo < 1 or hi < lo:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected N or LO:HI with 1 <= LO <= HI")
+    return lo, hi
+
+
+def _backend(s: str) -> tuple:
+    op, _, name = s.partition("=")
+    if not name:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected OP=BACKEND, e.g. attention=triton")
+    return op, name
+
+
+def _engine_args(p) -> None:
+    p.add_argument("--model", required=True, help="a preset (e.g. llama3-8b, tiny-llama3) or an HF checkpoint directory")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
+    p.add_argument("--num-pages", type=int, default=None, help="force the KV page count")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up (two requests that compile the kernels of a prefill, a mixed "
+                        "and a decode step; on by default on a GPU), so the first requests carry the compiles")
+    p.add_argument("--lockstep", action="store_true",
+                   help="read every decode step's tokens before launching the next (no one-step-ahead decode)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--backend", type=_backend, action="append", default=[], metavar="OP=NAME",
+                   help="force a backend for an op (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the synthetic workload")
+    p.add_argument("--num-requests", type=int, default=None, help="synthetic workload: number of requests")
+    p.add_argument("--input-len", type=_range, default=(128, 128), help="synthetic prompt length N or LO:HI")
+    p.add_argument("--output-len", type=_range, default=(64, 64), help="synthetic output length N or LO:HI")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+
+
+def add_run_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("run", help="generate with the engine: prompts or a synthetic workload; TTFT/TPOT report")
+    _engine_args(p)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", default=None, help="write the summary (and outputs) to this file")
+    p.set_defaults(func=cli_run)
+    return p
+
+
+def add_profile_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("profile", help="engine steps under torch.profiler: GPU time per operator category and phase")
+    _engine_args(p)
+    p.add_argument("--steps", type=int, default=40, help="engine steps to profile")
+    p.add_argument("--trace", default=None, help="write the Chrome trace here")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also list the N kernels with the most GPU time per phase (launches and us per step)")
+    p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
+                   help="profile again with this backend forced and say whether the step time moved")
+    p.set_defaults(func=cli_profile, num_requests=None)
+    return p
+
+
+def _build(args, **extra):
+    from .engine.llm import LLM
+
+    return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
+               enforce_eager=args.enforce_eager, async_decode=not args.lockstep,
+               warmup=False if args.no_warmup else None,
+               prefix_caching=not args.no_prefix_caching,
+               chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
+               backends=dict(args.backend) or None, **extra)
+
+
+def workload(llm, args) -> tuple:
+    """(prompts, params): the given prompts, or random token prompts for --num-requests."""
+    from .ops.sampling.params import SamplingParams
+
+    base = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.prompt and not args.num_requests:
+        return list(args.prompt), SamplingParams(max_tokens=args.max_tokens, **base)
+    n = args.num_requests or 8
+    rng = random.Random(args.seed)
+    cap = llm.max_model_len - 1
+    prompts, params = [], []
+    for i in range(n):
+        il = min(rng.randint(*args.input_len), cap - 1)
+        ol = max(1, min(rng.randint(*args.output_len), cap - il))
+        prompts.append([rng.randrange(llm.cfg.vocab) for _ in range(il)])
+        params.append(SamplingParams(max_tokens=ol, ignore_eos=True, seed=args.seed + i, **base))
+    return prompts, params
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+
+
+def cli_run(args) -> int:
+    from .ops.sampling.params import SamplingParams
+    from .engine.metrics import format_summary
+
+    _setup_logging()
+    try:
+        llm = _build(args)
+    except InputError as e:
+        print(f"opmap run: {e}", file=sys.stderr)
+        return 2
+    prompts, params = workload(llm, args)
+    # Warm-up at the first prompt's length with other tokens (kernels compiled and tuned for these
+    # shapes, and no prefix-cache hit handed to the measured run).
+    first = prompts[0] if isinstance(prompts[0], list) else llm.tokenizer.encode(prompts[0])
+    llm.generate([[(t + 1) % llm.cfg.vocab for t in first] or [1]],
+                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    if args.prompt and not args.num_requests:
+        for o in outs:
+            print(f"--- prompt {o.index}: {o.finish_reason}" + (f" ({o.error})" if o.error else ""))
+            print(o.text)
+    for line in format_summary(llm.last_summary):
+        print(line)
+    r = llm.runner
+    startup = {"load_s": r.load_s, "moe_tuning_s": r.moe_warm_s, "warmup_s": llm.warmup_s}
+    print("start-up: weights %.2f s, MoE kernel tuning %.2f s, warm-up %.2f s" % tuple(startup.values()))
+    if args.json:
+        doc = {"model": args.model, "summary": llm.last_summary, "startup": startup, "backends": llm.runner.choice_lines,
+               "outputs": [{"index": o.index, "finish_reason": o.finish_reason, "error": o.error,
+                            "num_tokens": len(o.token_ids), "ttft": o.ttft, "tpot": o.tpot} for o in outs]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if all(o.error is None for o in outs) else 1
+
+
+def cli_profile(args) -> int:
+    from . import profile as P
+    from .ops.sampling.params import SamplingParams
+
+    _setup_logging()
+    try:
+        llm = _build(args, trace_ops=True)
+    except InputError as e:
+        print(f"opmap profile: {e}", file=sys.stderr)
+        return 2
+    prompts, params = workload(llm, args)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+    res = P.profile_engine(llm, prompts, params, args.steps, args.trace)
+    print(f"opmap profile: {args.model}, {res['profiled_steps']} steps on {llm.runner.device} "
+          f"({'CUDA graphs' if llm.runner.graphs else 'eager'} decode)")
+    for line in P.format_profile(res):
+        print(line)
+    if args.kernels:
+        for line in P.format_kernels(res, args.kernels):
+            print(line)
+    lines = P.diagnose(res, llm, P.phase_backends(llm))
+    if args.compare:
+        op, name = args.compare
+        args.backend = [*args.backend, (op, name)]
+        llm.close()  # the second engine is sized from free memory: release the first one's cache
+        other = _build(args, trace_ops=True)
+        other.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        res2 = P.profile_engine(other, *workload(other, args), args.steps, None)
+        other.close()
+        for ph, p in res["phases"].items():
+            q = res2["phases"].get(ph)
+            if not q or not p["steps"] or not q["steps"]:
+                continue
+            a, b = p["wall_us"] / p["steps"], q["wall_us"] / q["steps"]
+            moved = (b - a) / a
+            verdict = ("the bottleneck is elsewhere" if abs(moved) < 0.03
+                       else ("faster" if moved < 0 else "slower"))
+            lines.append(f"{ph}: forcing {op}={name} changed the step time by {moved:+.1%} "
+                         f"({a / 1e3:.3f} -> {b / 1e3:.3f} ms): {verdict}")
+    for line in lines:
+        print("diagnosis: " + line)
+    if args.trace:
+        print(f"Chrome trace: {args.trace}")
+    return 0
