@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .whl/flashinfer.tar.xz (~15 MB): FlashInfer 0.7.2.post1 and apache-tvm-ffi for the GPU
 # machine's Python 3.12, trimmed of the CUDA sources of kernel families opmap does not build
-# (as ../shared/PEERS.md describes). scripts/gpu.sh unpacks it onto PYTHONPATH when it is there;
+# (the large families: fused_moe, gdn, xqa, ...). scripts/gpu.sh unpacks it onto PYTHONPATH when it is there;
 # carry .whl in the device call. FlashInfer then JIT-compiles its kernels on first use
 # (decode ~15-20 s per configuration, FA3 prefill ~80 s, sampling ~90 s on 16 cores).
 set -euo pipefail

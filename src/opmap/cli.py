@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--section", action="append", help="only these sections (repeatable)")
     c.add_argument("--json", metavar="FILE", help="write the results as JSON")
     c.add_argument("--markdown", metavar="FILE", help="write the results as Markdown")
-    c.add_argument("--out", metavar="DIR", help="write <date>-<gpu>-<model>.json and .md there (e.g. check/results)")
+    c.add_argument("--out", metavar="DIR", help="write <gpu>[-<model>].json and .md there")
     c.add_argument("--sanitizer", action="store_true",
                    help="also run each GPU case in its own process under compute-sanitizer")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")

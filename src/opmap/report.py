@@ -1,6 +1,6 @@
 """`opmap report --model PRESET`, the main job: for one model on this device, every operator of
 one step in prefill and in decode with the backend the selector picks and why; the answers to
-the report questions of DESIGN.md (attention paths, where the sampler pipeline lives and how it
+the report's four questions (attention paths, where the sampler pipeline lives and how it
 falls back, MoE grouped vs loop, quantised paths); the quick correctness check of those
 backends; on a GPU the benchmarks of those ops (and the engine's TTFT / TPOT when it is there).
 Writes report.md and report.json."""
@@ -133,7 +133,7 @@ def _moe_kind(ch: Choice) -> str:
     return "not declared by the backend (notes: " + (ch.backend.notes or "none") + ")"
 
 
-E2E_PROMPT, E2E_NEW = 1024, 128  # TARGETS.md's end-to-end case: batch 1, prompt 1024, 128 new tokens
+E2E_PROMPT, E2E_NEW = 1024, 128  # the end-to-end target case: batch 1, prompt 1024, 128 new tokens
 
 
 def _engine_section(model: str, on_gpu: bool) -> dict:

@@ -306,10 +306,10 @@ def main(args) -> int:
             f.write("# opmap check\n\n" + sources_line(extra) + to_markdown(results))
         console.print(f"wrote {args.markdown}")
     if args.out:
-        from ..output import result_stem
         from ..hw import detect
+        from ..output import gpu_slug, result_stem
 
-        stem = result_stem(args.out, detect().name + (f"-{args.model}" if args.model else ""))
+        stem = result_stem(args.out, gpu_slug(detect().name) + (f"-{args.model}" if args.model else ""))
         extra["command"] = " ".join(sys.argv)
         stem.with_suffix(".json").write_text(json.dumps(as_json(results, extra), indent=1))
         stem.with_suffix(".md").write_text(f"# opmap check{' --model ' + args.model if args.model else ''}\n\n"

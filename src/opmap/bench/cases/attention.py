@@ -1,8 +1,8 @@
 """Attention benchmark cases (GQA/MHA; MLA is in mla.py): paged decode, causal prefill, a mixed
 chunked-prefill step, and KV append, with the peers timed in the same run on the same data.
 
-Decode: B in {1, 8, 32, 64, 128} x KV length in {512, 2048, 8192, 32768} (plus TARGETS.md's
-B=64/4096), 32 q / 8 kv heads, d=128, page 16, shuffled pages, bf16 and fp8 KV. Minimal bytes:
+Decode: B in {1, 8, 32, 64, 128} x KV length in {512, 2048, 8192, 32768} (plus the
+target case B=64/4096), 32 q / 8 kv heads, d=128, page 16, shuffled pages, bf16 and fp8 KV. Minimal bytes:
 K and V of every sequence read once (B x L x Hk x D x 2 x element size) plus q read and out
 written; FLOPs 4 x B x Hq x L x D. Memory bound: fraction of the read ceiling.
 Prefill: causal, S in {512, 2048, 8192, 16384}, 32 heads d=128 (MHA), and B=4 GQA 32/8 at

@@ -6,7 +6,7 @@ run: PyTorch sort + cumsum + multinomial ("torch-sort"), the exponential race in
 target names ("torch-race-unfiltered": a different, cheaper distribution), FlashInfer where it is
 installed ("flashinfer" for one filter kind, "flashinfer-joint" for top-k + top-p in its joint
 order, and "flashinfer-joint[from probs]": its kernel alone from precomputed probabilities, as
-TARGETS.md's FlashInfer figure is taken). Logits processors (penalties) are a separate line ("logits").
+FlashInfer's own figures are taken). Logits processors (penalties) are a separate line ("logits").
 
 Minimal bytes: the logits read once (B x V x 4) plus the per-row parameters and the ids. FLOPs:
 4 per logit (scale, subtract, exp, accumulate), the work of one softmax pass.
@@ -73,7 +73,7 @@ def _ours_config(block=None, warps=None, bracket=True, ahead=True):
 
 def _flashinfer_from_probs(inp):
     """FlashInfer's joint top-k + top-p kernel alone, from probabilities computed outside the timed
-    call: what TARGETS.md's FlashInfer figure (185 us at B=64) times. Every other row here starts
+    call: what FlashInfer's own figures time. Every other row here starts
     from logits (temperature, softmax and the checks included), so this row is the kernel's lower
     bound, not a like-for-like engine step."""
     import flashinfer.sampling as fs

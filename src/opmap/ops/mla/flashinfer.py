@@ -1,6 +1,6 @@
 """Peer: FlashInfer's MLA decode (``flashinfer.mla.BatchMLAPagedAttentionWrapper``), when the
 package is importable (it is not on the CPU machine, and must be carried to the GPU machine:
-see PEERS.md). Entry ``mla_decode`` with the signature of reference.py (dense, bf16/fp16 cache).
+scripts/flashinfer/). Entry ``mla_decode`` with the signature of reference.py (dense, bf16/fp16 cache).
 
 FlashInfer plans on the host (CSR page lists, work partition) and runs on the device; ``plan``
 and ``run`` are exposed separately so that a benchmark times ``run`` alone. Our cache

@@ -1,11 +1,11 @@
 """FlashInfer's sampling kernels as a peer (provider "flashinfer"), same entry as ours.
 
 Imported only when used; ``flashinfer`` is not installed on the CPU machine nor by default on the
-GPU machine (../shared/PEERS.md says how to carry it). FlashInfer samples from probabilities with
+GPU machine (scripts/flashinfer/pack.sh packs it to carry). FlashInfer samples from probabilities with
 one generator for the batch, so ``seeds``/``positions`` are ignored (declared unseeded). Which
 kernel runs depends on the filters present in the batch, read on the host (a sync; declared not
 CUDA-graph capturable). top-k together with top-p uses ``filter_apply_order="joint"`` (the order
-whose JIT build finishes; see PEERS.md), whose support is not exactly ours (ours renormalises
+whose JIT build finishes), whose support is not exactly ours (ours renormalises
 top-p over the top-k set): the registry declares that combination unsupported, and the benchmark
 times it under its own provider name, "flashinfer-joint".
 """
