@@ -78,3 +78,17 @@ def test_page64_prefill_rows_agree_on_a_tiny_instance():
         assert_close(BA._ours("prefill", config=cfg)(inp)().float(), ref, torch.float16, scale=2.0)
     flash = BA._sdpa("FLASH_ATTENTION", causal=True)(inp)()
     assert_close(flash.transpose(1, 2).reshape(ref.shape).float(), ref, torch.float16, scale=4.0)
+
+
+def test_public_decode_rows_agree_with_the_workspace_row():
+    """The bench's rows for the public decode call and the custom op (no workspace) give the
+    workspace path's result."""
+    torch.manual_seed(1)
+    inp = BA._paged(2, 40, 2, [1, 1], 4, False, "cpu", dt=torch.float32)
+    inp["q"] = inp["q"].view(2, 4, BA.D)
+    want = BA._ours("decode")(inp)()
+    assert_close(BA._public_decode(False)(inp)(), want, torch.float32)
+    out, lse = BA._public_decode(True)(inp)()
+    assert_close(out, want, torch.float32)
+    names = [p.name for p in BA._decode_case(64, 4096, False, quick=True).providers]
+    assert "opmap-decode-call" in names and "opmap-custom-op" in names

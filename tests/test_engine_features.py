@@ -92,6 +92,21 @@ def test_bad_requests_fail_alone(ckpt, prompts, whole, single_thread):
     assert outs[6].error.startswith("prompt")
 
 
+def test_too_many_logprobs_fail_alone(ckpt, prompts, whole, single_thread):
+    """A request asking for more top-n log-probabilities than the vocabulary (or than
+    MAX_LOGPROBS) ends alone with an error; the good requests beside it are unchanged."""
+    from opmap.ops.sampling.params import MAX_LOGPROBS
+
+    llm = LLM(ckpt, max_num_seqs=8)
+    lp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=CFG.vocab + 1)
+    outs = llm.generate([prompts[0], prompts[1], prompts[2]], [GREEDY, lp, GREEDY])
+    assert outs[1].finish_reason == "error" and outs[1].error.startswith("logprobs")
+    assert outs[0].token_ids == whole[0] and outs[2].token_ids == whole[2]
+    outs = llm.generate([prompts[0], prompts[1]], [GREEDY, {"max_tokens": 4, "logprobs": MAX_LOGPROBS + 1}])
+    assert outs[1].finish_reason == "error" and str(MAX_LOGPROBS) in outs[1].error
+    assert outs[0].token_ids == whole[0]
+
+
 def test_nan_logits_end_one_request(ckpt, prompts, whole, single_thread):
     llm = LLM(ckpt, max_num_seqs=8)
     poison = 499

@@ -103,3 +103,16 @@ def test_the_project_speaks_of_itself_only():
            if re.search(r"session|device minute", ln, re.I) and "start_new_session" not in ln]
     assert not bad, bad[:10]
     assert not _tracked("*.whl")
+
+
+def test_import_registers_the_custom_ops():
+    code = ("import opmap, torch; names = [n for n in dir(torch.ops.opmap) if not n.startswith('_')]; "
+            "print(len(names), ' '.join(sorted(names)))")
+    out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(__import__("os").environ, PYTHONPATH=str(SRC)))
+    assert out.returncode == 0, out.stderr
+    n, names = out.stdout.split(" ", 1)
+    assert int(n) >= 15, names
+    for op in ("rmsnorm", "rope", "linear", "moe", "attention_decode", "attention_prefill", "mla_decode", "sample",
+               "apply_bitmask"):
+        assert op in names.split(), (op, names)

@@ -192,6 +192,8 @@ class LLM:
             if len(ids) >= self.max_model_len:
                 raise InputError("prompt", f"{len(ids)} tokens",
                                  f"fewer than max_model_len={self.max_model_len} (room for one new token)")
+            if params.logprobs is not None and params.logprobs > self.cfg.vocab:
+                raise InputError("logprobs", params.logprobs, f"at most the vocabulary ({self.cfg.vocab})")
             seq = Sequence(ids, params, prompt=text, index=i)
             if params.structured is not None:
                 seq.state["grammar"] = self._grammar_state(params)  # compiles in the background

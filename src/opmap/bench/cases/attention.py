@@ -104,6 +104,23 @@ def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
     return make
 
 
+def _public_decode(custom_op: bool):
+    """The decode as another engine calls it: the public entry without a workspace, or the
+    ``torch.ops.opmap.attention_decode`` custom op (each plans its split-KV itself)."""
+    def make(inp):
+        from opmap.ops.attention import decode as Dm
+
+        args = (inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"])
+        if custom_op:
+            import opmap  # noqa: F401  (registers torch.ops.opmap)
+
+            op = torch.ops.opmap.attention_decode
+            return lambda: op(*args, inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
+        return lambda: Dm.decode(*args, scale=inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
+
+    return make
+
+
 def _sdpa(member, repeat=False, causal=False):
     def make(inp):
         import torch.nn.functional as F
@@ -209,6 +226,10 @@ def _decode_case(B, L, fp8, quick):
         # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
         # (64 and 128 splits) against 2048 (16), in the quick grid too.
         provs += [Provider(f"opmap-triton[split_tokens={n}]", _ours("decode", split_tokens=n)) for n in (256, 512, 2048)]
+    if (B, L) in ((64, 4096), (1, 32768)):
+        # what a user's call costs beside the engine's path (the workspace row above)
+        provs.append(Provider("opmap-decode-call", _public_decode(False)))
+        provs.append(Provider("opmap-custom-op", _public_decode(True)))
     if not fp8:
         for name, member in SDPA:
             provs.append(Provider(name, _sdpa(member)))

@@ -10,10 +10,12 @@ def check_bitmask_args(logits, bitmask, rows) -> None:
     expect_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2,
                   last_dim_contiguous=True)
     B, V = logits.shape
+    expect(all(s != 0 or n <= 1 for s, n in zip(logits.stride(), logits.shape)), "logits",
+           f"strides {logits.stride()}", "a tensor whose elements are distinct memory (it is written in place)")
     W = (V + 31) // 32
     expect_tensor("bitmask", bitmask, dtype=torch.int32, shape=(B, W), last_dim_contiguous=True)
     if rows is not None:
-        expect_tensor("rows", rows, dtype=(torch.int32, torch.int64), ndim=1)
+        expect_tensor("rows", rows, dtype=(torch.int32, torch.int64), ndim=1, contiguous=True)
         expect_same_device(logits=logits, bitmask=bitmask, rows=rows)
         # Checking the range of a GPU tensor would synchronise with the host: there the kernels
         # skip an out-of-range row instead (never an out-of-bounds access); on the CPU it is free.

@@ -313,7 +313,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
 
 def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
                return_lse: bool = False, workspace: Optional[Workspace] = None, config=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     return _launch(q_nope, q_pe, cache, seq_lens, block_tables, None, scale, kv_scale, return_lse,
                    workspace, config)
 
@@ -321,7 +321,7 @@ def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_
 def mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices, *, scale: float,
                       kv_scale=None, return_lse: bool = False, workspace: Optional[Workspace] = None,
                       config=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     check_sparse_indices(indices, seq_lens)
     return _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scale, return_lse,
                    workspace, config)

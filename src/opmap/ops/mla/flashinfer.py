@@ -61,7 +61,7 @@ def run(w, q_nope, q_pe, cache, return_lse: bool = False):
 
 def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
                return_lse: bool = False, workspace=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     if cache.dtype != q_nope.dtype:
         raise InputError("cache", f"dtype {cache.dtype}", f"{q_nope.dtype} (FlashInfer MLA: KV as q)")
     w = plan(q_nope, q_pe, cache, seq_lens, block_tables, scale=scale)

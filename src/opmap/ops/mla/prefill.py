@@ -134,7 +134,7 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
                 chunk_size: Optional[int] = None, config: Optional[dict] = None):
     """``config``: tile keys replacing ``_config``'s (BLOCK_M, BLOCK_N, num_warps, num_stages;
     ops/config.py), for tuning."""
-    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
+    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale, scale)
     T, H, Dn = q_nope.shape
     Dr, R, Dv = q_pe.shape[2], w_kc.shape[2], w_vc.shape[1]
     B = seq_lens.shape[0]

@@ -96,7 +96,7 @@ def _attend(q_nope, q_pe, rows, R, scale):
 
 def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
                return_lse: bool = False, workspace=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     B, H, R = q_nope.shape
     out = torch.zeros(B, H, R, dtype=torch.float32, device=q_nope.device)
     lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q_nope.device)
@@ -113,7 +113,7 @@ def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_
 
 def mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices, *, scale: float,
                       kv_scale=None, return_lse: bool = False, workspace=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     check_sparse_indices(indices, seq_lens)
     B, H, R = q_nope.shape
     out = torch.zeros(B, H, R, dtype=torch.float32, device=q_nope.device)
@@ -133,7 +133,7 @@ def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_t
                 scale: float, kv_scale=None, causal: bool = True, return_lse: bool = False,
                 max_q_len: Optional[int] = None, max_seq_len: Optional[int] = None,
                 chunk_size: Optional[int] = None):
-    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
+    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale, scale)
     T, H, _ = q_nope.shape
     R = w_kc.shape[2]
     Dv = w_vc.shape[1]

@@ -57,7 +57,7 @@ def _decode(q_nope, q_pe, cache, block_tables, positions, scale, kv_scale):
 
 def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
                return_lse: bool = False, workspace=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     _no_lse(return_lse)
     dev = cache.device
     pos = [torch.arange(int(n), device=dev) for n in seq_lens.tolist()]
@@ -66,7 +66,7 @@ def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_
 
 def mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices, *, scale: float,
                       kv_scale=None, return_lse: bool = False, workspace=None):
-    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     check_sparse_indices(indices, seq_lens)
     _no_lse(return_lse)
     pos = [row[row >= 0].long() for row in indices]
@@ -76,7 +76,7 @@ def mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices, *, s
 def mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, *,
                 scale: float, kv_scale=None, causal: bool = True, return_lse: bool = False,
                 max_q_len=None, max_seq_len=None, chunk_size=None):
-    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale)
+    check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, kv_scale, scale)
     _no_lse(return_lse)
     T, H, Dn = q_nope.shape
     R, Dv = w_kc.shape[2], w_vc.shape[1]

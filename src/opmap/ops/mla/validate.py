@@ -56,7 +56,7 @@ def check_append(ckv, kpe, cache, slot_mapping, kv_scale) -> None:
     expect_tensor("kpe", kpe, dtype=(ckv.dtype,), ndim=2, last_dim_contiguous=True)
     expect(kpe.shape[0] == T, "kpe", f"shape {tuple(kpe.shape)}", f"{T} rows like ckv")
     check_cache(cache, R + kpe.shape[1])
-    expect_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,))
+    expect_tensor("slot_mapping", slot_mapping, dtype=(torch.int32, torch.int64), shape=(T,), contiguous=True)
     expect_same_device(ckv=ckv, kpe=kpe, cache=cache, slot_mapping=slot_mapping)
     check_scale(cache, kv_scale)
     n = cache.shape[0] * cache.shape[1]
@@ -68,7 +68,7 @@ def check_append(ckv, kpe, cache, slot_mapping, kv_scale) -> None:
 
 
 def check_tables(seq_lens, block_tables, B: int, cache) -> None:
-    expect_tensor("seq_lens", seq_lens, dtype=INTS, shape=(B,))
+    expect_tensor("seq_lens", seq_lens, dtype=INTS, shape=(B,), contiguous=True)
     expect_tensor("block_tables", block_tables, dtype=INTS, ndim=2, last_dim_contiguous=True)
     expect(block_tables.shape[0] == B, "block_tables", f"shape {tuple(block_tables.shape)}",
            f"{B} rows (one per sequence)")
@@ -91,7 +91,14 @@ def check_tables(seq_lens, block_tables, B: int, cache) -> None:
     value_check_passed(*memo)
 
 
-def check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale) -> None:
+def check_softmax_scale(scale) -> None:
+    """The softmax scale: a positive finite number (NaN, a negative or a string would run)."""
+    expect(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < float("inf"),
+           "scale", repr(scale), "a positive float")
+
+
+def check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale=1.0) -> None:
+    check_softmax_scale(scale)
     expect_tensor("q_nope", q_nope, dtype=FLOATS, ndim=3, last_dim_contiguous=True)
     B, H, R = q_nope.shape
     expect_tensor("q_pe", q_pe, dtype=(q_nope.dtype,), ndim=3, last_dim_contiguous=True)
@@ -128,7 +135,8 @@ def check_sparse_indices(indices, seq_lens) -> None:
 
 
 def check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables,
-                  kv_scale) -> None:
+                  kv_scale, scale=1.0) -> None:
+    check_softmax_scale(scale)
     expect_tensor("q_nope", q_nope, dtype=FLOATS, ndim=3, last_dim_contiguous=True)
     T, H, Dn = q_nope.shape
     expect_tensor("q_pe", q_pe, dtype=(q_nope.dtype,), ndim=3, last_dim_contiguous=True)
@@ -140,7 +148,7 @@ def check_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block
     expect(w_vc.shape[0] == H and w_vc.shape[2] == R, "w_vc", f"shape {tuple(w_vc.shape)}",
            f"({H}, Dv, {R})")
     check_cache(cache, R + q_pe.shape[2])
-    expect_tensor("cu_seqlens_q", cu_seqlens_q, dtype=INTS, ndim=1)
+    expect_tensor("cu_seqlens_q", cu_seqlens_q, dtype=INTS, ndim=1, contiguous=True)
     B = cu_seqlens_q.shape[0] - 1
     expect(B >= 0, "cu_seqlens_q", "an empty tensor", "B + 1 offsets")
     expect_same_device(q_nope=q_nope, q_pe=q_pe, cache=cache, w_kc=w_kc, w_vc=w_vc,

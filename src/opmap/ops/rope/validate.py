@@ -10,6 +10,12 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 STYLES = ("neox", "gptj")
 
 
+def _expect_writable(arg, t) -> None:
+    """A tensor the op writes: no element shared by two indices (an expanded view cannot be written)."""
+    expect(all(s != 0 or n <= 1 for s, n in zip(t.stride(), t.shape)), arg, f"strides {t.stride()}",
+           "a tensor whose elements are distinct memory (it is written; an expanded view is not)")
+
+
 def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> int:
     """Validate rope's arguments; returns rotary_dim.
 
@@ -21,9 +27,11 @@ def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> i
     expect_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
     T, _, D = q.shape
     expect_tensor("k", k, dtype=q.dtype, ndim=3, last_dim_contiguous=True)
+    _expect_writable("q", q)
+    _expect_writable("k", k)
     expect(k.shape[0] == T and k.shape[2] == D, "k", f"shape {tuple(k.shape)}",
            f"shape ({T}, Hk, {D}) (tokens and head_dim of q)")
-    expect_tensor("positions", positions, dtype=(torch.int64, torch.int32), shape=(T,))
+    expect_tensor("positions", positions, dtype=(torch.int64, torch.int32), shape=(T,), contiguous=True)
     expect_tensor("cos_sin", cos_sin, dtype=torch.float32, ndim=2, contiguous=True)
     r = cos_sin.shape[1]
     expect(r > 0 and r % 2 == 0 and r <= D, "cos_sin", f"shape {tuple(cos_sin.shape)}",

@@ -27,8 +27,9 @@ bitmask -> sample -> stop):
 
 ``seed``: None draws a fresh random seed when the batch is built; a seeded request gets the same
 tokens whatever else is in its batch (the random stream is keyed by (seed, position)).
-``logprobs``: None = none; n >= 0 = the chosen token's log-probability plus the top-n, from the
-raw logits of the step (before penalties, temperature and filters).
+``logprobs``: None = none; n in [0, MAX_LOGPROBS] = the chosen token's log-probability plus the
+top-n, from the raw logits of the step (before penalties, temperature and filters); the engine
+also refuses n above the model's vocabulary, for that request only.
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ from typing import Any, Optional, Union
 from ...contract import InputError
 
 __all__ = ["SamplingParams"]
+
+# The most top-n log-probabilities a request may ask for (each one is read back to the host per step).
+MAX_LOGPROBS = 1024
 
 
 def _is_int(v) -> bool:
@@ -114,8 +118,8 @@ class SamplingParams:
             given.append("json_object")
         if len(given) > 1:
             raise InputError(given[1], f"{' and '.join(given)} together", "at most one structured-output constraint")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise InputError("logprobs", repr(self.logprobs), "None or an int >= 0")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InputError("logprobs", repr(self.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("ignore_eos", "json_object"):
             if not isinstance(getattr(self, name), bool):
                 raise InputError(name, repr(getattr(self, name)), "a bool")

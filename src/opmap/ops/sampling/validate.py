@@ -19,7 +19,8 @@ def check_row_params(B, device, **params):
     """Per-row parameter tensors: shape [B] on the logits' device. Values are not read (that
     would synchronise with the host); SamplingParams validated them when they were built."""
     for name, (t, dtypes) in params.items():
-        expect_tensor(name, t, dtype=dtypes, shape=(B,))
+        # contiguous: the kernels read element b at b (a stride-0 or strided view would be read wrong)
+        expect_tensor(name, t, dtype=dtypes, shape=(B,), contiguous=True)
         expect_same_device(logits=torch.empty(0, device=device), **{name: t})
 
 
