@@ -152,11 +152,12 @@ def test_categorize_symbols():
 
 
 def test_bad_engine_arguments_are_clean_errors(capsys):
-    a = parse("run", "--model", "no-such-model", "--no-progress")
-    assert a.func(a) == 2
-    assert "opmap run: model: got 'no-such-model'" in capsys.readouterr().err
-    a = parse("run", "--model", "tiny-llama3", "--page-size", "12")
-    assert a.func(a) == 2
+    from opmap import cli
+
+    assert cli.main(["run", "--model", "no-such-model", "--no-progress"]) == 1
+    assert "opmap run: error: model: got 'no-such-model'" in capsys.readouterr().err
+    assert cli.main(["run", "--model", "tiny-llama3", "--page-size", "12"]) == 1
+    assert "page_size" in capsys.readouterr().err
 
 
 def test_ambiguous_symbols_follow_the_model():

@@ -18,6 +18,14 @@ class CLIError(Exception):
     """A user error: printed without a traceback, exit status 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line on stderr (argparse prints the whole usage first), exit 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.exit(2)
+
+
 # ---- spec fields as flags -------------------------------------------------------------------
 
 def _all_fields() -> dict:
@@ -180,6 +188,28 @@ def cmd_select(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    """The presets (real shapes, random weights) and the architectures a checkpoint may have."""
+    from rich.table import Table
+
+    from .engine.config import HF_TYPES
+    from .output import wide_console
+    from .presets import PRESETS
+
+    t = Table(title="presets (random weights; a checkpoint directory or config.json works as --model too)",
+              title_justify="left")
+    for h in ("preset", "model_type", "layers", "hidden", "heads / kv", "head dim", "experts (top-k)", "attention"):
+        t.add_column(h, justify="left" if h in ("preset", "model_type", "attention") else "right")
+    for name, c in PRESETS.items():
+        experts = f"{c.num_experts} ({c.top_k})" if c.num_experts else ""
+        t.add_row(name, c.arch, str(c.layers), str(c.hidden), f"{c.heads} / {c.kv_heads}", str(c.head_dim), experts,
+                  "MLA" if c.is_mla else ("GQA" if c.kv_heads < c.heads else "MHA"))
+    console = wide_console()
+    console.print(t)
+    console.print("architectures (config.json model_type): " + ", ".join(sorted(HF_TYPES)))
+    return 0
+
+
 def cmd_matrix(args) -> int:
     from . import hw
     from . import matrix as M
@@ -221,10 +251,14 @@ def cmd_report(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="opmap", description="The operator layer of LLM inference: which "
+    p = _Parser(prog="opmap", description="The operator layer of LLM inference: which "
                                 "kernel runs each operator, is it right, how fast against the alternatives.")
     p.add_argument("--version", action="version", version=f"opmap {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an unexpected error")
     sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("models", help="the model presets and the architectures a checkpoint may have")
+    m.set_defaults(func=cmd_models)
 
     e = sub.add_parser("env", help="device facts and measured ceilings")
     e.add_argument("--refresh", action="store_true", help="measure the ceilings again")
@@ -305,16 +339,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list] = None) -> int:
+    """Exit status: 0 done, 1 bad input or a failed check, 2 a usage error (argparse's too), 130
+    interrupted. A user mistake is one line on stderr, never a traceback; an unexpected error is
+    one line too, with its traceback under -v."""
+    from .contract import InputError
+    from .select import BackendError
+
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    prog = f"opmap {args.command}"
     try:
         rc = args.func(args)
     except CLIError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except (InputError, BackendError) as e:
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a file that is not there, not readable, a disk that is full
+        print(f"{prog}: error: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""), file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours: one line, the traceback with -v
+        if args.verbose:
+            raise
+        print(f"{prog}: unexpected error: {type(e).__name__}: {_one_line(e)} (run with -v for the traceback)",
+              file=sys.stderr)
+        return 1
     return rc or 0
+
+
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return " ".join(lines)[:800] or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -23,19 +23,59 @@ def _backend(s: str) -> tuple:
     op, _, name = s.partition("=")
     if not name:
         raise argparse.ArgumentTypeError(f"{s!r}: expected OP=BACKEND, e.g. attention=triton")
+    from . import registry
+    from .names import closest
+
+    registry.load_all()
+    ops = sorted(registry.ops())
+    if op not in ops:
+        raise argparse.ArgumentTypeError(f"{s!r}: no op {op!r} (ops: {', '.join(ops)}). {closest([op], ops)}")
+    names = [b.name for b in registry.backends(op)]
+    if name not in names:
+        raise argparse.ArgumentTypeError(f"{s!r}: op {op!r} has no backend {name!r} (backends: {', '.join(names)}). "
+                                         f"{closest([name], names)}")
     return op, name
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a positive integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a positive integer")
+    return v
+
+
+def _fraction(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a number in (0, 1]") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a number in (0, 1]")
+    return v
+
+
+def _out_file(s: str) -> str:
+    import os
+
+    folder = os.path.dirname(os.path.abspath(s))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{s!r}: the folder {folder} does not exist")
+    return s
 
 
 def _engine_args(p) -> None:
     p.add_argument("--model", required=True, help="a preset (e.g. llama3-8b, tiny-llama3) or an HF checkpoint directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", type=int, default=None,
+    p.add_argument("--max-num-seqs", type=_positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
+    p.add_argument("--max-model-len", type=_positive, default=None)
+    p.add_argument("--page-size", type=_positive, default=None,
                    help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.85)
-    p.add_argument("--num-pages", type=int, default=None, help="force the KV page count")
+    p.add_argument("--gpu-memory-fraction", type=_fraction, default=0.85)
+    p.add_argument("--num-pages", type=_positive, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (two requests that compile the kernels of a prefill, a mixed "
@@ -47,11 +87,11 @@ def _engine_args(p) -> None:
     p.add_argument("--backend", type=_backend, action="append", default=[], metavar="OP=NAME",
                    help="force a backend for an op (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the synthetic workload")
-    p.add_argument("--num-requests", type=int, default=None, help="synthetic workload: number of requests")
+    p.add_argument("--num-requests", type=_positive, default=None, help="synthetic workload: number of requests")
     p.add_argument("--input-len", type=_range, default=(128, 128), help="synthetic prompt length N or LO:HI")
     p.add_argument("--output-len", type=_range, default=(64, 64), help="synthetic output length N or LO:HI")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=_positive, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -61,7 +101,7 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate with the engine: prompts or a synthetic workload; TTFT/TPOT report")
     _engine_args(p)
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="write the summary (and outputs) to this file")
+    p.add_argument("--json", type=_out_file, default=None, help="write the summary (and outputs) to this file")
     p.set_defaults(func=cli_run)
     return p
 
@@ -69,8 +109,8 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 def add_profile_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="engine steps under torch.profiler: GPU time per operator category and phase")
     _engine_args(p)
-    p.add_argument("--steps", type=int, default=40, help="engine steps to profile")
-    p.add_argument("--trace", default=None, help="write the Chrome trace here")
+    p.add_argument("--steps", type=_positive, default=40, help="engine steps to profile")
+    p.add_argument("--trace", type=_out_file, default=None, help="write the Chrome trace here")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels with the most GPU time per phase (launches and us per step)")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
@@ -111,6 +151,13 @@ def workload(llm, args) -> tuple:
     return prompts, params
 
 
+def _check_sampling(args) -> None:
+    """The sampling flags, as SamplingParams checks them, before an engine is built (an InputError)."""
+    from .ops.sampling.params import SamplingParams
+
+    SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
 def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
@@ -120,11 +167,8 @@ def cli_run(args) -> int:
     from .engine.metrics import format_summary
 
     _setup_logging()
-    try:
-        llm = _build(args)
-    except InputError as e:
-        print(f"opmap run: {e}", file=sys.stderr)
-        return 2
+    _check_sampling(args)
+    llm = _build(args)
     prompts, params = workload(llm, args)
     # Warm-up at the first prompt's length with other tokens (kernels compiled and tuned for these
     # shapes, and no prefix-cache hit handed to the measured run).
@@ -155,11 +199,8 @@ def cli_profile(args) -> int:
     from .ops.sampling.params import SamplingParams
 
     _setup_logging()
-    try:
-        llm = _build(args, trace_ops=True)
-    except InputError as e:
-        print(f"opmap profile: {e}", file=sys.stderr)
-        return 2
+    _check_sampling(args)
+    llm = _build(args, trace_ops=True)
     prompts, params = workload(llm, args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
     res = P.profile_engine(llm, prompts, params, args.steps, args.trace)

@@ -190,7 +190,9 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
     from .hw import ceilings, detect, local_arch
 
     t0 = time.perf_counter()
-    cfg = presets.get_preset(model)
+    from .engine.config import resolve_model
+
+    cfg = resolve_model(model)[0]
     registry.load_all()
     arch = local_arch()
     on_gpu = detect().kind == "cuda"
@@ -282,12 +284,10 @@ def _md(s: str) -> str:
 def main(args) -> int:
     from .hw import local_arch
 
-    try:
-        presets.get_preset(args.model)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = Path(args.out or f"reports/{args.model}-{local_arch()}")
+    from .engine.config import resolve_model
+
+    cfg = resolve_model(args.model)[0]  # a bad --model is an InputError: one line, exit 1
+    out = Path(args.out or f"reports/{cfg.name}-{local_arch()}")
     doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))

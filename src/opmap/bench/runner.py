@@ -185,7 +185,9 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     ceil = hw.ceilings(measure=True)
     model_ops, mla = None, None
     if model:
-        cfg = presets.get_preset(model)
+        from ..engine.config import resolve_model
+
+        cfg = resolve_model(model)[0]
         arch = hw.local_arch()
         model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
         mla = cfg.is_mla

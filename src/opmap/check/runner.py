@@ -83,7 +83,9 @@ def step_maps(cfg: presets.ModelConfig, arch: str) -> dict:
 def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     from ..hw import local_arch
 
-    cfg = presets.get_preset(model)
+    from ..engine.config import resolve_model
+
+    cfg = resolve_model(model)[0]
     arch = arch or local_arch()
     pairs, ops, choices = set(), set(), []
     for phase, entries in step_maps(cfg, arch).items():

@@ -132,19 +132,32 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def resolve_model(model: str) -> tuple[ModelConfig, Optional[str]]:
-    """A preset name or a local checkpoint directory -> (config, checkpoint dir or None)."""
-    from ..contract import InputError
+def resolve_model(model: str) -> tuple:
+    """A preset name, a local checkpoint directory or a config.json -> (config, checkpoint dir or
+    None). The one resolver of every command: a config.json alone gives the architecture with
+    random weights."""
+    from ..contract import InputError, expect
 
     if model in PRESETS:
         return get_preset(model), None
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
+    if os.path.isdir(model) or (os.path.isfile(model) and os.path.basename(model).endswith(".json")):
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
         if not os.path.isfile(path):
             raise InputError("model", repr(model), "a directory with a config.json")
-        with open(path) as f:
-            return from_hf_config(json.load(f), name=os.path.basename(os.path.normpath(model))), model
-    raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + ") or a checkpoint directory")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(path, "a file that is not JSON", f"a config.json ({e})") from None
+        expect(isinstance(d, dict), path, type(d).__name__, "a JSON object")
+        folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
+        try:
+            cfg = from_hf_config(d, name=os.path.basename(os.path.normpath(folder)))
+        except KeyError as e:
+            raise InputError(path, f"no field {e.args[0]!r}", "every field the architecture needs") from None
+        return cfg, (model if os.path.isdir(model) else None)
+    raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + "), a checkpoint directory "
+                     "or a config.json")
 
 
 # ---- the way back: HF config and model for a preset -----------------------------------------------

@@ -62,11 +62,12 @@ class LLM:
             source = SafetensorsSource(path)
         self.cfg = cfg
         self.ecfg.for_model(cfg, device_arch(self.ecfg.device)[1])
-        self.runner = ModelRunner(cfg, self.ecfg, source)
+        # The checkpoint's small files first: a bad tokenizer.json fails before the model is built.
         if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
             tokenizer = HFTokenizer(tokenizer)  # a tokenizers.Tokenizer
         self.tokenizer = tokenizer or make_tokenizer(path, cfg.vocab)
         self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path)
+        self.runner = ModelRunner(cfg, self.ecfg, source)
         self.max_model_len = self.runner.max_model_len
         self._new_scheduling()
         self.sampler = Sampler(cfg.vocab, self.runner.device, self.runner.arch, self.ecfg.backends,

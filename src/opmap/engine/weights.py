@@ -27,9 +27,18 @@ class SafetensorsSource:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-            self.where = {k: os.path.join(path, v) for k, v in wm.items()}
+            try:
+                with open(index) as f:
+                    wm = json.load(f)["weight_map"]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+                raise InputError(index, "an unreadable index", f"JSON with a weight_map ({e})") from None
+            root = os.path.realpath(path)
+            self.where = {}
+            for k, v in wm.items():
+                fn = os.path.realpath(os.path.join(path, str(v)))
+                if os.path.commonpath([root, fn]) != root:
+                    raise InputError(index, f"{k} in {v!r}", "files inside the checkpoint directory")
+                self.where[k] = fn
         else:
             from safetensors import safe_open
 
@@ -38,7 +47,7 @@ class SafetensorsSource:
                 raise InputError("model", repr(path), "a directory with *.safetensors files")
             self.where = {}
             for fn in files:
-                with safe_open(fn, framework="pt") as f:
+                with _opened(fn) as f:
                     for k in f.keys():
                         self.where[k] = fn
         self._open: dict = {}
@@ -55,8 +64,12 @@ class SafetensorsSource:
             # device= makes safetensors place each tensor on the device as it is read.
             d = torch.device(device)
             dev = f"cuda:{d.index if d.index is not None else torch.cuda.current_device()}" if d.type == "cuda" else "cpu"
-            f = self._open[fn] = safe_open(fn, framework="pt", device=dev)
-        return f.get_tensor(name).to(device=device, dtype=dtype)
+            f = self._open[fn] = _opened(fn, dev)
+        try:
+            t = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for a damaged file
+            raise InputError(fn, f"tensor {name} unreadable", f"a complete safetensors file ({e})") from None
+        return t.to(device=device, dtype=dtype)
 
     def close(self) -> None:
         self._open.clear()
@@ -149,6 +162,16 @@ def fill_random(params: dict, seed: int = 0, std: float = 0.02) -> None:
             raise ValueError(f"cannot draw random values for {name} of dtype {t.dtype}")
 
 
+def _opened(fn: str, device: str = "cpu"):
+    """``safe_open`` of a checkpoint file; a missing, truncated or damaged file is an InputError."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(fn, framework="pt", device=device)
+    except Exception as e:  # SafetensorError, OSError
+        raise InputError(fn, "a file safetensors cannot read", f"a complete safetensors file ({e})") from None
+
+
 def load_tokenizer(path: Optional[str]):
     """A ``tokenizers.Tokenizer`` from path/tokenizer.json, or None when there is none."""
     if path is None:
@@ -158,7 +181,10 @@ def load_tokenizer(path: Optional[str]):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(fn)
+    try:
+        return Tokenizer.from_file(fn)
+    except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+        raise InputError(fn, "a file the tokenizers library cannot read", f"a tokenizer.json ({e})") from None
 
 
 def eos_token_ids(path: Optional[str]) -> list:

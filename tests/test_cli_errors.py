@@ -1,0 +1,145 @@
+"""Every user mistake in `opmap run` is one line on stderr and a non-zero exit (2 for usage, 1 for
+bad input), never a traceback; an unexpected error is one line too, with its traceback under -v."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from opmap import cli
+
+RUN = ["run", "--model", "tiny-llama3", "--prompt", "hi", "--max-tokens", "2", "--no-progress"]
+
+
+def _err(capsys) -> list:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not _selector_line(ln)]
+
+
+def _selector_line(ln: str) -> bool:
+    return "[prefill]" in ln or "[decode]" in ln or "[mixed]" in ln or ln.startswith("sampler")
+
+
+def _main(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        return e.code
+
+
+@pytest.mark.parametrize("extra,code,words", [
+    (["--max-tokens", "0"], 2, "--max-tokens"),
+    (["--temperature", "nan"], 1, "temperature"),
+    (["--top-p", "0"], 1, "top_p"),
+    (["--backend", "attention=nope"], 2, "no backend 'nope'"),
+    (["--backend", "nosuchop=triton"], 2, "no op 'nosuchop'"),
+    (["--num-requests", "-1"], 2, "--num-requests"),
+    (["--num-pages", "0"], 2, "--num-pages"),
+    (["--json", "/no/such/folder/out.json"], 2, "does not exist"),
+])
+def test_bad_flags_are_one_line(extra, code, words, capsys):
+    assert _main(RUN + extra) == code
+    err = _err(capsys)
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
+
+
+def test_forced_backend_from_the_environment_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("OPMAP_ATTENTION_BACKEND", "bogus")
+    assert _main(RUN) == 1
+    err = _err(capsys)
+    assert len(err) == 1 and "OPMAP_ATTENTION_BACKEND=bogus" in err[0], err
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from opmap.engine.config import save_checkpoint
+    from opmap.presets import PRESETS
+
+    path = str(tmp_path_factory.mktemp("ckpt") / "tiny")
+    save_checkpoint(PRESETS["tiny-llama3"], path)
+    return path
+
+
+def _broken(ckpt, tmp_path, how) -> str:
+    path = str(tmp_path / how)
+    shutil.copytree(ckpt, path)
+    if how == "bad-json":
+        open(os.path.join(path, "config.json"), "w").write("{ not json")
+    elif how == "incomplete":
+        d = json.load(open(os.path.join(path, "config.json")))
+        d.pop("hidden_size")
+        json.dump(d, open(os.path.join(path, "config.json"), "w"))
+    elif how == "truncated":
+        fn = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))[0]
+        data = open(os.path.join(path, fn), "rb").read()
+        open(os.path.join(path, fn), "wb").write(data[:100])
+    elif how == "tokenizer":
+        open(os.path.join(path, "tokenizer.json"), "w").write("garbage")
+    elif how == "escaping-index":
+        idx = os.path.join(path, "model.safetensors.index.json")
+        d = json.load(open(idx))
+        k = next(iter(d["weight_map"]))
+        d["weight_map"][k] = "../outside.safetensors"
+        json.dump(d, open(idx, "w"))
+    return path
+
+
+@pytest.mark.parametrize("how,words", [("bad-json", "config.json"), ("incomplete", "hidden_size"),
+                                       ("truncated", ".safetensors"), ("tokenizer", "tokenizer.json"),
+                                       ("escaping-index", "inside the checkpoint directory")])
+def test_bad_checkpoints_are_one_line(ckpt, tmp_path, how, words, capsys):
+    path = _broken(ckpt, tmp_path, how)
+    assert _main(["run", "--model", path, "--prompt", "hi", "--max-tokens", "2", "--no-progress"]) == 1
+    err = _err(capsys)
+    assert len(err) == 1 and words in err[0] and "Traceback" not in err[0], err
+
+
+def test_an_unexpected_error_is_one_line_and_its_traceback_under_v(monkeypatch, capsys):
+    import opmap.cli_run as cr
+
+    def boom(args):
+        raise RuntimeError("a bug\nover two lines")
+
+    monkeypatch.setattr(cr, "cli_run", boom)  # build_parser takes the function from the module
+    assert _main(RUN) == 1
+    err = _err(capsys)
+    assert err == ["opmap run: unexpected error: RuntimeError: a bug over two lines (run with -v for the traceback)"]
+    with pytest.raises(RuntimeError):
+        cli.main(["-v"] + RUN)
+
+
+def test_no_traceback_from_a_process():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-m", "opmap.cli", *RUN, "--top-p", "0"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert [ln for ln in out.stderr.splitlines() if not _selector_line(ln)][-1].startswith("opmap run: error: top_p")
+
+
+def test_models_lists_presets_and_architectures(capsys):
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ("llama3-8b", "deepseek-v2-lite", "tiny-qwen3moe"):
+        assert name in out
+    assert "architectures (config.json model_type): deepseek_v2, llama, mixtral, qwen2, qwen3, qwen3_moe" in out
+
+
+def test_one_resolver_takes_a_preset_a_directory_or_a_config_json(ckpt):
+    from opmap.contract import InputError
+    from opmap.engine.config import resolve_model
+
+    by_dir, path = resolve_model(ckpt)
+    by_json, none = resolve_model(os.path.join(ckpt, "config.json"))
+    assert path == ckpt and none is None and by_dir.hidden == by_json.hidden == 64
+    assert resolve_model("tiny-llama3")[1] is None
+    with pytest.raises(InputError, match="a preset .* a checkpoint directory or a config.json"):
+        resolve_model("no-such-model")
+
+
+def test_report_takes_a_checkpoint_directory(ckpt, tmp_path, capsys):
+    assert cli.main(["report", "--model", ckpt, "--no-check", "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "report.md").read_text()
+    assert md.startswith(f"# opmap report: {ckpt} on ")
+    assert _main(["report", "--model", "no-such-model"]) == 1
+    assert "opmap report: error: model: got 'no-such-model'" in capsys.readouterr().err
