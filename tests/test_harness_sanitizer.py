@@ -534,7 +534,8 @@ def test_a_timed_out_verdict_is_reported_not_kept(fake_tool, monkeypatch, tmp_pa
     tool, cases = fake_tool
     state = tmp_path / "state.jsonl"
     with mock.patch.object(san, "find_sanitizer", lambda: tool):
-        res = san.run_all([("fakesan_pkg.cases", cases[2]), ("fakesan_pkg.cases", cases[0])], True, 3,
+        # T=5 sleeps 60 s; 20 s leave T=3 room for a Python, torch and opmap start-up under load
+        res = san.run_all([("fakesan_pkg.cases", cases[2]), ("fakesan_pkg.cases", cases[0])], True, 20,
                           progress=False, jobs_n=2, batch=1, state=str(state))
     assert not res[0].passed and res[0].figure.startswith("timed out after") and res[1].passed
     assert [k.split("::")[2] for k in san.load_state(str(state))] == ["rope/triton T=3"]

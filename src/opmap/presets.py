@@ -30,7 +30,9 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     rope_style: str = "neox"
     rms_eps: float = 1e-5
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projection biases
+    o_bias: bool = False  # output projection bias (Llama and Qwen3 with attention_bias; not Qwen2)
+    mlp_bias: bool = False  # gate/up/down projection biases (Llama's mlp_bias)
     qk_norm: bool = False
     tie_embeddings: bool = False
     # MoE

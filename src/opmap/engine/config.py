@@ -104,8 +104,17 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
               rope_theta=theta, rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
               tie_embeddings=bool(d.get("tie_word_embeddings", False)),
               attention_bias=bool(d.get("attention_bias", False)))
+    if arch in ("llama", "qwen3", "qwen3_moe"):
+        kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
+    if d.get("mlp_bias"):
+        if arch != "llama":
+            raise InputError("config.json mlp_bias", repr(d.get("mlp_bias")), f"false for {mt} (only Llama's is read)")
+        kw["mlp_bias"] = True
     if arch == "qwen2":
         kw["attention_bias"] = True  # Qwen2 always has q/k/v biases (no config switch)
+        if d.get("use_sliding_window"):
+            raise InputError("config.json use_sliding_window", "true",
+                             "false (Qwen2's per-layer sliding window is not implemented)")
     if arch in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = True
     if arch == "mixtral":
@@ -123,7 +132,9 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
                   norm_topk_prob=bool(d.get("norm_topk_prob", False)),
                   first_dense_layers=d.get("first_k_dense_replace", 0),
                   routed_scaling=float(d.get("routed_scaling_factor", 1.0)),
-                  n_group=d.get("n_group") or 1, topk_group=d.get("topk_group") or 1,
+                  # group-limited routing only where HF applies it (group_limited_greedy, noaux_tc)
+                  n_group=(d.get("n_group") or 1) if d.get("topk_method") in ("group_limited_greedy", "noaux_tc") else 1,
+                  topk_group=(d.get("topk_group") or 1) if d.get("topk_method") in ("group_limited_greedy", "noaux_tc") else 1,
                   router="sigmoid_grouped" if d.get("topk_method") == "noaux_tc" else "softmax",
                   kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
                   qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"],
@@ -181,7 +192,7 @@ def to_hf_config(cfg: ModelConfig, **overrides):
     a = cfg.arch
     if a == "llama":
         c = T.LlamaConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
-                          attention_bias=cfg.attention_bias, **common)
+                          attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
     elif a == "qwen2":
         c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
     elif a == "qwen3":
@@ -194,7 +205,7 @@ def to_hf_config(cfg: ModelConfig, **overrides):
         c = T.Qwen3MoeConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
                              moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.num_experts,
                              num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
-                             decoder_sparse_step=1, mlp_only_layers=[], **common)
+                             decoder_sparse_step=1, mlp_only_layers=[], attention_bias=cfg.attention_bias, **common)
     elif a == "deepseek_v2":
         c = T.DeepseekV2Config(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts,
                                num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate,
@@ -202,7 +213,8 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                                norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
                                kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
                                qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
-                               v_head_dim=cfg.v_head_dim, topk_method="greedy", n_group=cfg.n_group,
+                               v_head_dim=cfg.v_head_dim,
+                               topk_method="group_limited_greedy" if cfg.n_group > 1 else "greedy", n_group=cfg.n_group,
                                topk_group=cfg.topk_group, **common)
     else:
         raise ValueError(f"no HF config for arch {a!r}")

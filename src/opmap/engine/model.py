@@ -70,6 +70,8 @@ class DecoderModel:
             self._p(f"{i}.q_norm", d)
             self._p(f"{i}.k_norm", d)
         self._p(f"{i}.o", h, c.heads * d)
+        if c.o_bias:
+            self._p(f"{i}.o_bias", h)
         self.declare_mlp(i)
 
     def declare_mlp(self, i: int) -> None:
@@ -85,6 +87,9 @@ class DecoderModel:
         else:
             self._p(f"{i}.gate_up", 2 * c.intermediate, c.hidden)
             self._p(f"{i}.down", c.hidden, c.intermediate)
+            if c.mlp_bias:
+                self._p(f"{i}.gate_up_bias", 2 * c.intermediate)
+                self._p(f"{i}.down_bias", c.hidden)
 
     # ---- weights --------------------------------------------------------------------------
     def random_(self, seed: int = 0, std: float = 0.02) -> None:
@@ -115,6 +120,8 @@ class DecoderModel:
             L.copy(P[f"{i}.q_norm"], f"{a}.q_norm.weight")
             L.copy(P[f"{i}.k_norm"], f"{a}.k_norm.weight")
         L.copy(P[f"{i}.o"], f"{a}.o_proj.weight")
+        if self.cfg.o_bias:
+            L.copy(P[f"{i}.o_bias"], f"{a}.o_proj.bias")
         self.load_mlp(L, i)
 
     def load_mlp(self, L: Loader, i: int) -> None:
@@ -134,6 +141,9 @@ class DecoderModel:
         else:
             L.cat(P[f"{i}.gate_up"], [f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"])
             L.copy(P[f"{i}.down"], f"{pre}.down_proj.weight")
+            if c.mlp_bias:
+                L.cat(P[f"{i}.gate_up_bias"], [f"{pre}.gate_proj.bias", f"{pre}.up_proj.bias"])
+                L.copy(P[f"{i}.down_bias"], f"{pre}.down_proj.bias")
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
@@ -181,7 +191,7 @@ class DecoderModel:
         else:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale)
-        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"])
+        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"))
 
     def mlp(self, ops, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
@@ -198,7 +208,8 @@ class DecoderModel:
                                             P[f"{i}.shared_down"])
                 out = out + s
             return out
-        return ops.gemm["down"](ops.act(ops.gemm["gate_up"](h, P[f"{i}.gate_up"])), P[f"{i}.down"])
+        return ops.gemm["down"](ops.act(ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"))),
+                                P[f"{i}.down"], P.get(f"{i}.down_bias"))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_bytes_per_page(self, page_size: int) -> int:

@@ -66,7 +66,7 @@ class OpSet:
         else:
             qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
             self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias)
-            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim)
+            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim, cfg.o_bias)
             qk_choice = None
             if cfg.qk_norm:
                 self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
@@ -107,8 +107,8 @@ class OpSet:
                 self.shared_act = self._pick("activation", "shared SiLU * mul",
                                              S.ActivationSpec(hidden=si, dtype=dtype, **base), "silu_mul")
         if not cfg.is_moe or cfg.first_dense_layers:
-            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h)
-            self.gemm["down"] = gemm("down proj", h, cfg.intermediate)
+            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias)
+            self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias)
             self.act = self._pick("activation", "SiLU * mul", S.ActivationSpec(hidden=cfg.intermediate, dtype=dtype,
                                                                               **base), "silu_mul")
         # Prefill computes logits for the sampled rows only; decode for every row.

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..contract import dtype_name
+from ..contract import InputError, dtype_name
 from ..hw import local_arch
 from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
@@ -66,8 +66,10 @@ class ModelRunner:
             self.unused = []
         else:
             self.unused = self.model.load(source)
-            if self.unused:
-                log.warning("checkpoint tensors not used: %s", ", ".join(self.unused[:8]))
+            if self.unused:  # a tensor nothing reads is a feature this model would silently drop
+                more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
+                raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
+                                 "only tensors of the architecture (a config field that needs them is not supported)")
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)

@@ -121,6 +121,9 @@ class Loader:
         o = 0
         for n in names:
             t = self._get(n)
+            if tuple(t.shape[1:]) != tuple(dst.shape[1:]) or t.dim() != dst.dim():
+                raise InputError(f"checkpoint tensor {n}", f"shape {tuple(t.shape)}",
+                                 f"shape (rows, {', '.join(map(str, dst.shape[1:]))})" if dst.dim() > 1 else "1 dim")
             dst[o:o + t.shape[0]].copy_(t)
             o += t.shape[0]
             del t
@@ -141,8 +144,9 @@ class Loader:
             self.copy(w2[e], f"{prefix}.experts.{e}.{d}.weight")
 
     def unused(self) -> list:
-        # Rotary caches some checkpoints carry are recomputed, not loaded.
-        return sorted(n for n in self.names - self.used if "rotary_emb" not in n)
+        # Allowed to stay unread: rotary caches (recomputed), and lm_head.weight of a model with
+        # tied embeddings (the embedding is the LM head).
+        return sorted(n for n in self.names - self.used if "rotary_emb" not in n and n != "lm_head.weight")
 
 
 def open_source(path: str) -> SafetensorsSource:

@@ -1,0 +1,71 @@
+"""Config fields that change the math are implemented (with HF parity) or refused at load; a
+checkpoint tensor that nothing reads, or one of the wrong shape, is an error, not a log line."""
+import dataclasses
+
+import pytest
+import torch
+
+from opmap.contract import InputError
+from opmap.engine.config import from_hf_config, make_hf_model, to_hf_config
+from opmap.engine.llm import LLM
+from opmap.engine.weights import StateDictSource
+from opmap.ops.sampling.params import SamplingParams
+from opmap.presets import PRESETS
+
+from test_engine_util import hf_greedy, random_prompts, single_thread  # noqa: F401
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _parity(cfg, seed=3):
+    hf = make_hf_model(cfg, seed=seed)
+    prompts = random_prompts(cfg.vocab, (7, 19), seed=seed)
+    llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_seqs=2, num_pages=32, page_size=16)
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == [hf_greedy(hf, p, 6) for p in prompts]
+    return hf
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3", "tiny-qwen3moe"])
+def test_attention_bias_with_the_output_projection_bias(name, single_thread):
+    cfg = dataclasses.replace(PRESETS[name], attention_bias=True, o_bias=True)
+    hf = _parity(cfg)
+    assert any(n.endswith("o_proj.bias") for n, _ in hf.named_parameters())
+    assert from_hf_config(to_hf_config(cfg).to_dict()).o_bias
+
+
+def test_llama_mlp_bias(single_thread):
+    cfg = dataclasses.replace(PRESETS["tiny-llama3"], mlp_bias=True)
+    hf = _parity(cfg)
+    assert any(n.endswith("down_proj.bias") for n, _ in hf.named_parameters())
+    assert from_hf_config(to_hf_config(cfg).to_dict()).mlp_bias
+
+
+def test_deepseek_groups_only_where_hf_routes_by_group():
+    d = to_hf_config(dataclasses.replace(PRESETS["tiny-deepseek"], n_group=2, topk_group=1)).to_dict()
+    assert d["topk_method"] == "group_limited_greedy" and from_hf_config(d).n_group == 2
+    d.update(topk_method="greedy")
+    cfg = from_hf_config(d)
+    assert cfg.n_group == 1 and cfg.topk_group == 1  # HF's greedy ignores n_group
+
+
+def test_refused_fields_name_themselves():
+    d = to_hf_config(PRESETS["tiny-qwen2"]).to_dict()
+    d.update(use_sliding_window=True)
+    with pytest.raises(InputError, match="use_sliding_window"):
+        from_hf_config(d)
+    d = to_hf_config(PRESETS["tiny-qwen3"]).to_dict()
+    d.update(mlp_bias=True)
+    with pytest.raises(InputError, match="mlp_bias"):
+        from_hf_config(d)
+
+
+def test_unused_and_misshapen_tensors_fail_at_load(single_thread):
+    cfg = PRESETS["tiny-llama3"]
+    state = make_hf_model(cfg, seed=1).state_dict()
+    extra = dict(state, **{"model.layers.0.self_attn.o_proj.bias": torch.zeros(cfg.hidden)})
+    with pytest.raises(InputError, match="tensors nothing reads: model.layers.0.self_attn.o_proj.bias"):
+        LLM(cfg, source=StateDictSource(extra), num_pages=8)
+    bad = dict(state, **{"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 1)})  # would broadcast
+    with pytest.raises(InputError, match="q_proj.weight"):
+        LLM(cfg, source=StateDictSource(bad), num_pages=8)
