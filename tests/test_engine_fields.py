@@ -69,3 +69,12 @@ def test_unused_and_misshapen_tensors_fail_at_load(single_thread):
     bad = dict(state, **{"model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 1)})  # would broadcast
     with pytest.raises(InputError, match="q_proj.weight"):
         LLM(cfg, source=StateDictSource(bad), num_pages=8)
+
+
+def test_linear_rope_scaling_and_a_refused_kind(single_thread):
+    cfg = dataclasses.replace(PRESETS["tiny-llama3"], rope_scaling={"rope_type": "linear", "factor": 4.0})
+    _parity(cfg)
+    d = to_hf_config(PRESETS["tiny-llama3"]).to_dict()
+    d["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    with pytest.raises(InputError, match="rope_scaling.*'dynamic'"):
+        from_hf_config(d)

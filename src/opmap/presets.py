@@ -237,4 +237,4 @@ def _scaling(cfg: ModelConfig) -> str:
     if not cfg.rope_scaling:
         return "none"
     t = cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")
-    return {"llama3": "llama3", "yarn": "yarn"}.get(t, "none")
+    return {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}.get(t, "none")

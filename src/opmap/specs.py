@@ -133,7 +133,7 @@ class RopeSpec(Spec):
     head_dim: int = 128
     rotary_dim: Optional[int] = None  # None = head_dim
     style: str = "neox"  # neox (halves) / gptj (interleaved pairs)
-    scaling: str = "none"  # none / llama3 / yarn
+    scaling: str = "none"  # none / linear / llama3 / yarn
     dtype: str = "bf16"
 
     def __post_init__(self):
@@ -141,7 +141,7 @@ class RopeSpec(Spec):
         if self.rotary_dim is None:
             object.__setattr__(self, "rotary_dim", self.head_dim)
         _check_choice(self, "style", ("neox", "gptj"))
-        _check_choice(self, "scaling", ("none", "llama3", "yarn"))
+        _check_choice(self, "scaling", ("none", "linear", "llama3", "yarn"))
 
 
 @dataclass(frozen=True)

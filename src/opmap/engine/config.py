@@ -81,8 +81,14 @@ def _rope(d: dict) -> tuple[float, Optional[dict]]:
     scaling = d.get("rope_scaling") or None
     if scaling is None and rp.get("rope_type", "default") not in ("default", None):
         scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-    if scaling is not None and (scaling.get("rope_type") or scaling.get("type")) in ("default", None):
-        scaling = None
+    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling is not None else None
+    if kind in ("default", None):
+        return theta, None
+    from ..contract import InputError
+    from ..ops.rope.reference import ROPE_SCALINGS
+
+    if kind not in ROPE_SCALINGS:
+        raise InputError("config.json rope_scaling", repr(kind), "one of " + ", ".join(ROPE_SCALINGS))
     return theta, scaling
 
 

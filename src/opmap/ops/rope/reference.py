@@ -83,7 +83,13 @@ def inv_freq_and_scale(rotary_dim: int, theta: float, scaling: Optional[dict] = 
         return _llama3_inv_freq(base, scaling), 1.0
     if kind == "yarn":
         return _yarn(rotary_dim, theta, scaling, max_pos)
-    raise ValueError(f"rope scaling {kind!r} not supported (supported: default, llama3, yarn)")
+    if kind == "linear":  # positions divided by the factor: HF's linear scaling
+        base = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+        return base / float(scaling["factor"]), 1.0
+    raise ValueError(f"rope scaling {kind!r} not supported (supported: {', '.join(ROPE_SCALINGS)})")
+
+
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
 
 
 def cos_sin_cache(rotary_dim: int, max_pos: int, theta: float = 10000.0,
