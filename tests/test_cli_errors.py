@@ -143,3 +143,22 @@ def test_report_takes_a_checkpoint_directory(ckpt, tmp_path, capsys):
     assert md.startswith(f"# opmap report: {ckpt} on ")
     assert _main(["report", "--model", "no-such-model"]) == 1
     assert "opmap report: error: model: got 'no-such-model'" in capsys.readouterr().err
+
+
+def test_report_plans_for_another_gpu_from_its_baselines(tmp_path):
+    """--arch sm90 on this CPU machine: the sm90 selection, nothing run, and per operator the
+    nearest measured row of the selected backend in bench/baselines/h200 (file, commit)."""
+    assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm90", "--out", str(tmp_path / "p")]) == 0
+    doc = json.loads((tmp_path / "p" / "report.json").read_text())
+    assert doc["planned"] and doc["arch"] == "sm90" and doc["baseline_gpu"] == "h200"
+    dec = {r["label"]: r for r in doc["operators"]["decode"]}
+    att = dec["attention (paged)"]
+    assert att["backend"] == "triton" and att["expected"]["file"] == "h200/attention.json"
+    assert att["expected"]["op"] == "attention.decode" and att["expected"]["commit"]
+    assert dec["QKV proj"]["backend"] == "triton-decode" and dec["QKV proj"]["expected"]["case"].startswith("M=1,")
+    pre = {r["label"]: r for r in doc["operators"]["prefill"]}
+    assert pre["QKV proj"]["backend"] == "cublas" and pre["QKV proj"]["expected"]["provider"] == "cublas"
+    md = (tmp_path / "p" / "report.md").read_text()
+    assert "planned for sm90" in md and "expected on H200 (its baseline)" in md and "h200/gemm.json" in md
+    assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm80", "--out", str(tmp_path / "q")]) == 0
+    assert "no baseline for sm80" in (tmp_path / "q" / "report.md").read_text()

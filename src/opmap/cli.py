@@ -324,11 +324,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     r = sub.add_parser("report", help="the main job: the operator map of a model on this device")
-    r.add_argument("--model", required=True, help="preset name, e.g. llama3-8b or tiny-llama3")
+    r.add_argument("--model", required=True, help="a preset (opmap models), a checkpoint directory or a config.json")
     r.add_argument("--out", metavar="DIR", help="output folder (default reports/<model>-<arch>)")
     r.add_argument("--no-check", action="store_true", help="skip the correctness lines")
     r.add_argument("--no-bench", action="store_true", help="skip the benchmarks (GPU only anyway)")
     r.add_argument("--full", action="store_true", help="full check and bench instead of --quick")
+    r.add_argument("--arch", choices=["sm80", "sm89", "sm90", "sm100", "cpu"],
+                   help="plan for this GPU arch from any machine: its selection and the expected times from "
+                        "its committed baselines (default: this device, measured)")
     r.set_defaults(func=cmd_report)
 
     from .cli_run import add_profile_parser, add_run_parser

@@ -185,7 +185,10 @@ def _profile_summary(model: str) -> dict:
 
 
 def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool = False,
-          progress: bool = True) -> dict:
+          progress: bool = True, arch: Optional[str] = None) -> dict:
+    """``arch``: plan for that GPU arch instead of this device's (the selection for it and, per
+    operator, the expected time from that GPU's committed baselines; nothing runs)."""
+    from . import plan
     from .output import environment
     from .hw import ceilings, detect, local_arch
 
@@ -194,15 +197,29 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
 
     cfg = resolve_model(model)[0]
     registry.load_all()
-    arch = local_arch()
-    on_gpu = detect().kind == "cuda"
+    here = local_arch()
+    arch = arch or here
+    planned = arch != here
+    on_gpu = detect().kind == "cuda" and not planned
     from .check.runner import step_maps
 
     maps = step_maps(cfg, arch)
-    doc = {"model": model, "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
+    doc = {"model": model, "arch": arch, "planned": planned,
+           "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
            "environment": environment(ceilings(measure=True) if on_gpu else None),
            "operators": {ph: [_choice_dict(ph, op, lb, s) for op, lb, s in m] for ph, m in maps.items()},
            "questions": questions(cfg, arch, maps)}
+    gpu, rows = plan.load_rows(arch)
+    doc["baseline_gpu"] = gpu
+    for ph, m in maps.items():
+        tokens = next((s.m for op, _, s in m if op == "gemm" and s.m), 1)  # the step's rows
+        for row, (op, lb, s) in zip(doc["operators"][ph], m):
+            row["expected"] = plan.expected(op, s, row["backend"], rows, tokens) if row["backend"] and rows else None
+    if planned:
+        why = f"planned for {arch} on this {here} machine: nothing runs here"
+        doc["engine"] = {"status": "skipped", "why": why}
+        doc["seconds"] = round(time.perf_counter() - t0, 2)
+        return doc
     if run_check:
         from .check import runner
 
@@ -224,8 +241,12 @@ def to_markdown(doc: dict) -> str:
     from .check.result import Result
     from .check.runner import to_markdown as check_md
 
+    from . import plan
+
     env, cfg = doc["environment"], doc["config"]
-    out = [f"# opmap report: {doc['model']} on {env['device']} ({env['arch']})", "",
+    where = (f"planned for {doc['arch']} (on {env['device']})" if doc.get("planned")
+             else f"on {env['device']} ({env['arch']})")
+    out = [f"# opmap report: {doc['model']} {where}", "",
            f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit `{env['commit']}`, "
            f"{env['date']}. Command: `{env['command']}`", "",
            f"Model: {cfg['arch']}, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
@@ -236,16 +257,20 @@ def to_markdown(doc: dict) -> str:
         c = env["ceilings"]
         out += [f"Ceilings: read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, bf16 GEMM "
                 f"{c['bf16_tflops']} TFLOP/s.", ""]
+    gpu = doc.get("baseline_gpu")
+    exp_head = f"expected on {gpu.upper()} (its baseline)" if gpu else "expected"
     for ph, rows in doc["operators"].items():
-        out += [f"## Operator map, {ph}", "", "| # | operator | op | backend | why | rejected |", "|---|---|---|---|---|---|"]
+        out += [f"## Operator map, {ph}", "", f"| # | operator | op | backend | why | rejected | {exp_head} |",
+                "|---|---|---|---|---|---|---|"]
         for i, r in enumerate(rows, 1):
             if r["backend"] is None:
                 out.append(f"| {i} | {r['label']} | {r['op']} | **none** | no backend can serve | "
-                           f"{_md(short_error(r['error']))} |")
+                           f"{_md(short_error(r['error']))} | |")
                 continue
-            rej = "; ".join(f"{x['name']} ({x['level']})" for x in r["rejected"])
+            rej = "; ".join(f"{x['name']} ({x['level']}: {'; '.join(x['reasons'])})" for x in r["rejected"])
+            exp = plan.describe(r.get("expected")) if gpu else f"no baseline for {doc.get('arch')}"
             out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}) | "
-                       f"{_md(r['why'])} | {_md(rej)} |")
+                       f"{_md(r['why'])} | {_md(rej)} | {_md(exp)} |")
         out.append("")
     out += ["## Questions", ""]
     for q in doc["questions"]:
@@ -287,8 +312,10 @@ def main(args) -> int:
     from .engine.config import resolve_model
 
     cfg = resolve_model(args.model)[0]  # a bad --model is an InputError: one line, exit 1
-    out = Path(args.out or f"reports/{cfg.name}-{local_arch()}")
-    doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full)
+    arch = args.arch or local_arch()
+    out = Path(args.out or f"reports/{cfg.name}-{arch}")
+    doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full,
+                arch=arch)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
     md = to_markdown(doc)
