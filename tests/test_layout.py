@@ -1,10 +1,11 @@
 """The repository's layout rules that a refactor can break without any other test noticing: no
 import cycle inside src/opmap (function-level imports included), few environment switches, and
 no file that speaks of how the work was done."""
-import ast
 import re
 import subprocess
 from pathlib import Path
+
+from opmap.check import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
@@ -19,25 +20,14 @@ def _modules() -> dict:
 
 
 def _imports(name: str, path: Path, mods: dict) -> set:
-    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    """The opmap modules a module imports (function-level imports included): the names the
+    sanitizer's fingerprint follows, each cut to the longest existing module."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        targets = []
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
-        for t in targets:
-            while t and t not in mods:
-                t = t.rpartition(".")[0]
-            if t and t != name and t.startswith("opmap"):
-                out.add(t)
+    for t in fingerprint._imports(path, (SRC / "opmap",)):
+        while t and t not in mods:
+            t = t.rpartition(".")[0]
+        if t and t != name and t.startswith("opmap"):
+            out.add(t)
     return out
 
 

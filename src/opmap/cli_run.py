@@ -8,8 +8,6 @@ import logging
 import random
 import sys
 
-from .contract import InputError
-
 
 def _range(s: str) -> tuple:
     a, _, b = s.partition(":")

@@ -7,7 +7,6 @@ Writes report.md and report.json."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Optional

@@ -2,12 +2,7 @@
 roofline PNG. Only measured numbers go in; nothing here invents or fills a figure."""
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import re
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional

@@ -40,8 +40,6 @@ class SafetensorsSource:
                     raise InputError(index, f"{k} in {v!r}", "files inside the checkpoint directory")
                 self.where[k] = fn
         else:
-            from safetensors import safe_open
-
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
                 raise InputError("model", repr(path), "a directory with *.safetensors files")
@@ -56,8 +54,6 @@ class SafetensorsSource:
         return set(self.where)
 
     def get(self, name: str, device, dtype) -> torch.Tensor:
-        from safetensors import safe_open
-
         fn = self.where[name]
         f = self._open.get(fn)
         if f is None:
