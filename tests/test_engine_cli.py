@@ -38,7 +38,7 @@ def test_run_prompt_text(capsys, single_thread):
 def test_profile_cpu(tmp_path, capsys, single_thread):
     trace = tmp_path / "t.json"
     a = parse("profile", "--model", "tiny-llama3", "--num-requests", "2", "--input-len", "20", "--output-len", "4",
-              "--steps", "3", "--trace", str(trace))
+              "--steps", "3", "--save-trace", str(trace))
     assert a.func(a) == 0
     text = capsys.readouterr().out
     assert "[prefill] 1 steps" in text and "[decode] 2 steps" in text

@@ -64,8 +64,9 @@ def _out_file(s: str) -> str:
     return s
 
 
-def _engine_args(p) -> None:
-    p.add_argument("--model", required=True, help="a preset (e.g. llama3-8b, tiny-llama3) or an HF checkpoint directory")
+def _engine_args(p, model_required: bool = True) -> None:
+    p.add_argument("--model", required=model_required,
+                   help="a preset (e.g. llama3-8b, tiny-llama3), an HF checkpoint directory or a config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
@@ -105,10 +106,16 @@ def add_run_parser(sub) -> argparse.ArgumentParser:
 
 
 def add_profile_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("profile", help="engine steps under torch.profiler: GPU time per operator category and phase")
-    _engine_args(p)
+    p = sub.add_parser("profile", help="GPU time per operator category and phase: of opmap's engine (--model) or "
+                                       "of any engine's trace (--trace FILE)")
+    _engine_args(p, model_required=False)
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="analyse this trace instead of running the engine: a PyTorch profiler Chrome trace "
+                        "(.json / .json.gz; vLLM, SGLang, HF transformers, opmap) or an Nsight Systems SQLite export")
+    p.add_argument("--png", type=_out_file, default=None, help="with --trace: write a timeline of the first steps")
+    p.add_argument("--json", type=_out_file, default=None, help="with --trace: write the analysis as JSON")
     p.add_argument("--steps", type=_positive, default=40, help="engine steps to profile")
-    p.add_argument("--trace", type=_out_file, default=None, help="write the Chrome trace here")
+    p.add_argument("--save-trace", type=_out_file, default=None, help="write the engine's Chrome trace here")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels with the most GPU time per phase (launches and us per step)")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
@@ -192,16 +199,39 @@ def cli_run(args) -> int:
     return 0 if all(o.error is None for o in outs) else 1
 
 
+def cli_trace(args) -> int:
+    """`opmap profile --trace FILE`: another engine's trace on the operator map."""
+    from .profile import analyze, plot, trace
+
+    t = trace.load(args.trace, progress=True)
+    res = analyze.analyze(t)
+    for line in analyze.format_lines(res):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(analyze.summary_json(res), f, indent=1)
+        print(f"wrote {args.json}")
+    if args.png:
+        why = plot.timeline_png(t, args.png)
+        print(f"wrote {args.png}" if why is None else f"no timeline: {why}")
+    return 0
+
+
 def cli_profile(args) -> int:
     from . import profile as P
+    from .contract import InputError
     from .ops.sampling.params import SamplingParams
 
+    if args.trace:
+        return cli_trace(args)
+    if not args.model:
+        raise InputError("profile", "neither --model nor --trace", "--model MODEL (run the engine) or --trace FILE")
     _setup_logging()
     _check_sampling(args)
     llm = _build(args, trace_ops=True)
     prompts, params = workload(llm, args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-    res = P.profile_engine(llm, prompts, params, args.steps, args.trace)
+    res = P.profile_engine(llm, prompts, params, args.steps, args.save_trace)
     print(f"opmap profile: {args.model}, {res['profiled_steps']} steps on {llm.runner.device} "
           f"({'CUDA graphs' if llm.runner.graphs else 'eager'} decode)")
     for line in P.format_profile(res):
@@ -230,6 +260,6 @@ def cli_profile(args) -> int:
                          f"({a / 1e3:.3f} -> {b / 1e3:.3f} ms): {verdict}")
     for line in lines:
         print("diagnosis: " + line)
-    if args.trace:
-        print(f"Chrome trace: {args.trace}")
+    if args.save_trace:
+        print(f"Chrome trace: {args.save_trace}")
     return 0

@@ -186,7 +186,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
 
 
 def _weight_floor_ms(llm):
-    from .hw import ceilings
+    from ..hw import ceilings
 
     c = ceilings(measure=False)
     r = llm.runner
@@ -200,7 +200,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    from .engine.metrics import StepStats
+    from ..engine.metrics import StepStats
 
     llm.add_requests(prompts, plist)
     n = 0
@@ -263,7 +263,7 @@ def format_profile(res: dict) -> list:
             head += f", GPU busy {p['busy_us'] / n / 1e3:.3f} ms/step, idle {p['idle_us'] / n / 1e3:.3f} ms/step"
         lines.append(head)
         if res.get("host_ms", {}).get(name):
-            from .engine.metrics import host_line
+            from ..engine.metrics import host_line
 
             lines.append("  host: " + host_line(res["host_ms"][name]))
         total = sum(p["by_category"].values()) or 1.0
@@ -281,8 +281,8 @@ def report_summary(model: str) -> dict:
     """The profile of a short batch-8 workload on random weights (for `opmap report`)."""
     import torch
 
-    from .engine.llm import LLM
-    from .ops.sampling.params import SamplingParams
+    from ..engine.llm import LLM
+    from ..ops.sampling.params import SamplingParams
 
     # A fixed small cache (8 x 544 tokens, with room to spare): the caller may still hold another
     # engine, whose KV cache would leave a from-free-memory sizing nothing.

@@ -1,0 +1,230 @@
+"""Any engine's trace on the operator map: each kernel's category (in this order of evidence: the
+host ranges open at its launch, the CPU op that launched it, its symbol through the symbol table),
+the trace split into engine steps and each step labelled prefill / decode / mixed, then per phase
+the GPU time per category and library, idle time, top kernels, and the diagnosis rules."""
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter, defaultdict
+from typing import Optional
+
+from . import symbols
+from .trace import Trace
+
+# Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module
+# names of HF / vLLM / SGLang layers where an engine emits them.
+_OPMAP_OP = re.compile(r"^opmap::(\w+)::")
+_OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
+                "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
+                "sampling": "sampling", "grammar_mask": "grammar"}
+_MODULE_RANGES = [("attention", re.compile(r"(?i)(self_attn|attention|Attention)\b")),
+                  ("MoE", re.compile(r"(?i)(sparse_moe|moe_block|FusedMoE|\bexperts\b)")),
+                  ("norm", re.compile(r"(?i)(layernorm|RMSNorm|_norm\b)"))]
+# Step ranges: opmap's, vLLM's and SGLang's model-runner calls, the profiler's step marks.
+_STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
+                                   r"^ProfilerStep#\d+$")]
+_DECODE = re.compile(r"(?i)decode|splitkv|split_kv|paged_attention|xqa|mmha|flash_fwd_splitkv|flash_mla|flashmla|"
+                     r"unified_attention")
+_PREFILL = re.compile(r"(?i)prefill|flash_fwd_kernel|fmha|sdpa|efficient_attention|flash_attn|RaggedKVCache|"
+                      r"_prefill_tma_kernel|attention_kernel_batched")
+
+
+def category_of(k) -> tuple[str, str, str]:
+    """(category, library, evidence) of a kernel: "range", "launcher" or "symbol"."""
+    cat, lib = symbols.classify(k.name)
+    for r in reversed(k.ranges):
+        m = _OPMAP_OP.match(r)
+        if m and m.group(1) in _OP_CATEGORY:
+            return _OP_CATEGORY[m.group(1)], lib if lib != "unknown" else "opmap", "range"
+    if cat != "other" and lib not in ("PyTorch", "unknown", "cuBLAS", "CUTLASS", "Inductor", "CUDA"):
+        return cat, lib, "symbol"  # a library's own kernel says what it is
+    by_launcher = symbols.launcher_category(k.launcher)
+    if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
+        return by_launcher, lib, "launcher"
+    for c, rx in _MODULE_RANGES:
+        if any(rx.search(r) for r in k.ranges) and cat in ("other", "GEMM", "memory copies"):
+            return (c if cat != "GEMM" else "GEMM"), lib, "range"
+    return cat, lib, "symbol"
+
+
+def steps_of(trace: Trace) -> list[dict]:
+    """Engine steps: the step ranges where the engine emits them (kernels by the range open at
+    their launch), else bursts of GPU work split at host gaps. Each: name, kernels, ts, end."""
+    ks = trace.kernels
+    named = [r for r in trace.ranges if any(p.search(r[0]) for p in _STEP)]
+    if named and ks:
+        by_name: dict = {}
+        for k in ks:
+            open_ = [r for r in k.ranges if any(p.search(r) for p in _STEP)]
+            if open_:
+                by_name.setdefault(_launch_step(k, named), []).append(k)
+        steps = []
+        for (name, ts, dur), kk in sorted(by_name.items(), key=lambda x: x[0][1]):
+            steps.append({"name": name, "kernels": kk, "ts": ts, "end": max(ts + dur, max(k.ts + k.dur for k in kk))})
+        if steps:
+            return steps
+    if not ks:
+        return []
+    gaps = [b.ts - (a.ts + a.dur) for a, b in zip(ks, ks[1:])]
+    cut = max(50.0, 20 * statistics.median([g for g in gaps if g > 0] or [1.0]))
+    steps, cur = [], [ks[0]]
+    for k, g in zip(ks[1:], gaps):
+        if g > cut:
+            steps.append(cur)
+            cur = []
+        cur.append(k)
+    steps.append(cur)
+    out = [{"name": None, "kernels": s, "ts": s[0].ts, "end": max(k.ts + k.dur for k in s)} for s in steps]
+    # a step's wall time runs to the next step's start: the host's gap between them is the step's too
+    for s, nxt in zip(out, out[1:]):
+        s["wall_end"] = nxt["ts"]
+    return out
+
+
+def _launch_step(k, named) -> tuple:
+    """The step range (name, ts, dur) whose name is the innermost step range open at k's launch."""
+    want = next(r for r in reversed(k.ranges) if any(p.search(r) for p in _STEP))
+    cands = [r for r in named if r[0] == want and r[1] <= k.ts]
+    return cands[-1] if cands else (want, k.ts, 0.0)
+
+
+def label(step: dict, long_step_us: float) -> tuple[str, str]:
+    """(phase, confidence) of a step: from its range name (high), from the attention kernels it
+    ran (medium), else from its duration against the run's longest steps (low)."""
+    name = step["name"] or ""
+    m = re.match(r"^opmap::step::(\w+)$", name)
+    if m:
+        return m.group(1), "high"
+    att = [k.name for k in step["kernels"] if category_of(k)[0] == "attention"]
+    dec = any(_DECODE.search(n) for n in att)
+    pre = any(_PREFILL.search(n) and not _DECODE.search(n) for n in att)
+    if dec or pre:
+        return ("mixed" if dec and pre else "decode" if dec else "prefill"), "medium"
+    dur = step["end"] - step["ts"]
+    return ("prefill" if dur >= 0.5 * long_step_us else "decode"), "low"
+
+
+def _busy(kernels) -> float:
+    total, end = 0.0, float("-inf")
+    for k in sorted(kernels, key=lambda k: k.ts):
+        stop = k.ts + k.dur
+        if stop > end:
+            total += stop - max(k.ts, end)
+            end = stop
+    return total
+
+
+def analyze(trace: Trace, top: int = 5) -> dict:
+    """The per-phase breakdown (times in ms) with ``other_fraction``, ``backends`` and ``diagnosis``."""
+    steps = steps_of(trace)
+    longest = max((s["end"] - s["ts"] for s in steps), default=0.0)
+    phases: dict = {}
+    libs: dict = defaultdict(Counter)
+    evidence = Counter()
+    total = other = 0.0
+    for s in steps:
+        ph, conf = label(s, longest)
+        p = phases.setdefault(ph, {"steps": 0, "gpu_ms": 0.0, "wall_ms": 0.0, "idle_ms": 0.0,
+                                   "categories": Counter(), "libraries": defaultdict(Counter), "kernels": Counter(),
+                                   "confidence": Counter()})
+        p["steps"] += 1
+        p["confidence"][conf] += 1
+        busy = _busy(s["kernels"]) / 1e3
+        wall = (s.get("wall_end", s["end"]) - s["ts"]) / 1e3
+        p["gpu_ms"] += busy
+        p["wall_ms"] += wall
+        p["idle_ms"] += max(wall - busy, 0.0)
+        # each kernel's time not covered by an earlier one, so categories add up to the busy time
+        end = float("-inf")
+        for k in sorted(s["kernels"], key=lambda k: k.ts):
+            t = max(k.ts + k.dur - max(k.ts, end), 0.0) / 1e3
+            end = max(end, k.ts + k.dur)
+            cat, lib, how = category_of(k)
+            p["categories"][cat] += t
+            p["libraries"][cat][lib] += t
+            p["kernels"][k.name[:100]] += t
+            libs[cat][lib] += t
+            evidence[how] += t
+            total += t
+            other += t if cat == "other" else 0.0
+    out_phases = {}
+    for ph, p in phases.items():
+        out_phases[ph] = {"steps": p["steps"], "gpu_ms": round(p["gpu_ms"], 4), "idle_ms": round(p["idle_ms"], 4),
+                          "wall_ms": round(p["wall_ms"], 4),
+                          "categories": {c: round(v, 4) for c, v in p["categories"].most_common()},
+                          "libraries": {c: dict(v.most_common()) for c, v in p["libraries"].items()},
+                          "top_kernels": [[n, round(v, 4)] for n, v in p["kernels"].most_common(top)],
+                          "label_confidence": dict(p["confidence"])}
+    res = {"source": trace.source, "kind": trace.kind, "kernels": len(trace.kernels), "steps": len(steps),
+           "phases": out_phases, "other_fraction": round(other / total, 4) if total else 0.0,
+           "backends": {c: [lib for lib, _ in v.most_common()] for c, v in libs.items()},
+           "evidence": {k: round(v / total, 4) for k, v in evidence.items()} if total else {}}
+    res["diagnosis"] = rules(res, trace)
+    return res
+
+
+def rules(res: dict, trace: Trace) -> list:
+    """The operator-layer playbook's rules, each line with the numbers it fired on."""
+    out = []
+    for ph, p in res["phases"].items():
+        gpu = p["gpu_ms"] or 1e-9
+        cats = p["categories"]
+        share = lambda *cs: sum(cats.get(c, 0.0) for c in cs) / gpu  # noqa: E731
+        if ph == "prefill" and share("attention", "GEMM") > 0.7:
+            out.append(f"prefill: attention + GEMM take {share('attention', 'GEMM'):.0%} of GPU time -> the compute "
+                       f"path: attention {_libs(p, 'attention')}, GEMM {_libs(p, 'GEMM')} (fusion, parallelism, a faster "
+                       "attention kernel)")
+        if ph == "decode" and share("attention", "memory copies") > 0.5:
+            out.append(f"decode: attention + memory copies take {share('attention', 'memory copies'):.0%} of GPU time "
+                       f"-> the KV layout, the paged decode kernel ({_libs(p, 'attention')}), or too small a batch")
+        if p["wall_ms"] and p["idle_ms"] / p["wall_ms"] > 0.3:
+            per = p["idle_ms"] / max(p["steps"], 1)
+            why = ["scheduling / Python on the host", "CUDA graphs not captured"]
+            if "PyTorch" in p["libraries"].get("sampling", {}):
+                why.append("a sampler fallback (sort-based sampling where a sorting-free kernel exists)")
+            out.append(f"{ph}: the GPU is idle {p['idle_ms'] / p['wall_ms']:.0%} of the step time ({per:.3f} ms a step) "
+                       f"-> the host: {'; '.join(why)}")
+        if share("communication") > 0.2:
+            out.append(f"{ph}: communication takes {share('communication'):.0%} of GPU time "
+                       f"({_libs(p, 'communication')}) -> the TP/EP layout, not the attention kernel")
+        if "sampling" in p["libraries"] and set(p["libraries"]["sampling"]) == {"PyTorch"} and \
+                any(re.search(r"(?i)sort", k) for k, _ in p["top_kernels"]):
+            out.append(f"{ph}: sampling runs PyTorch's sort ({cats.get('sampling', 0):.3f} ms) -> a sorting-free "
+                       "sampler (opmap's, FlashInfer's) serves top-k / top-p without it")
+    quant = [k for k in trace.kernels if re.search(r"(?i)e4m3|fp8|float8|int8", k.name)]
+    q_gemm = [k for k in quant if symbols.classify(k.name)[0] in ("GEMM", "MoE")]
+    if quant and not q_gemm:
+        out.append(f"quantised tensors are converted ({len(quant)} kernels such as {quant[0].name[:60]}) but no fp8 / "
+                   "int8 GEMM ran: the quantised path fell back to a dequantise kernel and a bf16 GEMM")
+    if res["other_fraction"] > 0.1:
+        out.append(f"{res['other_fraction']:.0%} of GPU time is in kernels the symbol table does not know "
+                   "(opmap/profile/symbols.json): add their symbols")
+    return out
+
+
+def _libs(p: dict, cat: str) -> str:
+    return ", ".join(p["libraries"].get(cat, {})) or "none"
+
+
+def format_lines(res: dict) -> list:
+    lines = [f"{res['source']}: {res['kernels']} kernels in {res['steps']} steps "
+             f"({res['other_fraction']:.1%} of GPU time in 'other')"]
+    for ph, p in res["phases"].items():
+        n = max(p["steps"], 1)
+        conf = ", ".join(f"{v} {k}" for k, v in p["label_confidence"].items())
+        lines.append(f"[{ph}] {p['steps']} steps (labels: {conf}); GPU busy {p['gpu_ms'] / n:.3f} ms/step, "
+                     f"idle {p['idle_ms'] / n:.3f} ms/step")
+        for cat, ms in p["categories"].items():
+            lines.append(f"  {cat:<14} {ms / n:9.3f} ms/step {ms / (p['gpu_ms'] or 1):6.1%}  "
+                         f"[{', '.join(p['libraries'].get(cat, {}))}]")
+        for name, ms in p["top_kernels"][:3]:
+            lines.append(f"    {ms / n:8.3f} ms/step  {name}")
+    return lines + [f"diagnosis: {d}" for d in res["diagnosis"]]
+
+
+def summary_json(res: dict) -> dict:
+    """The JSON ``--json`` writes."""
+    return {k: res[k] for k in ("source", "kind", "kernels", "steps", "phases", "other_fraction", "backends",
+                                "diagnosis", "evidence")}
+

@@ -1,0 +1,37 @@
+"""The symbol table (``symbols.json``, data): a kernel symbol -> (operator category, library), and
+the launching CPU op -> category for kernels whose symbol says nothing (a cuBLAS GEMM launched by
+``aten::bmm`` inside attention, an elementwise kernel under ``aten::softmax``)."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+TABLE = Path(__file__).with_name("symbols.json")
+
+
+@functools.lru_cache(maxsize=None)
+def table() -> dict:
+    d = json.loads(TABLE.read_text())
+    d["compiled"] = [(r["category"], r["library"], re.compile(r["pattern"])) for r in d["rules"]]
+    d["by_launcher"] = {op: cat for cat, ops in d["launchers"].items() if cat != "about" for op in ops}
+    return d
+
+
+def categories() -> list:
+    return list(table()["categories"])
+
+
+def classify(symbol: str) -> tuple[str, str]:
+    """(category, library) of a kernel symbol; ("other", "unknown") when no rule matches."""
+    for cat, lib, rx in table()["compiled"]:
+        if rx.search(symbol):
+            return cat, lib
+    return "other", "unknown"
+
+
+def launcher_category(op_name: Optional[str]) -> Optional[str]:
+    """The category a launching CPU op implies (None for ops that say nothing)."""
+    return table()["by_launcher"].get(op_name) if op_name else None

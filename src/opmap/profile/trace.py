@@ -1,0 +1,171 @@
+"""Trace readers: a PyTorch profiler Chrome trace (``.json`` / ``.json.gz``, as torch.profiler,
+vLLM's and SGLang's profilers and HF runs write it) and an Nsight Systems SQLite export (``nsys
+export --type sqlite``), both into one list of GPU kernels. Each kernel carries the CPU op that
+launched it (through the correlation id of its launch call) and the host ranges open at that
+launch (``record_function`` / NVTX: the engine's step and layer ranges, opmap's op ranges)."""
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..contract import InputError
+
+
+@dataclass
+class Kernel:
+    name: str
+    ts: float  # start, us
+    dur: float  # us
+    launcher: Optional[str] = None  # the innermost CPU op around the launch call
+    ranges: tuple = ()  # host ranges open at the launch, outermost first
+    stream: Optional[int] = None
+
+
+@dataclass
+class Trace:
+    kernels: list
+    ranges: list = field(default_factory=list)  # (name, ts, dur) host ranges
+    source: str = ""
+    kind: str = ""  # "chrome" or "nsys"
+
+
+def load(path: str, progress: bool = False) -> Trace:
+    """A trace file by its content: SQLite (Nsight Systems) or JSON (Chrome, gzipped or not)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError("trace", repr(path), "an existing trace file")
+    head = p.open("rb").read(16)
+    if head.startswith(b"SQLite format 3"):
+        return _nsys(p)
+    return _chrome(p, progress)
+
+
+# ---- Chrome traces ----------------------------------------------------------------------------
+
+_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+_HOST_RANGE_CATS = ("user_annotation",)
+_OP_CATS = ("cpu_op", "operator")
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime")
+
+
+def _read_json(p: Path, progress: bool) -> dict:
+    opener = gzip.open if p.suffix == ".gz" or p.open("rb").read(2) == b"\x1f\x8b" else open
+    size = p.stat().st_size
+    if progress and size > 50 * 2**20:
+        import sys
+
+        print(f"reading {p.name} ({size / 2**20:.0f} MB)...", file=sys.stderr, flush=True)
+    try:
+        with opener(p, "rt") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as e:
+        raise InputError("trace", p.name, f"a Chrome trace (JSON) or an Nsight Systems SQLite export ({e})") from None
+
+
+def _chrome(p: Path, progress: bool) -> Trace:
+    doc = _read_json(p, progress)
+    evs = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
+    if not isinstance(evs, list):
+        raise InputError("trace", p.name, "a Chrome trace with traceEvents")
+    xs = [e for e in evs if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+    kernels, host, launches = [], {}, {}
+    for e in xs:
+        cat = e.get("cat", "")
+        if cat in _GPU_CATS:
+            kernels.append(e)
+        elif cat in _HOST_RANGE_CATS or cat in _OP_CATS or cat in _LAUNCH_CATS:
+            host.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+            if cat in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
+                launches[e["args"]["correlation"]] = e
+    context = _host_context(host)
+    out = []
+    for k in kernels:
+        corr = (k.get("args") or {}).get("correlation")
+        launch = launches.get(corr)
+        op, ranges = context.get(id(launch), (None, ())) if launch is not None else (None, ())
+        name = k.get("name", "")
+        if k.get("cat") == "gpu_memcpy" and "Memcpy" not in name:
+            name = "Memcpy " + name
+        if k.get("cat") == "gpu_memset" and "Memset" not in name:
+            name = "Memset " + name
+        out.append(Kernel(name, float(k["ts"]), float(k["dur"]), op, ranges, (k.get("args") or {}).get("stream")))
+    out.sort(key=lambda k: k.ts)
+    ranges = [(e["name"], float(e["ts"]), float(e["dur"])) for evs_ in host.values() for e in evs_
+              if e.get("cat") in _HOST_RANGE_CATS]
+    return Trace(out, sorted(ranges, key=lambda r: r[1]), str(p), "chrome")
+
+
+def _host_context(host: dict) -> dict:
+    """id(launch event) -> (innermost CPU op, host ranges open), by a stack sweep per thread."""
+    out = {}
+    for evs in host.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+                stack.pop()
+            if e.get("cat") in _LAUNCH_CATS:
+                op = next((s["name"] for s in reversed(stack) if s.get("cat") in _OP_CATS), None)
+                ranges = tuple(s["name"] for s in stack if s.get("cat") in _HOST_RANGE_CATS)
+                out[id(e)] = (op, ranges)
+            stack.append(e)
+    return out
+
+
+# ---- Nsight Systems SQLite exports --------------------------------------------------------------
+
+def _nsys(p: Path) -> Trace:
+    try:
+        db = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.DatabaseError as e:
+        raise InputError("trace", p.name, f"an Nsight Systems SQLite export ({e})") from None
+    if "CUPTI_ACTIVITY_KIND_KERNEL" not in tables:
+        raise InputError("trace", p.name, "an Nsight Systems export with CUDA kernels (CUPTI_ACTIVITY_KIND_KERNEL)")
+    strings = dict(db.execute("SELECT id, value FROM StringIds")) if "StringIds" in tables else {}
+    name_col = "demangledName" if "demangledName" in _cols(db, "CUPTI_ACTIVITY_KIND_KERNEL") else "shortName"
+    rows = db.execute(f"SELECT start, end, {name_col}, correlationId, streamId FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchall()
+    launches = {}
+    if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables:
+        for start, end, corr, tid in db.execute(
+                "SELECT start, end, correlationId, globalTid FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
+            launches[corr] = (start, tid)
+    nvtx: dict = {}
+    ranges = []
+    if "NVTX_EVENTS" in tables:
+        cols = _cols(db, "NVTX_EVENTS")
+        text = "COALESCE(text, '')" + (", textId" if "textId" in cols else ", NULL")
+        for start, end, t, tid_, tid in db.execute(
+                f"SELECT start, end, {text}, globalTid FROM NVTX_EVENTS WHERE end IS NOT NULL AND end > start"):
+            name = t or strings.get(tid_, "")
+            if name:
+                nvtx.setdefault(tid, []).append((start, end, name))
+                ranges.append((name, start / 1e3, (end - start) / 1e3))
+    for v in nvtx.values():
+        v.sort()
+    out = []
+    for start, end, nm, corr, stream in rows:
+        name = strings.get(nm, str(nm)) if isinstance(nm, int) else str(nm)
+        open_ = ()
+        if corr in launches:
+            t, tid = launches[corr]
+            spans = nvtx.get(tid, [])
+            i = bisect_right(spans, (t, float("inf"), ""))
+            open_ = tuple(n for s, e, n in spans[:i] if s <= t <= e)
+        out.append(Kernel(name, start / 1e3, (end - start) / 1e3, None, open_, stream))
+    for table_, label in (("CUPTI_ACTIVITY_KIND_MEMCPY", "Memcpy"), ("CUPTI_ACTIVITY_KIND_MEMSET", "Memset")):
+        if table_ in tables:
+            for start, end in db.execute(f"SELECT start, end FROM {table_}"):
+                out.append(Kernel(label, start / 1e3, (end - start) / 1e3))
+    db.close()
+    out.sort(key=lambda k: k.ts)
+    return Trace(out, sorted(ranges, key=lambda r: r[1]), str(p), "nsys")
+
+
+def _cols(db, table: str) -> set:
+    return {r[1] for r in db.execute(f"PRAGMA table_info({table})")}

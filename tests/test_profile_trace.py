@@ -1,0 +1,186 @@
+"""`opmap profile --trace`: another engine's trace on the operator map. The traces here are built
+in the test in the two formats the reader takes (a PyTorch profiler Chrome trace with its launch
+correlation ids and record_function ranges; an Nsight Systems SQLite export's tables), with kernel
+symbols as vLLM, FlashInfer, FlashAttention, cuBLAS, NCCL and PyTorch name them."""
+import gzip
+import json
+import sqlite3
+
+import pytest
+
+from opmap import cli
+from opmap.contract import InputError
+from opmap.profile import analyze, symbols, trace
+
+
+@pytest.mark.parametrize("symbol,cat,lib", [
+    ("void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", "attention", "FlashInfer"),
+    ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4>>", "attention", "FlashAttention"),
+    ("void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, true>", "attention", "FlashAttention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128", "attention", "cuDNN"),
+    ("void vllm::paged_attention_v2_kernel<__nv_bfloat16, 128, 16>", "attention", "vLLM"),
+    ("void vllm::reshape_and_cache_flash_kernel<__nv_bfloat16>", "attention", "vLLM"),
+    ("kernel_unified_attention_2d", "attention", "vLLM"),
+    ("xqa_kernel_dt_bf16_d_128_beam_1_kvt_bf16_nq_4", "attention", "TensorRT-LLM"),
+    ("void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>", "norm", "vLLM"),
+    ("void vllm::act_and_mul_kernel<c10::BFloat16, &vllm::silu_kernel>", "activation", "vLLM"),
+    ("void vllm::rotary_embedding_kernel<c10::BFloat16, true>", "RoPE", "vLLM"),
+    ("fused_moe_kernel", "MoE", "vLLM"),
+    ("void vllm::moe::moe_align_block_size_kernel<int>", "MoE", "vLLM"),
+    ("nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "GEMM", "cuBLAS"),
+    ("void gemvx::kernel<int, int, __nv_bfloat16, __nv_bfloat16, float, false, true>", "GEMM", "cuBLAS"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "GEMM", "cuBLAS"),
+    ("void deep_gemm::fp8_gemm_kernel<128, 128>", "GEMM", "DeepGEMM"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication", "NCCL"),
+    ("TopKTopPSamplingFromProbKernel", "sampling", "FlashInfer"),
+    ("void at::native::(anonymous namespace)::sampleMultinomialOnce<float, float>", "sampling", "PyTorch"),
+    ("void cub::DeviceRadixSortOnesweepKernel<...>", "sampling", "PyTorch"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm", "Inductor"),
+    ("triton_poi_fused_mul_silu_1", "activation", "Inductor"),
+    ("_decode_kernel", "attention", "opmap"),
+    ("_gemm_kernel", "GEMM", "opmap"),
+    ("apply_token_bitmask_inplace_kernel", "grammar", "XGrammar"),
+    ("Memcpy HtoD (Pinned -> Device)", "memory copies", "CUDA"),
+])
+def test_symbol_table(symbol, cat, lib):
+    assert symbols.classify(symbol) == (cat, lib)
+
+
+def _chrome(steps):
+    """A Chrome trace of engine steps: each a host range holding cpu ops that launch kernels."""
+    evs, t, corr = [], 0.0, 0
+    for name, kernels in steps:
+        start = t
+        for op, sym, dur in kernels:
+            corr += 1
+            evs.append({"ph": "X", "cat": "cpu_op", "name": op, "ts": t, "dur": 8, "pid": 1, "tid": 1})
+            evs.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t + 1, "dur": 5,
+                        "pid": 1, "tid": 1, "args": {"correlation": corr}})
+            evs.append({"ph": "X", "cat": "kernel", "name": sym, "ts": t + 10, "dur": dur, "pid": 0, "tid": 7,
+                        "args": {"correlation": corr, "stream": 7}})
+            t += 10 + dur
+        if name:
+            evs.append({"ph": "X", "cat": "user_annotation", "name": name, "ts": start - 0.5, "dur": t - start + 1,
+                        "pid": 1, "tid": 1})
+        t += 2000  # the host between steps
+    return {"traceEvents": evs}
+
+
+PREFILL = [("aten::rms_norm", "void vllm::rms_norm_kernel<c10::BFloat16>", 20),
+           ("aten::linear", "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 400),
+           ("vllm::rotary_embedding", "void vllm::rotary_embedding_kernel<c10::BFloat16, true>", 15),
+           ("vllm::unified_attention", "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>", 900),
+           ("aten::linear", "nvjet_sm90_tst_128x128_64x4_1x2_h_bz_TNT", 300),
+           ("aten::mm", "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNN", 60),
+           ("aten::sort", "void cub::DeviceRadixSortOnesweepKernel<...>", 30)]
+DECODE = [("aten::rms_norm", "void vllm::rms_norm_kernel<c10::BFloat16>", 3),
+          ("aten::linear", "void gemvx::kernel<int, int, __nv_bfloat16>", 40),
+          ("vllm::unified_attention", "void flashinfer::BatchDecodeWithPagedKVCacheKernel<...>", 25),
+          ("aten::linear", "void gemvx::kernel<int, int, __nv_bfloat16>", 35),
+          ("aten::index_select", "void at::native::indexSelectLargeIndex<c10::BFloat16>", 4),
+          ("aten::sort", "void cub::DeviceRadixSortOnesweepKernel<...>", 30),
+          ("aten::multinomial", "void at::native::(anonymous namespace)::sampleMultinomialOnce<float>", 6)]
+
+
+def _write(tmp_path, doc, name="t.json.gz"):
+    p = tmp_path / name
+    with gzip.open(p, "wt") as f:
+        json.dump(doc, f)
+    return str(p)
+
+
+def test_a_vllm_like_trace_without_step_ranges(tmp_path):
+    """No step ranges: steps from the host gaps, labelled from the attention kernels (medium)."""
+    t = trace.load(_write(tmp_path, _chrome([(None, PREFILL)] + [(None, DECODE)] * 5)))
+    assert len(t.kernels) == 7 * 6 and t.kernels[0].launcher == "aten::rms_norm"
+    res = analyze.analyze(t)
+    assert res["steps"] == 6 and set(res["phases"]) == {"prefill", "decode"}
+    dec, pre = res["phases"]["decode"], res["phases"]["prefill"]
+    assert dec["steps"] == 5 and dec["label_confidence"] == {"medium": 5}
+    assert list(pre["libraries"]["attention"]) == ["FlashInfer"] and list(dec["libraries"]["attention"]) == ["FlashInfer"]
+    # the categories' times: each kernel once, as the trace ran them
+    assert dec["categories"]["GEMM"] == pytest.approx(5 * 75 / 1e3)
+    assert dec["categories"]["attention"] == pytest.approx(5 * 25 / 1e3)
+    assert pre["categories"]["attention"] == pytest.approx(0.9)
+    assert res["other_fraction"] <= 0.1
+    assert any(d.startswith("prefill: attention + GEMM take") for d in res["diagnosis"])
+    assert any("sorting-free sampler" in d for d in res["diagnosis"])
+    assert any(d.startswith("decode: the GPU is idle") for d in res["diagnosis"])  # 2 ms of host between steps
+
+
+def test_step_ranges_and_opmap_op_ranges(tmp_path):
+    steps = [("opmap::step::prefill", [("opmap::attention::attention (paged)::triton", "_prefill_kernel", 300)]),
+             ("opmap::step::decode", [("opmap::gemm::QKV proj::triton-decode", "_gemm_kernel", 50),
+                                      ("opmap::attention::attention (paged)::triton", "_decode_kernel", 20)])]
+    doc = _chrome(steps)
+    for e in doc["traceEvents"]:  # opmap's op ranges are user annotations around the launches
+        if e["cat"] == "cpu_op":
+            e["cat"] = "user_annotation"
+    res = analyze.analyze(trace.load(_write(tmp_path, doc)))
+    assert res["phases"]["prefill"]["label_confidence"] == {"high": 1}
+    assert res["phases"]["decode"]["categories"] == {"GEMM": 0.05, "attention": 0.02}
+    assert res["backends"]["attention"] == ["opmap"] and res["evidence"].get("range", 0) > 0.9
+
+
+def _nsys(path):
+    db = sqlite3.connect(path)
+    db.executescript("""
+      CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);
+      CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, end INT, demangledName INT, shortName INT,
+                                               correlationId INT, streamId INT);
+      CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, end INT, correlationId INT, globalTid INT);
+      CREATE TABLE NVTX_EVENTS (start INT, end INT, text TEXT, textId INT, globalTid INT);
+      CREATE TABLE CUPTI_ACTIVITY_KIND_MEMCPY (start INT, end INT);
+    """)
+    names = ["ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+             "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "void flash::flash_fwd_splitkv_kernel<...>"]
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", list(enumerate(names)))
+    t, c = 0, 0
+    for step in range(3):
+        db.execute("INSERT INTO NVTX_EVENTS VALUES (?, ?, ?, NULL, 1)", (t, t + 400_000, "execute_model"))
+        for sid, dur in ((1, 60_000), (2, 30_000), (0, 150_000)):  # ns: GEMM, attention, all-reduce
+            c += 1
+            db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, 1)", (t + 1000, t + 2000, c))
+            db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?, ?, ?, 7)",
+                       (t + 5000, t + 5000 + dur, sid, sid, c))
+            t += 5000 + dur
+        t += 1_000_000
+    db.commit()
+    db.close()
+
+
+def test_an_nsight_systems_export(tmp_path):
+    p = str(tmp_path / "run.sqlite")
+    _nsys(p)
+    t = trace.load(p)
+    assert t.kind == "nsys" and len(t.kernels) == 9 and t.kernels[0].ranges == ("execute_model",)
+    res = analyze.analyze(t)
+    assert res["steps"] == 3 and list(res["phases"]) == ["decode"]  # flash_fwd_splitkv: a decode kernel
+    p_ = res["phases"]["decode"]
+    assert p_["categories"]["communication"] == pytest.approx(0.45) and res["backends"]["communication"] == ["NCCL"]
+    assert any("communication takes" in d and "TP/EP layout" in d for d in res["diagnosis"])
+
+
+def test_cli_prints_writes_json_and_png(tmp_path, capsys):
+    path = _write(tmp_path, _chrome([(None, PREFILL)] + [(None, DECODE)] * 3))
+    out_json, out_png = tmp_path / "a.json", tmp_path / "a.png"
+    assert cli.main(["profile", "--trace", path, "--json", str(out_json), "--png", str(out_png)]) == 0
+    text = capsys.readouterr().out
+    assert "[decode] 3 steps" in text and "FlashInfer" in text and "diagnosis:" in text
+    doc = json.loads(out_json.read_text())
+    assert {"phases", "other_fraction", "backends", "diagnosis"} <= set(doc)
+    assert {"steps", "gpu_ms", "idle_ms", "categories"} <= set(doc["phases"]["decode"])
+    if "no timeline" not in text:
+        assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_trace_files_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{ not json")
+    assert cli.main(["profile", "--trace", str(bad)]) == 1
+    assert capsys.readouterr().err.strip().startswith("opmap profile: error: trace")
+    assert cli.main(["profile", "--trace", str(tmp_path / "none.json")]) == 1
+    assert cli.main(["profile"]) == 1
+    assert "--model MODEL (run the engine) or --trace FILE" in capsys.readouterr().err
+    with pytest.raises(InputError):
+        trace.load(str(bad))
