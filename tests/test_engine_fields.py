@@ -78,3 +78,19 @@ def test_linear_rope_scaling_and_a_refused_kind(single_thread):
     d["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(InputError, match="rope_scaling.*'dynamic'"):
         from_hf_config(d)
+
+
+@pytest.mark.parametrize("name,window", [("tiny-mistral", 8), ("tiny-mixtral", 6)])
+def test_sliding_window_models(name, window, single_thread):
+    """Mistral (and Mixtral with a window): every layer attends to the last W keys; prompts longer
+    than the window, so the window changes the tokens (checked: the same model without it differs)."""
+    cfg = dataclasses.replace(PRESETS[name], sliding_window=window)
+    hf = make_hf_model(cfg, seed=4)
+    prompts = random_prompts(cfg.vocab, (19, 23), seed=4)
+    llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_seqs=2, num_pages=32, page_size=16,
+              max_num_batched_tokens=16)  # chunked prefill: the window crosses chunks
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert from_hf_config(to_hf_config(cfg).to_dict()).sliding_window == window
+    full = LLM(dataclasses.replace(cfg, sliding_window=None), source=StateDictSource(hf.state_dict()),
+               max_num_seqs=2, num_pages=32, page_size=16)
+    assert [o.token_ids for o in full.generate(prompts, GREEDY)] != [hf_greedy(hf, p, 6) for p in prompts]

@@ -33,7 +33,7 @@ def forced(cfg) -> dict:
     return f
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe", "tiny-mistral"])
 def test_triton_path_matches_hf(name, single_thread):
     cfg = PRESETS[name]
     if not cfg.is_mla:

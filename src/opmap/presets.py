@@ -30,6 +30,7 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     rope_style: str = "neox"
     rms_eps: float = 1e-5
+    sliding_window: Optional[int] = None  # every layer attends to the last W keys (Mistral)
     attention_bias: bool = False  # q/k/v projection biases
     o_bias: bool = False  # output projection bias (Llama and Qwen3 with attention_bias; not Qwen2)
     mlp_bias: bool = False  # gate/up/down projection biases (Llama's mlp_bias)
@@ -120,6 +121,8 @@ _add(ModelConfig("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 128, 18944, 152064, max
                  rope_theta=1e6, rms_eps=1e-6, attention_bias=True))
 _add(ModelConfig("qwen3-8b", "qwen3", 4096, 36, 32, 8, 128, 12288, 151936, max_position=40960,
                  rope_theta=1e6, rms_eps=1e-6, qk_norm=True))
+_add(ModelConfig("mistral-7b", "mistral", 4096, 32, 32, 8, 128, 14336, 32000, max_position=32768,
+                 rope_theta=10000.0, sliding_window=4096))
 _add(ModelConfig("mixtral-8x7b", "mixtral", 4096, 32, 32, 8, 128, 14336, 32000, max_position=32768,
                  rope_theta=1e6, num_experts=8, top_k=2, moe_intermediate=14336))
 _add(ModelConfig("qwen3-30b-a3b", "qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, max_position=40960,
@@ -141,6 +144,7 @@ _TINY_COMMON = dict(hidden=64, layers=2, head_dim=16, intermediate=128, vocab=51
 _tiny("llama3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-llama3
 _tiny("qwen2.5-7b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen2
 _tiny("qwen3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen3
+_tiny("mistral-7b", heads=4, kv_heads=2, sliding_window=8, **_TINY_COMMON)  # tiny-mistral
 _tiny("mixtral-8x7b", heads=4, kv_heads=2, num_experts=4, top_k=2, moe_intermediate=96,
       **_TINY_COMMON)  # tiny-mixtral
 PRESETS["tiny-qwen3moe"] = dataclasses.replace(
@@ -205,7 +209,7 @@ def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_si
             kv_dtype=kv_dtype, cuda_graph=graph, arch=arch, phase=phase)))
         out.append(("attention", "attention (paged)", S.AttentionSpec(
             num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, **base)))
+            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, sliding_window=bool(cfg.sliding_window), **base)))
         out.append(("gemm", "O proj", S.GemmSpec(m=tokens, n=h, k=cfg.heads * cfg.head_dim, dtype=dtype,
                                                  **base)))
     out.append(("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True, **base)))

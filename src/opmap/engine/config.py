@@ -14,7 +14,7 @@ from typing import Optional
 from ..presets import PRESETS, ModelConfig, get_preset
 
 # HF model_type -> our arch name (the presets use the same names).
-HF_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
             "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2"}
 
 
@@ -112,15 +112,17 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
               attention_bias=bool(d.get("attention_bias", False)))
     if arch in ("llama", "qwen3", "qwen3_moe"):
         kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
+    if arch in ("mistral", "mixtral"):
+        kw["sliding_window"] = d.get("sliding_window") or None  # every layer, as HF's attention does
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+        raise InputError("config.json use_sliding_window", "true",
+                         f"false ({mt}'s per-layer sliding window is not implemented)")
     if d.get("mlp_bias"):
         if arch != "llama":
             raise InputError("config.json mlp_bias", repr(d.get("mlp_bias")), f"false for {mt} (only Llama's is read)")
         kw["mlp_bias"] = True
     if arch == "qwen2":
         kw["attention_bias"] = True  # Qwen2 always has q/k/v biases (no config switch)
-        if d.get("use_sliding_window"):
-            raise InputError("config.json use_sliding_window", "true",
-                             "false (Qwen2's per-layer sliding window is not implemented)")
     if arch in ("qwen3", "qwen3_moe"):
         kw["qk_norm"] = True
     if arch == "mixtral":
@@ -199,6 +201,9 @@ def to_hf_config(cfg: ModelConfig, **overrides):
     if a == "llama":
         c = T.LlamaConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
                           attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
+    elif a == "mistral":
+        c = T.MistralConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                            sliding_window=cfg.sliding_window, **common)
     elif a == "qwen2":
         c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
     elif a == "qwen3":
@@ -206,6 +211,7 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                           attention_bias=cfg.attention_bias, **common)
     elif a == "mixtral":
         c = T.MixtralConfig(intermediate_size=cfg.moe_intermediate, head_dim=cfg.head_dim,
+                            sliding_window=cfg.sliding_window,
                             num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, **common)
     elif a == "qwen3_moe":
         c = T.Qwen3MoeConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,

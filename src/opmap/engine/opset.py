@@ -86,7 +86,8 @@ class OpSet:
                     "RoPE + KV append (one launch)"
                 self.rope_append = self._use(app, label, "rope_append")
             aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
+                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph,
+                                    sliding_window=bool(cfg.sliding_window), **base)
             self.attention = self._pick("attention", "attention (paged)", aspec, phase)
         self.attn_backend = self.choices[-1][2].backend
         self.make_workspace = (self.attn_backend.fn("make_workspace")
