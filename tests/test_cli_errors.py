@@ -145,10 +145,14 @@ def test_report_takes_a_checkpoint_directory(ckpt, tmp_path, capsys):
     assert "opmap report: error: model: got 'no-such-model'" in capsys.readouterr().err
 
 
-def test_report_plans_for_another_gpu_from_its_baselines(tmp_path):
+def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     """--arch sm90 on this CPU machine: the sm90 selection, nothing run, and per operator the
-    nearest measured row of the selected backend in bench/baselines/h200 (file, commit)."""
+    nearest measured row of the selected backend in bench/baselines/h200 (file, commit); stdout
+    gets the summary (one screen) and the output path, the Markdown starts with the same summary."""
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm90", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) <= 40 and out[0] == "opmap report: llama3-8b (llama, 32 layers) planned for sm90"
+    assert out[-1].startswith("wrote ") and "report.md" in out[-1]
     doc = json.loads((tmp_path / "p" / "report.json").read_text())
     assert doc["planned"] and doc["arch"] == "sm90" and doc["baseline_gpu"] == "h200"
     dec = {r["label"]: r for r in doc["operators"]["decode"]}
@@ -160,5 +164,6 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path):
     assert pre["QKV proj"]["backend"] == "cublas" and pre["QKV proj"]["expected"]["provider"] == "cublas"
     md = (tmp_path / "p" / "report.md").read_text()
     assert "planned for sm90" in md and "expected on H200 (its baseline)" in md and "h200/gemm.json" in md
+    assert md.index("## Summary") < md.index("## Operator map, prefill")
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm80", "--out", str(tmp_path / "q")]) == 0
     assert "no baseline for sm80" in (tmp_path / "q" / "report.md").read_text()

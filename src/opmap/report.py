@@ -111,16 +111,10 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
 
 
 def _stop_line() -> str:
-    """Stop is not a registry op; say where the engine checks it, from that module's own docstring."""
-    try:
-        import importlib
-
-        mod = importlib.import_module("opmap.engine.stop")
-        fn = next(n for n in ("check_stop", "check") if hasattr(mod, n))
-        doc = " ".join((mod.__doc__ or "").split())
-        return f"stop: not a registry op; on the host after each sampled token, `{mod.__name__}.{fn}`: {doc}"
-    except Exception as e:
-        return f"stop: not a registry op; the engine's stop module is not importable here ({type(e).__name__})"
+    """Stop is not a registry op: where the engine checks it, in one sentence."""
+    return ("stop: not a registry op; on the host, after each step's tokens are read back, one "
+            "`opmap.ops.sampling.stop.StopChecker` per request (EOS, stop ids, stop strings on the "
+            "detokenised text, max_tokens, grammar end) and the engine's max_model_len")
 
 
 def _moe_kind(ch: Choice) -> str:
@@ -245,7 +239,7 @@ def to_markdown(doc: dict) -> str:
     env, cfg = doc["environment"], doc["config"]
     where = (f"planned for {doc['arch']} (on {env['device']})" if doc.get("planned")
              else f"on {env['device']} ({env['arch']})")
-    out = [f"# opmap report: {doc['model']} {where}", "",
+    out = [f"# opmap report: {doc['model']} {where}", "", "## Summary", ""] + summary_lines(doc)[1:] + ["",
            f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit `{env['commit']}`, "
            f"{env['date']}. Command: `{env['command']}`", "",
            f"Model: {cfg['arch']}, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
@@ -301,6 +295,33 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def summary_lines(doc: dict) -> list:
+    """One screen: the four answers, the largest expected share per phase, correctness, diagnosis."""
+    from . import plan
+
+    cfg = doc["config"]
+    where = f"planned for {doc['arch']}" if doc.get("planned") else f"on {doc['environment']['device']}"
+    out = [f"opmap report: {doc['model']} ({cfg['arch']}, {cfg['layers']} layers) {where}"]
+    for q in doc["questions"]:
+        out.append(f"- {q['question']}")
+        out += [f"    {a}" for a in q["answer"][:3]]
+    gpu = doc.get("baseline_gpu")
+    n = sum(1 for rows in doc["operators"].values() for r in rows if r.get("expected"))
+    out.append(f"- expected times: {n} operators with the nearest measured case of their backend in the {gpu.upper()} "
+               "baseline (the operator map below; the case's shape, not this model's)" if gpu and n else
+               f"- expected times: no baseline for {doc.get('arch')}")
+    if "check" in doc:
+        s = doc["check"]["summary"]
+        out.append(f"- correctness: {s['passed']} of {s['total']} checks pass" + (f", {s['failed']} fail" if s["failed"] else ""))
+    e = doc.get("engine", {})
+    lines = [ln for ln in (e.get("profile") or {}).get("lines", []) if "->" in ln]
+    if lines:
+        out.append(f"- diagnosis: {lines[0]}")
+    elif e.get("status") != "ok":
+        out.append(f"- engine: {e.get('why', 'not run')}")
+    return out
+
+
 def _md(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
@@ -319,7 +340,8 @@ def main(args) -> int:
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
     md = to_markdown(doc)
     (out / "report.md").write_text(md)
-    print(md)
+    for line in summary_lines(doc):
+        print(line)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
     failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
     missing = sum(r["backend"] is None for rows in doc["operators"].values() for r in rows)
