@@ -12,17 +12,39 @@ from typing import Optional
 
 import torch
 
-from . import decode as _decode
-from . import kv_append as _append
-from . import merge as _merge
-from . import prefill as _prefill
+
+# The kernel modules (Triton) load on the first call, not with ``import opmap``: registering the ops
+# costs only torch.
+def _decode():
+    from . import decode
+
+    return decode
+
+
+def _append():
+    from . import kv_append
+
+    return kv_append
+
+
+def _merge():
+    from . import merge
+
+    return merge
+
+
+def _prefill():
+    from . import prefill
+
+    return prefill
+
 
 
 @torch.library.custom_op("opmap::paged_kv_append", mutates_args=("k_cache", "v_cache"))
 def paged_kv_append(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor, k_scale: Optional[torch.Tensor] = None,
                     v_scale: Optional[torch.Tensor] = None) -> None:
-    _append.append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    _append().append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 @paged_kv_append.register_fake
@@ -36,7 +58,7 @@ def attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       window: Optional[int] = None, soft_cap: Optional[float] = None,
                       k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _prefill.prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=scale, causal=causal,
+    return _prefill().prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=scale, causal=causal,
                             window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
 
@@ -52,7 +74,7 @@ def attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, scale: float, window: Optional[int] = None,
                      soft_cap: Optional[float] = None, k_scale: Optional[torch.Tensor] = None,
                      v_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decode.decode(q, k_cache, v_cache, seq_lens, block_tables, scale=scale, window=window,
+    return _decode().decode(q, k_cache, v_cache, seq_lens, block_tables, scale=scale, window=window,
                           soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=True)
 
 
@@ -65,7 +87,7 @@ def _(q, k_cache, v_cache, seq_lens, block_tables, scale, window=None, soft_cap=
 @torch.library.custom_op("opmap::attention_merge", mutates_args=())
 def attention_merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _merge.merge(o_a, lse_a, o_b, lse_b)
+    return _merge().merge(o_a, lse_a, o_b, lse_b)
 
 
 @attention_merge.register_fake

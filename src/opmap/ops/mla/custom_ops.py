@@ -11,16 +11,33 @@ from typing import Optional
 
 import torch
 
-from . import append as _append
-from . import decode as _decode
-from . import prefill as _prefill
+
+# The kernel modules (Triton) load on the first call, not with ``import opmap``: registering the ops
+# costs only torch.
+def _append():
+    from . import append
+
+    return append
+
+
+def _decode():
+    from . import decode
+
+    return decode
+
+
+def _prefill():
+    from . import prefill
+
+    return prefill
+
 
 
 @torch.library.custom_op("opmap::mla_decode", mutates_args=())
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, seq_lens: torch.Tensor,
                block_tables: torch.Tensor, scale: float,
                kv_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decode.mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, scale=scale,
+    return _decode().mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, scale=scale,
                               kv_scale=kv_scale, return_lse=True)
 
 
@@ -35,7 +52,7 @@ def mla_sparse_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, indices: torch.Tensor,
                       scale: float, kv_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _decode.mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices,
+    return _decode().mla_sparse_decode(q_nope, q_pe, cache, seq_lens, block_tables, indices,
                                      scale=scale, kv_scale=kv_scale, return_lse=True)
 
 
@@ -50,7 +67,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w
                 w_vc: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                 block_tables: torch.Tensor, scale: float, kv_scale: Optional[torch.Tensor] = None,
                 causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    return _prefill.mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables,
+    return _prefill().mla_prefill(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables,
                                 scale=scale, kv_scale=kv_scale, causal=causal, return_lse=True)
 
 
@@ -64,7 +81,7 @@ def _(q_nope, q_pe, cache, w_kc, w_vc, cu_seqlens_q, seq_lens, block_tables, sca
 @torch.library.custom_op("opmap::append_mla", mutates_args=("cache",))
 def append_mla(ckv: torch.Tensor, kpe: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                kv_scale: Optional[torch.Tensor] = None) -> None:
-    _append.append_mla(ckv, kpe, cache, slot_mapping, kv_scale)
+    _append().append_mla(ckv, kpe, cache, slot_mapping, kv_scale)
 
 
 @append_mla.register_fake
