@@ -14,7 +14,7 @@ from .trace import Trace
 
 # Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module
 # names of HF / vLLM / SGLang layers where an engine emits them.
-_OPMAP_OP = re.compile(r"^opmap::(\w+)::")
+_OP_RANGE = re.compile(r"^opmap::(\w+)::")
 _OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
                 "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
                 "sampling": "sampling", "grammar_mask": "grammar"}
@@ -34,7 +34,7 @@ def category_of(k) -> tuple[str, str, str]:
     """(category, library, evidence) of a kernel: "range", "launcher" or "symbol"."""
     cat, lib = symbols.classify(k.name)
     for r in reversed(k.ranges):
-        m = _OPMAP_OP.match(r)
+        m = _OP_RANGE.match(r)
         if m and m.group(1) in _OP_CATEGORY:
             return _OP_CATEGORY[m.group(1)], lib if lib != "unknown" else "opmap", "range"
     if cat != "other" and lib not in ("PyTorch", "unknown", "cuBLAS", "CUTLASS", "Inductor", "CUDA"):
