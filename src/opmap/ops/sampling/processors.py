@@ -61,7 +61,7 @@ def apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, p
 
 
 def apply_temperature(logits, temperature) -> None:
-    B, V = check_logits(logits)
+    B, V = check_logits(logits, written=True)
     check_row_params(B, logits.device, temperature=(temperature, torch.float32))
     if B == 0:
         return

@@ -49,7 +49,7 @@ def apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, p
 
 
 def apply_temperature(logits, temperature) -> None:
-    B, _ = check_logits(logits)
+    B, _ = check_logits(logits, written=True)
     check_row_params(B, logits.device, temperature=(temperature, torch.float32))
     t = temperature.float()[:, None]
     l = logits.float()

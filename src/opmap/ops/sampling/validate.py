@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import expect_same_device, expect_tensor
+from ...contract import expect, expect_same_device, expect_tensor
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
 
 
-def check_logits(logits, arg="logits"):
+def check_logits(logits, arg="logits", written: bool = False):
+    """``written``: the op writes the logits in place, so an expanded view is refused."""
     expect_tensor(arg, logits, dtype=FLOATS, ndim=2, last_dim_contiguous=True)
+    if written:
+        expect(all(s != 0 or n <= 1 for s, n in zip(logits.stride(), logits.shape)), arg,
+               f"strides {logits.stride()}", "a tensor whose elements are distinct memory (it is written in place)")
     return logits.shape
 
 
@@ -33,7 +37,7 @@ def check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions
 
 
 def check_penalty_args(logits, prompt_mask, output_counts, repetition, frequency, presence):
-    B, V = check_logits(logits)
+    B, V = check_logits(logits, written=True)
     expect_tensor("prompt_mask", prompt_mask, dtype=torch.bool, shape=(B, V), last_dim_contiguous=True)
     expect_tensor("output_counts", output_counts, dtype=INTS, shape=(B, V), last_dim_contiguous=True)
     expect_same_device(logits=logits, prompt_mask=prompt_mask, output_counts=output_counts)
