@@ -74,6 +74,13 @@ def expect_tensor(
     return t
 
 
+def expect_writable(arg: str, t: torch.Tensor) -> None:
+    """A tensor an op writes in place: no element shared by two indices (an expanded view)."""
+    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)):
+        raise InputError(arg, f"strides {t.stride()}",
+                         "a tensor whose elements are distinct memory (it is written; an expanded view is not)")
+
+
 def expect_same_device(**tensors: torch.Tensor) -> torch.device:
     items = [(k, v) for k, v in tensors.items() if v is not None]
     dev = items[0][1].device

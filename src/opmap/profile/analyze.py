@@ -7,17 +7,14 @@ from __future__ import annotations
 import re
 import statistics
 from collections import Counter, defaultdict
-from typing import Optional
 
 from . import symbols
+from .engine import OP_CATEGORY as _OP_CATEGORY
 from .trace import Trace
 
 # Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module
 # names of HF / vLLM / SGLang layers where an engine emits them.
 _OP_RANGE = re.compile(r"^opmap::(\w+)::")
-_OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
-                "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
-                "sampling": "sampling", "grammar_mask": "grammar"}
 _MODULE_RANGES = [("attention", re.compile(r"(?i)(self_attn|attention|Attention)\b")),
                   ("MoE", re.compile(r"(?i)(sparse_moe|moe_block|FusedMoE|\bexperts\b)")),
                   ("norm", re.compile(r"(?i)(layernorm|RMSNorm|_norm\b)"))]

@@ -3,15 +3,14 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import expect, expect_same_device, expect_tensor
+from ...contract import expect, expect_same_device, expect_tensor, expect_writable
 
 
 def check_bitmask_args(logits, bitmask, rows) -> None:
     expect_tensor("logits", logits, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2,
                   last_dim_contiguous=True)
     B, V = logits.shape
-    expect(all(s != 0 or n <= 1 for s, n in zip(logits.stride(), logits.shape)), "logits",
-           f"strides {logits.stride()}", "a tensor whose elements are distinct memory (it is written in place)")
+    expect_writable("logits", logits)
     W = (V + 31) // 32
     expect_tensor("bitmask", bitmask, dtype=torch.int32, shape=(B, W), last_dim_contiguous=True)
     if rows is not None:

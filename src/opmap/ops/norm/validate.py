@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect, expect_same_device, expect_tensor
+from opmap.contract import expect, expect_same_device, expect_tensor, expect_writable
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _expect_writable(arg, t) -> None:
-    """A tensor the op writes: no element shared by two indices (an expanded view cannot be written)."""
-    expect(all(s != 0 or n <= 1 for s, n in zip(t.stride(), t.shape)), arg, f"strides {t.stride()}",
-           "a tensor whose elements are distinct memory (it is written; an expanded view is not)")
 
 
 def check_norm(x, weight, eps, residual=None, out=None) -> int:
@@ -28,10 +22,10 @@ def check_norm(x, weight, eps, residual=None, out=None) -> int:
     expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
     if residual is not None:
         expect_tensor("residual", residual, dtype=x.dtype, shape=tuple(x.shape), last_dim_contiguous=True)
-        _expect_writable("residual", residual)
+        expect_writable("residual", residual)
     if out is not None:
         expect_tensor("out", out, dtype=x.dtype, shape=tuple(x.shape), last_dim_contiguous=True)
-        _expect_writable("out", out)
+        expect_writable("out", out)
     expect_same_device(x=x, weight=weight, residual=residual, out=out)
     return hidden
 
@@ -39,7 +33,7 @@ def check_norm(x, weight, eps, residual=None, out=None) -> int:
 def check_qk_norm(qk, w_q, w_k, num_q_heads, eps) -> tuple:
     """Validate qk_rmsnorm's arguments; returns (tokens, heads, head_dim)."""
     expect_tensor("qk", qk, dtype=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
-    _expect_writable("qk", qk)
+    expect_writable("qk", qk)
     T, NH, D = qk.shape
     expect(D > 0, "qk", f"head_dim {D}", "head_dim > 0")
     expect(isinstance(num_q_heads, int) and 0 <= num_q_heads <= NH, "num_q_heads", repr(num_q_heads),

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect, expect_in, expect_same_device, expect_tensor
+from opmap.contract import expect, expect_in, expect_same_device, expect_tensor, expect_writable
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 STYLES = ("neox", "gptj")
-
-
-def _expect_writable(arg, t) -> None:
-    """A tensor the op writes: no element shared by two indices (an expanded view cannot be written)."""
-    expect(all(s != 0 or n <= 1 for s, n in zip(t.stride(), t.shape)), arg, f"strides {t.stride()}",
-           "a tensor whose elements are distinct memory (it is written; an expanded view is not)")
 
 
 def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> int:
@@ -27,8 +21,8 @@ def check_rope(q, k, positions, cos_sin, style, check_values: bool = False) -> i
     expect_tensor("q", q, dtype=FLOAT_DTYPES, ndim=3, last_dim_contiguous=True)
     T, _, D = q.shape
     expect_tensor("k", k, dtype=q.dtype, ndim=3, last_dim_contiguous=True)
-    _expect_writable("q", q)
-    _expect_writable("k", k)
+    expect_writable("q", q)
+    expect_writable("k", k)
     expect(k.shape[0] == T and k.shape[2] == D, "k", f"shape {tuple(k.shape)}",
            f"shape ({T}, Hk, {D}) (tokens and head_dim of q)")
     expect_tensor("positions", positions, dtype=(torch.int64, torch.int32), shape=(T,), contiguous=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import expect, expect_same_device, expect_tensor
+from ...contract import expect_same_device, expect_tensor, expect_writable
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
@@ -14,8 +14,7 @@ def check_logits(logits, arg="logits", written: bool = False):
     """``written``: the op writes the logits in place, so an expanded view is refused."""
     expect_tensor(arg, logits, dtype=FLOATS, ndim=2, last_dim_contiguous=True)
     if written:
-        expect(all(s != 0 or n <= 1 for s, n in zip(logits.stride(), logits.shape)), arg,
-               f"strides {logits.stride()}", "a tensor whose elements are distinct memory (it is written in place)")
+        expect_writable(arg, logits)
     return logits.shape
 
 
