@@ -8,7 +8,7 @@ from opmap.contract import InputError
 from opmap.ops.attention import decode as D
 from opmap.ops.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.custom_ops import attention_decode, attention_prefill
+from opmap.api.custom_ops import attention_decode, attention_prefill
 from opmap.ops.attention.testing import make_paged, make_query
 
 

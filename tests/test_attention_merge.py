@@ -5,7 +5,7 @@ import torch
 from opmap.contract import InputError
 from opmap.ops.attention import merge as M
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.custom_ops import attention_merge
+from opmap.api.custom_ops import attention_merge
 from opmap.tolerance import assert_close
 
 

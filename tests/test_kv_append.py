@@ -6,7 +6,7 @@ import torch
 from opmap.contract import InputError
 from opmap.ops.attention import kv_append as A
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.custom_ops import paged_kv_append
+from opmap.api.custom_ops import paged_kv_append
 
 
 def _caches(P, page, hk, d, dtype):

@@ -174,7 +174,7 @@ def test_unknown_scaling_is_rejected():
 
 
 def test_custom_op_opcheck():
-    from opmap.ops.rope import custom_ops  # noqa: F401
+    import opmap  # noqa: F401  (registers torch.ops.opmap.*)
 
     cs = ref.cos_sin_cache(16, 8)
     args = (torch.randn(3, 2, 16), torch.randn(3, 1, 16), torch.tensor([0, 5, 7]), cs, "gptj")

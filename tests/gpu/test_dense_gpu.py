@@ -214,8 +214,8 @@ def test_decode_linear_autotuned_cuda_graph_replay(fmt, monkeypatch):
 
 
 def test_custom_ops_under_torch_compile():
-    from opmap.ops.activation import custom_ops as _a  # noqa: F401
-    from opmap.ops.norm import custom_ops as _n  # noqa: F401
+    import opmap  # noqa: F401  (registers torch.ops.opmap.*)
+    import opmap  # noqa: F401  (registers torch.ops.opmap.*)
 
     def block(x, res, w):
         h = torch.ops.opmap.add_rmsnorm(x, res, w, 1e-6)

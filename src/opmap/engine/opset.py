@@ -1,7 +1,8 @@
 """The operators of one model step, resolved once through the selector.
 
 An ``OpSet`` holds, for one phase (prefill / mixed / decode) and one row count, the callable of
-every operator the model runs: ``select(op, spec).backend.fn(entry)``. It is built when the model
+every operator the model runs: the selector's choice and its entry, resolved as the public op
+functions resolve theirs (``opmap.api.dispatch.entry_of``). It is built when the model
 is built, never per step; the engine logs each choice once per op and phase
 (``Choice.condensed()``). On the CPU the selector picks the fp32 references; the same code picks
 Triton / cuBLAS / ... on a GPU.
@@ -13,6 +14,7 @@ from typing import Optional
 
 from .. import specs as S
 from ..presets import ModelConfig, _scaling
+from ..api.dispatch import entry_of
 from ..select import select
 
 # False: RoPE (with Qwen3's q/k norm) and the KV append as separate launches (tests compare the two).
@@ -120,7 +122,7 @@ class OpSet:
 
     def _use(self, choice, label: str, entry: str):
         self.choices.append((label, entry, choice))
-        fn = choice.backend.fn(entry)
+        fn = entry_of(choice, entry)[1]  # the callable a user's opmap.<op> call runs for this spec
         return _ranged(fn, f"opmap::{choice.op}::{label}::{choice.backend.name}") if self.trace else fn
 
     def summary(self) -> list:

@@ -13,6 +13,7 @@ import torch
 
 from .. import specs as S
 from ..ops.sampling.batch import SamplingTensors, penalty_state, to_device, update_output_counts
+from ..api.dispatch import entry_of
 from ..select import select
 from .opset import _ranged
 
@@ -27,7 +28,7 @@ class Sampler:
         def pick(op, spec, entry):
             c = select(op, spec, backend=forced.get(op))
             self.choices.append((entry, c))
-            fn = c.backend.fn(entry)
+            fn = entry_of(c, entry)[1]
             return _ranged(fn, f"opmap::{op}::{entry}::{c.backend.name}") if trace else fn
 
         lspec = S.LogitsSpec(vocab=vocab, penalties=True, **base)

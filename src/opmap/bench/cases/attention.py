@@ -105,18 +105,14 @@ def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
 
 
 def _public_decode(custom_op: bool):
-    """The decode as another engine calls it: the public entry without a workspace, or the
-    ``torch.ops.opmap.attention_decode`` custom op (each plans its split-KV itself)."""
+    """The decode as another engine calls it: ``opmap.attention_decode`` without a workspace (the
+    selector's backend, its cached workspace), or the ``torch.ops.opmap.attention_decode`` custom op."""
     def make(inp):
-        from opmap.ops.attention import decode as Dm
+        import opmap  # registers torch.ops.opmap
 
-        args = (inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"])
-        if custom_op:
-            import opmap  # noqa: F401  (registers torch.ops.opmap)
-
-            op = torch.ops.opmap.attention_decode
-            return lambda: op(*args, inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
-        return lambda: Dm.decode(*args, scale=inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
+        args = (inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], inp["scale"])
+        fn = torch.ops.opmap.attention_decode if custom_op else opmap.attention_decode
+        return lambda: fn(*args, k_scale=inp["k_scale"], v_scale=inp["v_scale"])
 
     return make
 

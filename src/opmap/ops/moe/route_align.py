@@ -65,7 +65,7 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
     ws = tl.zeros([T_POW2, K_POW2], dtype=tl.float32)
     ids = tl.zeros([T_POW2, K_POW2], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        i = tl.argmax(choice, axis=1)[:, None]
+        i = tl.minimum(tl.argmax(choice, axis=1), E - 1)[:, None]  # in [0, E) even for NaN logits
         ws = tl.where(kidx == j, tl.sum(tl.where(idx == i, scores, 0.0), axis=1)[:, None], ws)
         ids = tl.where(kidx == j, i.to(tl.int32), ids)
         choice = tl.where(idx == i, NEG, choice)

@@ -64,7 +64,9 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, stride_l, routed_scal
     ws = tl.zeros([K_POW2], dtype=tl.float32)
     ids = tl.zeros([K_POW2], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        i = tl.argmax(choice, axis=0)
+        # NaN logits compare false everywhere: argmax may land on a padding lane; clamped, an id
+        # never leaves [0, E) (the weights stay NaN, so the output says so)
+        i = tl.minimum(tl.argmax(choice, axis=0), E - 1)
         ws = tl.where(kidx == j, tl.sum(tl.where(idx == i, scores, 0.0), axis=0), ws)
         ids = tl.where(kidx == j, i.to(tl.int32), ids)
         choice = tl.where(idx == i, NEG, choice)
