@@ -215,7 +215,6 @@ def test_decode_linear_autotuned_cuda_graph_replay(fmt, monkeypatch):
 
 def test_custom_ops_under_torch_compile():
     import opmap  # noqa: F401  (registers torch.ops.opmap.*)
-    import opmap  # noqa: F401  (registers torch.ops.opmap.*)
 
     def block(x, res, w):
         h = torch.ops.opmap.add_rmsnorm(x, res, w, 1e-6)

@@ -1,0 +1,128 @@
+"""Record the profiler traces under tests/data/traces (run on a GPU machine, offline):
+HF transformers generate with SDPA and eager attention (Llama shapes cut to 2 layers), an HF
+Mixtral MoE, an HF Llama forward under torch.compile, opmap's own engine (dense and MLA), and,
+where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
+is a test fixture of ``opmap profile --trace``.
+
+    python3 scripts/record_traces.py OUTDIR [--only NAME ...]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _llama(attn: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+
+
+def _mixtral():
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=1024, intermediate_size=1792, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def _save(prof, path: str) -> None:
+    tmp = path[:-3]
+    prof.export_chrome_trace(tmp)
+    with open(tmp, "rb") as f, gzip.open(path, "wb", compresslevel=9) as g:
+        shutil.copyfileobj(f, g)
+    os.remove(tmp)
+
+
+def _profiled(fn, path: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: allocator, cuBLAS handles, compiled graphs
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    _save(prof, path)
+
+
+def hf_generate(model, path: str, prompt: int = 128, new: int = 6) -> None:
+    torch.manual_seed(0)
+    model = model.to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 32000, (1, prompt), device="cuda")
+    with torch.no_grad():
+        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path)
+
+
+def hf_compile(path: str) -> None:
+    torch.manual_seed(0)
+    model = _llama("sdpa").to("cuda", torch.bfloat16).eval()
+    fwd = torch.compile(model.forward)
+    ids = torch.randint(0, 32000, (1, 128), device="cuda")
+    with torch.no_grad():
+        _profiled(lambda: fwd(input_ids=ids, use_cache=False), path)
+
+
+def opmap_engine(model: str, path: str) -> None:
+    tmp = path[:-3]
+    cmd = [sys.executable, "-m", "opmap.cli", "profile", "--model", model, "--num-requests", "3", "--max-tokens",
+           "6", "--steps", "10", "--save-trace", tmp]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
+    with open(tmp, "rb") as f, gzip.open(path, "wb", compresslevel=9) as g:
+        shutil.copyfileobj(f, g)
+    os.remove(tmp)
+
+
+def nsys_sdpa(path: str) -> None:
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        print("nsys: not installed, no SQLite fixture")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        code = ("import sys; sys.path.insert(0, %r); import record_traces as R, torch; "
+                "m = R._llama('sdpa').to('cuda', torch.bfloat16).eval(); "
+                "ids = torch.randint(0, 32000, (1, 128), device='cuda'); "
+                "torch.cuda.nvtx.range_push('generate'); m.generate(ids, max_new_tokens=4, do_sample=False); "
+                "torch.cuda.nvtx.range_pop()") % os.path.join(ROOT, "scripts")
+        subprocess.run([nsys, "profile", "-t", "cuda,nvtx", "-o", os.path.join(d, "r"), "--export", "sqlite",
+                        sys.executable, "-c", code], check=True)
+        shutil.copy(os.path.join(d, "r.sqlite"), path)
+
+
+RECORDERS = {
+    "hf-llama-sdpa": lambda p: hf_generate(_llama("sdpa"), p),
+    "hf-llama-eager": lambda p: hf_generate(_llama("eager"), p),
+    "hf-mixtral-sdpa": lambda p: hf_generate(_mixtral(), p),
+    "hf-llama-compile": hf_compile,
+    "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
+    "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--only", nargs="*", default=None, help="recorders to run: " + ", ".join(RECORDERS) + ", nsys")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    for name, rec in RECORDERS.items():
+        if a.only is None or name in a.only:
+            print(f"== {name}", flush=True)
+            rec(os.path.join(a.out, f"{name}.json.gz"))
+    if a.only is None or "nsys" in a.only:
+        nsys_sdpa(os.path.join(a.out, "nsys-hf-llama-sdpa.sqlite"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
