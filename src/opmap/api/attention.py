@@ -59,9 +59,9 @@ def attention_decode(q, k_cache, v_cache, seq_lens, block_tables, scale: float, 
                      workspace=None, backend: Optional[str] = None):
     """One query token per sequence: q[B, Hq, D] at position seq_lens[b] - 1 -> out[B, Hq, Dv]
     (or (out, lse[B, Hq])); a sequence of length 0 gives zeros. Without ``workspace`` the split-KV
-    partials come from a workspace cached per device, stream and batch bucket (during CUDA-graph
-    capture they are allocated per call from the graph's pool); a caller that wants fixed
-    (batch-invariant) splits passes its own from ``make_decode_workspace``."""
+    partials come from a workspace cached per device, stream and batch bucket (``dispatch.workspace``),
+    so the launch is the engine's; a caller that wants fixed (batch-invariant) splits passes its
+    own from ``make_decode_workspace``."""
     inv = bool(workspace is not None and getattr(workspace, "split_tokens", 0))
     spec = _spec(q, k_cache, v_cache, "decode", window, soft_cap, return_lse, inv)
     b, fn = resolve("attention", spec, "decode", backend)
