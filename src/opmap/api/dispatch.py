@@ -81,9 +81,8 @@ def workspace(b: Backend, make_args: Callable[[int], tuple], batch: int, device:
     """The cached split-KV workspace of backend ``b`` for this device, stream and shape (None
     where ``b`` has none). Made during a CUDA-graph capture, it comes from the graph's pool and
     stays valid while cached; graphs captured on one stream share it, as the engine's graphs of one
-    batch bucket share theirs. Measured on the H200 (bench/baselines/h200/attention.md, rows
-    opmap-decode-call and opmap-custom-op): the call without one, which allocated no partials at
-    this batch but launched another specialisation, took 346.9 us at B=64 / 4096 against 254.8."""
+    batch bucket share theirs. Why the call never goes without one: docs/attention.md, Decisions
+    (the call without it launched another specialisation of the kernel, 36% slower at B=64)."""
     if "make_workspace" not in b.impl:
         return None
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
