@@ -125,3 +125,16 @@ def test_moe_ids_stay_in_range_for_nan_logits(monkeypatch):
     for backend in ("triton", "reference"):
         w, ids = opmap.moe_route(logits, 2, backend=backend)
         assert ids.dtype == torch.int32 and bool(((ids >= 0) & (ids < 6)).all()), (backend, ids)
+
+
+@pytest.mark.parametrize("name,op,entry,build", ENTRIES, ids=[e[0] for e in ENTRIES])
+def test_opcheck_every_custom_op(name, op, entry, build, monkeypatch):
+    """torch.library.opcheck (schema and mutation, fake tensors, autograd registration, AOT
+    dispatch) on each custom op, with the selector's backend and with the Triton one forced."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    public = PUBLIC.get(name, name)
+    custom = getattr(torch.ops.opmap, CUSTOM.get(public, public)).default
+    torch.library.opcheck(custom, (), build())
+    triton = [b.name for b in registry.backends(op) if entry in b.impl and "triton" in b.name]
+    if triton:
+        torch.library.opcheck(custom, (), dict(build(), backend=triton[0]))
