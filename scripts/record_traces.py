@@ -1,5 +1,6 @@
 """Record the profiler traces under tests/data/traces (run on a GPU machine, offline):
-HF transformers generate with SDPA and eager attention (Llama shapes cut to 2 layers), an HF
+HF transformers generate with SDPA and eager attention (Llama shapes cut to 2 layers; with and
+without with_stack=True, which adds the nn.Module frames), an HF
 Mixtral MoE, an HF Llama forward under torch.compile, opmap's own engine (dense and MLA), and,
 where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
 is a test fixture of ``opmap profile --trace``.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import os
 import shutil
 import subprocess
@@ -37,31 +39,38 @@ def _mixtral():
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
-def _save(prof, path: str) -> None:
-    tmp = path[:-3]
-    prof.export_chrome_trace(tmp)
-    with open(tmp, "rb") as f, gzip.open(path, "wb", compresslevel=9) as g:
-        shutil.copyfileobj(f, g)
-    os.remove(tmp)
+def _save(src: str, path: str) -> None:
+    """Gzip ``src`` into ``path``, without what the reader ignores (Python frames that name no
+    operator, opmap.profile.trace.kept; the flow arrows): a fixture, not an archive."""
+    from opmap.profile.trace import kept
+
+    with open(src) as f:
+        doc = json.load(f)
+    evs = doc["traceEvents"] if isinstance(doc, dict) else doc
+    evs[:] = [e for e in evs if e.get("cat") != "ac2g" and kept(e)]
+    with gzip.open(path, "wt", compresslevel=9) as g:
+        json.dump(doc, g)
+    os.remove(src)
 
 
-def _profiled(fn, path: str) -> None:
+def _profiled(fn, path: str, stack: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm: allocator, cuBLAS handles, compiled graphs
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
         fn()
         torch.cuda.synchronize()
-    _save(prof, path)
+    prof.export_chrome_trace(path[:-3])
+    _save(path[:-3], path)
 
 
-def hf_generate(model, path: str, prompt: int = 128, new: int = 6) -> None:
+def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool = False) -> None:
     torch.manual_seed(0)
     model = model.to("cuda", torch.bfloat16).eval()
     ids = torch.randint(0, 32000, (1, prompt), device="cuda")
     with torch.no_grad():
-        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path)
+        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path, stack)
 
 
 def hf_compile(path: str) -> None:
@@ -78,9 +87,7 @@ def opmap_engine(model: str, path: str) -> None:
     cmd = [sys.executable, "-m", "opmap.cli", "profile", "--model", model, "--num-requests", "3", "--max-tokens",
            "6", "--steps", "10", "--save-trace", tmp]
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
-    with open(tmp, "rb") as f, gzip.open(path, "wb", compresslevel=9) as g:
-        shutil.copyfileobj(f, g)
-    os.remove(tmp)
+    _save(tmp, path)
 
 
 def nsys_sdpa(path: str) -> None:
@@ -101,8 +108,10 @@ def nsys_sdpa(path: str) -> None:
 
 RECORDERS = {
     "hf-llama-sdpa": lambda p: hf_generate(_llama("sdpa"), p),
-    "hf-llama-eager": lambda p: hf_generate(_llama("eager"), p),
+    "hf-llama-sdpa-stack": lambda p: hf_generate(_llama("sdpa"), p, stack=True),
+    "hf-llama-eager-stack": lambda p: hf_generate(_llama("eager"), p, stack=True),
     "hf-mixtral-sdpa": lambda p: hf_generate(_mixtral(), p),
+    "hf-mixtral-sdpa-stack": lambda p: hf_generate(_mixtral(), p, stack=True),
     "hf-llama-compile": hf_compile,
     "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
     "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),

@@ -15,16 +15,24 @@ from .trace import Trace
 # Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module
 # names of HF / vLLM / SGLang layers where an engine emits them.
 _OP_RANGE = re.compile(r"^opmap::(\w+)::")
-_MODULE_RANGES = [("attention", re.compile(r"(?i)(self_attn|attention|Attention)\b")),
-                  ("MoE", re.compile(r"(?i)(sparse_moe|moe_block|FusedMoE|\bexperts\b)")),
-                  ("norm", re.compile(r"(?i)(layernorm|RMSNorm|_norm\b)"))]
+# Matched innermost range first (HF's apply_rotary_pos_emb runs inside its attention module).
+_MODULE_RANGES = [("RoPE", re.compile(r"(?i)rotary|apply_rotary_pos_emb|rotate_half")),
+                  ("norm", re.compile(r"(?i)(layernorm|RMSNorm|_norm\b|Norm_\d+$)")),
+                  ("activation", re.compile(r"nn\.Module: (SiLU|GELU|GELUTanh|PytorchGELUTanh|SiLUActivation|"
+                                            r"NewGELUActivation|ACT2FN)\w*")),
+                  ("MoE", re.compile(r"(?i)(sparse_moe|moe_block|SparseMoe|FusedMoE|MoE\w*_\d+$|\bexperts\b|"
+                                     r"Experts_\d+$)")),
+                  ("attention", re.compile(r"(?i)(self_attn|attention|Attention\w*|_attention_forward|repeat_kv)\b")),
+                  ("sampling", re.compile(r"LogitsProcessor|\): (_sample|sample|top_k_top_p)\b"))]
 # Step ranges: opmap's, vLLM's and SGLang's model-runner calls, the profiler's step marks.
 _STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
                                    r"^ProfilerStep#\d+$")]
 _DECODE = re.compile(r"(?i)decode|splitkv|split_kv|paged_attention|xqa|mmha|flash_fwd_splitkv|flash_mla|flashmla|"
                      r"unified_attention")
-_PREFILL = re.compile(r"(?i)prefill|flash_fwd_kernel|fmha|sdpa|efficient_attention|flash_attn|RaggedKVCache|"
-                      r"_prefill_tma_kernel|attention_kernel_batched")
+# Kernels that serve one phase only; cuDNN / PyTorch SDPA and FlashAttention's plain forward run
+# HF's decode steps as well as its prefill, so they say nothing of the phase.
+_SORT = re.compile(r"(?i)sort|radix")
+_PREFILL = re.compile(r"(?i)prefill|fmha|RaggedKVCache|_prefill_tma_kernel|context_attention")
 
 
 def category_of(k) -> tuple[str, str, str]:
@@ -39,9 +47,14 @@ def category_of(k) -> tuple[str, str, str]:
     by_launcher = symbols.launcher_category(k.launcher)
     if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
         return by_launcher, lib, "launcher"
-    for c, rx in _MODULE_RANGES:
-        if any(rx.search(r) for r in k.ranges) and cat in ("other", "GEMM", "memory copies"):
-            return (c if cat != "GEMM" else "GEMM"), lib, "range"
+    if cat in ("other", "GEMM", "memory copies", "sampling"):
+        for r in reversed(k.ranges):  # innermost first
+            c = next((c for c, rx in _MODULE_RANGES if rx.search(r)), None)
+            if c is None:
+                continue
+            if cat == "GEMM" and c != "MoE":
+                break  # a projection inside a layer is a GEMM; an expert's GEMM is the MoE's
+            return c, lib, "range"
     return cat, lib, "symbol"
 
 
@@ -63,6 +76,9 @@ def steps_of(trace: Trace) -> list[dict]:
             return steps
     if not ks:
         return []
+    by_sync = _split_at_readbacks(ks)
+    if by_sync is not None:
+        return _with_wall(by_sync)
     gaps = [b.ts - (a.ts + a.dur) for a, b in zip(ks, ks[1:])]
     cut = max(50.0, 20 * statistics.median([g for g in gaps if g > 0] or [1.0]))
     steps, cur = [], [ks[0]]
@@ -72,11 +88,47 @@ def steps_of(trace: Trace) -> list[dict]:
             cur = []
         cur.append(k)
     steps.append(cur)
+    return _with_wall(steps)
+
+
+def _with_wall(steps: list) -> list:
     out = [{"name": None, "kernels": s, "ts": s[0].ts, "end": max(k.ts + k.dur for k in s)} for s in steps]
     # a step's wall time runs to the next step's start: the host's gap between them is the step's too
     for s, nxt in zip(out, out[1:]):
         s["wall_end"] = nxt["ts"]
     return out
+
+
+def _split_at_readbacks(ks: list):
+    """Steps of an engine that emits no step range: each step ends where the host reads a result
+    back (a device-to-host copy: the sampled tokens, the stop check), the pattern of HF generate
+    and of most engines' loops. A stretch of fewer than a quarter of the longest stretch's kernels
+    (a second readback in one step, the set-up before the first forward) joins its neighbour.
+    None where fewer than two steps result."""
+    parts, cur = [], []
+    for k in ks:
+        cur.append(k)
+        if "DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name:
+            parts.append(cur)
+            cur = []
+    if cur:
+        parts.append(cur)
+    if len(parts) < 2:
+        return None
+    small = max(len(p) for p in parts) / 4
+    steps: list = []
+    pending: list = []  # small stretches before the first full step
+    for p in parts:
+        if len(p) >= small:
+            steps.append(pending + p)
+            pending = []
+        elif steps:
+            steps[-1].extend(p)
+        else:
+            pending.extend(p)
+    if pending:
+        steps.append(pending) if not steps else steps[-1].extend(pending)
+    return steps if len(steps) >= 2 else None
 
 
 def _launch_step(k, named) -> tuple:
@@ -86,9 +138,10 @@ def _launch_step(k, named) -> tuple:
     return cands[-1] if cands else (want, k.ts, 0.0)
 
 
-def label(step: dict, long_step_us: float) -> tuple[str, str]:
+def label(step: dict, median_busy_us: float) -> tuple[str, str]:
     """(phase, confidence) of a step: from its range name (high), from the attention kernels it
-    ran (medium), else from its duration against the run's longest steps (low)."""
+    ran (medium), else from its GPU busy time against the run's median step (low: a prefill
+    step computes over the prompt, a decode step over one token per sequence)."""
     name = step["name"] or ""
     m = re.match(r"^opmap::step::(\w+)$", name)
     if m:
@@ -98,8 +151,7 @@ def label(step: dict, long_step_us: float) -> tuple[str, str]:
     pre = any(_PREFILL.search(n) and not _DECODE.search(n) for n in att)
     if dec or pre:
         return ("mixed" if dec and pre else "decode" if dec else "prefill"), "medium"
-    dur = step["end"] - step["ts"]
-    return ("prefill" if dur >= 0.5 * long_step_us else "decode"), "low"
+    return ("prefill" if _busy(step["kernels"]) >= 1.15 * median_busy_us else "decode"), "low"
 
 
 def _busy(kernels) -> float:
@@ -115,13 +167,13 @@ def _busy(kernels) -> float:
 def analyze(trace: Trace, top: int = 5) -> dict:
     """The per-phase breakdown (times in ms) with ``other_fraction``, ``backends`` and ``diagnosis``."""
     steps = steps_of(trace)
-    longest = max((s["end"] - s["ts"] for s in steps), default=0.0)
+    median_busy = statistics.median([_busy(s["kernels"]) for s in steps]) if len(steps) > 1 else 0.0
     phases: dict = {}
     libs: dict = defaultdict(Counter)
     evidence = Counter()
-    total = other = 0.0
+    total = other = generic = 0.0
     for s in steps:
-        ph, conf = label(s, longest)
+        ph, conf = label(s, median_busy)
         p = phases.setdefault(ph, {"steps": 0, "gpu_ms": 0.0, "wall_ms": 0.0, "idle_ms": 0.0,
                                    "categories": Counter(), "libraries": defaultdict(Counter), "kernels": Counter(),
                                    "confidence": Counter()})
@@ -141,10 +193,13 @@ def analyze(trace: Trace, top: int = 5) -> dict:
             p["categories"][cat] += t
             p["libraries"][cat][lib] += t
             p["kernels"][k.name[:100]] += t
+            if cat == "sampling" and _SORT.search(k.name):
+                p["sorts"] = True
             libs[cat][lib] += t
             evidence[how] += t
             total += t
             other += t if cat == "other" else 0.0
+            generic += t if cat == "other" and lib == "PyTorch" else 0.0
     out_phases = {}
     for ph, p in phases.items():
         out_phases[ph] = {"steps": p["steps"], "gpu_ms": round(p["gpu_ms"], 4), "idle_ms": round(p["idle_ms"], 4),
@@ -152,11 +207,12 @@ def analyze(trace: Trace, top: int = 5) -> dict:
                           "categories": {c: round(v, 4) for c, v in p["categories"].most_common()},
                           "libraries": {c: dict(v.most_common()) for c, v in p["libraries"].items()},
                           "top_kernels": [[n, round(v, 4)] for n, v in p["kernels"].most_common(top)],
-                          "label_confidence": dict(p["confidence"])}
+                          "label_confidence": dict(p["confidence"]), "sampling_sorts": p.get("sorts", False)}
     res = {"source": trace.source, "kind": trace.kind, "kernels": len(trace.kernels), "steps": len(steps),
            "phases": out_phases, "other_fraction": round(other / total, 4) if total else 0.0,
            "backends": {c: [lib for lib, _ in v.most_common()] for c, v in libs.items()},
-           "evidence": {k: round(v / total, 4) for k, v in evidence.items()} if total else {}}
+           "evidence": {k: round(v / total, 4) for k, v in evidence.items()} if total else {},
+           "other_generic": round(generic / total, 4) if total else 0.0}
     res["diagnosis"] = rules(res, trace)
     return res
 
@@ -178,15 +234,14 @@ def rules(res: dict, trace: Trace) -> list:
         if p["wall_ms"] and p["idle_ms"] / p["wall_ms"] > 0.3:
             per = p["idle_ms"] / max(p["steps"], 1)
             why = ["scheduling / Python on the host", "CUDA graphs not captured"]
-            if "PyTorch" in p["libraries"].get("sampling", {}):
+            if p.get("sampling_sorts"):
                 why.append("a sampler fallback (sort-based sampling where a sorting-free kernel exists)")
             out.append(f"{ph}: the GPU is idle {p['idle_ms'] / p['wall_ms']:.0%} of the step time ({per:.3f} ms a step) "
                        f"-> the host: {'; '.join(why)}")
         if share("communication") > 0.2:
             out.append(f"{ph}: communication takes {share('communication'):.0%} of GPU time "
                        f"({_libs(p, 'communication')}) -> the TP/EP layout, not the attention kernel")
-        if "sampling" in p["libraries"] and set(p["libraries"]["sampling"]) == {"PyTorch"} and \
-                any(re.search(r"(?i)sort", k) for k, _ in p["top_kernels"]):
+        if p.get("sampling_sorts"):
             out.append(f"{ph}: sampling runs PyTorch's sort ({cats.get('sampling', 0):.3f} ms) -> a sorting-free "
                        "sampler (opmap's, FlashInfer's) serves top-k / top-p without it")
     quant = [k for k in trace.kernels if re.search(r"(?i)e4m3|fp8|float8|int8", k.name)]
@@ -195,8 +250,14 @@ def rules(res: dict, trace: Trace) -> list:
         out.append(f"quantised tensors are converted ({len(quant)} kernels such as {quant[0].name[:60]}) but no fp8 / "
                    "int8 GEMM ran: the quantised path fell back to a dequantise kernel and a bf16 GEMM")
     if res["other_fraction"] > 0.1:
-        out.append(f"{res['other_fraction']:.0%} of GPU time is in kernels the symbol table does not know "
-                   "(opmap/profile/symbols.json): add their symbols")
+        generic = res.get("other_generic", 0.0)
+        if generic >= 0.5 * res["other_fraction"]:
+            out.append(f"{res['other_fraction']:.0%} of GPU time is in generic PyTorch kernels (elementwise, reductions) "
+                       "with no operator range or module around their launch: record with "
+                       "torch.profiler.profile(with_stack=True) for the module names, or emit record_function ranges")
+        else:
+            out.append(f"{res['other_fraction']:.0%} of GPU time is in kernels the symbol table does not know "
+                       "(opmap/profile/symbols.json): add their symbols")
     return out
 
 

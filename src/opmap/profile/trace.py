@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import sqlite3
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -48,7 +49,18 @@ def load(path: str, progress: bool = False) -> Trace:
 # ---- Chrome traces ----------------------------------------------------------------------------
 
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-_HOST_RANGE_CATS = ("user_annotation",)
+_HOST_RANGE_CATS = ("user_annotation", "python_function")
+# Python frames (a trace recorded with_stack=True) that name an operator: the nn.Module calls
+# ("nn.Module: LlamaRMSNorm_0") and the functions models call outside a module (HF's
+# apply_rotary_pos_emb, the attention-interface functions, the generate loop's sampling). The
+# other frames are dropped on reading, so a stack-heavy trace costs no memory for them.
+PY_FRAMES = re.compile(r"^nn\.Module: |apply_rotary_pos_emb|rotate_half|_attention_forward|repeat_kv|"
+                       r"\): _sample$|LogitsProcessor|\): (sample|_sample|top_k_top_p|apply_penalties)\b")
+
+
+def kept(e: dict) -> bool:
+    """Whether a host event is read: every one but the Python frames PY_FRAMES does not name."""
+    return e.get("cat") != "python_function" or bool(PY_FRAMES.search(e.get("name", "")))
 _OP_CATS = ("cpu_op", "operator")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 
@@ -78,7 +90,7 @@ def _chrome(p: Path, progress: bool) -> Trace:
         cat = e.get("cat", "")
         if cat in _GPU_CATS:
             kernels.append(e)
-        elif cat in _HOST_RANGE_CATS or cat in _OP_CATS or cat in _LAUNCH_CATS:
+        elif (cat in _HOST_RANGE_CATS and kept(e)) or cat in _OP_CATS or cat in _LAUNCH_CATS:
             host.setdefault((e.get("pid"), e.get("tid")), []).append(e)
             if cat in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
                 launches[e["args"]["correlation"]] = e
