@@ -4,6 +4,7 @@ the trace split into engine steps and each step labelled prefill / decode / mixe
 the GPU time per category and library, idle time, top kernels, and the diagnosis rules."""
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 from collections import Counter, defaultdict
@@ -23,7 +24,7 @@ _MODULE_RANGES = [("RoPE", re.compile(r"(?i)rotary|apply_rotary_pos_emb|rotate_h
                   ("MoE", re.compile(r"(?i)(sparse_moe|moe_block|SparseMoe|FusedMoE|MoE\w*_\d+$|\bexperts\b|"
                                      r"Experts_\d+$)")),
                   ("attention", re.compile(r"(?i)(self_attn|attention|Attention\w*|_attention_forward|repeat_kv)\b")),
-                  ("sampling", re.compile(r"LogitsProcessor|\): (_sample|sample|top_k_top_p)\b"))]
+                  ("sampling", re.compile(r"LogitsProcessor|\): (sample|top_k_top_p|apply_penalties)$"))]
 # Step ranges: opmap's, vLLM's and SGLang's model-runner calls, the profiler's step marks.
 _STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
                                    r"^ProfilerStep#\d+$")]
@@ -37,24 +38,29 @@ _PREFILL = re.compile(r"(?i)prefill|fmha|RaggedKVCache|_prefill_tma_kernel|conte
 
 def category_of(k) -> tuple[str, str, str]:
     """(category, library, evidence) of a kernel: "range", "launcher" or "symbol"."""
-    cat, lib = symbols.classify(k.name)
-    for r in reversed(k.ranges):
+    return _category(k.name, k.launcher, k.ranges)
+
+
+@functools.lru_cache(maxsize=65536)  # one answer per (symbol, launcher, ranges): a step repeats them
+def _category(name: str, launcher, ranges: tuple) -> tuple[str, str, str]:
+    cat, lib = symbols.classify(name)
+    for r in reversed(ranges):
         m = _OP_RANGE.match(r)
         if m and m.group(1) in _OP_CATEGORY:
             return _OP_CATEGORY[m.group(1)], lib if lib != "unknown" else "opmap", "range"
     if cat != "other" and lib not in ("PyTorch", "unknown", "cuBLAS", "CUTLASS", "Inductor", "CUDA"):
         return cat, lib, "symbol"  # a library's own kernel says what it is
-    by_launcher = symbols.launcher_category(k.launcher)
-    if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
-        return by_launcher, lib, "launcher"
     if cat in ("other", "GEMM", "memory copies", "sampling"):
-        for r in reversed(k.ranges):  # innermost first
+        for r in reversed(ranges):  # innermost first
             c = next((c for c, rx in _MODULE_RANGES if rx.search(r)), None)
             if c is None:
                 continue
             if cat == "GEMM" and c != "MoE":
                 break  # a projection inside a layer is a GEMM; an expert's GEMM is the MoE's
             return c, lib, "range"
+    by_launcher = symbols.launcher_category(launcher)
+    if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
+        return by_launcher, lib, "launcher"
     return cat, lib, "symbol"
 
 
@@ -244,7 +250,7 @@ def rules(res: dict, trace: Trace) -> list:
         if p.get("sampling_sorts"):
             out.append(f"{ph}: sampling runs PyTorch's sort ({cats.get('sampling', 0):.3f} ms) -> a sorting-free "
                        "sampler (opmap's, FlashInfer's) serves top-k / top-p without it")
-    quant = [k for k in trace.kernels if re.search(r"(?i)e4m3|fp8|float8|int8", k.name)]
+    quant = [k for k in trace.kernels if _quant_symbol(k.name)]
     q_gemm = [k for k in quant if symbols.classify(k.name)[0] in ("GEMM", "MoE")]
     if quant and not q_gemm:
         out.append(f"quantised tensors are converted ({len(quant)} kernels such as {quant[0].name[:60]}) but no fp8 / "
@@ -259,6 +265,11 @@ def rules(res: dict, trace: Trace) -> list:
             out.append(f"{res['other_fraction']:.0%} of GPU time is in kernels the symbol table does not know "
                        "(opmap/profile/symbols.json): add their symbols")
     return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _quant_symbol(name: str) -> bool:
+    return re.search(r"(?i)e4m3|fp8|float8|int8", name) is not None
 
 
 def _libs(p: dict, cat: str) -> str:

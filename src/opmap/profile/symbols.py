@@ -24,6 +24,7 @@ def categories() -> list:
     return list(table()["categories"])
 
 
+@functools.lru_cache(maxsize=65536)  # a trace holds a few hundred distinct symbols, launched many times
 def classify(symbol: str) -> tuple[str, str]:
     """(category, library) of a kernel symbol; ("other", "unknown") when no rule matches."""
     for cat, lib, rx in table()["compiled"]:

@@ -52,10 +52,11 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_RANGE_CATS = ("user_annotation", "python_function")
 # Python frames (a trace recorded with_stack=True) that name an operator: the nn.Module calls
 # ("nn.Module: LlamaRMSNorm_0") and the functions models call outside a module (HF's
-# apply_rotary_pos_emb, the attention-interface functions, the generate loop's sampling). The
-# other frames are dropped on reading, so a stack-heavy trace costs no memory for them.
+# apply_rotary_pos_emb, the attention-interface functions, the logits processors; not HF's
+# ``_sample``, the whole generate loop). The other frames are dropped on reading, so a
+# stack-heavy trace costs no memory for them.
 PY_FRAMES = re.compile(r"^nn\.Module: |apply_rotary_pos_emb|rotate_half|_attention_forward|repeat_kv|"
-                       r"\): _sample$|LogitsProcessor|\): (sample|_sample|top_k_top_p|apply_penalties)\b")
+                       r"LogitsProcessor|\): (sample|top_k_top_p|apply_penalties)$")
 
 
 def kept(e: dict) -> bool:
@@ -65,18 +66,43 @@ _OP_CATS = ("cpu_op", "operator")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime")
 
 
-def _read_json(p: Path, progress: bool) -> dict:
-    opener = gzip.open if p.suffix == ".gz" or p.open("rb").read(2) == b"\x1f\x8b" else open
-    size = p.stat().st_size
-    if progress and size > 50 * 2**20:
-        import sys
+class _Counted:
+    """A binary file that reports the bytes read to a progress bar (under gzip: compressed bytes)."""
 
-        print(f"reading {p.name} ({size / 2**20:.0f} MB)...", file=sys.stderr, flush=True)
-    try:
-        with opener(p, "rt") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as e:
-        raise InputError("trace", p.name, f"a Chrome trace (JSON) or an Nsight Systems SQLite export ({e})") from None
+    def __init__(self, f, bar, task):
+        self.f, self.bar, self.task = f, bar, task
+
+    def read(self, n=-1):
+        b = self.f.read(n)
+        self.bar.update(self.task, advance=len(b))
+        return b
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _read_json(p: Path, progress: bool, show_above: int = 50 * 2**20) -> dict:
+    """The JSON of a trace, gzipped or not. Past ``show_above`` bytes on disk (and with
+    ``progress``) a bar on stderr follows the read and the decompression, then the parse."""
+    size = p.stat().st_size
+    with p.open("rb") as raw:
+        gz = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        try:
+            if progress and size > show_above:
+                from rich.console import Console
+                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+                cols = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+                with Progress(*cols, console=Console(stderr=True), transient=True) as bar:
+                    task = bar.add_task(f"reading {p.name}", total=size)
+                    f = _Counted(raw, bar, task)
+                    data = gzip.GzipFile(fileobj=f).read() if gz else f.read()
+                    bar.update(task, description=f"parsing {len(data) / 2**20:.0f} MB of JSON")
+                    return json.loads(data)
+            return json.loads(gzip.GzipFile(fileobj=raw).read() if gz else raw.read())
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError, EOFError) as e:
+            raise InputError("trace", p.name, f"a Chrome trace (JSON) or an Nsight Systems SQLite export ({e})") from None
 
 
 def _chrome(p: Path, progress: bool) -> Trace:

@@ -1,0 +1,92 @@
+"""`opmap profile --trace` on real traces recorded on the H200 (scripts/record_traces.py; 2-layer
+Llama / Mixtral shapes, bf16): HF transformers generate with SDPA and eager attention, with and
+without with_stack=True, an HF forward under torch.compile, and opmap's own engine (dense, MLA).
+What each must show is what an engineer reads off that run."""
+import json
+from pathlib import Path
+
+import pytest
+
+from opmap import cli
+from opmap.profile import analyze, trace
+
+DATA = Path(__file__).parent / "data" / "traces"
+
+
+def _res(name):
+    return analyze.analyze(trace.load(str(DATA / f"{name}.json.gz")))
+
+
+def _top(res, phase):
+    return next(iter(res["phases"][phase]["categories"]))
+
+
+@pytest.mark.parametrize("name", ["hf-llama-sdpa", "hf-llama-sdpa-stack", "hf-llama-eager-stack", "hf-mixtral-sdpa",
+                                  "hf-mixtral-sdpa-stack"])
+def test_hf_generate_steps_and_phases(name):
+    """generate(128-token prompt, 6 new tokens): one prefill forward and five decode forwards, split
+    at the host's readbacks (HF emits no step range), told apart by their GPU time."""
+    res = _res(name)
+    assert res["steps"] == 6
+    assert res["phases"]["prefill"]["steps"] == 1 and res["phases"]["decode"]["steps"] == 5
+    assert res["phases"]["prefill"]["gpu_ms"] > res["phases"]["decode"]["gpu_ms"] / 5
+    assert any("idle" in d and "host" in d for d in res["diagnosis"])  # a 2-layer model is host-bound
+
+
+def test_hf_sdpa_attention_is_cudnn_and_modules_name_the_rest():
+    plain, stack = _res("hf-llama-sdpa"), _res("hf-llama-sdpa-stack")
+    for res in (plain, stack):
+        assert res["backends"]["attention"][0] == "cuDNN"
+        assert res["backends"]["GEMM"] == ["cuBLAS"]
+    # without module frames the RMSNorm / RoPE elementwise kernels are generic PyTorch ones, and
+    # the diagnosis says how to record the frames
+    assert plain["other_fraction"] > 0.3 and "norm" not in plain["phases"]["decode"]["categories"]
+    assert any("with_stack=True" in d for d in plain["diagnosis"])
+    # with them: norm and RoPE by their modules, and much less left unattributed
+    cats = stack["phases"]["decode"]["categories"]
+    assert {"norm", "RoPE", "activation", "attention", "GEMM"} <= set(cats)
+    assert stack["other_fraction"] < 0.2 and stack["evidence"]["range"] > 0.3
+
+
+def test_hf_eager_attention_is_pytorch_kernels_inside_the_attention_module():
+    res = _res("hf-llama-eager-stack")
+    assert res["backends"]["attention"] == ["PyTorch"]  # matmuls, softmax under eager_attention_forward
+    assert res["phases"]["prefill"]["categories"]["attention"] > 0
+
+
+def test_hf_mixtral_moe_is_the_largest_operator_with_module_frames():
+    res = _res("hf-mixtral-sdpa-stack")
+    assert _top(res, "prefill") == "MoE" and _top(res, "decode") == "MoE"
+    assert "MoE" in _res("hf-mixtral-sdpa")["phases"]["prefill"]["categories"]  # CUTLASS grouped GEMM by symbol
+
+
+def test_torch_compile_kernels_are_inductor_and_cudnn():
+    res = _res("hf-llama-compile")
+    assert res["other_fraction"] < 0.05
+    assert "Inductor" in res["backends"]["norm"] and "Inductor" in res["backends"]["RoPE"]
+    assert res["backends"]["attention"] == ["cuDNN"]
+
+
+@pytest.mark.parametrize("name,attn", [("opmap-llama", "_decode_kernel"), ("opmap-deepseek", "_mla_decode")])
+def test_opmap_engine_steps_are_named_and_attributed_by_range(name, attn):
+    res = _res(name)
+    for ph in ("prefill", "decode"):
+        assert res["phases"][ph]["label_confidence"] == {"high": res["phases"][ph]["steps"]}
+    assert res["backends"]["attention"][0] == "opmap" and res["evidence"]["range"] > 0.1
+    assert {"GEMM", "attention", "norm", "sampling"} <= set(res["phases"]["decode"]["categories"])
+    kernels = [k for k, _ in res["phases"]["decode"]["top_kernels"]]
+    tr = trace.load(str(DATA / f"{name}.json.gz"))
+    assert any(attn in k.name for k in tr.kernels), kernels
+    if name == "opmap-deepseek":
+        assert "MoE" in res["phases"]["decode"]["categories"]
+
+
+def test_cli_writes_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "a.json", tmp_path / "a.png"
+    rc = cli.main(["profile", "--trace", str(DATA / "hf-llama-sdpa-stack.json.gz"), "--json", str(out),
+                   "--png", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["steps"] == 6 and set(doc["phases"]) == {"prefill", "decode"}
+    assert png.stat().st_size > 1000
+    assert "[decode] 5 steps" in capsys.readouterr().out
