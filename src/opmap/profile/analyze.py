@@ -257,7 +257,10 @@ def rules(res: dict, trace: Trace) -> list:
                    "int8 GEMM ran: the quantised path fell back to a dequantise kernel and a bf16 GEMM")
     if res["other_fraction"] > 0.1:
         generic = res.get("other_generic", 0.0)
-        if generic >= 0.5 * res["other_fraction"]:
+        if generic >= 0.5 * res["other_fraction"] and any(r[0].startswith("nn.Module: ") for r in trace.ranges):
+            out.append(f"{res['other_fraction']:.0%} of GPU time is in generic PyTorch kernels launched outside every "
+                       "module: the engine's own loop (HF generate's stopping checks and bookkeeping), not an operator")
+        elif generic >= 0.5 * res["other_fraction"]:
             out.append(f"{res['other_fraction']:.0%} of GPU time is in generic PyTorch kernels (elementwise, reductions) "
                        "with no operator range or module around their launch: record with "
                        "torch.profiler.profile(with_stack=True) for the module names, or emit record_function ranges")
