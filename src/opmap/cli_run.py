@@ -234,6 +234,14 @@ def cli_profile(args) -> int:
     res = P.profile_engine(llm, prompts, params, args.steps, args.save_trace)
     print(f"opmap profile: {args.model}, {res['profiled_steps']} steps on {llm.runner.device} "
           f"({'CUDA graphs' if llm.runner.graphs else 'eager'} decode)")
+    from .profile import analyze
+
+    # the trace's operator map as `opmap profile --trace` reads any engine's, then the engine's own view
+    # (host time per part, operator ranges, graph replay)
+    for line in analyze.format_lines(res["analysis"])[1:]:
+        if not line.startswith("diagnosis: "):
+            print(line)
+    print("opmap's engine view (operator ranges; host time per step part):")
     for line in P.format_profile(res):
         print(line)
     if args.kernels:
@@ -258,7 +266,7 @@ def cli_profile(args) -> int:
                        else ("faster" if moved < 0 else "slower"))
             lines.append(f"{ph}: forcing {op}={name} changed the step time by {moved:+.1%} "
                          f"({a / 1e3:.3f} -> {b / 1e3:.3f} ms): {verdict}")
-    for line in lines:
+    for line in lines + [d for d in res["analysis"]["diagnosis"] if "idle" not in d]:
         print("diagnosis: " + line)
     if args.save_trace:
         print(f"Chrome trace: {args.save_trace}")

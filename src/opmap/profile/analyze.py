@@ -10,7 +10,7 @@ import statistics
 from collections import Counter, defaultdict
 
 from . import symbols
-from .engine import OP_CATEGORY as _OP_CATEGORY
+from .symbols import OP_CATEGORY as _OP_CATEGORY
 from .trace import Trace
 
 # Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module

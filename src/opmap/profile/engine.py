@@ -12,40 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from collections import Counter, defaultdict
 
+from .symbols import OP_CATEGORY, classify
+
 CATEGORIES = ("attention", "GEMM", "norm", "RoPE", "activation", "MoE", "sampling", "grammar", "memory copies",
               "other")
-OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
-               "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
-               "sampling": "sampling", "grammar_mask": "grammar"}
-# Kernel symbol -> category, first match wins: opmap's Triton kernels, then the peers' symbols.
-SYMBOL_RULES = [
-    ("grammar", r"bitmask"),
-    # `_combine_kernel` is both the MoE combine and the split-KV decode combine: MoE in MoE models
-    # (analyse(..., moe=False) drops this rule for dense ones, where it is attention's).
-    ("MoE", r"_align_kernel|_route_kernel|grouped_gemm|_combine_kernel|moe|expert|topk_gating"),
-    ("sampling", r"_sample_\w*kernel|_penalty_kernel|_temperature_kernel|_gumbel|_race|sampling|multinomial|"
-                 r"radix(Sort|Select)|argmax|ArgMax|cumsum|softmax_warp|SoftMax|log_softmax"),
-    ("attention", r"_decode_kernel|_prefill_kernel|_append_kernel|_merge_kernel|_combine_kernel|flash|fmha|attn|"
-                  r"attention|sdpa|cudnn|mla"),
-    ("norm", r"rmsnorm|rms_norm|_norm_kernel|layer_norm|RowwiseMoments"),
-    ("RoPE", r"rope|rotary|_rotate"),
-    ("activation", r"_act_mul|silu|gelu|act_and_mul"),
-    ("GEMM", r"_gemm_kernel|splitk|gemm|Gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_|sm80_|ampere_|wgmma|"
-             r"_scaled_mm"),
-    ("memory copies", r"[Mm]emcpy|[Mm]emset|copy_|CatArray|[Ii]ndex|gather|scatter|fill_|elementwise_kernel"),
-]
-_RULES = [(c, re.compile(r)) for c, r in SYMBOL_RULES]
-
-
 def categorize(symbol: str, moe: bool = True) -> str:
-    for cat, rx in _RULES:
-        if (moe or cat != "MoE") and rx.search(symbol):
-            return cat
-    return "other"
+    """A kernel symbol's category through the symbol table (symbols.json). ``_combine_kernel`` is
+    both opmap's MoE combine and its split-KV decode combine: MoE in MoE models, else attention's."""
+    if symbol == "_combine_kernel":
+        return "MoE" if moe else "attention"
+    return classify(symbol)[0]
 
 
 def _op_of(name: str):
@@ -217,6 +196,9 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     prof.export_chrome_trace(path)
     with open(path) as f:
         res = analyse(json.load(f), moe=llm.cfg.is_moe)
+    from . import analyze, trace
+
+    res["analysis"] = analyze.analyze(trace.load(path))  # what `opmap profile --trace` makes of this trace
     if trace_path is None:
         os.remove(path)
     res["profiled_steps"] = n

@@ -10,6 +10,10 @@ from pathlib import Path
 from typing import Optional
 
 TABLE = Path(__file__).with_name("symbols.json")
+# The op of an ``opmap::<op>::<label>::<backend>`` range (opmap's engine) -> its category.
+OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
+               "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
+               "sampling": "sampling", "grammar_mask": "grammar"}
 
 
 @functools.lru_cache(maxsize=None)
