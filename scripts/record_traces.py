@@ -1,6 +1,7 @@
 """Record the profiler traces under tests/data/traces (run on a GPU machine, offline):
-HF transformers generate with SDPA and eager attention (Llama shapes cut to 2 layers; with and
-without with_stack=True, which adds the nn.Module frames), an HF
+HF transformers generate with SDPA and eager attention (Llama-3-8B layer shapes cut to 2 layers;
+with and without with_stack=True, which adds the nn.Module frames, and with record_shapes), HF
+Mixtral- and Qwen3-MoE-shaped models, an HF
 Mixtral MoE, an HF Llama forward under torch.compile, opmap's own engine (dense and MLA), and,
 where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
 is a test fixture of ``opmap profile --trace``.
@@ -23,20 +24,42 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Real layer shapes (Llama-3-8B, Mixtral-8x7B, Qwen3-30B-A3B) cut to two layers: the kernels and
+# their mix are the real model's, the trace stays a small fixture.
 def _llama(attn: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=32000, max_position_embeddings=2048)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    return _build(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                              num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                              rope_theta=500000.0), attn)
 
 
 def _mixtral():
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import MixtralConfig
 
-    cfg = MixtralConfig(hidden_size=1024, intermediate_size=1792, num_hidden_layers=2, num_attention_heads=8,
-                        num_key_value_heads=2, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    return _build(MixtralConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                                num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2),
+                  "sdpa")
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return _build(Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                 num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, vocab_size=151936), "sdpa")
+
+
+def _build(cfg, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):  # random init on the GPU: seconds, not minutes
+        try:
+            m = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.bfloat16)
+        except TypeError:  # a transformers without the dtype argument
+            m = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).to(torch.bfloat16)
+    return m.eval()
 
 
 def _save(src: str, path: str) -> None:
@@ -53,29 +76,30 @@ def _save(src: str, path: str) -> None:
     os.remove(src)
 
 
-def _profiled(fn, path: str, stack: bool = False) -> None:
+def _profiled(fn, path: str, stack: bool = False, shapes: bool = False) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     fn()  # warm: allocator, cuBLAS handles, compiled graphs
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack,
+                 record_shapes=shapes) as prof:
         fn()
         torch.cuda.synchronize()
     prof.export_chrome_trace(path[:-3])
     _save(path[:-3], path)
 
 
-def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool = False) -> None:
-    torch.manual_seed(0)
-    model = model.to("cuda", torch.bfloat16).eval()
+def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool = False, shapes: bool = False) -> None:
     ids = torch.randint(0, 32000, (1, prompt), device="cuda")
     with torch.no_grad():
-        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path, stack)
+        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path, stack,
+                  shapes)
+    del model
+    torch.cuda.empty_cache()
 
 
 def hf_compile(path: str) -> None:
-    torch.manual_seed(0)
-    model = _llama("sdpa").to("cuda", torch.bfloat16).eval()
+    model = _llama("sdpa")
     fwd = torch.compile(model.forward)
     ids = torch.randint(0, 32000, (1, 128), device="cuda")
     with torch.no_grad():
@@ -97,7 +121,7 @@ def nsys_sdpa(path: str) -> None:
         return
     with tempfile.TemporaryDirectory() as d:
         code = ("import sys; sys.path.insert(0, %r); import record_traces as R, torch; "
-                "m = R._llama('sdpa').to('cuda', torch.bfloat16).eval(); "
+                "m = R._llama('sdpa'); "
                 "ids = torch.randint(0, 32000, (1, 128), device='cuda'); "
                 "torch.cuda.nvtx.range_push('generate'); m.generate(ids, max_new_tokens=4, do_sample=False); "
                 "torch.cuda.nvtx.range_pop()") % os.path.join(ROOT, "scripts")
@@ -108,10 +132,12 @@ def nsys_sdpa(path: str) -> None:
 
 RECORDERS = {
     "hf-llama-sdpa": lambda p: hf_generate(_llama("sdpa"), p),
+    "hf-llama-sdpa-shapes": lambda p: hf_generate(_llama("sdpa"), p, shapes=True),
     "hf-llama-sdpa-stack": lambda p: hf_generate(_llama("sdpa"), p, stack=True),
     "hf-llama-eager-stack": lambda p: hf_generate(_llama("eager"), p, stack=True),
     "hf-mixtral-sdpa": lambda p: hf_generate(_mixtral(), p),
     "hf-mixtral-sdpa-stack": lambda p: hf_generate(_mixtral(), p, stack=True),
+    "hf-qwen3moe-sdpa-stack": lambda p: hf_generate(_qwen3_moe(), p, stack=True),
     "hf-llama-compile": hf_compile,
     "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
     "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),

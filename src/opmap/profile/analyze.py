@@ -4,6 +4,7 @@ the trace split into engine steps and each step labelled prefill / decode / mixe
 the GPU time per category and library, idle time, top kernels, and the diagnosis rules."""
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 import statistics
@@ -62,6 +63,35 @@ def _category(name: str, launcher, ranges: tuple) -> tuple[str, str, str]:
     if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
         return by_launcher, lib, "launcher"
     return cat, lib, "symbol"
+
+
+def _patterns(kernels: list) -> dict:
+    """id(kernel) -> (category, library, "pattern") for the kernels of one step that only the
+    shape of a forward pass names (symbols.json, "motifs"): runs of launching ops that spell an
+    operator, and what follows the step's last GEMM. Only kernels no range or symbol named."""
+    open_ = [k for k in kernels if category_of(k)[0] in ("other", "memory copies")]
+    if not open_:
+        return {}
+    out = {}
+    seq = [(k, (k.launcher or "?").replace("aten::", "")) for k in kernels]
+    seq = [(k, op) for k, op in seq if op not in ("copy_", "_to_copy", "to", "contiguous")]
+    text, starts = "", []
+    for _, op in seq:
+        starts.append(len(text))
+        text += op + " "
+    for cat, rx in symbols.motifs():
+        for m in rx.finditer(text):
+            i = bisect.bisect_left(starts, m.start())
+            j = bisect.bisect_left(starts, m.end())
+            for k, _ in seq[i:j]:
+                if id(k) not in out and category_of(k)[0] in ("other", "memory copies"):
+                    out[id(k)] = (cat, category_of(k)[1], "pattern")
+    gemms = [n for n, k in enumerate(kernels) if category_of(k)[0] == "GEMM"]
+    if gemms:
+        for k in kernels[gemms[-1] + 1:]:
+            if id(k) not in out and category_of(k)[0] == "other":
+                out[id(k)] = (symbols.after_last_gemm(), category_of(k)[1], "pattern")
+    return out
 
 
 def steps_of(trace: Trace) -> list[dict]:
@@ -192,10 +222,11 @@ def analyze(trace: Trace, top: int = 5) -> dict:
         p["idle_ms"] += max(wall - busy, 0.0)
         # each kernel's time not covered by an earlier one, so categories add up to the busy time
         end = float("-inf")
+        named = _patterns(s["kernels"])
         for k in sorted(s["kernels"], key=lambda k: k.ts):
             t = max(k.ts + k.dur - max(k.ts, end), 0.0) / 1e3
             end = max(end, k.ts + k.dur)
-            cat, lib, how = category_of(k)
+            cat, lib, how = named.get(id(k)) or category_of(k)
             p["categories"][cat] += t
             p["libraries"][cat][lib] += t
             p["kernels"][k.name[:100]] += t

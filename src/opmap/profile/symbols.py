@@ -21,7 +21,17 @@ def table() -> dict:
     d = json.loads(TABLE.read_text())
     d["compiled"] = [(r["category"], r["library"], re.compile(r["pattern"])) for r in d["rules"]]
     d["by_launcher"] = {op: cat for cat, ops in d["launchers"].items() if cat != "about" for op in ops}
+    d["motif_rx"] = [(r["category"], re.compile(r"(?<![\w])" + r["ops"] + r"(?![\w])")) for r in d["motifs"]["rules"]]
     return d
+
+
+def motifs() -> list:
+    """(category, compiled regex over space-joined launcher names) of the motifs table."""
+    return table()["motif_rx"]
+
+
+def after_last_gemm() -> str:
+    return table()["motifs"]["after_last_gemm"]["category"]
 
 
 def categories() -> list:
