@@ -130,7 +130,34 @@ def nsys_sdpa(path: str) -> None:
         shutil.copy(os.path.join(d, "r.sqlite"), path)
 
 
+def flashinfer_decode(path: str) -> None:
+    """Four decode steps of an engine loop written by hand: a projection, FlashInfer's paged decode
+    (opmap's adapter: BatchDecodeWithPagedKVCacheWrapper, planned per call), the LM head, argmax
+    and the readback of the tokens; no record_function range, as a user's own loop would be."""
+    import opmap
+    from opmap.ops.attention.testing import make_paged, make_query
+
+    B, L = 32, 1024
+    g = torch.Generator().manual_seed(0)
+    pc = make_paged([L] * B, 8, 128, 16, dtype=torch.bfloat16, device="cuda", generator=g)
+    q, _ = make_query([1] * B, 32, 128, dtype=torch.bfloat16, device="cuda", generator=g)
+    x = torch.randn(B, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    lm = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16) / 64
+
+    def steps():
+        for _ in range(4):
+            h = x @ w.T
+            out = opmap.attention_decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, 128 ** -0.5,
+                                         backend="flashinfer")
+            (((out.view(B, -1) + h) @ lm.T).argmax(-1)).cpu()
+
+    with torch.no_grad():
+        _profiled(steps, path)
+
+
 RECORDERS = {
+    "flashinfer-decode": flashinfer_decode,
     "hf-llama-sdpa": lambda p: hf_generate(_llama("sdpa"), p),
     "hf-llama-sdpa-shapes": lambda p: hf_generate(_llama("sdpa"), p, shapes=True),
     "hf-llama-sdpa-stack": lambda p: hf_generate(_llama("sdpa"), p, stack=True),

@@ -1,6 +1,7 @@
-"""`opmap profile --trace` on real traces recorded on the H200 (scripts/record_traces.py; 2-layer
-Llama / Mixtral shapes, bf16): HF transformers generate with SDPA and eager attention, with and
-without with_stack=True, an HF forward under torch.compile, and opmap's own engine (dense, MLA).
+"""`opmap profile --trace` on real traces recorded on the H200 (scripts/record_traces.py; the layer
+shapes of Llama-3-8B, Mixtral-8x7B and Qwen3-30B-A3B cut to 2 layers, bf16): HF transformers
+generate with SDPA and eager attention, with and without with_stack=True (and with record_shapes),
+an HF forward under torch.compile, and opmap's own engine (tiny dense and MLA presets).
 What each must show is what an engineer reads off that run."""
 import json
 from pathlib import Path
@@ -21,8 +22,8 @@ def _top(res, phase):
     return next(iter(res["phases"][phase]["categories"]))
 
 
-@pytest.mark.parametrize("name", ["hf-llama-sdpa", "hf-llama-sdpa-stack", "hf-llama-eager-stack", "hf-mixtral-sdpa",
-                                  "hf-mixtral-sdpa-stack"])
+@pytest.mark.parametrize("name", ["hf-llama-sdpa", "hf-llama-sdpa-shapes", "hf-llama-sdpa-stack", "hf-llama-eager-stack",
+                                  "hf-mixtral-sdpa", "hf-mixtral-sdpa-stack", "hf-qwen3moe-sdpa-stack"])
 def test_hf_generate_steps_and_phases(name):
     """generate(128-token prompt, 6 new tokens): one prefill forward and five decode forwards, split
     at the host's readbacks (HF emits no step range), told apart by their GPU time."""
@@ -37,13 +38,13 @@ def test_hf_sdpa_attention_is_cudnn_and_modules_name_the_rest():
     plain, stack = _res("hf-llama-sdpa"), _res("hf-llama-sdpa-stack")
     for res in (plain, stack):
         assert res["backends"]["attention"][0] == "cuDNN"
-        assert res["backends"]["GEMM"] == ["cuBLAS"]
+        assert res["backends"]["GEMM"][0] == "cuBLAS"
     # without module frames the RMSNorm / RoPE elementwise kernels are named by the runs of ops that
     # spell them (symbols.json, motifs); with the frames, by their modules
     for res, how in ((plain, "pattern"), (stack, "range")):
         cats = res["phases"]["decode"]["categories"]
         assert {"norm", "RoPE", "activation", "attention", "GEMM", "sampling"} <= set(cats)
-        assert res["evidence"][how] > 0.3 if how == "range" else res["evidence"][how] > 0.2
+        assert res["evidence"][how] > 0.1  # GEMMs (by their launcher) are most of the time at these shapes
     assert "range" not in plain["evidence"]
 
 
@@ -58,8 +59,9 @@ def test_hf_eager_attention_is_pytorch_kernels_inside_the_attention_module():
     assert res["phases"]["prefill"]["categories"]["attention"] > 0
 
 
-def test_hf_mixtral_moe_is_the_largest_operator_with_module_frames():
-    res = _res("hf-mixtral-sdpa-stack")
+@pytest.mark.parametrize("name", ["hf-mixtral-sdpa-stack", "hf-qwen3moe-sdpa-stack"])
+def test_hf_moe_is_the_largest_operator_with_module_frames(name):
+    res = _res(name)
     assert _top(res, "prefill") == "MoE" and _top(res, "decode") == "MoE"
     assert "MoE" in _res("hf-mixtral-sdpa")["phases"]["prefill"]["categories"]  # CUTLASS grouped GEMM by symbol
 
@@ -94,3 +96,28 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert doc["steps"] == 6 and set(doc["phases"]) == {"prefill", "decode"}
     assert png.stat().st_size > 1000
     assert "[decode] 5 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("symbol,cat,lib", [
+    # symbols as they appear in the fixtures
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_cga1x1x1_kernel0_0",
+     "attention", "cuDNN"),
+    ("nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN", "GEMM", "cuBLAS"),
+    ("void cutlass::Kernel2<cutlass_80_simt_sgemm_128x32_8x5_nn_align1>(cutlass_80_simt_sgemm_128x32_8x5_nn_align1::Params)",
+     "GEMM", "cuBLAS"),
+    ("void at::cuda::detail::prepare_grouped_gemm_data<cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::bfloat16_t, "
+     "float, cute::tuple<int, int, int>", "MoE", "CUTLASS"),
+    ("triton_red_fused__to_copy__unsafe_view_add_embedding_mean_mul_pow_rsqrt_10", "norm", "Inductor"),
+    ("triton_poi_fused__unsafe_view_mul_silu_8", "activation", "Inductor"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::(anonymous namespace)::silu_kernel("
+     "at::TensorIteratorBase&)::{lambda()#1}::operator()() ", "activation", "PyTorch"),
+    ("_grouped_gemm_kernel", "MoE", "opmap"),
+    ("_mla_decode_tma_kernel", "attention", "opmap"),
+    ("_rope_kv_append_kernel", "attention", "opmap"),
+    ("Memcpy HtoD (Pageable -> Device)", "memory copies", "CUDA"),
+])
+def test_symbols_of_the_fixtures(symbol, cat, lib):
+    from opmap.profile import symbols
+
+    assert symbols.classify(symbol) == (cat, lib)
+    assert any(symbol[:40] in k.name for n in DATA.glob("*.json.gz") for k in trace.load(str(n)).kernels[:4000])
