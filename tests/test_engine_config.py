@@ -28,7 +28,8 @@ def test_hf_4x_config_matches_preset():
     assert c.rope_scaling["rope_type"] == "llama3" and c.num_params() == p.num_params()
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3moe", "tiny-deepseek"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3moe", "tiny-deepseek",
+                                  "tiny-qwen2moe", "tiny-deepseek-v3"])
 def test_hf_5x_config_round_trip(name):
     p = PRESETS[name]
     c = from_hf_config(to_hf_config(p).to_dict(), name=name)

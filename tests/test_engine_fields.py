@@ -94,3 +94,40 @@ def test_sliding_window_models(name, window, single_thread):
     full = LLM(dataclasses.replace(cfg, sliding_window=None), source=StateDictSource(hf.state_dict()),
                max_num_seqs=2, num_pages=32, page_size=16)
     assert [o.token_ids for o in full.generate(prompts, GREEDY)] != [hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_deepseek_v3_fields_and_its_mtp_head(single_thread):
+    cfg = PRESETS["tiny-deepseek-v3"]
+    d = to_hf_config(cfg).to_dict()
+    back = from_hf_config(d)
+    assert (back.router, back.router_bias, back.n_group, back.topk_group, back.routed_scaling,
+            back.first_dense_layers, back.rope_style) == ("sigmoid_grouped", True, 4, 2, 2.5, 1, "gptj")
+    d.update(topk_method="greedy")
+    with pytest.raises(InputError, match="topk_method"):
+        from_hf_config(d)
+    # a checkpoint's multi-token-prediction layer (after the decoder's) is ignored when the config
+    # declares it, and is an unread tensor when it does not
+    state = make_hf_model(cfg, seed=1).state_dict()
+    state[f"model.layers.{cfg.layers}.eh_proj.weight"] = torch.zeros(cfg.hidden, 2 * cfg.hidden)
+    with pytest.raises(InputError, match="eh_proj"):
+        LLM(cfg, source=StateDictSource(state), num_pages=8)
+    mtp = dataclasses.replace(cfg, extra={"mtp_layers": 1})
+    assert from_hf_config(dict(to_hf_config(cfg).to_dict(), num_nextn_predict_layers=1)).extra == {"mtp_layers": 1}
+    assert LLM(mtp, source=StateDictSource(state), num_pages=8).runner.unused == []
+
+
+def test_qwen2_moe_fields():
+    back = from_hf_config(to_hf_config(PRESETS["tiny-qwen2moe"]).to_dict())
+    assert (back.shared_experts, back.shared_intermediate, back.shared_gate, back.attention_bias) == (1, 48, True, True)
+    d = dict(to_hf_config(PRESETS["tiny-qwen2moe"]).to_dict(), use_sliding_window=True)
+    with pytest.raises(InputError, match="use_sliding_window"):
+        from_hf_config(d)
+
+
+def test_every_architecture_says_what_it_reads_and_another_activation_is_refused():
+    from opmap.engine.config import HF_TYPES, HONOURED
+
+    assert set(HONOURED) == set(HF_TYPES.values())
+    d = dict(to_hf_config(PRESETS["tiny-llama3"]).to_dict(), hidden_act="gelu")
+    with pytest.raises(InputError, match="hidden_act"):
+        from_hf_config(d)

@@ -12,7 +12,8 @@ from opmap.presets import PRESETS
 
 from test_engine_util import first_near_tie, hf_greedy, random_prompts, single_thread, word_tokenizer  # noqa: F401
 
-PRESET_NAMES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek"]
+PRESET_NAMES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe",
+                "tiny-deepseek", "tiny-deepseek-v3"]
 
 
 VARIANTS = {  # layouts the presets do not cover
@@ -41,3 +42,18 @@ def test_greedy_matches_hf(name, tmp_path, single_thread):
     backends = {c.backend.name for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
                 for _, _, c in ops.choices}
     assert backends <= {"reference", "mla-reference"}, backends
+
+
+@pytest.mark.parametrize("name,param", [("tiny-deepseek-v3", "router_bias"), ("tiny-qwen2moe", "shared_gate")])
+def test_the_new_moe_features_decide_tokens(name, param, tmp_path, single_thread):
+    """DeepSeek-V3's router bias and Qwen2-MoE's shared-expert gate change the tokens: the parity
+    above is not met by a model that ignores them."""
+    cfg = PRESETS[name]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    for k, t in llm.runner.model.params.items():
+        if k.endswith("." + param):
+            t.zero_()
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    assert any(o.token_ids != hf_greedy(hf, p, 10) for p, o in zip(prompts, outs))

@@ -85,7 +85,7 @@ def test_oracle_verdict_compares_error_distributions(err_ours, ok):
 
 @torch.no_grad()
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe",
-                                  "tiny-deepseek"])
+                                  "tiny-deepseek", "tiny-qwen2moe", "tiny-deepseek-v3"])
 def test_oracle_bf16_engine_within_noise(name, single_thread):
     """The GPU parity criterion (tests/gpu/test_parity_gpu.py) for every architecture, on the CPU."""
     from transformers import AutoModelForCausalLM

@@ -33,10 +33,13 @@ def forced(cfg) -> dict:
     return f
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe", "tiny-mistral"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe", "tiny-mistral", "tiny-deepseek-v3",
+                                  "tiny-qwen2moe"])
 def test_triton_path_matches_hf(name, single_thread):
     cfg = PRESETS[name]
-    if not cfg.is_mla:
+    if cfg.arch == "qwen2_moe":  # HF derives its head_dim from the hidden size
+        cfg = dataclasses.replace(cfg, hidden=128, head_dim=32)
+    elif not cfg.is_mla:
         cfg = dataclasses.replace(cfg, head_dim=32)  # a head_dim the Triton attention kernels serve
     hf = make_hf_model(cfg, seed=5)
     llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=4,
@@ -84,7 +87,9 @@ def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, 
     from triton_variants import VariantRecorder
 
     cfg = PRESETS[name]
-    if not cfg.is_mla:
+    if cfg.arch == "qwen2_moe":  # HF derives its head_dim from the hidden size
+        cfg = dataclasses.replace(cfg, hidden=128, head_dim=32)
+    elif not cfg.is_mla:
         cfg = dataclasses.replace(cfg, head_dim=32)  # a head_dim the Triton attention kernels serve
     rec = VariantRecorder().install()
     llm = LLM(cfg, max_num_batched_tokens=64, max_num_seqs=8, backends=forced(cfg), warmup=True)

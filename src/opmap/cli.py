@@ -192,7 +192,7 @@ def cmd_models(args) -> int:
     """The presets (real shapes, random weights) and the architectures a checkpoint may have."""
     from rich.table import Table
 
-    from .engine.config import HF_TYPES
+    from .engine.config import COMMON_FIELDS, HF_TYPES, HONOURED
     from .output import wide_console
     from .presets import PRESETS
 
@@ -206,7 +206,14 @@ def cmd_models(args) -> int:
                   "MLA" if c.is_mla else ("GQA" if c.kv_heads < c.heads else "MHA"))
     console = wide_console()
     console.print(t)
-    console.print("architectures (config.json model_type): " + ", ".join(sorted(HF_TYPES)))
+    a = Table(title="architectures (config.json model_type): the fields read beyond the common ones, and those "
+                    "refused at load", title_justify="left")
+    for h in ("model_type", "fields read", "refused"):
+        a.add_column(h)
+    for mt in HF_TYPES:
+        a.add_row(mt, *HONOURED[HF_TYPES[mt]])
+    console.print(a)
+    console.print("common fields: " + COMMON_FIELDS)
     return 0
 
 

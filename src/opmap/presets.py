@@ -17,7 +17,7 @@ from . import specs as S
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # llama / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek_v2
+    arch: str  # llama / mistral / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
     hidden: int
     layers: int
     heads: int
@@ -41,6 +41,9 @@ class ModelConfig:
     top_k: int = 0
     moe_intermediate: int = 0
     shared_experts: int = 0
+    shared_intermediate: int = 0  # the shared experts' width when it is not shared_experts x moe_intermediate (Qwen2-MoE)
+    shared_gate: bool = False  # sigmoid(h @ w_gate) scales the shared experts' output (Qwen2-MoE)
+    router_bias: bool = False  # experts chosen on sigmoid scores + a per-expert bias (DeepSeek-V3)
     norm_topk_prob: bool = True
     router: str = "softmax"
     first_dense_layers: int = 0
@@ -58,6 +61,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def shared_width(self) -> int:
+        """Intermediate width of the shared experts (one MLP), 0 without them."""
+        return self.shared_intermediate or self.shared_experts * self.moe_intermediate
 
     @property
     def is_mla(self) -> bool:
@@ -94,7 +102,7 @@ class ModelConfig:
         dense_mlp = 3 * h * self.intermediate
         if self.is_moe:
             moe = self.num_experts * 3 * h * self.moe_intermediate + h * self.num_experts
-            moe += self.shared_experts * 3 * h * self.moe_intermediate
+            moe += 3 * h * self.shared_width + (h if self.shared_gate else 0)
             mlp_total = self.first_dense_layers * dense_mlp + (L - self.first_dense_layers) * moe
         else:
             mlp_total = L * dense_mlp
@@ -134,6 +142,17 @@ _add(ModelConfig("deepseek-v2-lite", "deepseek_v2", 2048, 27, 16, 16, 192, 10944
                  norm_topk_prob=False, first_dense_layers=1, kv_lora_rank=512, qk_nope_dim=128,
                  qk_rope_dim=64, v_head_dim=128))
 
+DSV3_YARN = {"type": "yarn", "rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+_add(ModelConfig("deepseek-v3", "deepseek_v3", 7168, 61, 128, 128, 192, 18432, 129280, max_position=163840,
+                 rope_theta=10000.0, rope_scaling=DSV3_YARN, rms_eps=1e-6, rope_style="gptj", num_experts=256,
+                 top_k=8, moe_intermediate=2048, shared_experts=1, norm_topk_prob=True, router="sigmoid_grouped",
+                 router_bias=True, first_dense_layers=3, routed_scaling=2.5, n_group=8, topk_group=4,
+                 kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128))
+_add(ModelConfig("qwen1.5-moe-a2.7b", "qwen2_moe", 2048, 24, 16, 16, 128, 5632, 151936, max_position=8192,
+                 rope_theta=1e6, rms_eps=1e-6, attention_bias=True, num_experts=60, top_k=4, moe_intermediate=1408,
+                 shared_experts=1, shared_intermediate=5632, shared_gate=True, norm_topk_prob=False))
+
 
 def _tiny(base: str, **kw) -> ModelConfig:
     cfg = dataclasses.replace(PRESETS[base], name="tiny-" + base.split("-")[0].replace(".5", ""), **kw)
@@ -155,6 +174,15 @@ PRESETS["tiny-deepseek"] = dataclasses.replace(
     head_dim=24, intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2,
     moe_intermediate=32, shared_experts=1, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
     v_head_dim=16)
+
+PRESETS["tiny-deepseek-v3"] = dataclasses.replace(
+    PRESETS["deepseek-v3"], name="tiny-deepseek-v3", hidden=64, layers=3, heads=4, kv_heads=4, head_dim=24,
+    intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2, moe_intermediate=32, shared_experts=1,
+    first_dense_layers=1, n_group=4, topk_group=2, routed_scaling=2.5, kv_lora_rank=32, q_lora_rank=24,
+    qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, rope_scaling=None)
+PRESETS["tiny-qwen2moe"] = dataclasses.replace(
+    PRESETS["qwen1.5-moe-a2.7b"], name="tiny-qwen2moe", heads=4, kv_heads=2, num_experts=8, top_k=2,
+    moe_intermediate=32, shared_intermediate=48, **_TINY_COMMON)
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -15,7 +15,33 @@ from ..presets import PRESETS, ModelConfig, get_preset
 
 # HF model_type -> our arch name (the presets use the same names).
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
-            "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2"}
+            "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
+            "deepseek_v3": "deepseek_v3"}
+
+# What `opmap models` says of each architecture: the config.json fields read beyond the common
+# ones, and those refused at load (any other value of a refused field is an InputError naming it).
+COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
+                 "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
+                 "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu)")
+HONOURED = {
+    "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
+    "mistral": ("sliding_window (every layer)", "mlp_bias"),
+    "qwen2": ("q/k/v biases", "use_sliding_window, mlp_bias"),
+    "qwen3": ("attention_bias, q/k norms", "use_sliding_window, mlp_bias"),
+    "mixtral": ("num_local_experts, num_experts_per_tok, sliding_window", "mlp_bias"),
+    "qwen2_moe": ("qkv_bias, num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, "
+                  "shared_expert_intermediate_size with the shared-expert gate",
+                  "use_sliding_window, mlp_only_layers, decoder_sparse_step != 1, mlp_bias"),
+    "qwen3_moe": ("num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, attention_bias",
+                  "use_sliding_window, mlp_only_layers, decoder_sparse_step != 1, mlp_bias"),
+    "deepseek_v2": ("MLA (kv_lora_rank, q_lora_rank, qk_nope/rope_head_dim, v_head_dim), n_routed_experts, "
+                    "n_shared_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, "
+                    "first_k_dense_replace, routed_scaling_factor, topk_method with n_group / topk_group, "
+                    "yarn mscale", "mlp_bias"),
+    "deepseek_v3": ("as deepseek_v2, with sigmoid routing on e_score_correction_bias (noaux_tc), rope_interleave; "
+                    "num_nextn_predict_layers: the MTP layers are ignored (one token per step)",
+                    "topk_method other than noaux_tc, mlp_bias"),
+}
 
 
 @dataclass
@@ -100,6 +126,9 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     if mt not in HF_TYPES:
         raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
     arch = HF_TYPES[mt]
+    act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
+    if act not in ("silu", "swish"):
+        raise InputError("config.json hidden_act", repr(act), f"'silu' ({mt} with another activation is not implemented)")
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     theta, scaling = _rope(d)
@@ -114,7 +143,7 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
         kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
     if arch in ("mistral", "mixtral"):
         kw["sliding_window"] = d.get("sliding_window") or None  # every layer, as HF's attention does
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+    if arch in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
         raise InputError("config.json use_sliding_window", "true",
                          f"false ({mt}'s per-layer sliding window is not implemented)")
     if d.get("mlp_bias"):
@@ -128,12 +157,33 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     if arch == "mixtral":
         kw.update(num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"],
                   moe_intermediate=d["intermediate_size"], norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise InputError("config.json mlp_only_layers/decoder_sparse_step",
+                             (d.get("mlp_only_layers"), d.get("decoder_sparse_step")), "[] and 1 (all layers MoE)")
+        kw.update(attention_bias=bool(d.get("qkv_bias", True)), num_experts=d["num_experts"],
+                  top_k=d["num_experts_per_tok"], moe_intermediate=d["moe_intermediate_size"],
+                  norm_topk_prob=bool(d.get("norm_topk_prob", False)), shared_experts=1,
+                  shared_intermediate=d["shared_expert_intermediate_size"], shared_gate=True)
     if arch == "qwen3_moe":
         if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
             raise InputError("config.json mlp_only_layers/decoder_sparse_step",
                              (d.get("mlp_only_layers"), d.get("decoder_sparse_step")), "[] and 1 (all layers MoE)")
         kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], top_k=d["num_experts_per_tok"],
                   moe_intermediate=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+    if arch == "deepseek_v3":
+        mtp = int(d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0)
+        kw.update(num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], shared_experts=d.get("n_shared_experts") or 0,
+                  norm_topk_prob=bool(d.get("norm_topk_prob", True)), first_dense_layers=d.get("first_k_dense_replace", 0),
+                  routed_scaling=float(d.get("routed_scaling_factor", 1.0)), n_group=d.get("n_group") or 1,
+                  topk_group=d.get("topk_group") or 1, router="sigmoid_grouped", router_bias=True,
+                  kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
+                  qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+                  rope_style="gptj" if d.get("rope_interleave", True) else "neox",
+                  head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"], extra={"mtp_layers": mtp})
+        if d.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise InputError("config.json topk_method", repr(d.get("topk_method")), "'noaux_tc' (DeepSeek-V3 routing)")
     if arch == "deepseek_v2":
         kw.update(num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"],
                   moe_intermediate=d["moe_intermediate_size"], shared_experts=d.get("n_shared_experts") or 0,
@@ -228,6 +278,20 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                                v_head_dim=cfg.v_head_dim,
                                topk_method="group_limited_greedy" if cfg.n_group > 1 else "greedy", n_group=cfg.n_group,
                                topk_group=cfg.topk_group, **common)
+    elif a == "deepseek_v3":
+        c = T.DeepseekV3Config(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts,
+                               num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate,
+                               n_shared_experts=cfg.shared_experts, first_k_dense_replace=cfg.first_dense_layers,
+                               norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
+                               kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                               qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
+                               v_head_dim=cfg.v_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                               rope_interleave=cfg.rope_style == "gptj", **common)
+    elif a == "qwen2_moe":
+        c = T.Qwen2MoeConfig(intermediate_size=cfg.intermediate, moe_intermediate_size=cfg.moe_intermediate,
+                             shared_expert_intermediate_size=cfg.shared_width, num_experts=cfg.num_experts,
+                             num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+                             mlp_only_layers=[], qkv_bias=cfg.attention_bias, **common)
     else:
         raise ValueError(f"no HF config for arch {a!r}")
     for k, v in overrides.items():
@@ -258,6 +322,9 @@ def make_hf_model(cfg: ModelConfig, seed: int = 0, dtype=None, device="cpu", std
                 p.copy_(1.0 + 0.1 * r)
             else:
                 p.copy_(std * r)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias is a buffer (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g, device=device, dtype=torch.float32))
     return model.eval()
 
 

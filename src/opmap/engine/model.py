@@ -80,10 +80,14 @@ class DecoderModel:
             self._p(f"{i}.router", c.num_experts, c.hidden)
             self._p(f"{i}.w13", c.num_experts, 2 * c.moe_intermediate, c.hidden)
             self._p(f"{i}.w2", c.num_experts, c.hidden, c.moe_intermediate)
+            if c.router_bias:  # fp32, as HF keeps e_score_correction_bias
+                self.params[f"{i}.router_bias"] = torch.empty(c.num_experts, device=self.device, dtype=torch.float32)
             if c.shared_experts:
-                si = c.shared_experts * c.moe_intermediate
+                si = c.shared_width
                 self._p(f"{i}.shared_gate_up", 2 * si, c.hidden)
                 self._p(f"{i}.shared_down", c.hidden, si)
+                if c.shared_gate:
+                    self._p(f"{i}.shared_gate", 1, c.hidden)
         else:
             self._p(f"{i}.gate_up", 2 * c.intermediate, c.hidden)
             self._p(f"{i}.down", c.hidden, c.intermediate)
@@ -133,11 +137,15 @@ class DecoderModel:
             else:
                 legacy = ("gate_proj", "up_proj", "down_proj")
             L.copy(P[f"{i}.router"], f"{pre}.gate.weight")
+            if c.router_bias:
+                L.copy(P[f"{i}.router_bias"], f"{pre}.gate.e_score_correction_bias")
             L.experts(P[f"{i}.w13"], P[f"{i}.w2"], pre, legacy)
             if c.shared_experts:
-                s = f"{pre}.shared_experts"
+                s = f"{pre}.shared_expert" if c.shared_gate else f"{pre}.shared_experts"  # Qwen2-MoE: one, gated
                 L.cat(P[f"{i}.shared_gate_up"], [f"{s}.gate_proj.weight", f"{s}.up_proj.weight"])
                 L.copy(P[f"{i}.shared_down"], f"{s}.down_proj.weight")
+                if c.shared_gate:
+                    L.copy(P[f"{i}.shared_gate"], f"{pre}.shared_expert_gate.weight")
         else:
             L.cat(P[f"{i}.gate_up"], [f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"])
             L.copy(P[f"{i}.down"], f"{pre}.down_proj.weight")
@@ -203,10 +211,12 @@ class DecoderModel:
             logits = ops.gemm["router"](h, P[f"{i}.router"])
             out = ops.moe(h, logits, P[f"{i}.w13"], P[f"{i}.w2"], c.top_k, router=c.router,
                           renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                          routed_scaling=c.routed_scaling)
+                          routed_scaling=c.routed_scaling, score_bias=P.get(f"{i}.router_bias"))
             if c.shared_experts:
                 s = ops.gemm["shared_down"](ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"])),
                                             P[f"{i}.shared_down"])
+                if c.shared_gate:  # Qwen2-MoE: sigmoid(h @ w_gate) [T, 1] scales the shared expert
+                    s = torch.sigmoid(ops.gemm["shared_gate"](h, P[f"{i}.shared_gate"])) * s
                 out = out + s
             return out
         return ops.gemm["down"](ops.act(ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"))),

@@ -104,9 +104,11 @@ class OpSet:
             # a backend that tunes kernels per token count does it once at start-up (runner)
             self.moe_warm_up = moe_backend.fn("warm_up") if "warm_up" in moe_backend.impl else None
             if cfg.shared_experts:
-                si = cfg.shared_experts * cfg.moe_intermediate
+                si = cfg.shared_width
                 self.gemm["shared_gate_up"] = gemm("shared gate/up proj", 2 * si, h)
                 self.gemm["shared_down"] = gemm("shared down proj", h, si)
+                if cfg.shared_gate:
+                    self.gemm["shared_gate"] = gemm("shared expert gate", 1, h)
                 self.shared_act = self._pick("activation", "shared SiLU * mul",
                                              S.ActivationSpec(hidden=si, dtype=dtype, **base), "silu_mul")
         if not cfg.is_moe or cfg.first_dense_layers:

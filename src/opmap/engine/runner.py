@@ -66,6 +66,14 @@ class ModelRunner:
             self.unused = []
         else:
             self.unused = self.model.load(source)
+            mtp = int(cfg.extra.get("mtp_layers", 0))
+            if mtp:  # DeepSeek-V3's multi-token-prediction layers follow the decoder's; nothing here runs them
+                extra = {f"model.layers.{cfg.layers + j}." for j in range(mtp)}
+                dropped = [n for n in self.unused if any(n.startswith(e) for e in extra)]
+                if dropped:
+                    log.info("ignoring the %d-layer MTP head (%d tensors): opmap decodes one token per step", mtp,
+                             len(dropped))
+                self.unused = [n for n in self.unused if n not in set(dropped)]
             if self.unused:  # a tensor nothing reads is a feature this model would silently drop
                 more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
@@ -302,7 +310,7 @@ class ModelRunner:
             with torch.inference_mode():
                 n = warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, router=c.router,
                             renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                            routed_scaling=c.routed_scaling)
+                            routed_scaling=c.routed_scaling, score_bias=P.get(f"{layer}.router_bias"))
             torch.cuda.synchronize()
             log.info("MoE kernels tuned for %d token counts up to %d in %.1f s", n, self.max_tokens,
                      time.perf_counter() - t0)
