@@ -122,7 +122,12 @@ def test_models_lists_presets_and_architectures(capsys):
     out = capsys.readouterr().out
     for name in ("llama3-8b", "deepseek-v2-lite", "tiny-qwen3moe"):
         assert name in out
-    assert "architectures (config.json model_type): deepseek_v2, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe" in out
+    assert "architectures (config.json model_type)" in out
+    from opmap.engine.config import HF_TYPES
+
+    for mt in HF_TYPES:  # each with the fields it reads and refuses
+        assert f"│ {mt} " in out, mt
+    assert "e_score_correction_bias" in out and "use_sliding_window" in out
 
 
 def test_one_resolver_takes_a_preset_a_directory_or_a_config_json(ckpt):
