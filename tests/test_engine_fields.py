@@ -131,3 +131,34 @@ def test_every_architecture_says_what_it_reads_and_another_activation_is_refused
     d = dict(to_hf_config(PRESETS["tiny-llama3"]).to_dict(), hidden_act="gelu")
     with pytest.raises(InputError, match="hidden_act"):
         from_hf_config(d)
+
+
+def test_gemma2_features_decide_the_output(single_thread):
+    """tiny-gemma2 (3 layers: sliding window 8, full, sliding; score cap 2, logit cap 3) matches HF,
+    and a model without its window, its score cap, its sandwich norms or its embedding scale does
+    not; the final logit cap shows in the log-probabilities (greedy tokens cannot see a monotone cap)."""
+    cfg = PRESETS["tiny-gemma2"]
+    hf = make_hf_model(cfg, seed=3)
+    prompts = random_prompts(cfg.vocab, (7, 19, 30), seed=3)
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+
+    def run(c, **sp):
+        llm = LLM(c, source=StateDictSource(hf.state_dict()), max_num_seqs=3, num_pages=32, page_size=16)
+        return llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, **sp))
+
+    assert [o.token_ids for o in run(cfg)] == want
+    for wrong in (dict(layer_types=("full",) * 3), dict(attn_soft_cap=None), dict(embed_scale=False),
+                  dict(query_scale=16.0)):
+        got = [o.token_ids for o in run(dataclasses.replace(cfg, **wrong))]
+        assert got != want, wrong
+    assert from_hf_config(to_hf_config(cfg).to_dict()) == dataclasses.replace(cfg, name="checkpoint")
+    # the capped logits' log-softmax at the first generated token
+    o = run(cfg, logprobs=1)[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompts[0]])).logits[0, -1].float()
+    ref = torch.log_softmax(logits, -1)[want[0][0]].item()
+    assert abs(o.logprobs[0]["token"] - ref) < 1e-4, (o.logprobs[0], ref)
+    with torch.no_grad():
+        raw = hf.lm_head(hf.model(torch.tensor([prompts[0]])).last_hidden_state)[0, -1].float()
+    uncapped = torch.log_softmax(raw, -1)
+    assert abs(uncapped[want[0][0]].item() - ref) > 1e-3  # the cap moved it

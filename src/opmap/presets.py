@@ -17,7 +17,7 @@ from . import specs as S
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # llama / mistral / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
+    arch: str  # llama / mistral / gemma2 / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
     hidden: int
     layers: int
     heads: int
@@ -36,6 +36,17 @@ class ModelConfig:
     mlp_bias: bool = False  # gate/up/down projection biases (Llama's mlp_bias)
     qk_norm: bool = False
     tie_embeddings: bool = False
+    activation: str = "silu"  # of the gated MLP: silu / gelu_tanh (Gemma)
+    # Gemma: the embedding times sqrt(hidden), norm weights stored as offset + w, a norm after the
+    # attention and after the MLP too (before their residual adds), tanh caps on the attention
+    # scores and the final logits, a softmax scale of query_scale ** -0.5, and per-layer windows.
+    embed_scale: bool = False
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    attn_soft_cap: Optional[float] = None
+    final_soft_cap: Optional[float] = None
+    query_scale: Optional[float] = None
+    layer_types: tuple = ()  # "sliding" / "full" per layer; () = every layer as sliding_window says
     # MoE
     num_experts: int = 0
     top_k: int = 0
@@ -66,6 +77,12 @@ class ModelConfig:
     def shared_width(self) -> int:
         """Intermediate width of the shared experts (one MLP), 0 without them."""
         return self.shared_intermediate or self.shared_experts * self.moe_intermediate
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of a layer (None: full attention)."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding" else None
+        return self.sliding_window
 
     @property
     def is_mla(self) -> bool:
@@ -149,6 +166,10 @@ _add(ModelConfig("deepseek-v3", "deepseek_v3", 7168, 61, 128, 128, 192, 18432, 1
                  top_k=8, moe_intermediate=2048, shared_experts=1, norm_topk_prob=True, router="sigmoid_grouped",
                  router_bias=True, first_dense_layers=3, routed_scaling=2.5, n_group=8, topk_group=4,
                  kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128))
+_add(ModelConfig("gemma2-9b", "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, max_position=8192, rope_theta=10000.0,
+                 rms_eps=1e-6, tie_embeddings=True, activation="gelu_tanh", embed_scale=True, norm_offset=1.0,
+                 sandwich_norms=True, attn_soft_cap=50.0, final_soft_cap=30.0, query_scale=256.0,
+                 sliding_window=4096, layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(42))))
 _add(ModelConfig("qwen1.5-moe-a2.7b", "qwen2_moe", 2048, 24, 16, 16, 128, 5632, 151936, max_position=8192,
                  rope_theta=1e6, rms_eps=1e-6, attention_bias=True, num_experts=60, top_k=4, moe_intermediate=1408,
                  shared_experts=1, shared_intermediate=5632, shared_gate=True, norm_topk_prob=False))
@@ -180,6 +201,10 @@ PRESETS["tiny-deepseek-v3"] = dataclasses.replace(
     intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2, moe_intermediate=32, shared_experts=1,
     first_dense_layers=1, n_group=4, topk_group=2, routed_scaling=2.5, kv_lora_rank=32, q_lora_rank=24,
     qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, rope_scaling=None)
+PRESETS["tiny-gemma2"] = dataclasses.replace(
+    PRESETS["gemma2-9b"], name="tiny-gemma2", heads=4, kv_heads=2, attn_soft_cap=2.0, final_soft_cap=3.0,
+    query_scale=24.0, sliding_window=8, layer_types=("sliding", "full", "sliding"),
+    **dict(_TINY_COMMON, layers=3))
 PRESETS["tiny-qwen2moe"] = dataclasses.replace(
     PRESETS["qwen1.5-moe-a2.7b"], name="tiny-qwen2moe", heads=4, kv_heads=2, num_experts=8, top_k=2,
     moe_intermediate=32, shared_intermediate=48, **_TINY_COMMON)

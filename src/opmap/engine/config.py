@@ -14,7 +14,7 @@ from typing import Optional
 from ..presets import PRESETS, ModelConfig, get_preset
 
 # HF model_type -> our arch name (the presets use the same names).
-HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
             "deepseek_v3": "deepseek_v3"}
 
@@ -26,6 +26,9 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
+    "gemma2": ("attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar, sliding_window with "
+               "layer_types, hidden_activation (gelu_pytorch_tanh), the four norms of a layer with 1 + w, the "
+               "embedding times sqrt(hidden_size)", "attention_bias, use_bidirectional_attention"),
     "qwen2": ("q/k/v biases", "use_sliding_window, mlp_bias"),
     "qwen3": ("attention_bias, q/k norms", "use_sliding_window, mlp_bias"),
     "mixtral": ("num_local_experts, num_experts_per_tok, sliding_window", "mlp_bias"),
@@ -126,9 +129,11 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     if mt not in HF_TYPES:
         raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
     arch = HF_TYPES[mt]
-    act = d.get("hidden_act") or d.get("hidden_activation") or "silu"
-    if act not in ("silu", "swish"):
-        raise InputError("config.json hidden_act", repr(act), f"'silu' ({mt} with another activation is not implemented)")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    want = ("gelu_pytorch_tanh", "gelu_tanh") if mt == "gemma2" else ("silu", "swish")
+    if act not in want:
+        raise InputError("config.json hidden_act", repr(act), f"{want[0]!r} ({mt} with another activation is not "
+                                                              "implemented)")
     heads = d["num_attention_heads"]
     hidden = d["hidden_size"]
     theta, scaling = _rope(d)
@@ -139,6 +144,18 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
               rope_theta=theta, rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
               tie_embeddings=bool(d.get("tie_word_embeddings", False)),
               attention_bias=bool(d.get("attention_bias", False)))
+    if arch == "gemma2":
+        if d.get("attention_bias") or d.get("use_bidirectional_attention"):
+            raise InputError("config.json attention_bias/use_bidirectional_attention",
+                             (d.get("attention_bias"), d.get("use_bidirectional_attention")), "false (Gemma-2 as released)")
+        L = d["num_hidden_layers"]
+        types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+        kw.update(activation="gelu_tanh", embed_scale=True, norm_offset=1.0, sandwich_norms=True,
+                  attn_soft_cap=d.get("attn_logit_softcapping"), final_soft_cap=d.get("final_logit_softcapping"),
+                  query_scale=float(d.get("query_pre_attn_scalar") or kw["head_dim"]),
+                  sliding_window=d.get("sliding_window") or None,
+                  layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+                  tie_embeddings=bool(d.get("tie_word_embeddings", True)))
     if arch in ("llama", "qwen3", "qwen3_moe"):
         kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
     if arch in ("mistral", "mixtral"):
@@ -256,6 +273,12 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                             sliding_window=cfg.sliding_window, **common)
     elif a == "qwen2":
         c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
+    elif a == "gemma2":
+        g = dict(common, hidden_act="gelu_pytorch_tanh")
+        c = T.Gemma2Config(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim, hidden_activation="gelu_pytorch_tanh",
+                           query_pre_attn_scalar=int(cfg.query_scale), sliding_window=cfg.sliding_window,
+                           layer_types=[f"{t}_attention" for t in cfg.layer_types],
+                           attn_logit_softcapping=cfg.attn_soft_cap, final_logit_softcapping=cfg.final_soft_cap, **g)
     elif a == "qwen3":
         c = T.Qwen3Config(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
                           attention_bias=cfg.attention_bias, **common)

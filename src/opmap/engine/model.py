@@ -193,7 +193,7 @@ class DecoderModel:
         else:
             ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
             ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
-        win = {"window": c.sliding_window} if c.sliding_window else {}
+        win = self.attention_kw(i)
         if st.is_decode:
             kw = {"workspace": st.workspace} if st.workspace is not None else {}
             o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw, **win)
@@ -201,6 +201,11 @@ class DecoderModel:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale, **win)
         return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"))
+
+    def attention_kw(self, i: int) -> dict:
+        """The attention call's window (and, in subclasses, soft cap) for layer i."""
+        w = self.cfg.window_of(i)
+        return {"window": w} if w else {}
 
     def mlp(self, ops, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg

@@ -116,4 +116,8 @@ def build_model(cfg: ModelConfig, device, dtype):
     """The model for a config: MLA layers for DeepSeek-V2-style configs, else the decoder."""
     if cfg.is_mla:
         return MLAModel(cfg, device, dtype)
+    if cfg.sandwich_norms:
+        from .model_gemma import GemmaModel
+
+        return GemmaModel(cfg, device, dtype)
     return DecoderModel(cfg, device, dtype)

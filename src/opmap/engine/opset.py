@@ -89,7 +89,8 @@ class OpSet:
                 self.rope_append = self._use(app, label, "rope_append")
             aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
                                     page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph,
-                                    sliding_window=bool(cfg.sliding_window), **base)
+                                    sliding_window=any(cfg.window_of(i) for i in range(cfg.layers)),
+                                    soft_cap=bool(cfg.attn_soft_cap), **base)
             self.attention = self._pick("attention", "attention (paged)", aspec, phase)
         self.attn_backend = self.choices[-1][2].backend
         self.make_workspace = (self.attn_backend.fn("make_workspace")
@@ -114,8 +115,9 @@ class OpSet:
         if not cfg.is_moe or cfg.first_dense_layers:
             self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias)
             self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias)
-            self.act = self._pick("activation", "SiLU * mul", S.ActivationSpec(hidden=cfg.intermediate, dtype=dtype,
-                                                                              **base), "silu_mul")
+            kind = "gelu_tanh_mul" if cfg.activation == "gelu_tanh" else "silu_mul"
+            self.act = self._pick("activation", "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul",
+                                  S.ActivationSpec(kind=kind, hidden=cfg.intermediate, dtype=dtype, **base), kind)
         # Prefill computes logits for the sampled rows only; decode for every row.
         self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h)
 
