@@ -162,3 +162,23 @@ def test_gemma2_features_decide_the_output(single_thread):
         raw = hf.lm_head(hf.model(torch.tensor([prompts[0]])).last_hidden_state)[0, -1].float()
     uncapped = torch.log_softmax(raw, -1)
     assert abs(uncapped[want[0][0]].item() - ref) > 1e-3  # the cap moved it
+
+
+
+def test_gemma3_qk_norms_and_the_local_rope_base_decide_tokens(single_thread):
+    cfg = PRESETS["tiny-gemma3"]  # sliding, sliding, full; local base 10000, the full layer's linear x4
+    hf = make_hf_model(cfg, seed=4)
+    prompts = random_prompts(cfg.vocab, (9, 25), seed=4)
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+
+    def run(c):
+        llm = LLM(c, source=StateDictSource(hf.state_dict()), max_num_seqs=2, num_pages=32, page_size=16)
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+    assert run(cfg) == want
+    assert run(dataclasses.replace(cfg, local_rope_theta=None)) != want  # one RoPE for every layer
+    assert from_hf_config(to_hf_config(cfg).to_dict()) == dataclasses.replace(cfg, name="checkpoint")
+    d = to_hf_config(cfg).to_dict()
+    d["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(InputError, match="sliding_attention"):
+        from_hf_config(d)

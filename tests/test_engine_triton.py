@@ -34,7 +34,7 @@ def forced(cfg) -> dict:
 
 
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe", "tiny-mistral", "tiny-deepseek-v3",
-                                  "tiny-qwen2moe", "tiny-gemma2"])
+                                  "tiny-qwen2moe", "tiny-gemma2", "tiny-gemma3"])
 def test_triton_path_matches_hf(name, single_thread):
     cfg = PRESETS[name]
     if cfg.arch == "qwen2_moe":  # HF derives its head_dim from the hidden size

@@ -17,7 +17,7 @@ from . import specs as S
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # llama / mistral / gemma2 / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
+    arch: str  # llama / mistral / gemma2 / gemma3_text / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
     hidden: int
     layers: int
     heads: int
@@ -47,6 +47,7 @@ class ModelConfig:
     final_soft_cap: Optional[float] = None
     query_scale: Optional[float] = None
     layer_types: tuple = ()  # "sliding" / "full" per layer; () = every layer as sliding_window says
+    local_rope_theta: Optional[float] = None  # RoPE base of the sliding layers where it differs (Gemma-3)
     # MoE
     num_experts: int = 0
     top_k: int = 0
@@ -170,6 +171,11 @@ _add(ModelConfig("gemma2-9b", "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, max
                  rms_eps=1e-6, tie_embeddings=True, activation="gelu_tanh", embed_scale=True, norm_offset=1.0,
                  sandwich_norms=True, attn_soft_cap=50.0, final_soft_cap=30.0, query_scale=256.0,
                  sliding_window=4096, layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(42))))
+_add(ModelConfig("gemma3-4b", "gemma3_text", 2560, 34, 8, 4, 256, 10240, 262208, max_position=131072,
+                 rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0}, local_rope_theta=10000.0,
+                 rms_eps=1e-6, tie_embeddings=True, activation="gelu_tanh", embed_scale=True, norm_offset=1.0,
+                 sandwich_norms=True, qk_norm=True, query_scale=256.0, sliding_window=1024,
+                 layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(34))))
 _add(ModelConfig("qwen1.5-moe-a2.7b", "qwen2_moe", 2048, 24, 16, 16, 128, 5632, 151936, max_position=8192,
                  rope_theta=1e6, rms_eps=1e-6, attention_bias=True, num_experts=60, top_k=4, moe_intermediate=1408,
                  shared_experts=1, shared_intermediate=5632, shared_gate=True, norm_topk_prob=False))
@@ -204,6 +210,10 @@ PRESETS["tiny-deepseek-v3"] = dataclasses.replace(
 PRESETS["tiny-gemma2"] = dataclasses.replace(
     PRESETS["gemma2-9b"], name="tiny-gemma2", heads=4, kv_heads=2, attn_soft_cap=2.0, final_soft_cap=3.0,
     query_scale=24.0, sliding_window=8, layer_types=("sliding", "full", "sliding"),
+    **dict(_TINY_COMMON, layers=3))
+PRESETS["tiny-gemma3"] = dataclasses.replace(
+    PRESETS["gemma3-4b"], name="tiny-gemma3", heads=4, kv_heads=2, query_scale=16.0, sliding_window=8,
+    layer_types=("sliding", "sliding", "full"), rope_scaling={"rope_type": "linear", "factor": 4.0},
     **dict(_TINY_COMMON, layers=3))
 PRESETS["tiny-qwen2moe"] = dataclasses.replace(
     PRESETS["qwen1.5-moe-a2.7b"], name="tiny-qwen2moe", heads=4, kv_heads=2, num_experts=8, top_k=2,

@@ -14,7 +14,7 @@ from typing import Optional
 from ..presets import PRESETS, ModelConfig, get_preset
 
 # HF model_type -> our arch name (the presets use the same names).
-HF_TYPES = {"llama": "llama", "mistral": "mistral", "gemma2": "gemma2", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
             "deepseek_v3": "deepseek_v3"}
 
@@ -29,6 +29,9 @@ HONOURED = {
     "gemma2": ("attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar, sliding_window with "
                "layer_types, hidden_activation (gelu_pytorch_tanh), the four norms of a layer with 1 + w, the "
                "embedding times sqrt(hidden_size)", "attention_bias, use_bidirectional_attention"),
+    "gemma3_text": ("as gemma2, with q/k norms, the sliding layers' own RoPE base (rope_parameters per layer type "
+                    "or rope_local_base_freq) and the full layers' scaling", "attention_bias, "
+                    "use_bidirectional_attention, a scaled RoPE on the sliding layers"),
     "qwen2": ("q/k/v biases", "use_sliding_window, mlp_bias"),
     "qwen3": ("attention_bias, q/k norms", "use_sliding_window, mlp_bias"),
     "mixtral": ("num_local_experts, num_experts_per_tok, sliding_window", "mlp_bias"),
@@ -102,10 +105,11 @@ class EngineConfig:
 
 
 def _rope(d: dict) -> tuple[float, Optional[dict]]:
-    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields."""
+    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields;
+    of the full-attention layers where the dict is per layer type (Gemma-3: ``_local_rope``)."""
     rp = d.get("rope_parameters") or {}
-    if isinstance(rp, dict) and "rope_theta" not in rp and rp:  # per-layer-type dict (not used here)
-        rp = next(iter(rp.values()))
+    if isinstance(rp, dict) and "rope_theta" not in rp and rp:  # per layer type
+        rp = rp.get("full_attention") or next(iter(rp.values()))
     theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
     scaling = d.get("rope_scaling") or None
     if scaling is None and rp.get("rope_type", "default") not in ("default", None):
@@ -121,6 +125,18 @@ def _rope(d: dict) -> tuple[float, Optional[dict]]:
     return theta, scaling
 
 
+def _local_rope(d: dict) -> Optional[float]:
+    """The RoPE base of Gemma-3's sliding layers (plain RoPE: another kind there is refused)."""
+    from ..contract import InputError
+
+    rp = (d.get("rope_parameters") or {}).get("sliding_attention")
+    if rp is None:
+        return float(d["rope_local_base_freq"]) if d.get("rope_local_base_freq") else None
+    if rp.get("rope_type", "default") != "default":
+        raise InputError("config.json rope_parameters.sliding_attention", repr(rp.get("rope_type")), "'default'")
+    return float(rp.get("rope_theta", 10000.0))
+
+
 def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     """Our ModelConfig from the dict of an HF config.json."""
     from ..contract import InputError
@@ -130,7 +146,7 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
         raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
     arch = HF_TYPES[mt]
     act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
-    want = ("gelu_pytorch_tanh", "gelu_tanh") if mt == "gemma2" else ("silu", "swish")
+    want = ("gelu_pytorch_tanh", "gelu_tanh") if mt.startswith("gemma") else ("silu", "swish")
     if act not in want:
         raise InputError("config.json hidden_act", repr(act), f"{want[0]!r} ({mt} with another activation is not "
                                                               "implemented)")
@@ -144,7 +160,7 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
               rope_theta=theta, rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
               tie_embeddings=bool(d.get("tie_word_embeddings", False)),
               attention_bias=bool(d.get("attention_bias", False)))
-    if arch == "gemma2":
+    if arch in ("gemma2", "gemma3_text"):
         if d.get("attention_bias") or d.get("use_bidirectional_attention"):
             raise InputError("config.json attention_bias/use_bidirectional_attention",
                              (d.get("attention_bias"), d.get("use_bidirectional_attention")), "false (Gemma-2 as released)")
@@ -156,6 +172,8 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
                   sliding_window=d.get("sliding_window") or None,
                   layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
                   tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+        if arch == "gemma3_text":
+            kw.update(qk_norm=True, local_rope_theta=_local_rope(d))
     if arch in ("llama", "qwen3", "qwen3_moe"):
         kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
     if arch in ("mistral", "mixtral"):
@@ -271,6 +289,14 @@ def to_hf_config(cfg: ModelConfig, **overrides):
     elif a == "mistral":
         c = T.MistralConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
                             sliding_window=cfg.sliding_window, **common)
+    elif a == "gemma3_text":
+        g = dict(common, hidden_act="gelu_pytorch_tanh",
+                 rope_parameters={"full_attention": _rope_parameters(cfg),
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}})
+        c = T.Gemma3TextConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                               hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_scale),
+                               sliding_window=cfg.sliding_window, layer_types=[f"{t}_attention" for t in cfg.layer_types],
+                               attn_logit_softcapping=cfg.attn_soft_cap, final_logit_softcapping=cfg.final_soft_cap, **g)
     elif a == "qwen2":
         c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
     elif a == "gemma2":
@@ -320,6 +346,7 @@ def to_hf_config(cfg: ModelConfig, **overrides):
     for k, v in overrides.items():
         setattr(c, k, v)
     got = getattr(c, "rope_parameters", None) or {}
+    got = got.get("full_attention", got)  # per layer type (Gemma-3)
     if float(got.get("rope_theta", -1)) != float(cfg.rope_theta):
         # A transformers without rope_parameters would silently keep its default theta.
         raise RuntimeError(f"transformers {T.__version__} did not take rope_parameters (got {got!r}); "

@@ -188,10 +188,10 @@ class DecoderModel:
         k_cache, v_cache = kv
         if ops.rope_append is not None:
             kw = {"qk_norm": (P[f"{i}.q_norm"], P[f"{i}.k_norm"], c.rms_eps)} if ops.qk_norm_in_rope_append else {}
-            ops.rope_append(q, k, v, st.positions, self.cos_sin, c.rope_style, k_cache, v_cache, st.slot_mapping,
+            ops.rope_append(q, k, v, st.positions, self.cos_sin_of(i), c.rope_style, k_cache, v_cache, st.slot_mapping,
                             **kw)
         else:
-            ops.rope(q, k, st.positions, self.cos_sin, c.rope_style)
+            ops.rope(q, k, st.positions, self.cos_sin_of(i), c.rope_style)
             ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
         win = self.attention_kw(i)
         if st.is_decode:
@@ -201,6 +201,10 @@ class DecoderModel:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale, **win)
         return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"))
+
+    def cos_sin_of(self, i: int) -> torch.Tensor:
+        """The RoPE cache of layer i: Gemma-3's sliding layers have their own base."""
+        return self.cos_sin_local if self.cfg.local_rope_theta and self.cfg.window_of(i) else self.cos_sin
 
     def attention_kw(self, i: int) -> dict:
         """The attention call's window (and, in subclasses, soft cap) for layer i."""

@@ -1,8 +1,9 @@
-"""Gemma-2: the Llama decoder with a norm after the attention and after the MLP as well (each before
+"""Gemma-2 and Gemma-3 (text): the Llama decoder with a norm after the attention and after the MLP as well (each before
 its residual add), norm weights used as 1 + w, the embedding scaled by sqrt(hidden), tanh caps on
 the attention scores (the attention kernels' ``soft_cap``) and on the final logits, alternating
 sliding-window layers (their ``window``), a GELU-tanh gated MLP and a softmax scale of
-``query_pre_attn_scalar ** -0.5``.
+``query_pre_attn_scalar ** -0.5``; Gemma-3 adds q/k norms and its sliding layers' own RoPE base
+(``DecoderModel.cos_sin_of``).
 
 The norm weights are stored as 1 + w at load: the norm kernels multiply by the weight they are
 given (HF multiplies by 1 + w in fp32 before the cast, opmap casts first: the same in fp32, one
@@ -34,6 +35,9 @@ class GemmaModel(DecoderModel):
         L.copy(P[f"{i}.post_ff_norm"], f"{pre}.post_feedforward_layernorm.weight")
         a = f"{pre}.self_attn"
         L.cat(P[f"{i}.qkv"], [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"])
+        if self.cfg.qk_norm:  # Gemma-3
+            L.copy(P[f"{i}.q_norm"], f"{a}.q_norm.weight")
+            L.copy(P[f"{i}.k_norm"], f"{a}.k_norm.weight")
         L.copy(P[f"{i}.o"], f"{a}.o_proj.weight")
         self.load_mlp(L, i)
 

@@ -121,14 +121,22 @@ class ModelRunner:
                                 pin_memory=self.device.type == "cuda")
         self.h_bt_np = self.h_bt.numpy()
         self.kv = self.model.make_kv(self.num_pages, self.page)
-        self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), self.max_model_len, cfg.rope_theta,
-                                           cfg.rope_scaling, device=self.device)
+        self._rope_caches(self.max_model_len)
         self.graphs: dict = {}
         self.graph_errors: dict = {}
         if self.use_graphs:
             self._capture()
 
+    def _rope_caches(self, positions: int) -> None:
+        """cos/sin of the model's RoPE, and of its local layers' where they have their own base (Gemma-3)."""
+        c = self.cfg
+        self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), positions, c.rope_theta, c.rope_scaling,
+                                           device=self.device)
+        self.model.cos_sin_local = (cos_sin_cache(self.model.rope_dim(), positions, c.local_rope_theta, None,
+                                                  device=self.device) if c.local_rope_theta else self.model.cos_sin)
+
     # ---- buffers ------------------------------------------------------------------------------
+
     def _alloc_meta(self, max_len: int) -> None:
         d, T, B = self.device, self.max_tokens, self.max_seqs
         i64 = dict(dtype=torch.int64, device=d)
@@ -267,8 +275,7 @@ class ModelRunner:
         T = self.ecfg.max_num_batched_tokens
         pages = -(-T // self.page) + 1
         kv = self.model.make_kv(pages, self.page)
-        self.model.cos_sin = cos_sin_cache(self.model.rope_dim(), max(T, 1), self.cfg.rope_theta,
-                                           self.cfg.rope_scaling, device=self.device)
+        self._rope_caches(max(T, 1))
         self.block_tables = torch.arange(pages, dtype=torch.int32, device=self.device)[None, :].repeat(self.max_seqs, 1)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()  # weights, buffers, the scratch cache, other engines
