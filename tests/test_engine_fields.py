@@ -75,9 +75,22 @@ def test_linear_rope_scaling_and_a_refused_kind(single_thread):
     cfg = dataclasses.replace(PRESETS["tiny-llama3"], rope_scaling={"rope_type": "linear", "factor": 4.0})
     _parity(cfg)
     d = to_hf_config(PRESETS["tiny-llama3"]).to_dict()
-    d["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
-    with pytest.raises(InputError, match="rope_scaling.*'dynamic'"):
+    d["rope_scaling"] = {"rope_type": "longrope", "factor": 2.0}
+    with pytest.raises(InputError, match="rope_scaling.*'longrope'"):
         from_hf_config(d)
+
+
+def test_dynamic_rope_is_the_default_within_max_position(single_thread):
+    """HF's dynamic NTK RoPE rescales the base only past max_position_embeddings, which the engine's
+    max_model_len never passes: parity with HF's dynamic model, through the config parser."""
+    base = PRESETS["tiny-llama3"]
+    hf = make_hf_model(dataclasses.replace(base, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), seed=3)
+    cfg = from_hf_config(hf.config.to_dict())
+    assert cfg.rope_scaling is None
+    prompts = random_prompts(cfg.vocab, (7, 19), seed=3)
+    llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_seqs=2, num_pages=32, page_size=16)
+    assert llm.runner.max_model_len <= hf.config.max_position_embeddings
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [hf_greedy(hf, p, 6) for p in prompts]
 
 
 @pytest.mark.parametrize("name,window", [("tiny-mistral", 8), ("tiny-mixtral", 6)])

@@ -12,7 +12,7 @@ from opmap.presets import PRESETS
 
 from test_engine_util import first_near_tie, hf_greedy, random_prompts, single_thread, word_tokenizer  # noqa: F401
 
-PRESET_NAMES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen2moe",
+PRESET_NAMES = ["tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-mixtral", "tiny-qwen2moe",
                 "tiny-qwen3moe", "tiny-deepseek", "tiny-deepseek-v3"]
 
 

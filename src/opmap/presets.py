@@ -17,7 +17,7 @@ from . import specs as S
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    arch: str  # llama / mistral / gemma2 / gemma3_text / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
+    arch: str  # llama / mistral / phi3 / gemma2 / gemma3_text / qwen2 / qwen3 / mixtral / qwen2_moe / qwen3_moe / deepseek_v2 / deepseek_v3
     hidden: int
     layers: int
     heads: int
@@ -167,6 +167,8 @@ _add(ModelConfig("deepseek-v3", "deepseek_v3", 7168, 61, 128, 128, 192, 18432, 1
                  top_k=8, moe_intermediate=2048, shared_experts=1, norm_topk_prob=True, router="sigmoid_grouped",
                  router_bias=True, first_dense_layers=3, routed_scaling=2.5, n_group=8, topk_group=4,
                  kv_lora_rank=512, q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128))
+_add(ModelConfig("phi3-mini", "phi3", 3072, 32, 32, 32, 96, 8192, 32064, max_position=4096, rope_theta=10000.0,
+                 sliding_window=2047))
 _add(ModelConfig("gemma2-9b", "gemma2", 3584, 42, 16, 8, 256, 14336, 256000, max_position=8192, rope_theta=10000.0,
                  rms_eps=1e-6, tie_embeddings=True, activation="gelu_tanh", embed_scale=True, norm_offset=1.0,
                  sandwich_norms=True, attn_soft_cap=50.0, final_soft_cap=30.0, query_scale=256.0,
@@ -207,6 +209,8 @@ PRESETS["tiny-deepseek-v3"] = dataclasses.replace(
     intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2, moe_intermediate=32, shared_experts=1,
     first_dense_layers=1, n_group=4, topk_group=2, routed_scaling=2.5, kv_lora_rank=32, q_lora_rank=24,
     qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, rope_scaling=None)
+PRESETS["tiny-phi3"] = dataclasses.replace(PRESETS["phi3-mini"], name="tiny-phi3", heads=4, kv_heads=4,
+                                            sliding_window=8, **_TINY_COMMON)
 PRESETS["tiny-gemma2"] = dataclasses.replace(
     PRESETS["gemma2-9b"], name="tiny-gemma2", heads=4, kv_heads=2, attn_soft_cap=2.0, final_soft_cap=3.0,
     query_scale=24.0, sliding_window=8, layer_types=("sliding", "full", "sliding"),

@@ -17,7 +17,7 @@ from oracle_util import oracle_parity
 pytestmark = pytest.mark.gpu
 
 CASES = [("qwen2.5-7b", None, 32), ("qwen3-8b", None, 32), ("mixtral-8x7b", 4, 16), ("qwen3-30b-a3b", 12, 16),
-         ("mistral-7b", 8, 16), ("qwen1.5-moe-a2.7b", 8, 16), ("gemma2-9b", 8, 16), ("gemma3-4b", 8, 16)]
+         ("mistral-7b", 8, 16), ("qwen1.5-moe-a2.7b", 8, 16), ("gemma2-9b", 8, 16), ("gemma3-4b", 8, 16), ("phi3-mini", 8, 16)]
 
 
 @torch.no_grad()

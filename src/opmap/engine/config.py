@@ -14,7 +14,7 @@ from typing import Optional
 from ..presets import PRESETS, ModelConfig, get_preset
 
 # HF model_type -> our arch name (the presets use the same names).
-HF_TYPES = {"llama": "llama", "mistral": "mistral", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
             "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
             "deepseek_v3": "deepseek_v3"}
 
@@ -26,6 +26,8 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
+    "phi3": ("the fused qkv_proj and gate_up_proj tensors, sliding_window (every layer)",
+             "partial_rotary_factor != 1, longrope scaling, attention_bias, mlp_bias"),
     "gemma2": ("attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar, sliding_window with "
                "layer_types, hidden_activation (gelu_pytorch_tanh), the four norms of a layer with 1 + w, the "
                "embedding times sqrt(hidden_size)", "attention_bias, use_bidirectional_attention"),
@@ -115,7 +117,9 @@ def _rope(d: dict) -> tuple[float, Optional[dict]]:
     if scaling is None and rp.get("rope_type", "default") not in ("default", None):
         scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
     kind = (scaling.get("rope_type") or scaling.get("type")) if scaling is not None else None
-    if kind in ("default", None):
+    # dynamic NTK scaling changes the base only past max_position_embeddings, which the engine's
+    # max_model_len never exceeds: below it HF's dynamic RoPE is the default one
+    if kind in ("default", None, "dynamic"):
         return theta, None
     from ..contract import InputError
     from ..ops.rope.reference import ROPE_SCALINGS
@@ -176,8 +180,13 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
             kw.update(qk_norm=True, local_rope_theta=_local_rope(d))
     if arch in ("llama", "qwen3", "qwen3_moe"):
         kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         kw["sliding_window"] = d.get("sliding_window") or None  # every layer, as HF's attention does
+    if arch == "phi3":
+        if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise InputError("config.json partial_rotary_factor", d.get("partial_rotary_factor"), "1.0 (RoPE on whole heads)")
+        if d.get("attention_bias"):
+            raise InputError("config.json attention_bias", "true", "false (Phi-3 as released)")
     if arch in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
         raise InputError("config.json use_sliding_window", "true",
                          f"false ({mt}'s per-layer sliding window is not implemented)")
@@ -297,6 +306,8 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                                hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_scale),
                                sliding_window=cfg.sliding_window, layer_types=[f"{t}_attention" for t in cfg.layer_types],
                                attn_logit_softcapping=cfg.attn_soft_cap, final_logit_softcapping=cfg.final_soft_cap, **g)
+    elif a == "phi3":
+        c = T.Phi3Config(intermediate_size=cfg.intermediate, sliding_window=cfg.sliding_window, **common)
     elif a == "qwen2":
         c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
     elif a == "gemma2":

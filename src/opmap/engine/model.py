@@ -117,7 +117,10 @@ class DecoderModel:
         L.copy(P[f"{i}.in_norm"], f"{pre}.input_layernorm.weight")
         L.copy(P[f"{i}.post_norm"], f"{pre}.post_attention_layernorm.weight")
         a = f"{pre}.self_attn"
-        L.cat(P[f"{i}.qkv"], [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"])
+        if self.cfg.arch == "phi3":  # stored fused, in our order (q, k, v)
+            L.copy(P[f"{i}.qkv"], f"{a}.qkv_proj.weight")
+        else:
+            L.cat(P[f"{i}.qkv"], [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"])
         if self.cfg.attention_bias:
             L.cat(P[f"{i}.qkv_bias"], [f"{a}.q_proj.bias", f"{a}.k_proj.bias", f"{a}.v_proj.bias"])
         if self.cfg.qk_norm:
@@ -147,7 +150,10 @@ class DecoderModel:
                 if c.shared_gate:
                     L.copy(P[f"{i}.shared_gate"], f"{pre}.shared_expert_gate.weight")
         else:
-            L.cat(P[f"{i}.gate_up"], [f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"])
+            if c.arch == "phi3":  # gate rows then up rows, as ours
+                L.copy(P[f"{i}.gate_up"], f"{pre}.gate_up_proj.weight")
+            else:
+                L.cat(P[f"{i}.gate_up"], [f"{pre}.gate_proj.weight", f"{pre}.up_proj.weight"])
             L.copy(P[f"{i}.down"], f"{pre}.down_proj.weight")
             if c.mlp_bias:
                 L.cat(P[f"{i}.gate_up_bias"], [f"{pre}.gate_proj.bias", f"{pre}.up_proj.bias"])
