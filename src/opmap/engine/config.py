@@ -107,7 +107,8 @@ class EngineConfig:
 
 
 def _rope(d: dict) -> tuple[float, Optional[dict]]:
-    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields;
+    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields (a
+    checkpoint's config.json comes through ``AutoConfig`` first: ``_through_autoconfig``);
     of the full-attention layers where the dict is per layer type (Gemma-3: ``_local_rope``)."""
     rp = d.get("rope_parameters") or {}
     if isinstance(rp, dict) and "rope_theta" not in rp and rp:  # per layer type
@@ -263,6 +264,7 @@ def resolve_model(model: str) -> tuple:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(path, "a file that is not JSON", f"a config.json ({e})") from None
         expect(isinstance(d, dict), path, type(d).__name__, "a JSON object")
+        d = _through_autoconfig(d, path)
         folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
         try:
             cfg = from_hf_config(d, name=os.path.basename(os.path.normpath(folder)))
@@ -271,6 +273,28 @@ def resolve_model(model: str) -> tuple:
         return cfg, (model if os.path.isdir(model) else None)
     raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + "), a checkpoint directory "
                      "or a config.json")
+
+
+def _through_autoconfig(d: dict, path: str) -> dict:
+    """The config.json as transformers reads it (``AutoConfig.for_model``: the defaults of the
+    architecture filled in, ``rope_scaling`` and ``rope_parameters`` in the form of this
+    transformers); an architecture opmap does not serve is refused first, naming the supported ones."""
+    from ..contract import InputError
+
+    mt = d.get("model_type")
+    if mt not in HF_TYPES:
+        raise InputError(f"{path} model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
+    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if f not in d:  # transformers would take its class default: a checkpoint of another size
+            raise InputError(path, f"no field {f!r}", "every field the architecture needs")
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in d.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(mt, **rest).to_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(path, f"a config transformers refuses ({type(e).__name__}: {str(e)[:200]})",
+                         f"a valid {mt} config") from None
 
 
 # ---- the way back: HF config and model for a preset -----------------------------------------------
