@@ -3,8 +3,10 @@ functions ``cli_run(args)`` / ``cli_profile(args)``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import os
 import random
 import sys
 
@@ -56,8 +58,6 @@ def _fraction(s: str) -> float:
 
 
 def _out_file(s: str) -> str:
-    import os
-
     folder = os.path.dirname(os.path.abspath(s))
     if not os.path.isdir(folder):
         raise argparse.ArgumentTypeError(f"{s!r}: the folder {folder} does not exist")
@@ -99,6 +99,14 @@ def _engine_args(p, model_required: bool = True) -> None:
 def add_run_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="generate with the engine: prompts or a synthetic workload; TTFT/TPOT report")
     _engine_args(p)
+    p.add_argument("--chat", action="store_true",
+                   help="each --prompt is a user message, rendered by the checkpoint's chat template")
+    p.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                     help="constrain every output to this JSON schema (a JSON string or a path to a .json file)")
+    out.add_argument("--regex", default=None, help="constrain every output to this regular expression")
+    p.add_argument("--quiet", action="store_true", help="print the generated texts only")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", type=_out_file, default=None, help="write the summary (and outputs) to this file")
     p.set_defaults(func=cli_run)
@@ -167,20 +175,59 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 
 
+def _constraint(args) -> dict:
+    """SamplingParams fields of --json-schema / --regex (a schema file is read; its errors are InputErrors)."""
+    from .contract import InputError
+
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.json_schema is None:
+        return {}
+    text = args.json_schema
+    if os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as e:
+        raise InputError("--json-schema", repr(args.json_schema[:60]), f"a JSON schema or a .json file ({e})") from None
+
+
 def cli_run(args) -> int:
+    from .contract import InputError
     from .ops.sampling.params import SamplingParams
     from .engine.metrics import format_summary
 
-    _setup_logging()
+    if args.quiet:
+        args.no_progress = True
+    else:
+        _setup_logging()
     _check_sampling(args)
+    if (args.chat or args.system) and not args.prompt:
+        raise InputError("--chat", "no --prompt", "at least one --prompt (each a user message)")
+    if args.system and not args.chat:
+        raise InputError("--system", "without --chat", "--chat (the system message goes through the chat template)")
+    extra = _constraint(args)  # a bad schema fails before the model loads
     llm = _build(args)
     prompts, params = workload(llm, args)
+    if extra:
+        params = dataclasses.replace(params, **extra) if not isinstance(params, list) else \
+            [dataclasses.replace(p, **extra) for p in params]
+    if args.chat:
+        tok = llm._chat_tokenizer(None)
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [list(tok.apply_chat_template(system + [{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)) for p in args.prompt]
     # Warm-up at the first prompt's length with other tokens (kernels compiled and tuned for these
     # shapes, and no prefix-cache hit handed to the measured run).
     first = prompts[0] if isinstance(prompts[0], list) else llm.tokenizer.encode(prompts[0])
     llm.generate([[(t + 1) % llm.cfg.vocab for t in first] or [1]],
                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    if args.quiet:
+        for o in outs:
+            print(o.text if o.error is None else f"error: {o.error}")
+        return 0 if all(o.error is None for o in outs) else 1
     if args.prompt and not args.num_requests:
         for o in outs:
             print(f"--- prompt {o.index}: {o.finish_reason}" + (f" ({o.error})" if o.error else ""))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -60,7 +61,7 @@ class LLM:
             cfg, path = model, None
         if source is None and path is not None:
             source = SafetensorsSource(path)
-        self.cfg = cfg
+        self.cfg, self.path = cfg, path
         self.ecfg.for_model(cfg, device_arch(self.ecfg.device)[1])
         # The checkpoint's small files first: a bad tokenizer.json fails before the model is built.
         if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
@@ -241,6 +242,39 @@ class LLM:
                              s.num_preemptions, s.logprobs)
 
     # ---- the loop -----------------------------------------------------------------------------------
+    def chat(self, conversations, params=None, use_tqdm: bool = False, chat_template: Optional[str] = None) -> list:
+        """Generate a reply to one conversation (a list of {"role", "content"} messages) or to each of
+        a list of them. The checkpoint's chat template (tokenizer_config.json or chat_template.jinja,
+        rendered by transformers' ``apply_chat_template`` with the generation prompt) makes the prompt
+        tokens; ``chat_template`` (Jinja text) replaces it. A model without one is an InputError."""
+        if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        tok = self._chat_tokenizer(chat_template)
+        prompts = []
+        for i, conv in enumerate(conversations):
+            if not (isinstance(conv, list) and all(isinstance(m, dict) and "role" in m and "content" in m
+                                                   for m in conv)):
+                raise InputError(f"conversations[{i}]", type(conv).__name__,
+                                 'a list of {"role": ..., "content": ...} messages')
+            ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _chat_tokenizer(self, chat_template: Optional[str]):
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        has_config = self.path is not None and os.path.isfile(os.path.join(self.path, "tokenizer_config.json"))
+        tok = (AutoTokenizer.from_pretrained(self.path) if has_config
+               else PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tok))
+        if chat_template is not None:
+            tok.chat_template = chat_template
+        if not getattr(tok, "chat_template", None):
+            where = self.path or f"the preset {self.cfg.name}"
+            raise InputError("chat", f"no chat template in {where}",
+                             "a checkpoint with one (tokenizer_config.json chat_template or chat_template.jinja), "
+                             "or chat_template=...")
+        return tok
+
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
