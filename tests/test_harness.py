@@ -343,3 +343,24 @@ def test_report_gpu_sections_render(monkeypatch, tmp_path):
     # On sm90 the decode step is captured in a CUDA graph: the attention spec says so.
     att = next(r for r in d["operators"]["decode"] if r["op"] == "attention")
     assert "cuda_graph=True" in att["spec"] and "dtype=bf16" in att["spec"]
+
+
+def test_check_of_a_model_runs_that_model_itself(tmp_path):
+    """`opmap check --model DIR` compares that checkpoint's own weights with HF (not only a preset of
+    its architecture); a preset too large for the device's budget says so in a note; on a CPU no
+    case sits under "Eager vs CUDA graph" (nothing is captured there)."""
+    from opmap.check.cases.engine import own_parity
+    from opmap.engine.config import save_checkpoint
+    from opmap.presets import PRESETS
+
+    save_checkpoint(PRESETS["tiny-qwen3"], str(tmp_path), seed=1)
+    case, note = own_parity(str(tmp_path), "cpu")
+    assert note is None and f"model={tmp_path}" in case.case
+    outcome = case.run()
+    assert outcome.passed and "greedy tokens equal HF" in outcome.figure
+    case, note = own_parity("llama3-8b", "cpu")
+    assert case is None and "llama3-8b(2 layers, random weights) not run" in note and "GiB" in note
+    found, _ = runner.collect("cpu", quick=True)
+    assert not [c for _, c in found if c.section == "graph"]
+    results, extra = runner.check(model=str(tmp_path), sections=["parity"], ops=["e2e"], progress=False)
+    assert any(f"model={tmp_path}" in r.case and r.passed for r in results)

@@ -249,8 +249,16 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
     found, errors = collect(device, quick)
     _known(found, ops=ops, backends=backends, sections=sections)
     selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
-    results = list(errors) + run(selected, progress)
     notes, sources = [], None
+    if model and (sections is None or "parity" in sections) and (ops is None or "e2e" in ops):
+        from .cases.engine import own_parity
+
+        case, note = own_parity(model, device)
+        if case is not None:
+            selected.insert(0, ("engine", case))
+        if note:
+            notes.append(note)
+    results = list(errors) + run(selected, progress)
     if targets is not None:
         for phase, op, label, ch, err in targets.choices:
             if err is not None:

@@ -10,7 +10,11 @@ import tempfile
 
 from opmap.check.base import CheckCase, Outcome
 
-PARITY = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-qwen3moe", "tiny-deepseek")
+PARITY = ("tiny-llama3", "tiny-mistral", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-qwen2", "tiny-qwen3",
+          "tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe", "tiny-deepseek", "tiny-deepseek-v3")
+# The fp32 weights of the engine and of HF together, at most, for the model's own parity case.
+OWN_BUDGET = {"cpu": 3 * 2**30, "cuda": 48 * 2**30}
+OWN_LAYERS = 2  # a preset's own parity case runs its real widths with this many layers
 
 
 def _prompts(vocab, lengths, seed=0):
@@ -49,7 +53,9 @@ def _one_thread(fn):
     return run
 
 
-def _parity(name, device):
+def _parity(name, device, cfg=None, checkpoint=None):
+    """Greedy tokens of the engine == HF's: a preset's random weights through save_pretrained, or a
+    checkpoint directory's own weights (HF loads the same directory)."""
     def run():
         import torch
 
@@ -57,17 +63,24 @@ def _parity(name, device):
         from opmap.engine.llm import LLM
         from opmap.presets import PRESETS
 
-        cfg = PRESETS[name]
+        c = cfg or PRESETS[name]
         with tempfile.TemporaryDirectory() as d:
-            hf = save_checkpoint(cfg, d, seed=3)
-            prompts = _prompts(cfg.vocab, (3, 21, 60), seed=7)
-            with LLM(d, max_num_batched_tokens=48, max_num_seqs=4, **_dev_kw(device)) as llm:
+            if checkpoint is None:
+                hf = save_checkpoint(c, d, seed=3)
+            else:
+                from transformers import AutoModelForCausalLM
+
+                hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+            prompts = _prompts(c.vocab, (3, 21, 60), seed=7)
+            with LLM(checkpoint or d, max_num_batched_tokens=48, max_num_seqs=4, **_dev_kw(device)) as llm:
                 outs = llm.generate(prompts, _greedy())
+            if device == "cuda":
+                hf = hf.to("cuda")
         same = total = 0
         for p, o in zip(prompts, outs):
             with torch.no_grad():
-                ref = hf.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                                  pad_token_id=0)[0, len(p):].tolist()
+                ref = hf.generate(torch.tensor([p], device=hf.device), max_new_tokens=10, min_new_tokens=10,
+                                  do_sample=False, pad_token_id=0)[0, len(p):].tolist()
             same += sum(a == b for a, b in zip(o.token_ids, ref))
             total += len(ref)
             if o.token_ids != ref:
@@ -180,11 +193,31 @@ def _tags(name: str) -> tuple:
     return ("engine",) + (("moe",) if cfg.is_moe else ()) + (("mla",) if cfg.is_mla else ())
 
 
+def own_parity(model: str, device: str):
+    """(CheckCase or None, note): HF greedy parity of the model asked for itself (a checkpoint's own
+    weights; a preset's real widths with OWN_LAYERS layers of random weights), where the fp32
+    weights of both fit OWN_BUDGET on this device; else a note saying why it did not run."""
+    from opmap.engine.config import resolve_model
+
+    cfg, path = resolve_model(model)
+    what = f"model={model}"
+    if path is None:
+        cfg = dataclasses.replace(cfg, layers=min(cfg.layers, OWN_LAYERS))
+        what += f"({cfg.layers} layers, random weights)"
+    need = 2 * 4 * cfg.num_params()
+    if need > OWN_BUDGET[device]:
+        return None, (f"HF parity of {what} not run: its fp32 weights and HF's take {need / 2**30:.1f} GiB, "
+                      f"above this {device}'s {OWN_BUDGET[device] / 2**30:.0f} GiB for it (the architecture's "
+                      "stand-in on random weights ran instead)")
+    return CheckCase("parity", "e2e", "-", f"engine {what},greedy,fp32,vs=HF", _parity(model, device, cfg, path),
+                     device="any", tags=("engine", "own")), None
+
+
 def cases(device: str, quick: bool) -> list:
     # backend "-": not about one backend (the check runner keeps such cases for any model; the
     # moe / mla tags drop the parity cases of other architectures).
-    out = [CheckCase("parity", "e2e", "-", f"engine model={n},greedy,fp32,vs=HF", _parity(n, device), device="any",
-                     tags=_tags(n))
+    out = [CheckCase("parity", "e2e", "-", f"engine model={n},stand-in=the architecture on random weights,greedy,fp32,vs=HF",
+                     _parity(n, device), device="any", tags=_tags(n))
            for n in PARITY]
     for v in ("chunked", "prefix-cache", "preemption"):
         out.append(CheckCase("boundaries", "e2e", "-", f"engine model=tiny-llama3,{v}==plain",
@@ -193,6 +226,6 @@ def cases(device: str, quick: bool) -> list:
                          device="any", tags=("engine",)))
     out.append(CheckCase("graph", "e2e", "-", "engine model=llama3-8b(2 layers),bf16,eager==graph",
                          _graph_vs_eager(), device="cuda", tags=("engine",)))
-    out.append(CheckCase("graph", "e2e", "-", "engine one-step-ahead decode==lockstep,mixed sampling",
+    out.append(CheckCase("boundaries", "e2e", "-", "engine one-step-ahead decode==lockstep,mixed sampling",
                          _ahead_vs_lockstep(device), device="any", tags=("engine",)))
     return out
