@@ -172,3 +172,59 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     assert md.index("## Summary") < md.index("## Operator map, prefill")
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm80", "--out", str(tmp_path / "q")]) == 0
     assert "no baseline for sm80" in (tmp_path / "q" / "report.md").read_text()
+
+
+def _opmap(*argv, env=None):
+    """A subprocess `opmap ...` (the CLI as a user runs it): (exit code, stdout, stderr)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    e = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), CUDA_VISIBLE_DEVICES="", **(env or {}))
+    e.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, "-m", "opmap.cli", *argv], capture_output=True, text=True, timeout=300, env=e)
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_run_is_quiet_unless_asked_and_says_what_a_cpu_run_is(tmp_path):
+    out = tmp_path / "run.json"
+    rc, so, se = _opmap(*RUN, "--json", str(out))
+    assert rc == 0
+    assert not [ln for ln in se.splitlines() if _selector_line(ln)]  # the selector's lines only at -v
+    assert "random weights, so the text below is meaningless" in so
+    assert "TB/s" not in so and "waiting on the GPU" not in so  # GPU-only figures
+    doc = json.loads(out.read_text())
+    o = doc["outputs"][0]
+    assert doc["random_weights"] and isinstance(o["text"], str) and len(o["token_ids"]) == 2
+    rc, so, se = _opmap("-v", *RUN)
+    assert rc == 0 and any(_selector_line(ln) for ln in se.splitlines())
+    rc, so, se = _opmap(*RUN, "--quiet")
+    assert rc == 0 and len(so.strip().splitlines()) == 1 and se.strip() == ""
+
+
+def test_presets_build_hf_configs_without_warnings():
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from opmap.engine.config import to_hf_config
+    from opmap.presets import PRESETS
+
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    h = Catch(level=logging.WARNING)
+    hf_logging.get_logger().addHandler(h)
+    try:
+        for cfg in PRESETS.values():
+            to_hf_config(cfg)
+    finally:
+        hf_logging.get_logger().removeHandler(h)
+    assert not [m for m in seen if "original_max_position_embeddings" in m or "rope" in m.lower()], seen
+
+
+def test_check_on_a_cpu_names_the_backends_it_could_not_run():
+    rc, so, se = _opmap("check", "--quick", "--op", "rmsnorm")
+    assert rc == 0
+    assert "not exercised here (no CUDA device and TRITON_INTERPRET is not 1" in so and "): triton" in so

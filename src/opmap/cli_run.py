@@ -171,8 +171,10 @@ def _check_sampling(args) -> None:
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+def _setup_logging(args=None) -> None:
+    """The engine's log (the selector's choice of every operator, ~40 lines) at -v; warnings otherwise."""
+    verbose = bool(getattr(args, "verbose", False))
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s", stream=sys.stderr)
 
 
 def _constraint(args) -> dict:
@@ -201,7 +203,7 @@ def cli_run(args) -> int:
     if args.quiet:
         args.no_progress = True
     else:
-        _setup_logging()
+        _setup_logging(args)
     _check_sampling(args)
     if (args.chat or args.system) and not args.prompt:
         raise InputError("--chat", "no --prompt", "at least one --prompt (each a user message)")
@@ -229,18 +231,23 @@ def cli_run(args) -> int:
             print(o.text if o.error is None else f"error: {o.error}")
         return 0 if all(o.error is None for o in outs) else 1
     if args.prompt and not args.num_requests:
+        if llm.path is None:
+            print(f"({args.model}: random weights, so the text below is meaningless; a checkpoint directory "
+                  "gives real text)")
         for o in outs:
             print(f"--- prompt {o.index}: {o.finish_reason}" + (f" ({o.error})" if o.error else ""))
             print(o.text)
-    for line in format_summary(llm.last_summary):
+    for line in format_summary(llm.last_summary, gpu=llm.runner.device.type == "cuda"):
         print(line)
     r = llm.runner
     startup = {"load_s": r.load_s, "moe_tuning_s": r.moe_warm_s, "warmup_s": llm.warmup_s}
     print("start-up: weights %.2f s, MoE kernel tuning %.2f s, warm-up %.2f s" % tuple(startup.values()))
     if args.json:
         doc = {"model": args.model, "summary": llm.last_summary, "startup": startup, "backends": llm.runner.choice_lines,
-               "outputs": [{"index": o.index, "finish_reason": o.finish_reason, "error": o.error,
-                            "num_tokens": len(o.token_ids), "ttft": o.ttft, "tpot": o.tpot} for o in outs]}
+               "random_weights": llm.path is None,
+               "outputs": [{"index": o.index, "finish_reason": o.finish_reason, "error": o.error, "text": o.text,
+                            "token_ids": list(o.token_ids), "num_tokens": len(o.token_ids), "ttft": o.ttft,
+                            "tpot": o.tpot} for o in outs]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     return 0 if all(o.error is None for o in outs) else 1
@@ -273,7 +280,7 @@ def cli_profile(args) -> int:
         return cli_trace(args)
     if not args.model:
         raise InputError("profile", "neither --model nor --trace", "--model MODEL (run the engine) or --trace FILE")
-    _setup_logging()
+    _setup_logging(args)
     _check_sampling(args)
     llm = _build(args, trace_ops=True)
     prompts, params = workload(llm, args)

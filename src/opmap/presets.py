@@ -189,7 +189,10 @@ def _tiny(base: str, **kw) -> ModelConfig:
 
 
 _TINY_COMMON = dict(hidden=64, layers=2, head_dim=16, intermediate=128, vocab=512, max_position=2048)
-_tiny("llama3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-llama3
+# The tiny presets' RoPE scaling keeps its kind, with the original context under their 2048
+# positions (HF warns about a scaling whose original context exceeds the model's).
+_tiny("llama3-8b", heads=4, kv_heads=2, rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=1024),
+      **_TINY_COMMON)  # tiny-llama3
 _tiny("qwen2.5-7b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen2
 _tiny("qwen3-8b", heads=4, kv_heads=2, **_TINY_COMMON)  # tiny-qwen3
 _tiny("mistral-7b", heads=4, kv_heads=2, sliding_window=8, **_TINY_COMMON)  # tiny-mistral
@@ -200,6 +203,7 @@ PRESETS["tiny-qwen3moe"] = dataclasses.replace(
     moe_intermediate=32, **_TINY_COMMON)
 PRESETS["tiny-deepseek"] = dataclasses.replace(
     PRESETS["deepseek-v2-lite"], name="tiny-deepseek", hidden=64, layers=2, heads=4, kv_heads=4,
+    rope_scaling=dict(DSV2_LITE_YARN, factor=4.0, original_max_position_embeddings=512),
     head_dim=24, intermediate=128, vocab=512, max_position=2048, num_experts=8, top_k=2,
     moe_intermediate=32, shared_experts=1, kv_lora_rank=32, qk_nope_dim=16, qk_rope_dim=8,
     v_head_dim=16)

@@ -28,7 +28,7 @@ def _choice_dict(phase: str, op: str, label: str, spec) -> dict:
             "fallbacks": [c.name for c in ch.trace[1:] if c.valid],
             "rejected": [{"name": c.name, "level": c.level, "reasons": list(c.reasons)}
                          for c in ch.trace if not c.valid],
-            "planned_only": not ch.runtime}
+            "planned_only": not ch.runtime, "without_optional": _without_optional(ch)}
 
 
 def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
@@ -38,8 +38,28 @@ def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
         return None, short_error(str(e))
 
 
+_BUILT_IN = ("torch", "opmap-triton")  # providers every opmap install has (Triton where the GPU runs it)
+
+
+def _optional(b) -> bool:
+    """A backend of a package opmap does not depend on (FlashInfer, XGrammar, ...)."""
+    return b.available is not None and not any(b.provider.startswith(p) for p in _BUILT_IN)
+
+
+def _without_optional(ch: Choice) -> Optional[str]:
+    """Where a planned choice needs an optional package: the backend chosen without it."""
+    if ch.runtime or not _optional(ch.backend):
+        return None
+    nxt = next((c.name for c in ch.trace[1:] if c.valid and not _optional(registry.get(ch.op, c.name))), None)
+    return nxt or "none"
+
+
 def _name(ch: Optional[Choice], err: Optional[str]) -> str:
-    return f"`{ch.name}` ({ch.backend.provider})" if ch else f"no backend ({err})"
+    if not ch:
+        return f"no backend ({err})"
+    alt = _without_optional(ch)
+    tail = f"; if {ch.backend.provider} is installed there, else `{alt}`" if alt else ""
+    return f"`{ch.name}` ({ch.backend.provider}{tail})"
 
 
 def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
@@ -262,7 +282,8 @@ def to_markdown(doc: dict) -> str:
                 continue
             rej = "; ".join(f"{x['name']} ({x['level']}: {'; '.join(x['reasons'])})" for x in r["rejected"])
             exp = plan.describe(r.get("expected")) if gpu else f"no baseline for {doc.get('arch')}"
-            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}) | "
+            alt = f"; if installed there, else `{r['without_optional']}`" if r.get("without_optional") else ""
+            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}{alt}) | "
                        f"{_md(r['why'])} | {_md(rej)} | {_md(exp)} |")
         out.append("")
     out += ["## Questions", ""]

@@ -238,6 +238,23 @@ def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
     return d
 
 
+def unrunnable(ops=None, backends=None) -> list:
+    """One note per reason some registered backends cannot run in this process (no GPU, Triton
+    without TRITON_INTERPRET=1, a package not installed): no case of theirs ran, and the report
+    says so instead of leaving them out unnamed."""
+    by_reason: dict = {}
+    for op in registry.ops():
+        if ops and op not in ops:
+            continue
+        for b in registry.backends(op):
+            if backends and b.name not in backends:
+                continue
+            why = b.available() if b.available else None
+            if why:
+                by_reason.setdefault(why, set()).add(b.name)
+    return [f"not exercised here ({why}): {', '.join(sorted(names))}" for why, names in sorted(by_reason.items())]
+
+
 def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
           sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
           reuse=()) -> tuple[list[Result], dict]:
@@ -277,6 +294,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
             # What the verdicts (run now or resumed) were computed from: resumed ones count only
             # at these fingerprints, so every sanitizer line of the report is of this code.
             sources = {f: fingerprint(f) for f in sorted({f for f, _ in gpu})}
+    notes += unrunnable(ops, backends)
     missing = missing_families()
     if missing:
         notes.append("families without check cases: " + ", ".join(missing))

@@ -123,7 +123,9 @@ def summarize(outputs: list, wall_s: float, stats: StepStats, weight_bytes, kv_b
     return d
 
 
-def format_summary(d: dict) -> list:
+def format_summary(d: dict, gpu: bool = True) -> list:
+    """``gpu=False`` (a CPU run): no bandwidth figures and no "waiting on the GPU", which say
+    nothing there."""
     f = lambda v, unit="", nd=2: "n/a" if v is None else f"{v:.{nd}f}{unit}"  # noqa: E731
     lines = [
         f"requests {d['requests']} ({d['errors']} errors), {d['input_tokens']} prompt + {d['output_tokens']} "
@@ -134,11 +136,17 @@ def format_summary(d: dict) -> list:
         "steps: " + ", ".join(f"{k} {v} ({d['step_seconds'][k]:.2f} s)" for k, v in d["steps"].items())
         + f"; preemptions {d['preemptions']}",
     ]
-    if "decode_step_ms" in d:
+    if "decode_step_ms" in d and gpu:
         lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step, weights read at {d['decode_weight_tbps']:.3f} TB/s "
                      f"(at {d['decode_rows_mean']:.1f} rows a step; MoE: the experts they are expected to hit), "
                      f"KV at {d['decode_kv_tbps']:.3f} TB/s (host wall clock per step)")
-    lines += format_host(d.get("host_ms_per_step") or {})
+    elif "decode_step_ms" in d:
+        lines.append(f"decode: {d['decode_step_ms']:.3f} ms/step")
+    if gpu:
+        lines += format_host(d.get("host_ms_per_step") or {})
+    else:
+        lines += [f"{ph} host per step: {sum(v for k, v in parts.items() if k != 'wait'):.3f} ms"
+                  for ph, parts in (d.get("host_ms_per_step") or {}).items()]
     if d.get("step_ms_max"):
         lines.append("longest step: " + ", ".join(f"{k} {v:.3f} ms" for k, v in d["step_ms_max"].items()))
     if d.get("gc"):
