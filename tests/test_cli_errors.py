@@ -170,8 +170,18 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     md = (tmp_path / "p" / "report.md").read_text()
     assert "planned for sm90" in md and "expected on H200 (its baseline)" in md and "h200/gemm.json" in md
     assert md.index("## Summary") < md.index("## Operator map, prefill")
+    # the pictures: the roofline of the baseline cases behind the expected times, the expected time
+    # of each operator call; the HTML carries both inline; a planned prefill on FlashInfer says what
+    # runs without it
+    assert (tmp_path / "p" / "roofline.png").stat().st_size > 10000 and (tmp_path / "p" / "phases.png").is_file()
+    html = (tmp_path / "p" / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 2 and "<table>" in html and "planned for sm90" in html
+    assert "roofline.png" in out[-1] and "report.html" in out[-1]
+    if pre["attention (paged)"]["backend"] == "flashinfer":
+        assert pre["attention (paged)"]["without_optional"] == "triton" and "else `triton`" in md
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm80", "--out", str(tmp_path / "q")]) == 0
-    assert "no baseline for sm80" in (tmp_path / "q" / "report.md").read_text()
+    md80 = (tmp_path / "q" / "report.md").read_text()
+    assert "no baseline for sm80" in md80 and "not drawn: no benchmark ran" in md80
 
 
 def _opmap(*argv, env=None):

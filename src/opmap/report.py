@@ -286,6 +286,15 @@ def to_markdown(doc: dict) -> str:
             out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}{alt}) | "
                        f"{_md(r['why'])} | {_md(rej)} | {_md(exp)} |")
         out.append("")
+    figs = doc.get("figures") or {}
+    if figs:
+        cap = {"roofline": "Roofline of the benchmark cases" + (" (the baseline cases behind the expected times)"
+                                                                 if doc.get("planned") or "bench" not in doc
+                                                                 or "results" not in doc.get("bench", {}) else ""),
+               "phases": "Time per operator and phase"}
+        out += ["## Pictures", ""]
+        for name, f in figs.items():
+            out += [f"![{cap[name]}]({f})", ""] if f.endswith(".png") else [f"- {cap[name]}: {f}", ""]
     out += ["## Questions", ""]
     for q in doc["questions"]:
         out += [f"**{q['question']}**", ""] + [f"- {_md(a)}" for a in q["answer"]] + [""]
@@ -358,12 +367,18 @@ def main(args) -> int:
     doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full,
                 arch=arch)
     out.mkdir(parents=True, exist_ok=True)
+    from . import report_figures
+
+    doc["figures"] = report_figures.write(doc, out)
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
     md = to_markdown(doc)
     (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_figures.to_html(md, out, f"opmap report: {doc['model']}"))
     for line in summary_lines(doc):
         print(line)
-    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+    pngs = [f for f in doc["figures"].values() if f.endswith(".png")]
+    print(f"wrote {out / 'report.md'}, report.html (pictures inline), report.json" + (", " if pngs else "")
+          + ", ".join(pngs))
     failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
     missing = sum(r["backend"] is None for rows in doc["operators"].values() for r in rows)
     return 1 if failed or missing else 0

@@ -276,4 +276,5 @@ def report_summary(model: str) -> dict:
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         res = profile_engine(llm, prompts, sp, steps=40)
         lines = format_profile(res) + diagnose(res, llm, phase_backends(llm))
-    return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines}
+    phases = {ph: {"steps": p["steps"], "categories": p["categories"]} for ph, p in res["analysis"]["phases"].items()}
+    return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines, "phases": phases}
