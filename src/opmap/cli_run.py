@@ -117,9 +117,10 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="GPU time per operator category and phase: of opmap's engine (--model) or "
                                        "of any engine's trace (--trace FILE)")
     _engine_args(p, model_required=False)
-    p.add_argument("--trace", default=None, metavar="FILE",
+    p.add_argument("--trace", action="append", default=None, metavar="FILE",
                    help="analyse this trace instead of running the engine: a PyTorch profiler Chrome trace "
-                        "(.json / .json.gz; vLLM, SGLang, HF transformers, opmap) or an Nsight Systems SQLite export")
+                        "(.json / .json.gz; vLLM, SGLang, HF transformers, opmap) or an Nsight Systems SQLite export; "
+                        "repeat it (or give a folder) for the ranks of one tensor / expert parallel run")
     p.add_argument("--png", type=_out_file, default=None, help="with --trace: write a timeline of the first steps")
     p.add_argument("--json", type=_out_file, default=None, help="with --trace: write the analysis as JSON")
     p.add_argument("--steps", type=_positive, default=40, help="engine steps to profile")
@@ -255,9 +256,25 @@ def cli_run(args) -> int:
 
 def cli_trace(args) -> int:
     """`opmap profile --trace FILE`: another engine's trace on the operator map."""
-    from .profile import analyze, plot, trace
+    from .profile import analyze, plot, ranks, trace
 
-    t = trace.load(args.trace, progress=True)
+    files = ranks.trace_files(args.trace)
+    if not files:
+        from .contract import InputError
+
+        raise InputError("--trace", repr(args.trace), "trace files, or a folder holding them")
+    if len(files) > 1:
+        res = ranks.analyze_ranks(files, progress=True)
+        for line in ranks.format_lines(res):
+            print(line)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": [analyze.summary_json(r) | {"communication": r["communication"]}
+                                     for r in res["ranks"]],
+                           **{k: res[k] for k in ("steps", "slowest", "lag_ms", "merged", "diagnosis")}}, f, indent=1)
+            print(f"wrote {args.json}")
+        return 0
+    t = trace.load(files[0], progress=True)
     res = analyze.analyze(t)
     for line in analyze.format_lines(res):
         print(line)

@@ -101,10 +101,16 @@ def steps_of(trace: Trace) -> list[dict]:
     named = [r for r in trace.ranges if any(p.search(r[0]) for p in _STEP)]
     if named and ks:
         by_name: dict = {}
+        starts = [r[1] for r in named]
         for k in ks:
             open_ = [r for r in k.ranges if any(p.search(r) for p in _STEP)]
             if open_:
                 by_name.setdefault(_launch_step(k, named), []).append(k)
+            elif trace.kind == "chrome-cpu":
+                # an op of another thread (gloo's collectives): the step range its time falls in
+                i = bisect.bisect_right(starts, k.ts) - 1
+                if i >= 0 and k.ts <= named[i][1] + named[i][2]:
+                    by_name.setdefault(named[i], []).append(k)
         steps = []
         for (name, ts, dur), kk in sorted(by_name.items(), key=lambda x: x[0][1]):
             steps.append({"name": name, "kernels": kk, "ts": ts, "end": max(ts + dur, max(k.ts + k.dur for k in kk))})
@@ -257,16 +263,17 @@ def analyze(trace: Trace, top: int = 5) -> dict:
 def rules(res: dict, trace: Trace) -> list:
     """The operator-layer playbook's rules, each line with the numbers it fired on."""
     out = []
+    dev = "host" if trace.kind == "chrome-cpu" else "GPU"
     for ph, p in res["phases"].items():
         gpu = p["gpu_ms"] or 1e-9
         cats = p["categories"]
         share = lambda *cs: sum(cats.get(c, 0.0) for c in cs) / gpu  # noqa: E731
         if ph == "prefill" and share("attention", "GEMM") > 0.7:
-            out.append(f"prefill: attention + GEMM take {share('attention', 'GEMM'):.0%} of GPU time -> the compute "
+            out.append(f"prefill: attention + GEMM take {share('attention', 'GEMM'):.0%} of {dev} time -> the compute "
                        f"path: attention {_libs(p, 'attention')}, GEMM {_libs(p, 'GEMM')} (fusion, parallelism, a faster "
                        "attention kernel)")
         if ph == "decode" and share("attention", "memory copies") > 0.5:
-            out.append(f"decode: attention + memory copies take {share('attention', 'memory copies'):.0%} of GPU time "
+            out.append(f"decode: attention + memory copies take {share('attention', 'memory copies'):.0%} of {dev} time "
                        f"-> the KV layout, the paged decode kernel ({_libs(p, 'attention')}), or too small a batch")
         if p["wall_ms"] and p["idle_ms"] / p["wall_ms"] > 0.3:
             per = p["idle_ms"] / max(p["steps"], 1)
@@ -276,7 +283,7 @@ def rules(res: dict, trace: Trace) -> list:
             out.append(f"{ph}: the GPU is idle {p['idle_ms'] / p['wall_ms']:.0%} of the step time ({per:.3f} ms a step) "
                        f"-> the host: {'; '.join(why)}")
         if share("communication") > 0.2:
-            out.append(f"{ph}: communication takes {share('communication'):.0%} of GPU time "
+            out.append(f"{ph}: communication takes {share('communication'):.0%} of {dev} time "
                        f"({_libs(p, 'communication')}) -> the TP/EP layout, not the attention kernel")
         if p.get("sampling_sorts"):
             out.append(f"{ph}: sampling runs PyTorch's sort ({cats.get('sampling', 0):.3f} ms) -> a sorting-free "
@@ -289,14 +296,14 @@ def rules(res: dict, trace: Trace) -> list:
     if res["other_fraction"] > 0.1:
         generic = res.get("other_generic", 0.0)
         if generic >= 0.5 * res["other_fraction"] and any(r[0].startswith("nn.Module: ") for r in trace.ranges):
-            out.append(f"{res['other_fraction']:.0%} of GPU time is in generic PyTorch kernels launched outside every "
+            out.append(f"{res['other_fraction']:.0%} of {dev} time is in generic PyTorch kernels launched outside every "
                        "module: the engine's own loop (HF generate's stopping checks and bookkeeping), not an operator")
         elif generic >= 0.5 * res["other_fraction"]:
-            out.append(f"{res['other_fraction']:.0%} of GPU time is in generic PyTorch kernels (elementwise, reductions) "
+            out.append(f"{res['other_fraction']:.0%} of {dev} time is in generic PyTorch kernels (elementwise, reductions) "
                        "with no operator range or module around their launch: record with "
                        "torch.profiler.profile(with_stack=True) for the module names, or emit record_function ranges")
         else:
-            out.append(f"{res['other_fraction']:.0%} of GPU time is in kernels the symbol table does not know "
+            out.append(f"{res['other_fraction']:.0%} of {dev} time is in kernels the symbol table does not know "
                        "(opmap/profile/symbols.json): add their symbols")
     return out
 
@@ -311,12 +318,14 @@ def _libs(p: dict, cat: str) -> str:
 
 
 def format_lines(res: dict) -> list:
-    lines = [f"{res['source']}: {res['kernels']} kernels in {res['steps']} steps "
-             f"({res['other_fraction']:.1%} of GPU time in 'other')"]
+    cpu = res.get("kind") == "chrome-cpu"  # no GPU activity: the host's outermost ops stand for kernels
+    what, dev = ("host ops", "host") if cpu else ("kernels", "GPU")
+    lines = [f"{res['source']}: {res['kernels']} {what} in {res['steps']} steps "
+             f"({res['other_fraction']:.1%} of {dev} time in 'other')"]
     for ph, p in res["phases"].items():
         n = max(p["steps"], 1)
         conf = ", ".join(f"{v} {k}" for k, v in p["label_confidence"].items())
-        lines.append(f"[{ph}] {p['steps']} steps (labels: {conf}); GPU busy {p['gpu_ms'] / n:.3f} ms/step, "
+        lines.append(f"[{ph}] {p['steps']} steps (labels: {conf}); {dev} busy {p['gpu_ms'] / n:.3f} ms/step, "
                      f"idle {p['idle_ms'] / n:.3f} ms/step")
         for cat, ms in p["categories"].items():
             lines.append(f"  {cat:<14} {ms / n:9.3f} ms/step {ms / (p['gpu_ms'] or 1):6.1%}  "

@@ -132,10 +132,33 @@ def _chrome(p: Path, progress: bool) -> Trace:
         if k.get("cat") == "gpu_memset" and "Memset" not in name:
             name = "Memset " + name
         out.append(Kernel(name, float(k["ts"]), float(k["dur"]), op, ranges, (k.get("args") or {}).get("stream")))
+    kind = "chrome"
+    if not kernels:  # a CPU run (e.g. torch.distributed over gloo): its outermost CPU ops stand for kernels
+        out, kind = _cpu_ops(host), "chrome-cpu"
     out.sort(key=lambda k: k.ts)
     ranges = [(e["name"], float(e["ts"]), float(e["dur"])) for evs_ in host.values() for e in evs_
               if e.get("cat") in _HOST_RANGE_CATS]
-    return Trace(out, sorted(ranges, key=lambda r: r[1]), str(p), "chrome")
+    return Trace(out, sorted(ranges, key=lambda r: r[1]), str(p), kind)
+
+
+def _cpu_ops(host: dict) -> list:
+    """The outermost CPU op of each thread's stacks, as Kernels (stream = thread), with the host
+    ranges open around it: a trace without GPU activity analysed by its host ops. The collectives
+    of torch.distributed over gloo run on gloo's own threads, as ranges named gloo:<collective>:
+    those count as ops of their thread."""
+    out = []
+    for (_, tid), evs in host.items():
+        evs = sorted(evs, key=lambda e: (e["ts"], -e["dur"]))
+        stack: list = []
+        for e in evs:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+                stack.pop()
+            op_like = e.get("cat") in _OP_CATS or e.get("name", "").startswith("gloo:")
+            if op_like and not any(x.get("cat") in _OP_CATS or x.get("name", "").startswith("gloo:") for x in stack):
+                ranges = tuple(x["name"] for x in stack if x.get("cat") in _HOST_RANGE_CATS)
+                out.append(Kernel(e["name"], float(e["ts"]), float(e["dur"]), e["name"], ranges, tid))
+            stack.append(e)
+    return out
 
 
 def _host_context(host: dict) -> dict:
