@@ -57,3 +57,28 @@ def test_the_new_moe_features_decide_tokens(name, param, tmp_path, single_thread
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     assert any(o.token_ids != hf_greedy(hf, p, 10) for p, o in zip(prompts, outs))
+
+
+NEW_ARCHS = ["tiny-mistral", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-qwen2moe", "tiny-deepseek-v3"]
+
+
+@pytest.mark.parametrize("name", NEW_ARCHS)
+def test_new_architectures_single_pages_of_64_and_preemption(name, single_thread):
+    """Beyond the batch run above: each prompt alone, pages of 64 tokens, and a cache too small for
+    the batch (requests preempted and recomputed), all with HF's greedy tokens."""
+    from opmap.engine.config import make_hf_model
+    from opmap.engine.weights import StateDictSource
+
+    cfg = PRESETS[name]
+    hf = make_hf_model(cfg, seed=6)
+    prompts = random_prompts(cfg.vocab, (5, 30, 47, 12), seed=8)
+    want = [hf_greedy(hf, p, 8) for p in prompts]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    state = hf.state_dict()
+    alone = LLM(cfg, source=StateDictSource(state), max_num_seqs=1, num_pages=16, page_size=64)
+    assert [alone.generate([p], greedy)[0].token_ids for p in prompts] == want
+    small = LLM(cfg, source=StateDictSource(state), max_num_batched_tokens=32, max_num_seqs=4, num_pages=7,
+                page_size=16, prefix_caching=False)
+    outs = small.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == want
+    assert small.stats.preemptions > 0
