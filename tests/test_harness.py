@@ -364,3 +364,38 @@ def test_check_of_a_model_runs_that_model_itself(tmp_path):
     assert not [c for _, c in found if c.section == "graph"]
     results, extra = runner.check(model=str(tmp_path), sections=["parity"], ops=["e2e"], progress=False)
     assert any(f"model={tmp_path}" in r.case and r.passed for r in results)
+
+
+def test_cases_at_the_models_own_shapes(monkeypatch):
+    """check --model adds, per operator whose selected backend is not the reference, a case at the
+    model's own widths against the reference. On a GPU the selector makes those choices; here the
+    Triton backends are forced (the interpreter runs them, fp32) for a tiny MoE model."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from opmap import select as sel
+    from opmap.check.cases.model_shapes import cases as shape_cases
+    from opmap.presets import PRESETS
+
+    ops = set()
+    for name in ("tiny-qwen3moe", "tiny-llama3"):
+        cfg = PRESETS[name]
+        choices = []
+        for ph, m in runner.step_maps(cfg, "cpu").items():
+            for op, label, spec in m:
+                for b in ("triton", "triton-decode"):
+                    try:
+                        choices.append((ph, op, label, sel.select(op, spec, backend=b), None))
+                        break
+                    except sel.BackendError:
+                        continue
+        made = shape_cases(cfg, choices, "cpu")
+        ops |= {c.op for c in made}
+        assert all(f"model={cfg.name}" in c.case for c in made)
+        for c in made:
+            o = c.run()
+            assert o.passed, (c.case, o.figure)
+    assert {"rmsnorm", "gemm", "rope", "attention", "moe", "activation", "sampling"} <= ops, ops
+    # with the selector's own choices on a CPU (the references) there is none, and the check says so
+    targets = runner.model_targets("tiny-qwen3moe")
+    assert shape_cases(targets.cfg, targets.choices, "cpu") == []
+    _, extra = runner.check(model="tiny-qwen3moe", sections=["parity"], ops=["rmsnorm"], progress=False)
+    assert any("no case at the model's own shapes" in n for n in extra["notes"])

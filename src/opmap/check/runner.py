@@ -275,6 +275,15 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
             selected.insert(0, ("engine", case))
         if note:
             notes.append(note)
+    if targets is not None and (sections is None or "parity" in sections):
+        from .cases.model_shapes import cases as shape_cases
+
+        made = [(c.op, c) for c in shape_cases(targets.cfg, targets.choices, device)
+                if keep(c, None, backends, ops, sections)]
+        selected += made
+        if not made:
+            notes.append(f"no case at the model's own shapes: the backends selected on this {device} are the "
+                         "references (a GPU's Triton / cuBLAS / ... selections get one per operator)")
     results = list(errors) + run(selected, progress)
     if targets is not None:
         for phase, op, label, ch, err in targets.choices:
