@@ -162,9 +162,25 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
         from .ops.sampling.params import SamplingParams
     except Exception as e:
         return {"status": "unavailable", "why": f"the engine cannot be imported ({type(e).__name__}: {e})"[:400]}
+    from rich.console import Console
+
+    status = Console(stderr=True).status(f"engine: loading {model}")  # tens of seconds: say what runs
+    status.start()
+    try:
+        out = _engine_run(model, status, torch, LLM, format_summary, SamplingParams)
+        if out["status"] == "ok":
+            status.update(f"engine: profiling a batch-8 workload of {model}")
+            out["profile"] = _profile_summary(model)
+        return out
+    finally:
+        status.stop()
+
+
+def _engine_run(model, status, torch, LLM, format_summary, SamplingParams) -> dict:
     llm = None
     try:
         llm = LLM(model)
+        status.update(f"engine: batch-1 run of {model} (TTFT / TPOT)")
         n = min(E2E_PROMPT, llm.max_model_len - E2E_NEW - 1)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist()
@@ -172,15 +188,13 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
         llm.generate([prompt[:32]], SamplingParams(max_tokens=8, **greedy))  # compile, capture graphs
         llm.generate([prompt], SamplingParams(max_tokens=E2E_NEW, **greedy))
         d = dict(llm.last_summary)
-        out = {"status": "ok", "workload": f"batch 1, prompt {n}, {E2E_NEW} new tokens, greedy, random weights",
-               "summary": d, "lines": format_summary(d)}
+        return {"status": "ok", "workload": f"batch 1, prompt {n}, {E2E_NEW} new tokens, greedy, random weights",
+                "summary": d, "lines": format_summary(d)}
     except Exception as e:
         return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
     finally:
         if llm is not None:
             llm.close()  # the profile builds its own engine: free this one's KV cache and weights first
-    out["profile"] = _profile_summary(model)
-    return out
 
 
 def _profile_summary(model: str) -> dict:
@@ -327,8 +341,6 @@ def to_markdown(doc: dict) -> str:
 
 def summary_lines(doc: dict) -> list:
     """One screen: the four answers, the largest expected share per phase, correctness, diagnosis."""
-    from . import plan
-
     cfg = doc["config"]
     where = f"planned for {doc['arch']}" if doc.get("planned") else f"on {doc['environment']['device']}"
     out = [f"opmap report: {doc['model']} ({cfg['arch']}, {cfg['layers']} layers) {where}"]
