@@ -352,25 +352,17 @@ def to_hf_config(cfg: ModelConfig, **overrides):
                              moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.num_experts,
                              num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
                              decoder_sparse_step=1, mlp_only_layers=[], attention_bias=cfg.attention_bias, **common)
-    elif a == "deepseek_v2":
-        c = T.DeepseekV2Config(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts,
-                               num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate,
-                               n_shared_experts=cfg.shared_experts, first_k_dense_replace=cfg.first_dense_layers,
-                               norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
-                               kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
-                               qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
-                               v_head_dim=cfg.v_head_dim,
-                               topk_method="group_limited_greedy" if cfg.n_group > 1 else "greedy", n_group=cfg.n_group,
-                               topk_group=cfg.topk_group, **common)
-    elif a == "deepseek_v3":
-        c = T.DeepseekV3Config(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts,
-                               num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.moe_intermediate,
-                               n_shared_experts=cfg.shared_experts, first_k_dense_replace=cfg.first_dense_layers,
-                               norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling,
-                               kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
-                               qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim,
-                               v_head_dim=cfg.v_head_dim, n_group=cfg.n_group, topk_group=cfg.topk_group,
-                               rope_interleave=cfg.rope_style == "gptj", **common)
+    elif a in ("deepseek_v2", "deepseek_v3"):
+        ds = dict(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                  moe_intermediate_size=cfg.moe_intermediate, n_shared_experts=cfg.shared_experts,
+                  first_k_dense_replace=cfg.first_dense_layers, norm_topk_prob=cfg.norm_topk_prob,
+                  routed_scaling_factor=cfg.routed_scaling, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                  qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim,
+                  n_group=cfg.n_group, topk_group=cfg.topk_group, **common)
+        if a == "deepseek_v2":
+            c = T.DeepseekV2Config(topk_method="group_limited_greedy" if cfg.n_group > 1 else "greedy", **ds)
+        else:
+            c = T.DeepseekV3Config(rope_interleave=cfg.rope_style == "gptj", **ds)
     elif a == "qwen2_moe":
         c = T.Qwen2MoeConfig(intermediate_size=cfg.intermediate, moe_intermediate_size=cfg.moe_intermediate,
                              shared_expert_intermediate_size=cfg.shared_width, num_experts=cfg.num_experts,
