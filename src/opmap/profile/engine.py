@@ -195,10 +195,11 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     path = trace_path or os.path.join(tempfile.mkdtemp(prefix="opmap-profile-"), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
-        res = analyse(json.load(f), moe=llm.cfg.is_moe)
+        doc = json.load(f)
+    res = analyse(doc, moe=llm.cfg.is_moe)
     from . import analyze, trace
 
-    res["analysis"] = analyze.analyze(trace.load(path))  # what `opmap profile --trace` makes of this trace
+    res["analysis"] = analyze.analyze(trace.from_chrome(doc, path))  # what `opmap profile --trace` makes of it
     if trace_path is None:
         os.remove(path)
     res["profiled_steps"] = n

@@ -106,10 +106,14 @@ def _read_json(p: Path, progress: bool, show_above: int = 50 * 2**20) -> dict:
 
 
 def _chrome(p: Path, progress: bool) -> Trace:
-    doc = _read_json(p, progress)
+    return from_chrome(_read_json(p, progress), str(p))
+
+
+def from_chrome(doc, source: str) -> Trace:
+    """A Chrome trace already parsed (a caller that holds the JSON need not read it again)."""
     evs = doc.get("traceEvents", doc) if isinstance(doc, dict) else doc
     if not isinstance(evs, list):
-        raise InputError("trace", p.name, "a Chrome trace with traceEvents")
+        raise InputError("trace", Path(source).name, "a Chrome trace with traceEvents")
     xs = [e for e in evs if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
     kernels, host, launches = [], {}, {}
     for e in xs:
@@ -120,7 +124,7 @@ def _chrome(p: Path, progress: bool) -> Trace:
             host.setdefault((e.get("pid"), e.get("tid")), []).append(e)
             if cat in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
                 launches[e["args"]["correlation"]] = e
-    context = _host_context(host)
+    context = _host_context(host) if kernels else {}
     out = []
     for k in kernels:
         corr = (k.get("args") or {}).get("correlation")
@@ -138,7 +142,22 @@ def _chrome(p: Path, progress: bool) -> Trace:
     out.sort(key=lambda k: k.ts)
     ranges = [(e["name"], float(e["ts"]), float(e["dur"])) for evs_ in host.values() for e in evs_
               if e.get("cat") in _HOST_RANGE_CATS]
-    return Trace(out, sorted(ranges, key=lambda r: r[1]), str(p), kind)
+    return Trace(out, sorted(ranges, key=lambda r: r[1]), source, kind)
+
+
+def _sweep(evs: list):
+    """(event, the events open around it, outermost first) over one thread's events in time order."""
+    evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    stack: list = []
+    for e in evs:
+        while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
+            stack.pop()
+        yield e, stack
+        stack.append(e)
+
+
+def _is_op(e: dict) -> bool:
+    return e.get("cat") in _OP_CATS or e.get("name", "").startswith("gloo:")
 
 
 def _cpu_ops(host: dict) -> list:
@@ -148,16 +167,10 @@ def _cpu_ops(host: dict) -> list:
     those count as ops of their thread."""
     out = []
     for (_, tid), evs in host.items():
-        evs = sorted(evs, key=lambda e: (e["ts"], -e["dur"]))
-        stack: list = []
-        for e in evs:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
-                stack.pop()
-            op_like = e.get("cat") in _OP_CATS or e.get("name", "").startswith("gloo:")
-            if op_like and not any(x.get("cat") in _OP_CATS or x.get("name", "").startswith("gloo:") for x in stack):
+        for e, stack in _sweep(evs):
+            if _is_op(e) and not any(_is_op(x) for x in stack):
                 ranges = tuple(x["name"] for x in stack if x.get("cat") in _HOST_RANGE_CATS)
                 out.append(Kernel(e["name"], float(e["ts"]), float(e["dur"]), e["name"], ranges, tid))
-            stack.append(e)
     return out
 
 
@@ -165,16 +178,10 @@ def _host_context(host: dict) -> dict:
     """id(launch event) -> (innermost CPU op, host ranges open), by a stack sweep per thread."""
     out = {}
     for evs in host.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list = []
-        for e in evs:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] < e["ts"]:
-                stack.pop()
+        for e, stack in _sweep(evs):
             if e.get("cat") in _LAUNCH_CATS:
                 op = next((s["name"] for s in reversed(stack) if s.get("cat") in _OP_CATS), None)
-                ranges = tuple(s["name"] for s in stack if s.get("cat") in _HOST_RANGE_CATS)
-                out[id(e)] = (op, ranges)
-            stack.append(e)
+                out[id(e)] = (op, tuple(s["name"] for s in stack if s.get("cat") in _HOST_RANGE_CATS))
     return out
 
 
