@@ -196,19 +196,30 @@ def label(step: dict, median_busy_us: float) -> tuple[str, str]:
     return ("prefill" if _busy(step["kernels"]) >= 1.15 * median_busy_us else "decode"), "low"
 
 
+def union(intervals) -> list:
+    """Disjoint [start, end] spans covering the given (start, end) intervals, in order."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def measure(spans: list) -> float:
+    return sum(b - a for a, b in spans)
+
+
 def _busy(kernels) -> float:
-    total, end = 0.0, float("-inf")
-    for k in sorted(kernels, key=lambda k: k.ts):
-        stop = k.ts + k.dur
-        if stop > end:
-            total += stop - max(k.ts, end)
-            end = stop
-    return total
+    """Time covered by at least one of the kernels."""
+    return measure(union((k.ts, k.ts + k.dur) for k in kernels))
 
 
-def analyze(trace: Trace, top: int = 5) -> dict:
-    """The per-phase breakdown (times in ms) with ``other_fraction``, ``backends`` and ``diagnosis``."""
-    steps = steps_of(trace)
+def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
+    """The per-phase breakdown (times in ms) with ``other_fraction``, ``backends`` and ``diagnosis``
+    (``steps``: the trace's ``steps_of``, where the caller has them already)."""
+    steps = steps_of(trace) if steps is None else steps
     median_busy = statistics.median([_busy(s["kernels"]) for s in steps]) if len(steps) > 1 else 0.0
     phases: dict = {}
     libs: dict = defaultdict(Counter)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from .analyze import _busy, analyze, category_of, steps_of
+from .analyze import _busy, analyze, category_of, measure, steps_of, union
 from .trace import Trace, load
 
 SUFFIXES = (".json", ".json.gz", ".sqlite")
@@ -21,20 +21,6 @@ def trace_files(paths: list) -> list:
         else:
             out.append(str(p))
     return out
-
-
-def _union(iv: list) -> list:
-    out = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def _measure(iv: list) -> float:
-    return sum(b - a for a, b in iv)
 
 
 def _intersect(x: list, y: list) -> float:
@@ -59,21 +45,22 @@ def communication(trace: Trace) -> dict:
         (comm if cat == "communication" else other).append((k.ts, k.ts + k.dur))
         if cat == "communication":
             libs[lib] += k.dur
-    c, o = _union(comm), _union(other)
-    total = _measure(c)
+    c, o = union(comm), union(other)
+    total = measure(c)
     return {"ms": round(total / 1e3, 4), "overlap": round(_intersect(c, o) / total, 4) if total else 0.0,
-            "share": round(total / (_measure(_union(comm + other)) or 1.0), 4), "libraries": list(libs)}
+            "share": round(total / (measure(union(comm + other)) or 1.0), 4), "libraries": list(libs)}
 
 
 def analyze_ranks(paths: list, progress: bool = False) -> dict:
     traces = [load(p, progress=progress) for p in paths]
     per = []
     for i, t in enumerate(traces):
-        r = analyze(t)
+        steps = steps_of(t)
+        r = analyze(t, steps=steps)
         r["rank"] = i
         r["communication"] = communication(t)
-        r["step_ms"] = [round(((s.get("wall_end", s["end"])) - s["ts"]) / 1e3, 4) for s in steps_of(t)]
-        r["busy_ms"] = [round(_busy(s["kernels"]) / 1e3, 4) for s in steps_of(t)]
+        r["step_ms"] = [round(((s.get("wall_end", s["end"])) - s["ts"]) / 1e3, 4) for s in steps]
+        r["busy_ms"] = [round(_busy(s["kernels"]) / 1e3, 4) for s in steps]
         per.append(r)
     n = min(len(r["step_ms"]) for r in per) if per else 0
     slowest = Counter()
