@@ -95,24 +95,20 @@ def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, r
 
 
 # ---- attention ----------------------------------------------------------------------------------
-@_op("attention_prefill")
-def attention_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-                      block_tables: Tensor, scale: float, causal: bool = True, window: Optional[int] = None,
-                      soft_cap: Optional[float] = None, k_scale: Opt = None, v_scale: Opt = None,
-                      backend: Str = None) -> tuple[Tensor, Tensor]:
-    return A.attention_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal=causal,
-                               window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                               backend=backend)
+def _varlen(name: str, fn):
+    """The custom op of a varlen paged entry (prefill, mixed: one signature)."""
+    def op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor, block_tables: Tensor,
+           scale: float, causal: bool = True, window: Optional[int] = None, soft_cap: Optional[float] = None,
+           k_scale: Opt = None, v_scale: Opt = None, backend: Str = None) -> tuple[Tensor, Tensor]:
+        return fn(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal=causal, window=window,
+                  soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=True, backend=backend)
+
+    op.__name__ = op.__qualname__ = name
+    return _op(name)(op)
 
 
-@_op("attention_mixed")
-def attention_mixed(q: Tensor, k_cache: Tensor, v_cache: Tensor, cu_seqlens_q: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor, scale: float, causal: bool = True, window: Optional[int] = None,
-                    soft_cap: Optional[float] = None, k_scale: Opt = None, v_scale: Opt = None,
-                    backend: Str = None) -> tuple[Tensor, Tensor]:
-    return A.attention_mixed(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, causal=causal,
-                             window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=True,
-                             backend=backend)
+attention_prefill = _varlen("attention_prefill", A.attention_prefill)
+attention_mixed = _varlen("attention_mixed", A.attention_mixed)
 
 
 @_op("attention_decode")
