@@ -217,10 +217,8 @@ def cli_run(args) -> int:
         params = dataclasses.replace(params, **extra) if not isinstance(params, list) else \
             [dataclasses.replace(p, **extra) for p in params]
     if args.chat:
-        tok = llm._chat_tokenizer(None)
         system = [{"role": "system", "content": args.system}] if args.system else []
-        prompts = [list(tok.apply_chat_template(system + [{"role": "user", "content": p}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)) for p in args.prompt]
+        prompts = llm.chat_prompts([system + [{"role": "user", "content": p}] for p in args.prompt])
     # Warm-up at the first prompt's length with other tokens (kernels compiled and tuned for these
     # shapes, and no prefix-cache hit handed to the measured run).
     first = prompts[0] if isinstance(prompts[0], list) else llm.tokenizer.encode(prompts[0])

@@ -247,6 +247,10 @@ class LLM:
         a list of them. The checkpoint's chat template (tokenizer_config.json or chat_template.jinja,
         rendered by transformers' ``apply_chat_template`` with the generation prompt) makes the prompt
         tokens; ``chat_template`` (Jinja text) replaces it. A model without one is an InputError."""
+        return self.generate(self.chat_prompts(conversations, chat_template), params, use_tqdm=use_tqdm)
+
+    def chat_prompts(self, conversations, chat_template: Optional[str] = None) -> list:
+        """The prompt tokens of each conversation (see ``chat``)."""
         if isinstance(conversations, list) and conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         tok = self._chat_tokenizer(chat_template)
@@ -258,7 +262,7 @@ class LLM:
                                  'a list of {"role": ..., "content": ...} messages')
             ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
             prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return prompts
 
     def _chat_tokenizer(self, chat_template: Optional[str]):
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
