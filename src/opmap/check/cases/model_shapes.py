@@ -84,7 +84,7 @@ def _inputs(op, spec, cfg, dev, phase):
     return None
 
 
-def _case(op, backend, entry, build, dt, label):
+def _case(op, backend, entry, build, dt):
     def run():
         ref_name = "mla-reference" if backend.startswith("mla-") else "reference"
         ours, ref = registry.get(op, backend).fn(entry), registry.get(op, ref_name).fn(entry)
@@ -121,5 +121,5 @@ def cases(cfg, choices, device: str) -> list:
         entry, build = made
         dt = _DT.get(getattr(ch.spec, "dtype", "bf16"), torch.bfloat16)
         out.append(CheckCase("parity", op, ch.name, f"model={cfg.name},{label} [{phase}],{ch.spec.describe()}",
-                             _case(op, ch.name, entry, build, dt, label), device=device, tags=("model-shapes",)))
+                             _case(op, ch.name, entry, build, dt), device=device, tags=("model-shapes",)))
     return out
