@@ -10,10 +10,5 @@ The selector, the specs and the registry are ``opmap.select``, ``opmap.specs`` a
 """
 __version__ = "0.1.0"
 
-from .api import (add_rmsnorm, append_mla, apply_bitmask, apply_penalties, apply_temperature,  # noqa: E402,F401
-                  attention_decode, attention_merge, attention_mixed, attention_prefill, gelu_tanh_mul,
-                  kv_append, linear, make_decode_workspace, mla_decode, mla_prefill, mla_sparse_decode, moe,
-                  moe_route, qk_rmsnorm, rmsnorm, rope, rope_append, sample, silu_mul)
-from .api import OPS, custom_ops as _custom_ops  # noqa: E402,F401
-
-__all__ = list(OPS) + ["make_decode_workspace"]
+from .api import *  # noqa: E402,F401,F403  (the public ops: opmap.api.__all__)
+from .api import __all__, custom_ops as _custom_ops  # noqa: E402,F401

@@ -12,3 +12,4 @@ OPS = ("rmsnorm", "add_rmsnorm", "qk_rmsnorm", "rope", "rope_append", "kv_append
        "gelu_tanh_mul", "linear", "moe", "moe_route", "attention_prefill", "attention_mixed", "attention_decode",
        "attention_merge", "mla_decode", "mla_prefill", "mla_sparse_decode", "apply_penalties", "apply_temperature",
        "sample", "apply_bitmask")
+__all__ = [*OPS, "make_decode_workspace"]
