@@ -21,6 +21,8 @@ class GemmaModel(DecoderModel):
     def __init__(self, cfg, device, dtype):
         super().__init__(cfg, device, dtype)
         self.scale = (cfg.query_scale or cfg.head_dim) ** -0.5
+        # HF scales in the weights' dtype (sqrt(3072) is 55.5 in bf16); made once, not per step
+        self.embed_mul = float(torch.tensor(cfg.hidden ** 0.5, dtype=dtype)) if cfg.embed_scale else None
 
     def declare_layer(self, i: int) -> None:
         super().declare_layer(i)
@@ -61,10 +63,9 @@ class GemmaModel(DecoderModel):
     def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
         P, c = self.params, self.cfg
         eps = c.rms_eps
-        # HF scales in the weights' dtype (sqrt(3072) is 55.5 in bf16)
         residual = P["embed"][st.input_ids]
-        if c.embed_scale:
-            residual = residual * torch.tensor(c.hidden ** 0.5, dtype=self.dtype)
+        if self.embed_mul is not None:
+            residual = residual * self.embed_mul
         h = ops.rmsnorm(residual, P["0.in_norm"], eps)
         out = None
         for i in range(c.layers):

@@ -73,7 +73,7 @@ class ModelRunner:
                 if dropped:
                     log.info("ignoring the %d-layer MTP head (%d tensors): opmap decodes one token per step", mtp,
                              len(dropped))
-                self.unused = [n for n in self.unused if n not in set(dropped)]
+                self.unused = sorted(set(self.unused) - set(dropped))
             if self.unused:  # a tensor nothing reads is a feature this model would silently drop
                 more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
