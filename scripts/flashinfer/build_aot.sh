@@ -14,7 +14,7 @@
 # A module whose .so FlashInfer cannot load on the GPU (say, an older glibc there) is logged
 # ("Failed to load AOT artifact") and JIT-built as before.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 repo=$PWD
 mods=("$@"); [ ${#mods[@]} -eq 0 ] && mods=(sampling fa2 fa3 mla fa2-feat fa3-feat)
 fi=/tmp/opmap-fi; deps=/tmp/opmap-fi-deps

@@ -5,7 +5,7 @@
 # carry .whl in the device call. FlashInfer then JIT-compiles its kernels on first use
 # (decode ~15-20 s per configuration, FA3 prefill ~80 s, sampling ~90 s on 16 cores).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 tmp=$(mktemp -d)
 python3 -m pip download -q --no-deps -d "$tmp" flashinfer-python==0.7.2.post1
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
