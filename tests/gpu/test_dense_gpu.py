@@ -164,10 +164,8 @@ def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
     x, wq, _, s, _ = _lin_inputs(M, N, K, "fp8", seed=21)
     asm = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8_BITS})
     native = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8})
-    bf16_dots = triton_gemm.linear(x, wq, None, s, config={"F16": 0})
     assert_close(asm, native, scale=0.25)
     assert_close(asm, gemm_ref.linear(x, wq, None, s))
-    assert_close(bf16_dots, gemm_ref.linear(x, wq, None, s))
     # every e4m3 byte through the bit-decoding path: w = diag-like rows hitting each code once
     codes = torch.arange(256, device=DEV, dtype=torch.int32)
     codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
@@ -177,28 +175,6 @@ def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
     got = triton_gemm.linear(eye, wall, None, torch.ones(2, device=DEV),
                              _plan={"W_KIND": triton_gemm.W_FP8_BITS})
     assert torch.equal(got.t().float(), wall.float())
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "int8"])
-@pytest.mark.parametrize("M,N,K", [(6, 28672, 4096), (6, 4096, 14336), (6, 512, 4095)])
-def test_weight_only_bf16_x_of_any_range(fmt, M, N, K, monkeypatch):
-    # The fp16 dots bring each bf16 token into fp16's range by a power of two: tokens far above
-    # fp16's top (1e6) and far below its normal range (1e-9), an all-zero one and one holding
-    # inf come out as the fp32 reference computes them (split-K included: N=512).
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
-    x, wq, _, s, _ = _lin_inputs(M, N, K, fmt, seed=5)
-    x[1] *= 1e6
-    x[2] *= 1e-9
-    x[3] = 0
-    x[4, 7] = float("inf")
-    out = triton_gemm.linear(x, wq, None, s)
-    exp = gemm_ref.linear(x, wq, None, s)
-    fin = [0, 1, 2, 5]
-    assert_close(out[fin], exp[fin])
-    for i in fin:
-        assert cosine(out[i:i + 1], exp[i:i + 1].float()) >= 0.9999, i
-    assert out[3].abs().max() == 0
-    assert torch.equal(out[4].isnan(), exp[4].isnan()) and torch.equal(out[4].isinf(), exp[4].isinf())
 
 
 def test_scaled_mm_fp8_activations():

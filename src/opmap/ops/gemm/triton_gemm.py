@@ -13,17 +13,8 @@ Design (the weight is the traffic; at decode M the activations are noise):
   Deterministic (no atomics).
 - Weight-only formats are converted tile by tile in registers; the per-output-channel scale
   multiplies the fp32 accumulator in the epilogue (it is constant along K), so no dequantised
-  copy of the weight ever exists.
-- With 16-bit activations the weight-only dots run in fp16 (``F16``): e4m3 and int8 are exact in
-  fp16, one packed instruction converts two e4m3 weights (``cvt.rn.f16x2.e4m3x2``, sm89+) and int8
-  takes the 0x6400 magic-number move (``_i8_to_f16``), both in inline PTX that Triton's layout pass
-  cannot move (attention/fp8.py says why that matters). Triton's own cast to bf16 costs 1.5
-  conversions per weight, and the conversion units (16 an SM a clock) then cap the kernel below the
-  HBM rate of 1-byte weights. bf16 activations are brought into fp16's range per column by a power
-  of two taken from their largest magnitude (``_col_factor``: a first pass over this program's x
-  slab, read from L2), which the epilogue multiplies back: exact, whatever the activations' range.
-  On GPUs before sm89 the fp8 bits are moved into fp16 position by integer ops (value x 2^-8, the
-  2^8 also in the epilogue).
+  copy of the weight ever exists. On GPUs before sm89 (no fp8 conversion instruction) the
+  fp8 bits are decoded with integer ops.
 """
 from __future__ import annotations
 
@@ -35,60 +26,15 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import enter, gdc_launch_dependents, gdc_wait
-from ..attention.fp8 import e4m3_to_f16
-from ..config import tile_config
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
-
-
-@triton.jit
-def _i8_to_f16(x):
-    """4 int8 per 32-bit register -> 4 fp16, exact: (q ^ 0x80) under the fp16 exponent of 1024 is
-    1024 + 128 + q, from which one packed subtraction takes 1152. Not for the interpreter."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, c;\n"
-        "xor.b32 t, $2, 0x80808080;\n"
-        "mov.b32 c, 0x64806480;\n"  # fp16x2 (1152, 1152)
-        "prmt.b32 $0, t, 0x64646464, 0x5140;\n"  # bytes 0, 1 under 0x64
-        "prmt.b32 $1, t, 0x64646464, 0x7362;\n"  # bytes 2, 3
-        "sub.rn.f16x2 $0, $0, c;\n"
-        "sub.rn.f16x2 $1, $1, c; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
-def _col_factor(x_ptr, offs_m, m_mask, stride_xm, k0, k_end, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """(f, 1/f) per x column (token): the power of two that puts the column's largest finite
-    magnitude over [k0, k_end) in [2^14, 2^15), built from its exponent bits (exact both ways;
-    clamped to fp32's normal range, so an all-zero column gets 2^-126). inf and NaN are left out
-    of the maximum and still reach the dot, as in the reference."""
-    offs_k = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        else:
-            xt = tl.load(x_ptrs, mask=((k + offs_k) < k_end)[:, None] & m_mask[None, :], other=0.0)
-        a = tl.abs(xt.to(tl.float32))
-        amax = tl.maximum(amax, tl.max(tl.where(a < float("inf"), a, 0.0), 0))
-        x_ptrs += BLOCK_K
-    e = (amax.to(tl.int32, bitcast=True) >> 23) - 14
-    e = tl.minimum(tl.maximum(e, 1), 253)
-    return (e << 23).to(tl.float32, bitcast=True), ((254 - e) << 23).to(tl.float32, bitcast=True)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 F16: tl.constexpr = False, ASM: tl.constexpr = False, XS: tl.constexpr = False):
-    """F16: fp16 dots on the converted weight (ASM: by inline PTX, else a cast); XS: x scaled per
-    column into fp16's range (bf16 x), see the module docstring."""
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -106,11 +52,6 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
     xdt = x_ptr.dtype.element_ty
-    # The epilogue's per-column factor: x's power of two (XS) times the 2^8 of the fp8 bit move.
-    col = tl.full([BLOCK_M], 256.0 if (F16 and W_KIND == 3) else 1.0, dtype=tl.float32)
-    if XS:
-        f, inv = _col_factor(x_ptr, offs_m, m_mask, stride_xm, k0, k_end, EVEN_K, BLOCK_K, BLOCK_M)
-        col = col * f
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
@@ -125,25 +66,12 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
             u = w.to(tl.int16) & 0xFF
             wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
-            if not F16:
-                wv = (wv * 256.0).to(xdt)
-        elif F16 and ASM and W_KIND == 2:
-            wv = e4m3_to_f16(w)
-        elif F16 and ASM and W_KIND == 1:
-            wv = _i8_to_f16(w)
-        elif F16:
-            wv = w.to(tl.float16)
+            wv = (wv * 256.0).to(xdt)
         else:
             wv = w.to(xdt)
-        if XS:
-            xt = (xt.to(tl.float32) * inv[None, :]).to(tl.float16)
-        elif F16:
-            xt = xt.to(tl.float16)
         acc = tl.dot(wv, xt, acc, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if F16:
-        acc = acc * col[None, :]
     if SPLIT == 1:
         if HAS_SCALE:
             acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
@@ -216,7 +144,7 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "F16", "XS"],
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
             prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
@@ -243,7 +171,7 @@ def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
 SPLIT_BELOW = 4
 
 
-def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
+def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bool = False) -> dict:
     """Tile shape and split-K for a problem (BLOCK_K is autotuned on a GPU)."""
     small = M <= 64
     bm = max(16, triton.next_power_of_2(M)) if small else 64
@@ -258,27 +186,20 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP) -> dict:
     if small and tiles < sms // SPLIT_BELOW:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
+    elif small and quantised and tiles < sms:
+        # A weight-only program streams its weights at a third of a bf16 program's byte rate
+        # (it converts every tile in registers), so fewer than one program an SM leaves the HBM
+        # idle: split into about two programs an SM (M=1, N=4096, K=14336 fp8 on the H200:
+        # 72.3 us unsplit, 36.7 us in 4 splits; docs/dense.md, Decisions).
+        split = max(1, min((2 * sms) // tiles, K // 1024))
     d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
     if interp:
         d["BLOCK_K"] = max(16, min(64, triton.next_power_of_2(K)))
     return d
 
 
-def dot_config(x: torch.Tensor, kind: int, override=None) -> dict:
-    """The weight-only dots of one launch: ``F16`` fp16 dots (weight-only formats with 16-bit x),
-    ``XS`` x scaled per column into fp16's range (bf16 x; 1 with fp16 x runs the same scaling,
-    which tests use on the CPU). ``override`` (``config=``) replaces keys, for tuning."""
-    f16 = int(kind != W_SAME and x.dtype in (torch.float16, torch.bfloat16))
-    cfg = tile_config({"F16": f16, "XS": int(f16 and x.dtype == torch.bfloat16)}, override)
-    cfg["F16"] = int(bool(cfg["F16"]) and f16)
-    cfg["XS"] = int(bool(cfg["XS"]) and cfg["F16"])
-    return cfg
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None,
-           _plan: dict | None = None) -> torch.Tensor:
-    """``config``: keys of ``dot_config`` to replace, for tuning. ``_plan`` (internal) overrides
-    fields of ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None) -> torch.Tensor:
+    """``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}."""
     M, N, K = check_linear(x, w, bias, w_scale)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -288,7 +209,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=
         if bias is not None:
             out += bias.to(x.dtype)
         return out
-    p = plan(M, N, K, _sm_count(x.device))
+    p = plan(M, N, K, _sm_count(x.device), quantised=w.dtype != x.dtype)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
     split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
     kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
@@ -301,11 +222,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
-    dots = dot_config(x, kind, config)
-    asm = bool(dots["F16"]) and kind in (W_FP8, W_INT8) and x.device.type == "cuda" and not _INTERP
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
-                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn,
-                  F16=bool(dots["F16"]), ASM=asm, XS=bool(dots["XS"]), **pdl.launch(x.device))
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, target,
