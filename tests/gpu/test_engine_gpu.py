@@ -148,3 +148,26 @@ def test_second_engine_sized_from_free_memory_and_close_returns_it():
     a.close()
     free_gpu()
     assert torch.cuda.memory_allocated() < base + 0.05 * a_kv, (base, torch.cuda.memory_allocated(), a_kv)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v2-lite"])
+def test_steps_neither_synchronise_nor_compile(name):
+    """Inside the steps of a run (prefill, mixed and decode, CUDA graphs on, greedy and sampled
+    requests): no host synchronisation that PyTorch reports and no kernel compilation, counted by
+    engine/audit.py. Start-up does the compiling (warm-up, graph capture, MoE tuning)."""
+    from opmap.engine.audit import StepAudit
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+
+    cfg = dataclasses.replace(PRESETS[name], layers=2)
+    llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=384, max_model_len=2048, num_pages=256, seed=1)
+    prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1, 257, 383, 129, 64, 5))
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 6 + [
+        SamplingParams(max_tokens=16, temperature=0.8, top_k=40, top_p=0.9, seed=3, ignore_eos=True)] * 4
+    with StepAudit(llm) as audit:
+        outs = llm.generate(prompts, params)
+    assert all(o.error is None and len(o.token_ids) == 16 for o in outs)
+    assert llm.stats.steps["mixed"] > 0 and llm.stats.steps["decode"] > 0
+    assert audit.counts() == {}, audit.events
+    llm.close()
+    free_gpu()
