@@ -49,3 +49,47 @@ def test_expect_helpers():
 
 def test_input_error_is_a_value_error():
     assert issubclass(InputError, ValueError)
+
+
+def test_trusted_values_skip_only_device_value_checks():
+    from opmap.contract import trusted_values, values_wanted
+
+    t = torch.zeros(3, dtype=torch.int32)
+    with trusted_values():
+        assert values_wanted(t)  # CPU values cost no synchronisation: still checked
+        with trusted_values():
+            pass
+        assert values_wanted(t)
+    assert values_wanted(t)
+    if torch.cuda.is_available():
+        g = t.cuda()
+        with trusted_values():
+            assert not values_wanted(g)
+        assert values_wanted(g)
+
+
+def test_flashinfer_plans_once_per_metadata():
+    # The adapter's plan memo (FlashInfer itself is not needed for it): the layers of one step
+    # reuse a plan; an in-place rewrite of the metadata (the next step) plans again; each wrapper
+    # kind keeps one live plan, since its workspace holds it.
+    from opmap.ops.attention.flashinfer import _PLANS, _planned
+
+    _PLANS.clear()
+    made = []
+
+    def make():
+        made.append(object())
+        return made[-1]
+
+    sl, bt = torch.tensor([5, 9]), torch.zeros(2, 4, dtype=torch.int32)
+    a = _planned("decode", (sl, bt), (2, 32), make)
+    assert _planned("decode", (sl, bt), (2, 32), make) is a and len(made) == 1
+    assert _planned("decode", (sl, bt), (2, 64), make) is not a  # other arguments
+    sl.add_(1)
+    b = _planned("decode", (sl, bt), (2, 32), make)
+    assert b is not a and len(made) == 3
+    p = _planned("prefill", (sl, sl, bt), (2, 32), make)
+    assert _planned("decode", (sl, bt), (2, 32), make) is b  # the prefill plan did not evict it
+    assert _planned("prefill", (sl, sl, bt), (2, 32), make) is p
+    assert sum(k[0] == "decode" for k in _PLANS) == 1
+    _PLANS.clear()

@@ -24,6 +24,8 @@ def test_audit_counts_events_inside_steps_by_phase():
 
     def noisy(batch, pend=None):
         warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn_explicit("called a synchronizing CUDA operation", UserWarning,
+                               "/site-packages/flashinfer/prefill.py", 7)  # a declared site
         triton.knobs.runtime.jit_post_compile_hook(fn=noisy)  # what Triton calls after a build
         return execute(batch, pend)
 
@@ -31,7 +33,10 @@ def test_audit_counts_events_inside_steps_by_phase():
     with StepAudit(llm) as audit:
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     got = audit.counts()
-    one = {"syncs": 1, "compiles": 1}
-    assert got == {"prefill": one, "decode": one}, audit.events  # 2 tokens: one prefill, one decode step
+    two = {"syncs": 2, "compiles": 1}
+    assert got == {"prefill": two, "decode": two}, audit.events  # 2 tokens: one prefill, one decode step
+    assert len(audit.undeclared()) == 4 and all("flashinfer" not in w for _, _, w in audit.undeclared())
+    assert audit.declared_per_site() == {("prefill", "/site-packages/flashinfer/prefill.py:7"): 1,
+                                         ("decode", "/site-packages/flashinfer/prefill.py:7"): 1}
     assert ("prefill", "compile", "noisy") in audit.events
     assert llm._execute is noisy and triton.knobs.runtime.jit_post_compile_hook is None  # restored

@@ -3,7 +3,9 @@ and what was expected, and is raised before anything launches."""
 from __future__ import annotations
 
 import os
+import threading
 import weakref
+from contextlib import contextmanager
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence, Union
 
@@ -104,12 +106,30 @@ def expect_in(arg: str, value, allowed: Iterable) -> None:
 _VALUE_MEMO: "OrderedDict[tuple, list]" = OrderedDict()
 
 
+_TRUSTED = threading.local()
+
+
+@contextmanager
+def trusted_values():
+    """Inside, the data-dependent checks of CUDA tensors are skipped: reading the values back is
+    a host synchronisation. For a caller that builds those tensors itself from host values it
+    already holds, such as the engine's runner (its steps then never wait for the GPU); checks on
+    CPU tensors still run."""
+    prev = getattr(_TRUSTED, "on", False)
+    _TRUSTED.on = True
+    try:
+        yield
+    finally:
+        _TRUSTED.on = prev
+
+
 def values_wanted(*tensors) -> bool:
     """Whether data-dependent checks on these tensors should run now."""
     if os.environ.get("OPMAP_CHECK_VALUES", "1") == "0":
         return False
-    if any(t is not None and t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
-        return False  # no host synchronisation inside a captured graph
+    on_gpu = any(t is not None and t.is_cuda for t in tensors)
+    if on_gpu and (getattr(_TRUSTED, "on", False) or torch.cuda.is_current_stream_capturing()):
+        return False  # no host synchronisation for a trusted caller or inside a captured graph
     return True
 
 

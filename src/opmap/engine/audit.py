@@ -18,6 +18,10 @@ import warnings
 from typing import Optional
 
 _SYNC_WARNING = "synchronizing"  # torch's sync debug warning: "called a synchronizing CUDA operation"
+# Synchronisations a step is allowed, by where they happen: FlashInfer's plan reads the page-table
+# offsets on the host by design (its API: plan on the host, then run); opmap's adapter plans once
+# per step's metadata, so these come once per step, never once per layer.
+DECLARED = ("/flashinfer/",)
 
 
 class StepAudit:
@@ -77,6 +81,14 @@ class StepAudit:
         triton.knobs.runtime.jit_post_compile_hook = self._saved["hook"]
         if self._saved["sync"] is not None:
             torch.cuda.set_sync_debug_mode(self._saved["sync"])
+
+    def undeclared(self) -> list:
+        """The events outside ``DECLARED``: every compilation, and the syncs not in that list."""
+        return [e for e in self.events if e[1] != "sync" or not any(d in e[2] for d in DECLARED)]
+
+    def declared_per_site(self) -> dict:
+        """{(phase, site): count} of the declared syncs (a site is file:line)."""
+        return dict(collections.Counter((p, w) for p, k, w in self.events if (p, k, w) not in self.undeclared()))
 
     def counts(self) -> dict:
         """{phase: {"syncs": n, "compiles": n}} over the phases that had an event."""

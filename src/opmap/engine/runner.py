@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..contract import InputError, dtype_name
+from ..contract import InputError, dtype_name, trusted_values
 from ..hw import local_arch
 from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
@@ -228,7 +228,13 @@ class ModelRunner:
     def run(self, batch: Batch, dev_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """fp32 logits of the items that sample, in batch order (None when none samples).
         ``dev_ids`` (decode only): the input token of every row, already on the device (the
-        previous step's sampled ids, not yet read back by the host); it replaces the host's."""
+        previous step's sampled ids, not yet read back by the host); it replaces the host's.
+        The step metadata comes from the scheduler's host values, so the ops skip reading it back
+        to check it (``trusted_values``: no host synchronisation inside a step)."""
+        with trusted_values():
+            return self._run(batch, dev_ids)
+
+    def _run(self, batch: Batch, dev_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         items = batch.items
         if batch.is_decode:
             bs = self.bucket_for(len(items))
