@@ -29,8 +29,11 @@ _MODULE_RANGES = [("RoPE", re.compile(r"(?i)rotary|apply_rotary_pos_emb|rotate_h
 # Step ranges: opmap's, vLLM's and SGLang's model-runner calls, the profiler's step marks.
 _STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
                                    r"^ProfilerStep#\d+$")]
+# FlashInfer's tensor-core decode (use_tensor_cores=True) launches its prefill kernel without a
+# mask (MaskMode 0) on 16-row query tiles; a causal prefill has MaskMode 1.
 _DECODE = re.compile(r"(?i)decode|splitkv|split_kv|paged_attention|xqa|mmha|flash_fwd_splitkv|flash_mla|flashmla|"
-                     r"unified_attention")
+                     r"unified_attention|BatchPrefillWithPagedKVCacheKernel<\w+, flashinfer::KernelTraits<"
+                     r"\(flashinfer::MaskMode\)0, 16u")
 # Kernels that serve one phase only; cuDNN / PyTorch SDPA and FlashAttention's plain forward run
 # HF's decode steps as well as its prefill, so they say nothing of the phase.
 _SORT = re.compile(r"(?i)sort|radix")
@@ -144,15 +147,21 @@ def _with_wall(steps: list) -> list:
 def _split_at_readbacks(ks: list):
     """Steps of an engine that emits no step range: each step ends where the host reads a result
     back (a device-to-host copy: the sampled tokens, the stop check), the pattern of HF generate
-    and of most engines' loops. A stretch of fewer than a quarter of the longest stretch's kernels
+    and of most engines' loops; where the run samples on the GPU, the first readback after the
+    sampling kernels. A stretch of fewer than a quarter of the longest stretch's kernels
     (a second readback in one step, the set-up before the first forward) joins its neighbour.
     None where fewer than two steps result."""
-    parts, cur = [], []
+    # Where the run samples on the GPU, only a readback after a sampling kernel ends a step: the
+    # copies a step makes before it samples (FlashInfer's plan reading the page offsets, a
+    # nonzero's count) are part of it.
+    sampled = any(_chooses(k) for k in ks)
+    parts, cur, seen = [], [], False
     for k in ks:
         cur.append(k)
-        if "DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name:
+        seen = seen or _chooses(k)
+        if ("DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name) and (seen or not sampled):
             parts.append(cur)
-            cur = []
+            cur, seen = [], False
     if cur:
         parts.append(cur)
     if len(parts) < 2:
@@ -171,6 +180,15 @@ def _split_at_readbacks(ks: list):
     if pending:
         steps.append(pending) if not steps else steps[-1].extend(pending)
     return steps if len(steps) >= 2 else None
+
+
+# The kernels that pick the tokens (not the scans and reductions the sampling category also holds,
+# which metadata preparation launches too, e.g. a cumsum of page counts).
+_CHOOSE = re.compile(r"(?i)argmax|multinomial|topk|top_k|sampling|gumbel|exponential")
+
+
+def _chooses(k) -> bool:
+    return bool(_CHOOSE.search(f"{k.name} {k.launcher or ''}"))
 
 
 def _launch_step(k, named) -> tuple:
