@@ -68,6 +68,9 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
                    help="a preset (e.g. llama3-8b, tiny-llama3), an HF checkpoint directory or a config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    p.add_argument("--quantize", default=None, choices=["fp8", "int8"],
+                   help="weight-only quantisation at load, one scale per output channel, of the attention and "
+                        "dense MLP projections (router, MoE experts, embedding and LM head keep --dtype)")
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
     p.add_argument("--max-model-len", type=_positive, default=None)
@@ -136,7 +139,7 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
 def _build(args, **extra):
     from .engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    return LLM(args.model, dtype=args.dtype, quantize=args.quantize, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
                enforce_eager=args.enforce_eager, async_decode=not args.lockstep,

@@ -57,6 +57,9 @@ class EngineConfig:
     """Knobs of the engine (not of the model)."""
 
     dtype: str = "auto"  # auto = bf16 on a GPU, fp32 on the CPU
+    # weight-only quantisation at load: "fp8" (e4m3) or "int8", one scale per output channel, of
+    # the attention and dense MLP projections (DecoderModel.quant_names); None keeps the dtype
+    quantize: Optional[str] = None
     page_size: Optional[int] = None  # tokens per KV page; None: the model's on this GPU (ModelConfig.default_page_size)
     max_num_seqs: int = 64  # sequences per step (and the largest CUDA-graph bucket)
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
@@ -104,6 +107,8 @@ class EngineConfig:
             raise InputError("max_num_batched_tokens", self.max_num_batched_tokens, "> 0")
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
             raise InputError("gpu_memory_fraction", self.gpu_memory_fraction, "in [0.05, 0.99]")
+        if self.quantize not in (None, "fp8", "int8"):
+            raise InputError("quantize", self.quantize, "fp8, int8 or None (weight-only, per output channel)")
 
 
 def _rope(d: dict) -> tuple[float, Optional[dict]]:

@@ -99,6 +99,29 @@ class DecoderModel:
     def random_(self, seed: int = 0, std: float = 0.02) -> None:
         fill_random(self.params, seed=seed, std=std)
 
+    def quant_names(self) -> list:
+        """The linear weights that weight-only quantisation applies to: the attention and dense
+        MLP projections (the router, the MoE experts, the embedding and the LM head stay in the
+        model's dtype)."""
+        out = []
+        for i in range(self.cfg.layers):
+            out += [n for n in (f"{i}.qkv", f"{i}.o", f"{i}.gate_up", f"{i}.down") if n in self.params]
+        return out
+
+    @torch.no_grad()
+    def quantize_(self, fmt: str) -> list:
+        """Weight-only ``fmt`` ("fp8" e4m3 / "int8") with one scale per output channel, in place:
+        each weight of ``quant_names`` becomes its quantised tensor, its scale ``<name>.scale``
+        (fp32). Returns the names quantised."""
+        from ..ops.gemm.quant import quantize_weight
+
+        names = self.quant_names()
+        for n in names:
+            wq, scale = quantize_weight(self.params[n], fmt)
+            self.params[n] = wq
+            self.params[f"{n}.scale"] = scale
+        return names
+
     def load(self, source) -> list:
         """Fill every parameter from an HF-named source; returns source names left unused."""
         L = Loader(source, self.device, self.dtype)
@@ -182,7 +205,7 @@ class DecoderModel:
     def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
         T, d = h.shape[0], c.head_dim
-        qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"))
+        qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"), P.get(f"{i}.qkv.scale"))
         qd, kd = c.heads * d, c.kv_heads * d
         if c.qk_norm and not ops.qk_norm_in_rope_append:
             # q and k heads side by side in the qkv row: one in-place launch normalises both.
@@ -206,7 +229,7 @@ class DecoderModel:
         else:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale, **win)
-        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"))
+        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"), P.get(f"{i}.o.scale"))
 
     def cos_sin_of(self, i: int) -> torch.Tensor:
         """The RoPE cache of layer i: Gemma-3's sliding layers have their own base."""
@@ -234,8 +257,8 @@ class DecoderModel:
                     s = torch.sigmoid(ops.gemm["shared_gate"](h, P[f"{i}.shared_gate"])) * s
                 out = out + s
             return out
-        return ops.gemm["down"](ops.act(ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"))),
-                                P[f"{i}.down"], P.get(f"{i}.down_bias"))
+        gu = ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"), P.get(f"{i}.gate_up.scale"))
+        return ops.gemm["down"](ops.act(gu), P[f"{i}.down"], P.get(f"{i}.down_bias"), P.get(f"{i}.down.scale"))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def kv_bytes_per_page(self, page_size: int) -> int:

@@ -25,7 +25,8 @@ log = logging.getLogger("opmap.engine")
 
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
-                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False):
+                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False,
+                 quant: Optional[str] = None):
         self.phase, self.m, self.cuda_graph, self.trace = phase, m, cuda_graph, trace
         self.choices: list = []  # (label, entry, Choice)
         self._forced = forced or {}
@@ -34,8 +35,10 @@ class OpSet:
         self.rmsnorm = self._pick("rmsnorm", "RMSNorm", S.NormSpec(hidden=h, dtype=dtype, **base), "rmsnorm")
         self.add_rmsnorm = self._pick("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True,
                                                                              **base), "add_rmsnorm")
-        gemm = lambda label, n, k, bias=False: self._pick(  # noqa: E731
-            "gemm", label, S.GemmSpec(m=m, n=n, k=k, dtype=dtype, weight_dtype=dtype, bias=bias, **base), "linear")
+        # ``quant``: the weight-only format of the projections DecoderModel.quant_names quantises
+        gemm = lambda label, n, k, bias=False, q=False: self._pick(  # noqa: E731
+            "gemm", label, S.GemmSpec(m=m, n=n, k=k, dtype=dtype, weight_dtype=(quant if q and quant else dtype),
+                                      bias=bias, **base), "linear")
         rope_dim = cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim
         self.rope = self._pick("rope", "RoPE", S.RopeSpec(head_dim=rope_dim, style=cfg.rope_style,
                                                           scaling=_scaling(cfg), dtype=dtype, **base), "rope")
@@ -54,7 +57,7 @@ class OpSet:
             else:
                 self.gemm["q"] = gemm("q proj", cfg.heads * qk, h)
             self.gemm["kv_a"] = gemm("kv_a proj", cfg.kv_lora_rank + cfg.qk_rope_dim, h)
-            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.v_head_dim)
+            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.v_head_dim, q=True)
             self.latent_norm = self._pick("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype,
                                                                              **base), "rmsnorm")
             self.kv_append = self._pick("kv_append", "latent KV append", S.KVAppendSpec(
@@ -67,8 +70,8 @@ class OpSet:
                                         "mla_decode" if phase == "decode" else "mla_prefill")
         else:
             qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-            self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias)
-            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim, cfg.o_bias)
+            self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias, q=True)
+            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim, cfg.o_bias, q=True)
             qk_choice = None
             if cfg.qk_norm:
                 self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
@@ -113,8 +116,8 @@ class OpSet:
                 self.shared_act = self._pick("activation", "shared SiLU * mul",
                                              S.ActivationSpec(hidden=si, dtype=dtype, **base), "silu_mul")
         if not cfg.is_moe or cfg.first_dense_layers:
-            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias)
-            self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias)
+            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias, q=True)
+            self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias, q=True)
             kind = "gelu_tanh_mul" if cfg.activation == "gelu_tanh" else "silu_mul"
             self.act = self._pick("activation", "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul",
                                   S.ActivationSpec(kind=kind, hidden=cfg.intermediate, dtype=dtype, **base), kind)

@@ -78,17 +78,21 @@ class ModelRunner:
                 more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
                                  "only tensors of the architecture (a config field that needs them is not supported)")
+        self.quantised = self.model.quantize_(ecfg.quantize) if ecfg.quantize else []
+        if self.quantised:
+            log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
+                     "embedding and LM head keep %s)", ecfg.quantize, len(self.quantised), dtype_name(self.dtype))
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
-        tr = ecfg.trace_ops
-        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr) for p in ("prefill", "mixed")}
+        tr, qt = ecfg.trace_ops, ecfg.quantize
+        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr, qt) for p in ("prefill", "mixed")}
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         try:
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr)
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr, qt)
                                for b in self.buckets}
         except BackendError as e:
             if not self.use_graphs:
@@ -98,7 +102,7 @@ class ModelRunner:
             self.use_graphs = False
             self.graphs_off_reason = str(e).splitlines()[0]
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr)
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr, qt)
                                for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
