@@ -65,3 +65,97 @@ def test_quantised_engine_matches_hf_on_the_dequantised_weights(name, fmt, want,
 def test_quantize_refuses_an_unknown_format():
     with pytest.raises(InputError, match="quantize"):
         LLM("tiny-llama3", quantize="int4")
+
+
+def _to_fp8_checkpoint(hf, path, strategy, quantise_experts=False):
+    """Rewrite the checkpoint at ``path`` as compressed-tensors fp8 (what llm-compressor writes):
+    every projection weight in e4m3 beside its ``weight_scale`` (one per tensor or per output
+    channel) and a static ``input_scale``; the LM head kept (the ignore list). The HF model gets
+    the dequantised weights, the reference of the parity."""
+    import glob
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    out = {}
+    for k, v in state.items():
+        # transformers 5.x keeps the experts fused ([E, rows, K] ``experts.gate_up_proj``)
+        experts = ".experts." in k and k.endswith("_proj")
+        if not (k.endswith("_proj.weight") and ".experts." not in k) and not (experts and quantise_experts):
+            out[k] = v
+            continue
+        a = v.abs().amax(dim=-1, keepdim=True) if strategy == "channel" else v.abs().amax().reshape(1)
+        s = (a / 448.0).clamp_min(1e-12)
+        q = (v / (s if strategy == "channel" else s[0])).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[k], out[k + "_scale"] = q, s.float()
+        out[k.rsplit(".", 1)[0] + ".input_scale"] = torch.ones(1)
+        with torch.no_grad():
+            hf.get_parameter(k).copy_(q.float() * (s if strategy == "channel" else s[0]))
+    for f in glob.glob(os.path.join(path, "model*.safetensors*")):
+        os.remove(f)
+    save_file(out, os.path.join(path, "model.safetensors"))
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        c = json.load(f)
+    c["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                  "symmetric": True, "dynamic": False},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "symmetric": True, "dynamic": False}}}}
+    with open(cfg_path, "w") as f:
+        json.dump(c, f)
+
+
+@pytest.mark.parametrize("name,strategy", [("tiny-llama3", "tensor"), ("tiny-llama3", "channel"),
+                                           ("tiny-qwen3moe", "channel")])
+def test_fp8_checkpoint_loads_in_fp8_and_matches_hf(name, strategy, tmp_path, single_thread):
+    """A compressed-tensors fp8 checkpoint: the projections stay fp8 (the per-tensor scales expanded
+    to their rows, exactly), the quantised MoE experts are dequantised at load (no fp8 grouped GEMM:
+    the fallback is named), the static activation scales are left out (weight-only), and the greedy
+    tokens equal HF on the dequantised weights."""
+    cfg = PRESETS[name]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    _to_fp8_checkpoint(hf, str(tmp_path), strategy, quantise_experts=cfg.is_moe)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format == "fp8" and r.unused == []
+    P = r.model.params
+    assert P["0.qkv"].dtype == torch.float8_e4m3fn and P["0.qkv.scale"].shape == (P["0.qkv"].shape[0],)
+    assert P["lm_head"].dtype == torch.float32
+    if cfg.is_moe:
+        assert r.model.dequantised and all(".experts." in n for n in r.model.dequantised)
+        assert P["1.w13"].dtype == torch.float32
+    else:
+        assert r.model.dequantised == []
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 10), name
+    with pytest.raises(InputError, match="already"):
+        LLM(str(tmp_path), quantize="int8")
+
+
+@pytest.mark.parametrize("qc,words", [
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "weights"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}, "weights"),
+])
+def test_other_quantised_checkpoints_are_refused(qc, words, tmp_path):
+    import json
+
+    from opmap.engine.config import resolve_model
+
+    cfg = PRESETS["tiny-llama3"]
+    save_checkpoint(cfg, str(tmp_path), seed=3)
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["quantization_config"] = qc
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    with pytest.raises(InputError, match=words):
+        resolve_model(str(tmp_path))

@@ -248,7 +248,45 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
                   qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"],
                   v_head_dim=d["v_head_dim"], rope_style="gptj",
                   head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"])
+    quant = weight_quant(d)
+    if quant:
+        kw["extra"] = {**kw.get("extra", {}), "weight_quant": quant}
     return ModelConfig(**kw)
+
+
+def weight_quant(d: dict) -> Optional[dict]:
+    """The weight format of a quantised checkpoint from its ``quantization_config``: fp8 (e4m3)
+    weights in the compressed-tensors layout, one scale per tensor or per output channel ->
+    {"format": "fp8", "strategy", "ignore", "static_activation_scales"}; None when unquantised.
+    Any other quantisation is refused, naming the field (it would load as wrong numbers)."""
+    from ..contract import InputError
+
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    where = "config.json quantization_config"
+    method = q.get("quant_method")
+    if method != "compressed-tensors":
+        raise InputError(f"{where}.quant_method", repr(method),
+                         "'compressed-tensors' with fp8 weights (per tensor or per output channel); other formats are "
+                         "not loaded (opmap run --quantize fp8|int8 quantises an unquantised checkpoint)")
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise InputError(f"{where}.config_groups", f"{len(groups)} groups", "one group (the same scheme for every Linear)")
+    g = next(iter(groups.values()))
+    w = g.get("weights") or {}
+    ok = (w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
+          and w.get("symmetric", True) and not w.get("dynamic", False) and not w.get("group_size"))
+    if not ok:
+        got = {k: w.get(k) for k in ("num_bits", "type", "strategy", "symmetric", "dynamic", "group_size") if k in w}
+        raise InputError(f"{where}.config_groups weights", repr(got), "8-bit float (e4m3), symmetric, static, with a "
+                         "'tensor' or 'channel' strategy (one scale per tensor or per output channel)")
+    if (g.get("targets") or ["Linear"]) != ["Linear"]:
+        raise InputError(f"{where} targets", repr(g.get("targets")), "['Linear']")
+    if q.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
+    return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
+            "static_activation_scales": g.get("input_activations") is not None}
 
 
 def resolve_model(model: str) -> tuple:

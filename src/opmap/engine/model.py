@@ -108,6 +108,15 @@ class DecoderModel:
             out += [n for n in (f"{i}.qkv", f"{i}.o", f"{i}.gate_up", f"{i}.down") if n in self.params]
         return out
 
+    def _fp8_params(self) -> dict:
+        """The projections of ``quant_names`` as fp8 parameters with an fp32 scale per row; returns
+        {id(weight): scale} for the Loader."""
+        out = {}
+        for n in self.quant_names():
+            w = self.params[n] = torch.empty(self.params[n].shape, dtype=torch.float8_e4m3fn, device=self.device)
+            out[id(w)] = self.params[f"{n}.scale"] = torch.empty(w.shape[0], dtype=torch.float32, device=self.device)
+        return out
+
     @torch.no_grad()
     def quantize_(self, fmt: str) -> list:
         """Weight-only ``fmt`` ("fp8" e4m3 / "int8") with one scale per output channel, in place:
@@ -123,8 +132,11 @@ class DecoderModel:
         return names
 
     def load(self, source) -> list:
-        """Fill every parameter from an HF-named source; returns source names left unused."""
-        L = Loader(source, self.device, self.dtype)
+        """Fill every parameter from an HF-named source; returns source names left unused. An fp8
+        checkpoint (``cfg.extra["weight_quant"]``) keeps the projections of ``quant_names`` in fp8
+        with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
+        L = Loader(source, self.device, self.dtype, self._fp8_params() if self.cfg.extra.get("weight_quant") else None)
+        self.dequantised = L.dequantised
         P = self.params
         L.copy(P["embed"], "model.embed_tokens.weight")
         for i in range(self.cfg.layers):

@@ -78,17 +78,26 @@ class ModelRunner:
                 more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
                                  "only tensors of the architecture (a config field that needs them is not supported)")
+        stored = (cfg.extra.get("weight_quant") or {}).get("format")
+        if stored and ecfg.quantize:
+            raise InputError("quantize", ecfg.quantize, f"None: the checkpoint's weights are {stored} already")
         self.quantised = self.model.quantize_(ecfg.quantize) if ecfg.quantize else []
         if self.quantised:
             log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
                      "embedding and LM head keep %s)", ecfg.quantize, len(self.quantised), dtype_name(self.dtype))
+        deq = getattr(self.model, "dequantised", [])
+        if stored:
+            log.info("fp8 checkpoint: the attention and dense MLP projections stay fp8 (a scale per output channel)%s",
+                     f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "
+                     f"(no fp8 kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
+        self.weight_format = ecfg.quantize or stored
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
-        tr, qt = ecfg.trace_ops, ecfg.quantize
+        tr, qt = ecfg.trace_ops, self.weight_format
         self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr, qt) for p in ("prefill", "mixed")}
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         try:

@@ -87,40 +87,94 @@ class StateDictSource:
         pass
 
 
-class Loader:
-    """Fills the model's device tensors from a source; records which source names were used."""
+FP8 = torch.float8_e4m3fn
 
-    def __init__(self, source, device, dtype):
+
+class Loader:
+    """Fills the model's device tensors from a source; records which source names were used.
+
+    fp8 checkpoints (compressed-tensors: ``<name>`` in e4m3 beside ``<name>_scale``, per tensor
+    or per output channel): a parameter registered in ``scales`` (an fp8 weight and its fp32 scale
+    per row) takes the fp8 bits as they are and the scale of each part expanded to its rows (exact);
+    a quantised tensor read into a parameter of the model's dtype is dequantised (``dequantised``
+    names them: the fallback the log reports)."""
+
+    def __init__(self, source, device, dtype, scales: Optional[dict] = None):
         self.src, self.device, self.dtype = source, device, dtype
         self.names = source.names()
         self.used: set = set()
+        self.scales = scales or {}  # id(fp8 parameter) -> its per-row fp32 scale parameter
+        self.dequantised: list = []
 
     def has(self, name: str) -> bool:
         return name in self.names
 
-    def _get(self, name: str, shape=None) -> torch.Tensor:
+    def _raw(self, name: str) -> torch.Tensor:
         if name not in self.names:
             raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this architecture")
-        t = self.src.get(name, self.device, self.dtype)
-        if shape is not None and tuple(t.shape) != tuple(shape):
-            raise InputError(f"checkpoint tensor {name}", f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
+        t = self.src.get(name, self.device, None)
         self.used.add(name)
         return t
 
+    def _scale_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``name``'s scale as one fp32 value per row of ``t`` (leading dims kept)."""
+        s = self._raw(f"{name}_scale").float()
+        rows = t.shape[:-1]
+        if s.numel() == 1:
+            return s.reshape(()).expand(rows)
+        if s.numel() != t[..., 0].numel():
+            raise InputError(f"checkpoint tensor {name}_scale", f"shape {tuple(s.shape)}",
+                             f"one scale, or one per output channel ({tuple(rows)})")
+        return s.reshape(rows)
+
+    def _get(self, name: str, shape=None) -> torch.Tensor:
+        t = self._raw(name)
+        if t.dtype == FP8 and self.has(f"{name}_scale"):
+            t = (t.float() * self._scale_of(name, t)[..., None]).to(self.dtype)
+            self.dequantised.append(name)
+        else:
+            t = t.to(self.dtype)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise InputError(f"checkpoint tensor {name}", f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
+        return t
+
+    def _quantised(self, name: str) -> tuple:
+        """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter; a tensor stored
+        unquantised (a layer the checkpoint's ignore list kept) is quantised per row here."""
+        from ..ops.gemm.quant import quantize_weight
+
+        t = self._raw(name)
+        if t.dtype == FP8 and self.has(f"{name}_scale"):
+            return t, self._scale_of(name, t)
+        if t.dtype == FP8:
+            raise InputError(f"checkpoint tensor {name}", "fp8 without a scale", f"{name}_scale beside it")
+        return quantize_weight(t.float(), "fp8")
+
     @torch.no_grad()
     def copy(self, dst: torch.Tensor, name: str) -> None:
+        if id(dst) in self.scales:
+            return self.cat(dst, [name])
         dst.copy_(self._get(name, dst.shape))
 
     @torch.no_grad()
     def cat(self, dst: torch.Tensor, names: Iterable[str]) -> None:
         """dst = cat(names, dim 0), each part copied into its slice (no temporary of the whole)."""
         o = 0
+        scale = self.scales.get(id(dst))
         for n in names:
-            t = self._get(n)
+            if scale is None:
+                t = self._get(n)
+            else:
+                t, s = self._quantised(n)
             if tuple(t.shape[1:]) != tuple(dst.shape[1:]) or t.dim() != dst.dim():
                 raise InputError(f"checkpoint tensor {n}", f"shape {tuple(t.shape)}",
                                  f"shape (rows, {', '.join(map(str, dst.shape[1:]))})" if dst.dim() > 1 else "1 dim")
+            if o + t.shape[0] > dst.shape[0]:  # the row count check below names it
+                o += t.shape[0]
+                continue
             dst[o:o + t.shape[0]].copy_(t)
+            if scale is not None:
+                scale[o:o + t.shape[0]].copy_(s)
             o += t.shape[0]
             del t
         if o != dst.shape[0]:
@@ -140,9 +194,11 @@ class Loader:
             self.copy(w2[e], f"{prefix}.experts.{e}.{d}.weight")
 
     def unused(self) -> list:
-        # Allowed to stay unread: rotary caches (recomputed), and lm_head.weight of a model with
-        # tied embeddings (the embedding is the LM head).
-        return sorted(n for n in self.names - self.used if "rotary_emb" not in n and n != "lm_head.weight")
+        # Allowed to stay unread: rotary caches (recomputed), lm_head.weight of a model with tied
+        # embeddings (the embedding is the LM head), and the static activation scales of an fp8
+        # checkpoint (``input_scale``: activations stay in the model's dtype, weight-only).
+        return sorted(n for n in self.names - self.used
+                      if "rotary_emb" not in n and n != "lm_head.weight" and not n.endswith(".input_scale"))
 
 
 def open_source(path: str) -> SafetensorsSource:
