@@ -54,3 +54,25 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
     assert e2e._engine_name(_L) == "opmap-engine"
     monkeypatch.setenv("OPMAP_PDL", "0")
     assert e2e._engine_name(_L) == "opmap-engine[no-pdl]"
+
+
+def test_quantised_engine_cases_and_floor(single_thread):
+    """A "<preset>:fp8" case runs the engine with weight-only fp8 (its floor counts the quantised
+    projections at one byte a weight); HF says it runs only the unquantised model."""
+    from opmap.engine.llm import LLM
+    from opmap.presets import get_preset
+
+    assert e2e.split_model("llama3-8b:fp8") == ("llama3-8b", "fp8") and e2e.split_model("tiny-llama3") == ("tiny-llama3", None)
+    c = get_preset("llama3-8b")
+    q = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)  # QKV, O, gate/up and down of 32 layers
+    assert c.quantised_params() == q
+    assert c.decode_weight_bytes(1, quantised=True) == c.decode_weight_bytes(1) - q
+    model = "tiny-llama3:int8"
+    with LLM("tiny-llama3", max_num_seqs=4, max_model_len=256, quantize="int8") as llm:
+        out, skipped = [], []
+        e2e._engine_cases(llm, model, get_preset("tiny-llama3"), [(model, 1, 20, 6)], _Ceil(), out, skipped)
+    t = get_preset("tiny-llama3")
+    assert out[0]["weight_floor_ms"] == t.decode_weight_bytes(1, quantised=True) / 4e12 * 1e3
+    skipped = []
+    e2e._hf(model, [(model, 1, 20, 6)], _Ceil(), [], skipped)
+    assert skipped and "unquantised" in skipped[0]["reason"]

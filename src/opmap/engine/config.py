@@ -22,7 +22,8 @@ HF_TYPES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "gemma2": "g
 # ones, and those refused at load (any other value of a refused field is an InputError naming it).
 COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
                  "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
-                 "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu)")
+                 "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
+                 "quantization_config (compressed-tensors fp8 weights, per tensor or per output channel)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),

@@ -21,7 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128)]
+# "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize);
+# its floor counts the quantised projections at one byte a weight. HF runs only the unquantised model.
+QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128), ("llama3-8b:fp8", 1, 1024, 128),
+         ("llama3-8b:fp8", 32, 512, 128)]
 FULL = QUICK + [("llama3-8b", "workload", None, None), ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
                 ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128), ("llama3-8b", "json32", 512, 128)]
 REPS_B1 = 3  # B=1 runs per case (their median by TPOT is the record; all runs are kept in it)
@@ -70,17 +73,26 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
-    cfg = get_preset(model)
-    llm = LLM(model, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
+    base, quant = split_model(model)
+    cfg = get_preset(base)
+    llm = LLM(base, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9,  # HF runs after, alone
-              async_decode=not lockstep)
+              async_decode=not lockstep, quantize=quant)
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
         llm.close()  # frees the KV cache, graphs and weights before HF's model is built
 
 
+def split_model(model: str) -> tuple:
+    """"llama3-8b:fp8" -> ("llama3-8b", "fp8"); a plain preset -> (preset, None)."""
+    base, _, quant = model.partition(":")
+    return base, quant or None
+
+
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
+    q = bool(llm.ecfg.quantize)
+    weight_bytes = lambda rows: cfg.decode_weight_bytes(rows, quantised=q)  # noqa: E731
     from opmap.ops.sampling.params import SamplingParams
 
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -95,9 +107,9 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             llm.generate(ps, sps)
             d = llm.last_summary
             case = f"model={model},requests=256,input=100:1024,output=100:1024"
-            floor = cfg.decode_weight_bytes(llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
+            floor = weight_bytes(llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
             out.append(_record(model, case, _engine_name(llm), d["ttft_ms_p50"], d["tpot_ms_p50"], d["total_tok_per_s"],
-                               floor, cfg.decode_weight_bytes(llm.ecfg.max_num_seqs), ceil,
+                               floor, weight_bytes(llm.ecfg.max_num_seqs), ceil,
                                f"tok_per_s = total (prompt + generated); {d['preemptions']} preemptions"))
             skipped.append({"op": "e2e", "case": case, "provider": "hf-transformers-eager",
                             "reason": "HF generate has no continuous batching: 256 mixed-length requests are not comparable"})
@@ -133,7 +145,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             sps = [SamplingParams(max_tokens=new, json_schema=schema if i % 2 else None, **greedy) for i in range(32)]
             # Fresh prompts of the same length: the same prompts would hit the prefix cache, skip
             # the prefill steps that the plain run interleaved with decode, and look faster.
-            wb = cfg.decode_weight_bytes(32)
+            wb = weight_bytes(32)
             # With the bitmask fill overlapping the forward pass (the engine's way), then serial
             # (the fill waits for the forward), each on fresh prompts: what the overlap saves.
             for overlap, seed in ((True, 33), (False, 34)):
@@ -160,7 +172,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         d = sorted(runs, key=lambda x: x["tpot_ms_p50"])[len(runs) // 2]  # the median run by TPOT
         dec = d["step_seconds"]["decode"]
         tok_s = (b * (new - 1) / dec) if b > 1 and dec else d["output_tok_per_s"]
-        wb = cfg.decode_weight_bytes(b)
+        wb = weight_bytes(b)
         floor = wb / (ceil.read_tbps * 1e12) * 1e3
         note = "tok_per_s = decode tokens / decode time" if b > 1 else "tok_per_s = generated / wall"
         if len(runs) > 1:
@@ -195,6 +207,13 @@ def _hf(model, cases_of_model, ceil, out, skipped):
     from opmap.engine.config import to_hf_config
     from opmap.presets import get_preset
 
+    base, quant = split_model(model)
+    if quant:
+        for _, b, plen, new in cases_of_model:
+            skipped.append({"op": "e2e", "case": f"model={model},B={b},prompt={plen},new={new},bf16",
+                            "provider": "hf-transformers-eager",
+                            "reason": "HF runs the unquantised model only: its rows are those of the bf16 preset"})
+        return
     cfg = get_preset(model)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -241,7 +260,7 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
     todo = [c for c in (QUICK if quick else FULL)
-            if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
+            if (not models or c[0] in models or split_model(c[0])[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
         sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf))
