@@ -28,7 +28,7 @@ LN2 = 0.6931471805599453
 def _workspace(device: str, kind: str) -> torch.Tensor:
     """One per device and wrapper kind: a planned wrapper keeps its schedule in its workspace, so
     the prefill and decode plans held by ``_planned`` must not share one."""
-    return torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+    return torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
 
 
 _PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
