@@ -76,3 +76,25 @@ def test_quantised_engine_cases_and_floor(single_thread):
     skipped = []
     e2e._hf(model, [(model, 1, 20, 6)], _Ceil(), [], skipped)
     assert skipped and "unquantised" in skipped[0]["reason"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_hf_static_greedy_loop_matches_generate(compile):
+    """The static-cache peer's own greedy loop gives HF generate's tokens, twice from one cache
+    (reset between runs); compiled, its decode step is one graph (fullgraph=True: Inductor's CPU
+    kernels here, where mode="reduce-overhead" has no CUDA graphs to capture)."""
+    import torch
+
+    from opmap.bench.cases.hf_static import StaticGreedy
+    from opmap.engine.config import make_hf_model
+    from opmap.presets import get_preset
+
+    cfg = get_preset("tiny-llama3")
+    hf = make_hf_model(cfg, seed=1).eval()
+    ids = torch.randint(0, cfg.vocab, (3, 17), generator=torch.Generator().manual_seed(0))
+    run = StaticGreedy(hf, 3, 17 + 8, compile=compile)
+    toks, prefill_s, decode_s = run.generate(ids, 8)
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[:, 17:]
+    assert toks.tolist() == ref.tolist() and prefill_s > 0 and decode_s > 0
+    assert torch.equal(run.generate(ids, 8)[0], toks)

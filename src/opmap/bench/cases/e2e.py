@@ -1,5 +1,6 @@
 """End-to-end benchmark records (op ``e2e``): the engine on random bf16 weights of a preset's
-shapes, and HF transformers eager on the same shapes in the same run.
+shapes, and in the same run HF transformers on the same shapes twice: eager ``generate``, and with a
+static cache and its decode forward compiled (``hf_static``: the best offline alternative).
 
 Each record carries ``ttft_ms``, ``tpot_ms`` (p50 over requests), ``tok_per_s`` (generated tokens
 per second over the whole run; for batch runs the decode throughput), and ``weight_floor_ms``:
@@ -245,6 +246,47 @@ def _hf(model, cases_of_model, ceil, out, skipped):
     torch.cuda.empty_cache()
 
 
+def _hf_static(model, cases_of_model, ceil, out, skipped):
+    """HF transformers with a static cache and the decode forward under torch.compile
+    (``hf_static.StaticGreedy``, the gpt-fast recipe): the strongest offline peer on this machine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from opmap.engine.config import to_hf_config
+    from opmap.presets import get_preset
+
+    from .hf_static import StaticGreedy
+
+    if split_model(model)[1]:
+        return  # the unquantised model's rows stand for it (see _hf)
+    cfg = get_preset(model)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
+                                              attn_implementation="sdpa").eval()
+    try:
+        for _, b, plen, new in cases_of_model:
+            if not isinstance(b, int):
+                continue
+            ids = torch.tensor(_prompts(cfg.vocab, b, plen, seed=b), device="cuda")
+            run = StaticGreedy(hf, b, plen + new)
+            t = time.perf_counter()
+            run.generate(ids, new)  # compiles the decode step and captures its graph
+            compile_s = time.perf_counter() - t
+            _, ttft, dec = run.generate(ids, new)
+            wb = cfg.decode_weight_bytes(b)
+            out.append(_record(model, f"model={model},B={b},prompt={plen},new={new},bf16", "hf-transformers-static-compile",
+                               ttft * 1e3, dec / (new - 1) * 1e3, b * (new - 1) / dec,
+                               wb / (ceil.read_tbps * 1e12) * 1e3, wb, ceil,
+                               f"HF static cache, SDPA; decode forward under torch.compile(mode='reduce-overhead', "
+                               f"fullgraph=True) in a greedy loop; prefill eager; first run (compile) {compile_s:.1f} s"))
+            del run
+    finally:
+        del hf
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
             hf: bool = True, lockstep: bool = False) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
@@ -263,7 +305,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             if (not models or c[0] in models or split_model(c[0])[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
-        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf))
+        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf),
+                 ("hf-transformers-static-compile", _hf_static))
         for who, fn in sides if hf else sides[:1]:
             if progress:
                 print(f"[e2e] {model}: {who}", file=sys.stderr, flush=True)
