@@ -160,7 +160,8 @@ def test_steps_neither_synchronise_nor_compile(name):
     from opmap.engine.llm import LLM
     from opmap.ops.sampling.params import SamplingParams
 
-    cfg = dataclasses.replace(PRESETS[name], layers=2)
+    # 3 layers: a plan made per layer would show 3 syncs a step, above the bound below
+    cfg = dataclasses.replace(PRESETS[name], layers=3)
     llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=384, max_model_len=2048, num_pages=256, seed=1)
     prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1, 257, 383, 129, 64, 5))
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 6 + [

@@ -19,9 +19,10 @@ from typing import Optional
 
 _SYNC_WARNING = "synchronizing"  # torch's sync debug warning: "called a synchronizing CUDA operation"
 # Synchronisations a step is allowed, by where they happen: FlashInfer's plan reads the page-table
-# offsets on the host by design (its API: plan on the host, then run); opmap's adapter plans once
-# per step's metadata, so these come once per step, never once per layer.
-DECLARED = ("/flashinfer/",)
+# offsets on the host by design (its API: plan on the host, then run), and opmap's adapters build
+# its page lists just before it; they plan once per step's metadata, so these come once per step
+# and wrapper kind, never once per layer.
+DECLARED = ("/flashinfer/", "/ops/attention/flashinfer.py", "/ops/mla/flashinfer.py")
 
 
 class StepAudit:
