@@ -26,8 +26,10 @@ from pathlib import Path
 # its floor counts the quantised projections at one byte a weight. HF runs only the unquantised model.
 QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128), ("llama3-8b:fp8", 1, 1024, 128),
          ("llama3-8b:fp8", 32, 512, 128)]
-FULL = QUICK + [("llama3-8b", "workload", None, None), ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
-                ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128), ("llama3-8b", "json32", 512, 128)]
+FULL = QUICK + [("llama3-8b", 64, 512, 128), ("llama3-8b", 128, 512, 128), ("llama3-8b", "workload", None, None),
+                ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
+                ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128),
+                ("deepseek-v2-lite", 1, 512, 128), ("deepseek-v2-lite", 32, 512, 128), ("llama3-8b", "json32", 512, 128)]
 REPS_B1 = 3  # B=1 runs per case (their median by TPOT is the record; all runs are kept in it)
 
 
