@@ -62,7 +62,9 @@ def test_quantised_engine_cases_and_floor(single_thread):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
-    assert e2e.split_model("llama3-8b:fp8") == ("llama3-8b", "fp8") and e2e.split_model("tiny-llama3") == ("tiny-llama3", None)
+    assert e2e.split_model("llama3-8b:fp8") == ("llama3-8b", "fp8", None)
+    assert e2e.split_model("llama3-8b:fp8+fp8kv") == ("llama3-8b", "fp8", "fp8")
+    assert e2e.split_model("tiny-llama3") == ("tiny-llama3", None, None)
     c = get_preset("llama3-8b")
     q = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)  # QKV, O, gate/up and down of 32 layers
     assert c.quantised_params() == q

@@ -159,3 +159,38 @@ def test_other_quantised_checkpoints_are_refused(qc, words, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(c))
     with pytest.raises(InputError, match=words):
         resolve_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3moe", "tiny-gemma2"])
+def test_fp8_kv_cache(name, single_thread):
+    """EngineConfig.kv_cache_dtype="fp8": e4m3 caches with per-KV-head scales, the selector asked
+    for kv_dtype=fp8 for the append and the attention, a page a quarter of fp32's bytes; the first
+    tokens (a prefill over the fp8 cache) those of the model-dtype cache; and the scales honoured by
+    both the append and the attention: scales of 2 (a power of two: the same e4m3 rounding) give
+    the tokens of scales of 1 exactly, where one side ignoring them would move every score."""
+    prompts = random_prompts(PRESETS[name].vocab, (5, 40, 90), seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for kv, mul in ((None, 1.0), ("fp8", 1.0), ("fp8", 2.0)):
+        llm = LLM(name, max_num_seqs=4, max_num_batched_tokens=64, kv_cache_dtype=kv, seed=2)
+        m = llm.runner.model
+        for t in m.kv_scale_kw.values():
+            t.fill_(mul)
+        runs[kv, mul] = [o.token_ids for o in llm.generate(prompts, params)]
+        if kv:
+            assert llm.runner.kv[0][0].dtype == torch.float8_e4m3fn
+            assert m.kv_bytes_per_page(16) * 4 == base_bytes
+            specs = [c.spec for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
+                     for _, _, c in ops.choices if c.op in ("attention", "kv_append")]
+            assert specs and all(s.kv_dtype == "fp8" for s in specs)
+        else:
+            base_bytes = m.kv_bytes_per_page(16)
+    assert [x[0] for x in runs[None, 1.0]] == [x[0] for x in runs["fp8", 1.0]], runs
+    assert runs["fp8", 2.0] == runs["fp8", 1.0]
+
+
+def test_fp8_kv_cache_refused_for_mla_and_unknown_dtypes():
+    with pytest.raises(InputError, match="kv_cache_dtype"):
+        LLM("tiny-deepseek", kv_cache_dtype="fp8")
+    with pytest.raises(InputError, match="kv_cache_dtype"):
+        LLM("tiny-llama3", kv_cache_dtype="int8")

@@ -71,6 +71,9 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--quantize", default=None, choices=["fp8", "int8"],
                    help="weight-only quantisation at load, one scale per output channel, of the attention and "
                         "dense MLP projections (router, MoE experts, embedding and LM head keep --dtype)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
+                   help="fp8: the KV cache in e4m3 with a scale of 1 per KV head (GQA models; values beyond "
+                        "+-448 saturate); default: the model's dtype")
     p.add_argument("--max-num-seqs", type=_positive, default=64)
     p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
     p.add_argument("--max-model-len", type=_positive, default=None)
@@ -139,7 +142,8 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
 def _build(args, **extra):
     from .engine.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, quantize=args.quantize, max_num_seqs=args.max_num_seqs,
+    return LLM(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+               max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
                enforce_eager=args.enforce_eager, async_decode=not args.lockstep,

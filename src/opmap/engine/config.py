@@ -61,6 +61,9 @@ class EngineConfig:
     # weight-only quantisation at load: "fp8" (e4m3) or "int8", one scale per output channel, of
     # the attention and dense MLP projections (DecoderModel.quant_names); None keeps the dtype
     quantize: Optional[str] = None
+    # "fp8": the KV cache in e4m3 with one fp32 scale per (layer, KV head), 1.0 (values beyond
+    # +-448 saturate, as in vLLM's default fp8 cache); None keeps the model's dtype. GQA models.
+    kv_cache_dtype: Optional[str] = None
     page_size: Optional[int] = None  # tokens per KV page; None: the model's on this GPU (ModelConfig.default_page_size)
     max_num_seqs: int = 64  # sequences per step (and the largest CUDA-graph bucket)
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
@@ -108,6 +111,8 @@ class EngineConfig:
             raise InputError("max_num_batched_tokens", self.max_num_batched_tokens, "> 0")
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:
             raise InputError("gpu_memory_fraction", self.gpu_memory_fraction, "in [0.05, 0.99]")
+        if self.kv_cache_dtype not in (None, "fp8"):
+            raise InputError("kv_cache_dtype", self.kv_cache_dtype, "fp8 or None (the model's dtype)")
         if self.quantize not in (None, "fp8", "int8"):
             raise InputError("quantize", self.quantize, "fp8, int8 or None (weight-only, per output channel)")
 

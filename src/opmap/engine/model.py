@@ -43,6 +43,8 @@ class DecoderModel:
 
     def __init__(self, cfg: ModelConfig, device, dtype: torch.dtype):
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.kv_dtype = dtype  # set_kv_dtype: fp8 caches with their scales
+        self.kv_scale_kw: dict = {}
         self.params: dict = {}
         h, d = cfg.hidden, cfg.head_dim
         self.scale = d ** -0.5
@@ -230,11 +232,11 @@ class DecoderModel:
         if ops.rope_append is not None:
             kw = {"qk_norm": (P[f"{i}.q_norm"], P[f"{i}.k_norm"], c.rms_eps)} if ops.qk_norm_in_rope_append else {}
             ops.rope_append(q, k, v, st.positions, self.cos_sin_of(i), c.rope_style, k_cache, v_cache, st.slot_mapping,
-                            **kw)
+                            **self.kv_scale_kw, **kw)
         else:
             ops.rope(q, k, st.positions, self.cos_sin_of(i), c.rope_style)
-            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping)
-        win = self.attention_kw(i)
+            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping, **self.kv_scale_kw)
+        win = {**self.attention_kw(i), **self.kv_scale_kw}
         if st.is_decode:
             kw = {"workspace": st.workspace} if st.workspace is not None else {}
             o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw, **win)
@@ -273,15 +275,24 @@ class DecoderModel:
         return ops.gemm["down"](ops.act(gu), P[f"{i}.down"], P.get(f"{i}.down_bias"), P.get(f"{i}.down.scale"))
 
     # ---- KV cache ---------------------------------------------------------------------------
+    def set_kv_dtype(self, kv: Optional[str]) -> None:
+        """``"fp8"``: e4m3 caches, stored as value / scale with one fp32 scale per KV head (1.0 for
+        every layer: the same two tensors serve all); the append and attention calls get them."""
+        if kv != "fp8":
+            return
+        self.kv_dtype = torch.float8_e4m3fn
+        one = torch.ones(self.cfg.kv_heads, device=self.device, dtype=torch.float32)
+        self.kv_scale_kw = {"k_scale": one, "v_scale": one.clone()}
+
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.cfg
-        return 2 * c.layers * page_size * c.kv_heads * c.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * c.layers * page_size * c.kv_heads * c.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
 
     def make_kv(self, num_pages: int, page_size: int) -> list:
         c = self.cfg
         shape = (c.layers, num_pages, page_size, c.kv_heads, c.head_dim)
-        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        k = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
+        v = torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
         return [(k[i], v[i]) for i in range(c.layers)]
 
     def rope_dim(self) -> int:

@@ -97,6 +97,13 @@ class MLAModel(DecoderModel):
                               max_seq_len=st.max_seq_len)
         return ops.gemm["o"](o.reshape(T, H * c.v_head_dim), P[f"{i}.o"], None, P.get(f"{i}.o.scale"))
 
+    def set_kv_dtype(self, kv) -> None:
+        if kv is not None:
+            from ..contract import InputError
+
+            raise InputError("kv_cache_dtype", kv, "None for MLA models (the engine's latent cache stays in the "
+                             "model's dtype)")
+
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.cfg
         es = torch.tensor([], dtype=self.dtype).element_size()

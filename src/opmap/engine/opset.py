@@ -26,7 +26,7 @@ log = logging.getLogger("opmap.engine")
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
                  cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False,
-                 quant: Optional[str] = None):
+                 quant: Optional[str] = None, kv_dtype: Optional[str] = None):
         self.phase, self.m, self.cuda_graph, self.trace = phase, m, cuda_graph, trace
         self.choices: list = []  # (label, entry, Choice)
         self._forced = forced or {}
@@ -77,9 +77,10 @@ class OpSet:
                 self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
                                           "qk_rmsnorm")
                 qk_choice = self.choices[-1][2]
+            kvd = kv_dtype or dtype  # "fp8": the engine's fp8 cache (EngineConfig.kv_cache_dtype)
             self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
                 num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-                kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append")
+                kv_dtype=kvd, cuda_graph=cuda_graph, **base), "append")
             app = self.choices[-1][2]
             if (app.backend.name == rope_choice.backend.name and "rope_append" in app.backend.impl
                     and FUSE_ROPE_APPEND):
@@ -91,7 +92,7 @@ class OpSet:
                     "RoPE + KV append (one launch)"
                 self.rope_append = self._use(app, label, "rope_append")
             aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph,
+                                    page_size=page_size, dtype=dtype, kv_dtype=kvd, cuda_graph=cuda_graph,
                                     sliding_window=any(cfg.window_of(i) for i in range(cfg.layers)),
                                     soft_cap=bool(cfg.attn_soft_cap), **base)
             self.attention = self._pick("attention", "attention (paged)", aspec, phase)

@@ -78,6 +78,7 @@ class ModelRunner:
                 more = f" and {len(self.unused) - 4} more" if len(self.unused) > 4 else ""
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
                                  "only tensors of the architecture (a config field that needs them is not supported)")
+        self.model.set_kv_dtype(ecfg.kv_cache_dtype)
         stored = (cfg.extra.get("weight_quant") or {}).get("format")
         if stored and ecfg.quantize:
             raise InputError("quantize", ecfg.quantize, f"None: the checkpoint's weights are {stored} already")
@@ -97,11 +98,12 @@ class ModelRunner:
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
-        tr, qt = ecfg.trace_ops, self.weight_format
-        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr, qt) for p in ("prefill", "mixed")}
+        tr, qt, kvd = ecfg.trace_ops, self.weight_format, ecfg.kv_cache_dtype
+        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr, qt, kvd)
+                    for p in ("prefill", "mixed")}
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         try:
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr, qt)
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr, qt, kvd)
                                for b in self.buckets}
         except BackendError as e:
             if not self.use_graphs:
@@ -111,7 +113,7 @@ class ModelRunner:
             self.use_graphs = False
             self.graphs_off_reason = str(e).splitlines()[0]
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr, qt)
+            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr, qt, kvd)
                                for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)

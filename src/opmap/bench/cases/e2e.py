@@ -22,10 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-# "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize);
-# its floor counts the quantised projections at one byte a weight. HF runs only the unquantised model.
+# "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize),
+# "+fp8kv" with an fp8 KV cache too (EngineConfig.kv_cache_dtype); the floors count those bytes at
+# one byte an element. HF runs only the unquantised model.
 QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128), ("llama3-8b:fp8", 1, 1024, 128),
-         ("llama3-8b:fp8", 32, 512, 128)]
+         ("llama3-8b:fp8", 32, 512, 128), ("llama3-8b:fp8+fp8kv", 32, 512, 128)]
 FULL = QUICK + [("llama3-8b", 64, 512, 128), ("llama3-8b", 128, 512, 128), ("llama3-8b", "workload", None, None),
                 ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
                 ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128),
@@ -76,11 +77,11 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
-    base, quant = split_model(model)
+    base, quant, kv = split_model(model)
     cfg = get_preset(base)
     llm = LLM(base, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9,  # HF runs after, alone
-              async_decode=not lockstep, quantize=quant)
+              async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv)
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
@@ -88,9 +89,13 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
 
 
 def split_model(model: str) -> tuple:
-    """"llama3-8b:fp8" -> ("llama3-8b", "fp8"); a plain preset -> (preset, None)."""
-    base, _, quant = model.partition(":")
-    return base, quant or None
+    """"llama3-8b:fp8+fp8kv" -> ("llama3-8b", "fp8", "fp8"): (preset, weight format, KV dtype);
+    a plain preset -> (preset, None, None)."""
+    base, _, rest = model.partition(":")
+    parts = rest.split("+") if rest else []
+    kv = "fp8" if "fp8kv" in parts else None
+    quant = next((p for p in parts if p in ("fp8", "int8")), None)
+    return base, quant, kv
 
 
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
@@ -186,7 +191,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
                       d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil, note)
         # The decode step's floor with the KV reads too (at B=32 and 576 cached tokens a row they
         # add ~0.57 ms to Llama-3-8B's 3.52): what the decode step time can be compared with.
-        kvb = kv_bytes_per_step(cfg, b, plen, new)
+        kvb = kv_bytes_per_step(cfg, b, plen, new, 1.0 if llm.ecfg.kv_cache_dtype else 2.0)
         rec["kv_bytes_per_step"] = kvb
         rec["step_floor_ms"] = (wb + kvb) / (ceil.read_tbps * 1e12) * 1e3
         rec["runs"] = [{"ttft_ms": x["ttft_ms_p50"], "tpot_ms": x["tpot_ms_p50"]} for x in runs]
@@ -210,8 +215,8 @@ def _hf(model, cases_of_model, ceil, out, skipped):
     from opmap.engine.config import to_hf_config
     from opmap.presets import get_preset
 
-    base, quant = split_model(model)
-    if quant:
+    base, quant, kv = split_model(model)
+    if quant or kv:
         for _, b, plen, new in cases_of_model:
             skipped.append({"op": "e2e", "case": f"model={model},B={b},prompt={plen},new={new},bf16",
                             "provider": "hf-transformers-eager",
@@ -259,7 +264,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
     from .hf_static import StaticGreedy
 
-    if split_model(model)[1]:
+    if split_model(model)[1:] != (None, None):
         return  # the unquantised model's rows stand for it (see _hf)
     cfg = get_preset(model)
     torch.manual_seed(0)
