@@ -67,7 +67,7 @@ for s in $STEPS; do
       pack_baselines ;;
     e2e)
       step e2e
-      timeout "${E2E_TIMEOUT:-420}" python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
+      timeout "${E2E_TIMEOUT:-560}" python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       pack_baselines ;;
     flashinfer)
