@@ -194,3 +194,19 @@ def test_fp8_kv_cache_refused_for_mla_and_unknown_dtypes():
         LLM("tiny-deepseek", kv_cache_dtype="fp8")
     with pytest.raises(InputError, match="kv_cache_dtype"):
         LLM("tiny-llama3", kv_cache_dtype="int8")
+
+
+def test_fp8_config_json_alone_runs_quantised_random_weights(tmp_path, single_thread):
+    """The config.json of an fp8 checkpoint without its weights: random weights in that format."""
+    import json
+
+    cfg = PRESETS["tiny-llama3"]
+    save_checkpoint(cfg, str(tmp_path), seed=3)
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    llm = LLM(str(tmp_path / "config.json"), max_num_seqs=2, max_num_batched_tokens=64)
+    assert llm.runner.model.params["0.qkv"].dtype == torch.float8_e4m3fn
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert out[0].error is None and len(out[0].token_ids) == 3

@@ -82,10 +82,12 @@ class ModelRunner:
         stored = (cfg.extra.get("weight_quant") or {}).get("format")
         if stored and ecfg.quantize:
             raise InputError("quantize", ecfg.quantize, f"None: the checkpoint's weights are {stored} already")
-        self.quantised = self.model.quantize_(ecfg.quantize) if ecfg.quantize else []
+        # a quantised checkpoint's config.json alone (random weights): its format, as a load would give
+        fmt = ecfg.quantize or (stored if source is None else None)
+        self.quantised = self.model.quantize_(fmt) if fmt else []
         if self.quantised:
             log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
-                     "embedding and LM head keep %s)", ecfg.quantize, len(self.quantised), dtype_name(self.dtype))
+                     "embedding and LM head keep %s)", fmt, len(self.quantised), dtype_name(self.dtype))
         deq = getattr(self.model, "dequantised", [])
         if stored:
             log.info("fp8 checkpoint: the attention and dense MLP projections stay fp8 (a scale per output channel)%s",
