@@ -210,3 +210,44 @@ def test_fp8_config_json_alone_runs_quantised_random_weights(tmp_path, single_th
     assert llm.runner.model.params["0.qkv"].dtype == torch.float8_e4m3fn
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert out[0].error is None and len(out[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_checkpoint_kv_scales(weights, tmp_path, single_thread):
+    """compressed-tensors ``kv_cache_scheme``: each layer's ``self_attn.k_scale`` / ``v_scale`` become
+    that layer's fp8 cache scales (with fp8 weights, and alone with unquantised ones); powers of two
+    here, so the tokens are those of scales of 1."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3)
+    if weights:
+        _to_fp8_checkpoint(hf, str(tmp_path), "channel")
+    else:
+        # one file, so that the scales can be added to it
+        import glob
+        import os
+
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        for f in glob.glob(os.path.join(str(tmp_path), "model*.safetensors*")):
+            os.remove(f)
+        save_file(state, str(tmp_path / "model.safetensors"))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    for i in range(cfg.layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5 * (i + 1))
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    c = json.loads((tmp_path / "config.json").read_text())
+    qc = c.setdefault("quantization_config", {"quant_method": "compressed-tensors", "config_groups": {}})
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    llm = LLM(str(tmp_path), max_num_seqs=2, max_num_batched_tokens=64, kv_cache_dtype="fp8")
+    m = llm.runner.model
+    assert llm.runner.weight_format == ("fp8" if weights else None) and llm.runner.unused == []
+    for i in range(cfg.layers):
+        assert m.kv_kw(i)["k_scale"].tolist() == [0.5 * (i + 1)] * cfg.kv_heads
+        assert m.kv_kw(i)["v_scale"].tolist() == [0.25] * cfg.kv_heads
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert out[0].error is None and len(out[0].token_ids) == 4

@@ -263,7 +263,8 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
 def weight_quant(d: dict) -> Optional[dict]:
     """The weight format of a quantised checkpoint from its ``quantization_config``: fp8 (e4m3)
     weights in the compressed-tensors layout, one scale per tensor or per output channel ->
-    {"format": "fp8", "strategy", "ignore", "static_activation_scales"}; None when unquantised.
+    {"format": "fp8", "strategy", "ignore", "static_activation_scales", "kv_scales"}; with a
+    ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when unquantised.
     Any other quantisation is refused, naming the field (it would load as wrong numbers)."""
     from ..contract import InputError
 
@@ -276,7 +277,14 @@ def weight_quant(d: dict) -> Optional[dict]:
         raise InputError(f"{where}.quant_method", repr(method),
                          "'compressed-tensors' with fp8 weights (per tensor or per output channel); other formats are "
                          "not loaded (opmap run --quantize fp8|int8 quantises an unquantised checkpoint)")
+    kv = q.get("kv_cache_scheme")
+    if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"
+                               and kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic", False)):
+        raise InputError(f"{where}.kv_cache_scheme", repr(kv), "8-bit float, one static scale per tensor (k_scale, "
+                         "v_scale per layer)")
     groups = q.get("config_groups") or {}
+    if not groups and kv is not None:  # fp8 KV scales only: the weights are unquantised
+        return {"format": None, "kv_scales": True}
     if len(groups) != 1:
         raise InputError(f"{where}.config_groups", f"{len(groups)} groups", "one group (the same scheme for every Linear)")
     g = next(iter(groups.values()))
@@ -292,7 +300,7 @@ def weight_quant(d: dict) -> Optional[dict]:
     if q.get("format") not in (None, "float-quantized", "naive-quantized"):
         raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
     return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
-            "static_activation_scales": g.get("input_activations") is not None}
+            "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
 
 
 def resolve_model(model: str) -> tuple:

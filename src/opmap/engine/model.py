@@ -45,6 +45,8 @@ class DecoderModel:
         self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
         self.kv_dtype = dtype  # set_kv_dtype: fp8 caches with their scales
         self.kv_scale_kw: dict = {}
+        self.kv_layer_kw: Optional[list] = None  # per layer, where the checkpoint has KV scales
+        self.kv_layer_scales: Optional[list] = None  # (k_scale, v_scale) per layer from the checkpoint
         self.params: dict = {}
         h, d = cfg.hidden, cfg.head_dim
         self.scale = d ** -0.5
@@ -137,8 +139,12 @@ class DecoderModel:
         """Fill every parameter from an HF-named source; returns source names left unused. An fp8
         checkpoint (``cfg.extra["weight_quant"]``) keeps the projections of ``quant_names`` in fp8
         with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
-        L = Loader(source, self.device, self.dtype, self._fp8_params() if self.cfg.extra.get("weight_quant") else None)
+        wq = self.cfg.extra.get("weight_quant") or {}
+        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") else None)
         self.dequantised = L.dequantised
+        if wq.get("kv_scales"):  # compressed-tensors kv_cache_scheme: one k_scale / v_scale per layer
+            self.kv_layer_scales = [tuple(float(L._raw(f"model.layers.{i}.self_attn.{n}").float().reshape(-1)[0])
+                                          for n in ("k_scale", "v_scale")) for i in range(self.cfg.layers)]
         P = self.params
         L.copy(P["embed"], "model.embed_tokens.weight")
         for i in range(self.cfg.layers):
@@ -232,11 +238,11 @@ class DecoderModel:
         if ops.rope_append is not None:
             kw = {"qk_norm": (P[f"{i}.q_norm"], P[f"{i}.k_norm"], c.rms_eps)} if ops.qk_norm_in_rope_append else {}
             ops.rope_append(q, k, v, st.positions, self.cos_sin_of(i), c.rope_style, k_cache, v_cache, st.slot_mapping,
-                            **self.kv_scale_kw, **kw)
+                            **self.kv_kw(i), **kw)
         else:
             ops.rope(q, k, st.positions, self.cos_sin_of(i), c.rope_style)
-            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping, **self.kv_scale_kw)
-        win = {**self.attention_kw(i), **self.kv_scale_kw}
+            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping, **self.kv_kw(i))
+        win = {**self.attention_kw(i), **self.kv_kw(i)}
         if st.is_decode:
             kw = {"workspace": st.workspace} if st.workspace is not None else {}
             o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw, **win)
@@ -283,6 +289,12 @@ class DecoderModel:
         self.kv_dtype = torch.float8_e4m3fn
         one = torch.ones(self.cfg.kv_heads, device=self.device, dtype=torch.float32)
         self.kv_scale_kw = {"k_scale": one, "v_scale": one.clone()}
+        if self.kv_layer_scales:  # the checkpoint's, one per layer, the same for each KV head
+            self.kv_layer_kw = [{"k_scale": one * ks, "v_scale": one * vs} for ks, vs in self.kv_layer_scales]
+
+    def kv_kw(self, i: int) -> dict:
+        """The scale arguments of layer i's append and attention ({} for a cache in the model's dtype)."""
+        return self.kv_layer_kw[i] if self.kv_layer_kw else self.kv_scale_kw
 
     def kv_bytes_per_page(self, page_size: int) -> int:
         c = self.cfg

@@ -79,7 +79,7 @@ class ModelRunner:
                 raise InputError("checkpoint", f"tensors nothing reads: {', '.join(self.unused[:4])}{more}",
                                  "only tensors of the architecture (a config field that needs them is not supported)")
         self.model.set_kv_dtype(ecfg.kv_cache_dtype)
-        stored = (cfg.extra.get("weight_quant") or {}).get("format")
+        stored = (cfg.extra.get("weight_quant") or {}).get("format")  # None for KV scales only
         if stored and ecfg.quantize:
             raise InputError("quantize", ecfg.quantize, f"None: the checkpoint's weights are {stored} already")
         # a quantised checkpoint's config.json alone (random weights): its format, as a load would give
