@@ -133,10 +133,20 @@ def values_wanted(*tensors) -> bool:
     return True
 
 
-def _value_key(tag, items):
-    # id + version of a live tensor: an in-place write (or one through a view) bumps the version;
-    # the weak references kept in the memo make a reused id a miss.
+def tensor_key(tag, items) -> tuple:
+    """A memo key for exactly these tensors and arguments: id + version of a live tensor (an
+    in-place write, or one through a view, bumps the version); ``same_tensors`` on the weak
+    references kept beside the key turns a reused id into a miss."""
     return (tag, *((id(t), t._version, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in items))
+
+
+def same_tensors(refs, items) -> bool:
+    """Whether the weak references ``refs`` still point at the tensors among ``items``."""
+    return all(r() is t for r, t in zip(refs, [t for t in items if isinstance(t, torch.Tensor)]))
+
+
+def tensor_refs(items) -> list:
+    return [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
 
 
 def value_check_seen(tag: str, *items) -> bool:
@@ -145,9 +155,9 @@ def value_check_seen(tag: str, *items) -> bool:
     tensors = [t for t in items if isinstance(t, torch.Tensor)]
     if not any(t.is_cuda for t in tensors):
         return False
-    key = _value_key(tag, items)
+    key = tensor_key(tag, items)
     held = _VALUE_MEMO.get(key)
-    if held is not None and all(r() is t for r, t in zip(held, tensors)):
+    if held is not None and same_tensors(held, tensors):
         _VALUE_MEMO.move_to_end(key)
         return True
     return False
@@ -155,6 +165,6 @@ def value_check_seen(tag: str, *items) -> bool:
 
 def value_check_passed(tag: str, *items) -> None:
     """Record that the check ``tag`` passed on these tensors (see ``value_check_seen``)."""
-    _VALUE_MEMO[_value_key(tag, items)] = [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
+    _VALUE_MEMO[tensor_key(tag, items)] = tensor_refs(items)
     while len(_VALUE_MEMO) > 64:
         _VALUE_MEMO.popitem(last=False)

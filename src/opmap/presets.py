@@ -114,10 +114,14 @@ class ModelConfig:
         """Parameters of the projections weight-only quantisation applies to (the engine's
         DecoderModel.quant_names): attention QKV and O (MLA: O only), the dense MLP layers."""
         h = self.hidden
-        attn = (self.heads * self.v_head_dim * h if self.is_mla
-                else h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h)
+        attn = self.heads * self.v_head_dim * h if self.is_mla else self._gqa_attn_params()
         dense = self.first_dense_layers if self.is_moe else self.layers
         return self.layers * attn + dense * 3 * h * self.intermediate
+
+    def _gqa_attn_params(self) -> int:
+        """QKV and O of one GQA layer."""
+        h, d = self.hidden, self.head_dim
+        return h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
 
     def num_params(self) -> int:
         h, L = self.hidden, self.layers
@@ -127,7 +131,7 @@ class ModelConfig:
                     + self.kv_lora_rank * self.heads * (self.qk_nope_dim + self.v_head_dim)
                     + self.heads * self.v_head_dim * h)
         else:
-            attn = h * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * h
+            attn = self._gqa_attn_params()
         dense_mlp = 3 * h * self.intermediate
         if self.is_moe:
             moe = self.num_experts * 3 * h * self.moe_intermediate + h * self.num_experts

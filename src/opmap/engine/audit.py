@@ -85,11 +85,11 @@ class StepAudit:
 
     def undeclared(self) -> list:
         """The events outside ``DECLARED``: every compilation, and the syncs not in that list."""
-        return [e for e in self.events if e[1] != "sync" or not any(d in e[2] for d in DECLARED)]
+        return [e for e in self.events if not _declared(e)]
 
     def declared_per_site(self) -> dict:
         """{(phase, site): count} of the declared syncs (a site is file:line)."""
-        return dict(collections.Counter((p, w) for p, k, w in self.events if (p, k, w) not in self.undeclared()))
+        return dict(collections.Counter((p, w) for p, k, w in self.events if _declared((p, k, w))))
 
     def counts(self) -> dict:
         """{phase: {"syncs": n, "compiles": n}} over the phases that had an event."""
@@ -97,6 +97,10 @@ class StepAudit:
         for phase, kind, _ in self.events:
             out[phase]["syncs" if kind == "sync" else "compiles"] += 1
         return dict(out)
+
+
+def _declared(event) -> bool:
+    return event[1] == "sync" and any(d in event[2] for d in DECLARED)
 
 
 def _dynamo_graphs() -> int:

@@ -235,14 +235,15 @@ class DecoderModel:
         k = qkv[:, qd:qd + kd].view(T, c.kv_heads, d)
         v = qkv[:, qd + kd:].view(T, c.kv_heads, d)
         k_cache, v_cache = kv
+        skw = self.kv_kw(i)  # the fp8 cache's scales, or nothing
         if ops.rope_append is not None:
             kw = {"qk_norm": (P[f"{i}.q_norm"], P[f"{i}.k_norm"], c.rms_eps)} if ops.qk_norm_in_rope_append else {}
             ops.rope_append(q, k, v, st.positions, self.cos_sin_of(i), c.rope_style, k_cache, v_cache, st.slot_mapping,
-                            **self.kv_kw(i), **kw)
+                            **skw, **kw)
         else:
             ops.rope(q, k, st.positions, self.cos_sin_of(i), c.rope_style)
-            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping, **self.kv_kw(i))
-        win = {**self.attention_kw(i), **self.kv_kw(i)}
+            ops.kv_append(k, v, k_cache, v_cache, st.slot_mapping, **skw)
+        win = {**self.attention_kw(i), **skw}
         if st.is_decode:
             kw = {"workspace": st.workspace} if st.workspace is not None else {}
             o = ops.attention(q, k_cache, v_cache, st.seq_lens, st.block_tables, scale=self.scale, **kw, **win)

@@ -154,11 +154,12 @@ def _split_at_readbacks(ks: list):
     # Where the run samples on the GPU, only a readback after a sampling kernel ends a step: the
     # copies a step makes before it samples (FlashInfer's plan reading the page offsets, a
     # nonzero's count) are part of it.
-    sampled = any(_chooses(k) for k in ks)
+    chooses = [_chooses(k) for k in ks]
+    sampled = any(chooses)
     parts, cur, seen = [], [], False
-    for k in ks:
+    for k, c in zip(ks, chooses):
         cur.append(k)
-        seen = seen or _chooses(k)
+        seen = seen or c
         if ("DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name) and (seen or not sampled):
             parts.append(cur)
             cur, seen = [], False

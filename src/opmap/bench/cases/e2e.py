@@ -208,11 +208,22 @@ def _with_diagnostics(rec: dict, d: dict) -> dict:
     return rec
 
 
-def _hf(model, cases_of_model, ceil, out, skipped):
+def _hf_model(cfg, attn: str):
+    """The preset's HF model on the GPU in bf16, random weights (seed 0)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from opmap.engine.config import to_hf_config
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
+                                                attn_implementation=attn).eval()
+
+
+def _hf(model, cases_of_model, ceil, out, skipped):
+    import torch
+
     from opmap.presets import get_preset
 
     base, quant, kv = split_model(model)
@@ -223,10 +234,7 @@ def _hf(model, cases_of_model, ceil, out, skipped):
                             "reason": "HF runs the unquantised model only: its rows are those of the bf16 preset"})
         return
     cfg = get_preset(model)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
-                                              attn_implementation="eager").eval()
+    hf = _hf_model(cfg, "eager")
 
     def timed(ids, n):
         torch.cuda.synchronize()
@@ -257,9 +265,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
     """HF transformers with a static cache and the decode forward under torch.compile
     (``hf_static.StaticGreedy``, the gpt-fast recipe): the strongest offline peer on this machine."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from opmap.engine.config import to_hf_config
     from opmap.presets import get_preset
 
     from .hf_static import StaticGreedy
@@ -267,10 +273,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
     if split_model(model)[1:] != (None, None):
         return  # the unquantised model's rows stand for it (see _hf)
     cfg = get_preset(model)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
-                                              attn_implementation="sdpa").eval()
+    hf = _hf_model(cfg, "sdpa")
     try:
         for _, b, plen, new in cases_of_model:
             if not isinstance(b, int):

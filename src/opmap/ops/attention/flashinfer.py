@@ -13,12 +13,10 @@ query: window_left = W - 1); the soft-cap is ``logits_soft_cap``.
 from __future__ import annotations
 
 import functools
-import weakref
-from collections import OrderedDict
 
 import torch
 
-from ...contract import expect
+from ...contract import expect, same_tensors, tensor_key, tensor_refs
 from . import validate as V
 
 LN2 = 0.6931471805599453
@@ -31,7 +29,7 @@ def _workspace(device: str, kind: str) -> torch.Tensor:
     return torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
 
 
-_PLANS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_PLANS: dict = {}  # key -> (weak references to the metadata tensors, planned wrapper)
 
 
 def _planned(kind: str, tensors: tuple, args: tuple, make):
@@ -40,15 +38,14 @@ def _planned(kind: str, tensors: tuple, args: tuple, make):
     the host (a synchronisation), and the layers of one engine step share their metadata: the
     first layer plans, the others reuse it. An in-place rewrite of the metadata (the next step)
     bumps the tensors' versions and so plans again."""
-    key = (kind, *((id(t), t._version, tuple(t.shape)) for t in tensors), *args)
+    key = tensor_key(kind, (*tensors, *args))
     held = _PLANS.get(key)
-    if held is not None and all(r() is t for r, t in zip(held[0], tensors)):
-        _PLANS.move_to_end(key)
+    if held is not None and same_tensors(held[0], tensors):
         return held[1]
     for k in [k for k in _PLANS if k[0] == kind]:  # one live plan per kind: the workspace holds it
         del _PLANS[k]
     w = make()
-    _PLANS[key] = ([weakref.ref(t) for t in tensors], w)
+    _PLANS[key] = (tensor_refs(tensors), w)
     return w
 
 
