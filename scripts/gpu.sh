@@ -8,10 +8,12 @@
 #   BENCH_ARGS="--op attention --variants" STEPS=bench scripts/gpu.sh OUTDIR
 #   CHECK_ARGS="--sanitizer --resume check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
 #   STEPS=flashinfer scripts/gpu.sh OUTDIR                 # FlashInfer's JIT builds for the bench shapes
+#   NO_FLASHINFER=1 STEPS=report scripts/gpu.sh OUTDIR      # `opmap report` per model, timed
 # Steps: env, tests (pytest -m gpu, one process per file; TEST_LANES="a b|c" runs lanes at once),
 # check (MODELS, default llama3-8b), bench (BENCH_ARGS, default --quick), e2e (E2E_ARGS, default
-# --quick), flashinfer. Packages the GPU machine lacks travel in .whl/ (scripts/pack_wheels.sh,
-# scripts/flashinfer/pack.sh); scripts/gpu_env.sh installs them.
+# --quick), report (`opmap report` for each of MODELS into OUTDIR/report-M, timed), flashinfer.
+# Packages the GPU machine lacks travel in .whl/ (scripts/pack_wheels.sh, scripts/flashinfer/pack.sh);
+# scripts/gpu_env.sh installs them.
 set -uo pipefail
 out=${1:?usage: scripts/gpu.sh OUTDIR}
 mkdir -p "$out"
@@ -70,6 +72,15 @@ for s in $STEPS; do
       timeout "${E2E_TIMEOUT:-560}" python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       pack_baselines ;;
+    report)
+      for m in $MODELS; do
+        step "report $m"
+        t0=$(date +%s)
+        timeout "${REPORT_TIMEOUT:-300}" python3 -m opmap.cli report --model "$m" --out "$out/report-$m" \
+          2>&1 | tee "$out/report-$m.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        echo "report $m: $(( $(date +%s) - t0 )) s wall" | tee -a "$out/report-$m.log"
+      done ;;
     flashinfer)
       # FlashInfer's JIT modules for the shapes the benchmarks time, one by one with their build
       # times, then the build tree packed so that a later run on a fresh machine reuses it.

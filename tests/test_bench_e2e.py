@@ -80,18 +80,19 @@ def test_quantised_engine_cases_and_floor(single_thread):
     assert skipped and "unquantised" in skipped[0]["reason"]
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_hf_static_greedy_loop_matches_generate(compile):
+@pytest.mark.parametrize("model,compile", [("tiny-llama3", False), ("tiny-llama3", True), ("tiny-deepseek", False)])
+def test_hf_static_greedy_loop_matches_generate(model, compile):
     """The static-cache peer's own greedy loop gives HF generate's tokens, twice from one cache
     (reset between runs); compiled, its decode step is one graph (fullgraph=True: Inductor's CPU
-    kernels here, where mode="reduce-overhead" has no CUDA graphs to capture)."""
+    kernels here, where mode="reduce-overhead" has no CUDA graphs to capture). DeepSeek's keys and
+    values differ in head dim (the cache sizes them at the prefill)."""
     import torch
 
     from opmap.bench.cases.hf_static import StaticGreedy
     from opmap.engine.config import make_hf_model
     from opmap.presets import get_preset
 
-    cfg = get_preset("tiny-llama3")
+    cfg = get_preset(model)
     hf = make_hf_model(cfg, seed=1).eval()
     ids = torch.randint(0, cfg.vocab, (3, 17), generator=torch.Generator().manual_seed(0))
     run = StaticGreedy(hf, 3, 17 + 8, compile=compile)

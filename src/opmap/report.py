@@ -249,19 +249,27 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
         doc["engine"] = {"status": "skipped", "why": why}
         doc["seconds"] = round(time.perf_counter() - t0, 2)
         return doc
+    parts = doc["part_seconds"] = {"plan": round(time.perf_counter() - t0, 2)}  # where the time went
     if run_check:
         from .check import runner
 
+        t = time.perf_counter()
         results, extra = runner.check(model=model, quick=not full, progress=progress)
         doc["check"] = {"summary": runner.summary(results), "notes": extra["notes"],
                         "results": [vars(r) for r in results]}
+        parts["check"] = round(time.perf_counter() - t, 2)
     if run_bench and on_gpu:
         from .bench import runner as bench_runner
 
+        t = time.perf_counter()
         doc["bench"] = bench_runner.bench(model=model, quick=not full, progress=progress)
+        parts["bench"] = round(time.perf_counter() - t, 2)
     elif run_bench:
         doc["bench"] = {"status": "skipped", "why": "GPU timings need a GPU; this machine has none"}
+    t = time.perf_counter()
     doc["engine"] = _engine_section(model, on_gpu)
+    if on_gpu:
+        parts["engine"] = round(time.perf_counter() - t, 2)
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
 
@@ -337,7 +345,8 @@ def to_markdown(doc: dict) -> str:
                        else [f"Profile: not available ({p['why']})."])
     else:
         out += [f"Not run: {e['why']}."]
-    out += ["", f"Report built in {doc['seconds']} s."]
+    parts = ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
+    out += ["", f"Report built in {doc['seconds']} s" + (f" ({parts})." if parts else ".")]
     return "\n".join(out) + "\n"
 
 
@@ -391,8 +400,9 @@ def main(args) -> int:
     for line in summary_lines(doc):
         print(line)
     pngs = [f for f in doc["figures"].values() if f.endswith(".png")]
+    parts = ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
     print(f"wrote {out / 'report.md'}, report.html (pictures inline), report.json" + (", " if pngs else "")
-          + ", ".join(pngs))
+          + ", ".join(pngs) + f" in {doc['seconds']} s" + (f" ({parts})" if parts else ""))
     failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
     missing = sum(r["backend"] is None for rows in doc["operators"].values() for r in rows)
     return 1 if failed or missing else 0

@@ -302,7 +302,7 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each model, so a caller can save what is
     finished before a long run is cut off. ``kinds`` keeps only those cases by their batch
-    field: "1", "32", "workload", "json32"."""
+    field: "1", "32", "64", "128", "workload", "json32"."""
     import torch
 
     from opmap import hw
@@ -337,12 +337,13 @@ def main(argv=None) -> int:
     from opmap.bench.report import write
     from opmap.output import environment
 
-    ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers eager)")
+    ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers, eager and compiled)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
     ap.add_argument("--out", default="bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
     ap.add_argument("--model", action="append", help="only this preset (repeatable)")
-    ap.add_argument("--case", action="append", choices=["1", "32", "workload", "json32"],
-                    help="only these cases (by batch: 1, 32, the 256-request workload, JSON at batch 32)")
+    kinds = sorted({str(c[1]) for c in FULL}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
+    ap.add_argument("--case", action="append", choices=kinds,
+                    help="only these cases (by batch: 1, 32, 64, 128, the 256-request workload, JSON at batch 32)")
     ap.add_argument("--no-hf", action="store_true", help="only the engine (no HF transformers runs)")
     ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
     a = ap.parse_args(argv)

@@ -12,11 +12,15 @@ import torch
 
 
 def static_cache(hf, batch: int, max_len: int):
-    """A StaticCache of ``max_len`` tokens, its tensors made now (not inside the compiled graph)."""
+    """A StaticCache of ``max_len`` tokens, its tensors made now (not inside the compiled graph);
+    for MLA models (keys of qk_nope + qk_rope dims, values of v_head_dim) at the eager prefill's
+    first update instead, which sizes keys and values apart."""
     from transformers import StaticCache
 
     cache = StaticCache(config=hf.config, max_cache_len=max_len)
     c = hf.config
+    if getattr(c, "v_head_dim", None) and getattr(c, "qk_nope_head_dim", None):
+        return cache
     heads = c.num_key_value_heads or c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     cache.early_initialization(batch, heads, d, hf.dtype, hf.device)
