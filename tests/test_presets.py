@@ -73,3 +73,20 @@ def test_op_map(name, arch):
     assert not next(s for op, _, s in pre if op == "attention").cuda_graph
     lm = [s for op, lb, s in pre if lb == "LM head"][0]
     assert isinstance(lm, GemmSpec) and lm.m == 1 and lm.n == cfg.vocab
+
+
+@pytest.mark.parametrize("name", ["gemma2-9b", "gemma3-4b"])
+def test_fewer_layers_keep_the_first_layer_types(name):
+    """A preset cut to its first n layers (the GPU parity tests, check cases at real widths) keeps
+    the first n layer types, so HF's config accepts it; fewer types than layers is refused."""
+    import dataclasses
+
+    from opmap.engine.config import to_hf_config
+
+    full = presets.PRESETS[name]
+    cut = dataclasses.replace(full, layers=8)
+    assert cut.layer_types == full.layer_types[:8]
+    assert [cut.window_of(i) for i in range(8)] == [full.window_of(i) for i in range(8)]
+    assert len(to_hf_config(cut).layer_types) == 8
+    with pytest.raises(ValueError, match="layer_types"):
+        dataclasses.replace(cut, layers=9)

@@ -70,6 +70,14 @@ class ModelConfig:
     v_head_dim: int = 0
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # A config cut to its first n layers (tests, check cases at real widths) keeps the first n
+        # layer types; fewer types than layers is a malformed config.
+        if self.layer_types and len(self.layer_types) != self.layers:
+            if len(self.layer_types) < self.layers:
+                raise ValueError(f"{self.name}: {len(self.layer_types)} layer_types for {self.layers} layers")
+            object.__setattr__(self, "layer_types", tuple(self.layer_types[:self.layers]))
+
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

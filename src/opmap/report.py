@@ -7,6 +7,7 @@ Writes report.md and report.json."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -163,10 +164,14 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
     status = Console(stderr=True).status(f"engine: loading {model}")  # tens of seconds: say what runs
     status.start()
     try:
+        t = time.perf_counter()
         out = _engine_run(model, status)
+        out["seconds"] = {"run": round(time.perf_counter() - t, 2)}
         if out["status"] == "ok":
             status.update(f"engine: profiling a batch-8 workload of {model}")
+            t = time.perf_counter()
             out["profile"] = _profile_summary(model)
+            out["seconds"]["profile"] = round(time.perf_counter() - t, 2)
         return out
     finally:
         status.stop()
@@ -250,6 +255,11 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
         doc["seconds"] = round(time.perf_counter() - t0, 2)
         return doc
     parts = doc["part_seconds"] = {"plan": round(time.perf_counter() - t0, 2)}  # where the time went
+
+    def done(part: str, t: float) -> None:
+        parts[part] = round(time.perf_counter() - t, 2)
+        if progress:
+            print(f"report: {part} took {parts[part]} s", file=sys.stderr, flush=True)
     if run_check:
         from .check import runner
 
@@ -257,19 +267,20 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
         results, extra = runner.check(model=model, quick=not full, progress=progress)
         doc["check"] = {"summary": runner.summary(results), "notes": extra["notes"],
                         "results": [vars(r) for r in results]}
-        parts["check"] = round(time.perf_counter() - t, 2)
+        done("check", t)
     if run_bench and on_gpu:
         from .bench import runner as bench_runner
 
         t = time.perf_counter()
         doc["bench"] = bench_runner.bench(model=model, quick=not full, progress=progress)
-        parts["bench"] = round(time.perf_counter() - t, 2)
+        done("bench", t)
     elif run_bench:
         doc["bench"] = {"status": "skipped", "why": "GPU timings need a GPU; this machine has none"}
     t = time.perf_counter()
     doc["engine"] = _engine_section(model, on_gpu)
     if on_gpu:
-        parts["engine"] = round(time.perf_counter() - t, 2)
+        done("engine", t)
+        parts.update({f"engine {k}": v for k, v in doc["engine"].get("seconds", {}).items()})
     doc["seconds"] = round(time.perf_counter() - t0, 2)
     return doc
 
