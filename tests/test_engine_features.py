@@ -267,6 +267,12 @@ def test_warm_up_runs_prefill_mixed_and_decode_then_starts_clean(ckpt, prompts, 
     assert llm.bm.num_free_blocks == llm.runner.num_pages and not llm.bm.table
     assert tokens(llm.generate(prompts, GREEDY)) == whole
     assert LLM(ckpt, max_num_seqs=8).warmup_s == 0.0  # off by default on the CPU
+    # A model length within the token budget (no prompt chunked at that budget) still warms a
+    # mixed step up, and the budget is the configured one afterwards.
+    short = LLM(ckpt, max_num_batched_tokens=2048, max_model_len=128, max_num_seqs=8, warmup=True)
+    assert short.warmup_steps["mixed"] >= 1, short.warmup_steps
+    assert short.scheduler.budget == 2048
+    assert tokens(short.generate(prompts, GREEDY)) == whole
 
 
 def test_mla_prefill_gets_the_step_lengths_from_the_host(single_thread):

@@ -126,11 +126,17 @@ def test_fp8_checkpoint_loads_in_fp8_and_matches_hf(name, strategy, tmp_path, si
     P = r.model.params
     assert P["0.qkv"].dtype == torch.float8_e4m3fn and P["0.qkv.scale"].shape == (P["0.qkv"].shape[0],)
     assert P["lm_head"].dtype == torch.float32
+    from opmap.profile import quant_lines
+
+    lines = quant_lines(llm)  # what the profile and the report say of the quantised layers
+    assert any(ln.startswith("fp8 weights, decode: QKV proj, O proj") for ln in lines), lines
     if cfg.is_moe:
         assert r.model.dequantised and all(".experts." in n for n in r.model.dequantised)
         assert P["1.w13"].dtype == torch.float32
+        assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in lines), lines
     else:
         assert r.model.dequantised == []
+        assert not any("at load" in ln for ln in lines)
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
     for p, o in zip(prompts, outs):
@@ -251,3 +257,26 @@ def test_checkpoint_kv_scales(weights, tmp_path, single_thread):
         assert m.kv_kw(i)["v_scale"].tolist() == [0.25] * cfg.kv_heads
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert out[0].error is None and len(out[0].token_ids) == 4
+
+
+def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
+    """The profile's quantised-layer lines: a weight-only backend is named as it is; the reference
+    (which dequantises for its GEMM) is flagged as a fallback; an unquantised engine has none."""
+    from types import SimpleNamespace as NS
+
+    from opmap.profile import quant_lines
+    from opmap.registry import backends
+    from opmap.specs import GemmSpec
+
+    def engine(name, fmt="fp8"):
+        b = next(x for x in backends("gemm") if x.name == name)
+        spec = GemmSpec(m=1, n=64, k=64, dtype="bf16", weight_dtype=fmt or "bf16", phase="decode")
+        ops = NS(choices=[("QKV proj", "linear", NS(op="gemm", spec=spec, backend=b))])
+        runner = NS(weight_format=fmt, ops={}, decode_ops={1: ops}, model=NS(dequantised=[]), dtype=torch.bfloat16)
+        return NS(runner=runner, ecfg=NS(kv_cache_dtype=None))
+
+    (wo,) = quant_lines(engine("triton-wo"))
+    assert wo == "fp8 weights, decode: QKV proj run `triton-wo`"
+    (ref,) = quant_lines(engine("reference"))
+    assert "run `reference` -> fallback: the weight is dequantised for a bf16 GEMM" in ref
+    assert quant_lines(engine("cublas", fmt=None)) == []

@@ -332,9 +332,19 @@ def test_report_gpu_sections_render(monkeypatch, tmp_path):
     monkeypatch.setattr(bench_runner, "bench", lambda **kw: doc)
     eng = {"status": "ok", "workload": "batch 1, prompt 1024, 128 new tokens, greedy, random weights",
            "summary": {"tpot_ms_p50": 1.0}, "lines": ["TTFT p50 2.00 ms", "TPOT p50 1.00 ms"],
-           "profile": {"status": "ok", "lines": ["[decode] 40 steps"]}}
+           "profile": {"status": "ok", "workload": "batch 8",
+                       "lines": ["[decode] 40 steps", "  memory copies  0.1%  Memcpy HtoD (Pinned -> Device)",
+                                 "decode: GEMM takes 84% of GPU time"],
+                       "phases": {"prefill": {"steps": 1, "categories": {"GEMM": 36.0, "attention": 2.0}},
+                                  "decode": {"steps": 31, "categories": {"GEMM": 1.0, "attention": 3.0}}},
+                       "diagnosis": ["decode: GEMM takes 84% of GPU time"]}}
     monkeypatch.setattr(report, "_engine_section", lambda model, on_gpu: eng if on_gpu else None)
     d = report.build("tiny-llama3", run_check=False, run_bench=True, progress=False)
+    # The summary: each phase's largest category and the first diagnosis rule (not a kernel line
+    # that happens to hold an arrow)
+    summary = report.summary_lines(d)
+    assert "- largest GPU-time share (batch 8): prefill GEMM 95%; decode attention 75%" in summary
+    assert "- diagnosis: decode: GEMM takes 84% of GPU time" in summary
     md = report.to_markdown(d)
     assert "on NVIDIA Fake (sm90)" in md and "Ceilings: read 4.0 TB/s" in md
     assert "| rmsnorm | `T=8192,H=8192,dtype=bf16` | opmap-triton (selected) |" in md
@@ -358,6 +368,8 @@ def test_check_of_a_model_runs_that_model_itself(tmp_path):
     assert note is None and f"model={tmp_path}" in case.case
     outcome = case.run()
     assert outcome.passed and "greedy tokens equal HF" in outcome.figure
+    case, note = own_parity("tiny-qwen3", "cpu")  # a preset: its weights drawn and handed over in memory
+    assert note is None and "random weights" in case.case and case.run().passed
     case, note = own_parity("llama3-8b", "cpu")
     assert case is None and "llama3-8b(2 layers, random weights) not run" in note and "GiB" in note
     found, _ = runner.collect("cpu", quick=True)

@@ -323,6 +323,8 @@ def cli_profile(args) -> int:
     if args.kernels:
         for line in P.format_kernels(res, args.kernels):
             print(line)
+    for line in P.quant_lines(llm):
+        print(line)
     lines = P.diagnose(res, llm, P.phase_backends(llm))
     if args.compare:
         op, name = args.compare

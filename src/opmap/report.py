@@ -378,9 +378,18 @@ def summary_lines(doc: dict) -> list:
         s = doc["check"]["summary"]
         out.append(f"- correctness: {s['passed']} of {s['total']} checks pass" + (f", {s['failed']} fail" if s["failed"] else ""))
     e = doc.get("engine", {})
-    lines = [ln for ln in (e.get("profile") or {}).get("lines", []) if "->" in ln]
-    if lines:
-        out.append(f"- diagnosis: {lines[0]}")
+    prof = e.get("profile") or {}
+    shares = []
+    for ph, p in (prof.get("phases") or {}).items():
+        cats = p.get("categories") or {}
+        if cats:
+            top = max(cats, key=cats.get)
+            shares.append(f"{ph} {top} {cats[top] / sum(cats.values()):.0%}")
+    if shares:
+        out.append(f"- largest GPU-time share ({prof.get('workload', 'profiled run')}): " + "; ".join(shares))
+    rules = prof.get("diagnosis") or []
+    if rules:
+        out.append(f"- diagnosis: {rules[0]}")
     elif e.get("status") != "ok":
         out.append(f"- engine: {e.get('why', 'not run')}")
     return out

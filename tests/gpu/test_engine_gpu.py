@@ -150,8 +150,15 @@ def test_second_engine_sized_from_free_memory_and_close_returns_it():
     assert torch.cuda.memory_allocated() < base + 0.05 * a_kv, (base, torch.cuda.memory_allocated(), a_kv)
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "deepseek-v2-lite"])
-def test_steps_neither_synchronise_nor_compile(name):
+# The third case is `opmap report`'s profile engine: a model length (640) below the step's token
+# budget (2048), where the warm-up must shrink its budget to run a mixed step at all.
+AUDITED = [("llama3-8b", dict(max_num_batched_tokens=384, max_model_len=2048), (7, 100, 300, 33, 1, 257, 383, 129, 64, 5)),
+           ("deepseek-v2-lite", dict(max_num_batched_tokens=384, max_model_len=2048), (7, 100, 300, 33, 1, 257, 383, 129, 64, 5)),
+           ("llama3-8b", dict(max_model_len=640), (512,) * 8 + (100, 7))]
+
+
+@pytest.mark.parametrize("name,engine_kw,lengths", AUDITED, ids=["llama3-8b", "deepseek-v2-lite", "llama3-8b-len640"])
+def test_steps_neither_synchronise_nor_compile(name, engine_kw, lengths):
     """Inside the steps of a run (prefill, mixed and decode, CUDA graphs on, greedy and sampled
     requests): no kernel compilation and no host synchronisation that PyTorch reports, but the
     declared ones (engine/audit.py: FlashInfer's plan, once a step), counted by engine/audit.py.
@@ -162,8 +169,8 @@ def test_steps_neither_synchronise_nor_compile(name):
 
     # 3 layers: a plan made per layer would show 3 syncs a step, above the bound below
     cfg = dataclasses.replace(PRESETS[name], layers=3)
-    llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=384, max_model_len=2048, num_pages=256, seed=1)
-    prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1, 257, 383, 129, 64, 5))
+    llm = LLM(cfg, max_num_seqs=8, num_pages=256, seed=1, **engine_kw)
+    prompts = random_prompts(cfg.vocab, lengths)
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * 6 + [
         SamplingParams(max_tokens=16, temperature=0.8, top_k=40, top_p=0.9, seed=3, ignore_eos=True)] * 4
     with StepAudit(llm) as audit:

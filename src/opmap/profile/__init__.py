@@ -3,5 +3,5 @@
 --trace FILE``: a PyTorch profiler Chrome trace or an Nsight Systems SQLite export), attributed to
 the operator map."""
 from .engine import (CATEGORIES, analyse, categorize, diagnose, format_kernels, format_profile,  # noqa: F401
-                     phase_backends, profile_engine, report_summary)
+                     phase_backends, profile_engine, quant_lines, report_summary)
 from .symbols import OP_CATEGORY  # noqa: F401

@@ -208,6 +208,42 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     return res
 
 
+def quant_lines(llm) -> list:
+    """Which backend runs each quantised layer, per phase, and the fallbacks: a layer whose
+    backend dequantises the weight for a GEMM in the model's dtype, and checkpoint tensors
+    dequantised at load because no kernel takes them quantised ([] for an unquantised engine)."""
+    from ..contract import dtype_name
+
+    r = llm.runner
+    fmt, dn = getattr(r, "weight_format", None), dtype_name(llm.runner.dtype)
+    out = []
+    if fmt:
+        by = {}
+        for ops in [*r.ops.values(), *r.decode_ops.values()]:
+            for label, _, c in ops.choices:
+                if c.op == "gemm" and c.spec.weight_dtype == fmt:
+                    by.setdefault((c.spec.phase, c.backend.name), []).append(label)
+        for (phase, name), labels in by.items():
+            line = f"{fmt} weights, {phase}: {', '.join(dict.fromkeys(labels))} run `{name}`"
+            # the fp32 reference is the one registered gemm backend that dequantises the weight
+            # (triton-wo converts tiles in registers, scaled-mm reads fp8)
+            if name == "reference":
+                line += (f" -> fallback: the weight is dequantised for a {dn} GEMM on every call "
+                         "(twice the weight bytes of a weight-only kernel, or more)")
+            out.append(line)
+    deq = getattr(r.model, "dequantised", [])
+    if deq:
+        out.append(f"{len(deq)} quantised checkpoint tensors were dequantised to {dn} at load "
+                   f"({', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''}) -> fallback: their GEMMs read "
+                   f"{dn} weights (no {fmt or 'quantised'} kernel for them)")
+    if llm.ecfg.kv_cache_dtype:
+        att = {c.backend.name for ops in [*r.ops.values(), *r.decode_ops.values()] for _, _, c in ops.choices
+               if c.op == "attention"}
+        out.append(f"{llm.ecfg.kv_cache_dtype} KV cache: attention `{'`, `'.join(sorted(att))}` reads the quantised "
+                   "pages with a scale per KV head")
+    return out
+
+
 def phase_backends(llm) -> dict:
     out = {}
     r = llm.runner
@@ -276,6 +312,8 @@ def report_summary(model: str) -> dict:
         sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         res = profile_engine(llm, prompts, sp, steps=40)
-        lines = format_profile(res) + diagnose(res, llm, phase_backends(llm))
+        rules = diagnose(res, llm, phase_backends(llm))
+        lines = format_profile(res) + quant_lines(llm) + rules
     phases = {ph: {"steps": p["steps"], "categories": p["categories"]} for ph, p in res["analysis"]["phases"].items()}
-    return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines, "phases": phases}
+    return {"workload": f"batch 8, prompt {n}, 32 new tokens, first 40 steps", "lines": lines, "phases": phases,
+            "diagnosis": rules}
