@@ -101,3 +101,30 @@ def test_hf_static_greedy_loop_matches_generate(model, compile):
         ref = hf.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[:, 17:]
     assert toks.tolist() == ref.tolist() and prefill_s > 0 and decode_s > 0
     assert torch.equal(run.generate(ids, 8)[0], toks)
+
+
+def test_records_are_handed_over_after_each_provider(monkeypatch):
+    """A run cut off by a time limit keeps what it finished: ``done`` sees the records after every
+    provider of a model, and a provider that fails leaves a skipped line, not a lost model."""
+    import torch
+
+    from opmap import hw
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hw, "ceilings", lambda measure=True: _Ceil())
+
+    def side(name, fail=False):
+        def run(model, cases, ceil, out, skipped, **kw):
+            if fail:
+                raise RuntimeError("compile failed")
+            out.append({"model": model, "provider": name})
+        return run
+
+    monkeypatch.setattr(e2e, "_engine", side("opmap-engine"))
+    monkeypatch.setattr(e2e, "_hf", side("hf-transformers-eager"))
+    monkeypatch.setattr(e2e, "_hf_static", side("hf-transformers-static-compile", fail=True))
+    seen = []
+    out, skipped = e2e.records(quick=True, progress=False, models=["llama3-8b"], kinds=["1"],
+                               done=lambda o, s: seen.append((len(o), len(s))))
+    assert seen[:3] == [(1, 0), (2, 0), (2, 1)]
+    assert "compile failed" in skipped[0]["reason"] and skipped[0]["provider"] == "hf-transformers-static-compile"

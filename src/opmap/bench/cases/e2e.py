@@ -300,8 +300,9 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
             hf: bool = True, lockstep: bool = False) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
-    presets; ``done(out, skipped)`` is called after each model, so a caller can save what is
-    finished before a long run is cut off. ``kinds`` keeps only those cases by their batch
+    presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
+    save what is finished before a long run is cut off (a compiled HF peer of an MoE model took
+    about three minutes to compile per batch size on the H200). ``kinds`` keeps only those cases by their batch
     field: "1", "32", "64", "128", "workload", "json32"."""
     import torch
 
@@ -327,8 +328,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
                                 "reason": f"failed: {type(e).__name__}: {str(e)[:300]}"})
                 gc.collect()
                 torch.cuda.empty_cache()
-        if done is not None:
-            done(out, skipped)
+            if done is not None:
+                done(out, skipped)
     return out, skipped
 
 
@@ -353,7 +354,7 @@ def main(argv=None) -> int:
                 "command": " ".join(["python3 -m opmap.bench.cases.e2e"] + (argv if argv is not None else sys.argv[1:])),
                 "results": recs, "skipped": skipped, "load_errors": []}
 
-    def save_partial(recs, skipped):  # a run cut off by a time limit keeps the finished models
+    def save_partial(recs, skipped):  # a run cut off by a time limit keeps what it finished
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "e2e-partial.json").write_text(json.dumps(doc_of(recs, skipped), indent=1, default=str))
         # the complete files replace the partial one
