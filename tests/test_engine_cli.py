@@ -138,6 +138,26 @@ def test_analyse_counts_overlapping_kernels_once():
     assert sum(d["symbols"]["norm"].values()) == 5
 
 
+def test_host_time_per_operator_on_a_gpu_trace():
+    """--host-ops: the host time inside each operator's range (its checks, launch and Python), per
+    step of a phase, also where the kernels carry the GPU times; steps without ranges list nothing."""
+    ev = [
+        _x("user_annotation", "opmap::step::prefill", 0, 1000),
+        _x("user_annotation", "opmap::attention::attention (paged)::triton", 10, 120),
+        _x("user_annotation", "opmap::attention::attention (paged)::triton", 300, 80),
+        _x("user_annotation", "opmap::gemm::QKV proj::cublas", 150, 30),
+        _x("kernel", "_prefill_tma_kernel", 140, 400),
+        _x("user_annotation", "opmap::step::decode", 2000, 100),
+        _x("kernel", "_decode_kernel", 2010, 20),
+    ]
+    res = P.analyse({"traceEvents": ev})
+    lines = P.format_host_ops(res, 5)
+    assert lines[0] == "[prefill] operators by host time (1 steps; 0.230 ms/step in operator ranges of 1.000 ms/step host wall)"
+    assert lines[1].split() == ["200.0", "us/step", "2.0", "calls/step", "100.00", "us", "each", "attention", "(paged)",
+                                "[triton]"]
+    assert "QKV proj [cublas]" in lines[2] and len(lines) == 3  # no decode block: a replayed graph has no ranges
+
+
 def test_categorize_symbols():
     cases = {"_prefill_kernel": "attention", "flash_fwd_kernel": "attention", "_append_kernel": "attention",
              "sm90_xmma_gemm_bf16bf16": "GEMM", "_gemm_kernel": "GEMM", "_grouped_gemm_kernel": "MoE",

@@ -133,6 +133,9 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--save-trace", type=_out_file, default=None, help="write the engine's Chrome trace here")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels with the most GPU time per phase (launches and us per step)")
+    p.add_argument("--host-ops", type=int, default=0, metavar="N",
+                   help="also list the N operators with the most host time per phase (checks, launch, Python "
+                        "inside their ranges): where an eager step's host time goes")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
                    help="profile again with this backend forced and say whether the step time moved")
     p.set_defaults(func=cli_profile, num_requests=None)
@@ -322,6 +325,9 @@ def cli_profile(args) -> int:
         print(line)
     if args.kernels:
         for line in P.format_kernels(res, args.kernels):
+            print(line)
+    if args.host_ops:
+        for line in P.format_host_ops(res, args.host_ops):
             print(line)
     for line in P.quant_lines(llm):
         print(line)

@@ -2,6 +2,6 @@
 --model``); ``trace``, ``symbols``, ``analyze``, ``plot``: any engine's trace (``opmap profile
 --trace FILE``: a PyTorch profiler Chrome trace or an Nsight Systems SQLite export), attributed to
 the operator map."""
-from .engine import (CATEGORIES, analyse, categorize, diagnose, format_kernels, format_profile,  # noqa: F401
-                     phase_backends, profile_engine, quant_lines, report_summary)
+from .engine import (CATEGORIES, analyse, categorize, diagnose, format_host_ops, format_kernels,  # noqa: F401
+                     format_profile, phase_backends, profile_engine, quant_lines, report_summary)
 from .symbols import OP_CATEGORY  # noqa: F401

@@ -56,7 +56,7 @@ def analyse(trace: dict, moe: bool = True) -> dict:
     for s in steps:
         ph = phases.setdefault(s["name"].split("::")[2], {
             "steps": 0, "wall_us": 0.0, "busy_us": 0.0, "by_category": Counter(), "symbols": defaultdict(Counter),
-            "launches": Counter(),
+            "launches": Counter(), "host_ops": Counter(), "host_calls": Counter(),
             "backends": defaultdict(set)})
         ph["steps"] += 1
         ph["wall_us"] += s["dur"]
@@ -85,6 +85,13 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         ph["launches"][sym[:90]] += 1
         if op:
             ph["backends"][cat].add(op[2])
+    for ev in cpu_ops:  # host time inside each operator's range: validation, launch, Python
+        s = step_of(ev["ts"])
+        if s is not None:
+            op = _op_of(ev["name"])
+            d = phases[s["name"].split("::")[2]]
+            d["host_ops"][f"{op[1]} [{op[2]}]"] += ev["dur"]
+            d["host_calls"][f"{op[1]} [{op[2]}]"] += 1
     for ph, d in phases.items():
         steps_of_ph = [s for s in steps if s["name"].endswith("::" + ph)]
         d["busy_us"] = _union_inside(kernels, steps_of_ph) if on_gpu else sum(d["by_category"].values())
@@ -267,6 +274,24 @@ def format_kernels(res: dict, top: int = 20) -> list:
         for sym, t in times.most_common(top):
             k = p["launches"][sym]
             lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} launches/step {t / k:8.2f} us each  {sym}")
+    return lines
+
+
+def format_host_ops(res: dict, top: int = 20) -> list:
+    """Per phase, the operators by host time inside their ranges (argument checks, launch, Python):
+    what an eager step whose GPU waits on the host spends it on. Captured decode steps replay a
+    graph and have no such ranges."""
+    lines = []
+    for name, p in res["phases"].items():
+        if not p["host_ops"]:
+            continue
+        n = max(p["steps"], 1)
+        total = sum(p["host_ops"].values())
+        lines.append(f"[{name}] operators by host time ({p['steps']} steps; {total / n / 1e3:.3f} ms/step in "
+                     f"operator ranges of {p['wall_us'] / n / 1e3:.3f} ms/step host wall)")
+        for label, t in p["host_ops"].most_common(top):
+            k = p["host_calls"][label]
+            lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} calls/step {t / k:8.2f} us each  {label}")
     return lines
 
 
