@@ -36,7 +36,9 @@ def _dev_kw(device, num_pages=64):
     # default (a fraction of the whole device) costs seconds of allocation and block bookkeeping.
     # The page counts below are in 16-token pages: on sm90 the default is 64 tokens, where 12 pages
     # held every sequence and the preemption case ran without preempting.
-    return dict(device=device, dtype="fp32", num_pages=num_pages, page_size=16)
+    # No start-up warm-up: it compiles ahead for timed runs, and these cases time nothing (on a GPU
+    # it ran two rounds of requests per engine built here).
+    return dict(device=device, dtype="fp32", num_pages=num_pages, page_size=16, warmup=False)
 
 
 def _one_thread(fn):
@@ -144,7 +146,7 @@ def _graph_vs_eager():
         for eager in (True, False):
             # 64 pages of 16: every prompt (at most 116 tokens) fits; no memory sizing needed.
             with LLM(cfg, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
-                     num_pages=64) as llm:
+                     num_pages=64, warmup=False) as llm:
                 if not eager:
                     captured = sorted(llm.runner.graphs)
                 runs[eager] = [o.token_ids for o in llm.generate(prompts, _greedy(16))]
@@ -172,7 +174,7 @@ def _ahead_vs_lockstep(device):
                   _greedy(11)]
         runs, ahead = {}, 0
         for on in (False, True):
-            kw = dict(num_pages=64) if device == "cuda" else _dev_kw(device)
+            kw = dict(num_pages=64, warmup=False) if device == "cuda" else _dev_kw(device)
             with LLM(cfg, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, async_decode=on, **kw) as llm:
                 outs = llm.generate(prompts, params)
                 runs[on] = [(o.token_ids, o.finish_reason, o.error, o.logprobs) for o in outs]
