@@ -1,6 +1,7 @@
 """Decode GEMM benchmark cases: M in {1, 16, 64, 256} for the Llama-3-8B MLP shapes
 (K=4096, N=28672: gate+up; K=14336, N=4096: down), bf16 / fp8-e4m3 / int8 weights with
-per-output-channel scales, bf16 activations.
+per-output-channel scales, bf16 activations. The full grid (not ``--quick``) adds every other
+projection of Llama-3-8B and Qwen3-8B (QKV, O, Qwen3's MLP, both LM heads).
 
 Providers, timed in the same run on the same inputs:
 - bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
@@ -22,6 +23,8 @@ from opmap.bench.base import BenchCase, Provider
 from opmap.specs import GemmSpec
 
 SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
+# QKV (32 + 2 x 8 heads of 128) and O of both models, Qwen3-8B's gate+up and down, the LM heads
+MORE_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 128256), (4096, 151936)]
 MS = (1, 16, 64, 256)
 RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
 
@@ -83,7 +86,7 @@ def cases(quick: bool) -> list[BenchCase]:
     arch = local_arch()
     out = []
     for fmt in (None, "fp8", "int8"):
-        for K, N in SHAPES:
+        for K, N in SHAPES + ([] if quick else MORE_SHAPES):
             for M in MS:
                 wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
                 nbytes = wbytes + M * K * 2 + M * N * 2
