@@ -197,3 +197,19 @@ def test_console_entry_point():
                           "--hidden", "8192"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("spec: rmsnorm [arch=sm90, phase=decode, hidden=8192")
+
+
+def test_environment_records_the_optional_packages(monkeypatch):
+    """Result files say which optional packages were importable (FlashInfer changes sm90's prefill
+    choice): a version, "installed" without distribution metadata, or None."""
+    import importlib.util
+    from importlib.machinery import ModuleSpec
+
+    from opmap import output
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: ModuleSpec(name, None) if name == "flashinfer" else
+                        (None if name == "xgrammar" else real(name, *a)))
+    pk = output.environment()["packages"]
+    assert pk["flashinfer"] == "installed" and pk["xgrammar"] is None and pk["transformers"]

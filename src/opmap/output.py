@@ -75,7 +75,35 @@ def environment(ceilings=None) -> dict:
         "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": ceilings.as_dict() if ceilings is not None else None,
+        "packages": optional_packages(),
     }
+
+
+# Optional packages that change what the selector picks (FlashInfer serves sm90 prefill when it is
+# there) or what a run can do: a result file says which were importable.
+OPTIONAL = (("flashinfer", "flashinfer-python"), ("xgrammar", "xgrammar"), ("transformers", "transformers"))
+
+
+def optional_packages() -> dict:
+    """{module: version, "installed" (no distribution metadata) or None (not importable)}, found
+    without importing them."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for mod, dist in OPTIONAL:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out[mod] = None
+            continue
+        try:
+            out[mod] = version(dist)
+        except PackageNotFoundError:
+            out[mod] = "installed"
+    return out
 
 
 def gpu_slug(name: str) -> str:

@@ -18,6 +18,9 @@ def to_markdown(doc: dict) -> str:
            f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}, "
            f"commit `{env['commit']}`, {env['date']}", "",
            f"Command: `{env['command']}`", ""]
+    pk = env.get("packages")
+    if pk:  # absent from files written before the environment recorded them
+        out += ["Optional packages: " + ", ".join(f"{m} {v or 'not installed'}" for m, v in pk.items()) + ".", ""]
     if c:
         out += [f"Ceilings (measured on this GPU): read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, "
                 f"bf16 GEMM {c['bf16_tflops']} TFLOP/s.", ""]
