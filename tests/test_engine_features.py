@@ -273,6 +273,10 @@ def test_warm_up_runs_prefill_mixed_and_decode_then_starts_clean(ckpt, prompts, 
     assert short.warmup_steps["mixed"] >= 1, short.warmup_steps
     assert short.scheduler.budget == 2048
     assert tokens(short.generate(prompts, GREEDY)) == whole
+    # without chunked prefill a smaller budget would refuse the long prompt: the budget stays
+    whole_only = LLM(ckpt, max_num_batched_tokens=2048, max_model_len=128, max_num_seqs=8, warmup=True,
+                     chunked_prefill=False)
+    assert whole_only.scheduler.budget == 2048 and whole_only.warmup_steps["prefill"] >= 1
 
 
 def test_mla_prefill_gets_the_step_lengths_from_the_host(single_thread):

@@ -125,7 +125,7 @@ class LLM:
         t0 = time.perf_counter()
         g = random.Random(0)
         long = max(4, min(self.ecfg.max_num_batched_tokens + 8, self.max_model_len - 4))
-        if long <= self.ecfg.max_num_batched_tokens:
+        if long <= self.ecfg.max_num_batched_tokens and self.scheduler.chunked:
             # A model length within the token budget: no prompt is chunked at that budget, so the
             # warm-up steps with a smaller one to run a mixed step all the same (without it the
             # first mixed step of a run compiled its kernels: 1.8 s for Llama-3-8B under the
