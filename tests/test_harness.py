@@ -238,6 +238,22 @@ def test_bench_case_filters_and_provider_reasons():
     assert not bench_runner.keep(mla_case, None, {"attention"}, mla=False)
     assert bench_runner.keep(gqa_case, None, {"attention"}, mla=False)
     assert not bench_runner.keep(gqa_case, None, {"attention"}, mla=True)
+    # a model's benchmarks: the formats it runs (bf16; a quantised checkpoint's own weights too)
+    import dataclasses
+
+    from opmap.presets import PRESETS
+    from opmap.specs import GemmSpec
+
+    g = lambda wd: BenchCase("gemm", f"w={wd}", 1, 1, setup=lambda d: None, providers=[prov_ok],  # noqa: E731
+                             spec=GemmSpec(m=1, n=64, k=64, weight_dtype=wd))
+    fp8kv = BenchCase("attention.decode", "fp8", 1, 1, setup=lambda d: None, providers=[prov_ok],
+                      spec=AttentionSpec(kv_dtype="fp8"))
+    plain = bench_runner.model_formats(PRESETS["llama3-8b"])
+    stored = bench_runner.model_formats(dataclasses.replace(PRESETS["llama3-8b"], extra={"weight_quant": {"format": "fp8"}}))
+    assert plain == {"bf16"} and stored == {"bf16", "fp8"}
+    assert [bench_runner.in_formats(c, plain) for c in (g("bf16"), g("fp8"), gqa_case, fp8kv)] == [True, False, True, False]
+    assert [bench_runner.in_formats(c, stored) for c in (g("fp8"), g("int8"))] == [True, False]
+    assert bench_runner.in_formats(g("int8"), None)  # no model: every case
 
 
 def test_bench_cases_of_families_are_well_formed():

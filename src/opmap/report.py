@@ -342,6 +342,8 @@ def to_markdown(doc: dict) -> str:
     if b is not None:
         out += ["## Benchmarks", ""]
         if "results" in b:
+            out += ["The cases of this model's operators in the formats it runs (bf16, and a quantised "
+                    "checkpoint's own); other weight and KV formats: `opmap bench --op gemm` / `--op attention`.", ""]
             from .bench.report import to_markdown as bench_md
 
             out.append(bench_md(b).split("\n", 2)[2])

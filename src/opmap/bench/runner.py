@@ -52,6 +52,20 @@ def keep(case: BenchCase, ops: Optional[list], model_ops: Optional[set], mla: Op
     return True
 
 
+def model_formats(cfg) -> set:
+    """The weight / KV formats a model runs in on a GPU: bf16, and a quantised checkpoint's own
+    weight format (a model's benchmarks skip the other formats' cases: `opmap bench --op gemm`
+    times them)."""
+    stored = (cfg.extra.get("weight_quant") or {}).get("format")
+    return {"bf16"} | ({stored} if stored else set())
+
+
+def in_formats(case: BenchCase, formats: Optional[set]) -> bool:
+    if formats is None or case.spec is None:
+        return True
+    return all(getattr(case.spec, f, None) in (None, *formats) for f in ("weight_dtype", "kv_dtype"))
+
+
 def why_not(p: Provider, case: BenchCase) -> Optional[str]:
     """Why this provider cannot be timed on this case here (None = it can)."""
     if p.available is not None:
@@ -183,7 +197,7 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     from ..output import environment
 
     ceil = hw.ceilings(measure=True)
-    model_ops, mla = None, None
+    model_ops, mla, formats = None, None, None
     if model:
         from ..engine.config import resolve_model
 
@@ -191,8 +205,9 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         arch = hw.local_arch()
         model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
         mla = cfg.is_mla
+        formats = model_formats(cfg)
     cases, errors = collect(quick)
-    cases = only_providers([c for c in cases if keep(c, ops, model_ops, mla)], providers)
+    cases = only_providers([c for c in cases if keep(c, ops, model_ops, mla) and in_formats(c, formats)], providers)
     if not (variants or providers):
         cases = without_variants(cases)
     results, skipped = [], []
