@@ -358,7 +358,7 @@ def to_markdown(doc: dict) -> str:
                        else [f"Profile: not available ({p['why']})."])
     else:
         out += [f"Not run: {e['why']}."]
-    parts = ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
+    parts = _parts_text(doc)
     out += ["", f"Report built in {doc['seconds']} s" + (f" ({parts})." if parts else ".")]
     return "\n".join(out) + "\n"
 
@@ -397,6 +397,11 @@ def summary_lines(doc: dict) -> list:
     return out
 
 
+def _parts_text(doc: dict) -> str:
+    """"check 12.3 s, bench 45.6 s, ...": where the report's time went ("" for a planned report)."""
+    return ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
+
+
 def _md(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
@@ -422,7 +427,7 @@ def main(args) -> int:
     for line in summary_lines(doc):
         print(line)
     pngs = [f for f in doc["figures"].values() if f.endswith(".png")]
-    parts = ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
+    parts = _parts_text(doc)
     print(f"wrote {out / 'report.md'}, report.html (pictures inline), report.json" + (", " if pngs else "")
           + ", ".join(pngs) + f" in {doc['seconds']} s" + (f" ({parts})" if parts else ""))
     failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
