@@ -98,9 +98,9 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
                 return Outcome(False, f"prompt of {len(p)}: first difference at token {k}", float(k), float(len(ref)))
         return Outcome(True, f"{same}/{total} greedy tokens equal HF", float(same), float(total))
 
-    # Single-threaded for the tiny CPU models only: the real widths' fp32 weights and HF's
-    # generate on the CPU's host side want every thread (a GPU run of Llama-3-8B's 2 layers spent
-    # most of its 75 s drawing and saving weights on one thread).
+    # Single-threaded for the tiny CPU models only: a preset at its real widths wants every thread
+    # (Llama-3-8B's 2 layers took 75 s on the H200 when its 1.5 B fp32 weights were drawn on the CPU
+    # and saved to disk on one thread).
     return _one_thread(run) if device == "cpu" and not in_memory else run
 
 
