@@ -102,10 +102,7 @@ def expect_in(arg: str, value, allowed: Iterable) -> None:
 # Page ids, lengths, slots and offsets can only be checked on the host: on a CUDA device that is a
 # synchronisation. So such checks are skipped while a CUDA graph is being captured (or when
 # OPMAP_CHECK_VALUES=0) and memoised per (tensor, version), so that the layers of one step pay
-# for them once.
-_VALUE_MEMO: "OrderedDict[tuple, list]" = OrderedDict()
-
-
+# for them once (``_VALUE_MEMO`` below).
 _TRUSTED = threading.local()
 
 
@@ -133,38 +130,51 @@ def values_wanted(*tensors) -> bool:
     return True
 
 
-def tensor_key(tag, items) -> tuple:
-    """A memo key for exactly these tensors and arguments: id + version of a live tensor (an
-    in-place write, or one through a view, bumps the version); ``same_tensors`` on the weak
-    references kept beside the key turns a reused id into a miss."""
-    return (tag, *((id(t), t._version, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in items))
+class TensorMemo:
+    """Values remembered for exactly these tensors and arguments: a key of id + version of each
+    live tensor (an in-place write, or one through a view, bumps the version) and the other
+    arguments; weak references kept beside it turn a reused id into a miss. The ``size`` most
+    recent keys are kept."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._held: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (weak refs, value)
+
+    @staticmethod
+    def _key(items) -> tuple:
+        return tuple((id(t), t._version, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in items)
+
+    def get(self, items, default=None):
+        key = self._key(items)
+        held = self._held.get(key)
+        if held is None or not all(r() is t for r, t in zip(held[0], [t for t in items if isinstance(t, torch.Tensor)])):
+            return default
+        self._held.move_to_end(key)
+        return held[1]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def put(self, items, value) -> None:
+        self._held[self._key(items)] = ([weakref.ref(t) for t in items if isinstance(t, torch.Tensor)], value)
+        while len(self._held) > self.size:
+            self._held.popitem(last=False)
 
 
-def same_tensors(refs, items) -> bool:
-    """Whether the weak references ``refs`` still point at the tensors among ``items``."""
-    return all(r() is t for r, t in zip(refs, [t for t in items if isinstance(t, torch.Tensor)]))
-
-
-def tensor_refs(items) -> list:
-    return [weakref.ref(t) for t in items if isinstance(t, torch.Tensor)]
+_VALUE_MEMO = TensorMemo(64)
 
 
 def value_check_seen(tag: str, *items) -> bool:
     """True when exactly these CUDA tensors (same objects, same versions) and arguments already
     passed the check named ``tag``. On the CPU the check is cheap and always runs."""
-    tensors = [t for t in items if isinstance(t, torch.Tensor)]
-    if not any(t.is_cuda for t in tensors):
+    if not any(isinstance(t, torch.Tensor) and t.is_cuda for t in items):
         return False
-    key = tensor_key(tag, items)
-    held = _VALUE_MEMO.get(key)
-    if held is not None and same_tensors(held, tensors):
-        _VALUE_MEMO.move_to_end(key)
-        return True
-    return False
+    return _VALUE_MEMO.get((tag, *items), False)
 
 
 def value_check_passed(tag: str, *items) -> None:
     """Record that the check ``tag`` passed on these tensors (see ``value_check_seen``)."""
-    _VALUE_MEMO[tensor_key(tag, items)] = tensor_refs(items)
-    while len(_VALUE_MEMO) > 64:
-        _VALUE_MEMO.popitem(last=False)
+    _VALUE_MEMO.put((tag, *items), True)

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from ...contract import expect, same_tensors, tensor_key, tensor_refs
+from ...contract import TensorMemo, expect
 from . import validate as V
 
 LN2 = 0.6931471805599453
@@ -29,7 +29,9 @@ def _workspace(device: str, kind: str) -> torch.Tensor:
     return torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
 
 
-_PLANS: dict = {}  # key -> (weak references to the metadata tensors, planned wrapper)
+# One live plan per wrapper kind (its workspace holds the schedule): the wrapper planned for the
+# metadata tensors and arguments of the last call of that kind.
+_PLANS = {"prefill": TensorMemo(1), "decode": TensorMemo(1)}
 
 
 def _planned(kind: str, tensors: tuple, args: tuple, make):
@@ -38,14 +40,11 @@ def _planned(kind: str, tensors: tuple, args: tuple, make):
     the host (a synchronisation), and the layers of one engine step share their metadata: the
     first layer plans, the others reuse it. An in-place rewrite of the metadata (the next step)
     bumps the tensors' versions and so plans again."""
-    key = tensor_key(kind, (*tensors, *args))
-    held = _PLANS.get(key)
-    if held is not None and same_tensors(held[0], tensors):
-        return held[1]
-    for k in [k for k in _PLANS if k[0] == kind]:  # one live plan per kind: the workspace holds it
-        del _PLANS[k]
-    w = make()
-    _PLANS[key] = (tensor_refs(tensors), w)
+    memo, items = _PLANS[kind], (*tensors, *args)
+    w = memo.get(items)
+    if w is None:
+        w = make()
+        memo.put(items, w)
     return w
 
 
