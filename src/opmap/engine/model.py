@@ -47,6 +47,7 @@ class DecoderModel:
         self.kv_scale_kw: dict = {}
         self.kv_layer_kw: Optional[list] = None  # per layer, where the checkpoint has KV scales
         self.kv_layer_scales: Optional[list] = None  # (k_scale, v_scale) per layer from the checkpoint
+        self.dequantised: list = []  # quantised checkpoint tensors loaded into model-dtype parameters
         self.params: dict = {}
         h, d = cfg.hidden, cfg.head_dim
         self.scale = d ** -0.5

@@ -88,7 +88,7 @@ class ModelRunner:
         if self.quantised:
             log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
                      "embedding and LM head keep %s)", fmt, len(self.quantised), dtype_name(self.dtype))
-        deq = getattr(self.model, "dequantised", [])
+        deq = self.model.dequantised
         if stored:
             log.info("fp8 checkpoint: the attention and dense MLP projections stay fp8 (a scale per output channel)%s",
                      f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "
@@ -100,13 +100,14 @@ class ModelRunner:
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
-        tr, qt, kvd = ecfg.trace_ops, self.weight_format, ecfg.kv_cache_dtype
-        self.ops = {p: OpSet(cfg, p, self.arch, dn, self.page, False, None, forced, tr, qt, kvd)
-                    for p in ("prefill", "mixed")}
+        def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
+            return OpSet(cfg, phase, self.arch, dn, self.page, graph, m, forced, ecfg.trace_ops, self.weight_format,
+                         ecfg.kv_cache_dtype)
+
+        self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         try:
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, self.use_graphs, b, forced, tr, qt, kvd)
-                               for b in self.buckets}
+            self.decode_ops = {b: opset("decode", self.use_graphs, b) for b in self.buckets}
         except BackendError as e:
             if not self.use_graphs:
                 raise
@@ -115,8 +116,7 @@ class ModelRunner:
             self.use_graphs = False
             self.graphs_off_reason = str(e).splitlines()[0]
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
-            self.decode_ops = {b: OpSet(cfg, "decode", self.arch, dn, self.page, False, b, forced, tr, qt, kvd)
-                               for b in self.buckets}
+            self.decode_ops = {b: opset("decode", False, b) for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:

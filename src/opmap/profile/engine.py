@@ -89,9 +89,9 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         s = step_of(ev["ts"])
         if s is not None:
             op = _op_of(ev["name"])
-            d = phases[s["name"].split("::")[2]]
-            d["host_ops"][f"{op[1]} [{op[2]}]"] += ev["dur"]
-            d["host_calls"][f"{op[1]} [{op[2]}]"] += 1
+            d, label = phases[s["name"].split("::")[2]], f"{op[1]} [{op[2]}]"
+            d["host_ops"][label] += ev["dur"]
+            d["host_calls"][label] += 1
     for ph, d in phases.items():
         steps_of_ph = [s for s in steps if s["name"].endswith("::" + ph)]
         d["busy_us"] = _union_inside(kernels, steps_of_ph) if on_gpu else sum(d["by_category"].values())
@@ -222,14 +222,13 @@ def quant_lines(llm) -> list:
     from ..contract import dtype_name
 
     r = llm.runner
-    fmt, dn = getattr(r, "weight_format", None), dtype_name(llm.runner.dtype)
+    fmt, dn = r.weight_format, dtype_name(r.dtype)
     out = []
     if fmt:
         by = {}
-        for ops in [*r.ops.values(), *r.decode_ops.values()]:
-            for label, _, c in ops.choices:
-                if c.op == "gemm" and c.spec.weight_dtype == fmt:
-                    by.setdefault((c.spec.phase, c.backend.name), []).append(label)
+        for label, c in _choices(r):
+            if c.op == "gemm" and c.spec.weight_dtype == fmt:
+                by.setdefault((c.spec.phase, c.backend.name), []).append(label)
         for (phase, name), labels in by.items():
             line = f"{fmt} weights, {phase}: {', '.join(dict.fromkeys(labels))} run `{name}`"
             # the fp32 reference is the one registered gemm backend that dequantises the weight
@@ -238,25 +237,29 @@ def quant_lines(llm) -> list:
                 line += (f" -> fallback: the weight is dequantised for a {dn} GEMM on every call "
                          "(twice the weight bytes of a weight-only kernel, or more)")
             out.append(line)
-    deq = getattr(r.model, "dequantised", [])
+    deq = r.model.dequantised
     if deq:
         out.append(f"{len(deq)} quantised checkpoint tensors were dequantised to {dn} at load "
                    f"({', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''}) -> fallback: their GEMMs read "
                    f"{dn} weights (no {fmt or 'quantised'} kernel for them)")
     if llm.ecfg.kv_cache_dtype:
-        att = {c.backend.name for ops in [*r.ops.values(), *r.decode_ops.values()] for _, _, c in ops.choices
-               if c.op == "attention"}
+        att = {c.backend.name for _, c in _choices(r) if c.op == "attention"}
         out.append(f"{llm.ecfg.kv_cache_dtype} KV cache: attention `{'`, `'.join(sorted(att))}` reads the quantised "
                    "pages with a scale per KV head")
     return out
 
 
+def _choices(runner):
+    """(label, Choice) of every op set of the runner: prefill, mixed, each decode bucket."""
+    for ops in [*runner.ops.values(), *runner.decode_ops.values()]:
+        for label, _, c in ops.choices:
+            yield label, c
+
+
 def phase_backends(llm) -> dict:
     out = {}
-    r = llm.runner
-    for ops in [*r.ops.values(), *r.decode_ops.values()]:
-        for label, _, c in ops.choices:
-            out.setdefault((c.op, c.spec.phase), c.backend.name)
+    for _, c in _choices(llm.runner):
+        out.setdefault((c.op, c.spec.phase), c.backend.name)
     for _, c in llm.sampler.choices:
         out.setdefault((c.op, "decode"), c.backend.name)
     return out
