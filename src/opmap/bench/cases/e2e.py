@@ -98,6 +98,11 @@ def split_model(model: str) -> tuple:
     return base, quant, kv
 
 
+def _unquantised(model: str) -> bool:
+    """A plain preset (HF runs only those; see split_model)."""
+    return split_model(model)[1:] == (None, None)
+
+
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
     q = bool(llm.ecfg.quantize)
     weight_bytes = lambda rows: cfg.decode_weight_bytes(rows, quantised=q)  # noqa: E731
@@ -226,8 +231,7 @@ def _hf(model, cases_of_model, ceil, out, skipped):
 
     from opmap.presets import get_preset
 
-    base, quant, kv = split_model(model)
-    if quant or kv:
+    if not _unquantised(model):
         for _, b, plen, new in cases_of_model:
             skipped.append({"op": "e2e", "case": f"model={model},B={b},prompt={plen},new={new},bf16",
                             "provider": "hf-transformers-eager",
@@ -270,7 +274,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
     from .hf_static import StaticGreedy
 
-    if split_model(model)[1:] != (None, None):
+    if not _unquantised(model):
         return  # the unquantised model's rows stand for it (see _hf)
     cfg = get_preset(model)
     hf = _hf_model(cfg, "sdpa")

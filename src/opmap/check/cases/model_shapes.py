@@ -111,11 +111,6 @@ def _case(op, backend, entry, build, dt):
     return run
 
 
-def _row_bound(op, spec) -> bool:
-    """Whether the case's row count comes from the phase (ROWS) rather than from the spec."""
-    return op in ("rmsnorm", "activation", "rope", "moe") or (op == "gemm" and not spec.m)
-
-
 def cases(cfg, choices, device: str) -> list:
     """One case per distinct (op, spec, backend) of the model's step maps whose backend is not a
     reference, a spec that differs only in its phase counted once (e.g. the LM head at one row in
@@ -126,7 +121,7 @@ def cases(cfg, choices, device: str) -> list:
         if ch is None or "reference" in ch.name:
             continue
         spec = ch.spec if op == "attention" else ch.spec.replace(phase="decode")  # attention's entry is its phase
-        key = (op, spec, ch.name, ROWS[phase] if _row_bound(op, ch.spec) else None)
+        key = (op, spec, ch.name, getattr(ch.spec, "m", None) or ROWS[phase])  # the rows its inputs get
         if key in seen:
             continue
         seen.add(key)
