@@ -156,6 +156,28 @@ def test_host_time_per_operator_on_a_gpu_trace():
     assert lines[1].split() == ["200.0", "us/step", "2.0", "calls/step", "100.00", "us", "each", "attention", "(paged)",
                                 "[triton]"]
     assert "QKV proj [cublas]" in lines[2] and len(lines) == 3  # no decode block: a replayed graph has no ranges
+    # the CUDA API calls inside a step (launches, allocations) are listed after the operators
+    ev += [_x("cuda_runtime", "cudaMalloc", 160, 90), _x("cuda_driver", "cuLaunchKernelEx", 20, 5),
+           _x("cuda_driver", "cuLaunchKernelEx", 310, 7), _x("cuda_runtime", "cudaLaunchKernel", 2050, 3)]
+    lines = P.format_host_ops(P.analyse({"traceEvents": ev}), 5)
+    i = lines.index("[prefill] CUDA API calls by host time (0.102 ms/step)")
+    assert lines[i + 1].split()[:4] == ["90.0", "us/step", "1.0", "calls/step"] and lines[i + 1].endswith("cudaMalloc")
+    assert lines[i + 2].split()[:4] == ["12.0", "us/step", "2.0", "calls/step"] and lines[i + 2].endswith("cuLaunchKernelEx")
+    assert lines[-1].endswith("cudaLaunchKernel") and lines[-2] == "[decode] CUDA API calls by host time (0.003 ms/step)"
+
+
+def test_python_hotspots_rank_the_functions_of_a_run():
+    """--python: the workload once more under cProfile, functions by own time, opmap's among them."""
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+
+    with LLM("tiny-llama3", device="cpu", dtype="fp32", num_pages=32, page_size=16) as llm:
+        lines = P.python_hotspots(llm, [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0), 6)
+    assert lines[0].startswith("Python functions by own host time (cProfile over 1 prefill, 2 decode steps;")
+    assert len(lines) == 7
+    own = [float(ln.split()[0]) for ln in lines[1:]]
+    assert own == sorted(own, reverse=True) and own[0] > 0
+    assert any("opmap/" in ln for ln in lines[1:])
 
 
 def test_categorize_symbols():

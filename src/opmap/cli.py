@@ -300,7 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sanitizer", action="store_true",
                    help="also run each GPU case in its own process under compute-sanitizer")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
-    c.add_argument("--jobs", type=int, default=4, help="sanitizer cases run at once")
+    from .cli_run import _positive
+
+    c.add_argument("--workers", type=_positive, metavar="N",
+                   help="on a GPU, processes that run the cases at once (default: 8 or the CPU cores, fewer; "
+                        "1: all in this process)")
+    c.add_argument("--jobs", type=_positive, default=4, help="sanitizer cases run at once")
     c.add_argument("--batch", type=int, default=6,
                    help="sanitizer cases per child process (1: each alone; what is left of a run cut "
                         "off by a time limit is the slow cases, which then run side by side)")

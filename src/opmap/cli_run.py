@@ -136,6 +136,9 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-ops", type=int, default=0, metavar="N",
                    help="also list the N operators with the most host time per phase (checks, launch, Python "
                         "inside their ranges): where an eager step's host time goes")
+    p.add_argument("--python", type=int, default=0, metavar="N",
+                   help="then run the workload once more (fresh prompts) under cProfile and list the N Python "
+                        "functions with the most own host time")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
                    help="profile again with this backend forced and say whether the step time moved")
     p.set_defaults(func=cli_profile, num_requests=None)
@@ -332,6 +335,10 @@ def cli_profile(args) -> int:
     for line in P.quant_lines(llm):
         print(line)
     lines = P.diagnose(res, llm, P.phase_backends(llm))
+    if args.python:
+        args.seed += 1  # fresh prompts: the profiled ones would hit the prefix cache
+        for line in P.python_hotspots(llm, *workload(llm, args), args.python):
+            print(line)
     if args.compare:
         op, name = args.compare
         args.backend = [*args.backend, (op, name)]

@@ -255,18 +255,23 @@ def unrunnable(ops=None, backends=None) -> list:
     return [f"not exercised here ({why}): {', '.join(sorted(names))}" for why, names in sorted(by_reason.items())]
 
 
-def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
-          sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
-          reuse=()) -> tuple[list[Result], dict]:
-    """Run the checklist; returns the results and facts for the JSON (selection, notes)."""
-    from ..output import short_error
+def default_workers(device: str) -> int:
+    """Worker processes for a GPU check: most of a GPU case's time is compiling its Triton kernels
+    on one CPU core (a cold cache), so cases run side by side, one process each, up to 8 or the
+    cores there are. On a CPU one process (the cases are single-threaded and the cores shared)."""
+    import os
 
-    device = device or local_device()
+    return min(8, os.cpu_count() or 1) if device == "cuda" else 1
+
+
+def selection(model, backends, ops, sections, quick: bool, device: str) -> tuple:
+    """(selected (family, case) pairs, load-failure Results, notes, Targets or None): what a check
+    with these filters runs on ``device``, in its order (the worker processes rebuild it)."""
     targets = model_targets(model) if model else None
     found, errors = collect(device, quick)
     _known(found, ops=ops, backends=backends, sections=sections)
     selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
-    notes, sources = [], None
+    notes = []
     if model and (sections is None or "parity" in sections) and (ops is None or "e2e" in ops):
         from .cases.engine import own_parity
 
@@ -284,7 +289,28 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
         if not made:
             notes.append(f"no case at the model's own shapes: the backends selected on this {device} are the "
                          "references (a GPU's Triton / cuBLAS / ... selections get one per operator)")
-    results = list(errors) + run(selected, progress)
+    return selected, errors, notes, targets
+
+
+def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
+          sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
+          reuse=(), workers: Optional[int] = None) -> tuple[list[Result], dict]:
+    """Run the checklist; returns the results and facts for the JSON (selection, notes).
+    ``workers``: processes that run the cases at once on a GPU (default ``default_workers``)."""
+    from ..output import short_error
+
+    device = device or local_device()
+    selected, errors, notes, targets = selection(model, backends, ops, sections, quick, device)
+    sources = None
+    n = default_workers(device) if workers is None else workers
+    if device == "cuda" and n > 1 and len(selected) > 1:
+        from .workers import run_parallel
+
+        ran = run_parallel(selected, n, dict(model=model, backends=backends, ops=ops, sections=sections,
+                                             quick=quick, device=device), progress)
+    else:
+        ran = run(selected, progress)
+    results = list(errors) + ran
     if targets is not None:
         for phase, op, label, ch, err in targets.choices:
             if err is not None:
@@ -325,7 +351,8 @@ def main(args) -> int:
         results, extra = check(args.model, args.backend, args.op, args.section, args.quick,
                                sanitizer=args.sanitizer, timeout=args.timeout, console=console,
                                jobs=args.jobs, resume=getattr(args, "resume", None),
-                               batch=getattr(args, "batch", 6), reuse=getattr(args, "reuse", None) or ())
+                               batch=getattr(args, "batch", 6), reuse=getattr(args, "reuse", None) or (),
+                               workers=getattr(args, "workers", None))
     except ValueError as e:  # unknown preset, or a filter that names nothing
         print(f"error: {e}", file=sys.stderr)
         return 2

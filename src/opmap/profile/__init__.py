@@ -3,5 +3,5 @@
 --trace FILE``: a PyTorch profiler Chrome trace or an Nsight Systems SQLite export), attributed to
 the operator map."""
 from .engine import (CATEGORIES, analyse, categorize, diagnose, format_host_ops, format_kernels,  # noqa: F401
-                     format_profile, phase_backends, profile_engine, quant_lines, report_summary)
+                     format_profile, phase_backends, profile_engine, python_hotspots, quant_lines, report_summary)
 from .symbols import OP_CATEGORY  # noqa: F401

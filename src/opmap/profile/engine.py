@@ -56,7 +56,8 @@ def analyse(trace: dict, moe: bool = True) -> dict:
     for s in steps:
         ph = phases.setdefault(s["name"].split("::")[2], {
             "steps": 0, "wall_us": 0.0, "busy_us": 0.0, "by_category": Counter(), "symbols": defaultdict(Counter),
-            "launches": Counter(), "host_ops": Counter(), "host_calls": Counter(),
+            "launches": Counter(), "host_ops": Counter(), "host_calls": Counter(), "host_api": Counter(),
+            "host_api_calls": Counter(),
             "backends": defaultdict(set)})
         ph["steps"] += 1
         ph["wall_us"] += s["dur"]
@@ -92,6 +93,15 @@ def analyse(trace: dict, moe: bool = True) -> dict:
             d, label = phases[s["name"].split("::")[2]], f"{op[1]} [{op[2]}]"
             d["host_ops"][label] += ev["dur"]
             d["host_calls"][label] += 1
+    # CUDA runtime / driver calls on the host (kernel launches, allocations, copies, waits): the part
+    # of an operator's host time that is not Python
+    for ev in evs:
+        if ev.get("cat") in ("cuda_runtime", "cuda_driver"):
+            s = step_of(ev["ts"])
+            if s is not None:
+                d = phases[s["name"].split("::")[2]]
+                d["host_api"][ev["name"]] += ev["dur"]
+                d["host_api_calls"][ev["name"]] += 1
     for ph, d in phases.items():
         steps_of_ph = [s for s in steps if s["name"].endswith("::" + ph)]
         d["busy_us"] = _union_inside(kernels, steps_of_ph) if on_gpu else sum(d["by_category"].values())
@@ -282,20 +292,61 @@ def format_kernels(res: dict, top: int = 20) -> list:
 
 def format_host_ops(res: dict, top: int = 20) -> list:
     """Per phase, the operators by host time inside their ranges (argument checks, launch, Python):
-    what an eager step whose GPU waits on the host spends it on. Captured decode steps replay a
-    graph and have no such ranges."""
+    what an eager step whose GPU waits on the host spends it on (captured decode steps replay a
+    graph and have no such ranges), then the CUDA API calls of the step (launches, allocations,
+    waits)."""
     lines = []
     for name, p in res["phases"].items():
-        if not p["host_ops"]:
-            continue
         n = max(p["steps"], 1)
         total = sum(p["host_ops"].values())
-        lines.append(f"[{name}] operators by host time ({p['steps']} steps; {total / n / 1e3:.3f} ms/step in "
-                     f"operator ranges of {p['wall_us'] / n / 1e3:.3f} ms/step host wall)")
+        if total:
+            lines.append(f"[{name}] operators by host time ({p['steps']} steps; {total / n / 1e3:.3f} ms/step in "
+                         f"operator ranges of {p['wall_us'] / n / 1e3:.3f} ms/step host wall)")
         for label, t in p["host_ops"].most_common(top):
             k = p["host_calls"][label]
             lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} calls/step {t / k:8.2f} us each  {label}")
+        api = p.get("host_api") or {}
+        if api:
+            lines.append(f"[{name}] CUDA API calls by host time ({sum(api.values()) / n / 1e3:.3f} ms/step)")
+            for label, t in Counter(api).most_common(top):
+                k = p["host_api_calls"][label]
+                lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} calls/step {t / k:8.2f} us each  {label}")
     return lines
+
+
+def python_hotspots(llm, prompts: list, params, top: int = 20) -> list:
+    """The Python functions with the most own host time over one run of the workload under cProfile
+    (no torch profiler): what the host time of eager steps is made of below the operator ranges
+    (argument checks, launcher code, allocation). cProfile slows each Python call; the ranking is
+    the figure, the times are upper bounds."""
+    import cProfile
+    import pstats
+
+    from ..engine.metrics import StepStats
+
+    llm.stats = StepStats()
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompts, params)
+    prof.disable()
+    steps = ", ".join(f"{v} {k}" for k, v in llm.stats.steps.items() if v)
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in pstats.Stats(prof).stats.values())
+    lines = [f"Python functions by own host time (cProfile over {steps} steps; {total * 1e3:.1f} ms in all)"]
+    for (file, line, fn), (_, calls, own, cum, _) in rows:
+        where = f"{_short(file)}:{line}({fn})" if line else fn
+        lines.append(f"  {own * 1e3:9.2f} ms {calls:8d} calls {own / max(calls, 1) * 1e6:8.2f} us each "
+                     f"(cum. {cum * 1e3:8.2f} ms)  {where}")
+    return lines
+
+
+def _short(path: str) -> str:
+    """A source path from the package root on (opmap/..., torch/..., triton/...)."""
+    for root in ("opmap", "torch", "triton", "transformers"):
+        i = path.rfind(f"/{root}/")
+        if i >= 0:
+            return path[i + 1:]
+    return os.path.basename(path)
 
 
 def format_profile(res: dict) -> list:

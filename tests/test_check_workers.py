@@ -1,0 +1,41 @@
+"""`opmap check` in worker processes (check/workers.py): the same results as one process, in the
+selection's order; a worker that dies fails the case it held and a fresh one takes the rest."""
+import sys
+
+from opmap.check import runner, workers
+
+ARGS = dict(model=None, backends=None, ops=["rope"], sections=None, quick=True, device="cpu")
+
+
+def _selected():
+    return runner.selection(ARGS["model"], ARGS["backends"], ARGS["ops"], ARGS["sections"], ARGS["quick"], "cpu")[0]
+
+
+def test_workers_give_the_serial_results_in_order():
+    sel = _selected()
+    assert len(sel) >= 3
+    serial = runner.run(sel, progress=False)
+    par = workers.run_parallel(sel, 2, ARGS, progress=False)
+    assert [r.title for r in par] == [r.title for r in serial]
+    assert [(r.passed, r.figure) for r in par] == [(r.passed, r.figure) for r in serial]
+    assert all(r.seconds > 0 for r in par)
+
+
+def test_a_dying_worker_fails_its_case_with_the_reason(monkeypatch):
+    sel = _selected()[:3]
+    die = [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.stderr.write('boom\\n'); sys.exit(3)"]
+    monkeypatch.setattr(workers, "_cmd", lambda args, total: die)
+    out = workers.run_parallel(sel, 2, ARGS, progress=False)
+    assert [r.title for r in out] == [c.title for _, c in sel]
+    assert all(not r.passed and "worker exited with code 3" in r.figure and "boom" in r.figure for r in out)
+
+
+def test_a_worker_with_another_selection_refuses_every_case():
+    sel = _selected()[:2]
+    out = workers.run_parallel(sel, 1, {**ARGS, "ops": ["logits"]}, progress=False)
+    assert all(not r.passed and "selection has" in r.figure for r in out)
+
+
+def test_gpu_default_is_several_workers_cpu_one():
+    assert runner.default_workers("cpu") == 1
+    assert runner.default_workers("cuda") >= 1
