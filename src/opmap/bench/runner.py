@@ -132,7 +132,10 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
             raise
         torch.cuda.empty_cache()  # fewer sets: still timed, with the count recorded
     chosen = selected_backend(case)
+    import time
+
     for p in runnable:
+        t0 = time.perf_counter()
         try:
             calls = [p.make(inp) for inp in sets]
             t = timing.time_calls(calls, graph=case.graph, rep_ms=40 if quick else 100)
@@ -148,7 +151,9 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
                "bound": case.bound, "flops": case.flops, "bytes": case.bytes, "method": t.method,
                "input_sets": t.sets, "backend": "/".join(p.backend) if p.backend else None,
                # a variant is a config of the backend, not what the selector runs
-               "selected": bool(chosen and p.backend and p.backend[1] == chosen and not p.variant)}
+               "selected": bool(chosen and p.backend and p.backend[1] == chosen and not p.variant),
+               # wall time of this row: compiling / autotuning, graph capture and timing (where a run's time goes)
+               "seconds": round(time.perf_counter() - t0, 2)}
         if t.note:
             rec["note"] = t.note
         recs.append(rec)

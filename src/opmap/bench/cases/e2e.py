@@ -325,7 +325,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
     save what is finished before a long run is cut off (a compiled HF peer of an MoE model took
-    about three minutes to compile per batch size on the H200). ``kinds`` keeps only those cases by their batch
+    about three minutes to compile per batch size on the H200). ``models`` are the cases' model
+    names as written: "llama3-8b" is the bf16 rows, "llama3-8b:fp8" those with fp8 weights. ``kinds`` keeps only those cases by their batch
     field: "1", "32", "64", "128", "workload", "json32"."""
     import torch
 
@@ -336,7 +337,7 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
     todo = [c for c in (QUICK if quick else FULL)
-            if (not models or c[0] in models or split_model(c[0])[0] in models) and (not kinds or str(c[1]) in kinds)]
+            if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
         sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf),
@@ -364,7 +365,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers, eager and compiled)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
     ap.add_argument("--out", default="bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
-    ap.add_argument("--model", action="append", help="only this preset (repeatable)")
+    ap.add_argument("--model", action="append",
+                    help="only this model as the cases name it (repeatable): a preset's bf16 rows (llama3-8b), "
+                         "or with quantisation (llama3-8b:fp8, llama3-8b:fp8+fp8kv)")
     kinds = sorted({str(c[1]) for c in FULL}, key=lambda k: (not k.isdigit(), int(k) if k.isdigit() else k))
     ap.add_argument("--case", action="append", choices=kinds,
                     help="only these cases (by batch: 1, 32, 64, 128, the 256-request workload, JSON at batch 32)")

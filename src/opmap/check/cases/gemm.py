@@ -35,7 +35,7 @@ def _inputs(device, M, N, K, dtype, fmt, bias, seed):
 
 
 @contextlib.contextmanager
-def _default_tiles():
+def default_tiles():
     """Our kernels with their default tile config: correctness does not depend on the autotuned
     BLOCK_K / stages, and autotuning every shape here would cost ~3 compiles per shape."""
     from opmap.ops.gemm import triton_gemm
@@ -53,7 +53,7 @@ def _parity(backend, device, M, N, K, dtype, fmt, bias=False):
         from opmap.ops.gemm import reference
 
         x, w, b, s = _inputs(device, M, N, K, dtype, fmt, bias, M + N + K)
-        with _default_tiles():
+        with default_tiles():
             out = registry.get("gemm", backend)("linear", x, w, b, s)
         e = compare(out, reference.linear(x, w, b, s), dtype, scale=2.0)
         return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
@@ -66,7 +66,7 @@ def _cosine(backend, device, fmt, M, N, K, dtype):
         from opmap.ops.gemm import quality
 
         fn = registry.get("gemm", backend).fn("linear")
-        with _default_tiles():
+        with default_tiles():
             cos = quality.output_cosine(fn, fmt.replace("-act", ""), M, N, K, dtype, device)
         gate = COSINE_GATE[fmt]
         return Outcome(cos >= gate, f"cosine {cos:.6f} (gate {gate})", cos, gate)
@@ -79,7 +79,7 @@ def _kl(backend, device, fmt, dtype, dims):
         from opmap.ops.gemm import quality
 
         fn = registry.get("gemm", backend).fn("linear")
-        with _default_tiles():
+        with default_tiles():
             r = quality.stack_kl(fn, fmt, dtype=dtype, device=device, **dims)
         lim = KL_LIMIT[fmt]
         return Outcome(r["kl_mean"] <= lim, f"mean KL {r['kl_mean']:.2e} nats (max {r['kl_max']:.2e}), "

@@ -90,9 +90,9 @@ def _case(op, backend, entry, build, dt):
         ours, ref = registry.get(op, backend).fn(entry), registry.get(op, ref_name).fn(entry)
         a, b = build(), build()
         if op == "gemm":
-            from opmap.check.cases.gemm import _default_tiles  # no autotuning: ~3 compiles a shape
+            from opmap.check.cases.gemm import default_tiles  # no autotuning: ~3 compiles a shape
 
-            with _default_tiles():
+            with default_tiles():
                 got = ours(**a)
         else:
             got = ours(**a)

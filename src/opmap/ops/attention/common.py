@@ -33,8 +33,11 @@ def check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, 
     return P, page, hk, d, dv, B
 
 
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # read once: asked on every launch
+
+
 def interpreted(device: torch.device) -> bool:
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type != "cuda" or _INTERP
 
 
 def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, override=None) -> dict:
