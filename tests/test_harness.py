@@ -256,6 +256,30 @@ def test_bench_case_filters_and_provider_reasons():
     assert bench_runner.in_formats(g("int8"), None)  # no model: every case
 
 
+def test_model_benchmarks_keep_the_cases_at_its_widths():
+    """A model's benchmarks: the real case list filtered to Llama-3-8B's widths (RMSNorm at hidden
+    4096, SiLU at 14336, NeoX RoPE at d128, prefill attention 32/8 heads at its page size); an op
+    with no case at them (decode attention's cases are at page 16, sm90 runs 64) keeps its cases."""
+    from opmap import presets
+    from opmap.bench import runner as bench_runner
+
+    cfg = presets.PRESETS["llama3-8b"]
+    specs: dict = {}
+    for ph in ("prefill", "decode"):
+        for op, _, spec in presets.op_map(cfg, ph, "sm90"):
+            specs.setdefault(op, []).append(spec)
+    cases = [c for c in bench_runner.collect(True)[0] if bench_runner.keep(c, None, set(specs))]
+    kept = bench_runner.at_model_widths(cases, specs)
+    by = lambda op: [c for c in kept if c.op == op]  # noqa: E731
+    assert by("rmsnorm") and {c.spec.hidden for c in by("rmsnorm")} == {4096}
+    assert by("activation") and {(c.spec.kind, c.spec.hidden) for c in by("activation")} == {("silu_mul", 14336)}
+    assert by("rope") and {(c.spec.style, c.spec.head_dim) for c in by("rope")} == {("neox", 128)}
+    pre = by("attention.prefill")
+    assert pre and all((c.spec.num_heads, c.spec.num_kv_heads, c.spec.page_size) == (32, 8, 64) for c in pre)
+    assert by("attention.decode") == [c for c in cases if c.op == "attention.decode"]
+    assert len(kept) < len(cases)
+
+
 def test_bench_cases_of_families_are_well_formed():
     """Every family's bench cases declare FLOPs / bytes and providers (no timing on the CPU)."""
     cases, errors = bench_runner.collect(quick=True)

@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="time every provider of each benchmark case in one run")
     b.add_argument("--op", action="append", help="only bench ops whose name starts with this (repeatable; e.g. attention, attention.mla)")
     b.add_argument("--model", help="only the cases of the ops of this model (preset, checkpoint or config.json), "
-                                    "in the formats it runs (bf16, and a quantised checkpoint's own)")
+                                    "in the formats it runs (bf16, and a quantised checkpoint's own) and at its widths "
+                                    "(an op with no case at them keeps all its cases)")
     b.add_argument("--quick", action="store_true")
     b.add_argument("--provider", action="append", metavar="NAME",
                    help="only the providers of this exact name (repeatable; e.g. opmap-triton for our default "

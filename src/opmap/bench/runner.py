@@ -66,6 +66,31 @@ def in_formats(case: BenchCase, formats: Optional[set]) -> bool:
     return all(getattr(case.spec, f, None) in (None, *formats) for f in ("weight_dtype", "kv_dtype"))
 
 
+# The spec fields that place a benchmark case at a model's widths (not its batch or token count).
+SHAPE_FIELDS = {"rmsnorm": ("hidden",), "rope": ("head_dim", "style"), "activation": ("kind", "hidden"),
+                "attention": ("kind", "num_heads", "num_kv_heads", "head_dim", "page_size"),
+                "kv_append": ("kind", "num_kv_heads", "head_dim", "page_size"), "gemm": ("n", "k"),
+                "moe": ("num_experts", "top_k", "hidden", "intermediate"),
+                "sampling": ("vocab",), "logits": ("vocab",), "grammar_mask": ("vocab",)}
+
+
+def at_model_widths(cases: list[BenchCase], model_specs: dict) -> list[BenchCase]:
+    """The cases whose spec equals one of the model's (``{op: [spec]}`` of its op map) on the op's
+    SHAPE_FIELDS: a Llama-3-8B report times RMSNorm at hidden 4096, not 8192. An op (e.g.
+    attention.decode) with no case at the model's widths keeps all of its cases, so that the
+    report still has its rows."""
+    def fits(c: BenchCase) -> bool:
+        fields = SHAPE_FIELDS.get(op_root(c))
+        mine = model_specs.get(op_root(c))
+        if not fields or not mine or c.spec is None:
+            return True
+        return any(all(getattr(c.spec, f, None) == getattr(m, f, None) for f in fields if hasattr(m, f))
+                   for m in mine)
+
+    matched = {c.op for c in cases if fits(c)}
+    return [c for c in cases if fits(c) or c.op not in matched]
+
+
 def why_not(p: Provider, case: BenchCase) -> Optional[str]:
     """Why this provider cannot be timed on this case here (None = it can)."""
     if p.available is not None:
@@ -208,11 +233,18 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
 
         cfg = resolve_model(model)[0]
         arch = hw.local_arch()
-        model_ops = {op for ph in ("prefill", "decode") for op, _, _ in presets.op_map(cfg, ph, arch)}
+        model_specs: dict = {}
+        for ph in ("prefill", "decode"):
+            for op, _, spec in presets.op_map(cfg, ph, arch):
+                model_specs.setdefault(op, []).append(spec)
+        model_ops = set(model_specs)
         mla = cfg.is_mla
         formats = model_formats(cfg)
     cases, errors = collect(quick)
-    cases = only_providers([c for c in cases if keep(c, ops, model_ops, mla) and in_formats(c, formats)], providers)
+    cases = [c for c in cases if keep(c, ops, model_ops, mla) and in_formats(c, formats)]
+    if model:
+        cases = at_model_widths(cases, model_specs)
+    cases = only_providers(cases, providers)
     if not (variants or providers):
         cases = without_variants(cases)
     results, skipped = [], []
