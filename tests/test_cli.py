@@ -213,3 +213,17 @@ def test_environment_records_the_optional_packages(monkeypatch):
                         (None if name == "xgrammar" else real(name, *a)))
     pk = output.environment()["packages"]
     assert pk["flashinfer"] == "installed" and pk["xgrammar"] is None and pk["transformers"]
+
+
+def test_environment_records_the_host_cpu(tmp_path, monkeypatch):
+    """Host-bound figures follow the host CPU: result files name it, the bench Markdown prints it."""
+    from opmap import output
+    from opmap.bench import report
+
+    env = output.environment()
+    assert env["host_cpu"] == output.host_cpu()
+    if os.path.exists("/proc/cpuinfo"):
+        assert env["host_cpu"].endswith(f", {os.cpu_count()} cores")
+    env = {**env, "host_cpu": "Example CPU 9000, 16 cores", "ceilings": None}
+    md = report.to_markdown({"environment": env, "results": [], "skipped": []})
+    assert "Host CPU: Example CPU 9000, 16 cores." in md

@@ -76,7 +76,21 @@ def environment(ceilings=None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ceilings": ceilings.as_dict() if ceilings is not None else None,
         "packages": optional_packages(),
+        # host-bound figures (an eager prefill's launches, HF eager decode, compile times) follow
+        # the host CPU: two H200 runs whose prefill path had not changed differed by 40% in its host time
+        "host_cpu": host_cpu(),
     }
+
+
+def host_cpu() -> str:
+    """The host CPU's model name and core count ("" where /proc/cpuinfo has no model name)."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores" if name else ""
 
 
 # Optional packages that change what the selector picks (FlashInfer serves sm90 prefill when it is

@@ -18,6 +18,8 @@ def to_markdown(doc: dict) -> str:
            f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, driver {env['driver']}, "
            f"commit `{env['commit']}`, {env['date']}", "",
            f"Command: `{env['command']}`", ""]
+    if env.get("host_cpu"):  # absent from files written before the environment recorded it
+        out += [f"Host CPU: {env['host_cpu']}.", ""]
     pk = env.get("packages")
     if pk:  # absent from files written before the environment recorded them
         out += ["Optional packages: " + ", ".join(f"{m} {v or 'not installed'}" for m, v in pk.items()) + ".", ""]

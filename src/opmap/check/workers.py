@@ -6,18 +6,16 @@ gives the slow cases (the model's own HF parity, the engine cases) out first. A 
 (a CUDA error poisons its context) fails the case it held with its last stderr lines, and a
 fresh worker takes the rest of its share.
 
-The child side: ``python -m opmap.check.workers ARGS_JSON``.
+The child side is ``opmap.check.worker_child`` (``python -m opmap.check.worker_child ARGS_JSON``).
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import threading
 from collections import deque
-from dataclasses import asdict
 
 from .result import Result
 
@@ -116,7 +114,7 @@ def run_parallel(selected: list, n: int, args: dict, progress: bool = True) -> l
 
 
 def _cmd(args: dict, total: int) -> list:
-    return [sys.executable, "-m", "opmap.check.workers", json.dumps({**args, "total": total})]
+    return [sys.executable, "-m", "opmap.check.worker_child", json.dumps({**args, "total": total})]
 
 
 def _bar(total: int):
@@ -124,32 +122,3 @@ def _bar(total: int):
 
     return Progress(TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.description}"), transient=True)
-
-
-def main(argv=None) -> int:
-    a = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    # Answers go to the real stdout; anything a case prints (Python or C) goes to stderr.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    from .runner import run_case, selection
-
-    try:
-        selected = selection(a["model"], a["backends"], a["ops"], a["sections"], a["quick"], a["device"])[0]
-    except Exception as e:  # answer every request with the reason
-        selected, fatal = None, f"the worker could not build the selection: {type(e).__name__}: {e}"
-    else:
-        fatal = None if len(selected) == a["total"] else (
-            f"the worker's selection has {len(selected)} cases, the parent's {a['total']}")
-    for line in sys.stdin:
-        k = int(line)
-        if fatal:
-            out.write(MARK + json.dumps({"fatal": fatal}) + "\n")
-            continue
-        fam, c = selected[k]
-        out.write(MARK + json.dumps({"title": c.title, "result": asdict(run_case(fam, c))}) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

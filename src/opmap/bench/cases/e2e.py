@@ -213,26 +213,17 @@ def _with_diagnostics(rec: dict, d: dict) -> dict:
     return rec
 
 
-def _hf_model(cfg, attn: str, experts: str | None = None):
-    """The preset's HF model on the GPU in bf16, random weights (seed 0). ``experts`` asks an MoE
-    model for that experts implementation (e.g. "grouped_mm"); a transformers release without the
-    option, or that refuses it, builds its default (the record's note names what ran)."""
+def _hf_model(cfg, attn: str):
+    """The preset's HF model on the GPU in bf16, random weights (seed 0)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from opmap.engine.config import to_hf_config
 
     torch.manual_seed(0)
-    kw = {"experts_implementation": experts} if experts and cfg.num_experts else {}
     with torch.device("cuda"):
-        try:
-            return AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
-                                                    attn_implementation=attn, **kw).eval()
-        except (TypeError, ValueError, ImportError):
-            if not kw:
-                raise
-            return AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
-                                                    attn_implementation=attn).eval()
+        return AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=torch.bfloat16,
+                                                attn_implementation=attn).eval()
 
 
 def _experts_note(cfg, hf) -> str:
@@ -292,10 +283,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
     if not _unquantised(model):
         return  # the unquantised model's rows stand for it (see _hf)
     cfg = get_preset(model)
-    # grouped_mm: one grouped GEMM a layer instead of a Python loop over the experts, which
-    # torch.compile unrolls (the loop took about three minutes per batch size to compile for
-    # Qwen3-30B-A3B's 48 layers x 128 experts) and which is the slower eager path besides.
-    hf = _hf_model(cfg, "sdpa", experts="grouped_mm")
+    hf = _hf_model(cfg, "sdpa")  # an MoE model's default experts implementation: the note names it
     try:
         for _, b, plen, new in cases_of_model:
             if not isinstance(b, int):
