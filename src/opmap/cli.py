@@ -329,6 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--provider", action="append", metavar="NAME",
                    help="only the providers of this exact name (repeatable; e.g. opmap-triton for our default "
                         "without its [config] variants, flashinfer)")
+    b.add_argument("--warm-workers", type=_positive, metavar="N",
+                   help="processes that first run every case once, side by side, to compile its kernels before "
+                        "the one-by-one timing (default: 8 or the CPU cores, fewer; 1: no warm-up)")
     b.add_argument("--variants", action="store_true",
                    help="also time the tuning variants of our kernels (rows named opmap-triton[...])")
     b.add_argument("--out", default="bench/baselines", metavar="DIR",

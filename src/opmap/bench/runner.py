@@ -217,23 +217,18 @@ def without_variants(cases: list[BenchCase]) -> list[BenchCase]:
     return out
 
 
-def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None,
-          providers: Optional[list] = None, variants: bool = False) -> dict:
-    """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
-    JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed.
-    ``providers``: only these providers (``only_providers``); ``variants``: also the tuning
-    variants of our kernels (always when ``providers`` names them)."""
+def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = None,
+                 variants: bool = False) -> tuple:
+    """(cases, load errors) that ``bench`` times with these arguments, in its order (the compile
+    warm-up's workers rebuild the list from the same arguments)."""
     from .. import hw, presets
-    from ..output import environment
 
-    ceil = hw.ceilings(measure=True)
-    model_ops, mla, formats = None, None, None
+    model_ops, mla, formats, model_specs = None, None, None, {}
     if model:
         from ..engine.config import resolve_model
 
         cfg = resolve_model(model)[0]
         arch = hw.local_arch()
-        model_specs: dict = {}
         for ph in ("prefill", "decode"):
             for op, _, spec in presets.op_map(cfg, ph, arch):
                 model_specs.setdefault(op, []).append(spec)
@@ -247,12 +242,32 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     cases = only_providers(cases, providers)
     if not (variants or providers):
         cases = without_variants(cases)
+    return cases, errors
+
+
+def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None,
+          providers: Optional[list] = None, variants: bool = False, warm_workers: Optional[int] = None) -> dict:
+    """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
+    JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed.
+    ``providers``: only these providers (``only_providers``); ``variants``: also the tuning
+    variants of our kernels (always when ``providers`` names them). ``warm_workers``: processes
+    that first run every case's providers once, side by side, so that their kernels are compiled
+    (on disk) before the one-by-one timing (default ``workpool.default_workers``; 1: none)."""
+    from .. import hw
+    from ..output import environment
+    from ..workpool import default_workers
+
+    ceil = hw.ceilings(measure=True)
+    cases, errors = select_cases(ops, model, quick, providers, variants)
+    n = default_workers() if warm_workers is None else warm_workers
+    warm = _warm_compiles(cases, n, dict(ops=ops, model=model, quick=quick, providers=providers, variants=variants),
+                          progress) if n > 1 and len(cases) > 1 else None
     results, skipped = [], []
     device = torch.device("cuda")
 
     def doc(**extra) -> dict:
         return {"environment": environment(ceil), "quick": quick, "model": model, "providers": providers,
-                "variants": variants,
+                "variants": variants, "warm_up": warm,
                 "results": results,
                 "skipped": skipped, "load_errors": errors, **extra}
 
@@ -272,6 +287,36 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
             with open(partial, "w") as f:
                 json.dump(doc(partial=f"{i + 1} of {len(cases)} cases"), f, indent=1, default=str)
     return doc()
+
+
+def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
+    """Every case's providers run once in ``n`` worker processes (``bench.warm_child``), so that
+    Triton's and Inductor's on-disk caches hold their kernels before the timing pass: compiling
+    (our kernels, ``torch.compile`` and flex-attention peers, autotuning configs) is most of a cold
+    run's time and uses one CPU core a process. Nothing is timed here; a provider that fails is
+    left to the timing pass, which reports it. Returns what the warm-up did, for the result file."""
+    import json
+    import time
+
+    from ..workpool import run_queue
+
+    t0, done = time.perf_counter(), {"ran": 0, "failed": 0, "workers_lost": 0}
+    cmd = [sys.executable, "-m", "opmap.bench.warm_child", json.dumps({**args, "total": len(cases)})]
+    if progress:
+        print(f"[bench] compiling the {len(cases)} cases' kernels in {n} worker processes", file=sys.stderr, flush=True)
+
+    def answer(k, got, why):
+        if got is None or "fatal" in got:
+            done["workers_lost" if got is None else "failed"] += 1
+            if progress:
+                print(f"[bench] warm-up of {cases[k].op} {cases[k].case}: {why or got['fatal']}"[:300],
+                      file=sys.stderr, flush=True)
+            return
+        done["ran"] += got["ran"]
+        done["failed"] += got["failed"]
+
+    run_queue(list(range(len(cases))), n, cmd, answer)
+    return {"workers": n, "seconds": round(time.perf_counter() - t0, 2), **done}
 
 
 def print_table(doc: dict, console=None) -> None:
@@ -330,7 +375,7 @@ def main(args) -> int:
     partial = os.path.join(args.out, "bench-partial.json")
     try:
         doc = bench(args.op, args.model, args.quick, partial=partial, providers=args.provider,
-                    variants=args.variants)
+                    variants=args.variants, warm_workers=getattr(args, "warm_workers", None))
     except ValueError as e:  # a --provider only cases of other models have (--model)
         print(f"opmap bench: {e}", file=sys.stderr)
         return 2

@@ -259,9 +259,9 @@ def default_workers(device: str) -> int:
     """Worker processes for a GPU check: most of a GPU case's time is compiling its Triton kernels
     on one CPU core (a cold cache), so cases run side by side, one process each, up to 8 or the
     cores there are. On a CPU one process (the cases are single-threaded and the cores shared)."""
-    import os
+    from ..workpool import default_workers as gpu_workers
 
-    return min(8, os.cpu_count() or 1) if device == "cuda" else 1
+    return gpu_workers() if device == "cuda" else 1
 
 
 def selection(model, backends, ops, sections, quick: bool, device: str) -> tuple:

@@ -1,23 +1,19 @@
 """The child side of ``check.workers``: rebuild the parent's selection, then run the case indices
-read from stdin one at a time, answering each with one JSON line (``workers.MARK``) on stdout;
+read from stdin one at a time, answering each with one JSON line (``workpool``) on stdout;
 whatever a case prints goes to stderr."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 
+from ..workpool import answer_line, child_stdout
 from .runner import run_case, selection
-from .workers import MARK
 
 
 def main(argv=None) -> int:
     a = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    # Answers go to the real stdout; anything a case prints (Python or C) goes to stderr.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = child_stdout()
     try:
         selected = selection(a["model"], a["backends"], a["ops"], a["sections"], a["quick"], a["device"])[0]
     except Exception as e:  # answer every request with the reason
@@ -28,10 +24,10 @@ def main(argv=None) -> int:
     for line in sys.stdin:
         k = int(line)
         if fatal:
-            out.write(MARK + json.dumps({"fatal": fatal}) + "\n")
+            out.write(answer_line({"fatal": fatal}))
             continue
         fam, c = selected[k]
-        out.write(MARK + json.dumps({"title": c.title, "result": asdict(run_case(fam, c))}) + "\n")
+        out.write(answer_line({"title": c.title, "result": asdict(run_case(fam, c))}))
     return 0
 
 

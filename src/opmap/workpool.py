@@ -1,0 +1,102 @@
+"""Worker processes that share a list of items by index (the GPU check's cases, the benchmark's
+compile warm-up). Each worker is a child process that rebuilds the same list itself, then reads
+indices from stdin, one at a time, and answers each with one JSON line marked ``MARK`` on stdout
+(anything else it prints goes to stderr: ``child_stdout``). The parent hands out the indices in
+the order given (a queue shared by the workers); a worker that dies is replaced, and the item it
+held is answered with None and its last stderr lines."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from typing import Callable, Optional
+
+MARK = "opmap-worker-answer: "
+
+
+class Worker:
+    def __init__(self, cmd: list):
+        self.err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: nothing blocks on it
+        # One Inductor compile thread a worker: the workers are the parallelism (Inductor's default
+        # pool of a process per core, in each of 8 workers, would be 8 x cores processes).
+        env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                  text=True, bufsize=1, env=env)
+
+    def ask(self, k: int) -> Optional[dict]:
+        """The worker's answer for item k, or None when it died."""
+        try:
+            self.p.stdin.write(f"{k}\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        for line in self.p.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        return None
+
+    def tail(self) -> str:
+        self.p.wait()
+        self.err.seek(0)
+        lines = [ln for ln in self.err.read().strip().splitlines() if ln.strip()]
+        return f"worker exited with code {self.p.returncode}: " + " | ".join(lines[-3:])
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()
+        except OSError:
+            pass
+        self.p.wait()
+        self.err.close()
+
+
+def run_queue(order: list, n: int, cmd: list, answer: Callable[[int, Optional[dict], str], None]) -> None:
+    """Hand the indices of ``order`` to ``n`` workers started with ``cmd``; ``answer(k, got, why)``
+    is called (from the workers' threads, one at a time) for each: ``got`` the worker's answer, or
+    None with ``why`` when the worker died on it."""
+    queue, lock = deque(order), threading.Lock()
+
+    def drive():
+        w = Worker(cmd)
+        while True:
+            with lock:
+                k = queue.popleft() if queue else None
+            if k is None:
+                break
+            got = w.ask(k)
+            why = ""
+            if got is None:
+                why = w.tail()
+                w.close()
+                w = Worker(cmd)
+            with lock:
+                answer(k, got, why)
+        w.close()
+
+    threads = [threading.Thread(target=drive, daemon=True) for _ in range(max(1, min(n, len(order))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def child_stdout():
+    """In a worker: a file for the answers on the real stdout; the process's stdout (Python and C)
+    then goes to stderr, so that nothing a case prints is read as an answer."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def answer_line(d: dict) -> str:
+    return MARK + json.dumps(d) + "\n"
+
+
+def default_workers() -> int:
+    """Workers on a GPU machine: 8 or the CPU cores, fewer (each compiles on one core)."""
+    return min(8, os.cpu_count() or 1)

@@ -1,0 +1,49 @@
+"""The benchmark's compile warm-up (bench.runner._warm_compiles, bench.warm_child): every case's
+providers run once in worker processes before the timing pass; nothing is timed there."""
+from opmap.bench import runner, warm_child
+from opmap.bench.base import BenchCase, Provider
+
+
+def _case(calls, avail=None):
+    def ok(inp):
+        return lambda: calls.append(("ok", inp["x"]))
+
+    def bad(inp):
+        def run():
+            calls.append(("bad", inp["x"]))
+            raise RuntimeError("no kernel")
+        return run
+
+    provs = [Provider("fine", ok), Provider("raises", bad),
+             Provider("absent", ok, available=lambda: "not on this machine")]
+    return BenchCase("rmsnorm", "R=1", 1.0, 1.0, setup=lambda d: {"x": 7}, providers=provs)
+
+
+def test_warm_case_calls_each_runnable_provider_once():
+    import torch
+
+    calls = []
+    assert warm_child.warm_case(_case(calls), torch.device("cpu")) == (1, 1)
+    assert calls == [("ok", 7), ("bad", 7)]  # the unavailable provider is not called
+
+
+def test_select_cases_is_the_list_bench_times():
+    cases, errors = runner.select_cases(ops=["logits"], quick=True)
+    assert cases and not errors and all(c.op == "logits" for c in cases)
+    assert [c.case for c in runner.select_cases(ops=["logits"], quick=True)[0]] == [c.case for c in cases]
+
+
+def test_warm_up_runs_the_cases_in_workers():
+    """On the CPU the Triton providers cannot run (skipped); the PyTorch peer of each case runs once."""
+    cases = runner.select_cases(ops=["logits"], quick=True)[0]
+    got = runner._warm_compiles(cases, 2, dict(ops=["logits"], model=None, quick=True, providers=None,
+                                               variants=False), progress=False)
+    assert got["workers"] == 2 and got["workers_lost"] == 0
+    assert got["ran"] >= len(cases) and got["seconds"] > 0
+
+
+def test_a_worker_with_another_case_list_answers_each_case_with_the_reason():
+    cases = runner.select_cases(ops=["logits"], quick=True)[0]
+    got = runner._warm_compiles(cases, 1, dict(ops=["logits", "rmsnorm"], model=None, quick=True, providers=None,
+                                               variants=False), progress=False)
+    assert got["ran"] == 0 and got["failed"] == len(cases)
