@@ -4,7 +4,7 @@ import sys
 
 from opmap.check import runner, workers
 
-ARGS = dict(model=None, backends=None, ops=["rope"], sections=None, quick=True, device="cpu")
+ARGS = dict(model=None, backends=None, ops=["logits"], sections=None, quick=True, device="cpu")
 
 
 def _selected():
@@ -13,7 +13,7 @@ def _selected():
 
 def test_workers_give_the_serial_results_in_order():
     sel = _selected()
-    assert len(sel) >= 3
+    assert len(sel) >= 2
     serial = runner.run(sel, progress=False)
     par = workers.run_parallel(sel, 2, ARGS, progress=False)
     assert [r.title for r in par] == [r.title for r in serial]
@@ -22,7 +22,7 @@ def test_workers_give_the_serial_results_in_order():
 
 
 def test_a_dying_worker_fails_its_case_with_the_reason(monkeypatch):
-    sel = _selected()[:3]
+    sel = _selected()
     die = [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.stderr.write('boom\\n'); sys.exit(3)"]
     monkeypatch.setattr(workers, "_cmd", lambda args, total: die)
     out = workers.run_parallel(sel, 2, ARGS, progress=False)
@@ -32,7 +32,7 @@ def test_a_dying_worker_fails_its_case_with_the_reason(monkeypatch):
 
 def test_a_worker_with_another_selection_refuses_every_case():
     sel = _selected()[:2]
-    out = workers.run_parallel(sel, 1, {**ARGS, "ops": ["logits"]}, progress=False)
+    out = workers.run_parallel(sel, 1, {**ARGS, "ops": ["rope"]}, progress=False)
     assert all(not r.passed and "selection has" in r.figure for r in out)
 
 
