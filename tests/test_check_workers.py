@@ -39,3 +39,13 @@ def test_a_worker_with_another_selection_refuses_every_case():
 def test_gpu_default_is_several_workers_cpu_one():
     assert runner.default_workers("cpu") == 1
     assert runner.default_workers("cuda") >= 1
+
+
+def test_a_worker_past_the_timeout_is_killed_and_replaced():
+    from opmap import workpool
+
+    hang = [sys.executable, "-c", "import sys, time\nfor line in sys.stdin:\n    time.sleep(60)"]
+    got = []
+    workpool.run_queue([0, 1], 1, hang, lambda k, a, why: got.append((k, a, why)), timeout=1.0)
+    assert [(k, a) for k, a, _ in got] == [(0, None), (1, None)]
+    assert all(why.startswith("killed after 1 s") for _, _, why in got)

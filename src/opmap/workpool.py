@@ -27,23 +27,37 @@ class Worker:
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                   text=True, bufsize=1, env=env)
 
-    def ask(self, k: int) -> Optional[dict]:
-        """The worker's answer for item k, or None when it died."""
+    def ask(self, k: int, timeout: Optional[float] = None) -> Optional[dict]:
+        """The worker's answer for item k, or None when it died (or was killed after ``timeout`` s)."""
         try:
             self.p.stdin.write(f"{k}\n")
             self.p.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
-        for line in self.p.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        return None
+        self.timed_out = False
+        timer = threading.Timer(timeout, self._kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            for line in self.p.stdout:
+                if line.startswith(MARK):
+                    return json.loads(line[len(MARK):])
+            return None
+        finally:
+            if timer:
+                timer.cancel()
 
-    def tail(self) -> str:
+    def _kill(self) -> None:
+        self.timed_out = True
+        self.p.kill()
+
+    def tail(self, timeout: Optional[float] = None) -> str:
         self.p.wait()
         self.err.seek(0)
         lines = [ln for ln in self.err.read().strip().splitlines() if ln.strip()]
-        return f"worker exited with code {self.p.returncode}: " + " | ".join(lines[-3:])
+        head = (f"killed after {timeout:.0f} s" if getattr(self, "timed_out", False)
+                else f"worker exited with code {self.p.returncode}")
+        return head + ": " + " | ".join(lines[-3:])
 
     def close(self) -> None:
         try:
@@ -54,10 +68,11 @@ class Worker:
         self.err.close()
 
 
-def run_queue(order: list, n: int, cmd: list, answer: Callable[[int, Optional[dict], str], None]) -> None:
+def run_queue(order: list, n: int, cmd: list, answer: Callable[[int, Optional[dict], str], None],
+              timeout: Optional[float] = None) -> None:
     """Hand the indices of ``order`` to ``n`` workers started with ``cmd``; ``answer(k, got, why)``
     is called (from the workers' threads, one at a time) for each: ``got`` the worker's answer, or
-    None with ``why`` when the worker died on it."""
+    None with ``why`` when the worker died on it or was killed after ``timeout`` seconds on it."""
     queue, lock = deque(order), threading.Lock()
 
     def drive():
@@ -67,10 +82,10 @@ def run_queue(order: list, n: int, cmd: list, answer: Callable[[int, Optional[di
                 k = queue.popleft() if queue else None
             if k is None:
                 break
-            got = w.ask(k)
+            got = w.ask(k, timeout)
             why = ""
             if got is None:
-                why = w.tail()
+                why = w.tail(timeout)
                 w.close()
                 w = Worker(cmd)
             with lock:

@@ -289,6 +289,9 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     return doc()
 
 
+WARM_TIMEOUT_S = 300.0  # per case of the compile warm-up
+
+
 def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
     """Every case's providers run once in ``n`` worker processes (``bench.warm_child``), so that
     Triton's and Inductor's on-disk caches hold their kernels before the timing pass: compiling
@@ -315,7 +318,8 @@ def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
         done["ran"] += got["ran"]
         done["failed"] += got["failed"]
 
-    run_queue(list(range(len(cases))), n, cmd, answer)
+    # A case that hangs must not hold up the run: its worker is killed and the timing pass compiles it.
+    run_queue(list(range(len(cases))), n, cmd, answer, timeout=WARM_TIMEOUT_S)
     return {"workers": n, "seconds": round(time.perf_counter() - t0, 2), **done}
 
 
