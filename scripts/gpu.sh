@@ -9,9 +9,14 @@
 #   CHECK_ARGS="--sanitizer --resume check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
 #   STEPS=flashinfer scripts/gpu.sh OUTDIR                 # FlashInfer's JIT builds for the bench shapes
 #   NO_FLASHINFER=1 STEPS=report scripts/gpu.sh OUTDIR      # `opmap report` per model, timed
+#   E2E_ARGS="--model llama3-8b --case 1" STEPS=e2e-start scripts/gpu.sh OUTDIR   # the e2e benchmark detached,
+#   STEPS=e2e-wait scripts/gpu.sh OUTDIR                     # then (the next device call) wait for it, collect
+# (the full e2e grid takes longer than one device call: its compiled HF peers compile for minutes)
 # Steps: env, tests (pytest -m gpu, one process per file; TEST_LANES="a b|c" runs lanes at once),
 # check (MODELS, default llama3-8b), bench (BENCH_ARGS, default --quick), e2e (E2E_ARGS, default
-# --quick), report (`opmap report` for each of MODELS into OUTDIR/report-M, timed), flashinfer.
+# --quick), e2e-start / e2e-wait (the e2e benchmark in the background of a kept-warm machine,
+# E2E_WAIT seconds per wait, default 540), report (`opmap report` for each of MODELS into
+# OUTDIR/report-M, timed), flashinfer.
 # Packages the GPU machine lacks travel in .whl/ (scripts/pack_wheels.sh, scripts/flashinfer/pack.sh);
 # scripts/gpu_env.sh installs them.
 set -uo pipefail
@@ -72,6 +77,34 @@ for s in $STEPS; do
       timeout "${E2E_TIMEOUT:-560}" python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       pack_baselines ;;
+    e2e-start)
+      step e2e-start
+      E2E_DIR=/tmp/opmap-e2e
+      if [ -f $E2E_DIR/pid ] && kill -0 "$(cat $E2E_DIR/pid)" 2>/dev/null; then
+        echo "an e2e run is already going (pid $(cat $E2E_DIR/pid))"
+      else
+        rm -rf $E2E_DIR && mkdir -p $E2E_DIR
+        setsid nohup python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} --out $E2E_DIR > $E2E_DIR/log 2>&1 &
+        echo $! > $E2E_DIR/pid
+        echo "e2e started (pid $!): ${E2E_ARGS:---quick}; collect it with STEPS=e2e-wait"
+      fi ;;
+    e2e-wait)
+      step e2e-wait
+      E2E_DIR=/tmp/opmap-e2e
+      end=$(( $(date +%s) + ${E2E_WAIT:-540} ))
+      while [ -f $E2E_DIR/pid ] && kill -0 "$(cat $E2E_DIR/pid)" 2>/dev/null && [ "$(date +%s)" -lt $end ]; do sleep 5; done
+      grep "^\[e2e\]" $E2E_DIR/log | tail -3
+      cp $E2E_DIR/log "$out/e2e.log" 2>/dev/null
+      cp $E2E_DIR/e2e-partial.json "$out/" 2>/dev/null
+      if kill -0 "$(cat $E2E_DIR/pid 2>/dev/null)" 2>/dev/null; then
+        echo "e2e still running: run STEPS=e2e-wait again (what it finished is in $out/e2e-partial.json)"
+      elif ls $E2E_DIR/*/e2e.json >/dev/null 2>&1; then
+        for d in $E2E_DIR/*/; do mkdir -p "bench/baselines/$(basename $d)" && cp $d/e2e.* "bench/baselines/$(basename $d)/"; done
+        tail -40 $E2E_DIR/log
+        pack_baselines
+      else
+        echo "e2e ended without a result file"; tail -5 $E2E_DIR/log; status=1
+      fi ;;
     report)
       for m in $MODELS; do
         step "report $m"
