@@ -177,3 +177,31 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
                 # gated by the check's quant section, not by a tolerance that random draws exceed)
                 want, tol = ref.linear(inp["x"], inp["wq"], None, inp["s"]), 2.0
             assert_close(out, want, scale=tol, what=f"{p.name} {c.case}")
+
+
+@pytest.mark.parametrize("M,N,K", [(130, 33, 70), (128, 300, 257), (0, 16, 32), (200, 1, 16)])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_dequant_cublas_matches_reference(M, N, K, fmt):
+    """Prefill's weight-only path: the weight dequantised once (rounded to x's dtype) into the
+    shared scratch, then the dense GEMM; odd N and K around the dequantisation tiles."""
+    from opmap.ops.gemm import dequant_cublas as dq
+
+    for dtype in (torch.float16, torch.float32):
+        x, w, b, s = _inputs(M, N, K, dtype, fmt, bias=M % 2 == 0, seed=M + N + K)
+        assert_close(dq.linear(x, w, b, s), ref.linear(x, w, b, s), scale=2.0)
+    # the dequantised weight itself: every element the reference's, rounded once
+    x, w, b, s = _inputs(4, N, K, torch.float32, fmt, False, 1)
+    assert torch.equal(dq.dequantize(w, s, torch.float32), (w.float() * s[:, None]).float())
+
+
+def test_dequant_cublas_declarations():
+    from opmap.specs import GemmSpec
+
+    b = registry.get("gemm", "dequant-cublas")
+    assert not b.validate(GemmSpec(arch="sm90", m=1024, weight_dtype="fp8"))
+    assert not b.validate(GemmSpec(arch="sm90", m=None, weight_dtype="int8"))
+    assert any("M >= 128" in r for r in b.validate(GemmSpec(arch="sm90", m=64, weight_dtype="fp8")))
+    assert any("sm89" in r for r in b.validate(GemmSpec(arch="sm80", m=256, weight_dtype="fp8")))
+    assert b.validate(GemmSpec(arch="sm90", m=256))  # dense weights are cuBLAS's
+    with pytest.raises(InputError, match="w"):
+        b("linear", torch.randn(2, 32), torch.randn(16, 32))

@@ -1,12 +1,13 @@
-"""Decode GEMM benchmark cases: M in {1, 16, 64, 256} for the Llama-3-8B MLP shapes
+"""Decode GEMM benchmark cases: M in {1, 16, 64, 256} (and 1024 in the full grid) for the Llama-3-8B MLP shapes
 (K=4096, N=28672: gate+up; K=14336, N=4096: down), bf16 / fp8-e4m3 / int8 weights with
 per-output-channel scales, bf16 activations. The full grid (not ``--quick``) adds every other
 projection of Llama-3-8B and Qwen3-8B (QKV, O, Qwen3's MLP, both LM heads).
 
 Providers, timed in the same run on the same inputs:
 - bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
-- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"; for fp8 also with Triton's own
-  fp8 -> bf16 cast instead of our bit-move conversion, to measure that choice); cuBLAS bf16 on the same
+- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"); at M >= 128 also our
+  "dequant-cublas" (the weight dequantised by one Triton pass into a reused bf16 scratch, then
+  cuBLAS); cuBLAS bf16 on the same
   weights kept in bf16 (the baseline of the "fp8 weight-only >= 1.8x cuBLAS bf16" target);
   "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
   path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
@@ -26,6 +27,7 @@ SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
 # QKV (32 + 2 x 8 heads of 128) and O of both models, Qwen3-8B's gate+up and down, the LM heads
 MORE_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 128256), (4096, 151936)]
 MS = (1, 16, 64, 256)
+MS_FULL = MS + (1024,)  # a prefill chunk: where a quantised path that dequantises once per call may win
 RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
 
 
@@ -87,7 +89,7 @@ def cases(quick: bool) -> list[BenchCase]:
     out = []
     for fmt in (None, "fp8", "int8"):
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
-            for M in MS:
+            for M in (MS if quick else MS_FULL):
                 wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
                 nbytes = wbytes + M * K * 2 + M * N * 2
                 flops = 2.0 * M * N * K
@@ -99,6 +101,9 @@ def cases(quick: bool) -> list[BenchCase]:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
+                    if M >= 128:  # its backend serves M >= 128 only
+                        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
+                                              backend=("gemm", "dequant-cublas")))
                     if fmt == "fp8":
                         provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89))
                 out.append(BenchCase(

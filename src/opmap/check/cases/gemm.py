@@ -121,7 +121,8 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     out = []
     for dt in dtypes:
         d = _DT[dt]
-        for name, fmt in (("cublas", None), ("triton-decode", None), ("triton-wo", "int8"), ("triton-wo", "fp8")):
+        for name, fmt in (("cublas", None), ("triton-decode", None), ("triton-wo", "int8"), ("triton-wo", "fp8"),
+                          ("dequant-cublas", "int8"), ("dequant-cublas", "fp8")):
             wd = fmt or dt
             for M, N, K in decode + [prefill]:
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dt, weight_dtype=wd):
@@ -129,7 +130,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                                          _parity(name, device, M, N, K, d, fmt, bias=M == 3),
                                          quick=(M, N) in ((1, 96), (64, 80), (1000, 48), (1, 28672), (64, 4096))))
             bnd = [("vocab-sized odd N", vocab, not cpu), ("odd N", (3, 1001, 32), True),
-                   ("K not a tile multiple", odd_k, True)]
+                   ("K not a tile multiple", odd_k, True), ("prefill rows, odd N and K", (129, 1001, 95), False)]
             for label, (M, N, K), q in bnd:  # 32001 columns take seconds in the interpreter
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dt, weight_dtype=wd):
                     out.append(CheckCase("boundaries", "gemm", name, f"{label},M={M},N={N},K={K},w={wd},dtype={dt}",

@@ -26,6 +26,12 @@ def _mult16(spec):
 
 _SAME_ACT = Check("act_dtype == dtype", _act_is_dtype, "act_dtype")
 
+
+def _fp8_cast_arch(spec):
+    if spec.weight_dtype == "fp8" and spec.arch == "sm80":
+        return "fp8 weights on sm80 (the dequantisation casts fp8 natively: sm89+)"
+    return None
+
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
@@ -64,6 +70,19 @@ registry.register(Backend(
     available=registry.triton_available,
     notes="weight-only fp8/int8: the weight tile is converted in registers, the per-channel "
           "scale applied in the epilogue; no dequantised copy",
+))
+
+registry.register(Backend(
+    op="gemm", name="dequant-cublas", provider="opmap-triton", version=registry.triton_version,
+    # below triton-wo until the H200 bench rows (M=256 and 1024) say it wins prefill
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1, "sm80": 45, "sm89": 45, "sm90": 45},
+    impl={"linear": f"{_MOD}.dequant_cublas:linear"},
+    reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
+          Req("m", lambda m: m is None or m >= 128, "M >= 128 (prefill: one dequantisation serves many rows)")],
+    checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
+    available=registry.triton_available,
+    notes="weight-only fp8/int8 for many rows: one Triton pass dequantises the weight into a reused "
+          "bf16 scratch buffer, then cuBLAS",
 ))
 
 registry.register(Backend(
