@@ -154,6 +154,25 @@ def test_linear_bf16(M, N, K, fmt, monkeypatch):
         assert cosine(out, exp) >= gate
 
 
+@pytest.mark.parametrize("M,N,K", [(1024, 28672, 4096), (256, 4096, 14336), (129, 32001, 4095)])
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_dequant_cublas_bf16(M, N, K, fmt):
+    """Prefill's weight-only path in bf16 at Llama-3-8B shapes and an odd vocab-sized N / odd K:
+    the reference's result, the quality gate against the unquantised weight; two layers' weights
+    in a row share the scratch (the second overwrites the first, in stream order)."""
+    from opmap.ops.gemm import dequant_cublas
+
+    x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True)
+    out = dequant_cublas.linear(x, w, b, s)
+    assert_close(out, gemm_ref.linear(x, w, b, s))
+    exp = x.float() @ w_orig.float().t() + b.float()
+    assert cosine(out, exp) >= {"fp8": 0.999, "int8": 0.998}[fmt]
+    x2, w2, _, s2, _ = _lin_inputs(M, N // 2, K, fmt, seed=21)
+    again = dequant_cublas.linear(x2, w2, None, s2)
+    assert_close(again, gemm_ref.linear(x2, w2, None, s2))
+    assert torch.equal(dequant_cublas.linear(x, w, b, s), out)
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (64, 4096, 14336), (5, 1000, 4095)])
 def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
     # The integer bit decoding of fp8 (the path of GPUs before sm89) and Triton's cast (default) give
