@@ -112,6 +112,29 @@ def answer_line(d: dict) -> str:
     return MARK + json.dumps(d) + "\n"
 
 
+def child_cmd(module: str, args: dict, total: int) -> list:
+    """The command of a worker running ``python -m module`` on the parent's list of ``total`` items."""
+    return [sys.executable, "-m", module, json.dumps({**args, "total": total})]
+
+
+def serve(argv, build: Callable[[dict], list], handle: Callable[[object], dict], what: str) -> int:
+    """A worker's main loop: ``build(args)`` remakes the parent's list (its ``what``, named in the
+    refusal when it differs in length), then each index read from stdin is answered with
+    ``handle(item)``, or with {"fatal": why} for every index when the list could not be made."""
+    a = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    out = child_stdout()
+    try:
+        items = build(a)
+    except Exception as e:  # answer every request with the reason
+        items, fatal = None, f"the worker could not build the {what}: {type(e).__name__}: {e}"
+    else:
+        fatal = None if len(items) == a["total"] else (
+            f"the worker's {what} has {len(items)} items, the parent's {a['total']}")
+    for line in sys.stdin:
+        out.write(answer_line({"fatal": fatal} if fatal else handle(items[int(line)])))
+    return 0
+
+
 def default_workers() -> int:
     """Workers on a GPU machine: 8 or the CPU cores, fewer (each compiles on one core)."""
     return min(8, os.cpu_count() or 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -87,8 +88,9 @@ def at_model_widths(cases: list[BenchCase], model_specs: dict) -> list[BenchCase
         return any(all(getattr(c.spec, f, None) == getattr(m, f, None) for f in fields if hasattr(m, f))
                    for m in mine)
 
-    matched = {c.op for c in cases if fits(c)}
-    return [c for c in cases if fits(c) or c.op not in matched]
+    fit = [fits(c) for c in cases]
+    matched = {c.op for c, f in zip(cases, fit) if f}
+    return [c for c, f in zip(cases, fit) if f or c.op not in matched]
 
 
 def why_not(p: Provider, case: BenchCase) -> Optional[str]:
@@ -157,8 +159,6 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
             raise
         torch.cuda.empty_cache()  # fewer sets: still timed, with the count recorded
     chosen = selected_backend(case)
-    import time
-
     for p in runnable:
         t0 = time.perf_counter()
         try:
@@ -298,13 +298,10 @@ def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
     (our kernels, ``torch.compile`` and flex-attention peers, autotuning configs) is most of a cold
     run's time and uses one CPU core a process. Nothing is timed here; a provider that fails is
     left to the timing pass, which reports it. Returns what the warm-up did, for the result file."""
-    import json
-    import time
-
-    from ..workpool import run_queue
+    from ..workpool import child_cmd, run_queue
 
     t0, done = time.perf_counter(), {"ran": 0, "failed": 0, "workers_lost": 0}
-    cmd = [sys.executable, "-m", "opmap.bench.warm_child", json.dumps({**args, "total": len(cases)})]
+    cmd = child_cmd("opmap.bench.warm_child", args, len(cases))
     if progress:
         print(f"[bench] compiling the {len(cases)} cases' kernels in {n} worker processes", file=sys.stderr, flush=True)
 

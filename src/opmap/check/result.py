@@ -22,3 +22,11 @@ class Result:
     @property
     def title(self) -> str:
         return f"{self.op}/{self.backend} {self.case}"
+
+
+def progress_bar():
+    """The check's progress bar (cases done of all, elapsed time, the last case's title)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.description}"), transient=True)

@@ -167,11 +167,9 @@ def run(selected: list, progress: bool = True) -> list[Result]:
     results = []
     if not progress:
         return [run_case(f, c) for f, c in selected]
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from .result import progress_bar
 
-    cols = (TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.description}"))
-    with Progress(*cols, transient=True) as prog:
+    with progress_bar() as prog:
         task = prog.add_task("", total=len(selected))
         for fam, c in selected:
             prog.update(task, description=c.title[:70])

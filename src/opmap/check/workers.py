@@ -10,11 +10,8 @@ The child side is ``opmap.check.worker_child`` (``python -m opmap.check.worker_c
 """
 from __future__ import annotations
 
-import json
-import sys
-
-from ..workpool import run_queue
-from .result import Result
+from ..workpool import child_cmd, run_queue
+from .result import Result, progress_bar
 
 
 def _rank(case) -> int:
@@ -33,7 +30,7 @@ def run_parallel(selected: list, n: int, args: dict, progress: bool = True) -> l
 
     order = sorted(range(len(selected)), key=lambda k: _rank(selected[k][1]))
     results: list = [None] * len(selected)
-    with (_bar() if progress else nullcontext()) as prog:
+    with (progress_bar() if progress else nullcontext()) as prog:
         task = prog.add_task("", total=len(selected)) if prog else None
 
         def answer(k, got, why):
@@ -53,11 +50,4 @@ def run_parallel(selected: list, n: int, args: dict, progress: bool = True) -> l
 
 
 def _cmd(args: dict, total: int) -> list:
-    return [sys.executable, "-m", "opmap.check.worker_child", json.dumps({**args, "total": total})]
-
-
-def _bar():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("{task.description}"), transient=True)
+    return child_cmd("opmap.check.worker_child", args, total)

@@ -302,16 +302,16 @@ def format_host_ops(res: dict, top: int = 20) -> list:
         if total:
             lines.append(f"[{name}] operators by host time ({p['steps']} steps; {total / n / 1e3:.3f} ms/step in "
                          f"operator ranges of {p['wall_us'] / n / 1e3:.3f} ms/step host wall)")
-        for label, t in p["host_ops"].most_common(top):
-            k = p["host_calls"][label]
-            lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} calls/step {t / k:8.2f} us each  {label}")
-        api = p.get("host_api") or {}
-        if api:
-            lines.append(f"[{name}] CUDA API calls by host time ({sum(api.values()) / n / 1e3:.3f} ms/step)")
-            for label, t in Counter(api).most_common(top):
-                k = p["host_api_calls"][label]
-                lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} calls/step {t / k:8.2f} us each  {label}")
+        lines += _per_call(p["host_ops"], p["host_calls"], n, top)
+        if p["host_api"]:
+            lines.append(f"[{name}] CUDA API calls by host time ({sum(p['host_api'].values()) / n / 1e3:.3f} ms/step)")
+            lines += _per_call(p["host_api"], p["host_api_calls"], n, top)
     return lines
+
+
+def _per_call(times: Counter, calls: Counter, steps: int, top: int) -> list:
+    return [f"  {t / steps:9.1f} us/step {calls[label] / steps:7.1f} calls/step {t / calls[label]:8.2f} us each  {label}"
+            for label, t in times.most_common(top)]
 
 
 def python_hotspots(llm, prompts: list, params, top: int = 20) -> list:
@@ -330,8 +330,9 @@ def python_hotspots(llm, prompts: list, params, top: int = 20) -> list:
     llm.generate(prompts, params)
     prof.disable()
     steps = ", ".join(f"{v} {k}" for k, v in llm.stats.steps.items() if v)
-    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
-    total = sum(v[2] for v in pstats.Stats(prof).stats.values())
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own, cumulative, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in stats.values())
     lines = [f"Python functions by own host time (cProfile over {steps} steps; {total * 1e3:.1f} ms in all)"]
     for (file, line, fn), (_, calls, own, cum, _) in rows:
         where = f"{_short(file)}:{line}({fn})" if line else fn
