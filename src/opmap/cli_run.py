@@ -81,7 +81,7 @@ def _engine_args(p, model_required: bool = True) -> None:
                    help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
     p.add_argument("--gpu-memory-fraction", type=_fraction, default=0.85)
     p.add_argument("--num-pages", type=_positive, default=None, help="force the KV page count")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill steps run eagerly)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (two requests that compile the kernels of a prefill, a mixed "
                         "and a decode step; on by default on a GPU), so the first requests carry the compiles")

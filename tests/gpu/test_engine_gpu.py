@@ -1,4 +1,5 @@
-"""The engine on a GPU: eager and CUDA-graph decode give identical tokens (dense, MoE, MLA);
+"""The engine on a GPU: eager and CUDA-graph steps (decode, padded prefill) give identical tokens
+(dense, MoE, MLA);
 a bf16 Llama-3-8B-shaped random model stays within bf16 noise of an fp32 oracle (HF on the same
 weights in fp32, teacher-forced), with HF's own bf16 error as the measure of that noise; KV
 sizing with another engine still alive; the profiler attributes GPU kernels to operators."""
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("name,layers", [("llama3-8b", 2), ("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 2)])
-def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
+def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
     from opmap.engine.llm import LLM
     from opmap.ops.sampling.params import SamplingParams
 
@@ -34,6 +35,9 @@ def test_eager_and_cuda_graph_decode_give_identical_tokens(name, layers):
             r = llm.runner
             assert r.graphs and not r.graph_errors, (r.graphs_off_reason, r.graph_errors)
             assert sorted(r.graphs) == r.buckets
+            # token buckets 128 and 256: the first steps (7 + 100 + 149 of 300; then 151 + 33 + 1)
+            # replay them; an MLA chunk over a cached prefix runs eagerly
+            assert sorted(r.prefill_graphs) == r.prefill_buckets == [128, 256], r.prefill_graph_errors
         outs = llm.generate(prompts, params)
         assert all(o.error is None and len(o.token_ids) == 24 for o in outs), [o.error for o in outs]
         chosen = sorted({(c.op, label, c.backend.name) for ops in llm.runner.decode_ops.values()

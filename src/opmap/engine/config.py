@@ -72,7 +72,11 @@ class EngineConfig:
     prefix_caching: bool = True
     gpu_memory_fraction: float = 0.85  # of total GPU memory the engine may use (weights + KV + activations)
     num_pages: Optional[int] = None  # force the KV page count (default: from free memory; CPU: 256)
-    enforce_eager: bool = False  # no CUDA graphs for decode
+    enforce_eager: bool = False  # no CUDA graphs (decode or prefill)
+    # On a GPU, a prefill step of at most this many tokens is padded to a multiple of 128 tokens
+    # and, unless enforce_eager, replayed from a CUDA graph captured at start-up: at these sizes
+    # the ~300 launches of a step cost more host time than the GPU takes. 0: no padding, eager.
+    prefill_graph_tokens: int = 2048
     seed: int = 0  # random weights for presets
     device: Optional[str] = None  # None = cuda if available else cpu
     backends: Optional[dict] = None  # op -> forced backend name (passed to the selector)
@@ -107,6 +111,8 @@ class EngineConfig:
             raise InputError("page_size", self.page_size, "a positive power of two")
         if self.max_num_seqs <= 0:
             raise InputError("max_num_seqs", self.max_num_seqs, "> 0")
+        if self.prefill_graph_tokens < 0:
+            raise InputError("prefill_graph_tokens", self.prefill_graph_tokens, ">= 0 (0: eager prefill)")
         if self.max_num_batched_tokens <= 0:
             raise InputError("max_num_batched_tokens", self.max_num_batched_tokens, "> 0")
         if not 0.05 <= self.gpu_memory_fraction <= 0.99:

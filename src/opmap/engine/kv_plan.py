@@ -34,6 +34,7 @@ class MemFigures:
     allocated: int  # of which allocated (live tensors of the whole process)
     own: int  # allocated by this engine so far (weights, step buffers)
     act_peak: int  # the warm-up's own peak above what was allocated before it
+    graph_pool: int = 0  # held for the prefill CUDA graphs' pool (up to one more activation peak)
 
 
 def margin_bytes(total: int) -> int:
@@ -46,14 +47,15 @@ def plan_pages(m: MemFigures, fraction: float, page_bytes: int, max_useful: int)
     """(pages, explanation). Raises RuntimeError naming what holds the memory when fewer than
     two pages fit."""
     outside = max(m.total - m.free - m.reserved, 0)  # CUDA context, other processes
-    budget = m.total * fraction - outside - m.own - m.act_peak
-    usable = m.free + (m.reserved - m.allocated) - m.act_peak - margin_bytes(m.total)
+    budget = m.total * fraction - outside - m.own - m.act_peak - m.graph_pool
+    usable = m.free + (m.reserved - m.allocated) - m.act_peak - m.graph_pool - margin_bytes(m.total)
     avail = min(budget, usable)
     n = int(avail // page_bytes) if avail > 0 else 0
+    pool = f", prefill graph pool {m.graph_pool / GiB:.2f} GiB" if m.graph_pool else ""
     others_here = max(m.allocated - m.own, 0)  # live tensors of this process outside this engine
     why = (f"budget {budget / GiB:.2f} GiB (gpu_memory_fraction={fraction} of {m.total / GiB:.1f} GiB, less "
            f"this engine's weights and buffers {m.own / GiB:.2f} GiB, warm-up activation peak "
-           f"{m.act_peak / GiB:.2f} GiB, {outside / GiB:.2f} GiB outside PyTorch); free "
+           f"{m.act_peak / GiB:.2f} GiB{pool}, {outside / GiB:.2f} GiB outside PyTorch); free "
            f"{usable / GiB:.2f} GiB after the activation peak and a {margin_bytes(m.total) / GiB:.2f} GiB margin")
     if n < 2:
         hint = ("raise gpu_memory_fraction or lower max_num_batched_tokens" if budget <= usable else

@@ -206,6 +206,14 @@ class DecoderModel:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
         """Logits (fp32) of the rows ``st.logits_idx`` (all rows when None)."""
+        out, residual = self.layers(ops, st, kv)
+        if st.logits_idx is not None:
+            out, residual = out[st.logits_idx], residual[st.logits_idx]
+        return self.head(ops, out, residual)
+
+    def layers(self, ops, st: Step, kv: list) -> tuple:
+        """(last MLP output, residual) of every row: the decoder without its final norm and LM head
+        (a prefill CUDA graph ends here; the head runs on the sampled rows only)."""
         P, c = self.params, self.cfg
         eps = c.rms_eps
         residual = P["embed"][st.input_ids]  # a fresh tensor: add_rmsnorm may update it in place
@@ -217,10 +225,12 @@ class DecoderModel:
             a = self.attention(ops, st, kv[i], i, h)
             h = ops.add_rmsnorm(a, residual, P[f"{i}.post_norm"], eps)
             out = self.mlp(ops, i, h)
-        if st.logits_idx is not None:
-            out, residual = out[st.logits_idx], residual[st.logits_idx]
-        h = ops.add_rmsnorm(out, residual, P["norm"], eps)
-        logits = ops.gemm["lm_head"](h, P.get("lm_head", P["embed"]))
+        return out, residual
+
+    def head(self, ops, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the rows given: the last residual add, the final norm and the LM head."""
+        h = ops.add_rmsnorm(out, residual, self.params["norm"], self.cfg.rms_eps)
+        logits = ops.gemm["lm_head"](h, self.params.get("lm_head", self.params["embed"]))
         return logits.float()
 
     def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ class GemmaModel(DecoderModel):
             kw["soft_cap"] = float(self.cfg.attn_soft_cap)
         return kw
 
-    def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
+    def layers(self, ops, st: Step, kv: list) -> tuple:
         P, c = self.params, self.cfg
         eps = c.rms_eps
         residual = P["embed"][st.input_ids]
@@ -74,10 +74,11 @@ class GemmaModel(DecoderModel):
             a = ops.rmsnorm(self.attention(ops, st, kv[i], i, h), P[f"{i}.post_attn_norm"], eps)
             h = ops.add_rmsnorm(a, residual, P[f"{i}.post_norm"], eps)
             out = ops.rmsnorm(self.mlp(ops, i, h), P[f"{i}.post_ff_norm"], eps)
-        if st.logits_idx is not None:
-            out, residual = out[st.logits_idx], residual[st.logits_idx]
-        h = ops.add_rmsnorm(out, residual, P["norm"], eps)
-        logits = ops.gemm["lm_head"](h, P.get("lm_head", P["embed"])).float()
+        return out, residual
+
+    def head(self, ops, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        logits = super().head(ops, out, residual)
         if c.final_soft_cap:
             logits = torch.tanh(logits / c.final_soft_cap) * c.final_soft_cap
         return logits

@@ -12,6 +12,10 @@
 - Decode steps are captured in CUDA graphs per batch bucket (padding rows: slot -1, length 0,
   which the kernels treat as "nothing to do") unless ``enforce_eager``; a bucket whose capture
   fails runs eagerly and the reason is logged (``opmap profile`` reports it).
+- Prefill steps of at most ``prefill_graph_tokens`` are padded to a 128-token bucket (the padding
+  rows: slot -1, a trailing sequence of their own, so the real rows' attention is unchanged) and
+  replay that bucket's CUDA graph of the decoder layers; the final norm and the LM head run on
+  the sampled rows after it. Eager runs pad the same way, so graphs change no result.
 """
 from __future__ import annotations
 
@@ -34,6 +38,12 @@ from .scheduler import Batch
 
 log = logging.getLogger("opmap.engine")
 CPU_PAGES = 256
+PREFILL_BUCKET = 128  # tokens: a padded prefill step does at most 127 rows of extra work
+
+
+def token_buckets(limit: int) -> list:
+    """The prefill token buckets: multiples of PREFILL_BUCKET below ``limit``, then ``limit``."""
+    return list(range(PREFILL_BUCKET, limit, PREFILL_BUCKET)) + [limit] if limit > 0 else []
 
 
 def buckets(max_seqs: int) -> list:
@@ -98,6 +108,7 @@ class ModelRunner:
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
+        self.slot_cap = self.max_seqs + 1  # sequence slots: a padded prefill step adds one
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         dn, forced = dtype_name(self.dtype), ecfg.backends
         def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
@@ -106,6 +117,14 @@ class ModelRunner:
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
+        self.prefill_graphs_off = None if self.use_graphs else self.graphs_off_reason
+        self.padded_ops = self.ops["prefill"]  # the op set of padded prefill steps (graph-capturable)
+        if self.use_graphs:
+            try:
+                self.padded_ops = opset("prefill", True, None)
+            except BackendError as e:
+                self.prefill_graphs_off = str(e).splitlines()[0]
+                log.warning("prefill CUDA graphs off: %s", self.prefill_graphs_off)
         try:
             self.decode_ops = {b: opset("decode", self.use_graphs, b) for b in self.buckets}
         except BackendError as e:
@@ -117,7 +136,8 @@ class ModelRunner:
             self.graphs_off_reason = str(e).splitlines()[0]
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
             self.decode_ops = {b: opset("decode", False, b) for b in self.buckets}
-        self.choice_lines = log_choices([self.ops["prefill"], self.ops["mixed"], *self.decode_ops.values()])
+        self.choice_lines = log_choices([self.ops["prefill"], self.padded_ops, self.ops["mixed"],
+                                         *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:
         # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
@@ -133,14 +153,20 @@ class ModelRunner:
         cap = self.num_pages * self.page
         self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
-        self.block_tables = torch.zeros(self.max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
-        self.h_bt = torch.zeros(self.max_seqs * self.max_pages_per_seq, dtype=torch.int32,
-                                pin_memory=self.device.type == "cuda")
+        # Padded prefill steps up to the token limit, where a step can hold that many tokens.
+        limit = min(ecfg.prefill_graph_tokens, self.max_tokens, self.max_seqs * self.max_model_len) if on_gpu else 0
+        self.prefill_buckets = token_buckets(limit)
+        # The padding sequence (< PREFILL_BUCKET tokens) reads its pages from its own row too.
+        width = max(self.max_pages_per_seq, -(-PREFILL_BUCKET // self.page))
+        self.block_tables = torch.zeros(self.slot_cap, width, dtype=torch.int32, device=self.device)
+        self.h_bt = torch.zeros(self.slot_cap * width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
         self.h_bt_np = self.h_bt.numpy()
         self.kv = self.model.make_kv(self.num_pages, self.page)
         self._rope_caches(self.max_model_len)
         self.graphs: dict = {}
         self.graph_errors: dict = {}
+        self.prefill_graphs: dict = {}  # token bucket -> (graph, out rows, residual rows)
+        self.prefill_graph_errors: dict = {}
         if self.use_graphs:
             self._capture()
 
@@ -155,7 +181,7 @@ class ModelRunner:
     # ---- buffers ------------------------------------------------------------------------------
 
     def _alloc_meta(self, max_len: int) -> None:
-        d, T, B = self.device, self.max_tokens, self.max_seqs
+        d, T, B = self.device, self.max_tokens, self.slot_cap
         i64 = dict(dtype=torch.int64, device=d)
         self.input_ids = torch.zeros(T, **i64)
         self.positions = torch.zeros(T, **i64)
@@ -170,10 +196,12 @@ class ModelRunner:
         self.h_i64_np, self.h_i32_np, self.h_idx_np = self.h_i64.numpy(), self.h_i32.numpy(), self.h_idx.numpy()
         self._copied = None  # CUDA event after the last step's copies out of the pinned buffers
 
-    def _fill(self, items, pad_to: int = 0):
+    def _fill(self, items, pad_to: int = 0, padded: Optional[tuple] = None):
         """Host metadata -> device buffers; returns (T, B, block-table width, rows that sample,
         (longest query chunk, longest sequence)). The pinned staging tensors are written through
-        numpy views (no per-row tensors)."""
+        numpy views (no per-row tensors). ``pad_to``: a decode bucket (padding rows of length 0);
+        ``padded``: (token bucket, sequence slots) of a padded prefill step (the padding tokens a
+        trailing sequence of their own, the slots after it empty, logits rows padded with row 0)."""
         if self._copied is not None:
             self._copied.synchronize()  # the last step's host->device copies have read the pinned buffers
         page = self.page
@@ -198,12 +226,22 @@ class ModelRunner:
                 rows.append(cu[-1] - 1)
         T, B = len(ids), len(items)
         Tp, Bp = max(T, pad_to), max(B, pad_to)
+        nrows = len(rows)
+        if padded is not None:
+            Tp, Bp = padded
+            if Tp > T:  # the padding sequence: causal over its own tokens, writing no KV (slot -1)
+                lens.append(Tp - T)
+                cu.append(Tp)
+            lens += [0] * (Bp - len(lens))
+            cu += [Tp] * (Bp + 1 - len(cu))
+            rows = rows + [0] * (Bp - nrows)
         h = self.h_i64_np
         h[0, :T], h[1, :T], h[2, :T] = ids, pos, slots
         h[0, T:Tp], h[1, T:Tp], h[2, T:Tp] = 0, 0, -1
-        m = self.max_seqs
-        self.h_i32_np[:B], self.h_i32_np[B:Bp] = lens, 0
-        self.h_i32_np[m:m + B + 1] = cu
+        m = self.slot_cap
+        n = len(lens)
+        self.h_i32_np[:n], self.h_i32_np[n:Bp] = lens, 0
+        self.h_i32_np[m:m + len(cu)] = cu
         bt_h = self.h_bt_np[:Bp * width].reshape(Bp, width)
         bt_h[B:] = 0
         for i, it in enumerate(items):
@@ -215,7 +253,7 @@ class ModelRunner:
         self.positions[:Tp].copy_(self.h_i64[1, :Tp], **nb)
         self.slots[:Tp].copy_(self.h_i64[2, :Tp], **nb)
         self.seq_lens[:Bp].copy_(self.h_i32[:Bp], **nb)
-        self.cu[:B + 1].copy_(self.h_i32[m:m + B + 1], **nb)
+        self.cu[:len(cu)].copy_(self.h_i32[m:m + len(cu)], **nb)
         self.block_tables[:Bp, :width].copy_(self.h_bt[:Bp * width].view(Bp, width), **nb)
         if rows:
             self.h_idx_np[:len(rows)] = rows
@@ -223,7 +261,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return T, B, width, rows, (longest_q, max(lens, default=1))
+        return T, B, width, rows[:nrows], (longest_q, max(lens, default=1))
 
     def _step(self, T: int, B: int, width: Optional[int], decode: bool, nrows: Optional[int], bucket=None,
               longest=(None, None)) -> Step:
@@ -270,22 +308,47 @@ class ModelRunner:
             # _fill already copied ``rows`` into logits_idx (queued, non-blocking): indexing with a
             # fresh torch.tensor(rows, device=...) would copy from pageable memory and synchronise.
             return logits[:B] if len(rows) == B else logits[self.logits_idx[:len(rows)]]
+        tb = self.prefill_bucket(batch)
+        if tb is not None:
+            _, _, _, rows, _ = self._fill(items, padded=(tb, self.prefill_slots(tb)))
+            if tb in self.prefill_graphs:
+                graph, out, residual = self.prefill_graphs[tb]
+                graph.replay()
+            else:
+                out, residual = self._padded_rows(tb)
+            n = len(rows)
+            return self.model.head(self.padded_ops, out[:n], residual[:n]) if n else None
         T, B, width, rows, longest = self._fill(items)
         ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
-        if not rows:
-            self._forward_no_logits(ops, self._step(T, B, width, False, 0, longest=longest))
+        st = self._step(T, B, width, False, len(rows), longest=longest)
+        if not rows:  # a prefill chunk that samples nothing: the layers only
+            self.model.layers(ops, st, self.kv)
             return None
-        return self.model.forward(ops, self._step(T, B, width, False, len(rows), longest=longest), self.kv)
+        return self.model.forward(ops, st, self.kv)
 
-    def _forward_no_logits(self, ops, st: Step) -> None:
-        # A prefill chunk that samples nothing still needs the logits of one row to run the
-        # graph of layers; computing the LM head of a single row is negligible.
-        if self._copied is not None:
-            self._copied.synchronize()
-        self.h_idx_np[0] = 0
-        self.logits_idx[:1].copy_(self.h_idx[:1], non_blocking=True)
-        st.logits_idx = self.logits_idx[:1]
-        self.model.forward(ops, st, self.kv)
+    # ---- padded prefill steps ------------------------------------------------------------------
+    def prefill_bucket(self, batch: Batch) -> Optional[int]:
+        """The token bucket of a prefill step that is padded (and replayed from its graph), or
+        None. MLA's prefill plans its chunks from the longest sequence on the host, so its steps
+        qualify only when no sequence has a cached prefix (the bucket bounds every length)."""
+        if batch.phase != "prefill" or not self.prefill_buckets:
+            return None
+        T = batch.num_tokens
+        if T > self.prefill_buckets[-1] or (self.cfg.is_mla and any(it.start for it in batch.items)):
+            return None
+        return next(b for b in self.prefill_buckets if b >= T)
+
+    def prefill_slots(self, tb: int) -> int:
+        """Sequence slots of a padded step: as many sequences as it can hold, and the padding one."""
+        return min(self.max_seqs, tb) + 1
+
+    def _padded_rows(self, tb: int) -> tuple:
+        """The layers of a padded prefill step (metadata already filled), then the rows of the
+        logits slots: (out, residual), [slots, hidden] each."""
+        S = self.prefill_slots(tb)
+        st = self._step(tb, S, None, False, S, longest=(tb, tb))
+        out, residual = self.model.layers(self.padded_ops, st, self.kv)
+        return out[st.logits_idx], residual[st.logits_idx]
 
     # ---- KV sizing and CUDA graphs ------------------------------------------------------------
     def _size_kv(self) -> int:
@@ -317,8 +380,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         alloc = torch.cuda.memory_allocated()
+        # the prefill graphs' pool: up to one more activation peak beside the eager steps' memory
+        pool = act if self.use_graphs and self.ecfg.prefill_graph_tokens else 0
         m = MemFigures(total=total, free=free, reserved=torch.cuda.memory_reserved(), allocated=alloc,
-                       own=max(alloc - self._alloc0, 0), act_peak=act)
+                       own=max(alloc - self._alloc0, 0), act_peak=act, graph_pool=pool)
         max_len = min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
         useful = self.max_seqs * -(-max_len // self.page)
         n, why = plan_pages(m, self.ecfg.gpu_memory_fraction, self.model.kv_bytes_per_page(self.page), useful)
@@ -351,23 +416,25 @@ class ModelRunner:
         buffers; the caller (``LLM.close``) runs the garbage collector and empties the CUDA cache."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for g, _ in self.graphs.values():
+        for g, *_ in [*self.graphs.values(), *self.prefill_graphs.values()]:
             g.reset()
-        self.graphs = {}
+        self.graphs, self.prefill_graphs = {}, {}
         self.kv = self.model = None
         self.workspace = {}
-        self.ops, self.decode_ops = {}, {}
+        self.ops, self.decode_ops, self.padded_ops = {}, {}, None
         for name in ("input_ids", "positions", "slots", "seq_lens", "cu", "logits_idx", "block_tables",
                      "h_i64", "h_i32", "h_idx", "h_bt", "h_i64_np", "h_i32_np", "h_idx_np", "h_bt_np", "_copied"):
             setattr(self, name, None)
         self.closed = True
 
     def _capture(self) -> None:
-        pool = None
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         self.input_ids.zero_()
         self.positions.zero_()
+        pool = self._capture_prefill() if self.prefill_graphs_off is None else None
+        self.slots.fill_(-1)
+        self.seq_lens.zero_()
         for bs in reversed(self.buckets):
             ops = self.decode_ops[bs]
             st = self._step(bs, bs, None, True, None, bs)
@@ -386,3 +453,37 @@ class ModelRunner:
                             self.graph_errors[bs].splitlines()[0])
         torch.cuda.synchronize()
         log.info("decode CUDA graphs captured for batch buckets %s", sorted(self.graphs))
+
+    def _capture_prefill(self):
+        """One graph per prefill token bucket, largest first (the later ones reuse its memory);
+        returns the graph pool for the decode graphs to share. Each bucket runs once eagerly first,
+        with its tokens in sequences that fit a block-table row and write no KV (slot -1): that
+        compiles its kernels and tunes its GEMMs outside the capture."""
+        pool = None
+        row = self.block_tables.shape[1] * self.page
+        for tb in reversed(self.prefill_buckets):
+            S = self.prefill_slots(tb)
+            lens = [min(row, tb - a) for a in range(0, tb, row)]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            self.seq_lens[:S].copy_(torch.tensor(lens + [0] * (S - len(lens)), dtype=torch.int32))
+            self.cu[:S + 1].copy_(torch.tensor(cu + [tb] * (S + 1 - len(cu)), dtype=torch.int32))
+            self.logits_idx[:S].zero_()
+            try:
+                with torch.inference_mode(), trusted_values():
+                    self._padded_rows(tb)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        out, residual = self._padded_rows(tb)
+                pool = g.pool()
+                self.prefill_graphs[tb] = (g, out, residual)
+            except Exception as e:  # noqa: BLE001 - a backend that cannot be captured runs eagerly
+                self.prefill_graph_errors[tb] = f"{type(e).__name__}: {e}"
+                log.warning("prefill bucket %d: CUDA graph capture failed, runs eagerly (%s)", tb,
+                            self.prefill_graph_errors[tb].splitlines()[0])
+        torch.cuda.synchronize()
+        if self.prefill_graphs:
+            log.info("prefill CUDA graphs captured for token buckets %s", sorted(self.prefill_graphs))
+        return pool

@@ -173,6 +173,11 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                 why.append("decode CUDA graphs not captured" + (
                     f" ({len(r.graph_errors)} buckets failed: {next(iter(r.graph_errors.values()))[:80]})"
                     if r.graph_errors else f" ({r.graphs_off_reason})"))
+            if name == "prefill" and r.prefill_buckets and len(r.prefill_graphs) < len(r.prefill_buckets):
+                why.append("prefill CUDA graphs not captured" + (
+                    f" ({len(r.prefill_graph_errors)} buckets failed: "
+                    f"{next(iter(r.prefill_graph_errors.values()))[:80]})" if r.prefill_graph_errors
+                    else f" ({r.prefill_graphs_off})"))
             if phase_backends.get(("sampling", "decode")) == "reference":
                 why.append("sampler fallback (sampling runs the reference host loop)")
             if any("grammar" in s.state for s in llm.scheduler.running):

@@ -161,10 +161,11 @@ def _graph_vs_eager():
             with LLM(cfg, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
                      num_pages=64, warmup=False) as llm:
                 if not eager:
-                    captured = sorted(llm.runner.graphs)
+                    captured = sorted(llm.runner.graphs), sorted(llm.runner.prefill_graphs)
                 runs[eager] = [o.token_ids for o in llm.generate(prompts, _greedy(16))]
-        ok = runs[True] == runs[False] and bool(captured)
-        return Outcome(ok, f"tokens {'identical' if runs[True] == runs[False] else 'DIFFER'}; graphs for buckets {captured}")
+        ok = runs[True] == runs[False] and all(captured)
+        return Outcome(ok, f"tokens {'identical' if runs[True] == runs[False] else 'DIFFER'}; decode graphs for "
+                           f"batch buckets {captured[0]}, prefill graphs for token buckets {captured[1]}")
 
     return _untuned(run)
 
