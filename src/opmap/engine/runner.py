@@ -153,8 +153,13 @@ class ModelRunner:
         cap = self.num_pages * self.page
         self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
-        # Padded prefill steps up to the token limit, where a step can hold that many tokens.
+        # Padded prefill steps up to the token limit, where a step can hold that many tokens. Not
+        # MLA: its prefill up-projects the latent cache of every sequence slot over the longest
+        # length, planned on the host, so empty slots and a bucket-long hint multiply its work.
         limit = min(ecfg.prefill_graph_tokens, self.max_tokens, self.max_seqs * self.max_model_len) if on_gpu else 0
+        if cfg.is_mla and limit:
+            limit = 0
+            self.prefill_graphs_off = self.prefill_graphs_off or "MLA prefill plans its chunks on the host"
         self.prefill_buckets = token_buckets(limit)
         # The padding sequence (< PREFILL_BUCKET tokens) reads its pages from its own row too.
         width = max(self.max_pages_per_seq, -(-PREFILL_BUCKET // self.page))
@@ -328,15 +333,10 @@ class ModelRunner:
 
     # ---- padded prefill steps ------------------------------------------------------------------
     def prefill_bucket(self, batch: Batch) -> Optional[int]:
-        """The token bucket of a prefill step that is padded (and replayed from its graph), or
-        None. MLA's prefill plans its chunks from the longest sequence on the host, so its steps
-        qualify only when no sequence has a cached prefix (the bucket bounds every length)."""
-        if batch.phase != "prefill" or not self.prefill_buckets:
+        """The token bucket of a prefill step that is padded (and replayed from its graph), or None."""
+        if batch.phase != "prefill" or not self.prefill_buckets or batch.num_tokens > self.prefill_buckets[-1]:
             return None
-        T = batch.num_tokens
-        if T > self.prefill_buckets[-1] or (self.cfg.is_mla and any(it.start for it in batch.items)):
-            return None
-        return next(b for b in self.prefill_buckets if b >= T)
+        return next(b for b in self.prefill_buckets if b >= batch.num_tokens)
 
     def prefill_slots(self, tb: int) -> int:
         """Sequence slots of a padded step: as many sequences as it can hold, and the padding one."""
@@ -346,7 +346,7 @@ class ModelRunner:
         """The layers of a padded prefill step (metadata already filled), then the rows of the
         logits slots: (out, residual), [slots, hidden] each."""
         S = self.prefill_slots(tb)
-        st = self._step(tb, S, None, False, S, longest=(tb, tb))
+        st = self._step(tb, S, None, False, S)
         out, residual = self.model.layers(self.padded_ops, st, self.kv)
         return out[st.logits_idx], residual[st.logits_idx]
 
