@@ -37,6 +37,12 @@ for d in (64, 128):
         ce = dict(GROUP=4, D=d, DV=d, PAGE=16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True,
                   HAS_WINDOW=False, HAS_CAP=False, FP8=False, RETURN_LSE=True, IEEE=False, SKIP_SINGLE=False, PREFETCH=pf)
         out[f"prefill-d{d}-pf{pf}"] = comp(P._prefill_kernel, psig, ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+# fp32 (the engine checks' dtype on a GPU): its own small tiles (FMA-lowered IEEE dots, not pipelined)
+cfg = _default_config("prefill", 128, 4, torch.device("cuda"), ieee=True)
+ce = dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=True, HAS_WINDOW=False,
+          HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=True, SKIP_SINGLE=False, PREFETCH=1)
+s32 = {k: ("*fp32" if v.startswith("*") and k not in ("cu_ptr", "sl_ptr", "bt_ptr") else v) for k, v in psig.items()}
+out["prefill-fp32"] = comp(P._prefill_kernel, s32, ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
 for d in (128, 256):
     for fp8 in (False, True):
         for pf in (0, 1):
@@ -53,7 +59,7 @@ print("RESULT " + json.dumps(out))
 @needs_ptxas
 def test_attention_kernels_compile_pipelined_for_sm90():
     res = run(SCRIPT)
-    assert len(res) == 12
+    assert len(res) == 13
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"

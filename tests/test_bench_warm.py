@@ -47,3 +47,14 @@ def test_a_worker_with_another_case_list_answers_each_case_with_the_reason():
     got = runner._warm_compiles(cases, 1, dict(ops=["logits", "rmsnorm"], model=None, quick=True, providers=None,
                                                variants=False), progress=False)
     assert got["ran"] == 0 and got["failed"] == len(cases)
+
+
+def test_warm_up_in_the_background_gives_the_same_record():
+    """``opmap report`` starts the warm-up beside its check and hands the waiter to ``bench``."""
+    ops = ["logits", "kv_append"]
+    cases = runner.select_cases(ops=ops, quick=True)[0]
+    assert len(cases) > 1
+    got = runner.warm_in_background(ops=ops, quick=True, warm_workers=2, progress=False)()
+    assert got["workers"] == 2 and got["workers_lost"] == 0 and got["ran"] >= len(cases)
+    assert runner.warm_in_background(ops=ops, quick=True, warm_workers=1)() is None  # 1: no warm-up
+    assert runner.warm_in_background(ops=["logits"], quick=True, warm_workers=2)() is None  # one case: none

@@ -40,3 +40,13 @@ def test_audit_counts_events_inside_steps_by_phase():
                                          ("decode", "/site-packages/flashinfer/prefill.py:7"): 1}
     assert ("prefill", "compile", "noisy") in audit.events
     assert llm._execute is noisy and triton.knobs.runtime.jit_post_compile_hook is None  # restored
+
+
+def test_compile_events_name_the_kernel():
+    """Triton's hooks pass ``fn`` as a JitFunctionInfo (``.name``), not the function itself."""
+    from triton.runtime.jit import JitFunctionInfo
+
+    from opmap.engine.audit import kernel_name
+
+    assert kernel_name(JitFunctionInfo(None, "_prefill_kernel", None)) == "_prefill_kernel"
+    assert kernel_name(test_compile_events_name_the_kernel) == "test_compile_events_name_the_kernel"

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -246,13 +247,16 @@ def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = 
 
 
 def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[str] = None,
-          providers: Optional[list] = None, variants: bool = False, warm_workers: Optional[int] = None) -> dict:
+          providers: Optional[list] = None, variants: bool = False, warm_workers: Optional[int] = None,
+          warmed: Optional[Callable[[], Optional[dict]]] = None) -> dict:
     """Run the cases on this GPU; returns the result document (not yet written). ``partial``: a
     JSON file rewritten after every case, so a run cut off by a time limit keeps what it timed.
     ``providers``: only these providers (``only_providers``); ``variants``: also the tuning
     variants of our kernels (always when ``providers`` names them). ``warm_workers``: processes
     that first run every case's providers once, side by side, so that their kernels are compiled
-    (on disk) before the one-by-one timing (default ``workpool.default_workers``; 1: none)."""
+    (on disk) before the one-by-one timing (default ``workpool.default_workers``; 1: none).
+    ``warmed``: a warm-up already under way (``warm_in_background`` with the same arguments):
+    waited for instead of running one."""
     from .. import hw
     from ..output import environment
     from ..workpool import default_workers
@@ -260,8 +264,11 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     ceil = hw.ceilings(measure=True)
     cases, errors = select_cases(ops, model, quick, providers, variants)
     n = default_workers() if warm_workers is None else warm_workers
-    warm = _warm_compiles(cases, n, dict(ops=ops, model=model, quick=quick, providers=providers, variants=variants),
-                          progress) if n > 1 and len(cases) > 1 else None
+    if warmed is not None:
+        warm = warmed()
+    else:
+        warm = _warm_compiles(cases, n, dict(ops=ops, model=model, quick=quick, providers=providers,
+                                             variants=variants), progress) if n > 1 and len(cases) > 1 else None
     results, skipped = [], []
     device = torch.device("cuda")
 
@@ -290,6 +297,29 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
 
 
 WARM_TIMEOUT_S = 300.0  # per case of the compile warm-up
+
+
+def warm_in_background(ops=None, model=None, quick=False, warm_workers: Optional[int] = None,
+                       progress: bool = True) -> Callable[[], Optional[dict]]:
+    """Start the compile warm-up of ``bench(ops, model, quick)``'s cases in a thread and return
+    the function that waits for it (pass it to ``bench`` as ``warmed``). ``opmap report`` runs it
+    beside the GPU check: neither times anything, and both are mostly compiling."""
+    from ..workpool import default_workers
+
+    cases, _ = select_cases(ops, model, quick)
+    n = default_workers() if warm_workers is None else warm_workers
+    if n <= 1 or len(cases) <= 1:
+        return lambda: None
+    box: dict = {}
+    args = dict(ops=ops, model=model, quick=quick, providers=None, variants=False)
+    t = threading.Thread(target=lambda: box.update(warm=_warm_compiles(cases, n, args, progress)), daemon=True)
+    t.start()
+
+    def wait() -> Optional[dict]:
+        t.join()
+        return box.get("warm")
+
+    return wait
 
 
 def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:

@@ -62,7 +62,7 @@ class StepAudit:
         def compiled(*args, **kwargs):
             if audit._phase is not None:
                 fn = kwargs.get("fn")
-                audit.events.append((audit._phase, "compile", getattr(getattr(fn, "fn", fn), "__name__", "triton kernel")))
+                audit.events.append((audit._phase, "compile", kernel_name(fn)))
             prev = audit._saved["hook"]
             return prev(*args, **kwargs) if prev is not None else None
 
@@ -97,6 +97,11 @@ class StepAudit:
         for phase, kind, _ in self.events:
             out[phase]["syncs" if kind == "sync" else "compiles"] += 1
         return dict(out)
+
+
+def kernel_name(fn) -> str:
+    """The kernel's name from the ``fn`` of Triton's compile hooks (a JitFunctionInfo: ``.name``)."""
+    return getattr(fn, "name", None) or getattr(getattr(fn, "fn", fn), "__name__", "triton kernel")
 
 
 def _declared(event) -> bool:

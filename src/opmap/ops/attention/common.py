@@ -40,11 +40,12 @@ def interpreted(device: torch.device) -> bool:
     return device.type != "cuda" or _INTERP
 
 
-def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, override=None) -> dict:
+def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, override=None,
+                  ieee: bool = False) -> dict:
     """``override`` (a dict of some of the same keys: ops/config.py) replaces defaults: the
     benchmarks' ``--variants`` time alternatives in one GPU run so the defaults can follow
-    measurement."""
-    cfg = tile_config(_default_config(kind, head_dim, group, device), override)
+    measurement. ``ieee``: fp32 inputs (IEEE dots)."""
+    cfg = tile_config(_default_config(kind, head_dim, group, device, ieee), override)
     if override:
         rows = cfg.get("BLOCK_M", cfg.get("BLOCK_H"))
         expect(rows >= group and rows >= 16 and cfg["BLOCK_N"] >= 16, "config", override,
@@ -52,10 +53,12 @@ def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, ov
     return cfg
 
 
-def _default_config(kind: str, head_dim: int, group: int, device: torch.device) -> dict:
+def _default_config(kind: str, head_dim: int, group: int, device: torch.device, ieee: bool = False) -> dict:
     """Tile sizes. GPU values are the FlashAttention-2 starting points for sm90 (BLOCK_M 128 /
     BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
-    interpreter gets small tiles because its cost grows with the tile, not the grid."""
+    interpreter gets small tiles because its cost grows with the tile, not the grid. fp32 prefill
+    on a GPU (IEEE dots: the exactness checks' dtype, not a speed path) gets small tiles too: its
+    dots lower to FMA loops whose compile time grows with the tile."""
     gp = triton.next_power_of_2(group)
     # PREFETCH: the page ids of the next key tile are loaded one iteration ahead and carried in
     # registers. With the page-table load in the same iteration as the K/V loads that it
@@ -69,6 +72,8 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device) 
         if kind == "prefill":
             return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
         return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
+    if kind == "prefill" and ieee:
+        return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2, PREFETCH=pf, TMA=0)
     if kind == "prefill":
         # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
         # bf16/fp16). -1 = wherever prefill_tma.usable says it can, on sm90 at the head dims its

@@ -126,7 +126,7 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
     if T == 0 or B == 0:
         return
     group = hq // hk
-    cfg = kernel_config("prefill", d, group, q.device, config)
+    cfg = kernel_config("prefill", d, group, q.device, config, ieee=q.dtype == torch.float32)
     if cfg["TMA"]:
         from . import prefill_tma
 
