@@ -279,4 +279,6 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
     assert wo == "fp8 weights, decode: QKV proj run `triton-wo`"
     (ref,) = quant_lines(engine("reference"))
     assert "run `reference` -> fallback: the weight is dequantised for a bf16 GEMM" in ref
+    (dq,) = quant_lines(engine("dequant-cublas"))
+    assert "run `dequant-cublas` -> dequantise then bf16 GEMM" in dq and "fallback" not in dq
     assert quant_lines(engine("cublas", fmt=None)) == []

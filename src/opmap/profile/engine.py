@@ -251,6 +251,9 @@ def quant_lines(llm) -> list:
             if name == "reference":
                 line += (f" -> fallback: the weight is dequantised for a {dn} GEMM on every call "
                          "(twice the weight bytes of a weight-only kernel, or more)")
+            elif name == "dequant-cublas":
+                line += (f" -> dequantise then {dn} GEMM: one pass writes each weight in {dn} per call, then "
+                         "cuBLAS (the many-row path: faster than the weight-only kernel from M = 128, docs/dense.md)")
             out.append(line)
     deq = r.model.dequantised
     if deq:

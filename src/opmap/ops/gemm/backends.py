@@ -1,7 +1,7 @@
 """Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
 weight-only fp8-e4m3 / int8 with per-output-channel scales)."""
 from opmap import registry
-from opmap.registry import Backend, Check, Req
+from opmap.registry import Backend, Check, Prefer, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
 _MOD = "opmap.ops.gemm"
@@ -74,8 +74,13 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="dequant-cublas", provider="opmap-triton", version=registry.triton_version,
-    # below triton-wo until the H200 bench rows (M=256 and 1024) say it wins prefill
-    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1, "sm80": 45, "sm89": 45, "sm90": 45},
+    # Above triton-wo where M >= 128 is known (a decode bucket) or the phase is prefill (on a GPU
+    # a prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs' limit):
+    # 1.12-2.21x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
+    # fp8 and int8 (docs/dense.md). Mixed steps (M unknown, often a few rows) keep triton-wo.
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
+              **{a: Prefer(55, 45, lambda s: (s.m or 0) >= 128 or (s.m is None and s.phase == "prefill"),
+                           "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
     impl={"linear": f"{_MOD}.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
           Req("m", lambda m: m is None or m >= 128, "M >= 128 (prefill: one dequantisation serves many rows)")],
