@@ -215,3 +215,28 @@ def test_profile_kernel_table_on_cpu(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "[decode] operators by host time (CPU run)" in out and "launches/step" in out
+
+
+def test_graph_replayed_phases_name_their_chosen_backends():
+    """A replayed graph's kernels have no operator range: the profile names the op set's choice,
+    marked "(graph)", and keeps what a range did attribute."""
+    from types import SimpleNamespace as NS
+
+    from opmap.profile.engine import graph_backends
+
+    def choice(op, phase, name):
+        return ("x", "entry", NS(op=op, spec=NS(phase=phase), backend=NS(name=name)))
+
+    padded = NS(choices=[choice("gemm", "prefill", "cublas"), choice("attention", "prefill", "triton")])
+    runner = NS(graphs={1: None}, prefill_graphs={128: None}, padded_ops=padded, ops={},
+                decode_ops={1: NS(choices=[choice("attention", "decode", "triton")])})
+    llm = NS(runner=runner, sampler=NS(choices=[]))
+    res = {"phases": {"prefill": {"by_category": {"attention": 5.0, "GEMM": 3.0, "norm": 0.0},
+                                  "backends": {"GEMM": {"cublas-range"}}},
+                      "decode": {"by_category": {"attention": 1.0}, "backends": {}},
+                      "mixed": {"by_category": {"attention": 1.0}, "backends": {}}}}
+    graph_backends(res, llm)
+    ph = res["phases"]
+    assert ph["prefill"]["backends"] == {"GEMM": {"cublas-range"}, "attention": {"triton (graph)"}}
+    assert ph["decode"]["backends"] == {"attention": {"triton (graph)"}}
+    assert ph["mixed"]["backends"] == {}  # mixed steps run eagerly: nothing to fill in

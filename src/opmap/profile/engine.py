@@ -219,6 +219,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     with open(path) as f:
         doc = json.load(f)
     res = analyse(doc, moe=llm.cfg.is_moe)
+    graph_backends(res, llm)
     from . import analyze, trace
 
     res["analysis"] = analyze.analyze(trace.from_chrome(doc, path))  # what `opmap profile --trace` makes of it
@@ -267,9 +268,26 @@ def quant_lines(llm) -> list:
     return out
 
 
+def graph_backends(res: dict, llm) -> None:
+    """A replayed CUDA graph has no operator ranges, so its kernels carry no backend: name the
+    backend the runner's op set chose for each such category, marked "(graph)"."""
+    r = llm.runner
+    replayed = {"decode": bool(r.graphs), "prefill": bool(getattr(r, "prefill_graphs", None))}
+    chosen = phase_backends(llm)
+    for name, p in res["phases"].items():
+        if not replayed.get(name):
+            continue
+        for (op, phase), be in chosen.items():
+            cat = OP_CATEGORY.get(op)
+            if phase == name and cat and p["by_category"].get(cat) and not p["backends"].get(cat):
+                p["backends"].setdefault(cat, set()).add(f"{be} (graph)")
+
+
 def _choices(runner):
-    """(label, Choice) of every op set of the runner: prefill, mixed, each decode bucket."""
-    for ops in [*runner.ops.values(), *runner.decode_ops.values()]:
+    """(label, Choice) of every op set of the runner: padded prefill (graph-replayed where
+    captured), prefill, mixed, each decode bucket."""
+    padded = getattr(runner, "padded_ops", None)
+    for ops in [*([padded] if padded is not None else []), *runner.ops.values(), *runner.decode_ops.values()]:
         for label, _, c in ops.choices:
             yield label, c
 
