@@ -75,7 +75,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="dequant-cublas", provider="opmap-triton", version=registry.triton_version,
     # Above triton-wo where M >= 128 is known (a decode bucket) or the phase is prefill (on a GPU
-    # a prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs' limit):
+    # an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs'
+    # limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill):
     # 1.12-2.21x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
     # fp8 and int8 (docs/dense.md). Mixed steps (M unknown, often a few rows) keep triton-wo.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
