@@ -43,7 +43,7 @@ def _prefill(run, bm, lengths, seed=0):
     return Batch([Scheduled(s, 0, s.num_tokens) for s in seqs])
 
 
-@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3moe", "tiny-gemma2"])
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3moe", "tiny-gemma2", "tiny-deepseek"])
 def test_padded_prefill_step_gives_the_unpadded_logits(single_thread, name):
     """A prefill step padded to its token bucket, as on a GPU (the padding a trailing sequence of
     slot -1 rows, empty sequence slots after it): the sampled rows' logits are the unpadded
@@ -51,18 +51,21 @@ def test_padded_prefill_step_gives_the_unpadded_logits(single_thread, name):
     llm = LLM(name, max_num_seqs=4, num_pages=64)
     run, bm = llm.runner, llm.bm
     assert run.prefill_buckets == []  # the CPU runs its prefill steps as they are
-    batch = _prefill(run, bm, (5, 37, 1))
+    mla = run.cfg.is_mla
+    batch = _prefill(run, bm, (37,) if mla else (5, 37, 1))
     assert batch.phase == "prefill"
     ref = run.run(batch).clone()
     run.prefill_buckets = token_buckets(256)
-    assert run.prefill_bucket(batch) == 128
+    assert run.prefill_bucket(batch) == 128 and run.prefill_slots(128) == (2 if mla else 5)
     got = run.run(batch)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     s = Sequence(list(range(1, 30)))
     bm.allocate(s, 29)
     part = Batch([Scheduled(s, 0, 20)])  # a first chunk: samples nothing
     assert run.prefill_bucket(part) == 128 and run.run(part) is None
-    assert run.prefill_bucket(Batch([Scheduled(s, 20, 9)])) == 128  # over a cached prefix too
+    # over a cached prefix, or several sequences: MLA's steps run unpadded
+    assert run.prefill_bucket(Batch([Scheduled(s, 20, 9)])) == (None if mla else 128)
+    assert run.prefill_bucket(_prefill(run, bm, (3, 4), seed=1)) == (None if mla else 128)
     llm.close()
 
 

@@ -274,6 +274,23 @@ def test_append_scale_keyword_alias():
         ap.append_mla(ckv, kpe, a, slots, s, scale=s)
 
 
+def test_prefill_padded_step_with_bucket_hints():
+    """The engine's padded MLA prefill step (runner.prefill_bucket): one prompt, then a padding
+    sequence up to the token bucket, with the bucket as both length hints (the fixed plan of its
+    CUDA graph): the prompt's rows are those of the unpadded call."""
+    g = torch.Generator().manual_seed(23)
+    Dn, Dv = 16, 16
+    pc = make_cache([37, 27], R, DR, 16, torch.float16, gen=g)  # a 37-token prompt, padding to 64
+    qn, qp = torch.randn(64, H, Dn, generator=g).half(), torch.randn(64, H, DR, generator=g).half()
+    wk, wv = (torch.randn(H, Dn, R, generator=g) / 4).half(), (torch.randn(H, Dv, R, generator=g) / 4).half()
+    cu = torch.tensor([0, 37, 64], dtype=torch.int32)
+    got = pf.mla_prefill(qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables, scale=0.2, max_q_len=64,
+                         max_seq_len=64)
+    want = ref.mla_prefill(qn[:37], qp[:37], pc.cache, wk, wv, cu[:2], pc.seq_lens[:1], pc.block_tables[:1],
+                           scale=0.2)
+    assert_close(got[:37], want, scale=2.0)
+
+
 def test_prefill_empty_sequence_with_padding_table_row():
     """A sequence with no new tokens and no pages may carry -1 padding in its table row."""
     g = torch.Generator().manual_seed(17)

@@ -153,13 +153,10 @@ class ModelRunner:
         cap = self.num_pages * self.page
         self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
-        # Padded prefill steps up to the token limit, where a step can hold that many tokens. Not
-        # MLA: its prefill up-projects the latent cache of every sequence slot over the longest
-        # length, planned on the host, so empty slots and a bucket-long hint multiply its work.
-        limit = min(ecfg.prefill_graph_tokens, self.max_tokens, self.max_seqs * self.max_model_len) if on_gpu else 0
-        if cfg.is_mla and limit:
-            limit = 0
-            self.prefill_graphs_off = self.prefill_graphs_off or "MLA prefill plans its chunks on the host"
+        # Padded prefill steps up to the token limit, where a step can hold that many tokens (MLA's:
+        # one sequence, see prefill_bucket).
+        seqs = 1 if cfg.is_mla else self.max_seqs
+        limit = min(ecfg.prefill_graph_tokens, self.max_tokens, seqs * self.max_model_len) if on_gpu else 0
         self.prefill_buckets = token_buckets(limit)
         # The padding sequence (< PREFILL_BUCKET tokens) reads its pages from its own row too.
         width = max(self.max_pages_per_seq, -(-PREFILL_BUCKET // self.page))
@@ -333,20 +330,28 @@ class ModelRunner:
 
     # ---- padded prefill steps ------------------------------------------------------------------
     def prefill_bucket(self, batch: Batch) -> Optional[int]:
-        """The token bucket of a prefill step that is padded (and replayed from its graph), or None."""
+        """The token bucket of a prefill step that is padded (and replayed from its graph), or None.
+        MLA's prefill up-projects the latent cache of every sequence slot over the longest length
+        (the bucket, its host-side chunk plan's hint), so empty slots would multiply its work: its
+        padded steps are the single-sequence ones with no cached prefix (a prompt's first chunk,
+        the time to first token of a lone request), in two slots."""
         if batch.phase != "prefill" or not self.prefill_buckets or batch.num_tokens > self.prefill_buckets[-1]:
+            return None
+        if self.cfg.is_mla and (len(batch.items) > 1 or batch.items[0].start):
             return None
         return next(b for b in self.prefill_buckets if b >= batch.num_tokens)
 
     def prefill_slots(self, tb: int) -> int:
-        """Sequence slots of a padded step: as many sequences as it can hold, and the padding one."""
-        return min(self.max_seqs, tb) + 1
+        """Sequence slots of a padded step: as many sequences as it can hold (one for MLA), and
+        the padding one."""
+        return (1 if self.cfg.is_mla else min(self.max_seqs, tb)) + 1
 
     def _padded_rows(self, tb: int) -> tuple:
         """The layers of a padded prefill step (metadata already filled), then the rows of the
-        logits slots: (out, residual), [slots, hidden] each."""
+        logits slots: (out, residual), [slots, hidden] each. The longest query and sequence are
+        the bucket (every length fits in it: MLA's chunk plan reads them)."""
         S = self.prefill_slots(tb)
-        st = self._step(tb, S, None, False, S)
+        st = self._step(tb, S, None, False, S, longest=(tb, tb))
         out, residual = self.model.layers(self.padded_ops, st, self.kv)
         return out[st.logits_idx], residual[st.logits_idx]
 

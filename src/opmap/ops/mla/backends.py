@@ -33,9 +33,11 @@ def _sparse_decode_only(spec):
     return None
 
 
-def _graph_decode_only(spec):
-    if spec.cuda_graph and spec.phase != "decode":
-        return f"{spec.phase} plans its chunks on the host (reads lengths): not CUDA-graph capturable"
+def _graph_decode_or_prefill(spec):
+    # The prefill plans its chunks from max_q_len / max_seq_len: given them (the engine's padded
+    # steps pass the token bucket) it reads nothing on the host; a mixed step's would.
+    if spec.cuda_graph and spec.phase == "mixed":
+        return "a mixed step plans its chunks on the host (reads lengths): not CUDA-graph capturable"
     return None
 
 
@@ -56,7 +58,7 @@ NO_WINDOW = Req("sliding_window", (False,), "no sliding window")
 NO_CAP = Req("soft_cap", (False,), "no logit soft-cap")
 ROPE = Check("head_dim = R + Dr > head_dim_v = R", _rope_part, "head_dim")
 SPARSE = Check("sparse only in decode", _sparse_decode_only, "sparse")
-GRAPH = Check("CUDA graph: decode only", _graph_decode_only, "cuda_graph")
+GRAPH = Check("CUDA graph: decode, or prefill with its length hints", _graph_decode_or_prefill, "cuda_graph")
 ENTRIES = ("mla_decode", "mla_prefill", "mla_sparse_decode")
 
 registry.register(Backend(
