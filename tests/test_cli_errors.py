@@ -37,6 +37,7 @@ def _main(argv) -> int:
     (["--backend", "nosuchop=triton"], 2, "no op 'nosuchop'"),
     (["--num-requests", "-1"], 2, "--num-requests"),
     (["--num-pages", "0"], 2, "--num-pages"),
+    (["--prefill-graph-tokens", "-5"], 2, "--prefill-graph-tokens"),
     (["--json", "/no/such/folder/out.json"], 2, "does not exist"),
 ])
 def test_bad_flags_are_one_line(extra, code, words, capsys):

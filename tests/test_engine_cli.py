@@ -29,6 +29,17 @@ def test_run_synthetic_workload(tmp_path, capsys, single_thread):
     assert all(2 <= o["num_tokens"] <= 6 for o in doc["outputs"])
 
 
+def test_prefill_graph_tokens_reaches_the_engine(monkeypatch):
+    from opmap import cli_run
+
+    seen = {}
+    monkeypatch.setattr("opmap.engine.llm.LLM", lambda model, **kw: seen.update(kw))
+    cli_run._build(parse("run", "--model", "tiny-llama3", "--prefill-graph-tokens", "0"))
+    assert seen["prefill_graph_tokens"] == 0
+    cli_run._build(parse("run", "--model", "tiny-llama3"))
+    assert seen["prefill_graph_tokens"] == 2048  # EngineConfig's default
+
+
 def test_run_prompt_text(capsys, single_thread):
     a = parse("run", "--model", "tiny-llama3", "--prompt", "hi there", "--max-tokens", "3", "--no-progress")
     assert a.func(a) == 0

@@ -47,6 +47,16 @@ def _positive(s: str) -> int:
     return v
 
 
+def _non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected an integer >= 0") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected an integer >= 0")
+    return v
+
+
 def _fraction(s: str) -> float:
     try:
         v = float(s)
@@ -82,6 +92,11 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--gpu-memory-fraction", type=_fraction, default=0.85)
     p.add_argument("--num-pages", type=_positive, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill steps run eagerly)")
+    from .engine.config import EngineConfig
+
+    p.add_argument("--prefill-graph-tokens", type=_non_negative, default=EngineConfig.prefill_graph_tokens,
+                   help="on a GPU, prefill steps of at most this many tokens are padded to 128-token buckets and "
+                        "replayed from CUDA graphs captured at start-up (0: eager, unpadded prefill)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the start-up warm-up (two requests that compile the kernels of a prefill, a mixed "
                         "and a decode step; on by default on a GPU), so the first requests carry the compiles")
@@ -152,7 +167,8 @@ def _build(args, **extra):
                max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
-               enforce_eager=args.enforce_eager, async_decode=not args.lockstep,
+               enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
+               async_decode=not args.lockstep,
                warmup=False if args.no_warmup else None,
                prefix_caching=not args.no_prefix_caching,
                chunked_prefill=not args.no_chunked_prefill, seed=args.seed,
