@@ -160,6 +160,8 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) <= 40 and out[0] == "opmap report: llama3-8b (llama, 32 layers) planned for sm90"
     assert out[-1].startswith("wrote ") and "report.md" in out[-1]
+    # the engine's padded prefill steps (CUDA graphs) run the capturable attention backend
+    assert "    prefill steps of up to 2048 tokens, replayed from CUDA graphs: `triton` (opmap-triton)" in out
     doc = json.loads((tmp_path / "p" / "report.json").read_text())
     assert doc["planned"] and doc["arch"] == "sm90" and doc["baseline_gpu"] == "h200"
     dec = {r["label"]: r for r in doc["operators"]["decode"]}

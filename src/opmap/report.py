@@ -72,8 +72,15 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
     pc, pe = _try("attention", ps)
     dc, de = _try("attention", ds)
     contiguous, ce = _try("attention", ds.replace(paged=False))
-    lines = [f"prefill ({pl}): {_name(pc, pe)}", f"decode ({dl}, paged, page {ds.page_size}): {_name(dc, de)}",
-             f"decode on contiguous KV (not paged): {_name(contiguous, ce)}"]
+    lines = [f"prefill ({pl}): {_name(pc, pe)}"]
+    if arch != "cpu" and not ps.cuda_graph:  # the engine's padded prefill steps replay CUDA graphs
+        from .engine.config import EngineConfig
+
+        gc, ge = _try("attention", ps.replace(cuda_graph=True))
+        lines.append(f"prefill steps of up to {EngineConfig.prefill_graph_tokens} tokens"
+                     f"{' (one sequence)' if cfg.is_mla else ''}, replayed from CUDA graphs: {_name(gc, ge)}")
+    lines += [f"decode ({dl}, paged, page {ds.page_size}): {_name(dc, de)}",
+              f"decode on contiguous KV (not paged): {_name(contiguous, ce)}"]
     if pc and dc:
         lines.append("paged decode runs the same backend as prefill" if pc.name == dc.name else
                      f"paged decode runs a different backend from prefill ({dc.name} vs {pc.name})")
