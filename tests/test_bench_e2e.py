@@ -54,6 +54,9 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
     assert e2e._engine_name(_L) == "opmap-engine"
     monkeypatch.setenv("OPMAP_PDL", "0")
     assert e2e._engine_name(_L) == "opmap-engine[no-pdl]"
+    monkeypatch.delenv("OPMAP_PDL")
+    _L.ecfg.prefill_graph_tokens = 4096  # a non-default prefill graph limit names its rows
+    assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096]"
 
 
 def test_quantised_engine_cases_and_floor(single_thread):

@@ -64,16 +64,20 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
 
 
 def _engine_name(llm) -> str:
-    """opmap-engine, tagged with what differs from the defaults (lockstep decode; PDL off). The
-    record's environment.settings lists every OPMAP_* switch."""
+    """opmap-engine, tagged with what differs from the defaults (lockstep decode; PDL off; the
+    prefill graphs' token limit). The record's environment.settings lists every OPMAP_* switch."""
     import os
+
+    from opmap.engine.config import EngineConfig
 
     tags = ["lockstep"] if not llm.ecfg.async_decode else []
     tags += ["no-pdl"] if os.environ.get("OPMAP_PDL", "1") == "0" else []
+    graphs = getattr(llm.ecfg, "prefill_graph_tokens", EngineConfig.prefill_graph_tokens)
+    tags += [f"prefill-graphs={graphs}"] if graphs != EngineConfig.prefill_graph_tokens else []
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
-def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
+def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None):
     from opmap.engine.llm import LLM
     from opmap.presets import get_preset
 
@@ -81,7 +85,8 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False):
     cfg = get_preset(base)
     llm = LLM(base, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
               max_num_batched_tokens=4096, max_model_len=4096, gpu_memory_fraction=0.9,  # HF runs after, alone
-              async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv)
+              async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv,
+              **({} if prefill_graph_tokens is None else {"prefill_graph_tokens": prefill_graph_tokens}))
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
@@ -309,13 +314,14 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
 
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
-            hf: bool = True, lockstep: bool = False) -> tuple:
+            hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
     save what is finished before a long run is cut off (a compiled HF peer of an MoE model took
     about three minutes to compile per batch size on the H200). ``models`` are the cases' model
     names as written: "llama3-8b" is the bf16 rows, "llama3-8b:fp8" those with fp8 weights. ``kinds`` keeps only those cases by their batch
-    field: "1", "32", "64", "128", "workload", "json32"."""
+    field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``: the engine's
+    (None: its default)."""
     import torch
 
     from opmap import hw
@@ -328,7 +334,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
-        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep)), ("hf-transformers-eager", _hf),
+        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep,
+                                                                prefill_graph_tokens=prefill_graph_tokens)), ("hf-transformers-eager", _hf),
                  ("hf-transformers-static-compile", _hf_static))
         for who, fn in sides if hf else sides[:1]:
             if progress:
@@ -361,6 +368,8 @@ def main(argv=None) -> int:
                     help="only these cases (by batch: 1, 32, 64, 128, the 256-request workload, JSON at batch 32)")
     ap.add_argument("--no-hf", action="store_true", help="only the engine (no HF transformers runs)")
     ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
+                    help="the engine's prefill CUDA-graph token limit (default: the engine's; rows tagged when not)")
     a = ap.parse_args(argv)
 
     def doc_of(recs, skipped):
@@ -374,7 +383,7 @@ def main(argv=None) -> int:
         # the complete files replace the partial one
 
     recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
-                            lockstep=a.lockstep)
+                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens)
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
