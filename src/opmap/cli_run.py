@@ -37,24 +37,22 @@ def _backend(s: str) -> tuple:
     return op, name
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected a positive integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected a positive integer")
-    return v
+def _int_at_least(lo: int, what: str):
+    """An argparse type: an integer >= ``lo`` (``what`` names it in the error)."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected {what}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected {what}")
+        return v
+
+    return parse
 
 
-def _non_negative(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected an integer >= 0") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected an integer >= 0")
-    return v
+_positive = _int_at_least(1, "a positive integer")
+_non_negative = _int_at_least(0, "an integer >= 0")
 
 
 def _fraction(s: str) -> float:

@@ -264,11 +264,8 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     ceil = hw.ceilings(measure=True)
     cases, errors = select_cases(ops, model, quick, providers, variants)
     n = default_workers() if warm_workers is None else warm_workers
-    if warmed is not None:
-        warm = warmed()
-    else:
-        warm = _warm_compiles(cases, n, dict(ops=ops, model=model, quick=quick, providers=providers,
-                                             variants=variants), progress) if n > 1 and len(cases) > 1 else None
+    args = dict(ops=ops, model=model, quick=quick, providers=providers, variants=variants)
+    warm = (warmed or _start_warm(cases, n, args, progress))()
     results, skipped = [], []
     device = torch.device("cuda")
 
@@ -308,10 +305,14 @@ def warm_in_background(ops=None, model=None, quick=False, warm_workers: Optional
 
     cases, _ = select_cases(ops, model, quick)
     n = default_workers() if warm_workers is None else warm_workers
+    return _start_warm(cases, n, dict(ops=ops, model=model, quick=quick, providers=None, variants=False), progress)
+
+
+def _start_warm(cases: list, n: int, args: dict, progress: bool) -> Callable[[], Optional[dict]]:
+    """``_warm_compiles`` in a thread (none for one worker or one case); returns its waiter."""
     if n <= 1 or len(cases) <= 1:
         return lambda: None
     box: dict = {}
-    args = dict(ops=ops, model=model, quick=quick, providers=None, variants=False)
     t = threading.Thread(target=lambda: box.update(warm=_warm_compiles(cases, n, args, progress)), daemon=True)
     t.start()
 

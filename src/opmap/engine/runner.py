@@ -155,8 +155,9 @@ class ModelRunner:
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
         # Padded prefill steps up to the token limit, where a step can hold that many tokens (MLA's:
         # one sequence, see prefill_bucket).
-        seqs = 1 if cfg.is_mla else self.max_seqs
-        limit = min(ecfg.prefill_graph_tokens, self.max_tokens, seqs * self.max_model_len) if on_gpu else 0
+        self.padded_seqs = 1 if cfg.is_mla else self.max_seqs  # real sequences a padded step holds
+        limit = (min(ecfg.prefill_graph_tokens, self.max_tokens, self.padded_seqs * self.max_model_len)
+                 if on_gpu else 0)
         self.prefill_buckets = token_buckets(limit)
         # The padding sequence (< PREFILL_BUCKET tokens) reads its pages from its own row too.
         width = max(self.max_pages_per_seq, -(-PREFILL_BUCKET // self.page))
@@ -337,14 +338,14 @@ class ModelRunner:
         the time to first token of a lone request), in two slots."""
         if batch.phase != "prefill" or not self.prefill_buckets or batch.num_tokens > self.prefill_buckets[-1]:
             return None
-        if self.cfg.is_mla and (len(batch.items) > 1 or batch.items[0].start):
+        if len(batch.items) > self.padded_seqs or (self.cfg.is_mla and batch.items[0].start):
             return None
         return next(b for b in self.prefill_buckets if b >= batch.num_tokens)
 
     def prefill_slots(self, tb: int) -> int:
         """Sequence slots of a padded step: as many sequences as it can hold (one for MLA), and
         the padding one."""
-        return (1 if self.cfg.is_mla else min(self.max_seqs, tb)) + 1
+        return min(self.padded_seqs, tb) + 1
 
     def _padded_rows(self, tb: int) -> tuple:
         """The layers of a padded prefill step (metadata already filled), then the rows of the

@@ -334,8 +334,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
     for model in dict.fromkeys(m for m, *_ in todo):
         mine = [c for c in todo if c[0] == model]
-        sides = (("opmap-engine", functools.partial(_engine, lockstep=lockstep,
-                                                                prefill_graph_tokens=prefill_graph_tokens)), ("hf-transformers-eager", _hf),
+        engine = functools.partial(_engine, lockstep=lockstep, prefill_graph_tokens=prefill_graph_tokens)
+        sides = (("opmap-engine", engine), ("hf-transformers-eager", _hf),
                  ("hf-transformers-static-compile", _hf_static))
         for who, fn in sides if hf else sides[:1]:
             if progress:
