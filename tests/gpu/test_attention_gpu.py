@@ -246,6 +246,24 @@ def test_prefill_batch_invariance_bitwise():
     assert torch.equal(one, full[1000:1700])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_tile_variants(fp8):
+    """Every decode tiling the benchmark's variant rows time (K/V one tile ahead in registers,
+    page-id prefetch on large grids, 8 warps, 32-key tiles) gives the reference's result at the
+    edges of pages and splits."""
+    from opmap.bench.cases.attention import VARIANTS
+
+    seq = [1, 15, 16, 17, 300, 4097, 8192, 0]
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
+    q, _ = make_query([1] * len(seq), 32, 128, dtype=BF, device=DEV)
+    kw = dict(scale=128 ** -0.5, return_lse=True, **pc.kw)
+    ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
+    for cfg in VARIANTS["decode"]:
+        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, config=cfg, **kw)
+        _close(out, ref, scale=2.0 if fp8 else 1.0, what=str(cfg))
+        _lse_ok(lse, ref_lse)
+
+
 def test_decode_fp8_fp16_dots_with_queries_past_fp16():
     """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (ops/attention/fp8.py);
     bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a power of two), at the

@@ -71,14 +71,18 @@ def _contiguous(inp, repeat=False):
 # Alternative tiles timed in the full run (ours only), so one GPU run also tunes the defaults.
 # PREFETCH=0: the page-id load inside the iteration, as before the prefetch (see
 # ops/attention/common.py): the row that measures what the pipelining change did.
-VARIANTS = {"decode": [dict(BLOCK_N=32, num_stages=4), dict(BLOCK_N=32, num_stages=3), dict(BLOCK_N=128, num_stages=2),
-                       dict(num_warps=8), dict(PREFETCH=0)],
+# decode: the page-id prefetch where the default turns it off (large grids), and the K/V tiles
+# loaded one iteration ahead into registers (KV_AHEAD) at 64, 32 keys and on 8 warps
+VARIANTS = {"decode": [dict(PREFETCH=1), dict(PREFETCH=1, num_warps=8), dict(KV_AHEAD=1, num_stages=1),
+                       dict(KV_AHEAD=1, num_stages=1, num_warps=8), dict(KV_AHEAD=1, num_stages=1, BLOCK_N=32),
+                       dict(PREFETCH=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
                         dict(PREFETCH=0)]}
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
+             "KV_AHEAD": "ahead"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
@@ -204,12 +208,10 @@ def _decode_case(B, L, fp8, quick):
     elt = 1 if fp8 else 2
     nbytes = 2 * B * L * HK * D * elt + 2 * B * HQ * D * 2
     provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
+    # tile variants (timed with --variants only), in the quick grid too, on fp8 caches as well
+    provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
-        # tile variants, on fp8 caches too: the fp16-dot fp8 build fits 3 programs an SM (138
-        # registers, 68 KB), so B=64 x 8 KV heads (one split) is 512 programs on 396 slots: two
-        # rounds; 32-key tiles fit 4 (112 registers, 37-45 KB): one.
-        provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
             # picks one of them by B x Hk: decode.auto_min_chunk): at B=1, kv=1152 the engine's

@@ -94,7 +94,8 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
                    Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
-                   PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
+                   PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False,
+                   KV_AHEAD: tl.constexpr = 0):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
     tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
@@ -116,20 +117,30 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b * s_bt
     # PREFETCH (common._default_config): the next tile's page ids are loaded one iteration ahead.
+    # KV_AHEAD: the next tile's K and V too, into registers (the tile's own wait then falls in
+    # the next iteration, so two tiles' copies are in flight per program); page ids two ahead.
     pg_next = _pages(bt_row, start0, end, PAGE, BLOCK_N)
+    if KV_AHEAD:
+        k_next, v_next = _kv_tile(kc_ptr, vc_ptr, pg_next, start0, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs,
+                                  s_vh, PAGE, BLOCK_N)
+        pg_next = _pages(bt_row, start0 + BLOCK_N, end, PAGE, BLOCK_N)
     for start in range(start0, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         mj = j < end
-        if PREFETCH:
-            pg = pg_next.to(tl.int64)
-            pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
+        if KV_AHEAD:
+            k = k_next
+            v = v_next
+            k_next, v_next = _kv_tile(kc_ptr, vc_ptr, pg_next, start + BLOCK_N, end, kvh, d, dv, s_kp, s_ks, s_kh,
+                                      s_vp, s_vs, s_vh, PAGE, BLOCK_N)
+            pg_next = _pages(bt_row, start + 2 * BLOCK_N, end, PAGE, BLOCK_N)
         else:
-            pg = _pages(bt_row, start, end, PAGE, BLOCK_N).to(tl.int64)
-        slot = j % PAGE
-        k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=mj[:, None],
-                    other=0.0)
-        v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
-                    other=0.0)
+            if PREFETCH:
+                pg = pg_next
+                pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
+            else:
+                pg = _pages(bt_row, start, end, PAGE, BLOCK_N)
+            k, v = _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE,
+                            BLOCK_N)
         if ASM:
             k = e4m3_to_f16(k)
             v = e4m3_to_f16(v)
@@ -152,6 +163,20 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
+
+
+@triton.jit
+def _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """The K and V tile of keys [start, start + BLOCK_N) (``pg``: their page ids); rows at or past
+    ``end`` are not read (zeros)."""
+    j = start + tl.arange(0, BLOCK_N)
+    mj = (j < end)[:, None]
+    row = pg.to(tl.int64) * s_kp + (j % PAGE) * s_ks + kvh * s_kh
+    vrow = pg.to(tl.int64) * s_vp + (j % PAGE) * s_vs + kvh * s_vh
+    k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=mj, other=0.0)
+    v = tl.load(vc_ptr + vrow[:, None] + dv[None, :], mask=mj, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -308,7 +333,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], **dots,
+        PREFETCH=cfg["PREFETCH"], KV_AHEAD=cfg["KV_AHEAD"], **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
