@@ -95,9 +95,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
                    Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False,
-                   KV_AHEAD: tl.constexpr = 0):
+                   QK8: tl.constexpr = 0):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
-    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
+    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter). QK8 (with F16,
+    bf16 queries): the score dot on the fp8 K tile as it is, with q as two e4m3 terms (q's 8
+    significant bits)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -107,47 +109,46 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     dv = tl.arange(0, DV)
     q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
-    if F16:
+    qk_scale = scale * k_mul * 1.4426950408889634
+    if QK8:
+        # q as two e4m3 terms at a scale per head (its largest magnitude to 448): hi, and the
+        # residual times 16 (q's 8 significant bits, as bf16 has); the scores' scale per row
+        qa = tl.max(tl.abs(q.to(tl.float32)), 1)
+        qs = tl.where(qa > 0, qa / 448.0, 1.0)
+        qn = q.to(tl.float32) / qs[:, None]
+        q = qn.to(tl.float8e4nv)
+        q_lo = ((qn - q.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    elif F16:
         qf = f16_factor(absmax(q))
         q = scaled_f16(q, qf)
         k_mul = k_mul * qf  # the scores' scale; v_mul (the output's) is q-free
-    qk_scale = scale * k_mul * 1.4426950408889634
+        qk_scale = scale * k_mul * 1.4426950408889634
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     bt_row = bt_ptr + b * s_bt
     # PREFETCH (common._default_config): the next tile's page ids are loaded one iteration ahead.
-    # KV_AHEAD: the next tile's K and V too, into registers (the tile's own wait then falls in
-    # the next iteration, so two tiles' copies are in flight per program); page ids two ahead.
     pg_next = _pages(bt_row, start0, end, PAGE, BLOCK_N)
-    if KV_AHEAD:
-        k_next, v_next = _kv_tile(kc_ptr, vc_ptr, pg_next, start0, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs,
-                                  s_vh, PAGE, BLOCK_N)
-        pg_next = _pages(bt_row, start0 + BLOCK_N, end, PAGE, BLOCK_N)
     for start in range(start0, end, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         mj = j < end
-        if KV_AHEAD:
-            k = k_next
-            v = v_next
-            k_next, v_next = _kv_tile(kc_ptr, vc_ptr, pg_next, start + BLOCK_N, end, kvh, d, dv, s_kp, s_ks, s_kh,
-                                      s_vp, s_vs, s_vh, PAGE, BLOCK_N)
-            pg_next = _pages(bt_row, start + 2 * BLOCK_N, end, PAGE, BLOCK_N)
+        if PREFETCH:
+            pg = pg_next
+            pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
         else:
-            if PREFETCH:
-                pg = pg_next
-                pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
-            else:
-                pg = _pages(bt_row, start, end, PAGE, BLOCK_N)
-            k, v = _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE,
-                            BLOCK_N)
+            pg = _pages(bt_row, start, end, PAGE, BLOCK_N)
+        k, v = _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE, BLOCK_N)
         if ASM:
-            k = e4m3_to_f16(k)
+            if not QK8:
+                k = e4m3_to_f16(k)
             v = e4m3_to_f16(v)
         else:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            if not QK8:
+                k = k.to(q.dtype)
+            v = v.to(tl.float16 if QK8 else q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)
+        if QK8:
+            s = (s + tl.dot(q_lo, tl.trans(k)) * 0.0625) * qs[:, None]
         if HAS_CAP:
             s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
         else:
@@ -333,7 +334,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], KV_AHEAD=cfg["KV_AHEAD"], **dots,
+        PREFETCH=cfg["PREFETCH"], QK8=int(bool(cfg["QK8"]) and dots["F16"] and q.dtype == torch.bfloat16), **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
