@@ -203,8 +203,8 @@ def test_page_prefetch_changes_nothing(win, cap):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     qd, _ = make_query([1] * len(seq), 8, 64, dtype=F16)
     ws = D.make_workspace(len(seq), 8, 64, device="cpu", min_chunk=32)
-    runs = [D.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws, config=c, **kw)
-            for c in (dict(PREFETCH=0), dict(PREFETCH=1))]
+    runs = [D.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, workspace=ws,
+                     config=dict(PREFETCH=p), **kw) for p in (0, 1)]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     ref = _ref(R.decode, qd, pc, pc.seq_lens, pc.block_tables, **kw)
     _check(runs[1][0], runs[1][1], ref[0], ref[1], F16, False)

@@ -94,12 +94,9 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
                    Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
-                   PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False,
-                   QK8: tl.constexpr = 0):
+                   PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
-    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter). QK8 (with F16,
-    bf16 queries): the score dot on the fp8 K tile as it is, with q as two e4m3 terms (q's 8
-    significant bits)."""
+    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -109,20 +106,11 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     dv = tl.arange(0, DV)
     q = tl.load(q_ptr + row * s_qb + head[:, None] * s_qh + d[None, :], mask=row_ok[:, None], other=0.0)
     k_mul, v_mul = _kv_scales(ks_ptr, vs_ptr, kvh, FP8)
-    qk_scale = scale * k_mul * 1.4426950408889634
-    if QK8:
-        # q as two e4m3 terms at a scale per head (its largest magnitude to 448): hi, and the
-        # residual times 16 (q's 8 significant bits, as bf16 has); the scores' scale per row
-        qa = tl.max(tl.abs(q.to(tl.float32)), 1)
-        qs = tl.where(qa > 0, qa / 448.0, 1.0)
-        qn = q.to(tl.float32) / qs[:, None]
-        q = qn.to(tl.float8e4nv)
-        q_lo = ((qn - q.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-    elif F16:
+    if F16:
         qf = f16_factor(absmax(q))
         q = scaled_f16(q, qf)
         k_mul = k_mul * qf  # the scores' scale; v_mul (the output's) is q-free
-        qk_scale = scale * k_mul * 1.4426950408889634
+    qk_scale = scale * k_mul * 1.4426950408889634
     acc = tl.zeros([BLOCK_H, DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -133,22 +121,22 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
         j = start + tl.arange(0, BLOCK_N)
         mj = j < end
         if PREFETCH:
-            pg = pg_next
+            pg = pg_next.to(tl.int64)
             pg_next = _pages(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
         else:
-            pg = _pages(bt_row, start, end, PAGE, BLOCK_N)
-        k, v = _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE, BLOCK_N)
+            pg = _pages(bt_row, start, end, PAGE, BLOCK_N).to(tl.int64)
+        slot = j % PAGE
+        k = tl.load(kc_ptr + (pg * s_kp + slot * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=mj[:, None],
+                    other=0.0)
+        v = tl.load(vc_ptr + (pg * s_vp + slot * s_vs + kvh * s_vh)[:, None] + dv[None, :], mask=mj[:, None],
+                    other=0.0)
         if ASM:
-            if not QK8:
-                k = e4m3_to_f16(k)
+            k = e4m3_to_f16(k)
             v = e4m3_to_f16(v)
         else:
-            if not QK8:
-                k = k.to(q.dtype)
-            v = v.to(tl.float16 if QK8 else q.dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if IEEE else None)
-        if QK8:
-            s = (s + tl.dot(q_lo, tl.trans(k)) * 0.0625) * qs[:, None]
         if HAS_CAP:
             s = soft_cap * _tanh(s * (scale * k_mul / soft_cap)) * 1.4426950408889634
         else:
@@ -164,20 +152,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
-
-
-@triton.jit
-def _kv_tile(kc_ptr, vc_ptr, pg, start, end, kvh, d, dv, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh, PAGE: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """The K and V tile of keys [start, start + BLOCK_N) (``pg``: their page ids); rows at or past
-    ``end`` are not read (zeros)."""
-    j = start + tl.arange(0, BLOCK_N)
-    mj = (j < end)[:, None]
-    row = pg.to(tl.int64) * s_kp + (j % PAGE) * s_ks + kvh * s_kh
-    vrow = pg.to(tl.int64) * s_vp + (j % PAGE) * s_vs + kvh * s_vh
-    k = tl.load(kc_ptr + row[:, None] + d[None, :], mask=mj, other=0.0)
-    v = tl.load(vc_ptr + vrow[:, None] + dv[None, :], mask=mj, other=0.0)
-    return k, v
 
 
 @triton.jit
@@ -334,7 +308,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], QK8=int(bool(cfg["QK8"]) and dots["F16"] and q.dtype == torch.bfloat16), **dots,
+        PREFETCH=cfg["PREFETCH"], **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
