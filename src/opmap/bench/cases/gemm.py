@@ -70,6 +70,12 @@ def _dequant_cublas(inp):
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
+def _x2(inp):
+    from opmap.ops.gemm import triton_gemm as T
+
+    return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan={"W_KIND": T.W_FP8_X2})
+
+
 def _scaled_mm(inp):
     from opmap.ops.gemm.scaled_mm import linear
 
@@ -101,6 +107,9 @@ def cases(quick: bool) -> list[BenchCase]:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
+                    if fmt == "fp8" and M <= 32:
+                        # the fp8 weight tile straight into fp8 tensor cores, x as two e4m3 terms
+                        provs.append(Provider("opmap-triton[fp8-x2]", _x2))
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))
