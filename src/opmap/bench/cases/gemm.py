@@ -70,10 +70,15 @@ def _dequant_cublas(inp):
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
-def _x2(inp):
-    from opmap.ops.gemm import triton_gemm as T
+def _split(n):
+    def make(inp):
+        from opmap.ops.gemm import triton_gemm as T
 
-    return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan={"W_KIND": T.W_FP8_X2})
+        x, wq = inp["x"], inp["wq"]
+        p = dict(T.plan(x.shape[0], wq.shape[0], wq.shape[1], T._sm_count(x.device), quantised=True), SPLIT=n)
+        return lambda: T.linear(x, wq, None, inp["s"], _plan=p)
+
+    return make
 
 
 def _scaled_mm(inp):
@@ -107,9 +112,9 @@ def cases(quick: bool) -> list[BenchCase]:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
-                    if fmt == "fp8" and M <= 32:
-                        # the fp8 weight tile straight into fp8 tensor cores, x as two e4m3 terms
-                        provs.append(Provider("opmap-triton[fp8-x2]", _x2))
+                    if M <= 32:
+                        # K splits beside the plan's (triton_gemm.plan), timed with --variants
+                        provs += [Provider(f"opmap-triton[split={n}]", _split(n)) for n in (1, 2, 4)]
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

@@ -29,7 +29,7 @@ from ..pdl import enter, gdc_launch_dependents, gdc_wait
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
-W_SAME, W_INT8, W_FP8, W_FP8_BITS, W_FP8_X2 = 0, 1, 2, 3, 4
+W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -61,19 +61,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if W_KIND == 4:
-            # fp8 weights as they are, on fp8 tensor cores: x as two e4m3 terms with a scale per
-            # column and tile (hi, then the residual at its own scale: 8 significant bits)
-            xf = xt.to(tl.float32)
-            a1 = tl.max(tl.abs(xf), 0)
-            s1 = tl.where(a1 > 0, a1 / 448.0, 1.0)
-            h = (xf / s1[None, :]).to(tl.float8e4nv)
-            r = xf - h.to(tl.float32) * s1[None, :]
-            a2 = tl.max(tl.abs(r), 0)
-            s2 = tl.where(a2 > 0, a2 / 448.0, 1.0)
-            lo = (r / s2[None, :]).to(tl.float8e4nv)
-            acc = acc + tl.dot(w, h) * s1[None, :] + tl.dot(w, lo) * s2[None, :]
-        elif W_KIND == 3:
+        if W_KIND == 3:
             # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
             # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
             u = w.to(tl.int16) & 0xFF
@@ -81,8 +69,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             wv = (wv * 256.0).to(xdt)
         else:
             wv = w.to(xdt)
-        if W_KIND != 4:
-            acc = tl.dot(wv, xt, acc, input_precision=PREC)
+        acc = tl.dot(wv, xt, acc, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT == 1:
