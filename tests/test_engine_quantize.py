@@ -282,3 +282,31 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
     (dq,) = quant_lines(engine("dequant-cublas"))
     assert "run `dequant-cublas` -> dequantise then bf16 GEMM" in dq and "fallback" not in dq
     assert quant_lines(engine("cublas", fmt=None)) == []
+
+
+def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_thread):
+    """Quantised weights: an eager mixed step of MANY_ROWS rows or more runs the op set planned at
+    M = MANY_ROWS (on sm90 the weight-only projections then go to dequant-cublas; at M unknown,
+    triton-wo), fewer rows the one planned at M unknown; prefill steps and dense models keep one
+    set. A run whose second prompt prefills beside the first one's decode takes it."""
+    from opmap.engine import runner as R
+    from opmap.select import select
+    from opmap.specs import GemmSpec
+
+    fp8 = dict(arch="sm90", phase="mixed", n=6144, k=4096, dtype="bf16", weight_dtype="fp8")
+    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **fp8)).backend.name == "dequant-cublas"
+    assert select("gemm", GemmSpec(m=None, **fp8)).backend.name == "triton-wo"
+    llm = LLM("tiny-llama3", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, quantize="fp8")
+    run = llm.runner
+    assert run.mixed_many is not None and run.mixed_many.m == R.MANY_ROWS
+    assert run.eager_ops("mixed", R.MANY_ROWS) is run.mixed_many
+    assert run.eager_ops("mixed", R.MANY_ROWS - 1) is run.ops["mixed"]
+    assert run.eager_ops("prefill", 1000) is run.ops["prefill"]
+    used = []
+    real = run.eager_ops
+    run.eager_ops = lambda phase, tokens: used.append((phase, tokens)) or real(phase, tokens)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    out = llm.generate([[5] * 8, [7] * 400], params)  # the second prompt in two chunks
+    assert all(o.error is None and len(o.token_ids) == 4 for o in out)
+    assert any(p == "mixed" and t >= R.MANY_ROWS for p, t in used), used
+    assert LLM("tiny-llama3", max_num_seqs=2).runner.mixed_many is None

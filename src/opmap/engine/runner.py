@@ -39,6 +39,7 @@ from .scheduler import Batch
 log = logging.getLogger("opmap.engine")
 CPU_PAGES = 256
 PREFILL_BUCKET = 128  # tokens: a padded prefill step does at most 127 rows of extra work
+MANY_ROWS = 128  # rows from which dequant-cublas serves weight-only GEMMs (ops/gemm/backends.py)
 
 
 def token_buckets(limit: int) -> list:
@@ -116,6 +117,11 @@ class ModelRunner:
                          ecfg.kv_cache_dtype)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
+        # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned
+        # at that M, where the selector puts the weight-only projections on dequant-cublas (1.10-
+        # 2.50x triton-wo at M = 256 and 1024: docs/dense.md, Decisions); fewer rows keep the set
+        # planned at M unknown (triton-wo). Dense weights choose the same either way: no second set.
+        self.mixed_many = opset("mixed", False, MANY_ROWS) if self.weight_format else None
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         self.prefill_graphs_off = None if self.use_graphs else self.graphs_off_reason
         self.padded_ops = self.ops["prefill"]  # the op set of padded prefill steps (graph-capturable)
@@ -137,7 +143,7 @@ class ModelRunner:
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
             self.decode_ops = {b: opset("decode", False, b) for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.padded_ops, self.ops["mixed"],
-                                         *self.decode_ops.values()])
+                                         *([self.mixed_many] if self.mixed_many else []), *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:
         # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
@@ -322,12 +328,20 @@ class ModelRunner:
             n = len(rows)
             return self.model.head(self.padded_ops, out[:n], residual[:n]) if n else None
         T, B, width, rows, longest = self._fill(items)
-        ops = self.ops[batch.phase if batch.phase in self.ops else "mixed"]
+        ops = self.eager_ops(batch.phase, T)
         st = self._step(T, B, width, False, len(rows), longest=longest)
         if not rows:  # a prefill chunk that samples nothing: the layers only
             self.model.layers(ops, st, self.kv)
             return None
         return self.model.forward(ops, st, self.kv)
+
+    def eager_ops(self, phase: str, tokens: int) -> OpSet:
+        """The op set of an eager (not replayed) step of ``tokens`` rows in ``phase``."""
+        if phase == "prefill":
+            return self.ops["prefill"]
+        if self.mixed_many is not None and tokens >= MANY_ROWS:
+            return self.mixed_many
+        return self.ops["mixed"]
 
     # ---- padded prefill steps ------------------------------------------------------------------
     def prefill_bucket(self, batch: Batch) -> Optional[int]:
