@@ -46,9 +46,12 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
     ds = get_preset("deepseek-v2-lite")
     assert e2e.kv_bytes_per_step(ds, 1, 100, 0) == 100 * ds.layers * (512 + 64) * 2
 
+    from opmap.engine.config import EngineConfig
+
     class _L:
         class ecfg:
             async_decode = True
+            prefill_graph_tokens = EngineConfig.prefill_graph_tokens
 
     monkeypatch.delenv("OPMAP_PDL", raising=False)
     assert e2e._engine_name(_L) == "opmap-engine"

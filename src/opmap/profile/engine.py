@@ -272,7 +272,7 @@ def graph_backends(res: dict, llm) -> None:
     """A replayed CUDA graph has no operator ranges, so its kernels carry no backend: name the
     backend the runner's op set chose for each such category, marked "(graph)"."""
     r = llm.runner
-    replayed = {"decode": bool(r.graphs), "prefill": bool(getattr(r, "prefill_graphs", None))}
+    replayed = {"decode": bool(r.graphs), "prefill": bool(r.prefill_graphs)}
     chosen = phase_backends(llm)
     for name, p in res["phases"].items():
         if not replayed.get(name):
@@ -285,9 +285,10 @@ def graph_backends(res: dict, llm) -> None:
 
 def _choices(runner):
     """(label, Choice) of every op set of the runner: padded prefill (graph-replayed where
-    captured), prefill, mixed, each decode bucket."""
-    padded = getattr(runner, "padded_ops", None)
-    for ops in [*([padded] if padded is not None else []), *runner.ops.values(), *runner.decode_ops.values()]:
+    captured), prefill, mixed (and, with quantised weights, mixed steps of many rows), each decode
+    bucket."""
+    extra = [getattr(runner, "padded_ops", None), *runner.ops.values(), getattr(runner, "mixed_many", None)]
+    for ops in [*(o for o in extra if o is not None), *runner.decode_ops.values()]:
         for label, _, c in ops.choices:
             yield label, c
 

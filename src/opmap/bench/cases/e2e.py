@@ -72,7 +72,7 @@ def _engine_name(llm) -> str:
 
     tags = ["lockstep"] if not llm.ecfg.async_decode else []
     tags += ["no-pdl"] if os.environ.get("OPMAP_PDL", "1") == "0" else []
-    graphs = getattr(llm.ecfg, "prefill_graph_tokens", EngineConfig.prefill_graph_tokens)
+    graphs = llm.ecfg.prefill_graph_tokens
     tags += [f"prefill-graphs={graphs}"] if graphs != EngineConfig.prefill_graph_tokens else []
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 

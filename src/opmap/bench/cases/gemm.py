@@ -74,9 +74,7 @@ def _split(n):
     def make(inp):
         from opmap.ops.gemm import triton_gemm as T
 
-        x, wq = inp["x"], inp["wq"]
-        p = dict(T.plan(x.shape[0], wq.shape[0], wq.shape[1], T._sm_count(x.device), quantised=True), SPLIT=n)
-        return lambda: T.linear(x, wq, None, inp["s"], _plan=p)
+        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan={"SPLIT": n})  # the rest: plan()'s
 
     return make
 
