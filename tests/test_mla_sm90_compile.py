@@ -11,8 +11,8 @@ SCRIPT = r'''
 from opmap.ops.mla import decode_tma as t
 
 sig = {"QN": "*bf16", "QP": "*bf16", "KV_DESC": "tensordesc<bf16[1,64,256]>", "PE_DESC": "tensordesc<bf16[1,64,64]>",
-       "SEQ_LENS": "*i32", "TABLES": "*i32", "O": "*bf16", "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32",
-       "sm_scale": "fp32", "H": "i32", "R": "i32", "DR": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32"}
+       "SEQ_LENS": "*i32", "TABLES": "*i32", "SCALE_PTR": "*fp32", "O": "*bf16", "LSE": "*fp32", "PO": "*fp32",
+       "PLSE": "*fp32", "sm_scale": "fp32", "kv_scale": "fp32", "H": "i32", "R": "i32", "DR": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32"}
 for x in ["s_qnb", "s_qnh", "s_qpb", "s_qph", "s_tb", "s_ob", "s_oh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
     sig[x] = "i32"
 res = {}
@@ -22,7 +22,7 @@ for bh, bn, w, st in [(16, 32, 4, 3), (64, 32, 8, 3)]:
     s = dict(sig, KV_DESC=f"tensordesc<bf16[1,{bn},256]>", PE_DESC=f"tensordesc<bf16[1,{bn},64]>")
     for x in ce:
         s[x] = "constexpr"
-    k = compile_sm90(t._mla_decode_tma_kernel, s, ce, {"num_warps": w, "num_stages": st}, (0, 1, 4, 5, 6, 7, 8, 9))
+    k = compile_sm90(t._mla_decode_tma_kernel, s, ce, {"num_warps": w, "num_stages": st}, (0, 1, 4, 5, 6, 7, 8, 9, 10))
     res[f"bh{bh}"] = {**usage(k), "tma": k.asm["ptx"].count("cp.async.bulk.tensor")}
 print("RESULT " + json.dumps(res))
 '''

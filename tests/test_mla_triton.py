@@ -101,9 +101,6 @@ def test_decode_fp8_cache_queries_at_the_edge_of_fp16():
     with pytest.raises(InputError, match="config"):
         dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
                        config=dict(FAST=1))
-    with pytest.raises(InputError, match="config.*TMA"):  # fp8 caches run on the pointer kernel
-        dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, kv_scale=pc.kv_scale,
-                       config=dict(TMA=1))
 
 
 def test_sparse_decode_and_its_errors():
@@ -383,6 +380,26 @@ def test_tma_decode_matches_reference(page, splits, bn, bh):
     plain = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
                            workspace=ws, config=dict(BLOCK_H=16, BLOCK_N=bn, num_warps=4, num_stages=2, TMA=0))
     assert_close(got[0], plain[0], dtype=torch.float16, what="tma vs pointer kernel")
+
+
+@pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
+@pytest.mark.parametrize("page,splits,bn,tensor_scale", [(16, 1, 16, True), (64, 3, 32, False), (32, 2, 16, True)])
+def test_tma_decode_fp8_cache(page, splits, bn, tensor_scale, bh):
+    """config TMA=1 on an fp8 cache: e4m3 tiles through the descriptors, converted before the dots,
+    the cache scale (a [1] tensor or a float) on the scores and the output; rows past a length hold
+    NaN and are never read."""
+    g = torch.Generator().manual_seed(60 + page + splits)
+    lens = [0, 1, bn - 1, bn + 1, page, page + 1, 2 * page + 7]
+    pc = make_cache(lens, R, DR, page, fp8=True, gen=g)
+    _poison_past_lengths(pc, page)
+    qn, qp = _q(len(lens), torch.float16, g)
+    ks = pc.kv_scale if tensor_scale else float(pc.kv_scale)
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks, return_lse=True)
+    ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks, return_lse=True,
+                         workspace=ws, config=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4, num_stages=2, TMA=1))
+    _check(got, want, torch.float16)
+    assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
 
 
 @pytest.mark.parametrize("cfg", [dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),

@@ -68,20 +68,27 @@ def test_decode_long_context_split(H):
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
-@pytest.mark.parametrize("H", [16, 128])
-def test_decode_fp8_cosine(H):
+TMA16 = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)
+TMA64 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1)
+
+
+@pytest.mark.parametrize("H,config", [(16, None), (128, None), (16, TMA16), (128, TMA64), (128, TMA16)])
+def test_decode_fp8_cosine(H, config):
+    """Both kernels on an fp8 cache (the TMA kernel's e4m3 tiles converted after the copy)."""
     lens = [100, 2048, 5000]
     pc = _cache(lens, 64, 6, fp8=True)
     qn, qp = _q(3, H, _gen(3))
     bf = dec.mla_decode(qn, qp, pc.values.to(BF), pc.seq_lens, pc.block_tables, scale=SCALE)
-    q8 = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    q8 = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
+                        config=config)
     assert cosine(q8, bf) >= 0.999
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
     _agree(q8, want)
 
 
 @pytest.mark.parametrize("H,config", [(16, None), (128, None), (128, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0)),
-                                      (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2, TMA=0))])
+                                      (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2, TMA=0)),
+                                      (16, TMA16), (128, TMA64)])
 def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     """The fp8 cache's fp16 dots (tiles converted by cvt.rn.f16x2.e4m3x2) with bf16 queries up to
     1e6, far past fp16's range (the kernel divides q by a power of two): finite and the reference's

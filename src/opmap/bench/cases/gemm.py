@@ -112,7 +112,7 @@ def cases(quick: bool) -> list[BenchCase]:
                              Provider("dequant+cublas", _dequant_cublas)]
                     if M <= 32:
                         # K splits beside the plan's (triton_gemm.plan), timed with --variants
-                        provs += [Provider(f"opmap-triton[split={n}]", _split(n)) for n in (1, 2, 4)]
+                        provs += [Provider(f"opmap-triton[split={n}]", _split(n)) for n in (1, 2, 4, 8)]
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

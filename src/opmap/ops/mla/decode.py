@@ -113,7 +113,7 @@ def decode_config(q_nope, q_pe, cache, sparse: bool, override: Optional[dict] = 
     cannot read the cache is an InputError."""
     B, H, R = q_nope.shape
     tma = _tma_config(H)
-    default_ok = not sparse and cache.shape[1] % 64 == 0 and decode_tma.usable(
+    default_ok = not sparse and cache.dtype != torch.float8_e4m3fn and cache.shape[1] % 64 == 0 and decode_tma.usable(
         cache, q_nope, R, q_pe.shape[2], tma["BLOCK_N"]) is None
     cfg = tile_config(tma if default_ok else _pointer_config(H, R, B), override)
     if cfg["TMA"]:
@@ -287,7 +287,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
     if tma:
-        decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn,
+        decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, kv_scale, out, lse, workspace, bh, bn,
                           warps, stages)
     else:
         _mla_decode_kernel[grid](

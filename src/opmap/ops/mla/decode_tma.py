@@ -1,4 +1,4 @@
-"""MLA decode with the latent tiles loaded by TMA (tensor descriptors), dense 16-bit caches.
+"""MLA decode with the latent tiles loaded by TMA (tensor descriptors), dense 16-bit or fp8 caches.
 
 Why: on sm90 the pointer kernel (decode.py) at 16 heads computes a [BLOCK_N, 576] pointer tile per
 key tile; its build has 255 registers and a stack frame, and it waits for every copy it issues
@@ -17,8 +17,10 @@ they may hold anything and 0 * NaN would poison the output. A page id outside th
 a valid table; a captured graph skips the host checks) moves the box out of the descriptor's
 pages, which reads zeros, and its scores are masked to -inf, as the pointer kernel does.
 
-fp8 caches and sparse decode (rows from an index list) run on the pointer kernel (docs/mla.md,
-Decisions).
+fp8 caches: the e4m3 tiles land in shared memory at half the bytes and are converted in registers
+before the dots (fp16 dots on PTX-converted tiles at 16-head blocks, Triton's cast to q's dtype at
+64-head blocks, as in the pointer kernel: attention/fp8.py); the cache scale multiplies the
+scores and the output. Sparse decode (rows from an index list) runs on the pointer kernel.
 """
 from __future__ import annotations
 
@@ -28,17 +30,18 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step
 from ..attention.tma import MAX_BOX
-from .common import _split_range
+from .common import _cache_scale, _split_range, scale_args
 
 
 def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
     """None when the TMA kernel can serve this call, else the reason."""
     elt = cache.element_size()
     page = cache.shape[1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype != q.dtype:
-        return f"the TMA path reads bf16/fp16 caches of q's dtype, not {cache.dtype}"
+    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        return f"the TMA path reads bf16/fp16 caches of q's dtype or fp8-e4m3 ones, not {cache.dtype}"
     if page % block_n:
         return f"page size {page} is not a multiple of BLOCK_N {block_n}"
     if cache.stride(2) != 1 or cache.stride(1) != R + Dr or cache.stride(0) != page * (R + Dr):
@@ -72,7 +75,8 @@ def _page_id(TABLES, b, s_tb, n0, MAXP, PAGE: tl.constexpr):
 @triton.jit
 def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i, acc0, acc1,
           BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr,
-          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr):
+          PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr,
+          ASM: tl.constexpr):
     """The key tile at n0 (inside one page) through TMA, folded into the online softmax.
 
     Every dot must have an M side of >= 64 rows to run on wgmma from shared memory (with 16 rows
@@ -109,6 +113,14 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
     if R_CHUNKS == 2:
         kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
     kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
+    if ASM:  # e4m3 -> fp16, exact; q was brought to fp16 (_f16_q)
+        kv0 = e4m3_to_f16(kv0)
+        kv1 = e4m3_to_f16(kv1)
+        kpe = e4m3_to_f16(kpe)
+    elif FP8:  # e4m3 -> q's dtype is exact
+        kv0 = kv0.to(qp.dtype)
+        kv1 = kv1.to(qp.dtype)
+        kpe = kpe.to(qp.dtype)
     live = (pidx * PAGE + r0 + tl.arange(0, BLOCK_N)) >= n0  # rows done already (TAIL > 0 only)
     if KEYS_ROWS:
         if TAIL > 0:
@@ -138,13 +150,22 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
 
 
 @triton.jit
-def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE,
-                           sm_scale, H, R, DR, MAXP, NPAGES, SPLIT_MIN,
+def _f16_q(q0, q1, qp):
+    """The query parts in fp16 for the fp8 cache's fp16 dots, divided by the one power of two
+    their largest magnitude needs (attention/fp8.py); returns the factor the scores get back."""
+    f = f16_factor(tl.maximum(tl.maximum(absmax(q0), absmax(q1)), absmax(qp)))
+    return scaled_f16(q0, f), scaled_f16(q1, f), scaled_f16(qp, f), f
+
+
+@triton.jit
+def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, SCALE_PTR, O, LSE, PO, PLSE,
+                           sm_scale, kv_scale, H, R, DR, MAXP, NPAGES, SPLIT_MIN,
                            s_qnb, s_qnh, s_qpb, s_qph, s_tb, s_ob, s_oh,
                            s_pob, s_poh, s_pos, s_plb, s_plh,
                            BLOCK_H: tl.constexpr, BLOCK_RH: tl.constexpr, R_CHUNKS: tl.constexpr,
                            BLOCK_DR: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr):
+                           PAGE: tl.constexpr, KEYS_ROWS: tl.constexpr, FP8: tl.constexpr = False,
+                           SCALE_FROM_PTR: tl.constexpr = False, ASM: tl.constexpr = False):
     hb = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -177,6 +198,13 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         acc0 = tl.zeros([BLOCK_H, BLOCK_RH], tl.float32)
     acc1 = acc0
     qk_scale = sm_scale * 1.4426950408889634  # exp2 domain
+    ks = 1.0
+    if FP8:  # the cache scale folds into the scores here and into the output's divisor below
+        ks = _cache_scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
+        qk_scale = qk_scale * ks
+    if ASM:
+        q0, q1, qp, qf = _f16_q(q0, q1, qp)
+        qk_scale = qk_scale * qf
 
     m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)  # finite, so fully masked tiles give no NaN
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -190,13 +218,17 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         raw = raw_next
         raw_next = _page_id(TABLES, b, s_tb, n0 + BLOCK_N, MAXP, PAGE)
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_i, l_i,
-                                     acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 2 * KEYS_ROWS)
+                                     acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 2 * KEYS_ROWS,
+                                     FP8, ASM)
     if loop_end < end:  # heads as rows: the split's partial last tile, whose page id raw_next holds
         m_i, l_i, acc0, acc1 = _step(KV_DESC, PE_DESC, raw_next, loop_end, end, MAXP, NPAGES, q0, q1, qp, qk_scale,
-                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1)
+                                     m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1,
+                                     FP8, ASM)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    if FP8:
+        l_safe = l_safe / ks
     if KEYS_ROWS:  # [latent, heads]
         acc0 = acc0 / l_safe[None, :]
         acc1 = acc1 / l_safe[None, :]
@@ -225,7 +257,8 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, P
         tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
 
 
-def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace, bh, bn, warps, stages):
+def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, kv_scale, out, lse, workspace, bh, bn, warps,
+           stages):
     """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
     ``usable`` included)."""
     B, H, R = q_nope.shape
@@ -237,10 +270,13 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     kv_desc, pe_desc = descriptors(cache, R, Dr, bn, block_rh, block_dr)
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
+    fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
+    asm = dot_flags(cache.dtype, q_nope, bh < 64)["ASM"]  # the interpreter casts (no PTX)
     _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
-        q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, out, lse, po, pl, float(scale),
-        H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
+        q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, scale_ptr, out, lse, po, pl, float(scale),
+        ks_value, H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
         q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
-        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, num_warps=warps, num_stages=stages)
+        PAGE=cache.shape[1], KEYS_ROWS=bh < 64, FP8=fp8, SCALE_FROM_PTR=from_ptr, ASM=asm, num_warps=warps,
+        num_stages=stages)
