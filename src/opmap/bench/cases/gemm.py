@@ -70,11 +70,11 @@ def _dequant_cublas(inp):
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
-def _split(n):
+def _plan_row(fields):
     def make(inp):
         from opmap.ops.gemm import triton_gemm as T
 
-        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan={"SPLIT": n})  # the rest: plan()'s
+        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan=fields)  # the rest: plan()'s
 
     return make
 
@@ -110,9 +110,12 @@ def cases(quick: bool) -> list[BenchCase]:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
+                    if M <= 64:
+                        # the bf16 dots (weights converted fp8/int8 -> bf16) beside the default fp16 dots
+                        provs.append(Provider("opmap-triton[bf16-dots]", _plan_row({"F16": False})))
                     if M <= 32:
                         # K splits beside the plan's (triton_gemm.plan), timed with --variants
-                        provs += [Provider(f"opmap-triton[split={n}]", _split(n)) for n in (1, 2, 4, 8)]
+                        provs += [Provider(f"opmap-triton[split={n}]", _plan_row({"SPLIT": n})) for n in (1, 2, 4)]
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

@@ -113,7 +113,10 @@ def decode_config(q_nope, q_pe, cache, sparse: bool, override: Optional[dict] = 
     cannot read the cache is an InputError."""
     B, H, R = q_nope.shape
     tma = _tma_config(H)
-    default_ok = not sparse and cache.dtype != torch.float8_e4m3fn and cache.shape[1] % 64 == 0 and decode_tma.usable(
+    # fp8 caches: the TMA kernel from 64 heads (128 heads B=64/4096 660.9 vs 766.8 us on the
+    # pointer kernel, B=1/32k 105.8 vs 135.3); at 16 heads the pointer kernel (B=64/4096 135.3 vs
+    # 142.2; docs/mla.md, Decisions)
+    default_ok = not sparse and (cache.dtype != torch.float8_e4m3fn or H >= 64) and cache.shape[1] % 64 == 0 and decode_tma.usable(
         cache, q_nope, R, q_pe.shape[2], tma["BLOCK_N"]) is None
     cfg = tile_config(tma if default_ok else _pointer_config(H, R, B), override)
     if cfg["TMA"]:
