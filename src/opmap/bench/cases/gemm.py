@@ -110,9 +110,6 @@ def cases(quick: bool) -> list[BenchCase]:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
-                    if M <= 64:
-                        # the bf16 dots (weights converted fp8/int8 -> bf16) beside the default fp16 dots
-                        provs.append(Provider("opmap-triton[bf16-dots]", _plan_row({"F16": False})))
                     if M <= 32:
                         # K splits beside the plan's (triton_gemm.plan), timed with --variants
                         provs += [Provider(f"opmap-triton[split={n}]", _plan_row({"SPLIT": n})) for n in (1, 2, 4)]

@@ -30,27 +30,11 @@ from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
-@triton.jit
-def _i8_to_f16(x):
-    """2 int8 (a 16-bit register, as the MMA operand's layout loads them) -> 2 fp16, exact: the
-    bytes v + 128 (xor 0x80) under the fp16 exponent byte 0x64 are the fp16 values 1152 + v, and
-    one packed subtract takes 1152 off (a LOP3, a PRMT and an HADD2 per two elements)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 u, c;\n"
-        "cvt.u32.u16 u, $1;\n"
-        "xor.b32 u, u, 0x8080;\n"
-        "mov.b32 c, 0x64806480;\n"
-        "prmt.b32 $0, u, 0x64646464, 0x5150;\n"
-        "sub.rn.f16x2 $0, $0, c; }",
-        "=r,h", [x], dtype=tl.float16, is_pure=True, pack=2)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 F16: tl.constexpr = False, ASM: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -77,37 +61,15 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
             k_mask = (k + offs_k) < k_end
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if F16:
-            # fp16 dots for bf16 activations: the weight converts exactly in one packed
-            # instruction per two elements (int8: integer ops and one fp16 subtract), where the
-            # bf16 path spent two conversions per element (fp8 -> fp16 -> fp32 -> bf16) and was
-            # bound by the SM's conversion rate. Each row of the x tile is divided by the power of
-            # two that brings its largest finite magnitude into [2^14, 2^15], inside fp16's range
-            # (fp16 holds 3 more mantissa bits than bf16), and the product's column is multiplied
-            # back by it; per row, so that a huge value in one row costs the others nothing.
-            xf = xt.to(tl.float32)  # [BLOCK_K, BLOCK_M]
-            xa = tl.abs(xf)
-            big = tl.max(tl.where(xa < float("inf"), xa, 0.0), 0)
-            e = tl.minimum(tl.maximum(tl.ceil(tl.log2(tl.maximum(big, 1e-30))) - 15.0, -100.0), 100.0)
-            x16 = (xf * tl.exp2(-e)[None, :]).to(tl.float16)
-            if W_KIND == 1:
-                if ASM:
-                    wv = _i8_to_f16(w)
-                else:  # the same arithmetic, for the interpreter (no PTX)
-                    wv = (w.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
-            else:
-                wv = w.to(tl.float16)
-            acc += tl.dot(wv, x16) * tl.exp2(e)[None, :]
+        if W_KIND == 3:
+            # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
+            # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
+            u = w.to(tl.int16) & 0xFF
+            wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+            wv = (wv * 256.0).to(xdt)
         else:
-            if W_KIND == 3:
-                # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
-                # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
-                u = w.to(tl.int16) & 0xFF
-                wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
-                wv = (wv * 256.0).to(xdt)
-            else:
-                wv = w.to(xdt)
-            acc = tl.dot(wv, xt, acc, input_precision=PREC)
+            wv = w.to(xdt)
+        acc = tl.dot(wv, xt, acc, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT == 1:
@@ -182,7 +144,7 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "F16"],
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
             prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
@@ -224,11 +186,16 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     if small and tiles < sms // SPLIT_BELOW:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
+    elif small and quantised and bm <= 32 and tiles < 4 * sms:
+        # A weight-only program streams its weights at about half a bf16 program's byte rate and
+        # is latency-bound (docs/dense.md), so more programs in flight help: 4 splits below one
+        # tile an SM, 2 below four (M=1 fp8 on the H200, gemm baseline: QKV N=6144 in 4 splits
+        # 18.3 vs 22.2 us in 2; gate/up N=28672 in 2 splits 50.1 vs 58.3 unsplit; docs/dense.md,
+        # Decisions). Kept at >= 4 K-blocks of 256 per split.
+        split = max(1, min(4 if tiles < sms else 2, K // 1024))
     elif small and quantised and tiles < sms:
-        # A weight-only program streams its weights at a third of a bf16 program's byte rate
-        # (it converts every tile in registers), so fewer than one program an SM leaves the HBM
-        # idle: split into about two programs an SM (M=1, N=4096, K=14336 fp8 on the H200:
-        # 72.3 us unsplit, 36.7 us in 4 splits; docs/dense.md, Decisions).
+        # M 33-64 (128 x 64 tiles): about two programs an SM, as at M <= 32 before the rule above
+        # (measured at M <= 32 only).
         split = max(1, min((2 * sms) // tiles, K // 1024))
     d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
     if interp:
@@ -260,8 +227,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
-    f16 = p.get("F16", x.dtype == torch.bfloat16 and kind in (W_INT8, W_FP8))
-    common = dict(W_KIND=kind, F16=f16, ASM=f16 and not _INTERP and x.device.type == "cuda", HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
