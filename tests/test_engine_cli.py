@@ -3,6 +3,8 @@ trace (kernels, GPU-projected operator ranges, graph-replayed kernels) on a synt
 import argparse
 import json
 
+import torch
+
 from opmap import profile as P
 from opmap.cli_run import add_profile_parser, add_run_parser
 
@@ -130,6 +132,36 @@ def test_analyse_gpu_trace_and_diagnosis():
     assert bound and "host work 0.200 ms/step exceeds the GPU's 0.033 ms/step" in bound[0]
     assert "'sample' (0.120 ms" in bound[0]
     assert any(x.strip().startswith("host: 0.200 ms of work + 0.500 ms waiting") for x in P.format_profile(res))
+
+
+def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
+    """The decode GEMM line's floor: bf16 weights at two bytes, fp8 weight-only projections at one
+    (presets.decode_weight_bytes), and the line says which weights the engine runs."""
+    from types import SimpleNamespace
+
+    from opmap import hw
+    from opmap import profile as P
+    from opmap.presets import get_preset
+
+    monkeypatch.setattr(hw, "ceilings", lambda measure=False: SimpleNamespace(read_tbps=4.0))
+    cfg = get_preset("llama3-8b")
+    ev = [_x("user_annotation", "opmap::step::decode", 0, 5000), _x("kernel", "_gemm_kernel", 10, 4000)]
+    res = P.analyse({"traceEvents": ev})
+
+    class R:
+        use_graphs, graphs, buckets, graph_errors, graphs_off_reason = True, {1: 0}, [1], {}, None
+        max_seqs, dtype = 1, torch.bfloat16
+
+    R.cfg = cfg
+    lines = {}
+    for q in (None, "fp8"):
+        llm = SimpleNamespace(runner=R(), ecfg=SimpleNamespace(quantize=q), scheduler=SimpleNamespace(running=[]))
+        lines[q] = [x for x in P.diagnose(res, llm, {}) if x.startswith("decode: GEMM")][0]
+    bf16_ms = cfg.decode_weight_bytes(1, 2) / 4e12 * 1e3
+    fp8_ms = cfg.decode_weight_bytes(1, 2, quantised=True) / 4e12 * 1e3
+    assert f"weight-read floor {bf16_ms:.3f} ms/step, {4.0 / bf16_ms:.2f}x)" in lines[None]
+    assert f"weight-read floor {fp8_ms:.3f} ms/step, {4.0 / fp8_ms:.2f}x, fp8 weights)" in lines["fp8"]
+    assert fp8_ms < 0.6 * bf16_ms and "weight-only kernel" in lines["fp8"]
 
 
 def test_analyse_counts_overlapping_kernels_once():

@@ -152,11 +152,15 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                        f"decode kernel ({', '.join(sorted(d['backends'].get('attention', ()))) or 'graph-replayed'}), "
                        f"or the batch is too small to fill the GPU")
         if cat["GEMM"] / d["busy_us"] > 0.5:
-            floor = _weight_floor_ms(llm)
+            quant = _quantised(llm)
+            floor = _weight_floor_ms(llm, bool(quant))
             per = cat["GEMM"] / d["steps"] / 1e3
-            extra = f" (weight-read floor {floor:.3f} ms/step)" if floor else ""
-            out.append(f"decode: GEMM takes {cat['GEMM'] / d['busy_us']:.0%} of GPU time, {per:.3f} ms/step{extra}: "
-                       "weight-bandwidth bound; a faster decode GEMM or fp8 weights move it")
+            of = f", {per / floor:.2f}x" if floor else ""
+            extra = (f" (weight-read floor {floor:.3f} ms/step{of}" + (f", {quant} weights" if quant else "") + ")"
+                     if floor else "")
+            nxt = ("the weight-only kernel is below its bytes' rate (docs/dense.md, what bounds it)" if quant
+                   else "weight-bandwidth bound; a faster decode GEMM or fp8 weights move it")
+            out.append(f"decode: GEMM takes {cat['GEMM'] / d['busy_us']:.0%} of GPU time, {per:.3f} ms/step{extra}: {nxt}")
     host = (res.get("host_ms") or {}).get("decode")
     if d and res["on_gpu"] and host and d["steps"]:
         work = sum(v for k, v in host.items() if k != "wait")
@@ -186,12 +190,21 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
     return out
 
 
-def _weight_floor_ms(llm):
+def _quantised(llm):
+    """The weight-only format the engine loaded ("fp8", "int8"), or None."""
+    ecfg = getattr(llm, "ecfg", None)
+    return getattr(ecfg, "quantize", None) or None
+
+
+def _weight_floor_ms(llm, quantised: bool = False):
+    """Read time of one decode step's weights at the measured ceiling; quantised projections count
+    one byte a parameter (presets.decode_weight_bytes)."""
     from ..hw import ceilings
 
     c = ceilings(measure=False)
     r = llm.runner
-    return r.cfg.decode_weight_bytes(r.max_seqs, r.dtype.itemsize) / (c.read_tbps * 1e12) * 1e3 if c else None
+    wb = r.cfg.decode_weight_bytes(r.max_seqs, r.dtype.itemsize, quantised=quantised)
+    return wb / (c.read_tbps * 1e12) * 1e3 if c else None
 
 
 def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> dict:
