@@ -77,7 +77,7 @@ registry.register(Backend(
     # Above triton-wo where M >= 128 is known (a decode bucket) or the phase is prefill (on a GPU
     # an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs'
     # limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill):
-    # 1.10-2.50x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
+    # 1.09-2.43x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
     # fp8 and int8 (bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
     # (engine/runner.py, MANY_ROWS) and the others at M unknown, which keeps triton-wo.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
