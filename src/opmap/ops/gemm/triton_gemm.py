@@ -8,7 +8,8 @@ Design (the weight is the traffic; at decode M the activations are noise):
   tensor cores from registers, and a 64-row weight tile matches one Hopper warpgroup MMA
   even when M = 1 (x is padded to 16 columns, which costs no memory traffic).
 - Many narrow N tiles (BLOCK_N = 64: 448 programs for N = 28672) so every SM streams weight;
-  when N is far too small for that (fewer tiles than a quarter of the SMs), split K: each split writes fp32
+  when N is far too small for that (fewer tiles than a quarter of the SMs; weight-only formats
+  below four tiles an SM, see plan()), split K: each split writes fp32
   partials to a workspace, and a small kernel sums them, scales, adds bias and casts.
   Deterministic (no atomics).
 - Weight-only formats are converted tile by tile in registers; the per-output-channel scale
