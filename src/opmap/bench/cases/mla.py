@@ -35,10 +35,8 @@ VARIANTS = {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_wa
 FP8_VARIANTS = {16: [dict(num_warps=8), dict(BLOCK_N=16, num_stages=3),
                      dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1),
                      dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1)],
-                128: [dict(BLOCK_H=16, num_warps=4, num_stages=2), dict(BLOCK_H=64, num_warps=8, num_stages=1),
-                      dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1),
-                      dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, TMA=1),
-                      dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)]}
+                128: [dict(BLOCK_H=16, num_warps=4, num_stages=2, TMA=0), dict(BLOCK_H=64, num_warps=8, num_stages=1, TMA=0),
+                      dict(num_stages=2), dict(BLOCK_H=16, num_warps=4, num_stages=3)]}
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
 

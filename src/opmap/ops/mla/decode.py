@@ -116,8 +116,8 @@ def decode_config(q_nope, q_pe, cache, sparse: bool, override: Optional[dict] = 
     # fp8 caches: the TMA kernel from 64 heads (128 heads B=64/4096 660.9 vs 766.8 us on the
     # pointer kernel, B=1/32k 105.8 vs 135.3); at 16 heads the pointer kernel (B=64/4096 135.3 vs
     # 142.2; docs/mla.md, Decisions)
-    default_ok = not sparse and (cache.dtype != torch.float8_e4m3fn or H >= 64) and cache.shape[1] % 64 == 0 and decode_tma.usable(
-        cache, q_nope, R, q_pe.shape[2], tma["BLOCK_N"]) is None
+    default_ok = (not sparse and (cache.dtype != torch.float8_e4m3fn or H >= 64) and cache.shape[1] % 64 == 0
+                  and decode_tma.usable(cache, q_nope, R, q_pe.shape[2], tma["BLOCK_N"]) is None)
     cfg = tile_config(tma if default_ok else _pointer_config(H, R, B), override)
     if cfg["TMA"]:
         why = "sparse decode reads rows by index" if sparse else decode_tma.usable(
@@ -290,8 +290,8 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
     if tma:
-        decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, kv_scale, out, lse, workspace, bh, bn,
-                          warps, stages)
+        decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, (fp8, from_ptr, scale_ptr, ks_value),
+                          dots["ASM"], out, lse, workspace, bh, bn, warps, stages)
     else:
         _mla_decode_kernel[grid](
             q_nope, q_pe, cache, seq_lens, block_tables, indices if sparse else seq_lens, scale_ptr,

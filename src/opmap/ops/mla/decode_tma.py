@@ -30,10 +30,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
+from ..attention.fp8 import absmax, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step
 from ..attention.tma import MAX_BOX
-from .common import _cache_scale, _split_range, scale_args
+from .common import _cache_scale, _split_range
 
 
 def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
@@ -70,6 +70,17 @@ def _page_id(TABLES, b, s_tb, n0, MAXP, PAGE: tl.constexpr):
     iteration, the sm90 build issued it, waited for it, and only then the tile's TMA copies, at the
     end of the iteration before, so no copy overlapped a tile's dots (16 heads: ~3 us a tile)."""
     return tl.load(TABLES + b * s_tb + tl.minimum(n0 // PAGE, MAXP - 1))
+
+
+@triton.jit
+def _dot_tile(t, dt, FP8: tl.constexpr, ASM: tl.constexpr):
+    """A cache tile as the dots take it: an fp8 one converted (exactly) to fp16 by PTX (q was
+    brought to fp16, _f16_q) or cast to q's dtype ``dt``; a 16-bit one as it is."""
+    if ASM:
+        t = e4m3_to_f16(t)
+    elif FP8:
+        t = t.to(dt)
+    return t
 
 
 @triton.jit
@@ -113,14 +124,13 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
     if R_CHUNKS == 2:
         kv1 = KV_DESC.load([page, r0, BLOCK_RH]).reshape(BLOCK_N, BLOCK_RH)
     kpe = PE_DESC.load([page, r0, 0]).reshape(BLOCK_N, BLOCK_DR)
-    if ASM:  # e4m3 -> fp16, exact; q was brought to fp16 (_f16_q)
-        kv0 = e4m3_to_f16(kv0)
-        kv1 = e4m3_to_f16(kv1)
-        kpe = e4m3_to_f16(kpe)
-    elif FP8:  # e4m3 -> q's dtype is exact
-        kv0 = kv0.to(qp.dtype)
-        kv1 = kv1.to(qp.dtype)
-        kpe = kpe.to(qp.dtype)
+    # converted after all three copies are issued (the order the sm90 builds were measured in)
+    kv0 = _dot_tile(kv0, qp.dtype, FP8, ASM)
+    if R_CHUNKS == 2:
+        kv1 = _dot_tile(kv1, qp.dtype, FP8, ASM)
+    else:
+        kv1 = kv0
+    kpe = _dot_tile(kpe, qp.dtype, FP8, ASM)
     live = (pidx * PAGE + r0 + tl.arange(0, BLOCK_N)) >= n0  # rows done already (TAIL > 0 only)
     if KEYS_ROWS:
         if TAIL > 0:
@@ -257,10 +267,11 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, SCALE_PTR
         tl.store(PLSE + b * s_plb + offs_h * s_plh + split, lse, mask=mh)
 
 
-def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, kv_scale, out, lse, workspace, bh, bn, warps,
+def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, scales, asm, out, lse, workspace, bh, bn, warps,
            stages):
     """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
-    ``usable`` included)."""
+    ``usable`` included, and derived ``scales``, common.scale_args' tuple, and ``asm``, the PTX
+    conversion flag of attention/fp8.dot_flags)."""
     B, H, R = q_nope.shape
     Dr = q_pe.shape[2]
     block_r = triton.next_power_of_2(R)
@@ -270,8 +281,7 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, kv_scale, out, ls
     kv_desc, pe_desc = descriptors(cache, R, Dr, bn, block_rh, block_dr)
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
-    fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
-    asm = dot_flags(cache.dtype, q_nope, bh < 64)["ASM"]  # the interpreter casts (no PTX)
+    fp8, from_ptr, scale_ptr, ks_value = scales
     _mla_decode_tma_kernel[(triton.cdiv(H, bh), S, B)](
         q_nope, q_pe, kv_desc, pe_desc, seq_lens, block_tables, scale_ptr, out, lse, po, pl, float(scale),
         ks_value, H, R, Dr, block_tables.shape[1], cache.shape[0], max(workspace.split_min, bn),
