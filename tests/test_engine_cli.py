@@ -155,7 +155,9 @@ def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
     R.cfg = cfg
     lines = {}
     for q in (None, "fp8"):
-        llm = SimpleNamespace(runner=R(), ecfg=SimpleNamespace(quantize=q), scheduler=SimpleNamespace(running=[]))
+        r = R()
+        r.weight_format = q
+        llm = SimpleNamespace(runner=r, scheduler=SimpleNamespace(running=[]))
         lines[q] = [x for x in P.diagnose(res, llm, {}) if x.startswith("decode: GEMM")][0]
     bf16_ms = cfg.decode_weight_bytes(1, 2) / 4e12 * 1e3
     fp8_ms = cfg.decode_weight_bytes(1, 2, quantised=True) / 4e12 * 1e3

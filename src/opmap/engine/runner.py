@@ -118,8 +118,8 @@ class ModelRunner:
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned
-        # at that M, where the selector puts the weight-only projections on dequant-cublas (1.10-
-        # 2.50x triton-wo at M = 256 and 1024: docs/dense.md, Decisions); fewer rows keep the set
+        # at that M, where the selector puts the weight-only projections on dequant-cublas (1.09-
+        # 2.43x triton-wo at M = 256 and 1024: docs/dense.md, Decisions); fewer rows keep the set
         # planned at M unknown (triton-wo). Dense weights choose the same either way: no second set.
         self.mixed_many = opset("mixed", False, MANY_ROWS) if self.weight_format else None
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")

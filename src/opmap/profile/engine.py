@@ -152,7 +152,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                        f"decode kernel ({', '.join(sorted(d['backends'].get('attention', ()))) or 'graph-replayed'}), "
                        f"or the batch is too small to fill the GPU")
         if cat["GEMM"] / d["busy_us"] > 0.5:
-            quant = _quantised(llm)
+            quant = llm.runner.weight_format  # --quantize or the checkpoint's own format
             floor = _weight_floor_ms(llm, bool(quant))
             per = cat["GEMM"] / d["steps"] / 1e3
             of = f", {per / floor:.2f}x" if floor else ""
@@ -188,12 +188,6 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                 why.append("grammar bitmask filled on the CPU critical path")
             out.append(f"{name}: GPU idle {p['idle_us'] / p['wall_us']:.0%} of the step time -> " + "; ".join(why))
     return out
-
-
-def _quantised(llm):
-    """The weight-only format the engine loaded ("fp8", "int8"), or None."""
-    ecfg = getattr(llm, "ecfg", None)
-    return getattr(ecfg, "quantize", None) or None
 
 
 def _weight_floor_ms(llm, quantised: bool = False):

@@ -109,7 +109,7 @@ def _unquantised(model: str) -> bool:
 
 
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
-    q = bool(llm.ecfg.quantize)
+    q = bool(llm.runner.weight_format)  # --quantize or the checkpoint's own format
     weight_bytes = lambda rows: cfg.decode_weight_bytes(rows, quantised=q)  # noqa: E731
     from opmap.ops.sampling.params import SamplingParams
 
