@@ -67,6 +67,24 @@ def test_triton_split_k(fmt):
     assert_close(tri.linear(x, w, b, s, _plan=p), ref.linear(x, w, b, s), scale=2.0)
 
 
+
+def test_split_k_counters_reset_and_grow():
+    # The tile's last split sums the partials and resets its counter: every call starts from
+    # zeros, also when a grid of several M and N tiles outgrows the buffer (a bigger one is made,
+    # the old one kept alive for graphs captured with it).
+    x, w, b, s = _inputs(40, 700, 1088, torch.float16, "fp8", bias=True, seed=11)
+    p = dict(tri.plan(40, 700, 1088, sms=8), BLOCK_M=16, BLOCK_N=64, SPLIT=3)  # 3 x 11 tiles
+    tri._COUNTERS.clear()
+    first = tri.linear(x[:1], w, b, s, _plan=dict(p, BLOCK_M=16))  # 11 tiles: the default buffer
+    small = tri._COUNTERS[(x.device, 0)]
+    out = tri.linear(x, w, b, s, _plan=p)
+    assert_close(out, ref.linear(x, w, b, s), scale=2.0)
+    assert_close(first, ref.linear(x[:1], w, b, s), scale=2.0)
+    grown = tri._COUNTERS[(x.device, 0)]
+    assert grown.numel() >= 33 and any(r is small for r in tri._RETIRED)
+    assert not grown.any() and not small.any()
+    assert torch.equal(out, tri.linear(x, w, b, s, _plan=p)) and not grown.any()
+
 def test_triton_fp8_bit_decoding_path():
     # The path used on GPUs without an fp8 conversion instruction (sm80): covers every
     # fp8 byte that quantisation can produce, subnormals and both signs included.

@@ -15,7 +15,8 @@ res = {}
 def comp(name, fn, sig, ce, opts, div):
     res[name] = usage(compile_sm90(fn, sig, ce, opts, div))
 
-gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "M": "i32",
+gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
+        "cnt_ptr": "*i32", "M": "i32",
         "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
         "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
         "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
@@ -25,14 +26,13 @@ for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
         ("gemm-int8-m16", "*i8", g.W_INT8, 16, 64, 1, (256, 4, 6)),
         ("gemm-bf16-m64", "*bf16", g.W_SAME, 64, 128, 1, g.DEFAULT[(True, 128)]),
         ("gemm-int8-m64-8warps", "*i8", g.W_INT8, 64, 128, 1, (128, 8, 4)),
-        ("gemm-bf16-m64-split", "*bf16", g.W_SAME, 64, 128, 9, g.DEFAULT[(True, 128)])]:
-    s = dict(gsig, w_ptr=wdt, o_ptr="*fp32" if split > 1 else "*bf16")
+        ("gemm-bf16-m64-split", "*bf16", g.W_SAME, 64, 128, 9, g.DEFAULT[(True, 128)]),
+        ("gemm-fp8-m16-split", "*fp8e4nv", g.W_FP8, 16, 64, 4, g.DEFAULT[(True, 64)])]:
+    s = dict(gsig, w_ptr=wdt)
     ce = {"W_KIND": kind, "HAS_SCALE": kind != g.W_SAME, "HAS_BIAS": True, "SPLIT": split, "EVEN_K": True,
           "PREC": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    comp(name, g._gemm_kernel, s, ce, {"num_warps": nw, "num_stages": ns}, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11))
-comp("splitk-reduce", g._splitk_reduce, {"ws_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16",
-     "M": "i32", "N": "i32", "stride_om": "i32", "SPLIT": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr",
-     "BLOCK": "constexpr"}, {"SPLIT": 5, "HAS_SCALE": True, "HAS_BIAS": True, "BLOCK": 1024}, {"num_warps": 4}, (0, 1, 2, 3, 5, 6))
+    k = compile_sm90(g._gemm_kernel, s, ce, {"num_warps": nw, "num_stages": ns}, (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
+    res[name] = dict(usage(k), atom=k.asm["ptx"].count("atom."), bar=k.asm["ptx"].count("bar.sync"))
 for label, one, rows, blk, nw in (("one", True, 1, 8192, 16), ("rows8", True, 8, 128, 2), ("two", False, 1, n.CHUNK, 8)):
     comp(f"rmsnorm-add-{label}-pass", n._rmsnorm_kernel,
          {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32",
@@ -61,3 +61,9 @@ def test_kernels_compile_for_sm90_without_spills():
     for name in [n for n in res if n.startswith("gemm-")]:
         # weight tiles stream through a multi-stage cp.async pipeline into Hopper wgmma
         assert res[name]["async"] >= 4 and res[name]["wgmma"] >= 1, f"{name}: {res[name]}"
+    for name in [n for n in res if n.startswith("gemm-")]:
+        # the split builds sum their partials in the tile's last program: one counter increment
+        # and one reset, after a barrier that orders every thread's partial before the increment
+        split = name.endswith("-split")
+        assert res[name]["atom"] == (2 if split else 0), f"{name}: {res[name]}"
+        assert not split or res[name]["bar"] >= 1, f"{name}: {res[name]}"

@@ -35,15 +35,13 @@ res["rmsnorm"] = comp(n._rmsnorm_kernel, {"x_ptr": "*bf16", "r_ptr": "*bf16", "w
 res["qk_norm"] = comp(n._qk_norm_kernel, {"x_ptr": "*bf16", "wq_ptr": "*bf16", "wk_ptr": "*bf16", "stride_t": "i32",
     "stride_h": "i32", "R": "i32", "NH": "i32", "HQ": "i32", "D": "i32", "eps": "fp32", "ROWS": "constexpr",
     "BLOCK": "constexpr"}, {"ROWS": 8, "BLOCK": 128})
-res["gemm"] = comp(g._gemm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16",
-    "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
-    "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr", "EVEN_K": "constexpr",
-    "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-    {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": 1, "EVEN_K": True, "PREC": "tf32",
-     "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256})
-res["splitk"] = comp(g._splitk_reduce, {"ws_ptr": "*fp32", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "M": "i32",
-    "N": "i32", "stride_om": "i32", "SPLIT": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"},
-    {"SPLIT": 3, "HAS_SCALE": False, "HAS_BIAS": False, "BLOCK": 1024})
+gemm_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
+    "K_PER_SPLIT": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
+    "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+for name, split in (("gemm", 1), ("gemm-split", 3)):
+    res[name] = comp(g._gemm_kernel, gemm_sig, {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": split,
+        "EVEN_K": True, "PREC": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256})
 res["rope"] = comp(r._rope_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "pos_ptr": "*i64", "cs_ptr": "*fp32", "stride_qt": "i32",
     "stride_qh": "i32", "stride_kt": "i32", "stride_kh": "i32", "HQ": "i32", "HK": "i32", "HALF": "i32", "IS_NEOX": "constexpr",
     "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"}, {"IS_NEOX": True, "BLOCK_H": 32, "BLOCK_D": 64})

@@ -32,7 +32,7 @@ from .validate import check_linear
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
@@ -73,34 +73,56 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, M, N, K, stride_xm, stride_w
         acc = tl.dot(wv, xt, acc, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
-        if HAS_SCALE:
-            acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
-        if HAS_BIAS:
-            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+        _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
     else:
-        # Partials [SPLIT, M, N] fp32; scale and bias are applied once, in the reduction.
-        ws = o_ptr + (pid_k.to(tl.int64) * M + offs_m[None, :].to(tl.int64)) * N + offs_n[:, None]
-        tl.store(ws, acc, mask=n_mask[:, None] & m_mask[None, :])
+        # Partials [SPLIT, M, N] fp32. The program that finishes a tile last (a counter per
+        # tile) sums its partials in split order, so the result does not depend on which split
+        # ends last, then applies scale and bias once and resets the counter for the next call.
+        part = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        mn = M.to(tl.int64) * N
+        tl.store(part + pid_k * mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
+                acc += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _splitk_reduce(ws_ptr, s_ptr, b_ptr, o_ptr, M, N, stride_om, SPLIT: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs, mask=mask, other=0.0)
+def _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om,
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     if HAS_SCALE:
-        acc = acc * tl.load(s_ptr + offs, mask=mask, other=0.0)
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + m * stride_om + offs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters, zero between calls
+_RETIRED: list = []   # outgrown counter buffers: a captured CUDA graph may still point at one
+
+
+def _counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """The split-K tile counters for this device and stream. Stream order (and, under PDL, each
+    program's wait for the previous kernel before it touches them) keeps two GEMMs of one stream
+    from sharing them at once; two streams never share them. Made during a CUDA-graph capture they
+    come from the graph's pool and stay valid while cached."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
+        # Every plan()-made split has fewer than four tiles an SM: one buffer serves them all.
+        n = max(tiles, 4 * _sm_count(device))
+        buf = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
 
 
 # (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
@@ -182,8 +204,7 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = 1
     # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them): at 64 and
-    # 96 tiles no split beat split 1 on the H200, and a split costs one reduce launch on top
-    # (docs/dense.md, Decisions).
+    # 96 tiles no split beat split 1 on the H200 (docs/dense.md, Decisions).
     if small and tiles < sms // SPLIT_BELOW:
         # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
@@ -230,9 +251,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     even = K % kq == 0
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
-    target = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
+    else:
+        ws = cnt = dummy  # never read with one split
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, target,
+    args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
             M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
@@ -241,10 +266,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
-    if split > 1:
-        blk = min(1024, triton.next_power_of_2(N))
-        _splitk_reduce[(M, triton.cdiv(N, blk))](
-            target, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out,
-            M, N, out.stride(0), SPLIT=split, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None,
-            BLOCK=blk, num_warps=4, **pdl.launch(x.device))
     return out
