@@ -125,4 +125,62 @@ def cases(quick: bool) -> list[BenchCase]:
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
+    return out + _act_cases(arch)
+
+
+ACT_SHAPES = [(14336, 4096), (12288, 4096)]  # the down projections of Llama-3-8B and Qwen3-8B (K, N)
+
+
+def _act_setup(M, N, K, fmt):
+    def setup(device):
+        d = _setup(M, N, K, fmt)(device)
+        d["x"] = torch.randn(M, 2 * K, device=device, dtype=torch.bfloat16) * 2  # gate | up
+        return d
+
+    return setup
+
+
+def _act_ours(backend, quantised, fused):
+    def make(inp):
+        from opmap import registry
+        from opmap.ops.activation.triton_act import silu_mul
+
+        b = registry.get("gemm", backend)
+        w, s = (inp["wq"], inp["s"]) if quantised else (inp["w"], None)
+        if fused:
+            fn = b.fn("act_linear")
+            return lambda: fn(inp["x"], w, None, s, "silu_mul")
+        fn = b.fn("linear")
+        return lambda: fn(silu_mul(inp["x"]), w, None, s)
+
+    return make
+
+
+def _act_torch(inp):
+    import torch.nn.functional as F
+
+    x, w, K = inp["x"], inp["w"], inp["w"].shape[1]
+    return lambda: F.linear(F.silu(x[:, :K]) * x[:, K:], w)
+
+
+def _act_cases(arch) -> list[BenchCase]:
+    """``act_linear`` (silu_mul then the down projection) at decode sizes: the fused launch against
+    our two launches (activation kernel, then the GEMM) and, with bf16 weights, PyTorch's
+    eager SiLU * mul then cuBLAS."""
+    out = []
+    for fmt in (None, "fp8", "int8"):
+        for K, N in ACT_SHAPES:
+            for M in (1, 16, 64):
+                backend = "triton-wo" if fmt else "triton-decode"
+                wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
+                provs = [Provider("opmap-triton", _act_ours(backend, bool(fmt), True), backend=("gemm", backend)),
+                         Provider("opmap-act-then-linear", _act_ours(backend, bool(fmt), False))]
+                if fmt is None:
+                    provs.append(Provider("torch-silu-mul+cublas", _act_torch))
+                out.append(BenchCase(
+                    op="gemm.act_linear", case=f"M={M},N={N},K={K},w={fmt or 'bf16'},dtype=bf16,act=silu_mul",
+                    flops=2.0 * M * N * K, bytes=float(wbytes + M * 2 * K * 2 + M * N * 2),
+                    setup=_act_setup(M, N, K, fmt), providers=provs, bound="memory", graph=True,
+                    spec=GemmSpec(arch=arch, phase="decode", m=M, n=N, k=K, dtype="bf16", weight_dtype=fmt or "bf16"),
+                    tags=("gemm",)))
     return out
