@@ -108,25 +108,3 @@ def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, 
     assert steps["prefill"] >= 1 and steps["mixed"] >= 2, steps
     new = rec.variants({"prefill", "mixed"}) - start
     assert not new, "\n".join(rec.explain(new, start))
-
-
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_act_down_fusion_where_the_down_gemm_is_triton(act, monkeypatch):
-    """A decode op set whose down projection runs on the Triton decode GEMM and whose activation
-    is our Triton kernel runs the two as one launch (act_linear) with the same bits; with the
-    fusion off, or with the down GEMM on a backend that only composes act_linear, two launches."""
-    from opmap.engine import opset
-
-    cfg = dataclasses.replace(PRESETS["tiny-llama3"], head_dim=32, activation=act)
-    f = dict(forced(cfg), gemm="triton-decode")
-    ops = opset.OpSet(cfg, "decode", "cpu", "fp16", 16, False, 3, forced=f)
-    assert ops.act_down is not None and ops.act_kind == f"{act}_mul"
-    assert any("down proj (one launch)" in label for label, _, _ in ops.choices)
-    g = torch.Generator().manual_seed(3)
-    gu = torch.randn(3, 2 * cfg.intermediate, generator=g).half() * 4
-    w = (torch.randn(cfg.hidden, cfg.intermediate, generator=g) / cfg.intermediate ** 0.5).half()
-    b = torch.randn(cfg.hidden, generator=g).half()
-    assert torch.equal(ops.act_down(gu, w, b, None, ops.act_kind), ops.gemm["down"](ops.act(gu), w, b, None))
-    assert opset.OpSet(cfg, "decode", "cpu", "fp16", 16, False, 3, forced=dict(f, gemm="reference")).act_down is None
-    monkeypatch.setattr(opset, "FUSE_ACT_DOWN", False)
-    assert opset.OpSet(cfg, "decode", "cpu", "fp16", 16, False, 3, forced=f).act_down is None

@@ -85,32 +85,6 @@ def test_split_k_counters_reset_and_grow():
     assert not grown.any() and not small.any()
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p)) and not grown.any()
 
-@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
-@pytest.mark.parametrize("M,N,K,fmt,split", [(1, 48, 95, None, 1), (3, 130, 200, "fp8", 1), (5, 48, 1088, "int8", 3),
-                                             (2, 64, 1088, None, 2)])
-def test_act_linear_has_the_bits_of_act_then_linear(act, M, N, K, fmt, split):
-    # The fused prologue computes each x tile from gate | up with the activation kernel's formula
-    # and rounding: bit for bit the two launches, at odd K (masked tails), splits and every format.
-    from opmap.ops.activation import triton_act
-    from opmap.ops.gemm import act_linear as composed
-
-    g = torch.Generator().manual_seed(M * 7 + K)
-    x2 = (torch.randn(M, 2 * K, generator=g) * 3).half()
-    _, w, b, s = _inputs(M, N, K, torch.float16, fmt, bias=M % 2 == 1, seed=K)
-    p = dict(tri.plan(M, N, K, sms=8), SPLIT=split)
-    fused = tri.act_linear(x2, w, b, s, act) if split == 1 else tri.linear(x2, w, b, s, _plan=p, _act=act)
-    two = tri.linear(getattr(triton_act, act)(x2), w, b, s, _plan=p)
-    assert torch.equal(fused, two)
-    assert_close(fused, composed.reference_act_linear(x2, w, b, s, act), scale=2.0)
-    if fmt is None:
-        assert_close(composed.cublas_act_linear(x2, w, b, s, act), composed.reference_act_linear(x2, w, b, s, act))
-    with pytest.raises(InputError, match="gate | up"):
-        tri.act_linear(x2[:, :-2], w, b, s, act)
-    with pytest.raises(InputError, match="act"):
-        tri.act_linear(x2, w, b, s, "relu")
-    assert tri.act_linear(x2[:0], w, b, s, act).shape == (0, N)
-
-
 def test_triton_fp8_bit_decoding_path():
     # The path used on GPUs without an fp8 conversion instruction (sm80): covers every
     # fp8 byte that quantisation can produce, subnormals and both signs included.

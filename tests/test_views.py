@@ -59,12 +59,6 @@ def _entries():
                     bias=torch.randn(48, generator=g).half())
     out.append(("linear", "gemm", "linear", linear))
 
-    def act_linear():
-        g = _g(40)
-        return dict(x=torch.randn(3, 128, generator=g).half(), w=torch.randn(48, 64, generator=g).half(),
-                    bias=torch.randn(48, generator=g).half(), act="silu_mul")
-    out.append(("act_linear", "gemm", "act_linear", act_linear))
-
     def decode():
         pc = make_paged([17, 1, 40], 2, 64, 16, dtype=F16, generator=_g(7))
         q, _ = make_query([1, 1, 1], 4, 64, dtype=F16, generator=_g(8))

@@ -263,23 +263,6 @@ def test_split_k_chain_in_cuda_graph_replays(fmt, monkeypatch):
     assert all(not c.any() for c in triton_gemm._COUNTERS.values())
 
 
-@pytest.mark.parametrize("M", [1, 17, 64])
-@pytest.mark.parametrize("fmt", [None, "fp8", "int8"])
-@pytest.mark.parametrize("act", ["silu_mul", "gelu_tanh_mul"])
-def test_act_linear_bits_of_act_then_linear(M, fmt, act, monkeypatch):
-    # The down projection of Llama-3-8B (K = 14336: 4 K splits at M <= 32 for fp8 / int8) with
-    # the activation in its prologue, autotuned as the engine runs it: the bits of the activation
-    # kernel then the GEMM, and the fp32 reference's values.
-    from opmap.ops.activation import triton_act
-
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", True)
-    x, w, b, s, _ = _lin_inputs(M, 4096, 14336, fmt, bias=M == 17)
-    gu = _randn(M, 2 * 14336, scale=3.0, seed=M + 5)
-    fused = triton_gemm.act_linear(gu, w, b, s, act)
-    assert torch.equal(fused, triton_gemm.linear(getattr(triton_act, act)(gu), w, b, s))
-    assert_close(fused, gemm_ref.linear(getattr(act_ref, act)(gu), w, b, s))
-
-
 def test_custom_ops_under_torch_compile():
     import opmap  # noqa: F401  (registers torch.ops.opmap.*)
 

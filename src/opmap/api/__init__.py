@@ -3,13 +3,13 @@ selector for its tensors' device and shapes (``backend=`` forces one). ``opmap``
 them; ``opmap.api.custom_ops`` registers them as ``torch.ops.opmap.*``."""
 from .attention import (attention_decode, attention_merge, attention_mixed, attention_prefill,  # noqa: F401
                         make_decode_workspace, mla_decode, mla_prefill, mla_sparse_decode)
-from .dense import (act_linear, add_rmsnorm, append_mla, gelu_tanh_mul, kv_append, linear, moe, moe_route,  # noqa: F401
+from .dense import (add_rmsnorm, append_mla, gelu_tanh_mul, kv_append, linear, moe, moe_route,  # noqa: F401
                     qk_rmsnorm, rmsnorm, rope, rope_append, silu_mul)
 from .dispatch import resolve  # noqa: F401
 from .sampling import apply_bitmask, apply_penalties, apply_temperature, sample  # noqa: F401
 
 OPS = ("rmsnorm", "add_rmsnorm", "qk_rmsnorm", "rope", "rope_append", "kv_append", "append_mla", "silu_mul",
-       "gelu_tanh_mul", "linear", "act_linear", "moe", "moe_route", "attention_prefill", "attention_mixed", "attention_decode",
+       "gelu_tanh_mul", "linear", "moe", "moe_route", "attention_prefill", "attention_mixed", "attention_decode",
        "attention_merge", "mla_decode", "mla_prefill", "mla_sparse_decode", "apply_penalties", "apply_temperature",
        "sample", "apply_bitmask")
 __all__ = [*OPS, "make_decode_workspace"]

@@ -78,12 +78,6 @@ def linear(x: Tensor, w: Tensor, bias: Opt = None, w_scale: Opt = None, backend:
     return D.linear(x, w, bias, w_scale, backend=backend)
 
 
-@_op("act_linear")
-def act_linear(x: Tensor, w: Tensor, bias: Opt = None, w_scale: Opt = None, act: str = "silu_mul",
-               backend: Str = None) -> Tensor:
-    return D.act_linear(x, w, bias, w_scale, act, backend=backend)
-
-
 @_op("moe_route")
 def moe_route(router_logits: Tensor, top_k: int, router: str = "softmax", renormalize: bool = True, n_group: int = 1,
               topk_group: int = 1, routed_scaling: float = 1.0, score_bias: Opt = None,
@@ -200,8 +194,6 @@ for _o in (qk_rmsnorm, rope, paged_kv_append, rope_append, append_mla, apply_pen
            apply_bitmask):
     _o.register_fake(_none)
 linear.register_fake(lambda x, w, bias=None, w_scale=None, backend=None: x.new_empty((x.shape[0], w.shape[0])))
-act_linear.register_fake(lambda x, w, bias=None, w_scale=None, act="silu_mul", backend=None:
-                         x.new_empty((x.shape[0], w.shape[0])))
 moe.register_fake(lambda x, *a, **k: torch.empty_like(x))
 moe_route.register_fake(lambda logits, top_k, *a, **k: (logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
                                                         logits.new_empty((logits.shape[0], top_k), dtype=torch.int32)))

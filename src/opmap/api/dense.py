@@ -124,20 +124,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     return call("gemm", spec, "linear", backend, x, w, bias, w_scale)
 
 
-def act_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-               w_scale: Optional[torch.Tensor] = None, act: str = "silu_mul", *, backend: Optional[str] = None,
-               phase: Optional[str] = None) -> torch.Tensor:
-    """``linear(silu_mul(x), w, bias, w_scale)`` for x[M, 2K] = gate | up (act "silu_mul" or
-    "gelu_tanh_mul"), an MLP's down projection: one launch where the backend fuses it (the
-    Triton decode GEMM, with the bits of the two calls), else the activation then the linear."""
-    tensor("x", x, 2)
-    tensor("w", w, 2)
-    m = x.shape[0]
-    spec = GemmSpec(arch=arch_of(x), phase=phase or ("decode" if m <= 64 else "prefill"), m=m, n=w.shape[0],
-                    k=w.shape[1], dtype=dt(x), weight_dtype=dt(w), bias=bias is not None)
-    return call("gemm", spec, "act_linear", backend, x, w, bias, w_scale, act)
-
-
 def _moe_spec(router_logits, top_k, router, phase, x=None, w13=None, w2=None):
     tensor("router_logits", router_logits, 2)
     fields = dict(arch=arch_of(router_logits), phase=phase, num_experts=router_logits.shape[1],

@@ -290,8 +290,6 @@ class DecoderModel:
                 out = out + s
             return out
         gu = ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"), P.get(f"{i}.gate_up.scale"))
-        if ops.act_down is not None:  # one launch: the down GEMM applies the activation as it loads x
-            return ops.act_down(gu, P[f"{i}.down"], P.get(f"{i}.down_bias"), P.get(f"{i}.down.scale"), ops.act_kind)
         return ops.gemm["down"](ops.act(gu), P[f"{i}.down"], P.get(f"{i}.down_bias"), P.get(f"{i}.down.scale"))
 
     # ---- KV cache ---------------------------------------------------------------------------

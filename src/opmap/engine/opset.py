@@ -19,8 +19,6 @@ from ..select import select
 
 # False: RoPE (with Qwen3's q/k norm) and the KV append as separate launches (tests compare the two).
 FUSE_ROPE_APPEND = True
-# False: the gated activation and the down projection as separate launches (tests compare the two).
-FUSE_ACT_DOWN = True
 
 log = logging.getLogger("opmap.engine")
 
@@ -48,7 +46,6 @@ class OpSet:
         self.rope_append = None  # RoPE + KV append in one launch, where both ops chose one backend
         self.qk_norm_in_rope_append = False
         self.gemm: dict = {}
-        self.act_down = None  # the activation + down projection in one launch (_act_down)
         self.moe_warm_up = None
         if cfg.is_mla:
             qk = cfg.qk_nope_dim + cfg.qk_rope_dim
@@ -123,26 +120,10 @@ class OpSet:
             self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias, q=True)
             self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias, q=True)
             kind = "gelu_tanh_mul" if cfg.activation == "gelu_tanh" else "silu_mul"
-            act_label = "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul"
-            self.act = self._pick("activation", act_label,
+            self.act = self._pick("activation", "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul",
                                   S.ActivationSpec(kind=kind, hidden=cfg.intermediate, dtype=dtype, **base), kind)
-            self.act_kind = kind
-            self.act_down = self._act_down(self.choices[-1][2], act_label)
         # Prefill computes logits for the sampled rows only; decode for every row.
         self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h)
-
-    def _act_down(self, act_choice, act_label: str):
-        """The activation and the down projection in one launch (``act_linear``) where the down
-        GEMM's backend fuses them, i.e. serves act_linear from the module of its linear (the
-        Triton decode GEMM), and the activation chose our Triton kernel, whose formula and rounding
-        that GEMM computes: the same bits, one launch fewer a layer. Else None: two launches."""
-        if not FUSE_ACT_DOWN or act_choice.backend.name != "triton":
-            return None
-        down = next(c for label, _, c in self.choices if label == "down proj")
-        impl = down.backend.impl
-        if impl.get("act_linear", ":").split(":")[0] != impl["linear"].split(":")[0]:
-            return None
-        return self._use(down, f"{act_label} + down proj (one launch)", "act_linear")
 
     def _pick(self, op: str, label: str, spec, entry: str):
         return self._use(select(op, spec, backend=self._forced.get(op)), label, entry)

@@ -1,7 +1,5 @@
-"""Backend registrations of the gemm family (entries "linear" and "act_linear", the gated
-activation of x then linear; weights bf16/fp16/fp32 or weight-only fp8-e4m3 / int8 with
-per-output-channel scales). The Triton decode GEMM fuses act_linear into one launch; the others
-compose it (``act_linear.py``); scaled-mm has none."""
+"""Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
+weight-only fp8-e4m3 / int8 with per-output-channel scales)."""
 from opmap import registry
 from opmap.registry import Backend, Check, Prefer, Req
 
@@ -37,7 +35,7 @@ def _fp8_cast_arch(spec):
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl={"linear": f"{_MOD}.reference:linear", "act_linear": f"{_MOD}.act_linear:reference_act_linear"},
+    impl={"linear": f"{_MOD}.reference:linear"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
@@ -46,7 +44,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="cublas", provider="cublas", version=registry.torch_version,
     priority={"cpu": 20, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
-    impl={"linear": f"{_MOD}.torch_peer:linear", "act_linear": f"{_MOD}.act_linear:cublas_act_linear"},
+    impl={"linear": f"{_MOD}.torch_peer:linear"},
     reqs=[Req("dtype", _FLOAT)],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
     notes="torch.nn.functional.linear (cuBLAS on a GPU, the CPU BLAS on a CPU)",
@@ -55,7 +53,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={"linear": f"{_MOD}.triton_gemm:linear", "act_linear": f"{_MOD}.triton_gemm:act_linear"},
+    impl={"linear": f"{_MOD}.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
@@ -66,7 +64,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="triton-wo", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={"linear": f"{_MOD}.triton_gemm:linear", "act_linear": f"{_MOD}.triton_gemm:act_linear"},
+    impl={"linear": f"{_MOD}.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
     checks=[_SAME_ACT],
     available=registry.triton_available,
@@ -85,8 +83,7 @@ registry.register(Backend(
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
               **{a: Prefer(55, 45, lambda s: (s.m or 0) >= 128 or (s.m is None and s.phase == "prefill"),
                            "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
-    impl={"linear": f"{_MOD}.dequant_cublas:linear",
-          "act_linear": f"{_MOD}.act_linear:dequant_cublas_act_linear"},
+    impl={"linear": f"{_MOD}.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
           Req("m", lambda m: m is None or m >= 128, "M >= 128 (prefill: one dequantisation serves many rows)")],
     checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],

@@ -27,8 +27,7 @@ import triton.language as tl
 
 from .. import pdl
 from ..pdl import enter, gdc_launch_dependents, gdc_wait
-from ..activation.triton_act import gated
-from .validate import ACTS, check_act_linear, check_linear
+from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
@@ -36,8 +35,7 @@ W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr = 0,
-                 PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -58,18 +56,12 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
-            x_mask = m_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
         else:
             k_mask = (k + offs_k) < k_end
-            x_mask = k_mask[:, None] & m_mask[None, :]
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if ACT != 0:
-            # act_linear: x holds gate | up, and this tile is act(gate) * up rounded to x's dtype,
-            # the activation kernel's formula and rounding (the bits of silu_mul, then linear).
-            ut = tl.load(x_ptrs + K, mask=x_mask, other=0.0)
-            xt = gated(xt.to(tl.float32), ut.to(tl.float32), ACT == 2).to(xdt)
+            xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
         if W_KIND == 3:
             # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
             # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
@@ -138,16 +130,11 @@ def _counters(tiles: int, device: torch.device) -> torch.Tensor:
 # out: its converted fp8/int8 tile needs all 255 registers and spills (seen in the sm90 cubin).
 _SMALL_BN64 = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (256, 4, 6)]
 _SMALL_BN128 = [(64, 4, 6), (128, 4, 3), (128, 4, 4), (128, 8, 4)]  # M 33-64: 128 x 64 tiles
-# act_linear: gate and up tiles in fp32 beside the weight tile. At M <= 32 the BLOCK_K 256
-# builds need all 255 registers and spill (fp8 / int8, sm90 cubin), so K tiles of at most 128;
-# at M 33-64 every 4-warp config above spills, so 8 warps (and 3 stages at 128: shared memory).
-_ACT_BN64 = [(128, 4, 4), (128, 4, 6), (64, 4, 8)]
-_ACT_BN128 = [(128, 8, 3), (64, 8, 4), (64, 8, 6)]
 _LARGE = [(64, 4, 4), (64, 8, 3)]
 
 
 def _configs(small_m: bool):
-    shapes = list(dict.fromkeys(_SMALL_BN64 + _SMALL_BN128 + _ACT_BN64 + _ACT_BN128)) if small_m else _LARGE
+    shapes = list(dict.fromkeys(_SMALL_BN64 + _SMALL_BN128)) if small_m else _LARGE
     return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
 
 
@@ -159,12 +146,10 @@ def _prune(configs, named_args, **kw):
     fit in shared memory: compiling them only to fail costs seconds each."""
     wb = named_args["w_ptr"].element_size()
     xb = named_args["x_ptr"].element_size()
-    bm, bn, act = kw["BLOCK_M"], kw["BLOCK_N"], kw.get("ACT", 0) != 0
-    meant = set((_ACT_BN128 if bn == 128 else _ACT_BN64) if act else _SMALL_BN128 if bn == 128 else _SMALL_BN64)
-    meant |= set(_LARGE)
+    bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
+    meant = set(_SMALL_BN128 if bn == 128 else _SMALL_BN64) | set(_LARGE)
     mine = [c for c in configs if (c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in meant]
-    xrow = (2 if act else 1) * bm * xb  # act_linear pipelines the gate and the up tile
-    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + xrow) <= SMEM_BUDGET]
+    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
     return fit or mine[:1]
 
 
@@ -174,7 +159,6 @@ _TUNED = {}
 AUTOTUNE = True
 # Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
 DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
-DEFAULT_ACT = {**DEFAULT, (True, 64): _ACT_BN64[0], (True, 128): _ACT_BN128[0]}
 
 
 def _tuned(small_m: bool):
@@ -183,7 +167,7 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "ACT"],
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
             prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
@@ -241,13 +225,9 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     return d
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None,
-           _act: str | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None) -> torch.Tensor:
     """``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}."""
-    if _act is None:
-        M, N, K = check_linear(x, w, bias, w_scale)
-    else:
-        M, N, K = check_act_linear(x, w, bias, w_scale, _act)
+    M, N, K = check_linear(x, w, bias, w_scale)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -269,8 +249,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
-    common = dict(W_KIND=kind, ACT=0 if _act is None else 1 + ACTS.index(_act),
-                  HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
@@ -283,15 +262,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
     elif not AUTOTUNE:
-        bk, nw, ns = (DEFAULT if _act is None else DEFAULT_ACT)[(p["small"], bn)]
+        bk, nw, ns = DEFAULT[(p["small"], bn)]
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
     return out
-
-
-def act_linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, act: str = "silu_mul") -> torch.Tensor:
-    """``linear(silu_mul(x), w, ...)`` (or gelu_tanh_mul) in one launch: the decode GEMM computes
-    its x tiles from x[M, 2K] = gate | up as it loads them, with the activation kernel's formula
-    and rounding, so the result has the bits of the two launches (one launch fewer per MLP)."""
-    return linear(x, w, bias, w_scale, _act=act)

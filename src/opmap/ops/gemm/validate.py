@@ -29,17 +29,3 @@ def check_linear(x, w, bias=None, w_scale=None) -> tuple[int, int, int]:
         expect_tensor("bias", bias, dtype=(x.dtype, torch.float32), shape=(N,), contiguous=True)
     expect_same_device(x=x, w=w, bias=bias, w_scale=w_scale)
     return M, N, K
-
-
-ACTS = ("silu_mul", "gelu_tanh_mul")
-
-
-def check_act_linear(x, w, bias=None, w_scale=None, act="silu_mul") -> tuple[int, int, int]:
-    """Validate act_linear's arguments (x[M, 2K] = gate | up, w[N, K]); returns (M, N, K)."""
-    expect(act in ACTS, "act", repr(act), " or ".join(repr(a) for a in ACTS))
-    expect_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
-    expect_tensor("w", w, ndim=2)
-    K = w.shape[1]
-    expect(x.shape[1] == 2 * K, "x", f"shape {tuple(x.shape)}",
-           f"shape (M, {2 * K}): gate | up, twice w's K = {K}")
-    return check_linear(x[:, :K], w, bias, w_scale)
