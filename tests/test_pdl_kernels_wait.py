@@ -66,11 +66,23 @@ def k(x_ptr, PDL: tl.constexpr = False):
     assert "never waits" in _problem("def k(PDL):\n    tl.store(p, 1)\n")
 
 
+# Kernels that load before the wait, and why that is safe: only loads, of inputs that their one
+# possible predecessor does not write (a predecessor releases its dependents only after its own
+# wait, so everything before it is complete and visible).
+LOADS_BEFORE_WAIT = {
+    "opmap.ops.attention.decode._combine_kernel":
+        "seq_lens / cu_seqlens for the split plan; launched only right after _decode_kernel, which reads them",
+}
+
+
 def test_every_pdl_kernel_waits_before_touching_memory():
     kernels = _pdl_kernels()
     assert len(kernels) >= 15, sorted(kernels)  # the decode-step kernels and the sampler's passes at least
     problems = {name: p for name, fn in kernels.items() if (p := _problem(inspect.getsource(fn)))}
-    assert not problems, problems
+    declared = {name: p for name, p in problems.items() if name in LOADS_BEFORE_WAIT}
+    assert all(p == "['load'] before the PDL wait" for p in declared.values()), declared  # loads only
+    assert set(declared) == set(LOADS_BEFORE_WAIT), "a declared kernel no longer loads early: drop it"
+    assert not {n: p for n, p in problems.items() if n not in declared}, problems
 
 
 def _launch_sites():

@@ -201,8 +201,10 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
                     DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
                     Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """out = the LSE-weighted mean of a row's split partials (merge._split_sum). The result depends
-    on the row's own splits only (fixed mode stays batch invariant) and is the same on every run."""
-    enter(PDL)
+    on the row's own splits only (fixed mode stays batch invariant) and is the same on every run.
+    The plan is read before the PDL wait: this kernel is launched right after _decode_kernel only,
+    which releases it after its own wait for everything before it, and seq_lens and cu_seqlens are
+    inputs of both that the decode kernel does not write; the partials are read after the wait."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     L = tl.load(sl_ptr + b)
@@ -216,6 +218,7 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
         r0 = tl.load(cu_ptr + b)
         skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
         row = r0.to(tl.int64)
+    enter(PDL)
     if skip:
         return
     dv = tl.arange(0, DV)

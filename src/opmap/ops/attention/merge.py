@@ -43,11 +43,17 @@ def _split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.cons
     waited out one load per split. m is 0 when every split is empty (all weights then 0)."""
     js = tl.arange(0, S_P)
     lse = tl.load(pl + js, mask=js < n, other=float("-inf"))
+    # The first tile of partials and its LSEs are loaded beside all LSEs, before their max is
+    # known: up to BLOCK_S splits cost one round trip to memory, not two.
+    s1 = tl.arange(0, BLOCK_S)
+    m1 = s1 < n
+    l1 = tl.load(pl + s1, mask=m1, other=float("-inf"))
+    o1 = tl.load(po + s1[:, None] * s_pos + offs[None, :], mask=m1[:, None] & mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(_exp(lse - m, EXP2), 0)
-    acc = tl.zeros(offs.shape, tl.float32)
-    for s0 in range(0, n, BLOCK_S):
+    acc = tl.sum(o1 * _exp(l1 - m, EXP2)[:, None], 0)
+    for s0 in range(BLOCK_S, n, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         ms = ss < n
         w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf")) - m, EXP2)
