@@ -58,3 +58,18 @@ def test_warm_up_in_the_background_gives_the_same_record():
     assert got["workers"] == 2 and got["workers_lost"] == 0 and got["ran"] >= len(cases)
     assert runner.warm_in_background(ops=ops, quick=True, warm_workers=1)() is None  # 1: no warm-up
     assert runner.warm_in_background(ops=["logits"], quick=True, warm_workers=2)() is None  # one case: none
+
+
+def test_a_row_note_carries_what_the_provider_describes(monkeypatch):
+    # run_case asks a provider what ran (Provider.describe, e.g. the GEMM's tuned config) after
+    # timing it and joins that to the timing's own note; providers without it keep that note only.
+    from opmap.bench import timing
+    from opmap.bench.base import BenchCase, Provider
+
+    monkeypatch.setattr(timing, "num_sets", lambda *a, **k: 1)
+    monkeypatch.setattr(timing, "time_calls", lambda calls, **k: timing.Timing(2.0, "do_bench", len(calls), "timed eagerly"))
+    case = BenchCase(op="x", case="n=1", flops=0.0, bytes=1e6, setup=lambda device: {}, providers=[
+        Provider("ours", lambda inp: (lambda: None), describe=lambda: "BLOCK_K 128 (autotuned)"),
+        Provider("peer", lambda inp: (lambda: None))])
+    recs, skipped = runner.run_case(case, None, "cpu", quick=True)
+    assert not skipped and [r["note"] for r in recs] == ["timed eagerly; BLOCK_K 128 (autotuned)", "timed eagerly"]

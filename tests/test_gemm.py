@@ -228,3 +228,19 @@ def test_dequant_cublas_declarations():
     assert b.validate(GemmSpec(arch="sm90", m=256))  # dense weights are cuBLAS's
     with pytest.raises(InputError, match="w"):
         b("linear", torch.randn(2, 32), torch.randn(16, 32))
+
+
+def test_describe_names_the_plan_and_the_tuned_config(monkeypatch):
+    # What a benchmark row's note says ran: the tiles, the K splits as linear() rounds them, and the
+    # autotuner's choice for the shape class once it has one.
+    import types
+
+    import triton
+
+    assert tri.describe(1, 48, 8192, "cpu", quantised=True) == "BLOCK_N 64, BLOCK_M 16, 8 K splits, BLOCK_K 64 (fixed)"
+    plan = tri.plan
+    monkeypatch.setattr(tri, "plan", lambda *a, **k: plan(*a, **dict(k, interp=False)))  # as on a GPU
+    monkeypatch.setattr(tri, "_TUNED", {})
+    assert tri.describe(3, 4096, 4096, "cpu") == "BLOCK_N 64, BLOCK_M 16, 1 K split"  # not tuned yet
+    tri._TUNED[True] = types.SimpleNamespace(best_config=triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=6))
+    assert tri.describe(3, 4096, 4096, "cpu").endswith("BLOCK_K 128, 4 warps, 6 stages (autotuned)")

@@ -17,6 +17,7 @@ class Provider:
     make: Callable[[Any], Callable[[], Any]]  # inputs -> a no-argument callable that runs the op once
     backend: Optional[tuple] = None  # (op, backend name) in the registry, to check it can serve the case
     available: Optional[Callable[[], Optional[str]]] = None  # reason it cannot run here, else None
+    describe: Optional[Callable[[], str]] = None  # after timing: what ran (e.g. the tuned config), for the note
 
     @property
     def variant(self) -> bool:

@@ -180,8 +180,9 @@ def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], li
                "selected": bool(chosen and p.backend and p.backend[1] == chosen and not p.variant),
                # wall time of this row: compiling / autotuning, graph capture and timing (where a run's time goes)
                "seconds": round(time.perf_counter() - t0, 2)}
-        if t.note:
-            rec["note"] = t.note
+        note = "; ".join(x for x in (t.note, p.describe() if p.describe else "") if x)
+        if note:
+            rec["note"] = note
         recs.append(rec)
     del sets
     torch.cuda.empty_cache()

@@ -57,6 +57,15 @@ def _ours(backend, quantised):
     return make
 
 
+def _described(M, N, K, quantised):
+    def note():
+        from opmap.ops.gemm import triton_gemm as T
+
+        return T.describe(M, N, K, "cuda" if torch.cuda.is_available() else "cpu", quantised=quantised)
+
+    return note
+
+
 def _cublas(inp):
     import torch.nn.functional as F
 
@@ -104,10 +113,12 @@ def cases(quick: bool) -> list[BenchCase]:
                 flops = 2.0 * M * N * K
                 wd = fmt or "bf16"
                 if fmt is None:
-                    provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode")),
+                    provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode"),
+                                      describe=_described(M, N, K, False)),
                              Provider("cublas", _cublas)]
                 else:
-                    provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo")),
+                    provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo"),
+                                      describe=_described(M, N, K, True)),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
                     if M <= 32:

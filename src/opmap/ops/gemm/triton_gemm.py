@@ -172,6 +172,21 @@ def _tuned(small_m: bool):
     return _TUNED[small_m]
 
 
+def describe(M: int, N: int, K: int, device, quantised: bool = False) -> str:
+    """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
+    its shape class when it has run on this device (benchmark rows name it in their note)."""
+    p = plan(M, N, K, _sm_count(torch.device(device)), quantised=quantised)
+    kq = p.get("BLOCK_K", 256)
+    split = triton.cdiv(K, triton.cdiv(triton.cdiv(K, kq), p["SPLIT"]) * kq)  # as linear() rounds it
+    text = f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, {split} K split{'s' if split > 1 else ''}"
+    if "BLOCK_K" in p:
+        return f"{text}, BLOCK_K {p['BLOCK_K']} (fixed)"
+    best = getattr(_TUNED.get(p["small"]), "best_config", None)  # the last tuned call's, this shape's in a bench row
+    if best is None:
+        return text
+    return f"{text}, BLOCK_K {best.kwargs['BLOCK_K']}, {best.num_warps} warps, {best.num_stages} stages (autotuned)"
+
+
 def _sm_count(dev: torch.device) -> int:
     if dev.type == "cuda":
         return torch.cuda.get_device_properties(dev).multi_processor_count
