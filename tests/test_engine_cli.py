@@ -247,6 +247,11 @@ def test_bad_engine_arguments_are_clean_errors(capsys):
     assert "page_size" in capsys.readouterr().err
 
 
+def test_ambiguous_symbols_follow_the_model():
+    assert P.categorize("_combine_kernel", moe=False) == "attention"  # split-KV decode combine
+    assert P.categorize("_combine_kernel", moe=True) == "MoE"
+
+
 def test_profile_kernel_table_on_cpu(capsys):
     from opmap import cli
 

@@ -5,7 +5,6 @@ import torch
 
 from opmap import registry
 from opmap.contract import InputError
-from opmap.ops import counters as C
 from opmap.ops.gemm import quant
 from opmap.ops.gemm import reference as ref
 from opmap.ops.gemm import triton_gemm as tri
@@ -75,15 +74,14 @@ def test_split_k_counters_reset_and_grow():
     # the old one kept alive for graphs captured with it).
     x, w, b, s = _inputs(40, 700, 1088, torch.float16, "fp8", bias=True, seed=11)
     p = dict(tri.plan(40, 700, 1088, sms=8), BLOCK_M=16, BLOCK_N=64, SPLIT=3)  # 3 x 11 tiles
-    C.COUNTERS.clear()
-    small = C.COUNTERS[(x.device, 0)] = torch.zeros(16, dtype=torch.int32)  # room for 16 tiles
-    first = tri.linear(x[:1], w, b, s, _plan=dict(p, BLOCK_M=16))  # 11 tiles: fits
-    assert C.COUNTERS[(x.device, 0)] is small
+    tri._COUNTERS.clear()
+    first = tri.linear(x[:1], w, b, s, _plan=dict(p, BLOCK_M=16))  # 11 tiles: the default buffer
+    small = tri._COUNTERS[(x.device, 0)]
     out = tri.linear(x, w, b, s, _plan=p)
     assert_close(out, ref.linear(x, w, b, s), scale=2.0)
     assert_close(first, ref.linear(x[:1], w, b, s), scale=2.0)
-    grown = C.COUNTERS[(x.device, 0)]
-    assert grown.numel() >= 33 and any(r is small for r in C.RETIRED)
+    grown = tri._COUNTERS[(x.device, 0)]
+    assert grown.numel() >= 33 and any(r is small for r in tri._RETIRED)
     assert not grown.any() and not small.any()
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p)) and not grown.any()
 

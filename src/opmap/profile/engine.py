@@ -19,8 +19,11 @@ from .symbols import OP_CATEGORY, classify
 
 CATEGORIES = ("attention", "GEMM", "norm", "RoPE", "activation", "MoE", "sampling", "grammar", "memory copies",
               "other")
-def categorize(symbol: str) -> str:
-    """A kernel symbol's category through the symbol table (symbols.json)."""
+def categorize(symbol: str, moe: bool = True) -> str:
+    """A kernel symbol's category through the symbol table (symbols.json). ``_combine_kernel`` is
+    both opmap's MoE combine and its split-KV decode combine: MoE in MoE models, else attention's."""
+    if symbol == "_combine_kernel":
+        return "MoE" if moe else "attention"
     return classify(symbol)[0]
 
 
@@ -30,7 +33,7 @@ def _op_of(name: str):
     return tuple(parts[1:4]) if len(parts) >= 4 and parts[0] == "opmap" and parts[1] != "step" else None
 
 
-def analyse(trace: dict) -> dict:
+def analyse(trace: dict, moe: bool = True) -> dict:
     """Per phase: steps, host wall, GPU busy and idle, time per category with kernels and backends."""
     evs = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in evs if e.get("cat") == "user_annotation" and e["name"].startswith("opmap::step::")]
@@ -72,7 +75,7 @@ def analyse(trace: dict) -> dict:
             j = bisect.bisect_right(op_starts, ev["ts"]) - 1
             owner = gpu_ops[j] if j >= 0 and ev["ts"] <= gpu_ops[j]["ts"] + gpu_ops[j]["dur"] else None
             op = _op_of(owner["name"]) if owner else None
-            cat = OP_CATEGORY.get(op[0], "other") if op else categorize(ev["name"])
+            cat = OP_CATEGORY.get(op[0], "other") if op else categorize(ev["name"], moe)
             sym = ev["name"]
         else:
             op = _op_of(ev["name"])
@@ -222,7 +225,7 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
     prof.export_chrome_trace(path)
     with open(path) as f:
         doc = json.load(f)
-    res = analyse(doc)
+    res = analyse(doc, moe=llm.cfg.is_moe)
     graph_backends(res, llm)
     from . import analyze, trace
 

@@ -15,10 +15,8 @@ kernels (no host synchronisation, nothing to rebuild when lengths change):
 - fixed mode (batch invariant): splits of exactly ``split_tokens`` keys; a sequence's result
   depends on its own length only, never on the batch it runs in.
 A sequence with one split writes its output directly; with more, each split writes a
-normalised partial and its LSE (log2) into the persistent workspace, and the split that finishes
-last (a counter per sequence and KV head, ``ops/counters.py``) merges the GROUP heads' partials by
-LSE in split order, so the result does not depend on which split ended last and no second launch
-is needed. Length 0 writes zeros (LSE -inf).
+normalised partial and its LSE (log2) into the persistent workspace and ``_combine_kernel``
+merges them by LSE. Length 0 writes zeros (LSE -inf).
 """
 from __future__ import annotations
 
@@ -34,7 +32,6 @@ from .common import check_attention, kernel_config, prepare_scales, sm_count
 from .fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
-from ..counters import counters
 from ..pdl import enter
 from .tiles import _kv_scales, _pages, _tanh
 
@@ -89,15 +86,14 @@ def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
 # batch of a run launches the one binary the start-up compiled (Triton compiles a variant per
 # integer that is 1 or a multiple of 16; tests/test_engine_triton.py checks the engine's steps).
 @triton.jit(do_not_specialize=["max_splits", "min_chunk"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
                    scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, G_P: tl.constexpr,
-                   PREFETCH: tl.constexpr = 1,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
     tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
@@ -156,13 +152,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, cnt_pt
     o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
-    if n > 1:
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n - 1:
-            _merge_splits(n, row, kvh, o_ptr, lse_ptr, po_ptr + b * s_pob, pl_ptr + b * s_plb, s_ob, s_oh, s_poh, s_pos,
-                          s_plh, GROUP, DV, RETURN_LSE, S_P, BLOCK_S, G_P)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -196,7 +185,7 @@ def _split_of(sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP
 def _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP: tl.constexpr, RETURN_LSE: tl.constexpr):
     """A split's normalised output and LSE (log2): into the output when the sequence has one split,
-    else into the partials that _merge_splits merges."""
+    else into the partials that _combine_kernel merges."""
     if n <= 1:
         tl.store(o_ptr + row * s_ob + o_off, out.to(o_ptr.dtype.element_ty), mask=o_ok)
         if RETURN_LSE:
@@ -206,48 +195,39 @@ def _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_
         tl.store(pl_ptr + b * s_plb + head * s_plh + sp, lse2, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits(n, row, kvh, o_ptr, lse_ptr, po, pl, s_ob, s_oh, s_poh, s_pos, s_plh, GROUP: tl.constexpr,
-                  DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr,
-                  G_P: tl.constexpr):
-    """out = the LSE-weighted mean of the n split partials of one sequence's GROUP heads (``po``,
-    ``pl``: the sequence's partials and LSEs), summed in split order: the same on every run, and
-    in fixed mode a function of the row's own splits only (batch invariant). All LSEs are read at
-    once and the first BLOCK_S splits' partials beside them; loads are .cg, since the other splits'
-    partials are in L2, never in this SM's L1. Every split holds >= 1 key, so a real head's total
-    weight is >= 1."""
-    g = tl.arange(0, G_P)
-    g_ok = g < GROUP
-    head = kvh * GROUP + g
+@triton.jit(do_not_specialize=["max_splits", "min_chunk"])
+def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
+                    s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
+                    DV: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, RETURN_LSE: tl.constexpr,
+                    Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    """out = the LSE-weighted mean of a row's split partials (merge._split_sum). The result depends
+    on the row's own splits only (fixed mode stays batch invariant) and is the same on every run.
+    The plan is read before the PDL wait: this kernel is launched right after _decode_kernel only,
+    which releases it after its own wait for everything before it, and seq_lens and cu_seqlens are
+    inputs of both that the decode kernel does not write; the partials are read after the wait."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    L = tl.load(sl_ptr + b)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(L - window, 0)
+    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BLOCK_N)
+    skip = n <= 1  # the decode kernel wrote this row itself
+    row = b
+    if Q_FROM_CU:
+        r0 = tl.load(cu_ptr + b)
+        skip = skip | (tl.load(cu_ptr + b + 1) - r0 != 1)
+        row = r0.to(tl.int64)
+    enter(PDL)
+    if skip:
+        return
     dv = tl.arange(0, DV)
-    js = tl.arange(0, S_P)
-    lse = tl.load(pl + head[:, None] * s_plh + js[None, :], mask=g_ok[:, None] & (js[None, :] < n),
-                  other=float("-inf"), cache_modifier=".cg")
-    s1 = tl.arange(0, BLOCK_S)
-    l1, o1 = _split_tile(po, pl, head, g_ok, dv, s1, n, s_poh, s_pos, s_plh)
-    m = tl.max(lse, 1)
-    m = tl.where(g_ok, m, 0.0)
-    tot = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.sum(o1 * tl.exp2(l1 - m[None, :])[:, :, None], 0)
-    for s0 in range(BLOCK_S, n, BLOCK_S):
-        ls, o = _split_tile(po, pl, head, g_ok, dv, s0 + s1, n, s_poh, s_pos, s_plh)
-        acc += tl.sum(o * tl.exp2(ls - m[None, :])[:, :, None], 0)
-    tot = tl.where(g_ok, tot, 1.0)
-    tl.store(o_ptr + row * s_ob + head[:, None] * s_oh + dv[None, :], (acc / tot[:, None]).to(o_ptr.dtype.element_ty),
-             mask=g_ok[:, None])
+    # Every split holds >= 1 key: tot >= 1.
+    acc, m, tot = _split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
+                             dv < DV, S_P, BLOCK_S, True)
+    tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
-        tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + head, (m + tl.log2(tot)) * 0.6931471805599453,
-                 mask=g_ok)
-
-
-@triton.jit
-def _split_tile(po, pl, head, g_ok, dv, ss, n, s_poh, s_pos, s_plh):
-    """LSEs [BLOCK_S, G_P] and partials [BLOCK_S, G_P, DV] of splits ``ss`` (-inf / 0 past n)."""
-    ms = (ss[:, None] < n) & g_ok[None, :]
-    ls = tl.load(pl + ss[:, None] + head[None, :] * s_plh, mask=ms, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(po + ss[:, None, None] * s_pos + head[None, :, None] * s_poh + dv[None, None, :], mask=ms[:, :, None],
-                other=0.0, cache_modifier=".cg")
-    return ls, o
+        tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
 
 
 def auto_max_splits(batch: int, num_kv_heads: int, device: torch.device, per_sm: int = 2,
@@ -322,12 +302,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
     dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
-    cnt = counters(B * hk if splits > 1 else 1, q.device)  # untouched with one split
-    # The merge's tiles are sized by the partial buffers' most splits (the workspace's), not this
-    # batch's: one binary for every batch size.
-    s_p, g_p = triton.next_power_of_2(po4.shape[2]), triton.next_power_of_2(hq // hk)
     _decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, cnt, seq_lens, block_tables, ks, vs, cu,
+        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
         float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -335,9 +311,19 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        S_P=s_p, BLOCK_S=max(1, min(s_p, 4096 // (g_p * triton.next_power_of_2(dv)))), G_P=g_p,
         PREFETCH=cfg["PREFETCH"], **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
+    if splits > 1:
+        # sized by the partial buffers' most splits (the workspace's), not this batch's: one
+        # binary for every batch size
+        s_p = triton.next_power_of_2(po4.shape[2])
+        _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
+                                 out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
+                                 pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
+                                 HAS_WINDOW=window is not None, RETURN_LSE=return_lse,
+                                 Q_FROM_CU=cu_seqlens_q is not None, S_P=s_p,
+                                 BLOCK_S=max(1, min(s_p, 4096 // triton.next_power_of_2(dv))), num_warps=4,
+                                 **pdl.launch(q.device))
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..counters import counters
 from ..pdl import enter, gdc_launch_dependents, gdc_wait
 from .validate import check_linear
 
@@ -103,6 +102,27 @@ def _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om,
         acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters, zero between calls
+_RETIRED: list = []   # outgrown counter buffers: a captured CUDA graph may still point at one
+
+
+def _counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """The split-K tile counters for this device and stream. Stream order (and, under PDL, each
+    program's wait for the previous kernel before it touches them) keeps two GEMMs of one stream
+    from sharing them at once; two streams never share them. Made during a CUDA-graph capture they
+    come from the graph's pool and stay valid while cached."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
+        # Every plan()-made split has fewer than four tiles an SM: one buffer serves them all.
+        n = max(tiles, 4 * _sm_count(device))
+        buf = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf
 
 
 # (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
@@ -248,7 +268,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
+        cnt = _counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
     else:
         ws = cnt = dummy  # never read with one split
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
