@@ -134,3 +134,12 @@ def test_records_are_handed_over_after_each_provider(monkeypatch):
                                done=lambda o, s: seen.append((len(o), len(s))))
     assert seen[:3] == [(1, 0), (2, 0), (2, 1)]
     assert "compile failed" in skipped[0]["reason"] and skipped[0]["provider"] == "hf-transformers-static-compile"
+
+
+def test_step_budget_prefills_a_batch_case_in_one_step():
+    # Every batch case's prompts fit one prefill step (as HF's one forward over the batch), so the
+    # engine's TPOT counts decode steps only; B=1 cases and the workload keep the 4096 floor.
+    llama = [c for c in e2e.FULL if c[0] == "llama3-8b"]
+    assert e2e.step_budget(llama) == 128 * 512
+    assert e2e.step_budget([("x", 32, 512, 128), ("x", 1, 1024, 128)]) == 32 * 512
+    assert e2e.step_budget([("x", 1, 1024, 128), ("x", "workload", None, None)]) == 4096
