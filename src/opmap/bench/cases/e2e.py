@@ -20,6 +20,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 # "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize),
@@ -352,6 +353,7 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             try:
                 fn(model, mine, ceil, out, skipped)
             except Exception as e:  # one side failing must not hide the other's figures
+                traceback.print_exc(file=sys.stderr)  # the log keeps where it failed; the record, why
                 skipped.append({"op": "e2e", "case": f"model={model}", "provider": who,
                                 "reason": f"failed: {type(e).__name__}: {str(e)[:300]}"})
                 gc.collect()
