@@ -143,3 +143,14 @@ def test_step_budget_prefills_a_batch_case_in_one_step():
     assert e2e.step_budget(llama) == 128 * 512
     assert e2e.step_budget([("x", 32, 512, 128), ("x", 1, 1024, 128)]) == 32 * 512
     assert e2e.step_budget([("x", 1, 1024, 128), ("x", "workload", None, None)]) == 4096
+
+
+def test_a_failed_request_fails_the_side_with_its_error():
+    from types import SimpleNamespace as NS
+
+    class Fake:
+        def generate(self, prompts, params):
+            return [NS(error=None), NS(error="the sequence needs 9 KV pages, the cache has 8")]
+
+    with pytest.raises(RuntimeError, match=r"1 of 2 requests failed; the first: the sequence needs 9 KV pages"):
+        e2e._run(Fake(), [[1], [2]], None)

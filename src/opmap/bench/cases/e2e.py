@@ -118,13 +118,24 @@ def _unquantised(model: str) -> bool:
     return split_model(model)[1:] == (None, None)
 
 
+def _run(llm, prompts, params) -> list:
+    """llm.generate, failing on a request that ended in an error (a record of a run whose requests
+    failed would time nothing): the first error names the cause."""
+    outs = llm.generate(prompts, params)
+    bad = [o for o in outs if o.error is not None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(outs)} requests failed; the first: {bad[0].error}")
+    return outs
+
+
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
     q = bool(llm.runner.weight_format)  # --quantize or the checkpoint's own format
     weight_bytes = lambda rows: cfg.decode_weight_bytes(rows, quantised=q)  # noqa: E731
     from opmap.ops.sampling.params import SamplingParams
 
     greedy = dict(temperature=0.0, ignore_eos=True)
-    llm.generate(_prompts(cfg.vocab, 2, 600, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
+    warm = min(600, llm.max_model_len - 8)  # prompt + 8 new tokens within the model length
+    _run(llm, _prompts(cfg.vocab, 2, warm, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
     for _, b, plen, new in cases_of_model:
         if b == "workload":
             import random
@@ -132,7 +143,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             rng = random.Random(0)
             ps = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
             sps = [SamplingParams(max_tokens=rng.randint(100, 1024), **greedy) for _ in range(256)]
-            llm.generate(ps, sps)
+            _run(llm, ps, sps)
             d = llm.last_summary
             case = f"model={model},requests=256,input=100:1024,output=100:1024"
             floor = weight_bytes(llm.ecfg.max_num_seqs) / (ceil.read_tbps * 1e12) * 1e3
@@ -151,7 +162,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
                                 "reason": f"structured output needs xgrammar ({e})"})
                 continue
             ps = _prompts(cfg.vocab, 32, plen, seed=32)
-            llm.generate(ps, SamplingParams(max_tokens=new, **greedy))
+            _run(llm, ps, SamplingParams(max_tokens=new, **greedy))
             plain = llm.last_summary["tpot_ms_p50"]
             schema = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
             # The first constrained request pays one-time costs: imports (XGrammar's pull in
@@ -160,11 +171,11 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             # first run was 28% slower (499 collections, a 196 ms full one). Warmed
             # here like the plain cases; its time is in the note.
             t0 = time.perf_counter()
-            llm.generate(_prompts(cfg.vocab, 2, 16, seed=31), SamplingParams(max_tokens=4, json_schema=schema, **greedy))
+            _run(llm, _prompts(cfg.vocab, 2, 16, seed=31), SamplingParams(max_tokens=4, json_schema=schema, **greedy))
             first_use_s = time.perf_counter() - t0
             # Then the timed batch's shapes (32 rows, half constrained), as the plain cases are run
             # once before timing: kernels meet their batch sizes here, not inside a timed step.
-            llm.generate(_prompts(cfg.vocab, 32, plen, seed=35),
+            _run(llm, _prompts(cfg.vocab, 32, plen, seed=35),
                          [SamplingParams(max_tokens=8, json_schema=schema if i % 2 else None, **greedy) for i in range(32)])
             # Constrained rows must decode as many tokens as the plain ones, or the batch shrinks and
             # the "overhead" comes out negative (measured: a plain integer array let random-weight
@@ -178,7 +189,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             # (the fill waits for the forward), each on fresh prompts: what the overlap saves.
             for overlap, seed in ((True, 33), (False, 34)):
                 llm.ecfg.overlap_grammar = overlap
-                llm.generate(_prompts(cfg.vocab, 32, plen, seed=seed), sps)
+                _run(llm, _prompts(cfg.vocab, 32, plen, seed=seed), sps)
                 d = llm.last_summary
                 name = _engine_name(llm) + ("" if overlap else "[serial grammar fill]")
                 rec = _record(model, case, name, d["ttft_ms_p50"], d["tpot_ms_p50"], d["output_tok_per_s"],
@@ -192,10 +203,10 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         # Twice at least: the first run meets these shapes first (Triton autotuning, allocator
         # growth). B=1 is then run REPS_B1 times on fresh prompts: one request's TTFT is a single
         # prefill, and single B=1 runs on the H200 gave TTFTs from 24 to 41 ms.
-        llm.generate(_prompts(cfg.vocab, b, plen, seed=b + 1000), SamplingParams(max_tokens=new, **greedy))
+        _run(llm, _prompts(cfg.vocab, b, plen, seed=b + 1000), SamplingParams(max_tokens=new, **greedy))
         runs = []
         for r in range(REPS_B1 if b == 1 else 1):
-            llm.generate(_prompts(cfg.vocab, b, plen, seed=b + 100 * r), SamplingParams(max_tokens=new, **greedy))
+            _run(llm, _prompts(cfg.vocab, b, plen, seed=b + 100 * r), SamplingParams(max_tokens=new, **greedy))
             runs.append(llm.last_summary)
         d = sorted(runs, key=lambda x: x["tpot_ms_p50"])[len(runs) // 2]  # the median run by TPOT
         dec = d["step_seconds"]["decode"]
