@@ -118,14 +118,13 @@ def _unquantised(model: str) -> bool:
     return split_model(model)[1:] == (None, None)
 
 
-def _run(llm, prompts, params) -> list:
+def _run(llm, prompts, params) -> None:
     """llm.generate, failing on a request that ended in an error (a record of a run whose requests
     failed would time nothing): the first error names the cause."""
     outs = llm.generate(prompts, params)
     bad = [o for o in outs if o.error is not None]
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(outs)} requests failed; the first: {bad[0].error}")
-    return outs
 
 
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
@@ -176,7 +175,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             # Then the timed batch's shapes (32 rows, half constrained), as the plain cases are run
             # once before timing: kernels meet their batch sizes here, not inside a timed step.
             _run(llm, _prompts(cfg.vocab, 32, plen, seed=35),
-                         [SamplingParams(max_tokens=8, json_schema=schema if i % 2 else None, **greedy) for i in range(32)])
+                 [SamplingParams(max_tokens=8, json_schema=schema if i % 2 else None, **greedy) for i in range(32)])
             # Constrained rows must decode as many tokens as the plain ones, or the batch shrinks and
             # the "overhead" comes out negative (measured: a plain integer array let random-weight
             # rows close it after 3-5 tokens). 200 items take >= 400 bytes: with the byte tokenizer
