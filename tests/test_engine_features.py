@@ -78,6 +78,20 @@ def test_preemption_gives_same_tokens(ckpt, prompts, whole, single_thread):
     assert tokens(with_cache.generate(prompts, GREEDY)) == whole
 
 
+def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_load(ckpt, caplog):
+    """4 pages of 16 tokens hold 64: an explicit max_model_len of 128 is refused naming both figures;
+    left to the model's 2048 positions it shrinks to 64 with a warning, and a longer prompt fails alone."""
+    from opmap.contract import InputError
+
+    with pytest.raises(InputError, match=r"max_model_len: got 128, expected at most 64.*4 pages of 16"):
+        LLM(ckpt, max_num_seqs=2, num_pages=4, page_size=16, max_model_len=128)
+    with caplog.at_level("WARNING", logger="opmap.engine"):
+        llm = LLM(ckpt, max_num_seqs=2, num_pages=4, page_size=16)
+    assert llm.max_model_len == 64 and "max_model_len 64, below the model's" in caplog.text
+    outs = llm.generate([list(range(1, 70)), [1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
+    assert "max_model_len=64" in outs[0].error and outs[1].error is None and len(outs[1].token_ids) == 4
+
+
 def test_bad_requests_fail_alone(ckpt, prompts, whole, single_thread):
     llm = LLM(ckpt, max_num_seqs=8, max_model_len=100)
     batch = [prompts[0], [], list(range(1, 101)), prompts[1], [CFG.vocab + 3], "w1 w2 w3", 3.5]

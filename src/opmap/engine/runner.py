@@ -156,8 +156,18 @@ class ModelRunner:
                 self.workspace[b] = ops.make_workspace(b, cfg.heads, width, device=self.device)
         self.num_pages = self._size_kv()
         self.moe_warm_s = self._warm_moe()
-        cap = self.num_pages * self.page
-        self.max_model_len = min(ecfg.max_model_len or cfg.max_position, cfg.max_position, cap)
+        cap, want = self.num_pages * self.page, min(ecfg.max_model_len or cfg.max_position, cfg.max_position)
+        if cap < want:
+            # A length the cache cannot hold would end requests in errors at run time: an explicit
+            # max_model_len is refused now, a default one (the model's positions) shrinks to the cache.
+            if ecfg.max_model_len:
+                raise InputError("max_model_len", ecfg.max_model_len,
+                                 f"at most {cap}, the tokens the KV cache holds ({self.num_pages} pages of {self.page}; "
+                                 f"{self.kv_plan}); lower max_model_len, max_num_seqs or max_num_batched_tokens, or "
+                                 f"raise gpu_memory_fraction")
+            log.warning("max_model_len %d, below the model's %d positions: the KV cache holds %d pages of %d tokens (%s)",
+                        cap, want, self.num_pages, self.page, self.kv_plan)
+        self.max_model_len = min(want, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
         # Padded prefill steps up to the token limit, where a step can hold that many tokens (MLA's:
         # one sequence, see prefill_bucket).
@@ -372,9 +382,12 @@ class ModelRunner:
 
     # ---- KV sizing and CUDA graphs ------------------------------------------------------------
     def _size_kv(self) -> int:
+        """KV pages to allocate; ``self.kv_plan`` says where the figure comes from."""
         if self.ecfg.num_pages:
+            self.kv_plan = "num_pages as given"
             return int(self.ecfg.num_pages)
         if self.device.type != "cuda":
+            self.kv_plan = "the CPU default"
             return CPU_PAGES
         # Warm-up prefill of the whole token budget into a small scratch cache, to measure the
         # activation peak (and to compile the prefill kernels before any request arrives).
@@ -407,6 +420,7 @@ class ModelRunner:
         max_len = min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
         useful = self.max_seqs * -(-max_len // self.page)
         n, why = plan_pages(m, self.ecfg.gpu_memory_fraction, self.model.kv_bytes_per_page(self.page), useful)
+        self.kv_plan = why
         log.info("KV cache: %d pages of %d tokens (%.2f GiB); %s", n, self.page,
                  n * self.model.kv_bytes_per_page(self.page) / 2**30, why)
         return n

@@ -329,6 +329,10 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
             del run
     finally:
         del hf
+        # Dynamo's caches and the CUDA graph trees' memory pool outlive the model: without this the
+        # next model's engine plans its KV cache around them, and its compiled peer shares the
+        # step function's recompile limit with this one.
+        torch._dynamo.reset()
         gc.collect()
         torch.cuda.empty_cache()
 
