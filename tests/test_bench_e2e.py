@@ -154,3 +154,43 @@ def test_a_failed_request_fails_the_side_with_its_error():
 
     with pytest.raises(RuntimeError, match=r"1 of 2 requests failed; the first: the sequence needs 9 KV pages"):
         e2e._run(Fake(), [[1], [2]], None)
+
+
+def test_models_run_in_children_and_a_dead_child_keeps_its_rows(monkeypatch):
+    """``records(isolate=True)`` hands each model to a child process with the run's options; the
+    rows a child wrote before it died are kept beside a line naming its exit status."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    calls, seen = [], []
+
+    def call(cmd):
+        calls.append(cmd)
+        path, model = cmd[cmd.index("--child") + 1], cmd[cmd.index("--model") + 1]
+        with open(path, "w") as f:
+            json.dump({"results": [{"model": model}], "skipped": []}, f)
+        return 0 if model == "llama3-8b" else -9
+
+    monkeypatch.setattr(e2e.subprocess, "call", call)
+    out, skipped = e2e.records(quick=False, models=["llama3-8b", "deepseek-v2-lite"], kinds=["1", "32"], hf=False,
+                               prefill_graph_tokens=1024, isolate=True, done=lambda o, s: seen.append((len(o), len(s))))
+    assert [c[c.index("--model") + 1] for c in calls] == ["llama3-8b", "deepseek-v2-lite"]
+    assert calls[0][calls[0].index("--model") + 2:] == ["--case", "1", "--case", "32", "--no-hf",
+                                                         "--prefill-graph-tokens", "1024"]
+    assert out == [{"model": "llama3-8b"}, {"model": "deepseek-v2-lite"}] and seen == [(1, 0), (2, 1)]
+    assert skipped[0]["case"] == "model=deepseek-v2-lite" and "status -9" in skipped[0]["reason"]
+
+
+def test_a_child_run_writes_its_part_file(tmp_path):
+    """The real command line of a child, on this CPU machine: its part file says why nothing ran."""
+    import json
+    import subprocess
+    import sys
+
+    part = tmp_path / "part.json"
+    rc = subprocess.call([sys.executable, "-m", "opmap.bench.cases.e2e", "--child", str(part), "--model", "llama3-8b",
+                          "--case", "1", "--no-hf"])
+    doc = json.loads(part.read_text())
+    assert rc == 0 and doc["results"] == [] and doc["skipped"][0]["reason"] == "needs a CUDA GPU"

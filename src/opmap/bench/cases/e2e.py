@@ -18,7 +18,9 @@ import argparse
 import functools
 import gc
 import json
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -338,25 +340,32 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
 
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
-            hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None) -> tuple:
+            hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None, isolate: bool = False) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
     save what is finished before a long run is cut off (a compiled HF peer of an MoE model took
     about three minutes to compile per batch size on the H200). ``models`` are the cases' model
     names as written: "llama3-8b" is the bf16 rows, "llama3-8b:fp8" those with fp8 weights. ``kinds`` keeps only those cases by their batch
     field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``: the engine's
-    (None: its default)."""
+    (None: its default). ``isolate``: each model in a child process of its own (``in_children``),
+    so that no model's engine starts in what an earlier model's runs left in the process."""
     import torch
 
     from opmap import hw
 
     if not torch.cuda.is_available():
         return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
-    ceil = hw.ceilings(measure=True)
-    out, skipped = [], []
     todo = [c for c in (QUICK if quick else FULL)
             if (not models or c[0] in models) and (not kinds or str(c[1]) in kinds)]
-    for model in dict.fromkeys(m for m, *_ in todo):
+    todo_models = list(dict.fromkeys(m for m, *_ in todo))
+    if isolate and len(todo_models) > 1:
+        argv = (["--quick"] if quick else []) + [x for k in kinds or [] for x in ("--case", str(k))]
+        argv += ([] if hf else ["--no-hf"]) + (["--lockstep"] if lockstep else [])
+        argv += [] if prefill_graph_tokens is None else ["--prefill-graph-tokens", str(prefill_graph_tokens)]
+        return in_children(todo_models, argv, done)
+    ceil = hw.ceilings(measure=True)
+    out, skipped = [], []
+    for model in todo_models:
         mine = [c for c in todo if c[0] == model]
         engine = functools.partial(_engine, lockstep=lockstep, prefill_graph_tokens=prefill_graph_tokens)
         sides = (("opmap-engine", engine), ("hf-transformers-eager", _hf),
@@ -374,6 +383,29 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
                 torch.cuda.empty_cache()
             if done is not None:
                 done(out, skipped)
+    return out, skipped
+
+
+def in_children(models: list, argv: list, done=None) -> tuple:
+    """(records, skipped) of each model run by ``python -m opmap.bench.cases.e2e --child PATH --model M
+    *argv`` in turn, each in a fresh process; this process never touches the GPU. A child writes
+    what it finished after each side, so one that dies keeps those rows, and its exit is recorded.
+    Why: in one process, after Llama-3-8B's engine and both HF peers at batch 1-128, the engines of
+    Qwen3-30B-A3B and DeepSeek-V2-Lite that followed produced NaN logits in their first steps, while
+    the same engines started in a fresh process, or after each of those runs alone, did not."""
+    out, skipped = [], []
+    for m in models:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "part.json"
+            rc = subprocess.call([sys.executable, "-m", "opmap.bench.cases.e2e", "--child", str(path), "--model", m, *argv])
+            part = json.loads(path.read_text()) if path.exists() else {"results": [], "skipped": []}
+        out += part["results"]
+        skipped += part["skipped"]
+        if rc != 0:
+            skipped.append({"op": "e2e", "case": f"model={m}", "provider": "*",
+                            "reason": f"the child process exited with status {rc} (its log has the cause)"})
+        if done is not None:
+            done(out, skipped)
     return out, skipped
 
 
@@ -395,7 +427,17 @@ def main(argv=None) -> int:
     ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
                     help="the engine's prefill CUDA-graph token limit (default: the engine's; rows tagged when not)")
+    ap.add_argument("--one-process", action="store_true",
+                    help="every model in this process (default: each in a child process of its own)")
+    ap.add_argument("--child", metavar="PATH", help=argparse.SUPPRESS)  # in_children's: write (records, skipped) here
     a = ap.parse_args(argv)
+    if a.child:
+        def write_part(recs, skipped):
+            Path(a.child).write_text(json.dumps({"results": recs, "skipped": skipped}, default=str))
+
+        write_part(*records(quick=a.quick, models=a.model, done=write_part, kinds=a.case, hf=not a.no_hf,
+                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens))
+        return 0
 
     def doc_of(recs, skipped):
         return {"environment": environment(hw.ceilings(measure=False)), "quick": a.quick, "model": None,
@@ -408,7 +450,7 @@ def main(argv=None) -> int:
         # the complete files replace the partial one
 
     recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
-                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens)
+                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens, isolate=not a.one_process)
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
