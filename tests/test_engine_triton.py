@@ -92,7 +92,7 @@ def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, 
     elif not cfg.is_mla:
         cfg = dataclasses.replace(cfg, head_dim=32)  # a head_dim the Triton attention kernels serve
     rec = VariantRecorder().install()
-    llm = LLM(cfg, max_num_batched_tokens=64, max_num_seqs=8, backends=forced(cfg), warmup=True)
+    llm = LLM(cfg, max_num_batched_tokens=32, max_num_seqs=8, backends=forced(cfg), warmup=True)
     start = rec.variants()
     run = llm.runner.run
 
@@ -101,8 +101,8 @@ def test_warm_up_launches_every_kernel_variant_of_prefill_and_mixed_steps(name, 
         return run(batch, *a, **kw)
 
     llm.runner.run = tracked
-    prompts = random_prompts(cfg.vocab, [16] * 4 + [13, 21, 30, 5, 40], seed=4)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    prompts = random_prompts(cfg.vocab, [8] * 4 + [7, 11, 15, 3, 20], seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert all(o.error is None for o in outs)
     steps = llm.stats.steps
     assert steps["prefill"] >= 1 and steps["mixed"] >= 2, steps
