@@ -85,6 +85,30 @@ def test_split_k_counters_reset_and_grow():
     assert not grown.any() and not small.any()
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p)) and not grown.any()
 
+def test_captured_split_k_calls_take_graph_counters_made_before_the_capture(monkeypatch):
+    # A call inside a CUDA-graph capture never makes counters (they would come from the graph's
+    # pool uninitialised and aliased): it takes the device's graph counters, which the eager call
+    # before made and zeroed, and names the warm-up it needs when there are none or too few.
+    x, w, b, s = _inputs(40, 700, 1088, torch.float16, "fp8", bias=True, seed=12)
+    p = dict(tri.plan(40, 700, 1088, sms=8), BLOCK_M=16, BLOCK_N=64, SPLIT=3)  # 3 x 11 tiles
+    monkeypatch.setattr(tri, "_GRAPH_COUNTERS", {})
+    monkeypatch.setattr(tri, "_COUNTERS", {})
+    capturing = [True]
+    monkeypatch.setattr(tri, "_capturing", lambda device: capturing[0])
+    with pytest.raises(RuntimeError, match="run it once outside the capture first"):
+        tri.linear(x, w, b, s, _plan=p)
+    assert not tri._COUNTERS and not tri._GRAPH_COUNTERS  # nothing made inside the capture
+    capturing[0] = False
+    eager = tri.linear(x, w, b, s, _plan=p)
+    graph = tri._GRAPH_COUNTERS[x.device]
+    assert graph is not tri._COUNTERS[(x.device, 0)] and graph.numel() >= 33 and not graph.any()
+    capturing[0] = True
+    assert torch.equal(tri.linear(x, w, b, s, _plan=p), eager) and not graph.any()
+    assert tri._GRAPH_COUNTERS[x.device] is graph and len(tri._COUNTERS) == 1
+    with pytest.raises(RuntimeError, match="6000 output tiles"):
+        tri._counters(6000, x.device)
+
+
 def test_triton_fp8_bit_decoding_path():
     # The path used on GPUs without an fp8 conversion instruction (sm80): covers every
     # fp8 byte that quantisation can produce, subnormals and both signs included.

@@ -260,7 +260,44 @@ def test_split_k_chain_in_cuda_graph_replays(fmt, monkeypatch):
         for got, exp in zip(outs, want):
             assert torch.equal(got, exp), seed
     assert_close(outs[2], gemm_ref.linear(outs[1][:, :4096], *layers[2][1:4]))
-    assert all(not c.any() for c in triton_gemm._COUNTERS.values())
+    assert all(not c.any() for c in [*triton_gemm._COUNTERS.values(), *triton_gemm._GRAPH_COUNTERS.values()])
+
+
+def test_split_k_graphs_in_a_shared_pool_keep_their_counters(monkeypatch):
+    # The engine's layout: graphs captured one after another in one memory pool, a first one
+    # without split-K GEMMs whose temporaries it fills at each replay (a prefill graph), then one
+    # of split-K GEMMs (a decode graph). Replaying the first between replays of the second leaves
+    # the second's outputs equal to eager calls: its counters were made before the capture, not
+    # inside it, where the pool could hand them the first graph's temporaries.
+    monkeypatch.setattr(triton_gemm, "_COUNTERS", {})
+    monkeypatch.setattr(triton_gemm, "_GRAPH_COUNTERS", {})
+    shapes = [(4096, 14336), (6144, 4096)]
+    layers = [_lin_inputs(1, n, k, "fp8", bias=False, seed=60 + i) for i, (n, k) in enumerate(shapes)]
+
+    def chain(x0):
+        a = triton_gemm.linear(x0, *layers[0][1:4])
+        return [a, triton_gemm.linear(a, *layers[1][1:4])]
+
+    def scribble():  # small temporaries, freed at the end of the capture, written at each replay
+        return torch.stack([torch.full((4096,), -1, dtype=torch.int32, device="cuda").sum() for _ in range(64)])
+
+    x0 = layers[0][0]
+    chain(x0)  # compiles and makes the counters outside the captures
+    scribble()
+    first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        scribble()
+    with torch.cuda.graph(second, pool=first.pool()):
+        outs = chain(x0)
+    for seed in range(10):
+        first.replay()
+        x0.copy_(_randn(1, 14336, seed=200 + seed))
+        second.replay()
+        want = chain(x0.clone())
+        torch.cuda.synchronize()
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp), seed
+    assert all(not c.any() for c in [*triton_gemm._COUNTERS.values(), *triton_gemm._GRAPH_COUNTERS.values()])
 
 
 def test_custom_ops_under_torch_compile():
