@@ -67,11 +67,34 @@ def test_quantize_refuses_an_unknown_format():
         LLM("tiny-llama3", quantize="int4")
 
 
-def _to_fp8_checkpoint(hf, path, strategy, quantise_experts=False):
-    """Rewrite the checkpoint at ``path`` as compressed-tensors fp8 (what llm-compressor writes):
-    every projection weight in e4m3 beside its ``weight_scale`` (one per tensor or per output
-    channel) and a static ``input_scale``; the LM head kept (the ignore list). The HF model gets
-    the dequantised weights, the reference of the parity."""
+# quantization_config of each fp8 layout (_to_fp8_checkpoint): the scale tensors' suffix, and the
+# config (strategy: "tensor" or "channel").
+LAYOUTS = {
+    "compressed-tensors": ("_scale", lambda strategy: {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                  "symmetric": True, "dynamic": False},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                            "symmetric": True, "dynamic": False}}}}),
+    # AutoFP8 / vLLM: per-tensor weight_scale and static input_scale
+    "fp8": ("_scale", lambda strategy: {"quant_method": "fp8", "activation_scheme": "static",
+                                        "ignored_layers": ["lm_head"]}),
+    # transformers' FineGrainedFP8 without blocks: weight_scale_inv, the same dequantising factor
+    "fp8-inv": ("_scale_inv", lambda strategy: {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                                "weight_block_size": None, "modules_to_not_convert": ["lm_head"]}),
+    # fbgemm: a [rows, 1] weight_scale per output channel, dynamic activations
+    "fbgemm_fp8": ("_scale", lambda strategy: {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                                               "modules_to_not_convert": ["lm_head"]}),
+}
+
+
+def _to_fp8_checkpoint(hf, path, strategy, quantise_experts=False, layout="compressed-tensors"):
+    """Rewrite the checkpoint at ``path`` as fp8 in ``layout`` (LAYOUTS; compressed-tensors is what
+    llm-compressor writes): every projection weight in e4m3 beside its scale (one per tensor or per
+    output channel) and, where the layout has one, a static ``input_scale``; the LM head kept (the
+    ignore list). The HF model gets the dequantised weights, the reference of the parity."""
+    suffix, qconfig = LAYOUTS[layout]
     import glob
     import json
     import os
@@ -89,8 +112,9 @@ def _to_fp8_checkpoint(hf, path, strategy, quantise_experts=False):
         a = v.abs().amax(dim=-1, keepdim=True) if strategy == "channel" else v.abs().amax().reshape(1)
         s = (a / 448.0).clamp_min(1e-12)
         q = (v / (s if strategy == "channel" else s[0])).clamp(-448, 448).to(torch.float8_e4m3fn)
-        out[k], out[k + "_scale"] = q, s.float()
-        out[k.rsplit(".", 1)[0] + ".input_scale"] = torch.ones(1)
+        out[k], out[k + suffix] = q, s.float()
+        if layout in ("compressed-tensors", "fp8"):
+            out[k.rsplit(".", 1)[0] + ".input_scale"] = torch.ones(1)
         with torch.no_grad():
             hf.get_parameter(k).copy_(q.float() * (s if strategy == "channel" else s[0]))
     for f in glob.glob(os.path.join(path, "model*.safetensors*")):
@@ -99,13 +123,7 @@ def _to_fp8_checkpoint(hf, path, strategy, quantise_experts=False):
     cfg_path = os.path.join(path, "config.json")
     with open(cfg_path) as f:
         c = json.load(f)
-    c["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"],
-                                      "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                                                  "symmetric": True, "dynamic": False},
-                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor",
-                                                            "symmetric": True, "dynamic": False}}}}
+    c["quantization_config"] = qconfig(strategy)
     with open(cfg_path, "w") as f:
         json.dump(c, f)
 
@@ -145,8 +163,28 @@ def test_fp8_checkpoint_loads_in_fp8_and_matches_hf(name, strategy, tmp_path, si
         LLM(str(tmp_path), quantize="int8")
 
 
+@pytest.mark.parametrize("layout,strategy", [("fp8", "tensor"), ("fp8-inv", "tensor"), ("fbgemm_fp8", "channel")])
+def test_fp8_checkpoint_layouts_of_autofp8_transformers_and_fbgemm(layout, strategy, tmp_path, single_thread):
+    """The other fp8 layouts with a scale per tensor or per output channel load as the
+    compressed-tensors one does: the projections stay fp8 with their scales, nothing is left
+    unread, and the greedy tokens equal HF's on the dequantised weights."""
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=4, tokenizer=word_tokenizer(cfg.vocab))
+    _to_fp8_checkpoint(hf, str(tmp_path), strategy, layout=layout)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format == "fp8" and r.unused == [] and r.model.dequantised == []
+    P = r.model.params
+    assert P["0.qkv"].dtype == torch.float8_e4m3fn and P["0.o.scale"].shape == (P["0.o"].shape[0],)
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 8), layout
+
+
 @pytest.mark.parametrize("qc,words", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "quant_method"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "e4m3"),
     ({"quant_method": "awq", "bits": 4}, "quant_method"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "weights"),
@@ -255,6 +293,37 @@ def test_checkpoint_kv_scales(weights, tmp_path, single_thread):
     for i in range(cfg.layers):
         assert m.kv_kw(i)["k_scale"].tolist() == [0.5 * (i + 1)] * cfg.kv_heads
         assert m.kv_kw(i)["v_scale"].tolist() == [0.25] * cfg.kv_heads
+    out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert out[0].error is None and len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("names", [("k_scale", "v_scale"), ("kv_scale", "kv_scale"), None])
+def test_fp8_layout_kv_scales_are_read_where_present(names, tmp_path, single_thread):
+    """The ``fp8`` layout names no KV scheme: per-layer ``k_scale`` / ``v_scale`` (or the older
+    single ``kv_scale``) become the fp8 cache's scales when the checkpoint has them; without them
+    the cache keeps its default scales."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3)
+    _to_fp8_checkpoint(hf, str(tmp_path), "tensor", layout="fp8")
+    if names:
+        tensors = load_file(str(tmp_path / "model.safetensors"))
+        for i in range(cfg.layers):
+            tensors[f"model.layers.{i}.self_attn.{names[0]}"] = torch.tensor(0.5 * (i + 1))
+            tensors[f"model.layers.{i}.self_attn.{names[1]}"] = torch.tensor(0.5 * (i + 1) if names[0] == names[1]
+                                                                               else 0.25)
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), max_num_seqs=2, max_num_batched_tokens=64, kv_cache_dtype="fp8")
+    m = llm.runner.model
+    assert llm.runner.unused == []
+    if names:
+        for i in range(cfg.layers):
+            assert m.kv_kw(i)["k_scale"].tolist() == [0.5 * (i + 1)] * cfg.kv_heads
+            v = 0.5 * (i + 1) if names[0] == names[1] else 0.25
+            assert m.kv_kw(i)["v_scale"].tolist() == [v] * cfg.kv_heads
+    else:
+        assert m.kv_layer_scales is None
     out = llm.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert out[0].error is None and len(out[0].token_ids) == 4
 

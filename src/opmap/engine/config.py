@@ -23,7 +23,8 @@ HF_TYPES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "gemma2": "g
 COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
                  "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
                  "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
-                 "quantization_config (compressed-tensors fp8 weights, per tensor or per output channel)")
+                 "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
+                 "fp8 without weight_block_size, fbgemm_fp8)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
@@ -268,10 +269,14 @@ def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
 
 def weight_quant(d: dict) -> Optional[dict]:
     """The weight format of a quantised checkpoint from its ``quantization_config``: fp8 (e4m3)
-    weights in the compressed-tensors layout, one scale per tensor or per output channel ->
-    {"format": "fp8", "strategy", "ignore", "static_activation_scales", "kv_scales"}; with a
-    ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when unquantised.
-    Any other quantisation is refused, naming the field (it would load as wrong numbers)."""
+    weights with one scale per tensor or per output channel, in the compressed-tensors layout
+    (llm-compressor), the ``fp8`` one (AutoFP8, vLLM, and transformers' per-tensor FP8: ``weight_scale``
+    or ``weight_scale_inv``, the factor that dequantises) or the ``fbgemm_fp8`` one (a scale per
+    output channel) -> {"format": "fp8", "strategy", "ignore", "static_activation_scales",
+    "kv_scales"}; with a ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when
+    unquantised. ``kv_scales`` "if-present": the format names no KV scheme, the per-layer
+    ``k_scale`` / ``v_scale`` (or one ``kv_scale``) are read where the checkpoint has them. Any other
+    quantisation is refused, naming the field (it would load as wrong numbers)."""
     from ..contract import InputError
 
     q = d.get("quantization_config")
@@ -279,10 +284,25 @@ def weight_quant(d: dict) -> Optional[dict]:
         return None
     where = "config.json quantization_config"
     method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise InputError(f"{where}.weight_block_size", repr(q["weight_block_size"]),
+                             "none: fp8 weights with one scale per tensor (block-wise scales have no fp8 kernel "
+                             "here; opmap run --quantize fp8 quantises a bf16 checkpoint per output channel)")
+        if q.get("activation_scheme", "dynamic") not in ("dynamic", "static") or q.get("fmt", "e4m3") != "e4m3":
+            got = {k: q[k] for k in ("activation_scheme", "fmt") if k in q}
+            raise InputError(where, repr(got), "e4m3 weights, a 'dynamic' or 'static' activation scheme")
+        return {"format": "fp8", "strategy": "tensor",
+                "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
+                "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}
+    if method == "fbgemm_fp8":
+        return {"format": "fp8", "strategy": "channel", "ignore": list(q.get("modules_to_not_convert") or []),
+                "static_activation_scales": False, "kv_scales": False}
     if method != "compressed-tensors":
         raise InputError(f"{where}.quant_method", repr(method),
-                         "'compressed-tensors' with fp8 weights (per tensor or per output channel); other formats are "
-                         "not loaded (opmap run --quantize fp8|int8 quantises an unquantised checkpoint)")
+                         "'compressed-tensors', 'fp8' or 'fbgemm_fp8' with fp8 weights (one scale per tensor or per "
+                         "output channel); other formats are not loaded (opmap run --quantize fp8|int8 quantises an "
+                         "unquantised checkpoint)")
     kv = q.get("kv_cache_scheme")
     if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"
                                and kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic", False)):

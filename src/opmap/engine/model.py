@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from ..presets import ModelConfig
-from .weights import Loader, fill_random
+from .weights import Loader, fill_random, kv_layer_scales
 
 
 @dataclass
@@ -143,9 +143,7 @@ class DecoderModel:
         wq = self.cfg.extra.get("weight_quant") or {}
         L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") else None)
         self.dequantised = L.dequantised
-        if wq.get("kv_scales"):  # compressed-tensors kv_cache_scheme: one k_scale / v_scale per layer
-            self.kv_layer_scales = [tuple(float(L._raw(f"model.layers.{i}.self_attn.{n}").float().reshape(-1)[0])
-                                          for n in ("k_scale", "v_scale")) for i in range(self.cfg.layers)]
+        self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params
         L.copy(P["embed"], "model.embed_tokens.weight")
         for i in range(self.cfg.layers):

@@ -116,20 +116,26 @@ class Loader:
         self.used.add(name)
         return t
 
+    def _scale_name(self, name: str) -> Optional[str]:
+        """The checkpoint's dequantising factor of weight ``name``: ``<name>_scale``, or
+        ``<name>_scale_inv`` (transformers' FP8 layout: the same factor, named by its inverse)."""
+        return next((n for n in (f"{name}_scale", f"{name}_scale_inv") if n in self.names), None)
+
     def _scale_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """``name``'s scale as one fp32 value per row of ``t`` (leading dims kept)."""
-        s = self._raw(f"{name}_scale").float()
+        key = self._scale_name(name)
+        s = self._raw(key).float()
         rows = t.shape[:-1]
         if s.numel() == 1:
             return s.reshape(()).expand(rows)
         if s.numel() != t[..., 0].numel():
-            raise InputError(f"checkpoint tensor {name}_scale", f"shape {tuple(s.shape)}",
+            raise InputError(f"checkpoint tensor {key}", f"shape {tuple(s.shape)}",
                              f"one scale, or one per output channel ({tuple(rows)})")
         return s.reshape(rows)
 
     def _get(self, name: str, shape=None) -> torch.Tensor:
         t = self._raw(name)
-        if t.dtype == FP8 and self.has(f"{name}_scale"):
+        if t.dtype == FP8 and self._scale_name(name):
             t = (t.float() * self._scale_of(name, t)[..., None]).to(self.dtype)
             self.dequantised.append(name)
         else:
@@ -144,7 +150,7 @@ class Loader:
         from ..ops.gemm.quant import quantize_weight
 
         t = self._raw(name)
-        if t.dtype == FP8 and self.has(f"{name}_scale"):
+        if t.dtype == FP8 and self._scale_name(name):
             return t, self._scale_of(name, t)
         if t.dtype == FP8:
             raise InputError(f"checkpoint tensor {name}", "fp8 without a scale", f"{name}_scale beside it")
@@ -196,9 +202,10 @@ class Loader:
     def unused(self) -> list:
         # Allowed to stay unread: rotary caches (recomputed), lm_head.weight of a model with tied
         # embeddings (the embedding is the LM head), and the static activation scales of an fp8
-        # checkpoint (``input_scale``: activations stay in the model's dtype, weight-only).
-        return sorted(n for n in self.names - self.used
-                      if "rotary_emb" not in n and n != "lm_head.weight" and not n.endswith(".input_scale"))
+        # checkpoint (``input_scale``, transformers' ``activation_scale``: activations stay in the
+        # model's dtype, weight-only).
+        return sorted(n for n in self.names - self.used if "rotary_emb" not in n and n != "lm_head.weight"
+                      and not n.endswith((".input_scale", ".activation_scale")))
 
 
 def open_source(path: str) -> SafetensorsSource:
@@ -255,3 +262,24 @@ def eos_token_ids(path: Optional[str]) -> list:
                 ids = v if isinstance(v, list) else [v]
                 break
     return [int(i) for i in ids]
+
+
+# A layer's KV cache scales in the checkpoint, by name: (k, v) under self_attn. The first is the
+# compressed-tensors and vLLM name, then the older AutoFP8 ones (one kv_scale for both, and the
+# k / v projections' output scales).
+KV_SCALE_NAMES = (("k_scale", "v_scale"), ("kv_scale", "kv_scale"), ("k_proj.output_scale", "v_proj.output_scale"))
+
+
+def kv_layer_scales(L: Loader, layers: int, mode) -> Optional[list]:
+    """(k_scale, v_scale) of each layer from the checkpoint: required with a compressed-tensors
+    ``kv_cache_scheme`` (``mode`` True), read where the checkpoint has them for formats that name
+    no KV scheme (``"if-present"``); None otherwise or when there are none."""
+    if not mode:
+        return None
+    attn = [f"model.layers.{i}.self_attn" for i in range(layers)]
+    names = KV_SCALE_NAMES[0]
+    if mode == "if-present":
+        names = next((ns for ns in KV_SCALE_NAMES if L.has(f"{attn[0]}.{ns[0]}")), None)
+        if names is None:
+            return None
+    return [tuple(float(L._raw(f"{a}.{n}").float().reshape(-1)[0]) for n in names) for a in attn]
