@@ -182,8 +182,73 @@ def test_fp8_checkpoint_layouts_of_autofp8_transformers_and_fbgemm(layout, strat
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8), layout
 
 
+def _to_block_fp8_checkpoint(hf, path, block):
+    """Rewrite the checkpoint at ``path`` as block-wise fp8 (transformers' FineGrainedFP8 layout, as
+    DeepSeek-V3's and Qwen3's FP8 releases): every projection weight in e4m3 beside a
+    ``weight_scale_inv`` of one scale per ``block`` (partial blocks at the edges included). The HF
+    model gets the dequantised weights."""
+    import glob
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    bn, bk = block
+    out = {}
+    for k, v in hf.state_dict().items():
+        v = v.detach().clone().contiguous()
+        if not (k.endswith("_proj.weight") and ".experts." not in k):
+            out[k] = v
+            continue
+        N, K = v.shape
+        nb, kb = -(-N // bn), -(-K // bk)
+        pad = torch.zeros(nb * bn, kb * bk)
+        pad[:N, :K] = v
+        amax = pad.abs().reshape(nb, bn, kb, bk).amax(dim=(1, 3))
+        s = (amax / 448.0).clamp_min(1e-12)
+        full = s.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
+        q = (v / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        out[k], out[k + "_scale_inv"] = q, s.float()
+        with torch.no_grad():
+            hf.get_parameter(k).copy_(q.float() * full)
+    for f in glob.glob(os.path.join(path, "model*.safetensors*")):
+        os.remove(f)
+    save_file(out, os.path.join(path, "model.safetensors"))
+    c = json.loads(open(os.path.join(path, "config.json")).read())
+    c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                "weight_block_size": list(block)}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(c, f)
+
+
+def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, single_thread):
+    """Block-wise fp8 (one scale per 16 x 24 block here: partial blocks on both edges of the
+    64-wide rows): no kernel takes block scales, so the projections are dequantised at load, the
+    profile's lines name that fallback, and the greedy tokens equal HF's on the dequantised
+    weights; --quantize fp8 then re-quantises them per output channel and runs in fp8."""
+    from opmap.profile import quant_lines
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 24))
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format is None and r.unused == []
+    assert len(r.model.dequantised) == cfg.layers * 7 and r.model.params["0.qkv"].dtype == torch.float32
+    lines = quant_lines(llm)
+    assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in lines), lines
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
+    requant = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4, quantize="fp8")
+    assert requant.runner.weight_format == "fp8" and requant.runner.model.params["0.qkv"].dtype == torch.float8_e4m3fn
+    out = requant.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert out[0].error is None and len(out[0].token_ids) == 4
+
+
 @pytest.mark.parametrize("qc,words", [
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "e4m3"),
     ({"quant_method": "awq", "bits": 4}, "quant_method"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {

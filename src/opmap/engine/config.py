@@ -24,7 +24,7 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
                  "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
                  "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
                  "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
-                 "fp8 without weight_block_size, fbgemm_fp8)")
+                 "fp8, fbgemm_fp8; block-wise fp8 dequantised at load)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
@@ -275,8 +275,10 @@ def weight_quant(d: dict) -> Optional[dict]:
     output channel) -> {"format": "fp8", "strategy", "ignore", "static_activation_scales",
     "kv_scales"}; with a ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when
     unquantised. ``kv_scales`` "if-present": the format names no KV scheme, the per-layer
-    ``k_scale`` / ``v_scale`` (or one ``kv_scale``) are read where the checkpoint has them. Any other
-    quantisation is refused, naming the field (it would load as wrong numbers)."""
+    ``k_scale`` / ``v_scale`` (or one ``kv_scale``) are read where the checkpoint has them.
+    Block-wise fp8 (``weight_block_size``, DeepSeek-V3's and Qwen3's FP8 releases) -> {"format": None,
+    "block": [rows, cols], ...}: dequantised at load. Any other quantisation is refused, naming the
+    field (it would load as wrong numbers)."""
     from ..contract import InputError
 
     q = d.get("quantization_config")
@@ -285,13 +287,17 @@ def weight_quant(d: dict) -> Optional[dict]:
     where = "config.json quantization_config"
     method = q.get("quant_method")
     if method == "fp8":
-        if q.get("weight_block_size"):
-            raise InputError(f"{where}.weight_block_size", repr(q["weight_block_size"]),
-                             "none: fp8 weights with one scale per tensor (block-wise scales have no fp8 kernel "
-                             "here; opmap run --quantize fp8 quantises a bf16 checkpoint per output channel)")
         if q.get("activation_scheme", "dynamic") not in ("dynamic", "static") or q.get("fmt", "e4m3") != "e4m3":
             got = {k: q[k] for k in ("activation_scheme", "fmt") if k in q}
             raise InputError(where, repr(got), "e4m3 weights, a 'dynamic' or 'static' activation scheme")
+        block = q.get("weight_block_size")
+        if block:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                                 for b in block)):
+                raise InputError(f"{where}.weight_block_size", repr(block), "two positive ints (rows, columns)")
+            # No kernel takes block scales: the weights are dequantised at load (named as a
+            # fallback; --quantize fp8 then re-quantises them per output channel).
+            return {"format": None, "block": list(block), "kv_scales": "if-present"}
         return {"format": "fp8", "strategy": "tensor",
                 "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
                 "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}

@@ -141,7 +141,7 @@ class DecoderModel:
         checkpoint (``cfg.extra["weight_quant"]``) keeps the projections of ``quant_names`` in fp8
         with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
         wq = self.cfg.extra.get("weight_quant") or {}
-        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") else None)
+        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") else None, wq.get("block"))
         self.dequantised = L.dequantised
         self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params

@@ -100,6 +100,10 @@ class ModelRunner:
             log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
                      "embedding and LM head keep %s)", fmt, len(self.quantised), dtype_name(self.dtype))
         deq = self.model.dequantised
+        if deq and not stored:
+            log.warning("block-wise fp8 checkpoint: %d weights dequantised to %s at load (no kernel takes one scale "
+                        "per block): %s's weight bytes and speed; --quantize fp8 re-quantises them per output channel",
+                        len(deq), dtype_name(self.dtype), dtype_name(self.dtype))
         if stored:
             log.info("fp8 checkpoint: the attention and dense MLP projections stay fp8 (a scale per output channel)%s",
                      f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "

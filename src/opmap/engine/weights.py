@@ -97,13 +97,15 @@ class Loader:
     or per output channel): a parameter registered in ``scales`` (an fp8 weight and its fp32 scale
     per row) takes the fp8 bits as they are and the scale of each part expanded to its rows (exact);
     a quantised tensor read into a parameter of the model's dtype is dequantised (``dequantised``
-    names them: the fallback the log reports)."""
+    names them: the fallback the log reports). ``block`` (rows, columns): the checkpoint's weights
+    have one scale per block of that size (block-wise fp8), dequantised at load."""
 
-    def __init__(self, source, device, dtype, scales: Optional[dict] = None):
+    def __init__(self, source, device, dtype, scales: Optional[dict] = None, block: Optional[tuple] = None):
         self.src, self.device, self.dtype = source, device, dtype
         self.names = source.names()
         self.used: set = set()
         self.scales = scales or {}  # id(fp8 parameter) -> its per-row fp32 scale parameter
+        self.block = tuple(block) if block else None
         self.dequantised: list = []
 
     def has(self, name: str) -> bool:
@@ -133,10 +135,28 @@ class Loader:
                              f"one scale, or one per output channel ({tuple(rows)})")
         return s.reshape(rows)
 
+    def _dequantise(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """fp8 ``t`` times its scale: one per tensor or row, or one per block (``self.block``)."""
+        s = self._raw(self._scale_name(name)).float()
+        rows, cols = t.shape[-2:] if t.dim() >= 2 else (1, t.shape[-1])
+        if self.block and s.dim() == t.dim() >= 2 and s.numel() > 1 and s.shape[:-2] == t.shape[:-2]:
+            bn, bk = self.block
+            if tuple(s.shape[-2:]) != (-(-rows // bn), -(-cols // bk)):
+                raise InputError(f"checkpoint tensor {self._scale_name(name)}", f"shape {tuple(s.shape)}",
+                                 f"one scale per {bn} x {bk} block of {name} {tuple(t.shape)}")
+            w = t.float()
+            s = s.repeat_interleave(bn, dim=-2)[..., :rows, :]  # rows expanded; columns by a view of w
+            full, rem = divmod(cols, bk)
+            w[..., :full * bk].unflatten(-1, (full, bk)).mul_(s[..., :full, None])
+            if rem:
+                w[..., full * bk:].mul_(s[..., full:])
+            return w.to(self.dtype)
+        return (t.float() * self._scale_of(name, t)[..., None]).to(self.dtype)
+
     def _get(self, name: str, shape=None) -> torch.Tensor:
         t = self._raw(name)
         if t.dtype == FP8 and self._scale_name(name):
-            t = (t.float() * self._scale_of(name, t)[..., None]).to(self.dtype)
+            t = self._dequantise(name, t)
             self.dequantised.append(name)
         else:
             t = t.to(self.dtype)
