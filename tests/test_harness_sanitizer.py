@@ -300,6 +300,7 @@ def test_racecheck_children_run_smaller_sampling_and_moe_problems(monkeypatch):
     from opmap.check.cases import moe as M
     from opmap.check.cases import sampling as S
 
+    monkeypatch.setattr(S, "RACE_ROWS", 32)  # the routing is under test, not the 512-row figure
     stats = S._statistics("triton", "cpu", 111, 20000, dict(T=0.8))
     moe = M._parity("triton", "cpu", 12, 32, 16, 8, 2, torch.float32, race_T=3)
     monkeypatch.setenv("OPMAP_SANITIZER_TOOL", "racecheck")
