@@ -49,3 +49,32 @@ def test_a_worker_past_the_timeout_is_killed_and_replaced():
     workpool.run_queue([0, 1], 1, hang, lambda k, a, why: got.append((k, a, why)), timeout=1.0)
     assert [(k, a) for k, a, _ in got] == [(0, None), (1, None)]
     assert all(why.startswith("killed after 1 s") for _, _, why in got)
+
+
+def test_a_worker_ends_when_its_parent_is_gone():
+    """A worker whose parent exits without closing its queue (a background warm-up nobody waited
+    for) ends by itself instead of working on for as long as its item takes."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = ("import sys, time; from opmap import workpool; workpool._exit_with_parent(int(sys.argv[1]), 0.1); "
+             "time.sleep(60)")
+    parent = (f"import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())], "
+              "stdout=subprocess.DEVNULL); print(p.pid)")
+    pid = int(subprocess.check_output([sys.executable, "-c", parent], text=True).strip())
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        # a zombie reaped by init is gone too; one still listed here is alive
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split()[2] == "Z":
+                break
+        time.sleep(0.2)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError("the orphaned worker was still running after 20 s")

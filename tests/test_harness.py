@@ -370,6 +370,9 @@ def test_report_gpu_sections_render(monkeypatch, tmp_path):
     doc = _doc()
     doc["quick"], doc["model"], doc["load_errors"] = True, "tiny-llama3", []
     monkeypatch.setattr(bench_runner, "bench", lambda **kw: doc)
+    # (the real background warm-up would start compile workers that nothing here waits for)
+    warm_calls = []
+    monkeypatch.setattr(bench_runner, "warm_in_background", lambda **kw: warm_calls.append(kw) or (lambda: None))
     eng = {"status": "ok", "workload": "batch 1, prompt 1024, 128 new tokens, greedy, random weights",
            "summary": {"tpot_ms_p50": 1.0}, "lines": ["TTFT p50 2.00 ms", "TPOT p50 1.00 ms"],
            "profile": {"status": "ok", "workload": "batch 8",
@@ -380,6 +383,7 @@ def test_report_gpu_sections_render(monkeypatch, tmp_path):
                        "diagnosis": ["decode: GEMM takes 84% of GPU time"]}}
     monkeypatch.setattr(report, "_engine_section", lambda model, on_gpu: eng if on_gpu else None)
     d = report.build("tiny-llama3", run_check=False, run_bench=True, progress=False)
+    assert warm_calls == [dict(model="tiny-llama3", quick=True, progress=False)]  # started beside the check
     # The summary: each phase's largest category and the first diagnosis rule (not a kernel line
     # that happens to hold an arrow)
     summary = report.summary_lines(d)
