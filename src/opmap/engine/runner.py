@@ -100,7 +100,7 @@ class ModelRunner:
             log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
                      "embedding and LM head keep %s)", fmt, len(self.quantised), dtype_name(self.dtype))
         deq = self.model.dequantised
-        if deq and not stored:
+        if deq and (cfg.extra.get("weight_quant") or {}).get("block"):
             log.warning("block-wise fp8 checkpoint: %d weights dequantised to %s at load (no kernel takes one scale "
                         "per block): %s's weight bytes and speed; --quantize fp8 re-quantises them per output channel",
                         len(deq), dtype_name(self.dtype), dtype_name(self.dtype))
@@ -158,19 +158,19 @@ class ModelRunner:
             if ops.make_workspace is not None:
                 width = cfg.kv_lora_rank if cfg.is_mla else cfg.head_dim
                 self.workspace[b] = ops.make_workspace(b, cfg.heads, width, device=self.device)
-        self.num_pages = self._size_kv()
+        self.num_pages, plan = self._size_kv()
         self.moe_warm_s = self._warm_moe()
-        cap, want = self.num_pages * self.page, min(ecfg.max_model_len or cfg.max_position, cfg.max_position)
+        cap, want = self.num_pages * self.page, self._length_asked()
         if cap < want:
             # A length the cache cannot hold would end requests in errors at run time: an explicit
             # max_model_len is refused now, a default one (the model's positions) shrinks to the cache.
             if ecfg.max_model_len:
                 raise InputError("max_model_len", ecfg.max_model_len,
                                  f"at most {cap}, the tokens the KV cache holds ({self.num_pages} pages of {self.page}; "
-                                 f"{self.kv_plan}); lower max_model_len, max_num_seqs or max_num_batched_tokens, or "
+                                 f"{plan}); lower max_model_len, max_num_seqs or max_num_batched_tokens, or "
                                  f"raise gpu_memory_fraction")
             log.warning("max_model_len %d, below the model's %d positions: the KV cache holds %d pages of %d tokens (%s)",
-                        cap, want, self.num_pages, self.page, self.kv_plan)
+                        cap, want, self.num_pages, self.page, plan)
         self.max_model_len = min(want, cap)
         self.max_pages_per_seq = -(-self.max_model_len // self.page)
         # Padded prefill steps up to the token limit, where a step can hold that many tokens (MLA's:
@@ -385,14 +385,16 @@ class ModelRunner:
         return out[st.logits_idx], residual[st.logits_idx]
 
     # ---- KV sizing and CUDA graphs ------------------------------------------------------------
-    def _size_kv(self) -> int:
-        """KV pages to allocate; ``self.kv_plan`` says where the figure comes from."""
+    def _length_asked(self) -> int:
+        """The model length asked for (max_model_len, else the model's positions), within those positions."""
+        return min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
+
+    def _size_kv(self) -> tuple:
+        """(KV pages to allocate, where the figure comes from)."""
         if self.ecfg.num_pages:
-            self.kv_plan = "num_pages as given"
-            return int(self.ecfg.num_pages)
+            return int(self.ecfg.num_pages), "num_pages as given"
         if self.device.type != "cuda":
-            self.kv_plan = "the CPU default"
-            return CPU_PAGES
+            return CPU_PAGES, "the CPU default"
         # Warm-up prefill of the whole token budget into a small scratch cache, to measure the
         # activation peak (and to compile the prefill kernels before any request arrives).
         T = self.ecfg.max_num_batched_tokens
@@ -421,13 +423,11 @@ class ModelRunner:
         pool = act if self.use_graphs and self.ecfg.prefill_graph_tokens else 0
         m = MemFigures(total=total, free=free, reserved=torch.cuda.memory_reserved(), allocated=alloc,
                        own=max(alloc - self._alloc0, 0), act_peak=act, graph_pool=pool)
-        max_len = min(self.ecfg.max_model_len or self.cfg.max_position, self.cfg.max_position)
-        useful = self.max_seqs * -(-max_len // self.page)
+        useful = self.max_seqs * -(-self._length_asked() // self.page)
         n, why = plan_pages(m, self.ecfg.gpu_memory_fraction, self.model.kv_bytes_per_page(self.page), useful)
-        self.kv_plan = why
         log.info("KV cache: %d pages of %d tokens (%.2f GiB); %s", n, self.page,
                  n * self.model.kv_bytes_per_page(self.page) / 2**30, why)
-        return n
+        return n, why
 
     def _warm_moe(self) -> float:
         """Tune the MoE GEMMs at start-up for every token count a prefill or mixed step can bring

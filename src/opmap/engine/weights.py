@@ -123,10 +123,11 @@ class Loader:
         ``<name>_scale_inv`` (transformers' FP8 layout: the same factor, named by its inverse)."""
         return next((n for n in (f"{name}_scale", f"{name}_scale_inv") if n in self.names), None)
 
-    def _scale_of(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``name``'s scale as one fp32 value per row of ``t`` (leading dims kept)."""
-        key = self._scale_name(name)
-        s = self._raw(key).float()
+    def _scale_of(self, name: str, t: torch.Tensor, key: Optional[str] = None, s: Optional[torch.Tensor] = None):
+        """``name``'s scale (tensor ``key``, ``s`` when already read) as one fp32 value per row of
+        ``t`` (leading dims kept)."""
+        key = key or self._scale_name(name)
+        s = (self._raw(key) if s is None else s).float()
         rows = t.shape[:-1]
         if s.numel() == 1:
             return s.reshape(()).expand(rows)
@@ -137,21 +138,22 @@ class Loader:
 
     def _dequantise(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """fp8 ``t`` times its scale: one per tensor or row, or one per block (``self.block``)."""
-        s = self._raw(self._scale_name(name)).float()
-        rows, cols = t.shape[-2:] if t.dim() >= 2 else (1, t.shape[-1])
-        if self.block and s.dim() == t.dim() >= 2 and s.numel() > 1 and s.shape[:-2] == t.shape[:-2]:
-            bn, bk = self.block
-            if tuple(s.shape[-2:]) != (-(-rows // bn), -(-cols // bk)):
-                raise InputError(f"checkpoint tensor {self._scale_name(name)}", f"shape {tuple(s.shape)}",
-                                 f"one scale per {bn} x {bk} block of {name} {tuple(t.shape)}")
-            w = t.float()
-            s = s.repeat_interleave(bn, dim=-2)[..., :rows, :]  # rows expanded; columns by a view of w
-            full, rem = divmod(cols, bk)
-            w[..., :full * bk].unflatten(-1, (full, bk)).mul_(s[..., :full, None])
-            if rem:
-                w[..., full * bk:].mul_(s[..., full:])
-            return w.to(self.dtype)
-        return (t.float() * self._scale_of(name, t)[..., None]).to(self.dtype)
+        key = self._scale_name(name)
+        s = self._raw(key).float()
+        if not (self.block and s.dim() == t.dim() >= 2 and s.numel() > 1 and s.shape[:-2] == t.shape[:-2]):
+            return (t.float() * self._scale_of(name, t, key, s)[..., None]).to(self.dtype)
+        bn, bk = self.block
+        rows, cols = t.shape[-2:]
+        if tuple(s.shape[-2:]) != (-(-rows // bn), -(-cols // bk)):
+            raise InputError(f"checkpoint tensor {key}", f"shape {tuple(s.shape)}",
+                             f"one scale per {bn} x {bk} block of {name} {tuple(t.shape)}")
+        w = t.float()
+        s = s.repeat_interleave(bn, dim=-2)[..., :rows, :]  # rows expanded; columns by a view of w
+        full, rem = divmod(cols, bk)
+        w[..., :full * bk].unflatten(-1, (full, bk)).mul_(s[..., :full, None])
+        if rem:
+            w[..., full * bk:].mul_(s[..., full:])
+        return w.to(self.dtype)
 
     def _get(self, name: str, shape=None) -> torch.Tensor:
         t = self._raw(name)
