@@ -48,6 +48,44 @@ def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
     assert runs[True][0] == runs[False][0]
 
 
+def test_graphs_keep_their_cublas_workspace_when_the_process_frees_others():
+    """What the rest of a process does to cuBLAS's cached workspaces reaches no engine graph
+    (engine/capture.py): a workspace cached on torch's shared capture stream before the engine
+    starts, then every cached workspace freed (as inductor's CUDA graphs do before each
+    recording), the cache emptied and the freed memory taken by other tensors. The engine's
+    graphs give the same tokens after it and write into none of those tensors. The MoE router
+    GEMM (M >= 128 rows, N = 128 experts, K = 2048) runs in cuBLAS with split-K partials in that
+    workspace; two of these engines' graphs, captured on the shared stream, ended with NaN
+    logits when an earlier model's runs had gone before them in one process."""
+    from opmap.engine.llm import LLM
+    from opmap.ops.sampling.params import SamplingParams
+
+    free_gpu()
+    shared = torch.cuda.graph(torch.cuda.CUDAGraph()).default_capture_stream
+    a = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.stream(shared):  # a workspace for (handle, shared stream) outside any graph pool
+        for n in (128, 576, 2048):
+            torch.nn.functional.linear(a, torch.randn(n, 2048, device="cuda", dtype=torch.bfloat16))
+    torch.cuda.synchronize()
+    cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], layers=2)
+    llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024, num_pages=512, seed=1)
+    assert llm.runner.prefill_graphs and not llm.runner.prefill_graph_errors, llm.runner.prefill_graph_errors
+    prompts = random_prompts(cfg.vocab, (300, 130, 7))
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    first = [o.token_ids for o in llm.generate(prompts, sp)]
+    torch._C._cuda_clearCublasWorkspaces()
+    free_gpu()
+    others = [torch.full((16 << 20,), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(64)]
+    outs = llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert [o.token_ids for o in outs] == first
+    assert all(t.isnan().all() for t in others), "an engine graph wrote into memory it does not own"
+    llm.close()
+    del others
+    free_gpu()
+
+
 @torch.no_grad()
 def test_deepseek_v2_lite_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     """DeepSeek-V2-Lite widths (MLA rank 512 + 64 rope dims, 16 heads, 64 routed + 2 shared

@@ -29,6 +29,7 @@ from ..contract import InputError, dtype_name, trusted_values
 from ..hw import local_arch
 from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
+from .capture import Capture
 from .config import EngineConfig
 from .kv_plan import MemFigures, plan_pages
 from .model import Step
@@ -190,6 +191,7 @@ class ModelRunner:
         self.graph_errors: dict = {}
         self.prefill_graphs: dict = {}  # token bucket -> (graph, out rows, residual rows)
         self.prefill_graph_errors: dict = {}
+        self.capture: Optional[Capture] = None  # the graphs' stream and pool (engine/capture.py)
         if self.use_graphs:
             self._capture()
 
@@ -454,9 +456,9 @@ class ModelRunner:
         buffers; the caller (``LLM.close``) runs the garbage collector and empties the CUDA cache."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        for g, *_ in [*self.graphs.values(), *self.prefill_graphs.values()]:
-            g.reset()
-        self.graphs, self.prefill_graphs = {}, {}
+        if self.capture is not None:
+            self.capture.close([g for g, *_ in [*self.graphs.values(), *self.prefill_graphs.values()]])
+        self.graphs, self.prefill_graphs, self.capture = {}, {}, None
         self.kv = self.model = None
         self.workspace = {}
         self.ops, self.decode_ops, self.padded_ops = {}, {}, None
@@ -470,7 +472,9 @@ class ModelRunner:
         self.seq_lens.zero_()
         self.input_ids.zero_()
         self.positions.zero_()
-        pool = self._capture_prefill() if self.prefill_graphs_off is None else None
+        self.capture = Capture(self.device)
+        if self.prefill_graphs_off is None:
+            self._capture_prefill()
         self.slots.fill_(-1)
         self.seq_lens.zero_()
         for bs in reversed(self.buckets):
@@ -480,10 +484,8 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.model.forward(ops, st, self.kv)  # warm-up: compiles kernels outside the graph
                     torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
+                    with self.capture.graph() as g:
                         out = self.model.forward(ops, st, self.kv)
-                pool = g.pool()
                 self.graphs[bs] = (g, out)
             except Exception as e:  # noqa: BLE001 - a backend that cannot be captured runs eagerly
                 self.graph_errors[bs] = f"{type(e).__name__}: {e}"
@@ -493,11 +495,10 @@ class ModelRunner:
         log.info("decode CUDA graphs captured for batch buckets %s", sorted(self.graphs))
 
     def _capture_prefill(self):
-        """One graph per prefill token bucket, largest first (the later ones reuse its memory);
-        returns the graph pool for the decode graphs to share. Each bucket runs once eagerly first,
+        """One graph per prefill token bucket, largest first (the later ones, and the decode graphs,
+        reuse its memory). Each bucket runs once eagerly first,
         with its tokens in sequences that fit a block-table row and write no KV (slot -1): that
         compiles its kernels and tunes its GEMMs outside the capture."""
-        pool = None
         row = self.block_tables.shape[1] * self.page
         for tb in reversed(self.prefill_buckets):
             S = self.prefill_slots(tb)
@@ -512,10 +513,8 @@ class ModelRunner:
                 with torch.inference_mode(), trusted_values():
                     self._padded_rows(tb)
                     torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
+                    with self.capture.graph() as g:
                         out, residual = self._padded_rows(tb)
-                pool = g.pool()
                 self.prefill_graphs[tb] = (g, out, residual)
             except Exception as e:  # noqa: BLE001 - a backend that cannot be captured runs eagerly
                 self.prefill_graph_errors[tb] = f"{type(e).__name__}: {e}"
@@ -524,4 +523,3 @@ class ModelRunner:
         torch.cuda.synchronize()
         if self.prefill_graphs:
             log.info("prefill CUDA graphs captured for token buckets %s", sorted(self.prefill_graphs))
-        return pool
