@@ -1,4 +1,4 @@
-"""Decode GEMM benchmark cases: M in {1, 16, 64, 256} (and 1024 in the full grid) for the Llama-3-8B MLP shapes
+"""Decode GEMM benchmark cases: M in {1, 16, 32, 64, 256} (and 1024 in the full grid) for the Llama-3-8B MLP shapes
 (K=4096, N=28672: gate+up; K=14336, N=4096: down), bf16 / fp8-e4m3 / int8 weights with
 per-output-channel scales, bf16 activations. The full grid (not ``--quick``) adds every other
 projection of Llama-3-8B and Qwen3-8B (QKV, O, Qwen3's MLP, both LM heads).
@@ -26,7 +26,7 @@ from opmap.specs import GemmSpec
 SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
 # QKV (32 + 2 x 8 heads of 128) and O of both models, Qwen3-8B's gate+up and down, the LM heads
 MORE_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 128256), (4096, 151936)]
-MS = (1, 16, 64, 256)
+MS = (1, 16, 32, 64, 256)
 MS_FULL = MS + (1024,)  # a prefill chunk: where a quantised path that dequantises once per call may win
 RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
 

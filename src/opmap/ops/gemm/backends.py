@@ -52,7 +52,10 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
-    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
+    # sm90, bf16 (bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
+    # N (gate/up, LM head) at M = 64, behind it at M = 64 on QKV, O and down (3.4-7.3 us each).
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50,
+              "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384")},
     impl={"linear": f"{_MOD}.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
