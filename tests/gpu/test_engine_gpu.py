@@ -53,10 +53,10 @@ def test_graphs_keep_their_cublas_workspace_when_the_process_frees_others():
     (engine/capture.py): a workspace cached on torch's shared capture stream before the engine
     starts, then every cached workspace freed (as inductor's CUDA graphs do before each
     recording), the cache emptied and the freed memory taken by other tensors. The engine's
-    graphs give the same tokens after it and write into none of those tensors. The MoE router
-    GEMM (M >= 128 rows, N = 128 experts, K = 2048) runs in cuBLAS with split-K partials in that
-    workspace; two of these engines' graphs, captured on the shared stream, ended with NaN
-    logits when an earlier model's runs had gone before them in one process."""
+    graphs give the same tokens after it and write into none of those tensors. The prefill graphs
+    run the MoE router GEMM (N = 128 experts, K = 2048) and the projections in cuBLAS. This
+    sequence did not break graphs captured on the shared stream either, on torch 2.11: it pins
+    the contract, it is not a reproduction of the NaN runs in docs/engine.md."""
     from opmap.engine.llm import LLM
     from opmap.ops.sampling.params import SamplingParams
 
