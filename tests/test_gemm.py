@@ -268,3 +268,30 @@ def test_describe_names_the_plan_and_the_tuned_config(monkeypatch):
     assert tri.describe(3, 4096, 4096, "cpu") == "BLOCK_N 64, BLOCK_M 16, 1 K split"  # not tuned yet
     tri._TUNED[True] = types.SimpleNamespace(best_config=triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=6))
     assert tri.describe(3, 4096, 4096, "cpu").endswith("BLOCK_K 128, 4 warps, 6 stages (autotuned)")
+
+
+@pytest.mark.parametrize("arch,m,n,k,want", [
+    ("sm90", 1, 4096, 14336, "triton-decode"), ("sm90", 32, 6144, 4096, "triton-decode"),
+    ("sm90", 33, 4096, 4096, "cublas"), ("sm90", 64, 4096, 14336, "cublas"),
+    ("sm90", 64, 28672, 4096, "triton-decode"), ("sm90", 64, 128256, 4096, "triton-decode"),
+    ("sm90", 65, 28672, 4096, "cublas"), ("sm80", 64, 4096, 14336, "triton-decode")])
+def test_decode_gemm_selection_follows_the_measured_m_and_n_bounds(arch, m, n, k, want):
+    """sm90 (docs/dense.md, Decisions): the small-M Triton GEMM up to M = 32, and up to 64 on the
+    wide projections (N >= 16384); cuBLAS elsewhere."""
+    from opmap.select import select
+    from opmap.specs import GemmSpec
+
+    assert select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=n, k=k)).name == want
+
+
+def test_bench_marks_the_cublas_row_where_it_is_selected(monkeypatch):
+    from opmap import hw
+    from opmap.bench.cases import gemm as bench
+    from opmap.bench.runner import selected_backend
+
+    monkeypatch.setattr(hw, "local_arch", lambda: "sm90")  # the bench selects on the local arch
+    by_case = {c.case: c for c in bench.cases(quick=True)}
+    case = by_case["M=64,N=4096,K=14336,w=bf16,dtype=bf16"]
+    assert {p.name: p.backend for p in case.providers}["cublas"] == ("gemm", "cublas")
+    assert selected_backend(case) == "cublas"
+    assert selected_backend(by_case["M=64,N=28672,K=4096,w=bf16,dtype=bf16"]) == "triton-decode"

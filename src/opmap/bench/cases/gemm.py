@@ -115,7 +115,7 @@ def cases(quick: bool) -> list[BenchCase]:
                 if fmt is None:
                     provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode"),
                                       describe=_described(M, N, K, False)),
-                             Provider("cublas", _cublas)]
+                             Provider("cublas", _cublas, backend=("gemm", "cublas"))]  # marked where selected
                 else:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo"),
                                       describe=_described(M, N, K, True)),
