@@ -281,7 +281,10 @@ def test_decode_gemm_selection_follows_the_measured_m_and_n_bounds(arch, m, n, k
     from opmap.select import select
     from opmap.specs import GemmSpec
 
-    assert select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=n, k=k)).name == want
+    choice = select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=n, k=k))
+    assert choice.name == want
+    if arch == "sm90" and m <= 64:  # the explanation states the rule where triton-decode can serve
+        assert "priority 50 where M <= 32 or N >= 16384, else 30" in choice.explain()
 
 
 def test_bench_marks_the_cublas_row_where_it_is_selected(monkeypatch):

@@ -60,14 +60,22 @@ class Choice:
                     + ", ".join(f"{c.name}({c.priority})" for c in others))
         return f"only valid backend for {self.spec.arch}"
 
+    def _rule(self, name: str) -> str:
+        """A spec-dependent priority's rule (``registry.Prefer``), or "" for a fixed one."""
+        b = registry.get(self.op, name)
+        if not isinstance(b.priority.get(self.spec.arch), registry.Prefer):
+            return ""
+        return f" ({b.describe_priority(self.spec.arch)})"
+
     def explain(self) -> str:
         lines = [f"{self.op} [{self.spec.phase}] -> {self.backend.name} "
-                 f"({self.backend.provider} {self.backend.provider_version()}): {self.why()}"]
+                 f"({self.backend.provider} {self.backend.provider_version()}): {self.why()}"
+                 f"{self._rule(self.backend.name)}"]
         if not self.runtime:
             lines.append("  (planned for another device: runtime availability not checked)")
         for c in self.trace[1:]:
             if c.valid:
-                lines.append(f"  ok    {c.name:<22} priority {c.priority}")
+                lines.append(f"  ok    {c.name:<22} priority {c.priority}{self._rule(c.name)}")
             else:
                 lines.append(f"  no    {c.name:<22} at {c.level}: " + "; ".join(c.reasons))
         return "\n".join(lines)
