@@ -3,7 +3,7 @@ and environment) with their errors, runtime availability. Uses test-local fake a
 backends (the real ones are swapped out for the test and put back after)."""
 import pytest
 
-from opmap import registry, select as sel
+from opmap import registry, select as sel, specs as S
 from opmap.registry import Backend, Check, Req
 from opmap.specs import AttentionSpec, NormSpec
 
@@ -168,3 +168,16 @@ def test_real_registry_traces_cover_every_backend():
         for c in trace:
             if not c.valid:
                 assert c.level and all(isinstance(r, str) and r for r in c.reasons)
+
+
+@pytest.mark.parametrize("make,field,least", [
+    (lambda v: S.GemmSpec(m=v), "m", 0), (lambda v: S.GemmSpec(n=v), "n", 1),
+    (lambda v: S.AttentionSpec(head_dim=v), "head_dim", 1), (lambda v: S.NormSpec(hidden=v), "hidden", 1),
+    (lambda v: S.SamplingSpec(vocab=v), "vocab", 1), (lambda v: S.MoESpec(shared_experts=v), "shared_experts", 0),
+    (lambda v: S.MoESpec(top_k=v), "top_k", 1), (lambda v: S.RopeSpec(rotary_dim=v), "rotary_dim", 1)])
+def test_spec_sizes_refused_below_their_least_value(make, field, least):
+    assert getattr(make(least), field) == least  # the least value itself is a spec
+    for bad in (least - 1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match=rf"\.{field}=.*expected an integer >= {least}"):
+            make(bad)
+    assert S.GemmSpec(m=None).m is None  # an optional size may be left unknown

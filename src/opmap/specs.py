@@ -15,6 +15,7 @@ from typing import Optional
 
 PHASES = ("prefill", "decode", "mixed")
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
+MAY_BE_ZERO = ("m", "tokens", "shared_experts")  # sizes that may be 0 (an empty batch, no shared expert)
 
 
 def _check_choice(spec, field, allowed):
@@ -34,6 +35,14 @@ class Spec:
         _check_choice(self, "phase", PHASES)
         if not (self.arch == "cpu" or (self.arch.startswith("sm") and self.arch[2:].isdigit())):
             raise ValueError(f"arch={self.arch!r}: expected 'cpu' or 'smNN' such as 'sm90'")
+        for f in dataclasses.fields(self):
+            if f.type not in ("int", "Optional[int]"):
+                continue
+            v, least = getattr(self, f.name), 0 if f.name in MAY_BE_ZERO else 1
+            if v is None and f.type == "Optional[int]":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"{type(self).__name__}.{f.name}={v!r}: expected an integer >= {least}")
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
