@@ -10,12 +10,21 @@ well and can be given on the command line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
 PHASES = ("prefill", "decode", "mixed")
 DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 MAY_BE_ZERO = ("m", "tokens", "shared_experts")  # sizes that may be 0 (an empty batch, no shared expert)
+
+
+@functools.lru_cache(maxsize=None)
+def _sizes(cls) -> tuple:
+    """(name, least value, may be None) of a spec class's integer size fields: specs are made per
+    op call on the API path, so the fields are looked up once per class."""
+    return tuple((f.name, 0 if f.name in MAY_BE_ZERO else 1, f.type == "Optional[int]")
+                 for f in dataclasses.fields(cls) if f.type in ("int", "Optional[int]"))
 
 
 def _check_choice(spec, field, allowed):
@@ -35,14 +44,10 @@ class Spec:
         _check_choice(self, "phase", PHASES)
         if not (self.arch == "cpu" or (self.arch.startswith("sm") and self.arch[2:].isdigit())):
             raise ValueError(f"arch={self.arch!r}: expected 'cpu' or 'smNN' such as 'sm90'")
-        for f in dataclasses.fields(self):
-            if f.type not in ("int", "Optional[int]"):
-                continue
-            v, least = getattr(self, f.name), 0 if f.name in MAY_BE_ZERO else 1
-            if v is None and f.type == "Optional[int]":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
-                raise ValueError(f"{type(self).__name__}.{f.name}={v!r}: expected an integer >= {least}")
+        for name, least, optional in _sizes(type(self)):
+            v = getattr(self, name)
+            if not ((v is None and optional) or (type(v) is int and v >= least)):  # bool is not a size
+                raise ValueError(f"{type(self).__name__}.{name}={v!r}: expected an integer >= {least}")
 
     def replace(self, **kw):
         return dataclasses.replace(self, **kw)
