@@ -123,10 +123,9 @@ class Loader:
         ``<name>_scale_inv`` (transformers' FP8 layout: the same factor, named by its inverse)."""
         return next((n for n in (f"{name}_scale", f"{name}_scale_inv") if n in self.names), None)
 
-    def _scale_of(self, name: str, t: torch.Tensor, key: Optional[str] = None, s: Optional[torch.Tensor] = None):
-        """``name``'s scale (tensor ``key``, ``s`` when already read) as one fp32 value per row of
+    def _scale_of(self, key: str, t: torch.Tensor, s: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The scale tensor ``key`` of ``t`` (``s`` when already read) as one fp32 value per row of
         ``t`` (leading dims kept)."""
-        key = key or self._scale_name(name)
         s = (self._raw(key) if s is None else s).float()
         rows = t.shape[:-1]
         if s.numel() == 1:
@@ -136,12 +135,11 @@ class Loader:
                              f"one scale, or one per output channel ({tuple(rows)})")
         return s.reshape(rows)
 
-    def _dequantise(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """fp8 ``t`` times its scale: one per tensor or row, or one per block (``self.block``)."""
-        key = self._scale_name(name)
+    def _dequantise(self, name: str, key: str, t: torch.Tensor) -> torch.Tensor:
+        """fp8 ``t`` times its scale ``key``: one per tensor or row, or one per block (``self.block``)."""
         s = self._raw(key).float()
         if not (self.block and s.dim() == t.dim() >= 2 and s.numel() > 1 and s.shape[:-2] == t.shape[:-2]):
-            return (t.float() * self._scale_of(name, t, key, s)[..., None]).to(self.dtype)
+            return (t.float() * self._scale_of(key, t, s)[..., None]).to(self.dtype)
         bn, bk = self.block
         rows, cols = t.shape[-2:]
         if tuple(s.shape[-2:]) != (-(-rows // bn), -(-cols // bk)):
@@ -157,8 +155,9 @@ class Loader:
 
     def _get(self, name: str, shape=None) -> torch.Tensor:
         t = self._raw(name)
-        if t.dtype == FP8 and self._scale_name(name):
-            t = self._dequantise(name, t)
+        key = self._scale_name(name) if t.dtype == FP8 else None
+        if key:
+            t = self._dequantise(name, key, t)
             self.dequantised.append(name)
         else:
             t = t.to(self.dtype)
@@ -172,8 +171,9 @@ class Loader:
         from ..ops.gemm.quant import quantize_weight
 
         t = self._raw(name)
-        if t.dtype == FP8 and self._scale_name(name):
-            return t, self._scale_of(name, t)
+        key = self._scale_name(name) if t.dtype == FP8 else None
+        if key:
+            return t, self._scale_of(key, t)
         if t.dtype == FP8:
             raise InputError(f"checkpoint tensor {name}", "fp8 without a scale", f"{name}_scale beside it")
         return quantize_weight(t.float(), "fp8")

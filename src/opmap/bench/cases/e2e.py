@@ -390,9 +390,8 @@ def in_children(models: list, argv: list, done=None) -> tuple:
     """(records, skipped) of each model run by ``python -m opmap.bench.cases.e2e --child PATH --model M
     *argv`` in turn, each in a fresh process; this process never touches the GPU. A child writes
     what it finished after each side, so one that dies keeps those rows, and its exit is recorded.
-    Why: in one process, after Llama-3-8B's engine and both HF peers at batch 1-128, the engines of
-    Qwen3-30B-A3B and DeepSeek-V2-Lite that followed produced NaN logits in their first steps, while
-    the same engines started in a fresh process, or after each of those runs alone, did not."""
+    A model's figures then do not depend on what the models before it left in the process
+    (docs/engine.md, Measured: engines that ended in NaN logits only after other models' runs)."""
     out, skipped = [], []
     for m in models:
         with tempfile.TemporaryDirectory() as d:
