@@ -133,3 +133,55 @@ def test_decode_fp8_tiles_cross_shared_memory_once_in_16_bytes():
     assert f16.get("LDSM.16.M88.4", 0) > 0 and f16.get("HMMA.16816.F32", 0) > 0, f16
     r = res["f16"]
     assert r["stack"] == 0 and r["local"] == 0 and any(int(w) > 0 for w in r["waits"]), r
+
+
+GLUON_SCRIPT = r'''
+import collections
+from triton.experimental.gluon._runtime import GluonASTSource
+from opmap.ops.attention import decode_fp8 as F
+sig = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "o_ptr": "*bf16", "lse_ptr": "*fp32",
+       "po_ptr": "*fp32", "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+       "cu_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32",
+       "max_splits": "i32", "min_chunk": "i32"}
+for n in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh",
+          "s_pos", "s_plb", "s_plh"]:
+    sig[n] = "i32"
+res = {}
+for bh, cap in ((8, False), (16, True)):
+    ce = dict(GROUP=bh // 2, PAGE=16, BLOCK_H=bh, HAS_WINDOW=cap, HAS_CAP=cap, RETURN_LSE=True, Q_FROM_CU=False,
+              PDL=True)
+    s = dict(sig, **{k: "constexpr" for k in ce})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if n.endswith("_ptr") or n.startswith("s_")}
+    k = triton.compile(GluonASTSource(fn=F._fp8_decode_kernel, signature=s, constexprs=ce, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": F.NUM_WARPS, **({"maxnreg": F.MAX_REGISTERS} if bh == 8 else {})})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);", sass)]
+    loops = [(int(re.search(r"0x([0-9a-f]+)", r).group(1), 16), a) for a, op, r in ins
+             if op == "BRA" and re.search(r"0x([0-9a-f]+)", r) and int(re.search(r"0x([0-9a-f]+)", r).group(1), 16) < a]
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    body = collections.Counter(op for a, op, r in ins if lo <= a <= hi)
+    res[f"bh{bh}"] = {**usage(k), "loop": dict(body)}
+print("RESULT " + json.dumps(res))
+'''
+
+
+@needs_ptxas
+def test_gluon_fp8_decode_reads_each_tile_once_from_shared_memory():
+    """The Gluon fp8 decode (decode_fp8.py) as built for sm90: no spills, within the 128-register cap
+    (four programs an SM) for groups of up to 8 heads, and its loop (two 64-key tiles) copies each tile in 16-byte async
+    copies, reads it back in 16-byte shared loads straight into the MMA fragments (no shared
+    stores, no ldmatrix), converts it packed, and synchronises once a tile."""
+    res = run(GLUON_SCRIPT)
+    for name, r in res.items():
+        assert r["stack"] == 0 and r["local"] == 0, (name, r)
+        assert r["reg"] <= 128 or name == "bh16", (name, r)
+        loop = r["loop"]
+        assert loop.get("LDGSTS.E.BYPASS.128") == 16 and loop.get("LDS.128") == 16, (name, loop)
+        assert not any(op.startswith(("STS", "LDSM", "LDS.U8")) for op in loop), (name, loop)
+        assert loop.get("F2FP.F16.E4M3.UNPACK_B") == 128, (name, loop)  # 2 tiles x 16 KB / 128 threads / 2
+        assert loop.get("BAR.SYNC.DEFER_BLOCKING") == 2, (name, loop)
+        assert loop.get("HMMA.16816.F32", 0) > 0, (name, loop)

@@ -51,6 +51,13 @@ DECODE = [
     ("b17-d64-mha-window-cap", [1, 2, 63, 64, 65, 700, 1999, 0, 31, 5, 1024, 513, 77, 100, 2000, 3, 9], 16, 8, 8,
      64, 256, 30.0, False),
     ("b8-fp8", [1, 15, 16, 17, 300, 4097, 32768, 0], 16, 32, 8, 128, None, None, True),
+    # fp8 at head dim 128 runs the Gluon kernel (decode_fp8.py): one query head per KV head, pages of
+    # one key, a window and a soft cap; 16 heads per KV head in pages of 128; pages of 8 around
+    # their edges; at head dim 64 the Triton kernel
+    ("b9-fp8-mha-page1-window-cap", [1, 2, 63, 64, 65, 700, 1999, 0, 31], 1, 8, 8, 128, 256, 30.0, True),
+    ("b5-fp8-group16-page128", [1, 129, 4096, 300, 0], 128, 32, 2, 128, None, None, True),
+    ("b6-fp8-group2-page8-cap", [23, 24, 25, 2049, 64, 65], 8, 16, 8, 128, None, 20.0, True),
+    ("b3-fp8-d64", [300, 2049, 17], 16, 8, 2, 64, None, None, True),
 ]
 
 
@@ -91,15 +98,17 @@ def test_prefill(case):
     _lse_ok(lse, ref_lse)
 
 
-def test_mixed_step():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mixed_step(fp8):
     seq, ql = [3000, 17, 1, 9000, 64], [512, 1, 1, 1, 64]
-    pc = make_paged(seq, 8, 128, 16, dtype=BF, poison=True, device=DEV)
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=fp8, poison=True, device=DEV)
     q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
     ws = D.make_workspace(len(seq), 32, 128, device=DEV)
     out, lse = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5,
-                     return_lse=True, workspace=ws)
-    ref, ref_lse = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5, return_lse=True)
-    _close(out, ref)
+                     return_lse=True, workspace=ws, **pc.kw)
+    ref, ref_lse = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5, return_lse=True,
+                        **pc.kw)
+    _close(out, ref, scale=2.0 if fp8 else 1.0)
     _lse_ok(lse, ref_lse)
 
 
@@ -112,19 +121,25 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("fixed", [False, True], ids=["auto-split", "fixed-split"])
-def test_decode_cuda_graph_replan(fixed):
+@pytest.mark.parametrize("fixed,fp8", [(False, False), (True, False), (False, True)],
+                         ids=["auto-split", "fixed-split", "auto-split-fp8"])
+def test_decode_cuda_graph_replan(fixed, fp8):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
     is checked against the reference (split counts change with the lengths, on the device)."""
     B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
     g = torch.Generator().manual_seed(7)
     kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
     vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    sc = {}
+    if fp8:
+        sc = dict(k_scale=torch.rand(hk, device=DEV) + 0.1, v_scale=torch.rand(hk, device=DEV) + 0.1)
+        kc = R.quantize_fp8(kc.view(-1, hk, d), sc["k_scale"]).view(kc.shape)
+        vc = R.quantize_fp8(vc.view(-1, hk, d), sc["v_scale"]).view(vc.shape)
     lens, bt = _rand_step(B, max_pages, num_pages, page, g)
     sl_buf, bt_buf = lens.to(DEV), bt.to(DEV)
     q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
     ws = D.make_workspace(B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
-    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws)  # noqa
+    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws, **sc)  # noqa
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -141,9 +156,9 @@ def test_decode_cuda_graph_replan(fixed):
         q_buf.copy_(torch.randn(B, hq, d, generator=g).to(BF))
         graph.replay()
         torch.cuda.synchronize()
-        ref, ref_lse = R.decode(q_buf.float(), kc.float(), vc.float(), sl_buf, bt_buf, scale=d ** -0.5,
-                                return_lse=True)
-        _close(out, ref, what=f"replay {step}")
+        kr, vr = (kc, vc) if fp8 else (kc.float(), vc.float())
+        ref, ref_lse = R.decode(q_buf.float(), kr, vr, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, **sc)
+        _close(out, ref, scale=2.0 if fp8 else 1.0, what=f"replay {step}")
         _lse_ok(lse, ref_lse)
 
 

@@ -74,13 +74,13 @@ def _contiguous(inp, repeat=False):
 # decode: page-id prefetch where the default turns it off (large grids), one stage (K/V straight to
 # registers), one stage with 128-key tiles on 8 warps, and no prefetch where the default has it
 VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, BLOCK_N=128, num_warps=8),
-                       dict(PREFETCH=0)],
+                       dict(PREFETCH=0), dict(GLUON=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
                         dict(PREFETCH=0)]}
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf", "GLUON": "gl"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 

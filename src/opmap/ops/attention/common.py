@@ -71,7 +71,7 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device, 
     if interpreted(device):
         if kind == "prefill":
             return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, GLUON=0)
     if kind == "prefill" and ieee:
         return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2, PREFETCH=pf, TMA=0)
     if kind == "prefill":
@@ -83,7 +83,8 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device, 
             return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=tma)
         return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
     bn = 64 if head_dim <= 128 else 32
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf)
+    # GLUON: fp8 caches at head dim 128 take the Gluon kernel (decode_fp8.usable; its own tiles)
+    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, GLUON=1)
 
 
 def _sm90_or_newer(device: torch.device) -> bool:

@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from ...contract import expect, expect_tensor
-from .common import check_attention, kernel_config, prepare_scales, sm_count
+from . import decode_fp8
+from .common import check_attention, interpreted, kernel_config, prepare_scales, sm_count
 from .fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
@@ -301,18 +302,25 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
-    dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
-    _decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
-        float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
-        GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
-        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
-        RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], **dots,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
+    if cfg["GLUON"] and decode_fp8.usable(q, k_cache, v_cache, interpreted(q.device)):
+        # fp8 caches: each tile converted in registers from one shared-memory read (decode_fp8.py)
+        decode_fp8.launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, scale=scale,
+                          soft_cap=soft_cap or 1.0, window=win, fixed=fixed, splits=splits, min_chunk=min_chunk,
+                          return_lse=return_lse, has_window=window is not None, has_cap=soft_cap is not None,
+                          q_from_cu=cu_seqlens_q is not None, pdl_args=pdl.launch(q.device))
+    else:
+        dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
+        _decode_kernel[(B, hk, splits)](
+            q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
+            float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+            v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
+            GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
+            HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
+            RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
+            PREFETCH=cfg["PREFETCH"], **dots,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if splits > 1:
         # sized by the partial buffers' most splits (the workspace's), not this batch's: one
         # binary for every batch size
