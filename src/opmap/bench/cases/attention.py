@@ -73,8 +73,11 @@ def _contiguous(inp, repeat=False):
 # ops/attention/common.py): the row that measures what the pipelining change did.
 # decode: page-id prefetch where the default turns it off (large grids), one stage (K/V straight to
 # registers), one stage with 128-key tiles on 8 warps, and no prefetch where the default has it
+# fp8 caches at head dim 128 run the Gluon kernel (ops/attention/decode_fp8.py), which takes none of
+# these tiles: their variant row is the Triton kernel on the same cache (GLUON=0).
 VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, BLOCK_N=128, num_warps=8),
-                       dict(PREFETCH=0), dict(GLUON=0)],
+                       dict(PREFETCH=0)],
+            "decode_fp8": [dict(GLUON=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
                         dict(PREFETCH=0)]}
 
@@ -207,7 +210,8 @@ def _decode_case(B, L, fp8, quick):
     nbytes = 2 * B * L * HK * D * elt + 2 * B * HQ * D * 2
     provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
     # tile variants (timed with --variants only), in the quick grid too, on fp8 caches as well
-    provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c)) for c in VARIANTS["decode"]]
+    provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c))
+              for c in VARIANTS["decode_fp8" if fp8 else "decode"]]
     if not quick:
         provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
         if B * HK * (L // 256) < 132:

@@ -79,13 +79,23 @@ def _dequant_cublas(inp):
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
-def _plan_row(fields):
+# Tunings of the weight-only Gluon kernel (ops/gemm/wo_gluon.py) timed with --variants beside its
+# defaults, and GLUON=0: the Triton kernel it replaces at M <= 64.
+WO_VARIANTS = [dict(GLUON=0), dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
+_SHORT = {"GLUON": "gl", "BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
+
+
+def _config_row(cfg):
     def make(inp):
         from opmap.ops.gemm import triton_gemm as T
 
-        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], _plan=fields)  # the rest: plan()'s
+        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], config=cfg)
 
     return make
+
+
+def _tag(cfg):
+    return ",".join(f"{_SHORT[k]}={v}" for k, v in cfg.items())
 
 
 def _scaled_mm(inp):
@@ -121,9 +131,8 @@ def cases(quick: bool) -> list[BenchCase]:
                                       describe=_described(M, N, K, True)),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
-                    if M <= 32:
-                        # K splits beside the plan's (triton_gemm.plan), timed with --variants
-                        provs += [Provider(f"opmap-triton[split={n}]", _plan_row({"SPLIT": n})) for n in (1, 2, 4)]
+                    if M <= 32:  # wo_gluon.MAX_M
+                        provs += [Provider(f"opmap-triton[{_tag(c)}]", _config_row(c)) for c in WO_VARIANTS]
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from .. import pdl
-from ..pdl import enter, gdc_launch_dependents, gdc_wait
+from ..pdl import gdc_launch_dependents, gdc_wait
+from . import wo_gluon
 from .validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -198,7 +199,11 @@ def _tuned(small_m: bool):
 def describe(M: int, N: int, K: int, device, quantised: bool = False) -> str:
     """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
     its shape class when it has run on this device (benchmark rows name it in their note)."""
-    p = plan(M, N, K, _sm_count(torch.device(device)), quantised=quantised)
+    dev = torch.device(device)
+    if quantised and M <= wo_gluon.MAX_M and not _INTERP and dev.type == "cuda" and \
+            torch.cuda.get_device_capability(dev) >= (8, 9):
+        return wo_gluon.describe(M, N, K, dev)  # bf16 / fp16 activations, as the bench's
+    p = plan(M, N, K, _sm_count(dev), quantised=quantised)
     kq = p.get("BLOCK_K", 256)
     split = triton.cdiv(K, triton.cdiv(triton.cdiv(K, kq), p["SPLIT"]) * kq)  # as linear() rounds it
     text = f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, {split} K split{'s' if split > 1 else ''}"
@@ -263,8 +268,11 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     return d
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: dict | None = None) -> torch.Tensor:
-    """``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}."""
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None,
+           _plan: dict | None = None) -> torch.Tensor:
+    """``config``: tuning of the weight-only Gluon kernel (``wo_gluon.plan``'s keys; GLUON=0 runs this
+    module's Triton kernel instead). ``_plan`` (internal) overrides fields of the Triton kernel's
+    ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}, and so runs it."""
     M, N, K = check_linear(x, w, bias, w_scale)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -273,6 +281,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, _plan: 
         out.zero_()
         if bias is not None:
             out += bias.to(x.dtype)
+        return out
+    gluon_cfg = wo_gluon.config_of(config)
+    if gluon_cfg is not None and not _plan and wo_gluon.usable(x, w, _INTERP):
+        wo_gluon.launch(x, w, bias, w_scale, out, counters=_counters, pdl_args=pdl.launch(x.device), config=gluon_cfg)
         return out
     p = plan(M, N, K, _sm_count(x.device), quantised=w.dtype != x.dtype)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)

@@ -1,0 +1,268 @@
+"""Weight-only fp8 / int8 linear at decode sizes (M <= 64), in Gluon, for sm89+ GPUs.
+
+``linear(x[M, K], w[N, K] fp8-e4m3 or int8, bias, w_scale[N]) -> [M, N]`` in x.dtype, as
+``triton_gemm.linear``. At M <= 64 the weight is the traffic, so the kernel is built to keep
+weight bytes in flight and to touch each byte as few times as it can:
+
+- out^T = W x^T: the weight tile is the MMA's A operand (16 output channels a fragment), x^T the
+  B operand (the tokens, padded to 8), on ``mma.sync`` tensor cores (the MMA count is tiny).
+- The weight tile crosses shared memory once each way: async copies (16 bytes a thread) in a
+  pipeline of ``STAGES`` tiles, then each thread reads, 16 bytes at a time, exactly the bytes
+  its A fragments hold (``k_width=16``: 16 consecutive K elements of a row, the same order for
+  x) and converts them in registers. No dequantised copy exists anywhere.
+- With bf16 activations the weight goes e4m3 -> fp16 (packed cvt) -> fp32 -> bf16 (packed), both
+  exact; int8 through fp32 by the 2^23 magic number; fp16 activations take the weight as fp16.
+  The per-output-channel scale multiplies the fp32 accumulator in the epilogue.
+- The weight copies of the first stages go out before the PDL wait (weights do not depend on the
+  previous kernel), so they overlap its tail; x is copied after it.
+- Split K when the N tiles leave SMs idle; the last program of a tile (a counter) sums the
+  partials in split order (deterministic) and runs the epilogue, as ``triton_gemm`` does.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+
+from ...contract import expect
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+NUM_WARPS = 4
+NW = gl.constexpr(NUM_WARPS)
+
+
+def usable(x: torch.Tensor, w: torch.Tensor, interpreted: bool) -> bool:
+    """fp8 / int8 weights, bf16 / fp16 activations, M <= MAX_M, rows 16-byte aligned, sm89+."""
+    if interpreted or w.dtype not in (torch.float8_e4m3fn, torch.int8) or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    M, K = x.shape
+    if M > MAX_M or K % 16 or w.stride(0) % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or x.data_ptr() % 16:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+@gluon.jit
+def _enter_wait(PDL: gl.constexpr):
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def _e4m3_to_f16(x):
+    """e4m3 -> fp16, exact, two elements an instruction."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi;\n"
+        "mov.b32 {lo, hi}, $2;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _i8_to_f32(x):
+    """int8 -> fp32, exact: each byte (offset by 128) under 2^23's exponent, minus 2^23 + 128."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 t, a0, a1, a2, a3;\n"
+        "xor.b32 t, $4, 0x80808080;\n"
+        "prmt.b32 a0, t, 0x4B000000, 0x7540;\n"
+        "prmt.b32 a1, t, 0x4B000000, 0x7541;\n"
+        "prmt.b32 a2, t, 0x4B000000, 0x7542;\n"
+        "prmt.b32 a3, t, 0x4B000000, 0x7543;\n"
+        "sub.f32 $0, a0, 0f4B000080;\n"
+        "sub.f32 $1, a1, 0f4B000080;\n"
+        "sub.f32 $2, a2, 0f4B000080;\n"
+        "sub.f32 $3, a3, 0f4B000080; }",
+        "=r,=r,=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _operand(w, xdt: gl.constexpr, W_INT8: gl.constexpr):
+    """A weight fragment in x's dtype, exactly."""
+    if W_INT8:
+        return _i8_to_f32(w).to(xdt)
+    if xdt == gl.float16:
+        return _e4m3_to_f16(w)
+    return _e4m3_to_f16(w).to(gl.float32).to(xdt)
+
+
+@gluon.jit
+def _issue_w(w_buf, w_ptr, n0, k, N, k_end, s_wn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+             COPY_W: gl.constexpr):
+    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_W))
+    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_W))
+    ok = (rn < N)[:, None] & (rk < k_end)[None, :]
+    cp.async_copy_global_to_shared(w_buf, w_ptr + gl.multiple_of(rn.to(gl.int64) * s_wn, 16)[:, None] + rk[None, :],
+                                   mask=ok)
+
+
+@gluon.jit
+def _issue_x(x_buf, x_ptr, m0, k, M, k_end, s_xm, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+             COPY_X: gl.constexpr):
+    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, COPY_X))
+    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_X))
+    ok = (rm < M)[:, None] & (rk < k_end)[None, :]
+    cp.async_copy_global_to_shared(x_buf, x_ptr + gl.multiple_of(rm.to(gl.int64) * s_xm, 8)[:, None] + rk[None, :],
+                                   mask=ok)
+    cp.commit_group()
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_om, K_PER_SPLIT,
+               W_INT8: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+               PDL: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+    A_W: gl.constexpr = gl.DotOperandLayout(0, MMA, 16)
+    B_X: gl.constexpr = gl.DotOperandLayout(1, MMA, 16)
+    TPR: gl.constexpr = BLOCK_K // 16  # threads a weight row (16 bytes each)
+    COPY_W: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [NW, 1], [1, 0])
+    XPR: gl.constexpr = BLOCK_K // 8  # threads an x row (8 elements each)
+    COPY_X: gl.constexpr = gl.BlockedLayout([1, 8], [32 // XPR, XPR], [NW, 1], [1, 0])
+    # conflict-free 16-byte reads of the fragments: odd weight rows swap their 64-byte halves; x's
+    # 16-byte chunks are XORed with the row
+    W_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=64, per_phase=1, max_phase=2, order=[1, 0])
+    X_SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
+    xdt: gl.constexpr = x_ptr.dtype.element_ty
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m0 = pid_m * BLOCK_M
+    k0 = pid_k * K_PER_SPLIT
+    k_end = gl.minimum(k0 + K_PER_SPLIT, K)
+    w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], W_SMEM)
+    x_smem = gl.allocate_shared_memory(xdt, [STAGES, BLOCK_M, BLOCK_K], X_SMEM)
+    # The weights do not depend on the previous kernel: their first copies overlap its tail.
+    for i in gl.static_range(STAGES - 1):
+        _issue_w(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W)
+    _enter_wait(PDL)
+    for i in gl.static_range(STAGES - 1):
+        _issue_x(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+    it = 0
+    for k in range(k0, k_end, BLOCK_K):
+        cp.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        nxt = (it + STAGES - 1) % STAGES
+        ka = k + (STAGES - 1) * BLOCK_K
+        _issue_w(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W)
+        _issue_x(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X)
+        cur = it % STAGES
+        wf = _operand(w_smem.index(cur).load(A_W), xdt, W_INT8)
+        xf = x_smem.index(cur).permute((1, 0)).load(B_X)
+        acc = mma_v2(wf, xf, acc)
+        it += 1
+    cp.wait_group(0)
+
+    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
+    n_ok = rn < N
+    mask = n_ok[:, None] & (rm < M)[None, :]
+    if SPLIT == 1:
+        _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE, HAS_BIAS)
+    else:
+        # partials [SPLIT, M, N] fp32; the tile's last program sums them in split order
+        part = ws_ptr + rm[None, :].to(gl.int64) * N + rn[:, None]
+        mn = M.to(gl.int64) * N
+        gl.store(part + pid_k * mn, acc, mask=mask)
+        gl.thread_barrier()  # every thread's partial is written before the counter moves
+        tile = cnt_ptr + pid_m * gl.num_programs(0) + pid_n
+        if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
+            for s in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
+                acc += gl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE, HAS_BIAS)
+            gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
+    if HAS_SCALE:
+        acc = acc * gl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc = acc + gl.load(b_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[:, None]
+    gl.store(o_ptr + rm[None, :].to(gl.int64) * s_om + rn[:, None], acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+MAX_M = 32  # at M = 64 the Triton kernel was faster (each warp re-reads a 64-row x tile from shared memory)
+DEFAULTS = {"BLOCK_N": 64, "per_sm": 4}
+# (BLOCK_K, STAGES) in order of preference: the deepest pipeline whose programs all fit on the GPU
+# at once (one wave), else the first (many waves: the LM heads).
+SHAPES = ((256, 3), (256, 2), (128, 3), (128, 2))
+
+
+def config_of(config) -> dict | None:
+    """The tuning dict of a call (BLOCK_N, per_sm, BLOCK_K, STAGES; GLUON: 0 for the Triton kernel),
+    checked; None when the call asks for the Triton kernel."""
+    from ..config import tile_config
+
+    cfg = tile_config({**DEFAULTS, "BLOCK_K": 0, "STAGES": 0, "GLUON": 1}, config)
+    if not cfg.pop("GLUON"):
+        return None
+    expect(cfg["STAGES"] in (0, 2, 3, 4), "config", f"STAGES={cfg['STAGES']}", "2, 3 or 4")
+    expect(cfg["BLOCK_K"] in (0, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}", "64, 128 or 256")
+    expect(cfg["BLOCK_N"] in (64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "64 or 128")
+    return {k: v for k, v in cfg.items() if v or k not in ("BLOCK_K", "STAGES")}
+
+
+def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config=None) -> dict:
+    """Tiles, stages and K splits of a call. The weight tile is BLOCK_N x BLOCK_K bytes (x's,
+    BLOCK_M x BLOCK_K elements, rides in the same stage); K is split until the programs number
+    about ``per_sm`` an SM, each split keeping >= 4 tiles of K. BLOCK_K and STAGES: the first of
+    SHAPES whose programs fit on the GPU in one wave (measured on the H200: a second wave of a few
+    programs cost more than a shallower pipeline, docs/dense.md), unless ``config`` fixes them."""
+    bm = max(8, triton.next_power_of_2(M))
+    cfg = {**DEFAULTS, **(config or {})}
+    bn = cfg["BLOCK_N"]
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    shapes = [(bk, st) for bk, st in SHAPES
+              if cfg.get("BLOCK_K", bk) == bk and cfg.get("STAGES", st) == st] or [(cfg.get("BLOCK_K", 256),
+                                                                                      cfg.get("STAGES", 3))]
+    choice = None
+    for bk, st in shapes:
+        split = max(1, min(cfg["per_sm"] * sms // tiles, triton.cdiv(K, bk) // 4))
+        smem = st * bk * (bn + 2 * bm) + 1024  # the weight and x stages, and what the SM keeps a program
+        fits = (smem_per_sm // smem) * sms >= tiles * split
+        if choice is None or fits:
+            choice = (bk, st, split)
+        if fits:
+            break
+    bk, st, split = choice
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT=split)
+
+
+def describe(M: int, N: int, K: int, device, config=None) -> str:
+    sms, smem = _device(device)
+    p = plan(M, N, K, sms, smem, config)
+    return (f"Gluon: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['STAGES']} stages, "
+            f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
+
+
+def _device(device) -> tuple:
+    props = torch.cuda.get_device_properties(torch.device(device))
+    return props.multi_processor_count, props.shared_memory_per_multiprocessor
+
+
+def launch(x, w, bias, w_scale, out, *, counters, pdl_args, config=None):
+    M, K = x.shape
+    N = w.shape[0]
+    p = plan(M, N, K, *_device(x.device), config=config)
+    bk = p["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), p["SPLIT"]) * bk
+    split = triton.cdiv(K, k_per_split)
+    grid = (triton.cdiv(N, p["BLOCK_N"]), triton.cdiv(M, p["BLOCK_M"]), split)
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        cnt = counters(grid[0] * grid[1], x.device)
+    else:
+        ws = cnt = out
+    _wo_kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
+                     out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=w_scale is not None,
+                     HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=bk,
+                     STAGES=p["STAGES"], num_warps=NUM_WARPS, **pdl_args)
