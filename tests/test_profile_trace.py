@@ -39,6 +39,9 @@ from opmap.profile import analyze, symbols, trace
     ("triton_poi_fused_mul_silu_1", "activation", "Inductor"),
     ("_decode_kernel", "attention", "opmap"),
     ("_gemm_kernel", "GEMM", "opmap"),
+    ("_wo_kernel", "GEMM", "opmap"),
+    ("_dequant_kernel", "GEMM", "opmap"),
+    ("_fp8_decode_kernel", "attention", "opmap"),
     ("apply_token_bitmask_inplace_kernel", "grammar", "XGrammar"),
     ("Memcpy HtoD (Pinned -> Device)", "memory copies", "CUDA"),
 ])
@@ -184,3 +187,16 @@ def test_bad_trace_files_are_one_line(tmp_path, capsys):
     assert "--model MODEL (run the engine) or --trace FILE" in capsys.readouterr().err
     with pytest.raises(InputError):
         trace.load(str(bad))
+
+
+def test_a_dequantise_then_bf16_gemm_is_flagged_and_the_weight_only_gemm_is_not(tmp_path):
+    """opmap's weight-only kernel (_wo_kernel) is a quantised GEMM; its prefill route that dequantises
+    each weight for a bf16 cuBLAS GEMM (_dequant_kernel, then nvjet) is the fallback the profile names."""
+    deq = [("opmap::linear", "_dequant_kernel", 40), ("aten::linear", "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 300),
+           ("opmap::attention", "_prefill_tma_kernel", 200)]
+    wo = [("opmap::linear", "_wo_kernel", 30), ("opmap::attention", "_fp8_decode_kernel", 20)]
+    flag = "the quantised path fell back to a dequantise kernel and a bf16 GEMM"
+    res = analyze.analyze(trace.load(_write(tmp_path, _chrome([(None, deq)] * 2), "deq.json.gz")))
+    assert any(flag in d for d in res["diagnosis"]) and res["other_fraction"] == 0
+    res = analyze.analyze(trace.load(_write(tmp_path, _chrome([(None, wo)] * 2), "wo.json.gz")))
+    assert not any(flag in d for d in res["diagnosis"]) and res["other_fraction"] == 0

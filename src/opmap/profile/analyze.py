@@ -319,7 +319,7 @@ def rules(res: dict, trace: Trace) -> list:
             out.append(f"{ph}: sampling runs PyTorch's sort ({cats.get('sampling', 0):.3f} ms) -> a sorting-free "
                        "sampler (opmap's, FlashInfer's) serves top-k / top-p without it")
     quant = [k for k in trace.kernels if _quant_symbol(k.name)]
-    q_gemm = [k for k in quant if symbols.classify(k.name)[0] in ("GEMM", "MoE")]
+    q_gemm = [k for k in quant if symbols.classify(k.name)[0] in ("GEMM", "MoE") and not _DEQUANT.search(k.name)]
     if quant and not q_gemm:
         out.append(f"quantised tensors are converted ({len(quant)} kernels such as {quant[0].name[:60]}) but no fp8 / "
                    "int8 GEMM ran: the quantised path fell back to a dequantise kernel and a bf16 GEMM")
@@ -338,9 +338,14 @@ def rules(res: dict, trace: Trace) -> list:
     return out
 
 
+# opmap's weight-only GEMM (_wo_kernel) and its prefill pass that dequantises a weight for a bf16
+# GEMM (_dequant_kernel) carry no dtype in their symbols
+_DEQUANT = re.compile(r"(?i)dequant")
+
+
 @functools.lru_cache(maxsize=65536)
 def _quant_symbol(name: str) -> bool:
-    return re.search(r"(?i)e4m3|fp8|float8|int8", name) is not None
+    return re.search(r"(?i)e4m3|fp8|float8|int8|dequant|^_wo_kernel$", name) is not None
 
 
 def _libs(p: dict, cat: str) -> str:

@@ -72,7 +72,8 @@ registry.register(Backend(
     checks=[_SAME_ACT],
     available=registry.triton_available,
     notes="weight-only fp8/int8: the weight tile is converted in registers, the per-channel "
-          "scale applied in the epilogue; no dequantised copy",
+          "scale applied in the epilogue; no dequantised copy (at M <= 32 on sm89+ the Gluon kernel "
+          "_wo_kernel, else the Triton kernel _gemm_kernel)",
 ))
 
 registry.register(Backend(
