@@ -236,3 +236,20 @@ def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
     assert fp16_dots(f8, torch.bfloat16) and fp16_dots(f8, torch.float16)
     assert not fp16_dots(f8, torch.float32) and not fp16_dots(f8, torch.bfloat16, enabled=False)
     assert not fp16_dots(torch.bfloat16, torch.bfloat16) and not fp16_dots(torch.float16, torch.float16)
+
+
+def test_gluon_fp8_decode_only_where_it_serves():
+    """decode_fp8.usable: never in the interpreter, and only fp8 caches at head dim 128 with 16-bit
+    queries, at most 16 query heads per KV head, 16-byte aligned rows (checked before any device query)."""
+    from opmap.ops.attention import decode_fp8 as F
+
+    fp8 = torch.float8_e4m3fn
+    kc = torch.zeros(4, 16, 8, 128, dtype=fp8)
+    q = torch.zeros(2, 32, 128, dtype=torch.float16)
+    assert not F.usable(q, kc, kc, interpreted=True)
+    assert not F.usable(q, kc.to(torch.float16), kc.to(torch.float16), interpreted=False)
+    assert not F.usable(q[..., :64], kc[..., :64], kc[..., :64], interpreted=False)
+    assert not F.usable(q.float(), kc, kc, interpreted=False)
+    assert not F.usable(torch.zeros(2, 136, 128, dtype=torch.float16), kc, kc, interpreted=False)  # 17 per KV head
+    strided = torch.zeros(4, 16, 8, 136, dtype=fp8)[..., :128]  # 136-byte rows: not 16-byte aligned
+    assert not F.usable(q, strided, strided, interpreted=False)

@@ -298,3 +298,37 @@ def test_bench_marks_the_cublas_row_where_it_is_selected(monkeypatch):
     assert {p.name: p.backend for p in case.providers}["cublas"] == ("gemm", "cublas")
     assert selected_backend(case) == "cublas"
     assert selected_backend(by_case["M=64,N=28672,K=4096,w=bf16,dtype=bf16"]) == "triton-decode"
+
+
+def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
+    """wo_gluon.plan on an H200's figures (132 SMs, 228 KiB an SM): splits K towards four programs an
+    SM, then the deepest (BLOCK_K, STAGES) whose programs all fit at once; the LM heads (many waves)
+    keep the first; config= fixes fields and refuses values the kernel does not take."""
+    from opmap.contract import InputError
+    from opmap.ops.gemm import wo_gluon as W
+
+    def p(M, N, K, cfg=None):
+        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
+
+    assert p(1, 28672, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=2, SPLIT=1)  # 448 programs
+    assert p(1, 6144, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=3, SPLIT=4)  # 384 fit 3 an SM
+    assert p(1, 4096, 14336) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=2, SPLIT=8)  # 512: 4 an SM
+    assert p(32, 28672, 4096) == dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1)
+    assert p(1, 128256, 4096)["STAGES"] == 3 and p(1, 128256, 4096)["SPLIT"] == 1
+    assert p(1, 28672, 4096, {"STAGES": 3}) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1)
+    assert p(1, 28672, 4096, {"BLOCK_K": 256, "STAGES": 3})["STAGES"] == 3  # fixed: two waves, as asked
+    assert W.config_of({"GLUON": 0}) is None
+    for bad in ({"STAGES": 1}, {"BLOCK_K": 512}, {"BLOCK_N": 32}, {"TILE": 3}):
+        with pytest.raises(InputError):
+            W.config_of(bad)
+
+
+def test_weight_only_gluon_kernel_not_on_the_interpreter_or_unaligned_rows():
+    from opmap.ops.gemm import wo_gluon as W
+
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(8, 64, dtype=torch.int8)
+    assert not W.usable(x, w, interpreted=True)
+    assert not W.usable(torch.randn(33, 64, dtype=torch.bfloat16), w, interpreted=False)  # M > MAX_M
+    assert not W.usable(x[:, :40], w[:, :40], interpreted=False)  # K not a multiple of 16
+    assert not W.usable(x.float(), w, interpreted=False)

@@ -67,3 +67,53 @@ def test_kernels_compile_for_sm90_without_spills():
         split = name.endswith("-split")
         assert res[name]["atom"] == (2 if split else 0), f"{name}: {res[name]}"
         assert not split or res[name]["bar"] >= 1, f"{name}: {res[name]}"
+
+
+GLUON_SCRIPT = r'''
+import collections
+from triton.experimental.gluon._runtime import GluonASTSource
+from opmap.ops.gemm import wo_gluon as W
+res = {}
+for name, wdt, xdt, bm, bk, st, split in [("fp8-bf16-m1", "fp8e4nv", "bf16", 8, 256, 2, 1),
+                                          ("fp8-fp16-m16-split", "fp8e4nv", "fp16", 16, 256, 3, 4),
+                                          ("int8-bf16-m32", "i8", "bf16", 32, 128, 3, 1)]:
+    sig = {"x_ptr": f"*{xdt}", "w_ptr": f"*{wdt}", "s_ptr": "*fp32", "b_ptr": f"*{xdt}", "o_ptr": f"*{xdt}",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "s_xm": "i32", "s_wn": "i32",
+           "s_om": "i32", "K_PER_SPLIT": "i32"}
+    ce = dict(W_INT8=wdt == "i8", HAS_SCALE=True, HAS_BIAS=True, SPLIT=split, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk,
+              STAGES=st, PDL=True)
+    sig.update({k: "constexpr" for k in ce})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if n.endswith("_ptr") or n.startswith("s_") or n in ("N", "K", "K_PER_SPLIT")}
+    k = triton.compile(GluonASTSource(fn=W._wo_kernel, signature=sig, constexprs=ce, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": W.NUM_WARPS})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);", sass)]
+    loops = [(int(re.search(r"0x([0-9a-f]+)", r).group(1), 16), a) for a, op, r in ins
+             if op == "BRA" and re.search(r"0x([0-9a-f]+)", r) and int(re.search(r"0x([0-9a-f]+)", r).group(1), 16) < a]
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    res[name] = {**usage(k), "loop": dict(collections.Counter(op for a, op, r in ins if lo <= a <= hi))}
+print("RESULT " + json.dumps(res))
+'''
+
+
+@needs_ptxas
+def test_weight_only_gluon_kernel_reads_fragments_from_shared_memory_in_16_bytes():
+    """The weight-only Gluon GEMM (wo_gluon.py) as built for sm90: no spills, and its K loop copies
+    in 16-byte async copies, reads the weight and x fragments back in 16-byte shared loads (no
+    ldmatrix, no byte loads, no shared stores), converts fp8 with the packed cvt (and int8 with
+    byte permutes, no I2F) and runs mma.sync."""
+    res = run(GLUON_SCRIPT)
+    for name, r in res.items():
+        loop = r["loop"]
+        assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 128, (name, r)
+        assert loop.get("LDGSTS.E.BYPASS.128", 0) > 0 and loop.get("LDS.128", 0) > 0, (name, loop)
+        assert not any(op.startswith(("STS", "LDSM", "LDS.U8", "I2F")) for op in loop), (name, loop)
+        assert any(op.startswith("HMMA.16816.F32") for op in loop), (name, loop)
+        if name.startswith("fp8"):
+            assert loop.get("F2FP.F16.E4M3.UNPACK_B", 0) > 0, (name, loop)
+        else:
+            assert loop.get("PRMT", 0) > 0, (name, loop)

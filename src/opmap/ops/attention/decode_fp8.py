@@ -39,6 +39,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from ..gluon_util import e4m3_to_f16, enter
+
 NUM_WARPS = 4
 KEYS_PER_WARP = 16
 BLOCK_N = NUM_WARPS * KEYS_PER_WARP
@@ -96,26 +98,6 @@ def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, 
         v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
         GROUP=group, PAGE=k_cache.shape[1], BLOCK_H=8 if group <= 8 else 16, HAS_WINDOW=has_window,
         HAS_CAP=has_cap, RETURN_LSE=return_lse, Q_FROM_CU=q_from_cu, num_warps=NUM_WARPS, **cap, **pdl_args)
-
-
-@gluon.jit
-def _enter(PDL: gl.constexpr):
-    """pdl.enter for Gluon: wait for the predecessor, then release the dependents."""
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _to_f16(x):
-    """e4m3 -> fp16, exact, two elements an instruction."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi;\n"
-        "mov.b32 {lo, hi}, $2;\n"
-        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -217,8 +199,8 @@ def _tile(k_buf, v_buf, start, end, q0, q1, m_i, l_i, acc, scale, k_mul, qk_scal
     """One 64-key tile of the online softmax (exp2 domain), each warp on its own 16 keys: scores
     S^T [keys, heads], weights P^T moved into the B operand's lanes, O^T += V^T P^T."""
     z = gl.zeros([NW, KW, BLOCK_H], gl.float32, MMA)
-    s = mma_v2(_to_f16(k_buf.slice(0, 64, dim=2).load(A_K)), q0, z)
-    s = s + mma_v2(_to_f16(k_buf.slice(64, 64, dim=2).load(A_K)), q1, z)
+    s = mma_v2(e4m3_to_f16(k_buf.slice(0, 64, dim=2).load(A_K)), q0, z)
+    s = s + mma_v2(e4m3_to_f16(k_buf.slice(64, 64, dim=2).load(A_K)), q1, z)
     if HAS_CAP:
         t = s * (scale * k_mul / soft_cap)
         e = gl.exp(-2.0 * gl.abs(t))
@@ -248,7 +230,7 @@ def _fp8_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
                        GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_H: gl.constexpr,
                        HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                        Q_FROM_CU: gl.constexpr, PDL: gl.constexpr):
-    _enter(PDL)
+    enter(PDL)
     skip, b, kvh, sp, row, start0, end, n = _program(sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk,
                                                      HAS_WINDOW, Q_FROM_CU)
     if skip:

@@ -23,11 +23,12 @@ from __future__ import annotations
 import torch
 import triton
 from triton.experimental import gluon
-
-from ...contract import expect
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from ...contract import expect
+from ..gluon_util import e4m3_to_f16, enter
 
 NUM_WARPS = 4
 NW = gl.constexpr(NUM_WARPS)
@@ -41,25 +42,6 @@ def usable(x: torch.Tensor, w: torch.Tensor, interpreted: bool) -> bool:
     if M > MAX_M or K % 16 or w.stride(0) % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or x.data_ptr() % 16:
         return False
     return torch.cuda.get_device_capability(x.device) >= (8, 9)
-
-
-@gluon.jit
-def _enter_wait(PDL: gl.constexpr):
-    if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
-
-@gluon.jit
-def _e4m3_to_f16(x):
-    """e4m3 -> fp16, exact, two elements an instruction."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi;\n"
-        "mov.b32 {lo, hi}, $2;\n"
-        "cvt.rn.f16x2.e4m3x2 $0, lo;\n"
-        "cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=gl.float16, is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -85,8 +67,8 @@ def _operand(w, xdt: gl.constexpr, W_INT8: gl.constexpr):
     if W_INT8:
         return _i8_to_f32(w).to(xdt)
     if xdt == gl.float16:
-        return _e4m3_to_f16(w)
-    return _e4m3_to_f16(w).to(gl.float32).to(xdt)
+        return e4m3_to_f16(w)
+    return e4m3_to_f16(w).to(gl.float32).to(xdt)
 
 
 @gluon.jit
@@ -140,7 +122,7 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm
     # The weights do not depend on the previous kernel: their first copies overlap its tail.
     for i in gl.static_range(STAGES - 1):
         _issue_w(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W)
-    _enter_wait(PDL)
+    enter(PDL)
     for i in gl.static_range(STAGES - 1):
         _issue_x(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X)
 
