@@ -26,9 +26,14 @@ def _pdl_kernels():
         for name, obj in vars(mod).items():
             # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1: both keep the Python function
             fn = getattr(obj, "fn", None)
-            if callable(fn) and "PDL" in (getattr(obj, "arg_names", None) or ()):
+            # (the Gluon kernels' own enter(PDL) helper is the wait itself)
+            if callable(fn) and "PDL" in (getattr(obj, "arg_names", None) or ()) and fn.__name__ not in WAITS:
                 out[f"{fn.__module__}.{fn.__name__}"] = fn
     return out
+
+
+# Gluon kernels load through async copies, issued by their _issue* helpers: counted as loads
+ASYNC_LOADS = {"async_copy_global_to_shared"}
 
 
 def _calls(node):
@@ -36,7 +41,8 @@ def _calls(node):
     for n in ast.walk(node):
         if isinstance(n, ast.Call):
             f = n.func
-            names.add(f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", ""))
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            names.add("load" if name in ASYNC_LOADS or name.startswith("_issue") else name)
     return names
 
 
@@ -72,6 +78,8 @@ def k(x_ptr, PDL: tl.constexpr = False):
 LOADS_BEFORE_WAIT = {
     "opmap.ops.attention.decode._combine_kernel":
         "seq_lens / cu_seqlens for the split plan; launched only right after _decode_kernel, which reads them",
+    "opmap.ops.gemm.wo_gluon._wo_kernel":
+        "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
 }
 
 
