@@ -50,14 +50,39 @@ def usage(k):
             "waits": re.findall(r"async_wait[^{]*\{num = (\d+)", tt), "wgmma": tt.count("warp_group_dot ")}
 
 
+def _sass(k):
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    return subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+
+
 def sass_ops(k):
     # how many of each SASS instruction the build has (cuobjdump -sass; predicates dropped)
     import collections
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
     return dict(collections.Counter(m.group(1) for m in
-                                    re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", sass)))
+                                    re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]*)", _sass(k))))
+
+
+def compile_gluon_sm90(fn, sig, ce, opts, div=()):
+    # a @gluon.jit kernel, as compile_sm90
+    from triton.experimental.gluon._runtime import GluonASTSource
+    attrs = {(i,): [["tt.divisibility", 16]] for i in div}
+    return triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def loop_ops(k):
+    # how many of each SASS instruction the build's longest loop (its longest backward branch) holds
+    import collections
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);", _sass(k))]
+    loops = []
+    for a, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if t and int(t.group(1), 16) < a:
+            loops.append((int(t.group(1), 16), a))
+    lo, hi = max(loops, key=lambda x: x[1] - x[0])
+    return dict(collections.Counter(op for a, op, rest in ins if lo <= a <= hi))
 """
 
 

@@ -136,8 +136,6 @@ def test_decode_fp8_tiles_cross_shared_memory_once_in_16_bytes():
 
 
 GLUON_SCRIPT = r'''
-import collections
-from triton.experimental.gluon._runtime import GluonASTSource
 from opmap.ops.attention import decode_fp8 as F
 sig = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "o_ptr": "*bf16", "lse_ptr": "*fp32",
        "po_ptr": "*fp32", "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
@@ -151,20 +149,10 @@ for bh, cap in ((8, False), (16, True)):
     ce = dict(GROUP=bh // 2, PAGE=16, BLOCK_H=bh, HAS_WINDOW=cap, HAS_CAP=cap, RETURN_LSE=True, Q_FROM_CU=False,
               PDL=True)
     s = dict(sig, **{k: "constexpr" for k in ce})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if n.endswith("_ptr") or n.startswith("s_")}
-    k = triton.compile(GluonASTSource(fn=F._fp8_decode_kernel, signature=s, constexprs=ce, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": F.NUM_WARPS, **({"maxnreg": F.MAX_REGISTERS} if bh == 8 else {})})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);", sass)]
-    loops = [(int(re.search(r"0x([0-9a-f]+)", r).group(1), 16), a) for a, op, r in ins
-             if op == "BRA" and re.search(r"0x([0-9a-f]+)", r) and int(re.search(r"0x([0-9a-f]+)", r).group(1), 16) < a]
-    lo, hi = max(loops, key=lambda x: x[1] - x[0])
-    body = collections.Counter(op for a, op, r in ins if lo <= a <= hi)
-    res[f"bh{bh}"] = {**usage(k), "loop": dict(body)}
+    div = [i for i, n in enumerate(s) if n.endswith("_ptr") or n.startswith("s_")]
+    k = compile_gluon_sm90(F._fp8_decode_kernel, s, ce,
+                           {"num_warps": F.NUM_WARPS, **({"maxnreg": F.MAX_REGISTERS} if bh == 8 else {})}, div)
+    res[f"bh{bh}"] = {**usage(k), "loop": loop_ops(k)}
 print("RESULT " + json.dumps(res))
 '''
 

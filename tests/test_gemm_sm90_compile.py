@@ -70,8 +70,6 @@ def test_kernels_compile_for_sm90_without_spills():
 
 
 GLUON_SCRIPT = r'''
-import collections
-from triton.experimental.gluon._runtime import GluonASTSource
 from opmap.ops.gemm import wo_gluon as W
 res = {}
 for name, wdt, xdt, bm, bk, st, split in [("fp8-bf16-m1", "fp8e4nv", "bf16", 8, 256, 2, 1),
@@ -83,19 +81,9 @@ for name, wdt, xdt, bm, bk, st, split in [("fp8-bf16-m1", "fp8e4nv", "bf16", 8, 
     ce = dict(W_INT8=wdt == "i8", HAS_SCALE=True, HAS_BIAS=True, SPLIT=split, BLOCK_M=bm, BLOCK_N=64, BLOCK_K=bk,
               STAGES=st, PDL=True)
     sig.update({k: "constexpr" for k in ce})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
-             if n.endswith("_ptr") or n.startswith("s_") or n in ("N", "K", "K_PER_SPLIT")}
-    k = triton.compile(GluonASTSource(fn=W._wo_kernel, signature=sig, constexprs=ce, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": W.NUM_WARPS})
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9._]*)([^;]*);", sass)]
-    loops = [(int(re.search(r"0x([0-9a-f]+)", r).group(1), 16), a) for a, op, r in ins
-             if op == "BRA" and re.search(r"0x([0-9a-f]+)", r) and int(re.search(r"0x([0-9a-f]+)", r).group(1), 16) < a]
-    lo, hi = max(loops, key=lambda x: x[1] - x[0])
-    res[name] = {**usage(k), "loop": dict(collections.Counter(op for a, op, r in ins if lo <= a <= hi))}
+    div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("s_") or n in ("N", "K", "K_PER_SPLIT")]
+    k = compile_gluon_sm90(W._wo_kernel, sig, ce, {"num_warps": W.NUM_WARPS}, div)
+    res[name] = {**usage(k), "loop": loop_ops(k)}
 print("RESULT " + json.dumps(res))
 '''
 

@@ -1,7 +1,25 @@
-"""@gluon.jit helpers the Gluon kernels share (ops/attention/decode_fp8.py, ops/gemm/wo_gluon.py):
-Gluon kernels cannot call @triton.jit functions, so these restate pdl.enter and fp8.e4m3_to_f16."""
+"""What the Gluon kernels share (ops/attention/decode_fp8.py, ops/gemm/wo_gluon.py): the device
+facts their launchers ask on every call, cached, and @gluon.jit helpers. pdl.enter and
+fp8.e4m3_to_f16 are restated here: their inline asm builds Triton's block types, not Gluon's
+distributed ones, so they cannot be wrapped as the split plan is (decode_fp8._plan)."""
+import functools
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
+
+@functools.lru_cache(maxsize=None)
+def sm89_or_newer(device: torch.device) -> bool:
+    """Whether the kernels' packed e4m3 conversion (cvt.rn.f16x2.e4m3x2) runs on ``device``."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_figures(device: torch.device) -> tuple:
+    """(SMs, shared memory an SM in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.shared_memory_per_multiprocessor
 
 
 @gluon.jit

@@ -83,7 +83,8 @@ VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, 
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf", "GLUON": "gl"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
+             "GLUON": "gl"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 

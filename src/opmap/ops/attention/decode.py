@@ -34,7 +34,7 @@ from .fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from .merge import _softmax_step, _split_sum
 from .. import pdl
 from ..pdl import enter
-from .tiles import _kv_scales, _pages, _tanh
+from .tiles import _kv_scales, _pages, _plan, _tanh
 
 MAX_SPLITS_AUTO = 32
 MIN_CHUNK = 256
@@ -72,15 +72,6 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
                            splits, fixed, int(min_chunk or 0))
-
-
-@triton.jit
-def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
-    """(chunk, n): n splits of ``chunk`` keys cover the E keys a query sees."""
-    n = tl.minimum(tl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
-    auto = tl.maximum(((E + n - 1) // n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
-    chunk = tl.where(split_tokens > 0, split_tokens, auto)
-    return chunk, (E + chunk - 1) // chunk
 
 
 # max_splits and min_chunk come from the batch size (auto plan): not specialized, so that every

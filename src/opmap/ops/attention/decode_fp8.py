@@ -39,7 +39,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from ..gluon_util import e4m3_to_f16, enter
+from ..gluon_util import e4m3_to_f16, enter, sm89_or_newer
+from . import tiles
+
+_plan = gluon.jit(tiles._plan.fn)  # the split plan of decode._decode_kernel, the same source
 
 NUM_WARPS = 4
 KEYS_PER_WARP = 16
@@ -81,7 +84,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, interp
     for c in (k_cache, v_cache):
         if c.data_ptr() % 16 or c.stride(3) != 1 or any(st % 16 for st in c.stride()[:3]):
             return False
-    return torch.cuda.get_device_capability(q.device) >= (8, 9)
+    return sm89_or_newer(q.device)
 
 
 def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, *, scale, soft_cap, window,
@@ -111,11 +114,7 @@ def _program(sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, HAS_WI
     lo = 0
     if HAS_WINDOW:
         lo = gl.maximum(L - window, 0)
-    E = L - lo
-    n = gl.minimum(gl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
-    auto = gl.maximum(((E + n - 1) // n + BN - 1) // BN * BN, BN)
-    chunk = gl.where(split_tokens > 0, split_tokens, auto)
-    n = (E + chunk - 1) // chunk
+    chunk, n = _plan(L - lo, split_tokens, max_splits, min_chunk, BN)
     skip = sp >= gl.maximum(n, 1)
     row = b
     if Q_FROM_CU:

@@ -23,6 +23,15 @@ def _pages(bt_row, start, hi, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _plan(E, split_tokens, max_splits, min_chunk, BLOCK_N: tl.constexpr):
+    """(chunk, n): n splits of ``chunk`` keys cover the E keys a query sees."""
+    n = tl.minimum(tl.maximum((E + min_chunk - 1) // min_chunk, 1), max_splits)
+    auto = tl.maximum(((E + n - 1) // n + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    chunk = tl.where(split_tokens > 0, split_tokens, auto)
+    return chunk, (E + chunk - 1) // chunk
+
+
+@triton.jit
 def _scaled(s, qk_scale, scale, soft_cap, HAS_CAP: tl.constexpr):
     """Raw scores to the exp2 domain, through the soft cap where there is one."""
     if HAS_CAP:

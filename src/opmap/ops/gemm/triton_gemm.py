@@ -200,8 +200,7 @@ def describe(M: int, N: int, K: int, device, quantised: bool = False) -> str:
     """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
     its shape class when it has run on this device (benchmark rows name it in their note)."""
     dev = torch.device(device)
-    if quantised and M <= wo_gluon.MAX_M and not _INTERP and dev.type == "cuda" and \
-            torch.cuda.get_device_capability(dev) >= (8, 9):
+    if quantised and wo_gluon.takes(M, dev, _INTERP):
         return wo_gluon.describe(M, N, K, dev)  # bf16 / fp16 activations, as the bench's
     p = plan(M, N, K, _sm_count(dev), quantised=quantised)
     kq = p.get("BLOCK_K", 256)

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ...contract import expect
-from ..gluon_util import e4m3_to_f16, enter
+from ..gluon_util import e4m3_to_f16, enter, sm89_or_newer, sm_figures
 
 NUM_WARPS = 4
 NW = gl.constexpr(NUM_WARPS)
@@ -36,12 +36,17 @@ NW = gl.constexpr(NUM_WARPS)
 
 def usable(x: torch.Tensor, w: torch.Tensor, interpreted: bool) -> bool:
     """fp8 / int8 weights, bf16 / fp16 activations, M <= MAX_M, rows 16-byte aligned, sm89+."""
-    if interpreted or w.dtype not in (torch.float8_e4m3fn, torch.int8) or x.dtype not in (torch.bfloat16, torch.float16):
+    if w.dtype not in (torch.float8_e4m3fn, torch.int8) or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     M, K = x.shape
-    if M > MAX_M or K % 16 or w.stride(0) % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or x.data_ptr() % 16:
+    if K % 16 or w.stride(0) % 16 or x.stride(0) % 8 or w.data_ptr() % 16 or x.data_ptr() % 16:
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return takes(M, x.device, interpreted)
+
+
+def takes(M: int, device: torch.device, interpreted: bool) -> bool:
+    """Whether a weight-only call of M rows on ``device`` runs here (its tensors permitting)."""
+    return not interpreted and M <= MAX_M and sm89_or_newer(device)
 
 
 @gluon.jit
@@ -184,6 +189,8 @@ def config_of(config) -> dict | None:
     checked; None when the call asks for the Triton kernel."""
     from ..config import tile_config
 
+    if config is None:
+        return {}  # plan()'s defaults: no checks on the path of every call
     cfg = tile_config({**DEFAULTS, "BLOCK_K": 0, "STAGES": 0, "GLUON": 1}, config)
     if not cfg.pop("GLUON"):
         return None
@@ -220,21 +227,15 @@ def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config
 
 
 def describe(M: int, N: int, K: int, device, config=None) -> str:
-    sms, smem = _device(device)
-    p = plan(M, N, K, sms, smem, config)
+    p = plan(M, N, K, *sm_figures(torch.device(device)), config=config)
     return (f"Gluon: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['STAGES']} stages, "
             f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
-
-
-def _device(device) -> tuple:
-    props = torch.cuda.get_device_properties(torch.device(device))
-    return props.multi_processor_count, props.shared_memory_per_multiprocessor
 
 
 def launch(x, w, bias, w_scale, out, *, counters, pdl_args, config=None):
     M, K = x.shape
     N = w.shape[0]
-    p = plan(M, N, K, *_device(x.device), config=config)
+    p = plan(M, N, K, *sm_figures(x.device), config=config)
     bk = p["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, bk), p["SPLIT"]) * bk
     split = triton.cdiv(K, k_per_split)
