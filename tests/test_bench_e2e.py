@@ -75,12 +75,14 @@ def test_quantised_engine_cases_and_floor(single_thread):
     q = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)  # QKV, O, gate/up and down of 32 layers
     assert c.quantised_params() == q
     assert c.decode_weight_bytes(1, quantised=True) == c.decode_weight_bytes(1) - q
+    assert c.decode_weight_bytes(1, quantised=True, lm_head=True) == c.decode_weight_bytes(1) - q - 128256 * 4096
     model = "tiny-llama3:int8"
     with LLM("tiny-llama3", max_num_seqs=4, max_model_len=256, quantize="int8") as llm:
         out, skipped = [], []
         e2e._engine_cases(llm, model, get_preset("tiny-llama3"), [(model, 1, 20, 6)], _Ceil(), out, skipped)
     t = get_preset("tiny-llama3")
-    assert out[0]["weight_floor_ms"] == t.decode_weight_bytes(1, quantised=True) / 4e12 * 1e3
+    # --quantize took the (untied) LM head too
+    assert out[0]["weight_floor_ms"] == t.decode_weight_bytes(1, quantised=True, lm_head=True) / 4e12 * 1e3
     skipped = []
     e2e._hf(model, [(model, 1, 20, 6)], _Ceil(), [], skipped)
     assert skipped and "unquantised" in skipped[0]["reason"]

@@ -67,7 +67,7 @@ def test_a_row_note_carries_what_the_provider_describes(monkeypatch):
     from opmap.bench.base import BenchCase, Provider
 
     monkeypatch.setattr(timing, "num_sets", lambda *a, **k: 1)
-    monkeypatch.setattr(timing, "time_calls", lambda calls, **k: timing.Timing(2.0, "do_bench", len(calls), "timed eagerly"))
+    monkeypatch.setattr(timing, "time_calls", lambda calls, **k: timing.Timing(2.0, "events", len(calls), "timed eagerly"))
     case = BenchCase(op="x", case="n=1", flops=0.0, bytes=1e6, setup=lambda device: {}, providers=[
         Provider("ours", lambda inp: (lambda: None), describe=lambda: "BLOCK_K 128 (autotuned)"),
         Provider("peer", lambda inp: (lambda: None))])

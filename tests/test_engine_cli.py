@@ -135,8 +135,10 @@ def test_analyse_gpu_trace_and_diagnosis():
 
 
 def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
-    """The decode GEMM line's floor: bf16 weights at two bytes, fp8 weight-only projections at one
-    (presets.decode_weight_bytes), and the line says which weights the engine runs."""
+    """The decode GEMM line's floor: bf16 weights at two bytes, fp8 weight-only projections (and an
+    LM head quantised by --quantize) at one (ModelRunner.decode_weight_bytes), and the line says which
+    weights the engine runs."""
+    from opmap.engine.runner import ModelRunner
     from types import SimpleNamespace
 
     from opmap import hw
@@ -151,16 +153,17 @@ def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
     class R:
         use_graphs, graphs, buckets, graph_errors, graphs_off_reason = True, {1: 0}, [1], {}, None
         max_seqs, dtype = 1, torch.bfloat16
+        decode_weight_bytes = ModelRunner.decode_weight_bytes
 
     R.cfg = cfg
     lines = {}
     for q in (None, "fp8"):
         r = R()
-        r.weight_format = q
+        r.weight_format, r.lm_head_quantised = q, q is not None
         llm = SimpleNamespace(runner=r, scheduler=SimpleNamespace(running=[]))
         lines[q] = [x for x in P.diagnose(res, llm, {}) if x.startswith("decode: GEMM")][0]
     bf16_ms = cfg.decode_weight_bytes(1, 2) / 4e12 * 1e3
-    fp8_ms = cfg.decode_weight_bytes(1, 2, quantised=True) / 4e12 * 1e3
+    fp8_ms = cfg.decode_weight_bytes(1, 2, quantised=True, lm_head=True) / 4e12 * 1e3
     assert f"weight-read floor {bf16_ms:.3f} ms/step, {4.0 / bf16_ms:.2f}x)" in lines[None]
     assert f"weight-read floor {fp8_ms:.3f} ms/step, {4.0 / fp8_ms:.2f}x, fp8 weights)" in lines["fp8"]
     assert fp8_ms < 0.6 * bf16_ms and "weight-only kernel" in lines["fp8"]

@@ -18,8 +18,12 @@ def _dequantised_into_hf(hf, params, cfg):
     """Copy the engine's dequantised projections into the HF model (our fused rows split back)."""
     layers = hf.model.layers
     for name in [n[:-len(".scale")] for n in params if n.endswith(".scale")]:
-        i, what = name.split(".")
         w = params[name].float() * params[f"{name}.scale"][:, None]
+        if name == "lm_head":
+            with torch.no_grad():
+                hf.lm_head.weight.copy_(w)
+            continue
+        i, what = name.split(".")
         att, mlp = layers[int(i)].self_attn, layers[int(i)].mlp
         if what == "qkv":
             qd, kd = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
@@ -36,24 +40,24 @@ def _dequantised_into_hf(hf, params, cfg):
                 mod.weight.copy_(t)
 
 
-@pytest.mark.parametrize("name,fmt,want", [("tiny-llama3", "int8", {"qkv", "o", "gate_up", "down"}),
-                                           ("tiny-llama3", "fp8", {"qkv", "o", "gate_up", "down"}),
-                                           ("tiny-qwen3moe", "int8", {"qkv", "o"}),
-                                           ("tiny-deepseek", "fp8", {"o", "gate_up", "down"})])
+@pytest.mark.parametrize("name,fmt,want", [("tiny-llama3", "int8", {"qkv", "o", "gate_up", "down", "lm_head"}),
+                                           ("tiny-llama3", "fp8", {"qkv", "o", "gate_up", "down", "lm_head"}),
+                                           ("tiny-qwen3moe", "int8", {"qkv", "o", "lm_head"}),
+                                           ("tiny-deepseek", "fp8", {"o", "gate_up", "down", "lm_head"})])
 def test_quantised_engine_matches_hf_on_the_dequantised_weights(name, fmt, want, tmp_path, single_thread):
     cfg = PRESETS[name]
     hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
     llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4, quantize=fmt)
     P = llm.runner.model.params
     quantised = [n for n in P if n.endswith(".scale")]
-    assert {n.split(".")[1] for n in quantised} == want
+    assert {n[:-len(".scale")].split(".")[-1] for n in quantised} == want  # --quantize takes the LM head too
     dt = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[fmt]
     assert all(P[n[:-len(".scale")]].dtype == dt for n in quantised)
     # the selector was asked for that weight dtype, for those projections only
     for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]:
         for label, _, c in ops.choices:
             if c.op == "gemm":
-                q = label in ("QKV proj", "O proj", "gate/up proj", "down proj")
+                q = label in ("QKV proj", "O proj", "gate/up proj", "down proj", "LM head")
                 assert c.spec.weight_dtype == (fmt if q else "fp32"), (label, c.spec.weight_dtype)
     _dequantised_into_hf(hf, P, cfg)
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)

@@ -300,7 +300,7 @@ def test_run_case_plumbing(monkeypatch):
     def fake_time(fns, graph=False, warmup_ms=25, rep_ms=100):
         for f in fns:
             f()
-        return timing.Timing(10.0, "do_bench+graph" if graph else "do_bench", len(fns))
+        return timing.Timing(10.0, "events+graph" if graph else "events", len(fns))
 
     monkeypatch.setattr(timing, "time_calls", fake_time)
     monkeypatch.setattr(timing, "num_sets", lambda nbytes, max_sets=16: 3)
@@ -320,7 +320,7 @@ def test_run_case_plumbing(monkeypatch):
     assert len(made) == 3 and len(calls) == 3  # one callable per input set, each called
     assert [r["provider"] for r in recs] == ["p-ok"]
     r = recs[0]
-    assert r["median_us"] == 10.0 and r["method"] == "do_bench+graph" and r["input_sets"] == 3
+    assert r["median_us"] == 10.0 and r["method"] == "events+graph" and r["input_sets"] == 3
     assert r["tbps"] == pytest.approx(160 / 10e-6 / 1e12, rel=1e-3)
     assert r["frac_of_ceiling"] == pytest.approx(r["tbps"] / 4.0, rel=1e-3)
     reasons = {s["provider"]: s["reason"] for s in skipped}
@@ -337,7 +337,7 @@ def test_variant_rows_are_not_the_selectors_pick_and_print_whole(monkeypatch):
     from rich.console import Console
 
     monkeypatch.setattr(timing, "time_calls", lambda fns, graph=False, warmup_ms=25, rep_ms=100:
-                        timing.Timing(10.0, "do_bench", len(fns)))
+                        timing.Timing(10.0, "events", len(fns)))
     monkeypatch.setattr(timing, "num_sets", lambda nbytes, max_sets=16: 1)
     monkeypatch.setattr(bench_runner, "selected_backend", lambda case: "mla-triton")
     mk = lambda inp: (lambda: None)  # noqa: E731

@@ -104,18 +104,22 @@ class ModelConfig:
         16-token pages, decode steps the same), 16 otherwise."""
         return 64 if self.is_mla or arch == "sm90" else 16
 
-    def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0, quantised: bool = False) -> float:
+    def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0, quantised: bool = False,
+                            lm_head: bool = False) -> float:
         """Bytes of the weights one decode step of ``rows`` sequences reads: every dense weight and
         the LM head, not the embedding table (``rows`` rows of it; unless tied to the LM head), and
         of each MoE layer's routed experts the expected number of distinct ones that rows x top_k
         uniform picks hit, E (1 - (1 - k/E)^rows). ``quantised``: the projections of weight-only
-        quantisation (``quantised_params``) at one byte each."""
+        quantisation (``quantised_params``) at one byte each; ``lm_head``: the LM head too (``opmap
+        run --quantize`` quantises an LM head of its own)."""
         total = self.num_params() - (0 if self.tie_embeddings else self.vocab * self.hidden)
         if self.is_moe:
             E, k = self.num_experts, self.top_k
             unused = E - E * (1 - (1 - k / E) ** max(rows, 1))
             total -= (self.layers - self.first_dense_layers) * unused * 3 * self.hidden * self.moe_intermediate
         q = self.quantised_params() if quantised else 0
+        if quantised and lm_head and not self.tie_embeddings:
+            q += self.vocab * self.hidden
         return (total - q) * bytes_per_param + q * 1.0
 
     def quantised_params(self) -> int:

@@ -30,7 +30,7 @@ def test_time_calls_rotation_and_graph():
     calls = [lambda s=s: s[1].copy_(s[0]) for s in sets]
     eager = timing.time_calls(calls, graph=False, rep_ms=20)
     graph = timing.time_calls(calls, graph=True, rep_ms=20)
-    assert eager.method == "do_bench" and graph.method == "do_bench+graph" and graph.note == ""
+    assert eager.method == "events" and graph.method == "events+graph" and graph.note == ""
     assert eager.sets == graph.sets == 3
     assert 0 < eager.median_us < 1e6 and 0 < graph.median_us < 1e6
 

@@ -314,9 +314,7 @@ class LLM:
             if bar is not None:
                 bar.close()
         outs = [results[i] for i in range(len(prompts))]
-        elt = self.runner.dtype.itemsize
-        self.last_summary = summarize(outs, time.perf_counter() - t0, self.stats,
-                                      lambda rows: self.runner.cfg.decode_weight_bytes(rows, elt),
+        self.last_summary = summarize(outs, time.perf_counter() - t0, self.stats, self.runner.decode_weight_bytes,
                                       self.runner.model.kv_bytes_per_page(1))
         self.last_summary["gc"] = self._gc.since(gc0)
         return outs

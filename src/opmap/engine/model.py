@@ -123,13 +123,14 @@ class DecoderModel:
         return out
 
     @torch.no_grad()
-    def quantize_(self, fmt: str) -> list:
+    def quantize_(self, fmt: str, lm_head: bool = False) -> list:
         """Weight-only ``fmt`` ("fp8" e4m3 / "int8") with one scale per output channel, in place:
         each weight of ``quant_names`` becomes its quantised tensor, its scale ``<name>.scale``
-        (fp32). Returns the names quantised."""
+        (fp32); ``lm_head``: the LM head too where it is not the embedding table (a tied one is
+        read by the embedding lookup). Returns the names quantised."""
         from ..ops.gemm.quant import quantize_weight
 
-        names = self.quant_names()
+        names = self.quant_names() + (["lm_head"] if lm_head and "lm_head" in self.params else [])
         for n in names:
             wq, scale = quantize_weight(self.params[n], fmt)
             self.params[n] = wq
@@ -228,7 +229,8 @@ class DecoderModel:
     def head(self, ops, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given: the last residual add, the final norm and the LM head."""
         h = ops.add_rmsnorm(out, residual, self.params["norm"], self.cfg.rms_eps)
-        logits = ops.gemm["lm_head"](h, self.params.get("lm_head", self.params["embed"]))
+        logits = ops.gemm["lm_head"](h, self.params.get("lm_head", self.params["embed"]), None,
+                                     self.params.get("lm_head.scale"))
         return logits.float()
 
     def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:

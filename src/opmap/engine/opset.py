@@ -26,7 +26,7 @@ log = logging.getLogger("opmap.engine")
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
                  cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False,
-                 quant: Optional[str] = None, kv_dtype: Optional[str] = None):
+                 quant: Optional[str] = None, kv_dtype: Optional[str] = None, quant_lm_head: bool = False):
         self.phase, self.m, self.cuda_graph, self.trace = phase, m, cuda_graph, trace
         self.choices: list = []  # (label, entry, Choice)
         self._forced = forced or {}
@@ -123,7 +123,7 @@ class OpSet:
             self.act = self._pick("activation", "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul",
                                   S.ActivationSpec(kind=kind, hidden=cfg.intermediate, dtype=dtype, **base), kind)
         # Prefill computes logits for the sampled rows only; decode for every row.
-        self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h)
+        self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h, q=quant_lm_head)
 
     def _pick(self, op: str, label: str, spec, entry: str):
         return self._use(select(op, spec, backend=self._forced.get(op)), label, entry)

@@ -96,10 +96,13 @@ class ModelRunner:
             raise InputError("quantize", ecfg.quantize, f"None: the checkpoint's weights are {stored} already")
         # a quantised checkpoint's config.json alone (random weights): its format, as a load would give
         fmt = ecfg.quantize or (stored if source is None else None)
-        self.quantised = self.model.quantize_(fmt) if fmt else []
+        # --quantize takes an LM head of its own too; a checkpoint's format is what it stores
+        self.quantised = self.model.quantize_(fmt, lm_head=bool(ecfg.quantize)) if fmt else []
+        self.lm_head_quantised = "lm_head" in self.quantised
         if self.quantised:
-            log.info("weight-only %s: %d projection weights quantised per output channel (router, experts, "
-                     "embedding and LM head keep %s)", fmt, len(self.quantised), dtype_name(self.dtype))
+            log.info("weight-only %s: %d projection weights quantised per output channel%s (router, experts "
+                     "and embedding keep %s)", fmt, len(self.quantised),
+                     ", the LM head among them" if self.lm_head_quantised else "", dtype_name(self.dtype))
         deq = self.model.dequantised
         if deq and (cfg.extra.get("weight_quant") or {}).get("block"):
             log.warning("block-wise fp8 checkpoint: %d weights dequantised to %s at load (no kernel takes one scale "
@@ -119,7 +122,7 @@ class ModelRunner:
         dn, forced = dtype_name(self.dtype), ecfg.backends
         def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
             return OpSet(cfg, phase, self.arch, dn, self.page, graph, m, forced, ecfg.trace_ops, self.weight_format,
-                         ecfg.kv_cache_dtype)
+                         ecfg.kv_cache_dtype, self.lm_head_quantised)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned
@@ -298,6 +301,11 @@ class ModelRunner:
                     self.workspace.get(bucket) if decode else None, *longest)
 
     # ---- one step -------------------------------------------------------------------------------
+    def decode_weight_bytes(self, rows: float) -> float:
+        """Weight bytes one decode step of ``rows`` sequences reads, as this engine stores them."""
+        return self.cfg.decode_weight_bytes(rows, self.dtype.itemsize, quantised=bool(self.weight_format),
+                                            lm_head=self.lm_head_quantised)
+
     def bucket_for(self, b: int) -> int:
         for x in self.buckets:
             if x >= b:

@@ -153,7 +153,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
                        f"or the batch is too small to fill the GPU")
         if cat["GEMM"] / d["busy_us"] > 0.5:
             quant = llm.runner.weight_format  # --quantize or the checkpoint's own format
-            floor = _weight_floor_ms(llm, bool(quant))
+            floor = _weight_floor_ms(llm)
             per = cat["GEMM"] / d["steps"] / 1e3
             of = f", {per / floor:.2f}x" if floor else ""
             extra = (f" (weight-read floor {floor:.3f} ms/step{of}" + (f", {quant} weights" if quant else "") + ")"
@@ -190,14 +190,14 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
     return out
 
 
-def _weight_floor_ms(llm, quantised: bool = False):
+def _weight_floor_ms(llm):
     """Read time of one decode step's weights at the measured ceiling; quantised projections count
-    one byte a parameter (presets.decode_weight_bytes)."""
+    one byte a parameter (ModelRunner.decode_weight_bytes)."""
     from ..hw import ceilings
 
     c = ceilings(measure=False)
     r = llm.runner
-    wb = r.cfg.decode_weight_bytes(r.max_seqs, r.dtype.itemsize, quantised=quantised)
+    wb = r.decode_weight_bytes(r.max_seqs)
     return wb / (c.read_tbps * 1e12) * 1e3 if c else None
 
 

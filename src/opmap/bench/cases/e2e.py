@@ -130,8 +130,7 @@ def _run(llm, prompts, params) -> None:
 
 
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
-    q = bool(llm.runner.weight_format)  # --quantize or the checkpoint's own format
-    weight_bytes = lambda rows: cfg.decode_weight_bytes(rows, quantised=q)  # noqa: E731
+    weight_bytes = llm.runner.decode_weight_bytes  # as stored: --quantize or the checkpoint's format
     from opmap.ops.sampling.params import SamplingParams
 
     greedy = dict(temperature=0.0, ignore_eos=True)
