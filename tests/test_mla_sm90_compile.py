@@ -142,3 +142,39 @@ def test_prefill_builds_keep_copies_in_flight_at_three_stages():
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0 and r["wgmma"] >= 3, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
+
+
+GLUON_SCRIPT = r'''
+from opmap.ops.mla import decode_fp8 as F
+sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "c_ptr": "*fp8e4nv", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32",
+       "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+       "sm_scale": "fp32", "kv_scale": "fp32", "H": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32"}
+for n in ["s_qnb", "s_qnh", "s_qpb", "s_qph", "s_cp", "s_cr", "s_bt", "s_ob", "s_oh", "s_pob", "s_poh", "s_pos",
+          "s_plb", "s_plh"]:
+    sig[n] = "i32"
+ce = dict(NUM_SPLITS=4, PAGE=64, SCALE_FROM_PTR=True)
+sig.update({n: "constexpr" for n in ce})
+div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("s_")]
+k = compile_gluon_sm90(F._mla_fp8_kernel, sig, ce, {"num_warps": F.NUM_WARPS}, div)
+print("RESULT " + json.dumps({**usage(k), "loop": loop_ops(k)}))
+'''
+
+
+@needs_ptxas
+def test_gluon_fp8_decode_reads_each_tile_once_and_syncs_twice_a_tile():
+    """The Gluon fp8 MLA decode (decode_fp8.py) as built for sm90: no spills, two programs an SM by
+    shared memory (decode._per_sm), and its loop (two 64-key tiles) copies each 576-byte row in
+    16-byte async copies, reads the latent back in 16-byte shared loads straight into the MMA
+    fragments (no ldmatrix of the latent, no byte loads), converts every byte twice (score dot and
+    value dot) packed, and synchronises twice a tile (the copy, the partial scores)."""
+    r = run(GLUON_SCRIPT)
+    assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 255, r
+    assert 2 * r["shared"] <= 228 * 1024 < 3 * r["shared"], r
+    loop = r["loop"]
+    assert loop.get("LDGSTS.E.BYPASS.128") == 2 * 18, loop  # 64 x 576 bytes / 128 threads / 16
+    # the latent: 64 x 512 bytes x 2 reads / 128 threads / 16; q's fragments: 144 x 16 x 2 bytes a warp
+    assert loop.get("LDS.128") == 2 * (32 + 8), loop
+    assert not any(op.startswith(("LDS.U8", "STS.U8")) for op in loop), loop
+    assert loop.get("F2FP.F16.E4M3.UNPACK_B") == 2 * 64 * (576 + 512) // 128 // 2, loop
+    assert loop.get("BAR.SYNC.DEFER_BLOCKING") == 4, loop
+    assert loop.get("HMMA.16816.F32", 0) > 0, loop

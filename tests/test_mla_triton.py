@@ -309,13 +309,13 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
 
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     tma128, tma16 = D._tma_config(128), D._tma_config(16)
-    assert tma128 == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1) and D._per_sm(tma128) == 1
-    assert tma16 == dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1) and D._per_sm(tma16) == 2
+    assert tma128 == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1, GLUON=1) and D._per_sm(tma128) == 1
+    assert tma16 == dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1, GLUON=1) and D._per_sm(tma16) == 2
     assert D._per_sm(dict(tma16, num_stages=4)) == 1 and D._per_sm(dict(tma16, num_stages=2)) == 2
     assert D._per_sm(dict(tma16, BLOCK_N=64, num_stages=2)) == 1
-    assert D._pointer_config(128, 512, 64) == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0)
+    assert D._pointer_config(128, 512, 64) == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0, GLUON=1)
     assert D._pointer_config(128, 512, 16) == D._pointer_config(16, 512, 128) == dict(
-        BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=0)
+        BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=0, GLUON=1)
     assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
     assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
     assert D.plan_splits(64, 16, "cuda", 16, 4, D._per_sm(dict(tma16, BLOCK_N=64, num_stages=2))) == 2
@@ -469,3 +469,29 @@ def test_default_config_tma_or_pointer(h, monkeypatch):
             want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
         _check(got, want, torch.float16)
         assert bool(calls) == tma, (h, page, fp8, sparse)
+
+
+def test_fp8_gluon_kernel_takes_only_what_it_serves_and_plans_its_splits(monkeypatch):
+    """The Gluon fp8 decode (decode_fp8.py) serves dense decode of an fp8 cache at R = 512, Dr = 64
+    with 16-bit queries on a compiled sm89+ GPU: never interpreted, sparse, a 16-bit cache, other
+    dims or fp32 queries (those keep the Triton kernels). A workspace made for an fp8 cache plans
+    the Gluon kernel's 16-head programs, two an SM; GLUON=0 or a bf16 cache plans the config's."""
+    from opmap.ops.mla import decode as D
+    from opmap.ops.mla import decode_fp8 as G
+
+    monkeypatch.setattr(D, "_sm_count", lambda device: 132)  # the H200's, whatever the device
+    f8 = torch.float8_e4m3fn
+    qn, qp, cache = torch.empty(2, 16, 512), torch.empty(2, 16, 64), torch.empty(4, 64, 576).to(f8)
+    bf = dict(q_nope=qn.bfloat16(), q_pe=qp.bfloat16())
+    assert not G.usable(**bf, cache=cache, sparse=False, interpreted=True)
+    assert not G.usable(**bf, cache=cache, sparse=True, interpreted=False)
+    assert not G.usable(**bf, cache=cache.bfloat16(), sparse=False, interpreted=False)
+    assert not G.usable(qn, qp, cache, sparse=False, interpreted=False)  # fp32 queries
+    assert not G.usable(bf["q_nope"][..., :256], bf["q_pe"], cache[..., :320], sparse=False, interpreted=False)
+    assert not G.usable(**bf, cache=cache, sparse=False, interpreted=False)  # no CUDA device here
+    ws = D.make_workspace(64, 16, 512, "cpu", kv_dtype=f8)
+    assert ws.num_splits == 2 * 132 // 64  # 16-head programs, two an SM
+    ws128 = D.make_workspace(64, 128, 512, "cpu", kv_dtype=f8)
+    assert ws128.num_splits == max(1, 2 * 132 // (64 * 8))
+    assert D.make_workspace(64, 128, 512, "cpu").num_splits == 1  # bf16: the TMA kernel's 64-head blocks
+    assert D.make_workspace(64, 16, 512, "cpu", kv_dtype=f8, config=dict(GLUON=0)).num_splits == 4

@@ -72,9 +72,13 @@ TMA16 = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)
 TMA64 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1)
 
 
-@pytest.mark.parametrize("H,config", [(16, None), (128, None), (16, TMA16), (128, TMA64), (128, TMA16)])
+T16, T64 = dict(TMA16, GLUON=0), dict(TMA64, GLUON=0)  # the Triton kernels on fp8 caches
+
+
+@pytest.mark.parametrize("H,config", [(16, None), (128, None), (16, T16), (128, T64), (128, T16)])
 def test_decode_fp8_cosine(H, config):
-    """Both kernels on an fp8 cache (the TMA kernel's e4m3 tiles converted after the copy)."""
+    """The Gluon kernel (the default) and the Triton ones on an fp8 cache (the TMA kernel's e4m3
+    tiles converted after the copy)."""
     lens = [100, 2048, 5000]
     pc = _cache(lens, 64, 6, fp8=True)
     qn, qp = _q(3, H, _gen(3))
@@ -86,9 +90,10 @@ def test_decode_fp8_cosine(H, config):
     _agree(q8, want)
 
 
-@pytest.mark.parametrize("H,config", [(16, None), (128, None), (128, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0)),
-                                      (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2, TMA=0)),
-                                      (16, TMA16), (128, TMA64)])
+@pytest.mark.parametrize("H,config", [(16, None), (128, None),
+                                      (128, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0, GLUON=0)),
+                                      (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2, TMA=0, GLUON=0)),
+                                      (16, T16), (128, T64)])
 def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     """The fp8 cache's fp16 dots (tiles converted by cvt.rn.f16x2.e4m3x2) with bf16 queries up to
     1e6, far past fp16's range (the kernel divides q by a power of two): finite and the reference's
@@ -104,6 +109,92 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, config=config, **kw)
     assert torch.isfinite(got).all()
     _agree(got, want)
+
+
+def _gluon_calls(monkeypatch):
+    """Counts launches of the Gluon fp8 kernel (decode_fp8.launch), so a test knows it ran."""
+    from opmap.ops.mla import decode_fp8
+
+    n = [0]
+    real = decode_fp8.launch
+
+    def counted(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode_fp8, "launch", counted)
+    return n
+
+
+@pytest.mark.parametrize("H", [16, 20, 128])
+@pytest.mark.parametrize("page", [1, 16, 64])
+def test_decode_fp8_gluon_lengths_pages_and_nan_past_lengths(H, page, monkeypatch):
+    """The Gluon fp8 kernel against the fp32 reference at tile and page boundaries (63/64/65 keys,
+    page +- 1), empty and one-key sequences, a head count that is not a multiple of its 16-head
+    block, shuffled pages, NaN in every cache row past a length (never read), the scale as a
+    float and as a tensor, one split and many."""
+    n = _gluon_calls(monkeypatch)
+    lens = [0, 1, 63, 64, 65, page - 1 if page > 1 else 2, page + 1, 2 * page, 1000, 4096 + 3]
+    pc = _cache(lens, page, 40 + page + H, fp8=True)
+    with torch.no_grad():
+        for b, L in enumerate(lens):  # poison the slots past the length in the sequence's last page
+            for j in range(L, -(-L // page) * page):
+                pc.cache[pc.block_tables[b, j // page], j % page] = float("nan")
+    qn, qp = _q(len(lens), H, _gen(6))
+    for ks in (float(pc.kv_scale), pc.kv_scale):
+        want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=ks,
+                              return_lse=True)
+        for ws in (dec.make_workspace(len(lens), H, R, "cuda", num_splits=1),
+                   dec.make_workspace(len(lens), H, R, "cuda", num_splits=8, split_min=64)):
+            got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=ks,
+                                 return_lse=True, workspace=ws)
+            assert torch.isfinite(got[0]).all()
+            _agree(got[0], want[0], what=f"splits={ws.num_splits}")
+            assert_close(got[1], want[1], dtype=BF, what="lse")
+    assert n[0] == 4
+
+
+def test_decode_fp8_gluon_long_context_and_graph_replay(monkeypatch):
+    """B=1 at 32k keys (many splits, the merge) and a captured graph replayed after the lengths,
+    page tables, queries and the cache scale change."""
+    n = _gluon_calls(monkeypatch)
+    H = 16
+    pc = _cache([32768], 64, 9, fp8=True)
+    qn, qp = _q(1, H, _gen(7))
+    ws = dec.make_workspace(1, H, R, "cuda")
+    assert ws.num_splits > 1
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
+    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
+                         workspace=ws)
+    _agree(got, want)
+
+    B, page, maxp = 4, 64, 80
+    P = B * maxp + 4
+    g = _gen(8)
+    cache = (torch.randn(P, page, R + DR, generator=g, device="cuda") * 0.5).to(torch.float8_e4m3fn)
+    ks = torch.tensor([0.7], device="cuda")
+    qn, qp = _q(B, H, g)
+    seq_lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
+    ws = dec.make_workspace(B, H, R, "cuda")
+    run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, kv_scale=ks, workspace=ws)  # noqa: E731
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens, k in (([5, 64, 65, 700], 0.7), ([4096, 1, 0, 5000], 1.3), ([3000, 2999, 64, 128], 0.05)):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp))
+        qn.copy_(torch.randn(B, H, R, generator=g, device="cuda"))
+        ks.fill_(k)
+        graph.replay()
+        want = ref.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, kv_scale=ks)
+        _agree(out, want, what=f"replay lens={lens}")
+    assert n[0] >= 2
 
 
 def test_decode_cuda_graph_replay_after_replanning():

@@ -32,11 +32,10 @@ RIDGE = 181.0  # FLOP per byte where the H200's bf16 GEMM ceiling meets its read
 VARIANTS = {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_warps=8),
                  dict(BLOCK_H=64, num_warps=8, num_stages=2), dict(TMA=0, num_stages=2)],
             128: [dict(num_stages=2), dict(BLOCK_H=32, num_stages=2), dict(TMA=0, num_stages=1)]}
-FP8_VARIANTS = {16: [dict(num_warps=8), dict(BLOCK_N=16, num_stages=3),
-                     dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1),
-                     dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1)],
-                128: [dict(BLOCK_H=16, num_warps=4, num_stages=2, TMA=0), dict(BLOCK_H=64, num_warps=8, num_stages=1, TMA=0),
-                      dict(num_stages=2), dict(BLOCK_H=16, num_warps=4, num_stages=3)]}
+# fp8: the Triton kernels (GLUON=0) beside the Gluon default, at each head count's former default
+# (the pointer kernel at 16 heads, the TMA kernel at 128) and the other kernel
+FP8_VARIANTS = {16: [dict(GLUON=0), dict(GLUON=0, TMA=1)],
+                128: [dict(GLUON=0), dict(GLUON=0, BLOCK_H=64, num_warps=8, num_stages=1, TMA=0)]}
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
 
@@ -68,7 +67,8 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
 
 def _row(config: dict) -> str:
     """A config's bench row name: {"BLOCK_N": 64, "num_stages": 2} -> "opmap-triton[bn=64,s=2]"."""
-    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s", "TMA": "tma"}
+    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s", "TMA": "tma",
+             "GLUON": "gl"}
     return "opmap-triton[" + ",".join(f"{short[k]}={v}" for k, v in config.items()) + "]"
 
 
@@ -78,7 +78,7 @@ def _ours(entry, config=None, **ws_kw):
 
         B, H, _ = inp["qn"].shape
         cfg = dec.decode_config(inp["qn"], inp["qp"], inp["cache"], entry == "mla_sparse_decode", config)
-        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=cfg, **ws_kw)
+        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=cfg, kv_dtype=inp["cache"].dtype, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
         fn = getattr(dec, entry)
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,

@@ -26,7 +26,8 @@ from ...contract import expect
 from ..attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
 from ..attention.merge import _softmax_step, _split_sum
 from ..config import tile_config
-from . import decode_tma
+from ..attention.common import interpreted
+from . import decode_fp8, decode_tma
 from .common import _cache_scale, _split_range, scale_args
 from .validate import check_decode, check_sparse_indices
 
@@ -63,10 +64,13 @@ def plan_splits(batch: int, num_heads: int, device, block_h: int = 16, warps: in
     return max(1, min(128, per_sm * _sm_count(device) // progs))
 
 
-def _per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64) -> int:
+def _per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64, gluon: bool = False) -> int:
     """Programs per SM the split plan counts for a config: by warps for the pointer kernel; for the
     TMA kernel two 4-warp programs where their stages of bf16 tiles fit beside each other in the
-    H200's 228 KB of shared memory (32-token tiles at 2 or 3 stages), else one."""
+    H200's 228 KB of shared memory (32-token tiles at 2 or 3 stages), else one; two for the Gluon
+    fp8 kernel (``gluon``: 106 KB of shared memory a program)."""
+    if gluon:
+        return 2
     if cfg["TMA"]:
         stage = cfg["BLOCK_N"] * (rank + rope_dim) * 2
         return 2 if cfg["num_warps"] <= 4 and 2 * cfg["num_stages"] * stage <= 224 * 1024 else 1
@@ -74,11 +78,16 @@ def _per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64) -> int:
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *,
-                   num_splits: Optional[int] = None, split_min: int = 256, config: Optional[dict] = None) -> Workspace:
+                   num_splits: Optional[int] = None, split_min: int = 256, config: Optional[dict] = None,
+                   kv_dtype: Optional[torch.dtype] = None) -> Workspace:
     """``config``: the decode config the workspace is for (a dict as ``mla_decode`` takes; default:
-    the dense 16-bit default), which sets the split plan."""
+    the dense 16-bit default), which sets the split plan; ``kv_dtype``: the cache's dtype where it
+    is not q's (an fp8 cache at R = 512 runs the Gluon kernel, decode_fp8.py, planned for its
+    16-head programs)."""
     c = tile_config(_tma_config(num_heads), config)
-    s = num_splits or plan_splits(max_batch, num_heads, device, c["BLOCK_H"], c["num_warps"], _per_sm(c, rank))
+    gluon = bool(c["GLUON"]) and kv_dtype == torch.float8_e4m3fn and rank == decode_fp8.RANK
+    bh, warps = (decode_fp8.BLOCK_H, decode_fp8.NUM_WARPS) if gluon else (c["BLOCK_H"], c["num_warps"])
+    s = num_splits or plan_splits(max_batch, num_heads, device, bh, warps, _per_sm(c, rank, gluon=gluon))
     expect(s >= 1, "num_splits", s, ">= 1")
     expect(split_min >= 1, "split_min", split_min, ">= 1")
     return Workspace(torch.empty(max_batch, num_heads, s, rank, dtype=torch.float32, device=device),
@@ -91,8 +100,8 @@ def _tma_config(H: int) -> dict:
     flight during the dots. Fewer: 16-head blocks with the keys as the rows of the dots, 32-token
     tiles at three stages, two programs per SM (_per_sm). Figures: docs/mla.md, Decisions."""
     if H >= 64:
-        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1)
-    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1, GLUON=1)
+    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1, GLUON=1)
 
 
 def _pointer_config(H: int, R: int, B: int) -> dict:
@@ -100,10 +109,10 @@ def _pointer_config(H: int, R: int, B: int) -> dict:
     if H >= 64 and B >= 64:
         # Compute-bound (128 heads share each latent row): 64-head blocks read each KV tile for
         # twice as many heads; at B=16 they lose.
-        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0)
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0, GLUON=1)
     # 16 heads x 32 tokens x 512 keeps the fp32 accumulator at 64 registers per thread (4 warps);
     # larger head blocks re-read less KV from L2 but spill on R = 512.
-    return dict(BLOCK_H=16, BLOCK_N=32 if R >= 256 else 64, num_warps=4, num_stages=2, TMA=0)
+    return dict(BLOCK_H=16, BLOCK_N=32 if R >= 256 else 64, num_warps=4, num_stages=2, TMA=0, GLUON=1)
 
 
 def decode_config(q_nope, q_pe, cache, sparse: bool, override: Optional[dict] = None) -> dict:
@@ -271,7 +280,7 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
     lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
     if workspace is None:
-        workspace = make_workspace(B, H, R, q_nope.device, config=cfg)
+        workspace = make_workspace(B, H, R, q_nope.device, config=cfg, kv_dtype=cache.dtype)
     expect(workspace.max_batch >= B and workspace.part_o.shape[1] == H and workspace.part_o.shape[3] == R,
            "workspace", f"buffers {tuple(workspace.part_o.shape)}", f"at least ({B}, {H}, splits, {R})")
     expect(workspace.part_o.device == q_nope.device, "workspace", str(workspace.part_o.device),
@@ -289,7 +298,12 @@ def _launch(q_nope, q_pe, cache, seq_lens, block_tables, indices, scale, kv_scal
     po, pl = workspace.part_o, workspace.part_lse
     k_sparse = indices.shape[1] if sparse else 0
     grid = (triton.cdiv(H, bh), S, B)
-    if tma:
+    if cfg["GLUON"] and decode_fp8.usable(q_nope, q_pe, cache, sparse, interpreted(q_nope.device)):
+        # fp8 caches at DeepSeek's dims: each tile converted in registers from one shared-memory read
+        # (decode_fp8.py); GLUON=0 keeps the Triton kernels
+        decode_fp8.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, ks_value, from_ptr, scale, out, lse,
+                          po, pl, S, split_min)
+    elif tma:
         decode_tma.launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, (fp8, from_ptr, scale_ptr, ks_value),
                           dots["ASM"], out, lse, workspace, bh, bn, warps, stages)
     else:
