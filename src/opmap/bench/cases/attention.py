@@ -244,31 +244,36 @@ def _decode_case(B, L, fp8, quick):
                      spec=_spec("decode", HK, fp8, True))
 
 
-def _prefill_case(B, S, hk, quick=True, page=PAGE):
+def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False):
+    """``fp8``: the same prefill on an e4m3 cache (scales per KV head), ours only (the peers read
+    16-bit caches): the issue's bar is the bf16 row of the same shape."""
     pairs = B * S * (S + 1) / 2
-    nbytes = B * S * (HQ * 2 + hk * 2) * D * 2
+    nbytes = B * S * (HQ * 2 + hk * (1 if fp8 else 2)) * D * 2
     provs = [Provider("opmap-triton", _ours("prefill"), backend=("attention", "triton"))]
-    if not quick:
+    if not quick and not fp8:
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("prefill", config=c)) for c in VARIANTS["prefill"]]
     if page % 64 == 0:
         # The default reads these pages through TMA (ops/attention/prefill_tma.py, pages holding
         # whole 64-key tiles); the gather kernel beside it
         provs.append(Provider("opmap-triton[tma=0]", _ours("prefill", config=dict(TMA=0))))
+    if page % 64 == 0 and not fp8:
         # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
         # 64-row query blocks (two programs per SM)
         provs.append(Provider("opmap-triton[tma=1,s=2]", _ours("prefill", config=dict(TMA=1, num_stages=2))))
         provs.append(Provider("opmap-triton[tma=1,bm=64,w=4]",
                               _ours("prefill", config=dict(TMA=1, BLOCK_M=64, num_warps=4))))
-    provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
-    if hk != HQ:
-        provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
-                  if n != "torch-sdpa-flash"]
-    if page == PAGE:  # flex's block mask over 64-token pages adds nothing the page-16 rows lack
-        provs.append(Provider("torch-flex", _flex))
-    provs.append(Provider("flashinfer", _flashinfer("prefill"), available=_fi_available))
-    return BenchCase("attention.prefill", f"B={B},S={S},h={HQ}/{hk},d={D},page={page},causal,dtype=bf16",
-                     4.0 * HQ * D * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, HQ, False, dev, page=page),
-                     provs, bound="compute", spec=_spec("prefill", hk, False, False, page))
+    if not fp8:
+        provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
+        if hk != HQ:
+            provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
+                      if n != "torch-sdpa-flash"]
+        if page == PAGE:  # flex's block mask over 64-token pages adds nothing the page-16 rows lack
+            provs.append(Provider("torch-flex", _flex))
+        provs.append(Provider("flashinfer", _flashinfer("prefill"), available=_fi_available))
+    return BenchCase("attention.prefill",
+                     f"B={B},S={S},h={HQ}/{hk},d={D},page={page},causal,dtype={'fp8' if fp8 else 'bf16'}",
+                     4.0 * HQ * D * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, HQ, fp8, dev, page=page),
+                     provs, bound="compute", spec=_spec("prefill", hk, fp8, False, page))
 
 
 def _mixed_case():
@@ -380,6 +385,8 @@ def cases(quick: bool) -> list[BenchCase]:
     # Pages of 64 (TensorRT-LLM's default block, FlashMLA's page): the TMA prefill beside the gather
     # kernel and the peers
     out += [_prefill_case(1, 8192, HQ, quick, page=64), _prefill_case(4, 4096, HK, quick, page=64)]
+    # fp8 caches, beside the bf16 rows of the same shapes
+    out += [_prefill_case(4, 4096, HK, quick, page=p, fp8=True) for p in (PAGE, 64)]
     if not quick:
         # The engine's own prefill shapes (Llama-3-8B, one prompt: the e2e TTFT case is S=1024).
         # At S=512 with 32 heads the default tile took 200 us against 113 us for BLOCK_N=32 / 4
