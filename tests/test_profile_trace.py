@@ -42,6 +42,7 @@ from opmap.profile import analyze, symbols, trace
     ("_wo_kernel", "GEMM", "opmap"),
     ("_dequant_kernel", "GEMM", "opmap"),
     ("_fp8_decode_kernel", "attention", "opmap"),
+    ("_mla_fp8_kernel", "attention", "opmap"),
     ("apply_token_bitmask_inplace_kernel", "grammar", "XGrammar"),
     ("Memcpy HtoD (Pinned -> Device)", "memory copies", "CUDA"),
 ])

@@ -11,10 +11,10 @@ bytes its tensor-core fragments hold, converting them in registers.
   keys [16w, 16w + 16) of each tile with its own running max, sum and accumulator (a batched 3-D
   MMA layout, one batch per warp), so nothing crosses warps until the end, when the four states
   merge by their maxima.
-- **Scores as S = q K^T, the output as O^T = V^T P^T.** S [16 query heads (padded), 16 keys] has q
-  as its A operand; its accumulator's registers are, unchanged, P^T's B operand [keys, heads], so
-  the output accumulator is [head dim, 8 heads] (16 for groups above 8), a quarter of a [16 padded
-  heads, 128] one: 123 registers, four programs an SM.
+- **Scores as S^T = K q^T, the output as O^T = V^T P^T.** S^T [16 keys, 8 heads (16 above 8)] has
+  K as its A operand and q^T as its B operand; its accumulator moves (within each warp) into P^T's
+  B operand [keys, heads], so the output accumulator is [head dim, 8 heads], a quarter of a [16
+  padded heads, 128] one: 123 registers, four programs an SM.
 - **K is read in the MMA's order.** With ``k_width=16`` (the same for q), thread t of a quad holds
   head-dim elements 16t..16t+15 of a key: contiguous bytes, one 128-bit shared load a fragment. The
   dot's sum is over the same pairs in either order.
