@@ -253,3 +253,28 @@ def test_gluon_fp8_decode_only_where_it_serves():
     assert not F.usable(torch.zeros(2, 136, 128, dtype=torch.float16), kc, kc, interpreted=False)  # 17 per KV head
     strided = torch.zeros(4, 16, 8, 136, dtype=fp8)[..., :128]  # 136-byte rows: not 16-byte aligned
     assert not F.usable(q, strided, strided, interpreted=False)
+
+
+@pytest.mark.parametrize("case", [c for c in PREFILL if c[-1]], ids=[c[0] for c in PREFILL if c[-1]])
+def test_fp8_prefill_converted_once(case, monkeypatch):
+    """An fp8 prefill with many query rows a sequence converts the pages its block tables name once
+    (times the per-KV-head scales, into q's dtype) and runs the 16-bit kernel on them: the
+    reference's result, windows, caps and NaN past the lengths included. The row threshold is
+    lowered here so that the small cases take that path; the scratch cap and fp32 queries keep the
+    in-kernel conversion."""
+    _, seq, ql, page, hq, hk, d, dt, causal, win, cap, fp8 = case
+    monkeypatch.setattr(P, "CONVERT_MIN_ROWS", 1)
+    calls = []
+    real = P._converted
+    monkeypatch.setattr(P, "_converted", lambda *a: calls.append(a[0].shape) or real(*a))
+    pc = make_paged(seq, hk, d, page, dtype=dt, fp8=True, shared=True, poison=True)
+    q, cu = make_query(ql, hq, d, dtype=dt)
+    kw = dict(scale=d ** -0.5, causal=causal, window=win, soft_cap=cap, return_lse=True, **pc.kw)
+    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
+    assert len(calls) == 2  # K and V
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _check(out, lse, ref, ref_lse, dt, True)
+    assert not P._convert_once(q.float(), pc.k_cache, pc.v_cache, pc.block_tables, q.shape[0], False)
+    assert not P._convert_once(q, pc.k_cache, pc.v_cache, pc.block_tables, q.shape[0], True)  # mixed steps
+    monkeypatch.setattr(P, "CONVERT_MAX_BYTES", 1)
+    assert not P._convert_once(q, pc.k_cache, pc.v_cache, pc.block_tables, q.shape[0], False)

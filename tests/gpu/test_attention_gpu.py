@@ -82,6 +82,10 @@ PREFILL = [
     ("b2-d256-page32-window-cap", [700, 300], [700, 100], 32, 8, 2, 256, 128, 50.0, False),
     ("b2-d64-page1-mha", [100, 37], [100, 37], 1, 8, 8, 64, None, None, False),
     ("b1-fp8-chunk", [2048], [512], 16, 32, 8, 128, None, None, True),
+    # fp8 with many query rows a sequence: the pages converted once, then the 16-bit kernels (TMA at
+    # page 64); few rows keep the in-kernel conversion
+    ("b4-fp8-gqa-chunks-page64", [32768, 1000, 17, 0], [256, 1000, 1, 0], 64, 32, 8, 128, None, None, True),
+    ("b3-fp8-few-rows-window", [700, 300, 65], [5, 100, 1], 16, 32, 8, 128, 128, None, True),
 ]
 
 

@@ -39,10 +39,11 @@ def test_prefill_tma(case):
 
 
 @pytest.mark.parametrize("page,fp8,tma", [(64, False, True), (128, False, True), (16, False, False),
-                                          (64, True, False)])
+                                          (64, True, True), (16, True, False)])
 def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):
     """The default prefill runs the TMA kernel on pages holding whole 64-key tiles in bf16, the
-    gather kernel on page 16 and on fp8 caches; right either way."""
+    gather kernel on page 16; an fp8 cache with this many query rows a sequence is converted once
+    (prefill._convert_once) and then takes the same kernels; right either way."""
     from opmap.ops.attention import prefill_tma
 
     calls = []
