@@ -111,6 +111,20 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     _agree(got, want)
 
 
+def _captured(run):
+    """(graph, its output): ``run`` warmed up on a side stream (compiles outside the capture), then
+    captured."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 def _gluon_calls(monkeypatch):
     """Counts launches of the Gluon fp8 kernel (decode_fp8.launch), so a test knows it ran."""
     from opmap.ops.mla import decode_fp8
@@ -178,14 +192,7 @@ def test_decode_fp8_gluon_long_context_and_graph_replay(monkeypatch):
     tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
     ws = dec.make_workspace(B, H, R, "cuda")
     run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, kv_scale=ks, workspace=ws)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = _captured(run)
     for lens, k in (([5, 64, 65, 700], 0.7), ([4096, 1, 0, 5000], 1.3), ([3000, 2999, 64, 128], 0.05)):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         tables.copy_(torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp))
@@ -207,14 +214,7 @@ def test_decode_cuda_graph_replay_after_replanning():
     tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
     ws = dec.make_workspace(B, H, R, "cuda")
     run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, workspace=ws)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = _captured(run)
     for lens in ([5, 64, 65, 700], [4096, 1, 0, 5000], [3000, 2999, 64, 128]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
         tables.copy_(torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp))
