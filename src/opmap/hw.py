@@ -107,13 +107,17 @@ def _cache_file(info: DeviceInfo) -> Path:
     return cache_dir() / f"ceilings-{key}.json"
 
 
-def _median_ms(fn, reps: int = 20) -> float:
+def median_ms(fn, reps: int = 20, before=None) -> float:
+    """Median CUDA-event time of ``reps`` single calls of ``fn`` after three; ``before`` runs
+    (untimed) ahead of each timed call."""
     start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     for s, e in zip(start, end):
+        if before is not None:
+            before()
         s.record()
         fn()
         e.record()
@@ -132,12 +136,12 @@ def measure_ceilings() -> Ceilings:
     dev = torch.device("cuda")
     # Read: sum over 4 GiB of bf16, far past the L2.
     x = torch.randn(2 * 2**30, device=dev, dtype=torch.bfloat16)
-    t_read = _median_ms(lambda: torch.sum(x, dtype=torch.float32))
+    t_read = median_ms(lambda: torch.sum(x, dtype=torch.float32))
     read = x.numel() * x.element_size() / (t_read * 1e-3) / 1e12
     # Copy: 2 GiB -> 2 GiB, counting read + write.
     src = x[: 2**30]
     dst = torch.empty_like(src)
-    t_copy = _median_ms(lambda: dst.copy_(src))
+    t_copy = median_ms(lambda: dst.copy_(src))
     copy = 2 * src.numel() * src.element_size() / (t_copy * 1e-3) / 1e12
     del x, dst
     # bf16 GEMM 8192^3 on random data.
@@ -145,7 +149,7 @@ def measure_ceilings() -> Ceilings:
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     c = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
-    t_mm = _median_ms(lambda: torch.mm(a, b, out=c), reps=10)
+    t_mm = median_ms(lambda: torch.mm(a, b, out=c), reps=10)
     tflops = 2 * n**3 / (t_mm * 1e-3) / 1e12
     del a, b, c
     torch.cuda.empty_cache()

@@ -20,6 +20,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import hw
+
 MAX_SETS = 16
 L2_FACTOR = 3  # rotate through at least this many L2 sizes of input
 
@@ -33,9 +35,7 @@ class Timing:
 
 
 def l2_bytes() -> int:
-    from ..hw import detect
-
-    return detect().l2_bytes or 50 * 2**20
+    return hw.detect().l2_bytes or 50 * 2**20
 
 
 def num_sets(case_bytes: float, max_sets: int = MAX_SETS) -> int:
@@ -117,16 +117,8 @@ def _median_ms(fn: Callable[[], None], warmup_ms: float, rep_ms: float, max_reps
     for _ in range(max(1, int(warmup_ms / est))):
         fn()
     reps = max(5, min(max_reps, int(rep_ms / est)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        flush()  # also gives the host a lead: the timed call is queued before the flush ends
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return times[len(times) // 2]
+    # the flush also gives the host a lead: the timed call is queued before the flush ends
+    return hw.median_ms(fn, reps, before=flush)
 
 
 def time_calls(calls: list[Callable[[], object]], graph: bool = False, warmup_ms: float = 25,

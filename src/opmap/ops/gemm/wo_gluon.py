@@ -77,24 +77,17 @@ def _operand(w, xdt: gl.constexpr, W_INT8: gl.constexpr):
 
 
 @gluon.jit
-def _issue_w(w_buf, w_ptr, n0, k, N, k_end, s_wn, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-             COPY_W: gl.constexpr):
-    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, COPY_W))
-    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_W))
-    ok = (rn < N)[:, None] & (rk < k_end)[None, :]
-    cp.async_copy_global_to_shared(w_buf, w_ptr + gl.multiple_of(rn.to(gl.int64) * s_wn, 16)[:, None] + rk[None, :],
+def _issue(buf, ptr, r0, k, R, k_end, s_r, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, COPY: gl.constexpr,
+           ALIGN: gl.constexpr, COMMIT: gl.constexpr):
+    """Async copies of rows [r0, r0 + BLOCK_R) x columns [k, k + BLOCK_K) of a row-major operand
+    (its row stride a multiple of ALIGN elements) into ``buf``; COMMIT closes the copy group."""
+    rr = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, COPY))
+    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY))
+    ok = (rr < R)[:, None] & (rk < k_end)[None, :]
+    cp.async_copy_global_to_shared(buf, ptr + gl.multiple_of(rr.to(gl.int64) * s_r, ALIGN)[:, None] + rk[None, :],
                                    mask=ok)
-
-
-@gluon.jit
-def _issue_x(x_buf, x_ptr, m0, k, M, k_end, s_xm, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-             COPY_X: gl.constexpr):
-    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, COPY_X))
-    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY_X))
-    ok = (rm < M)[:, None] & (rk < k_end)[None, :]
-    cp.async_copy_global_to_shared(x_buf, x_ptr + gl.multiple_of(rm.to(gl.int64) * s_xm, 8)[:, None] + rk[None, :],
-                                   mask=ok)
-    cp.commit_group()
+    if COMMIT:
+        cp.commit_group()
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -126,10 +119,10 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm
     x_smem = gl.allocate_shared_memory(xdt, [STAGES, BLOCK_M, BLOCK_K], X_SMEM)
     # The weights do not depend on the previous kernel: their first copies overlap its tail.
     for i in gl.static_range(STAGES - 1):
-        _issue_w(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W)
+        _issue(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
     enter(PDL)
     for i in gl.static_range(STAGES - 1):
-        _issue_x(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X)
+        _issue(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     it = 0
@@ -138,8 +131,8 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm
         gl.thread_barrier()
         nxt = (it + STAGES - 1) % STAGES
         ka = k + (STAGES - 1) * BLOCK_K
-        _issue_w(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W)
-        _issue_x(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X)
+        _issue(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
+        _issue(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
         cur = it % STAGES
         wf = _operand(w_smem.index(cur).load(A_W), xdt, W_INT8)
         xf = x_smem.index(cur).permute((1, 0)).load(B_X)

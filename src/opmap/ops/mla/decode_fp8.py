@@ -76,8 +76,6 @@ QP_COPY = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 8], threads_per_w
                                         warps_per_cta=[NUM_WARPS, 1, 1], order=[2, 1, 0]))
 Q_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]))
 QP_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[2, 1, 0]))
-Q_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NUM_WARPS, 1],
-                                       order=[1, 0]))
 
 
 def usable(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, sparse: bool, interpreted: bool) -> bool:
@@ -109,29 +107,20 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, ks_value, fro
 
 
 @gluon.jit
-def _q_factor(qn_row, qp_row, h0, H, s_qnh, s_qph):
-    """The power of two that brings q's largest finite magnitude into fp16 (attention/fp8.f16_factor)."""
-    h = gl.arange(0, BH, layout=gl.SliceLayout(1, Q_ROWS))
-    d = gl.arange(0, 64, layout=gl.SliceLayout(0, Q_ROWS))
-    ok = ((h0 + h) < H)[:, None]
-    big = gl.zeros([BH, 64], gl.float32, Q_ROWS)
-    for c in gl.static_range(R_ // 64):
-        x = gl.load(qn_row + (h0 + h)[:, None] * s_qnh + c * 64 + d[None, :], mask=ok, other=0.0).to(gl.float32)
-        big = gl.maximum(big, gl.where(gl.abs(x) < float("inf"), gl.abs(x), 0.0))
-    x = gl.load(qp_row + (h0 + h)[:, None] * s_qph + d[None, :], mask=ok, other=0.0).to(gl.float32)
-    big = gl.max(gl.max(gl.maximum(big, gl.where(gl.abs(x) < float("inf"), gl.abs(x), 0.0)), 1), 0)
-    return gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(big, 1.0) / 32768.0)), 0.0))
-
-
-@gluon.jit
-def _q_store(q_row, h0, H, s_qh, qf, q_s, COLS: gl.constexpr, LAYOUT: gl.constexpr):
-    """q's columns as [warp's column group, heads, COLS] into ``q_s``, in fp16 after / qf."""
+def _q_load(q_row, h0, H, s_qh, COLS: gl.constexpr, LAYOUT: gl.constexpr):
+    """q's columns as [warp's column group, heads, COLS] in fp32 (0 for heads past H)."""
     w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, LAYOUT)))
     h = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(2, LAYOUT)))
     d = gl.arange(0, COLS, layout=gl.SliceLayout(0, gl.SliceLayout(1, LAYOUT)))
     ptr = q_row + (h0 + h)[None, :, None] * s_qh + (w * COLS)[:, None, None] + d[None, None, :]
-    q = gl.load(ptr, mask=((h0 + h) < H)[None, :, None], other=0.0)
-    q_s.store((q.to(gl.float32) / qf).to(gl.float16))
+    return gl.load(ptr, mask=((h0 + h) < H)[None, :, None], other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _finite_max(x):
+    """The largest finite magnitude of x (3-D)."""
+    a = gl.abs(x)
+    return gl.max(gl.max(gl.max(gl.where(a < float("inf"), a, 0.0), 2), 1), 0)
 
 
 @gluon.jit
@@ -253,11 +242,16 @@ def _mla_fp8_kernel(qn_ptr, qp_ptr, c_ptr, sl_ptr, bt_ptr, ks_ptr, o_ptr, lse_pt
     h0 = hb * BH
     qn_row = qn_ptr + b * s_qnb
     qp_row = qp_ptr + b * s_qpb
-    qf = _q_factor(qn_row, qp_row, h0, H, s_qnh, s_qph)
+    # q read once: its largest finite magnitude sets the power of two that brings it into fp16
+    # (attention/fp8.f16_factor), and it is stored divided by that factor, in fp16
+    qn = _q_load(qn_row, h0, H, s_qnh, GW, Q_COPY)
+    qp = _q_load(qp_row, h0, H, s_qph, RW, QP_COPY)
+    big = gl.maximum(_finite_max(qn), _finite_max(qp))
+    qf = gl.exp2(gl.maximum(gl.ceil(gl.log2(gl.maximum(big, 1.0) / 32768.0)), 0.0))
     qn_s = gl.allocate_shared_memory(gl.float16, [NW, BH, GW], Q_SMEM)  # [column group, head, column]
     qp_s = gl.allocate_shared_memory(gl.float16, [NW, BH, RW], QP_SMEM)
-    _q_store(qn_row, h0, H, s_qnh, qf, qn_s, GW, Q_COPY)
-    _q_store(qp_row, h0, H, s_qph, qf, qp_s, RW, QP_COPY)
+    qn_s.store((qn / qf).to(gl.float16))
+    qp_s.store((qp / qf).to(gl.float16))
     if SCALE_FROM_PTR:
         ks = gl.load(ks_ptr)
     else:
