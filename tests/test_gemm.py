@@ -308,7 +308,9 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     from opmap.ops.gemm import wo_gluon as W
 
     def p(M, N, K, cfg=None):
-        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
+        d = W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
+        assert d.pop("WGMMA") is False
+        return d
 
     assert p(1, 28672, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=2, SPLIT=1)  # 448 programs
     assert p(1, 6144, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=3, SPLIT=4)  # 384 fit 3 an SM
@@ -323,12 +325,30 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
             W.config_of(bad)
 
 
+def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads():
+    """At 32 < M <= 64 on sm90 (wgmma=True) the plan is the warpgroup-MMA kernel's: 64-row x tiles,
+    64 output channels (one warpgroup) and about four programs an SM, 128 channels on N >= 65536;
+    below M = 33 the mma.sync plan stands; config= fixes BLOCK_N."""
+    from opmap.ops.gemm import wo_gluon as W
+
+    def p(M, N, K, cfg=None):
+        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg), wgmma=True)
+
+    assert p(64, 6144, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=5, WGMMA=True)
+    assert p(33, 4096, 14336) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=8, WGMMA=True)
+    assert p(64, 24576, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1, WGMMA=True)
+    assert p(64, 128256, 4096) == dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3, SPLIT=1, WGMMA=True)
+    assert p(64, 28672, 4096, {"BLOCK_N": 128})["BLOCK_N"] == 128
+    assert p(64, 28672, 4096, {"STAGES": 3})["STAGES"] == 3
+    assert p(32, 28672, 4096)["WGMMA"] is False  # mma.sync up to MAX_M
+
+
 def test_weight_only_gluon_kernel_not_on_the_interpreter_or_unaligned_rows():
     from opmap.ops.gemm import wo_gluon as W
 
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     w = torch.zeros(8, 64, dtype=torch.int8)
     assert not W.usable(x, w, interpreted=True)
-    assert not W.usable(torch.randn(33, 64, dtype=torch.bfloat16), w, interpreted=False)  # M > MAX_M
+    assert not W.usable(torch.randn(65, 64, dtype=torch.bfloat16), w, interpreted=False)  # M > WGMMA_MAX_M
     assert not W.usable(x[:, :40], w[:, :40], interpreted=False)  # K not a multiple of 16
     assert not W.usable(x.float(), w, interpreted=False)

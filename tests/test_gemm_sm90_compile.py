@@ -105,3 +105,41 @@ def test_weight_only_gluon_kernel_reads_fragments_from_shared_memory_in_16_bytes
             assert loop.get("F2FP.F16.E4M3.UNPACK_B", 0) > 0, (name, loop)
         else:
             assert loop.get("PRMT", 0) > 0, (name, loop)
+
+
+WGMMA_SCRIPT = r'''
+from opmap.ops.gemm import wo_wgmma as V
+res = {}
+for name, wdt, xdt, bn, st, split in [("fp8-bf16-bn64", "fp8e4nv", "bf16", 64, 4, 1),
+                                      ("fp8-fp16-bn128", "fp8e4nv", "fp16", 128, 3, 1),
+                                      ("int8-bf16-bn64-split", "i8", "bf16", 64, 2, 4)]:
+    sig = {"x_ptr": f"*{xdt}", "w_ptr": f"*{wdt}", "s_ptr": "*fp32", "b_ptr": f"*{xdt}", "o_ptr": f"*{xdt}",
+           "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "s_xm": "i32", "s_wn": "i32",
+           "s_om": "i32", "K_PER_SPLIT": "i32"}
+    ce = dict(W_INT8=wdt == "i8", HAS_SCALE=True, HAS_BIAS=True, SPLIT=split, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128,
+              STAGES=st, PDL=True)
+    sig.update({k: "constexpr" for k in ce})
+    div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("s_") or n in ("N", "K", "K_PER_SPLIT")]
+    k = compile_gluon_sm90(V._wo_wgmma_kernel, sig, ce, {"num_warps": bn // 16}, div)
+    res[name] = {**usage(k), "loop": loop_ops(k)}
+print("RESULT " + json.dumps(res))
+'''
+
+
+@needs_ptxas
+def test_weight_only_wgmma_kernel_converts_pairs_in_registers_for_one_warpgroup_mma_a_tile():
+    """The weight-only warpgroup-MMA GEMM (wo_wgmma.py) as built for sm90: no spills; its K loop
+    copies in 16-byte async copies, reads the A fragment as 16-bit pairs (the 16-bit A register
+    layout) with no byte repacking (no PRMT on the fp8 path: pair conversions), stores nothing to
+    shared memory, and issues its BLOCK_K / 16 MMAs as one group: one arrive, one wait (ptxas did
+    not serialize them)."""
+    res = run(WGMMA_SCRIPT)
+    for name, r in res.items():
+        loop = r["loop"]
+        assert r["stack"] == 0 and r["local"] == 0 and r["reg"] <= 168, (name, r)
+        assert loop.get("LDGSTS.E.BYPASS.128", 0) > 0 and loop.get("LDS.U16", 0) > 0, (name, loop)
+        assert not any(op.startswith(("STS", "LDS.U8", "I2F")) for op in loop), (name, loop)
+        assert sum(v for op, v in loop.items() if op.startswith("HGMMA")) == 8, (name, loop)  # 128 / 16
+        assert loop.get("WARPGROUP.ARRIVE") == 1 and loop.get("WARPGROUP.DEPBAR.LE") == 1, (name, loop)
+        if name.startswith("fp8"):
+            assert loop.get("F2FP.F16.E4M3.UNPACK_B", 0) > 0 and "PRMT" not in loop, (name, loop)

@@ -32,7 +32,7 @@ def _pdl_kernels():
     return out
 
 
-# Gluon kernels load through async copies, issued by their _issue* helpers: counted as loads
+# Gluon kernels load through async copies, issued by their issue / _issue* helpers: counted as loads
 ASYNC_LOADS = {"async_copy_global_to_shared"}
 
 
@@ -42,7 +42,7 @@ def _calls(node):
         if isinstance(n, ast.Call):
             f = n.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
-            names.add("load" if name in ASYNC_LOADS or name.startswith("_issue") else name)
+            names.add("load" if name in ASYNC_LOADS or name == "issue" or name.startswith("_issue") else name)
     return names
 
 
@@ -79,6 +79,8 @@ LOADS_BEFORE_WAIT = {
     "opmap.ops.attention.decode._combine_kernel":
         "seq_lens / cu_seqlens for the split plan; launched only right after _decode_kernel, which reads them",
     "opmap.ops.gemm.wo_gluon._wo_kernel":
+        "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
+    "opmap.ops.gemm.wo_wgmma._wo_wgmma_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
 }
 

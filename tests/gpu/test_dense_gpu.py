@@ -12,6 +12,7 @@ from opmap.ops.activation import triton_act
 from opmap.ops.gemm import quality, quant, wo_gluon
 from opmap.ops.gemm import reference as gemm_ref
 from opmap.ops.gemm import triton_gemm
+from opmap.ops.gluon_util import hopper, sm_figures
 from opmap.ops.norm import reference as norm_ref
 from opmap.ops.norm import triton_norm
 from opmap.ops.rope import reference as rope_ref
@@ -155,15 +156,19 @@ def test_linear_bf16(M, N, K, fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 100, 4112), (5, 4097, 4096), (16, 6144, 4096), (32, 1000, 2048),
-                                   (32, 28672, 4096), (8, 32001, 1040)])
+                                   (32, 28672, 4096), (8, 32001, 1040),
+                                   # the warpgroup-MMA kernel (wo_wgmma.py) on sm90
+                                   (33, 200, 160), (48, 4097, 4096), (64, 6144, 4096), (64, 129, 4112),
+                                   (57, 28672, 4096), (64, 32001, 1040)])
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dt", [BF16, torch.float16], ids=["bf16", "fp16"])
 def test_weight_only_gluon_kernel(M, N, K, fmt, dt):
-    """The weight-only Gluon kernel (wo_gluon.py, the default at M <= 64 on sm89+) at odd N and K
-    tails (K a multiple of 16, not of the tile), with bias, in bf16 and fp16 activations: the
-    reference's result, the Triton kernel's (GLUON=0) within rounding, the quality gate against
-    the unquantised weight; every tuning the benchmark's variant rows time gives the same."""
-    from opmap.bench.cases.gemm import WO_VARIANTS
+    """The weight-only Gluon kernels (wo_gluon.py at M <= 32 on sm89+, wo_wgmma.py above it on
+    sm90) at odd N and K tails (K a multiple of 16, not of the tile) and odd M, with bias, in bf16
+    and fp16 activations: the reference's result, the Triton kernel's (GLUON=0) within rounding,
+    the quality gate against the unquantised weight; every tuning the benchmark's variant rows
+    time gives the same."""
+    from opmap.bench.cases.gemm import WGMMA_VARIANTS, WO_VARIANTS
     from opmap.ops.gemm import wo_gluon
 
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True, seed=M + N)
@@ -176,21 +181,26 @@ def test_weight_only_gluon_kernel(M, N, K, fmt, dt):
         assert_close(out, triton_gemm.linear(x, w, b, s, config={"GLUON": 0}), scale=0.5)
     exp = x.float() @ w_orig.float().t() + b.float()
     assert cosine(out, exp) >= {"fp8": 0.999, "int8": 0.998}[fmt]
-    for cfg in WO_VARIANTS[1:]:
+    wgmma = M > wo_gluon.MAX_M
+    assert wo_gluon.plan(M, N, K, *sm_figures(x.device), wgmma=hopper(x.device))["WGMMA"] == wgmma
+    for cfg in (WGMMA_VARIANTS if wgmma else WO_VARIANTS)[1:]:
         assert_close(triton_gemm.linear(x, w, b, s, config=cfg), ref, what=str(cfg))
 
 
 def test_weight_only_gluon_every_e4m3_and_int8_value():
     """Each e4m3 code (but NaN) and each int8 value reaches the dots exactly: w [4, 64] holds them
-    all, x is the identity, so out^T = w."""
+    all, x is the identity, so out^T = w (x of 64 rows: the warpgroup-MMA kernel; of 32 rows, the
+    first 32 columns: the mma.sync one)."""
     codes = torch.arange(256, device=DEV, dtype=torch.int32)
     codes = torch.nn.functional.pad(codes[(codes & 0x7F) != 0x7F], (0, 2)).to(torch.uint8)  # 254 codes, 2 zeros
     w8 = codes.view(torch.float8_e4m3fn).reshape(4, 64).contiguous()
     wi = torch.arange(-128, 128, device=DEV, dtype=torch.int32).to(torch.int8).reshape(4, 64).contiguous()
     for w in (w8, wi):
         for dt in (BF16, torch.float16):
-            got = triton_gemm.linear(torch.eye(64, device=DEV, dtype=dt), w, None, torch.ones(4, device=DEV))
-            assert torch.equal(got.t().float(), w.float()), (w.dtype, dt)
+            for rows in (64, 32):
+                eye = torch.eye(64, device=DEV, dtype=dt)[:rows]
+                got = triton_gemm.linear(eye, w, None, torch.ones(4, device=DEV))
+                assert torch.equal(got.t().float(), w[:, :rows].float()), (w.dtype, dt, rows)
 
 
 @pytest.mark.parametrize("M,N,K", [(1024, 28672, 4096), (256, 4096, 14336), (129, 32001, 4095)])

@@ -16,6 +16,12 @@ def sm89_or_newer(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` runs warpgroup MMAs (wgmma: sm90 only; Blackwell has tcgen05 instead)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
 def sm_figures(device: torch.device) -> tuple:
     """(SMs, shared memory an SM in bytes) of a CUDA device."""
     props = torch.cuda.get_device_properties(device)

@@ -338,14 +338,14 @@ def rules(res: dict, trace: Trace) -> list:
     return out
 
 
-# opmap's weight-only GEMM (_wo_kernel) and its prefill pass that dequantises a weight for a bf16
+# opmap's weight-only GEMMs (_wo_kernel, _wo_wgmma_kernel) and its prefill pass that dequantises a weight for a bf16
 # GEMM (_dequant_kernel) carry no dtype in their symbols
 _DEQUANT = re.compile(r"(?i)dequant")
 
 
 @functools.lru_cache(maxsize=65536)
 def _quant_symbol(name: str) -> bool:
-    return re.search(r"(?i)e4m3|fp8|float8|int8|dequant|^_wo_kernel$", name) is not None
+    return re.search(r"(?i)e4m3|fp8|float8|int8|dequant|^_wo(_wgmma)?_kernel$", name) is not None
 
 
 def _libs(p: dict, cat: str) -> str:

@@ -79,9 +79,11 @@ def _dequant_cublas(inp):
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
-# Tunings of the weight-only Gluon kernel (ops/gemm/wo_gluon.py) timed with --variants beside its
-# defaults, and GLUON=0: the Triton kernel it replaces at M <= 64.
+# Tunings of the weight-only Gluon kernels (ops/gemm/wo_gluon.py at M <= 32, wo_wgmma.py at
+# 32 < M <= 64 on sm90) timed with --variants beside their defaults, and GLUON=0: the Triton kernel
+# they replace at M <= 64.
 WO_VARIANTS = [dict(GLUON=0), dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
+WGMMA_VARIANTS = [dict(GLUON=0), dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"GLUON": "gl", "BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
 
 
@@ -131,8 +133,9 @@ def cases(quick: bool) -> list[BenchCase]:
                                       describe=_described(M, N, K, True)),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
-                    if M <= 32:  # wo_gluon.MAX_M
-                        provs += [Provider(f"opmap-triton[{_tag(c)}]", _config_row(c)) for c in WO_VARIANTS]
+                    if M <= 64:  # wo_gluon.MAX_M, WGMMA_MAX_M
+                        provs += [Provider(f"opmap-triton[{_tag(c)}]", _config_row(c))
+                                  for c in (WO_VARIANTS if M <= 32 else WGMMA_VARIANTS)]
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

@@ -72,8 +72,9 @@ registry.register(Backend(
     checks=[_SAME_ACT],
     available=registry.triton_available,
     notes="weight-only fp8/int8: the weight tile is converted in registers, the per-channel "
-          "scale applied in the epilogue; no dequantised copy (at M <= 32 on sm89+ the Gluon kernel "
-          "_wo_kernel, else the Triton kernel _gemm_kernel)",
+          "scale applied in the epilogue; no dequantised copy (Gluon kernels: _wo_kernel on mma.sync "
+          "at M <= 32 on sm89+, _wo_wgmma_kernel on warpgroup MMAs at 32 < M <= 64 on sm90; else the "
+          "Triton kernel _gemm_kernel)",
 ))
 
 registry.register(Backend(

@@ -1,4 +1,4 @@
-"""Weight-only fp8 / int8 linear at decode sizes (M <= 64), in Gluon, for sm89+ GPUs.
+"""Weight-only fp8 / int8 linear at decode sizes (M <= 32 on sm89+, M <= 64 on sm90), in Gluon.
 
 ``linear(x[M, K], w[N, K] fp8-e4m3 or int8, bias, w_scale[N]) -> [M, N]`` in x.dtype, as
 ``triton_gemm.linear``. At M <= 64 the weight is the traffic, so the kernel is built to keep
@@ -17,6 +17,9 @@ weight bytes in flight and to touch each byte as few times as it can:
   previous kernel), so they overlap its tail; x is copied after it.
 - Split K when the N tiles leave SMs idle; the last program of a tile (a counter) sums the
   partials in split order (deterministic) and runs the epilogue, as ``triton_gemm`` does.
+
+At 32 < M <= 64 on sm90 the tokens are too many for mma.sync; wo_wgmma.py's kernel runs instead
+(warpgroup MMAs, the same pipeline). This module plans and launches both.
 """
 from __future__ import annotations
 
@@ -28,14 +31,17 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ...contract import expect
-from ..gluon_util import e4m3_to_f16, enter, sm89_or_newer, sm_figures
+from ..gluon_util import enter, hopper, sm89_or_newer, sm_figures
+from .wo_common import finish, issue, operand
+from .wo_wgmma import _wo_wgmma_kernel
 
 NUM_WARPS = 4
 NW = gl.constexpr(NUM_WARPS)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, interpreted: bool) -> bool:
-    """fp8 / int8 weights, bf16 / fp16 activations, M <= MAX_M, rows 16-byte aligned, sm89+."""
+    """fp8 / int8 weights, bf16 / fp16 activations, M <= MAX_M (WGMMA_MAX_M on sm90), rows 16-byte
+    aligned, sm89+."""
     if w.dtype not in (torch.float8_e4m3fn, torch.int8) or x.dtype not in (torch.bfloat16, torch.float16):
         return False
     M, K = x.shape
@@ -46,48 +52,9 @@ def usable(x: torch.Tensor, w: torch.Tensor, interpreted: bool) -> bool:
 
 def takes(M: int, device: torch.device, interpreted: bool) -> bool:
     """Whether a weight-only call of M rows on ``device`` runs here (its tensors permitting)."""
-    return not interpreted and M <= MAX_M and sm89_or_newer(device)
-
-
-@gluon.jit
-def _i8_to_f32(x):
-    """int8 -> fp32, exact: each byte (offset by 128) under 2^23's exponent, minus 2^23 + 128."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .b32 t, a0, a1, a2, a3;\n"
-        "xor.b32 t, $4, 0x80808080;\n"
-        "prmt.b32 a0, t, 0x4B000000, 0x7540;\n"
-        "prmt.b32 a1, t, 0x4B000000, 0x7541;\n"
-        "prmt.b32 a2, t, 0x4B000000, 0x7542;\n"
-        "prmt.b32 a3, t, 0x4B000000, 0x7543;\n"
-        "sub.f32 $0, a0, 0f4B000080;\n"
-        "sub.f32 $1, a1, 0f4B000080;\n"
-        "sub.f32 $2, a2, 0f4B000080;\n"
-        "sub.f32 $3, a3, 0f4B000080; }",
-        "=r,=r,=r,=r,r", [x], dtype=gl.float32, is_pure=True, pack=4)
-
-
-@gluon.jit
-def _operand(w, xdt: gl.constexpr, W_INT8: gl.constexpr):
-    """A weight fragment in x's dtype, exactly."""
-    if W_INT8:
-        return _i8_to_f32(w).to(xdt)
-    if xdt == gl.float16:
-        return e4m3_to_f16(w)
-    return e4m3_to_f16(w).to(gl.float32).to(xdt)
-
-
-@gluon.jit
-def _issue(buf, ptr, r0, k, R, k_end, s_r, BLOCK_R: gl.constexpr, BLOCK_K: gl.constexpr, COPY: gl.constexpr,
-           ALIGN: gl.constexpr, COMMIT: gl.constexpr):
-    """Async copies of rows [r0, r0 + BLOCK_R) x columns [k, k + BLOCK_K) of a row-major operand
-    (its row stride a multiple of ALIGN elements) into ``buf``; COMMIT closes the copy group."""
-    rr = r0 + gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, COPY))
-    rk = k + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, COPY))
-    ok = (rr < R)[:, None] & (rk < k_end)[None, :]
-    cp.async_copy_global_to_shared(buf, ptr + gl.multiple_of(rr.to(gl.int64) * s_r, ALIGN)[:, None] + rk[None, :],
-                                   mask=ok)
-    if COMMIT:
-        cp.commit_group()
+    if interpreted or not sm89_or_newer(device):
+        return False
+    return M <= MAX_M or (M <= WGMMA_MAX_M and hopper(device))
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -119,10 +86,10 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm
     x_smem = gl.allocate_shared_memory(xdt, [STAGES, BLOCK_M, BLOCK_K], X_SMEM)
     # The weights do not depend on the previous kernel: their first copies overlap its tail.
     for i in gl.static_range(STAGES - 1):
-        _issue(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
+        issue(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
     enter(PDL)
     for i in gl.static_range(STAGES - 1):
-        _issue(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
+        issue(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     it = 0
@@ -131,50 +98,30 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm
         gl.thread_barrier()
         nxt = (it + STAGES - 1) % STAGES
         ka = k + (STAGES - 1) * BLOCK_K
-        _issue(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
-        _issue(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
+        issue(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
+        issue(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
         cur = it % STAGES
-        wf = _operand(w_smem.index(cur).load(A_W), xdt, W_INT8)
+        wf = operand(w_smem.index(cur).load(A_W), xdt, W_INT8)
         xf = x_smem.index(cur).permute((1, 0)).load(B_X)
         acc = mma_v2(wf, xf, acc)
         it += 1
     cp.wait_group(0)
 
-    rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    rm = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, MMA))
-    n_ok = rn < N
-    mask = n_ok[:, None] & (rm < M)[None, :]
-    if SPLIT == 1:
-        _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE, HAS_BIAS)
-    else:
-        # partials [SPLIT, M, N] fp32; the tile's last program sums them in split order
-        part = ws_ptr + rm[None, :].to(gl.int64) * N + rn[:, None]
-        mn = M.to(gl.int64) * N
-        gl.store(part + pid_k * mn, acc, mask=mask)
-        gl.thread_barrier()  # every thread's partial is written before the counter moves
-        tile = cnt_ptr + pid_m * gl.num_programs(0) + pid_n
-        if gl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-            for s in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
-                acc += gl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE, HAS_BIAS)
-            gl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+    finish(acc, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, s_om, n0, m0, pid_n, pid_m, pid_k, HAS_SCALE, HAS_BIAS,
+           SPLIT, BLOCK_N, BLOCK_M, MMA)
 
 
-@gluon.jit
-def _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr):
-    if HAS_SCALE:
-        acc = acc * gl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc = acc + gl.load(b_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[:, None]
-    gl.store(o_ptr + rm[None, :].to(gl.int64) * s_om + rn[:, None], acc.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-MAX_M = 32  # at M = 64 the Triton kernel was faster (each warp re-reads a 64-row x tile from shared memory)
+MAX_M = 32  # mma.sync; above it each warp re-reads a 64-row x tile from shared memory
+WGMMA_MAX_M = 64
 DEFAULTS = {"BLOCK_N": 64, "per_sm": 4}
+# wgmma: one warpgroup of 64 output channels a program, four programs an SM; two warpgroups (128
+# channels, two programs an SM) on the LM heads, whose many waves favour the longer tiles
+# (H200, M=64: docs/dense.md, Decisions).
+WGMMA_LONG_N = 65536
 # (BLOCK_K, STAGES) in order of preference: the deepest pipeline whose programs all fit on the GPU
 # at once (one wave), else the first (many waves: the LM heads).
 SHAPES = ((256, 3), (256, 2), (128, 3), (128, 2))
+WGMMA_SHAPES = {64: ((128, 4), (128, 3), (128, 2)), 128: ((128, 3), (128, 2))}
 
 
 def config_of(config) -> dict | None:
@@ -184,26 +131,34 @@ def config_of(config) -> dict | None:
 
     if config is None:
         return {}  # plan()'s defaults: no checks on the path of every call
-    cfg = tile_config({**DEFAULTS, "BLOCK_K": 0, "STAGES": 0, "GLUON": 1}, config)
+    cfg = tile_config({"BLOCK_N": 0, "per_sm": 0, "BLOCK_K": 0, "STAGES": 0, "GLUON": 1}, config)
     if not cfg.pop("GLUON"):
         return None
     expect(cfg["STAGES"] in (0, 2, 3, 4), "config", f"STAGES={cfg['STAGES']}", "2, 3 or 4")
     expect(cfg["BLOCK_K"] in (0, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}", "64, 128 or 256")
-    expect(cfg["BLOCK_N"] in (64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "64 or 128")
-    return {k: v for k, v in cfg.items() if v or k not in ("BLOCK_K", "STAGES")}
+    expect(cfg["BLOCK_N"] in (0, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "64 or 128")
+    expect(cfg["per_sm"] >= 0, "config", f"per_sm={cfg['per_sm']}", ">= 1")
+    return {k: v for k, v in cfg.items() if v}
 
 
-def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config=None) -> dict:
+def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config=None,
+         wgmma: bool = False) -> dict:
     """Tiles, stages and K splits of a call. The weight tile is BLOCK_N x BLOCK_K bytes (x's,
     BLOCK_M x BLOCK_K elements, rides in the same stage); K is split until the programs number
     about ``per_sm`` an SM, each split keeping >= 4 tiles of K. BLOCK_K and STAGES: the first of
     SHAPES whose programs fit on the GPU in one wave (measured on the H200: a second wave of a few
-    programs cost more than a shallower pipeline, docs/dense.md), unless ``config`` fixes them."""
-    bm = max(8, triton.next_power_of_2(M))
-    cfg = {**DEFAULTS, **(config or {})}
-    bn = cfg["BLOCK_N"]
+    programs cost more than a shallower pipeline, docs/dense.md), unless ``config`` fixes them.
+    ``wgmma``: the plan of the sm90 kernel for M > MAX_M (WGMMA: True in the result)."""
+    wgmma = wgmma and M > MAX_M
+    bm = max(64 if wgmma else 8, triton.next_power_of_2(M))
+    if wgmma:
+        bn = (config or {}).get("BLOCK_N") or (128 if N >= WGMMA_LONG_N else 64)
+        cfg = {"BLOCK_N": bn, "per_sm": 4 if bn == 64 else 2, **(config or {})}
+    else:
+        cfg = {**DEFAULTS, **(config or {})}
+        bn = cfg["BLOCK_N"]
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    shapes = [(bk, st) for bk, st in SHAPES
+    shapes = [(bk, st) for bk, st in (WGMMA_SHAPES[bn] if wgmma else SHAPES)
               if cfg.get("BLOCK_K", bk) == bk and cfg.get("STAGES", st) == st] or [(cfg.get("BLOCK_K", 256),
                                                                                       cfg.get("STAGES", 3))]
     choice = None
@@ -216,19 +171,20 @@ def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config
         if fits:
             break
     bk, st, split = choice
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT=split)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT=split, WGMMA=wgmma)
 
 
 def describe(M: int, N: int, K: int, device, config=None) -> str:
-    p = plan(M, N, K, *sm_figures(torch.device(device)), config=config)
-    return (f"Gluon: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['STAGES']} stages, "
-            f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
+    dev = torch.device(device)
+    p = plan(M, N, K, *sm_figures(dev), config=config, wgmma=hopper(dev))
+    return (f"Gluon{' wgmma' if p['WGMMA'] else ''}: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, "
+            f"BLOCK_K {p['BLOCK_K']}, {p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
 
 
 def launch(x, w, bias, w_scale, out, *, counters, pdl_args, config=None):
     M, K = x.shape
     N = w.shape[0]
-    p = plan(M, N, K, *sm_figures(x.device), config=config)
+    p = plan(M, N, K, *sm_figures(x.device), config=config, wgmma=hopper(x.device))
     bk = p["BLOCK_K"]
     k_per_split = triton.cdiv(triton.cdiv(K, bk), p["SPLIT"]) * bk
     split = triton.cdiv(K, k_per_split)
@@ -238,7 +194,8 @@ def launch(x, w, bias, w_scale, out, *, counters, pdl_args, config=None):
         cnt = counters(grid[0] * grid[1], x.device)
     else:
         ws = cnt = out
-    _wo_kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
-                     out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=w_scale is not None,
-                     HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=bk,
-                     STAGES=p["STAGES"], num_warps=NUM_WARPS, **pdl_args)
+    kernel, warps = (_wo_wgmma_kernel, p["BLOCK_N"] // 16) if p["WGMMA"] else (_wo_kernel, NUM_WARPS)
+    kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
+                 out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=w_scale is not None,
+                 HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=bk,
+                 STAGES=p["STAGES"], num_warps=warps, **pdl_args)
