@@ -183,7 +183,7 @@ def test_weight_only_gluon_kernel(M, N, K, fmt, dt):
     assert cosine(out, exp) >= {"fp8": 0.999, "int8": 0.998}[fmt]
     wgmma = M > wo_gluon.MAX_M
     assert wo_gluon.plan(M, N, K, *sm_figures(x.device), wgmma=hopper(x.device))["WGMMA"] == wgmma
-    for cfg in (WGMMA_VARIANTS if wgmma else WO_VARIANTS)[1:]:
+    for cfg in (WGMMA_VARIANTS if wgmma else WO_VARIANTS)[1:] if dt == BF16 else ():
         assert_close(triton_gemm.linear(x, w, b, s, config=cfg), ref, what=str(cfg))
 
 
