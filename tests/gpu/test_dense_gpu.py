@@ -258,6 +258,22 @@ def test_scaled_mm_fp8_activations():
         assert cosine(out, gemm_ref.linear(x, wq, None, s)) >= 0.999
 
 
+@pytest.mark.parametrize("M,K", [(1, 17), (7, 4096), (300, 14336), (3, 5000), (0, 64)])
+def test_act_quant_kernel_bitwise_against_torch(M, K):
+    """The Triton per-token fp8 quantiser against quant.quantize_act_fp8: scales exactly, codes
+    bitwise (x * (1 / scale) and x / scale round alike here; checked, not assumed), a zero row."""
+    from opmap.ops.gemm import act_quant, quant
+
+    x = torch.randn(M, K, device=DEV, dtype=BF16) * 5
+    if M > 2:
+        x[2] = 0
+        x[1, 0] = 1e4  # one outlier sets the row's scale
+    q, s = act_quant.quantize_act_fp8(x)
+    q_ref, s_ref = quant.quantize_act_fp8(x)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
 def test_quant_stack_kl_on_gpu(monkeypatch):
     monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
     res = {f: quality.stack_kl(triton_gemm.linear, f, tokens=64, hidden=1024, inter=2048, vocab=32000,

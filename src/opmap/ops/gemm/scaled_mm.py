@@ -1,11 +1,11 @@
 """Backend "scaled-mm": fp8 activations x fp8 weights through ``torch._scaled_mm`` (cuBLASLt).
 
-x (bf16/fp16) is quantised per token (row) to fp8-e4m3 on the fly; the weight is fp8-e4m3
-with a per-output-channel scale (``quant.quantize_weight(w, "fp8")``). On sm90 with a bf16
-output both scales go to cuBLASLt as row-wise scales (applied in its epilogue). Elsewhere
-(sm89, fp16 output) the product is taken with tensor-wise scales in fp32 and the
-per-channel scale is applied afterwards (one extra pass over the output). cuBLASLt needs K
-and N to be multiples of 16; M is free.
+x (bf16/fp16) is quantised per token (row) to fp8-e4m3 on the fly by one Triton launch
+(``act_quant``); the weight is fp8-e4m3 with a per-output-channel scale
+(``quant.quantize_weight(w, "fp8")``). On sm90 with a bf16 output both scales go to cuBLASLt as
+row-wise scales (applied in its epilogue). Elsewhere (sm89, fp16 output) the product is taken
+with tensor-wise scales in fp32 and the per-channel scale is applied afterwards (one extra pass
+over the output). cuBLASLt needs K and N to be multiples of 16; M is free.
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 
 from opmap.contract import expect
 
-from .quant import FP8, quantize_act_fp8
+from .act_quant import quantize_act_fp8
+from .quant import FP8
 from .validate import check_linear
 
 

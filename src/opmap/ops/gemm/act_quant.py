@@ -1,0 +1,54 @@
+"""Per-token dynamic fp8-e4m3 quantisation of activations in one Triton launch: for each row of
+x[M, K], scale = max|x_row| / 448 (floored so a zero row stays zero) and xq = x / scale.
+
+Why a kernel: the same thing in PyTorch ops (``quant.quantize_act_fp8``) is five passes over x and
+its fp32 copy; before a fp8 GEMM of prefill size they cost more than the GEMM (gemm.md).
+One program a row: the first loop finds the row's max, the second (the row is in L1 / L2 by then)
+writes the quantised row.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from opmap.contract import expect_tensor
+
+from .quant import _MIN_SCALE, FP8, FP8_MAX
+
+BLOCK_K = 1024
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_SCALE: tl.constexpr,
+                      QMAX: tl.constexpr, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0) / QMAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    inv = 1.0 / scale
+    for k in range(0, K, BLOCK_K):
+        x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
+        tl.store(q_row + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
+
+
+def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq[M, K] fp8-e4m3, scale[M, 1] fp32) with x ~= xq * scale; the same contract as
+    ``quant.quantize_act_fp8`` (rounding of x * (1 / scale) instead of x / scale: within one fp8 step)."""
+    expect_tensor("x", x, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2, last_dim_contiguous=True)
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=FP8, device=x.device)
+    s = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M and K:
+        _act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), MIN_SCALE=_MIN_SCALE, QMAX=FP8_MAX,
+                                BLOCK_K=BLOCK_K, num_warps=4)
+    elif M:
+        s.fill_(_MIN_SCALE)
+    return q, s
