@@ -104,23 +104,19 @@ def test_decode_fixed_split_is_batch_invariant():
 
 @pytest.mark.parametrize("split_tokens,window", [(16, None), (48, None), (16, 100)])
 def test_combine_many_splits(split_tokens, window):
-    """The decode kernel's fused merge (the last split of a row and KV head merges) at many
-    splits, a count that is no power of two (up to 38 here, in tiles of splits), with a window
-    and lengths at the split edges: equal to the reference, LSE too, the counters back at zero,
-    and the same bits on a second launch on the same workspace and for a sub-batch (fixed splits
-    are batch invariant)."""
+    """_combine_kernel at many splits, a count that is no power of two (up to 38 here, in tiles of
+    splits), with a window and lengths at the split edges: equal to the reference, LSE too, and
+    the same bits on a second launch and for a sub-batch (fixed splits are batch invariant)."""
     seq = [600, 17, 0, 64, 129, 48, 1]
     pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True, poison=True)
     q, _ = make_query([1] * len(seq), 8, 64, dtype=F16)
     kw = dict(device="cpu", split_tokens=split_tokens, max_seq_len=pc.block_tables.shape[1] * 16)
-    run = lambda idx, ws=None: D.decode(q[idx], pc.k_cache, pc.v_cache, pc.seq_lens[idx],  # noqa: E731
-                                        pc.block_tables[idx], scale=0.125, window=window, return_lse=True,
-                                        workspace=ws or D.make_workspace(len(idx), 8, 64, **kw))
+    run = lambda idx: D.decode(q[idx], pc.k_cache, pc.v_cache, pc.seq_lens[idx], pc.block_tables[idx],  # noqa: E731
+                               scale=0.125, window=window, return_lse=True,
+                               workspace=D.make_workspace(len(idx), 8, 64, **kw))
     every = list(range(len(seq)))
-    ws = D.make_workspace(len(seq), 8, 64, **kw)
-    out, lse = run(every, ws)
-    assert not ws.counters.any()
-    again = run(every, ws)
+    out, lse = run(every)
+    again = run(every)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
     sub = [3, 0, 4]
     part = run(sub)

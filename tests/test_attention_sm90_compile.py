@@ -21,11 +21,11 @@ for n in ["s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp"
 for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_M", "BLOCK_N", "CAUSAL", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "SKIP_SINGLE", "PREFETCH"]:
     psig[n] = "constexpr"
 dsig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
-        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32", "cnt_ptr": "*i32",
+        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32",
         "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32"}
 for n in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
     dsig[n] = "i32"
-for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "S_P", "BLOCK_S", "PREFETCH",
+for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "PREFETCH",
           "F16", "ASM"]:
     dsig[n] = "constexpr"
 out = {}
@@ -48,7 +48,7 @@ for d in (128, 256):
         for pf in (0, 1):
             cfg = _default_config("decode", d, 4, torch.device("cuda"))
             ce = dict(GROUP=4, D=d, DV=d, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=False,
-                      HAS_CAP=False, FP8=fp8, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, S_P=32, BLOCK_S=32, PREFETCH=pf, F16=fp8, ASM=fp8)
+                      HAS_CAP=False, FP8=fp8, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=pf, F16=fp8, ASM=fp8)
             s = dict(dsig, kc_ptr="*fp8e4nv" if fp8 else "*bf16", vc_ptr="*fp8e4nv" if fp8 else "*bf16")
             out[f"decode-d{d}-fp8{int(fp8)}-pf{pf}"] = comp(Dm._decode_kernel, s, ce,
                                                           {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
@@ -109,7 +109,7 @@ cfg = _default_config("decode", 128, 4, torch.device("cuda"))
 res = {}
 for f16 in (False, True):
     ce = dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=False,
-              HAS_CAP=False, FP8=True, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, S_P=32, BLOCK_S=32, PREFETCH=1, F16=f16, ASM=f16)
+              HAS_CAP=False, FP8=True, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=1, F16=f16, ASM=f16)
     s = dict(dsig, kc_ptr="*fp8e4nv", vc_ptr="*fp8e4nv")
     k = compile_sm90(Dm._decode_kernel, s, ce, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
                      [i for i, n in enumerate(s) if n.endswith("_ptr") or n.startswith("s_")])

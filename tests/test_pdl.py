@@ -52,14 +52,14 @@ res["kv_append"] = comp(kv._append_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", 
     "ROW_V": "constexpr", "D": "constexpr", "DV": "constexpr", "BLOCK": "constexpr", "FP8": "constexpr"},
     {"ROW_K": 1024, "ROW_V": 1024, "D": 128, "DV": 128, "BLOCK": 1024, "FP8": False})
 dsig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32",
-        "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32", "cnt_ptr": "*i32",
+        "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32",
         "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32"}
 for x in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
     dsig[x] = "i32"
-for x in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "S_P", "BLOCK_S", "PREFETCH"]:
+for x in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "Q_FROM_CU", "PREFETCH"]:
     dsig[x] = "constexpr"
 res["decode"] = comp(dm._decode_kernel, dsig, dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=16, BLOCK_N=64, HAS_WINDOW=False,
-    HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, S_P=32, BLOCK_S=32, PREFETCH=1))
+    HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=1))
 res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
     "sl_ptr": "*i32", "cu_ptr": "*i32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32",
     "s_ob": "i32", "s_oh": "i32", "s_pob": "i32", "s_poh": "i32", "s_pos": "i32", "s_plb": "i32", "s_plh": "i32",

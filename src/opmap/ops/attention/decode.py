@@ -15,10 +15,8 @@ kernels (no host synchronisation, nothing to rebuild when lengths change):
 - fixed mode (batch invariant): splits of exactly ``split_tokens`` keys; a sequence's result
   depends on its own length only, never on the batch it runs in.
 A sequence with one split writes its output directly; with more, each split writes a
-normalised partial and its LSE (log2) into the persistent workspace, and the split that finishes
-a (sequence, KV head) last (a counter each) merges them by LSE in split order, so the result does
-not depend on which split that is: no second launch (the fp8 Gluon kernel still launches
-``_combine_kernel``). Length 0 writes zeros (LSE -inf).
+normalised partial and its LSE (log2) into the persistent workspace and ``_combine_kernel``
+merges them by LSE. Length 0 writes zeros (LSE -inf).
 """
 from __future__ import annotations
 
@@ -52,7 +50,6 @@ class DecodeWorkspace:
     max_splits: int
     split_tokens: int  # 0 = auto plan; > 0 = fixed split size in keys (batch invariant)
     min_chunk: int  # 0: auto_min_chunk per launch
-    counters: torch.Tensor  # [max_batch * Hq] int32, zero between calls: splits finished a (row, KV head)
 
 
 def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max_seq_len: Optional[int] = None,
@@ -74,26 +71,24 @@ def make_workspace(max_batch: int, num_heads: int, head_dim: int, *, device, max
     dev = torch.device(device)
     return DecodeWorkspace(torch.empty(max_batch, num_heads, splits, head_dim, dtype=torch.float32, device=dev),
                            torch.empty(max_batch, num_heads, splits, dtype=torch.float32, device=dev),
-                           splits, fixed, int(min_chunk or 0), torch.zeros(max_batch * num_heads, dtype=torch.int32,
-                                                                           device=dev))
+                           splits, fixed, int(min_chunk or 0))
 
 
 # max_splits and min_chunk come from the batch size (auto plan): not specialized, so that every
 # batch of a run launches the one binary the start-up compiled (Triton compiles a variant per
 # integer that is 1 or a multiple of 16; tests/test_engine_triton.py checks the engine's steps).
 @triton.jit(do_not_specialize=["max_splits", "min_chunk"])
-def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr, cnt_ptr,
+def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
                    scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr, PREFETCH: tl.constexpr = 1,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
-    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter). S_P, BLOCK_S: the
-    fused merge's tiles (``_merge_last``)."""
+    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -149,30 +144,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
-    if n > 1:
-        _merge_last(cnt_ptr, n, row, b, kvh, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb,
-                    s_plh, GROUP, DV, RETURN_LSE, S_P, BLOCK_S)
-
-
-@triton.jit
-def _merge_last(cnt_ptr, n, row, b, kvh, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
-                GROUP: tl.constexpr, DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr,
-                BLOCK_S: tl.constexpr):
-    """The split that finishes its (sequence, KV head) last merges the GROUP heads' n partials
-    (merge._split_sum, in split order) and resets the counter for the next call. Saves the second
-    launch a layer that a combine kernel costs (at batch 1 about 4 us of a ~6 us decode)."""
-    tl.debug_barrier()  # every thread's partial is written before the counter moves
-    c = cnt_ptr + b * tl.num_programs(1) + kvh
-    if tl.atomic_add(c, 1, sem="acq_rel", scope="gpu") == n - 1:
-        dv = tl.arange(0, DV)
-        for g in range(GROUP):
-            h = kvh * GROUP + g
-            acc, m, tot = _split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
-                                     dv < DV, S_P, BLOCK_S, True)
-            tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
-            if RETURN_LSE:
-                tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + h, (m + tl.log2(tot)) * 0.6931471805599453)
-        tl.atomic_xchg(c, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -267,19 +238,18 @@ def auto_min_chunk(batch: int, num_kv_heads: int, device: torch.device) -> int:
 
 
 def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
-    """(split_tokens, min_chunk, max_splits, part_o, part_lse, counters) for this call."""
+    """(split_tokens, min_chunk, max_splits, part_o, part_lse) for this call."""
     if workspace is None:
         splits = auto_max_splits(B, hk, device)
         if splits == 1:
-            return 0, MIN_CHUNK, 1, None, None, None
+            return 0, MIN_CHUNK, 1, None, None
         # A split plan needs partial buffers; without a workspace they are allocated here, with
         # room for MAX_SPLITS_AUTO whatever this batch uses, so that their strides (kernel
         # arguments, specialized) are the same for every batch size: one binary for all of them.
         # Splits happen below ~2 programs per SM only (B * Hk < 2 * SMs): a few MB.
         room = max(splits, MAX_SPLITS_AUTO)
         return (0, auto_min_chunk(B, hk, device), splits, torch.empty(B, hq, room, dv, dtype=torch.float32, device=device),
-                torch.empty(B, hq, room, dtype=torch.float32, device=device),
-                torch.zeros(B * hk, dtype=torch.int32, device=device))
+                torch.empty(B, hq, room, dtype=torch.float32, device=device))
     expect(isinstance(workspace, DecodeWorkspace), "workspace", type(workspace).__name__,
            "a DecodeWorkspace from make_workspace")
     expect_tensor("workspace.part_o", workspace.part_o, dtype=torch.float32, ndim=4, device=device)
@@ -293,7 +263,7 @@ def _splits(workspace, B, hq, dv, hk, page, block_tables, device):
     else:
         splits = min(workspace.max_splits, auto_max_splits(B, hk, device))
     return (fixed, workspace.min_chunk or auto_min_chunk(B, hk, device), splits, workspace.part_o,
-            workspace.part_lse, workspace.counters)
+            workspace.part_lse)
 
 
 def decode_config(head_dim: int, group: int, batch: int, kv_heads: int, device, override=None) -> dict:
@@ -317,13 +287,9 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     if B == 0:
         return
     cfg = decode_config(d, hq // hk, B, hk, q.device, config)
-    fixed, min_chunk, splits, po, pl, cnt = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
+    fixed, min_chunk, splits, po, pl = _splits(workspace, B, hq, dv, hk, page, block_tables, q.device)
     po4 = po if po is not None else out.view(out.shape[0], hq, 1, dv)  # never written when splits == 1
     pl3 = pl if pl is not None else torch.empty(1, 1, 1, device=q.device)
-    # the merge's tiles are sized by the partial buffers' most splits (the workspace's), not this
-    # batch's: one binary for every batch size
-    s_p = triton.next_power_of_2(po4.shape[2])
-    block_s = max(1, min(s_p, 4096 // triton.next_power_of_2(dv)))
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     win = int(window or 0)
@@ -337,7 +303,6 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
         _decode_kernel[(B, hk, splits)](
             q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
-            cnt if cnt is not None else seq_lens,  # never touched with one split
             float(scale), float(soft_cap or 1.0), win, fixed, splits, min_chunk,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -345,15 +310,18 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
             GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
             HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
             RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-            S_P=s_p, BLOCK_S=block_s, PREFETCH=cfg["PREFETCH"], **dots,
+            PREFETCH=cfg["PREFETCH"], **dots,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
-        return
     if splits > 1:
+        # sized by the partial buffers' most splits (the workspace's), not this batch's: one
+        # binary for every batch size
+        s_p = triton.next_power_of_2(po4.shape[2])
         _combine_kernel[(B, hq)](out, lse, po4, pl3, seq_lens, cu, win, fixed, splits, min_chunk,
                                  out.stride(0), out.stride(1), po4.stride(0), po4.stride(1), po4.stride(2),
                                  pl3.stride(0), pl3.stride(1), DV=dv, BLOCK_N=cfg["BLOCK_N"],
                                  HAS_WINDOW=window is not None, RETURN_LSE=return_lse,
-                                 Q_FROM_CU=cu_seqlens_q is not None, S_P=s_p, BLOCK_S=block_s, num_warps=4,
+                                 Q_FROM_CU=cu_seqlens_q is not None, S_P=s_p,
+                                 BLOCK_S=max(1, min(s_p, 4096 // triton.next_power_of_2(dv))), num_warps=4,
                                  **pdl.launch(q.device))
 
 

@@ -40,18 +40,15 @@ def _split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.cons
     at ``pl + j`` (log2 domain with EXP2, else natural log); the merged output is acc / tot and
     its LSE m + log(tot). All LSEs are read at once (their max, then every weight directly) and
     the partials in [BLOCK_S, len(offs)] tiles: no chain of dependent loads, where an online merge
-    waited out one load per split. m is 0 when every split is empty (all weights then 0).
-    The loads are ``.cg`` (L2, not L1): in the decode kernel's fused merge the partials were
-    written by programs on other SMs moments before, and no reader needs them in L1."""
+    waited out one load per split. m is 0 when every split is empty (all weights then 0)."""
     js = tl.arange(0, S_P)
-    lse = tl.load(pl + js, mask=js < n, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(pl + js, mask=js < n, other=float("-inf"))
     # The first tile of partials and its LSEs are loaded beside all LSEs, before their max is
     # known: up to BLOCK_S splits cost one round trip to memory, not two.
     s1 = tl.arange(0, BLOCK_S)
     m1 = s1 < n
-    l1 = tl.load(pl + s1, mask=m1, other=float("-inf"), cache_modifier=".cg")
-    o1 = tl.load(po + s1[:, None] * s_pos + offs[None, :], mask=m1[:, None] & mask[None, :], other=0.0,
-                 cache_modifier=".cg")
+    l1 = tl.load(pl + s1, mask=m1, other=float("-inf"))
+    o1 = tl.load(po + s1[:, None] * s_pos + offs[None, :], mask=m1[:, None] & mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(_exp(lse - m, EXP2), 0)
@@ -59,9 +56,8 @@ def _split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.cons
     for s0 in range(BLOCK_S, n, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         ms = ss < n
-        w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf"), cache_modifier=".cg") - m, EXP2)
-        o = tl.load(po + ss[:, None] * s_pos + offs[None, :], mask=ms[:, None] & mask[None, :], other=0.0,
-                    cache_modifier=".cg")
+        w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf")) - m, EXP2)
+        o = tl.load(po + ss[:, None] * s_pos + offs[None, :], mask=ms[:, None] & mask[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
     return acc, m, tot
 
