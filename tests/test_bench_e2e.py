@@ -196,3 +196,23 @@ def test_a_child_run_writes_its_part_file(tmp_path):
                           "--case", "1", "--no-hf"])
     doc = json.loads(part.read_text())
     assert rc == 0 and doc["results"] == [] and doc["skipped"][0]["reason"] == "needs a CUDA GPU"
+
+
+def test_keep_others_keeps_unmeasured_rows_noted_with_their_commit(tmp_path):
+    """--keep-others: rows of the existing baseline that this run did not measure stay, noted with
+    the commit that measured them; a row measured again is replaced; a kept row is not re-noted."""
+    import json
+
+    from opmap.output import baseline_dir
+
+    env = {"gpu": "NVIDIA H200", "commit": "new"}
+    old = {"environment": {"gpu": "NVIDIA H200", "commit": "abc1234"},
+           "results": [{"case": "a", "provider": "opmap-engine", "note": "x"},
+                       {"case": "b", "provider": "hf", "note": ""},
+                       {"case": "c", "provider": "hf", "note": "y; measured at commit 0000000",
+                        "measured_at": "0000000"}]}
+    (baseline_dir(str(tmp_path), env["gpu"]) / "e2e.json").write_text(json.dumps(old))
+    kept = e2e.kept_rows(str(tmp_path), env, [{"case": "a", "provider": "opmap-engine"}])
+    assert [(r["case"], r["note"], r["measured_at"]) for r in kept] == [
+        ("b", "measured at commit abc1234", "abc1234"), ("c", "y; measured at commit 0000000", "0000000")]
+    assert e2e.kept_rows(str(tmp_path / "none"), env, []) == []

@@ -407,6 +407,29 @@ def in_children(models: list, argv: list, done=None) -> tuple:
     return out, skipped
 
 
+def kept_rows(out_dir: str, env: dict, recs: list) -> list:
+    """The rows of out_dir's e2e baseline for this GPU whose (case, provider) ``recs`` do not hold,
+    each noted with the commit that measured it (rows kept before keep their first note)."""
+    from opmap.output import baseline_dir
+
+    path = baseline_dir(out_dir, env.get("gpu") or "cpu") / "e2e.json"
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    commit = (old.get("environment") or {}).get("commit")
+    have = {(r["case"], r["provider"]) for r in recs}
+    kept = []
+    for r in old.get("results", []):
+        if (r.get("case"), r.get("provider")) in have:
+            continue
+        r = dict(r)
+        if not r.get("measured_at"):
+            r["measured_at"] = commit
+            r["note"] = "; ".join(x for x in (r.get("note"), f"measured at commit {commit}") if x)
+        kept.append(r)
+    return kept
+
+
 def main(argv=None) -> int:
     from opmap import hw
     from opmap.bench.report import write
@@ -427,6 +450,9 @@ def main(argv=None) -> int:
                     help="the engine's prefill CUDA-graph token limit (default: the engine's; rows tagged when not)")
     ap.add_argument("--one-process", action="store_true",
                     help="every model in this process (default: each in a child process of its own)")
+    ap.add_argument("--keep-others", action="store_true",
+                    help="keep the rows of the existing DIR/<gpu>/e2e.json that this run does not measure (a "
+                         "subset re-run), each noted with the commit that measured it")
     ap.add_argument("--child", metavar="PATH", help=argparse.SUPPRESS)  # in_children's: write (records, skipped) here
     a = ap.parse_args(argv)
     if a.child:
@@ -464,7 +490,9 @@ def main(argv=None) -> int:
     for s in skipped:
         print(f"not run: {s['case']} {s['provider']}: {s['reason']}")
     if recs:
-        for r in recs + skipped:
+        if a.keep_others:
+            doc["results"] = recs + kept_rows(a.out, doc["environment"], recs)
+        for r in doc["results"] + skipped:
             r["family"] = "e2e"
         print(write(doc, a.out, png=False))
         (Path(a.out) / "e2e-partial.json").unlink(missing_ok=True)

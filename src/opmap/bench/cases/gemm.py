@@ -13,8 +13,10 @@ Providers, timed in the same run on the same inputs:
   path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
   fp8, then torch._scaled_mm on cuBLASLt).
 Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written once.
-Decode sizes (M <= 64) are timed by CUDA-graph replay (launch costs out; the case is the
-weight stream), M = 256 eagerly.
+Every M is timed by CUDA-graph replay (launch costs out): decode steps replay from graphs, and so
+do the engine's prefill steps of up to ``EngineConfig.prefill_graph_tokens`` (2048) tokens, so the
+GPU time is what a route choice at M >= 128 has to compare (eager timings of the small shapes
+measured the host's launch work instead: 40-130 us for 5-25 us of GPU work).
 """
 from __future__ import annotations
 
@@ -144,7 +146,7 @@ def cases(quick: bool) -> list[BenchCase]:
                 out.append(BenchCase(
                     op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
                     setup=_setup(M, N, K, fmt), providers=provs,
-                    bound="compute" if flops / nbytes > RIDGE else "memory", graph=M <= 64,
+                    bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
