@@ -419,20 +419,24 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
     assert "run `reference` -> fallback: the weight is dequantised for a bf16 GEMM" in ref
     (dq,) = quant_lines(engine("dequant-cublas"))
     assert "run `dequant-cublas` -> dequantise then bf16 GEMM" in dq and "fallback" not in dq
+    (sm,) = quant_lines(engine("scaled-mm"))
+    assert "run `scaled-mm` -> fp8 activations: each row quantised per token" in sm and "fallback" not in sm
     assert quant_lines(engine("cublas", fmt=None)) == []
 
 
 def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_thread):
     """Quantised weights: an eager mixed step of MANY_ROWS rows or more runs the op set planned at
-    M = MANY_ROWS (on sm90 the weight-only projections then go to dequant-cublas; at M unknown,
-    triton-wo), fewer rows the one planned at M unknown; prefill steps and dense models keep one
-    set. A run whose second prompt prefills beside the first one's decode takes it."""
+    M = MANY_ROWS (on sm90 the fp8 projections then go to scaled-mm, int8 ones to dequant-cublas; at
+    M unknown, triton-wo), fewer rows the one planned at M unknown; prefill steps and dense models
+    keep one set. A run whose second prompt prefills beside the first one's decode takes it."""
     from opmap.engine import runner as R
     from opmap.select import select
     from opmap.specs import GemmSpec
 
     fp8 = dict(arch="sm90", phase="mixed", n=6144, k=4096, dtype="bf16", weight_dtype="fp8")
-    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **fp8)).backend.name == "dequant-cublas"
+    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **fp8), runtime=False).backend.name == "scaled-mm"
+    int8 = dict(fp8, weight_dtype="int8")
+    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **int8)).backend.name == "dequant-cublas"
     assert select("gemm", GemmSpec(m=None, **fp8)).backend.name == "triton-wo"
     llm = LLM("tiny-llama3", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, quantize="fp8")
     run = llm.runner

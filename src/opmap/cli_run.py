@@ -77,9 +77,10 @@ def _engine_args(p, model_required: bool = True) -> None:
                    help="a preset (e.g. llama3-8b, tiny-llama3), an HF checkpoint directory or a config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     p.add_argument("--quantize", default=None, choices=["fp8", "int8"],
-                   help="weight-only quantisation at load, one scale per output channel, of the attention and "
-                        "dense MLP projections and an LM head of its own (router, MoE experts and embedding keep "
-                        "--dtype)")
+                   help="quantise at load, one scale per output channel, the attention and dense MLP projections "
+                        "and an LM head of its own (router, MoE experts and embedding keep --dtype); decode runs "
+                        "weight-only kernels; with fp8 on sm90 steps of >= 128 rows (prefill) also quantise the "
+                        "activations per token for fp8 tensor cores")
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                    help="fp8: the KV cache in e4m3 with a scale of 1 per KV head (GQA models; values beyond "
                         "+-448 saturate); default: the model's dtype")

@@ -27,6 +27,7 @@ import torch
 
 from ..contract import InputError, dtype_name, trusted_values
 from ..hw import local_arch
+from ..ops.gemm.backends import MANY_ROWS  # rows from which a quantised GEMM takes the many-row route
 from ..ops.rope.reference import cos_sin_cache
 from ..select import BackendError
 from .capture import Capture
@@ -40,7 +41,6 @@ from .scheduler import Batch
 log = logging.getLogger("opmap.engine")
 CPU_PAGES = 256
 PREFILL_BUCKET = 128  # tokens: a padded prefill step does at most 127 rows of extra work
-MANY_ROWS = 128  # rows from which dequant-cublas serves weight-only GEMMs (ops/gemm/backends.py)
 
 
 def token_buckets(limit: int) -> list:
@@ -126,9 +126,9 @@ class ModelRunner:
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned
-        # at that M, where the selector puts the weight-only projections on dequant-cublas (1.09-
-        # 2.43x triton-wo at M = 256 and 1024: docs/dense.md, Decisions); fewer rows keep the set
-        # planned at M unknown (triton-wo). Dense weights choose the same either way: no second set.
+        # at that M, where the selector puts the quantised projections on the many-row route
+        # (docs/dense.md, Decisions); fewer rows keep the set planned at M unknown (triton-wo).
+        # Dense weights choose the same either way: no second set.
         self.mixed_many = opset("mixed", False, MANY_ROWS) if self.weight_format else None
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         self.prefill_graphs_off = None if self.use_graphs else self.graphs_off_reason

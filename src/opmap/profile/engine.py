@@ -248,20 +248,24 @@ def quant_lines(llm) -> list:
     fmt, dn = r.weight_format, dtype_name(r.dtype)
     out = []
     if fmt:
-        by = {}
+        by, act = {}, {}
         for label, c in _choices(r):
             if c.op == "gemm" and c.spec.weight_dtype == fmt:
                 by.setdefault((c.spec.phase, c.backend.name), []).append(label)
+                act[(c.spec.phase, c.backend.name)] = c.spec.act_dtype
         for (phase, name), labels in by.items():
             line = f"{fmt} weights, {phase}: {', '.join(dict.fromkeys(labels))} run `{name}`"
             # the fp32 reference is the one registered gemm backend that dequantises the weight
-            # (triton-wo converts tiles in registers, scaled-mm reads fp8)
+            # (triton-wo converts tiles in registers, scaled-mm reads fp8 and quantises the activations)
             if name == "reference":
                 line += (f" -> fallback: the weight is dequantised for a {dn} GEMM on every call "
                          "(twice the weight bytes of a weight-only kernel, or more)")
             elif name == "dequant-cublas":
                 line += (f" -> dequantise then {dn} GEMM: one pass writes each weight in {dn} per call, then "
-                         "cuBLAS (the many-row path: faster than the weight-only kernel from M = 128, docs/dense.md)")
+                         "cuBLAS (the many-row path where scaled-mm does not serve it, docs/dense.md)")
+            elif name == "scaled-mm" and act.get((phase, name)) != "fp8":
+                line += (" -> fp8 activations: each row quantised per token to fp8 for fp8 tensor cores (W8A8 "
+                         "dynamic; the many-row path on sm90, docs/dense.md)")
             out.append(line)
     deq = r.model.dequantised
     if deq:

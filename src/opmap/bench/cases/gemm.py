@@ -142,7 +142,10 @@ def cases(quick: bool) -> list[BenchCase]:
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))
                     if fmt == "fp8":
-                        provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89))
+                        # the backend serves bf16 activations from M >= 128 (marked there when selected);
+                        # below, the row is timed as a peer
+                        provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89,
+                                              backend=("gemm", "scaled-mm") if M >= 128 else None))
                 out.append(BenchCase(
                     op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
                     setup=_setup(M, N, K, fmt), providers=provs,

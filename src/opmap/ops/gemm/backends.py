@@ -5,6 +5,7 @@ from opmap.registry import Backend, Check, Prefer, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
 _MOD = "opmap.ops.gemm"
+MANY_ROWS = 128  # rows from which one weight pass serves many rows (dequant-cublas, scaled-mm); engine/runner.py
 
 
 def _dense(spec):
@@ -22,6 +23,10 @@ def _act_is_dtype(spec):
 def _mult16(spec):
     bad = [f"{d}={getattr(spec, d)}" for d in ("n", "k") if getattr(spec, d) % 16]
     return f"{', '.join(bad)} not a multiple of 16 (cuBLASLt fp8)" if bad else None
+
+
+def _many_rows(spec):
+    return (spec.m or 0) >= MANY_ROWS or (spec.m is None and spec.phase == "prefill")
 
 
 _SAME_ACT = Check("act_dtype == dtype", _act_is_dtype, "act_dtype")
@@ -86,24 +91,36 @@ registry.register(Backend(
     # fp8 and int8 (bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
     # (engine/runner.py, MANY_ROWS) and the others at M unknown, which keeps triton-wo.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
-              **{a: Prefer(55, 45, lambda s: (s.m or 0) >= 128 or (s.m is None and s.phase == "prefill"),
-                           "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
+              **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
     impl={"linear": f"{_MOD}.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
-          Req("m", lambda m: m is None or m >= 128, "M >= 128 (prefill: one dequantisation serves many rows)")],
+          Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
     checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
     available=registry.triton_available,
     notes="weight-only fp8/int8 for many rows: one Triton pass dequantises the weight into a reused "
           "bf16 scratch buffer, then cuBLAS",
 ))
 
+def _act_fp8_or_many_rows(spec):
+    if spec.act_dtype == "fp8" or (spec.act_dtype == spec.dtype and _many_rows(spec)):
+        return None
+    return (f"act_dtype={spec.act_dtype} at M={spec.m} ({spec.phase}): activations in {spec.dtype} are quantised "
+            f"to fp8 here only from M >= {MANY_ROWS} or in a prefill step (else act_dtype='fp8')")
+
+
 registry.register(Backend(
     op="gemm", name="scaled-mm", provider="cublaslt-fp8", version=registry.torch_version,
-    priority={"sm89": 45, "sm90": 45, "sm100": 45},
+    # Above dequant-cublas (55) for fp8 weights where M >= 128 is known or the phase is prefill, on
+    # sm90: the activations are quantised per token (W8A8 dynamic, how vLLM runs fp8 checkpoints)
+    # and the GEMM runs on fp8 tensor cores. Graph-timed on the H200 (bench/baselines/h200/gemm.md,
+    # Llama-3-8B shapes, M = 128-2048) it was 1.4-3.9x dequant-cublas at every shape, and from M =
+    # 512 1.3-1.7x cuBLAS on bf16 weights; activations given as fp8 (act_dtype="fp8") take it at any M.
+    priority={"sm89": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step"), "sm100": 45},
     impl={"linear": f"{_MOD}.scaled_mm:linear"},
-    reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",)),
-          Req("act_dtype", ("fp8",), "fp8 activations (per-token dynamic scales)")],
-    checks=[Check("N, K multiples of 16", _mult16, "k")],
+    reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",))],
+    checks=[Check("act_dtype fp8, or M >= 128 / a prefill step", _act_fp8_or_many_rows, "act_dtype"),
+            Check("N, K multiples of 16", _mult16, "k")],
     available=registry.needs_cuda,
-    notes="torch._scaled_mm: x quantised per token to fp8, fp8 x fp8 on cuBLASLt (sm89+)",
+    notes="torch._scaled_mm: x quantised per token to fp8 (one Triton launch), fp8 x fp8 on cuBLASLt "
+          "(sm89+); for fp8 weights it serves steps of >= 128 rows (prefill) with bf16 activations too",
 ))
