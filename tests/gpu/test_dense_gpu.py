@@ -282,6 +282,29 @@ def test_quant_stack_kl_on_gpu(monkeypatch):
     assert res[None]["kl_mean"] < res["fp8"]["kl_mean"], res
 
 
+def test_prefill_route_scaled_mm_quality_and_selection():
+    """fp8 weights at M >= 128 on sm90 go to scaled-mm (activations quantised per token): the
+    selector says so, and the quantisation gates hold through it (the stack's next-token KL under
+    the check suite's fp8 limit, within 2x the weight-only kernel's; output cosine >= 0.998)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the many-row fp8 route is decided for sm90")
+    from opmap.check.cases.gemm import COSINE_GATE, KL_LIMIT
+    from opmap.ops.gemm import scaled_mm
+    from opmap.select import select
+    from opmap.specs import GemmSpec
+
+    spec = dict(arch="sm90", n=4096, k=4096, dtype="bf16", weight_dtype="fp8")
+    assert select("gemm", GemmSpec(m=None, phase="prefill", **spec)).backend.name == "scaled-mm"
+    assert select("gemm", GemmSpec(m=256, phase="mixed", **spec)).backend.name == "scaled-mm"
+    assert select("gemm", GemmSpec(m=64, phase="decode", **spec)).backend.name == "triton-wo"
+    dims = dict(tokens=256, hidden=1024, inter=2048, vocab=32000, layers=4, device=DEV)
+    w8a8 = quality.stack_kl(scaled_mm.linear, "fp8", **dims)["kl_mean"]
+    wo = quality.stack_kl(triton_gemm.linear, "fp8", **dims)["kl_mean"]
+    assert w8a8 <= KL_LIMIT["fp8"] and w8a8 <= 2 * wo, (w8a8, wo)
+    cos = quality.output_cosine(scaled_mm.linear, "fp8", 1024, 4096, 4096, device=DEV)
+    assert cos >= COSINE_GATE["fp8-act"], cos
+
+
 @pytest.mark.parametrize("fmt", [None, "fp8"])
 def test_decode_linear_autotuned_cuda_graph_replay(fmt, monkeypatch):
     monkeypatch.setattr(triton_gemm, "AUTOTUNE", True)
