@@ -248,11 +248,10 @@ def quant_lines(llm) -> list:
     fmt, dn = r.weight_format, dtype_name(r.dtype)
     out = []
     if fmt:
-        by, act = {}, {}
+        by = {}
         for label, c in _choices(r):
             if c.op == "gemm" and c.spec.weight_dtype == fmt:
                 by.setdefault((c.spec.phase, c.backend.name), []).append(label)
-                act[(c.spec.phase, c.backend.name)] = c.spec.act_dtype
         for (phase, name), labels in by.items():
             line = f"{fmt} weights, {phase}: {', '.join(dict.fromkeys(labels))} run `{name}`"
             # the fp32 reference is the one registered gemm backend that dequantises the weight
@@ -263,7 +262,7 @@ def quant_lines(llm) -> list:
             elif name == "dequant-cublas":
                 line += (f" -> dequantise then {dn} GEMM: one pass writes each weight in {dn} per call, then "
                          "cuBLAS (the many-row path where scaled-mm does not serve it, docs/dense.md)")
-            elif name == "scaled-mm" and act.get((phase, name)) != "fp8":
+            elif name == "scaled-mm":  # the engine's activations are its dtype: scaled-mm quantises them
                 line += (" -> fp8 activations: each row quantised per token to fp8 for fp8 tensor cores (W8A8 "
                          "dynamic; the many-row path on sm90, docs/dense.md)")
             out.append(line)

@@ -101,6 +101,7 @@ registry.register(Backend(
           "bf16 scratch buffer, then cuBLAS",
 ))
 
+
 def _act_fp8_or_many_rows(spec):
     if spec.act_dtype == "fp8" or (spec.act_dtype == spec.dtype and _many_rows(spec)):
         return None
@@ -112,7 +113,7 @@ registry.register(Backend(
     op="gemm", name="scaled-mm", provider="cublaslt-fp8", version=registry.torch_version,
     # Above dequant-cublas (55) for fp8 weights where M >= 128 is known or the phase is prefill, on
     # sm90: the activations are quantised per token (W8A8 dynamic, how vLLM runs fp8 checkpoints)
-    # and the GEMM runs on fp8 tensor cores. Graph-timed on the H200 (bench/baselines/h200/gemm.md,
+    # and the GEMM runs on fp8 tensor cores. Graph-timed on the H200 (docs/dense.md, Decisions;
     # Llama-3-8B shapes, M = 128-2048) it was 1.4-3.9x dequant-cublas at every shape, and from M =
     # 512 1.3-1.7x cuBLAS on bf16 weights; activations given as fp8 (act_dtype="fp8") take it at any M.
     priority={"sm89": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step"), "sm100": 45},
