@@ -17,7 +17,7 @@ Every M is timed by CUDA-graph replay (launch costs out): decode steps replay fr
 do the engine's prefill steps of up to ``EngineConfig.prefill_graph_tokens`` (2048) tokens, so the
 GPU time is what a route choice at M >= 128 has to compare (eager timings of the small shapes
 measured the host's launch work instead: dequant-cublas on O at M = 256, 61.9 us eager against
-31.2 graph-timed; scaled-mm 136.2 against 21.6).
+31.2 graph-timed).
 """
 from __future__ import annotations
 
