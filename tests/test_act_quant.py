@@ -21,7 +21,7 @@ def _fp8_same(out, ref):
     return same | excused
 
 
-@pytest.mark.parametrize("M,K", [(3, 4101), (1, 17), (5, 1024), (2, 1025)])
+@pytest.mark.parametrize("M,K", [(3, 4101), (1, 17), (5, 1024), (2, 1025), (2, 16385)])
 @pytest.mark.parametrize("dt", [torch.float32, torch.float16])
 def test_matches_torch_contract(M, K, dt):
     g = torch.Generator().manual_seed(M * K)

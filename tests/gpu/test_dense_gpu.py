@@ -258,7 +258,7 @@ def test_scaled_mm_fp8_activations():
         assert cosine(out, gemm_ref.linear(x, wq, None, s)) >= 0.999
 
 
-@pytest.mark.parametrize("M,K", [(1, 17), (7, 4096), (300, 14336), (3, 5000), (0, 64)])
+@pytest.mark.parametrize("M,K", [(1, 17), (7, 4096), (300, 14336), (3, 5000), (5, 16384), (4, 20001), (0, 64)])
 def test_act_quant_kernel_bitwise_against_torch(M, K):
     """The Triton per-token fp8 quantiser against quant.quantize_act_fp8: scales exactly, codes
     bitwise (x * (1 / scale) and x / scale round alike here; checked, not assumed), a zero row."""
