@@ -261,7 +261,7 @@ def test_scaled_mm_fp8_activations():
 @pytest.mark.parametrize("M,K", [(1, 17), (7, 4096), (300, 14336), (3, 5000), (5, 16384), (4, 20001), (0, 64)])
 def test_act_quant_kernel_bitwise_against_torch(M, K):
     """The Triton per-token fp8 quantiser against quant.quantize_act_fp8: scales exactly, codes
-    bitwise (x * (1 / scale) and x / scale round alike here; checked, not assumed), a zero row."""
+    bitwise (the kernel divides with IEEE rounding as PyTorch does), a zero row."""
     from opmap.ops.gemm import act_quant, quant
 
     x = torch.randn(M, K, device=DEV, dtype=BF16) * 5
