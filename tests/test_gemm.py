@@ -204,8 +204,16 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
 
     monkeypatch.setattr(bench, "SHAPES", [(64, 48)])
     monkeypatch.setattr(bench, "MS", (1, 3))
-    cs = bench.cases(quick=True)
+    monkeypatch.setattr(bench, "ACT_QUANT_MS", (5,))
+    every = bench.cases(quick=True)
+    cs = [c for c in every if c.op == "gemm"]
     assert len(cs) == 6
+    aq = [c for c in every if c.op == "gemm.act_quant"]
+    assert [c.case for c in aq] == ["M=5,K=64,dtype=bf16"] and aq[0].bytes == 5 * 64 * 3 + 5 * 4
+    x = aq[0].setup("cpu")["x"].half()
+    (q1, s1), (q2, s2) = (p.make({"x": x})() for p in aq[0].providers)
+    # the same codes (the interpreter's e4m3 rounding quirks aside: tests/test_act_quant.py)
+    assert torch.equal(s1, s2) and (q1.float() == q2.float()).float().mean() > 0.9
     for c in cs:
         fmt = None if "w=bf16" in c.case else c.case.split("w=")[1].split(",")[0]
         wbytes = 48 * 64 * (1 if fmt else 2) + (48 * 4 if fmt else 0)

@@ -12,6 +12,8 @@ Providers, timed in the same run on the same inputs:
   "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
   path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
   fp8, then torch._scaled_mm on cuBLASLt).
+The op ``gemm.act_quant`` times the per-token fp8 activation quantisation that scaled-mm runs
+before its GEMM (our Triton kernel against the same thing in PyTorch ops) at prefill row counts.
 Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written once.
 Every M is timed by CUDA-graph replay (launch costs out): decode steps replay from graphs, and so
 do the engine's prefill steps of up to ``EngineConfig.prefill_graph_tokens`` (2048) tokens, so the
@@ -109,6 +111,33 @@ def _scaled_mm(inp):
     return lambda: linear(inp["x"], inp["wq"], None, inp["s"])
 
 
+def _act_quant(triton_kernel):
+    def make(inp):
+        from opmap.ops.gemm import act_quant, quant
+
+        fn = act_quant.quantize_act_fp8 if triton_kernel else quant.quantize_act_fp8
+        return lambda: fn(inp["x"])
+
+    return make
+
+
+ACT_QUANT_MS = (128, 1024, 2048)
+
+
+def _act_quant_cases(arch) -> list[BenchCase]:
+    out = []
+    for K, N in SHAPES:  # N: the GEMM the quantised x feeds (places the row at a model's widths)
+        for M in ACT_QUANT_MS:
+            out.append(BenchCase(
+                op="gemm.act_quant", case=f"M={M},K={K},dtype=bf16", flops=0.0,
+                bytes=float(M * K * 3 + M * 4),  # bf16 read, fp8 and one fp32 scale a row written
+                setup=lambda device, M=M, K=K: dict(x=torch.randn(M, K, device=device, dtype=torch.bfloat16)),
+                providers=[Provider("opmap-triton", _act_quant(True)), Provider("torch-ops", _act_quant(False))],
+                graph=True, tags=("gemm",),
+                spec=GemmSpec(arch=arch, phase="prefill", m=M, n=N, k=K, dtype="bf16", weight_dtype="fp8")))
+    return out
+
+
 def _sm89():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         return "torch._scaled_mm fp8 needs an sm89+ GPU"
@@ -154,4 +183,4 @@ def cases(quick: bool) -> list[BenchCase]:
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
-    return out
+    return out + _act_quant_cases(arch)
