@@ -21,6 +21,9 @@ from opmap.tolerance import assert_close, cosine
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
+# fp8 x fp8 GEMMs (torch._scaled_mm, cuBLASLt) exist from sm89: below it there is no route to test
+needs_scaled_mm = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                                     reason="torch._scaled_mm needs sm89+")
 BF16 = torch.bfloat16
 
 
@@ -245,9 +248,8 @@ def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
     assert torch.equal(got.t().float(), wall.float())
 
 
+@needs_scaled_mm
 def test_scaled_mm_fp8_activations():
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("torch._scaled_mm needs sm89+")
     from opmap.ops.gemm import scaled_mm
 
     for M, N, K in [(1, 28672, 4096), (64, 4096, 14336), (1000, 4096, 4096)]:
@@ -282,12 +284,11 @@ def test_quant_stack_kl_on_gpu(monkeypatch):
     assert res[None]["kl_mean"] < res["fp8"]["kl_mean"], res
 
 
+@needs_scaled_mm
 def test_prefill_route_scaled_mm_quality_and_selection():
     """fp8 weights at M >= 128 on sm90 go to scaled-mm (activations quantised per token): the
     selector says so, and the quantisation gates hold through it (the stack's next-token KL under
     the check suite's fp8 limit, within 2x the weight-only kernel's; output cosine >= 0.998)."""
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("torch._scaled_mm needs sm89+")
     from opmap.check.cases.gemm import COSINE_GATE, KL_LIMIT
     from opmap.ops.gemm import scaled_mm
     from opmap.select import select

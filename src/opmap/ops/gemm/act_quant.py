@@ -22,6 +22,12 @@ BLOCK_K = 4096
 
 
 @triton.jit
+def _store_codes(q_ptrs, x, scale, mask, QMAX: tl.constexpr):
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_SCALE: tl.constexpr,
                       QMAX: tl.constexpr, BLOCK_K: tl.constexpr, ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -32,8 +38,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_SCALE: t
         x = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) / QMAX, MIN_SCALE)
         tl.store(s_ptr + row, scale)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
-        tl.store(q_row + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        _store_codes(q_row + offs, x, scale, offs < K, QMAX)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -43,8 +48,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, MIN_SCALE: t
         tl.store(s_ptr + row, scale)
         for k in range(0, K, BLOCK_K):
             x = tl.load(x_row + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
-            tl.store(q_row + k + offs, q.to(q_ptr.dtype.element_ty), mask=k + offs < K)
+            _store_codes(q_row + k + offs, x, scale, k + offs < K, QMAX)
 
 
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
