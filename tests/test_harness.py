@@ -12,7 +12,8 @@ from opmap.bench import runner as bench_runner
 from opmap.bench import timing
 from opmap.bench.base import BenchCase, Provider
 from opmap.check import runner
-from opmap.check.base import CheckCase, Outcome
+from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.contract import InputError
 from opmap.output import environment, gpu_slug
 
 
@@ -107,7 +108,8 @@ def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
     """On a GPU the JSON names each sanitised family's source fingerprint: the code every
     sanitizer line of that report (run or resumed) is a verdict on."""
     from opmap.check import sanitizer as san
-    from opmap.check.base import CheckCase, Outcome
+    from opmap.check.base import CheckCase, Outcome, probe_errors
+from opmap.contract import InputError
     from opmap.check.fingerprint import fingerprint
 
     cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "x", lambda: Outcome(True, "ok"), device="cuda")),
@@ -124,6 +126,19 @@ def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
 
 class _Ceil:
     read_tbps, copy_tbps, bf16_tflops = 4.0, 4.0, 800.0
+
+
+def test_probe_errors_names_each_miss():
+    def named(arg):
+        def call():
+            raise InputError(arg, "bad", "good")
+        return call
+
+    ok = probe_errors({"x": named("x"), "page out of range": ("block_tables", named("block_tables"))})
+    assert ok.passed and ok.figure == "2 bad inputs named their argument"
+    bad = probe_errors({"x": lambda: None, "dup": ("indices", named("seq_lens")), "w": named("w")})
+    assert not bad.passed
+    assert bad.figure == "x: no error; dup: error named 'seq_lens', not 'indices'"
 
 
 def test_figures():

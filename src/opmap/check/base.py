@@ -44,17 +44,19 @@ class CheckCase:
 
 
 def probe_errors(probes: dict) -> Outcome:
-    """Run each bad-input probe (argument name -> call); each must raise InputError naming it."""
+    """Run each bad-input probe; each must raise InputError naming its argument. A probe is
+    `argument -> call`, or `what -> (argument, call)` where several probes blame one argument."""
     from ..contract import InputError
 
     missed = []
-    for arg, probe in probes.items():
+    for what, probe in probes.items():
+        arg, call = probe if isinstance(probe, tuple) else (what, probe)
         try:
-            probe()
-            missed.append(f"{arg}: no error")
+            call()
+            missed.append(f"{what}: no error")
         except InputError as e:
             if e.arg != arg:
-                missed.append(f"{arg}: error named {e.arg!r}")
+                missed.append(f"{what}: error named {e.arg!r}, not {arg!r}")
     return Outcome(not missed, "; ".join(missed) or f"{len(probes)} bad inputs named their argument")
 
 

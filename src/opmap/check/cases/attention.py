@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from opmap import registry
-from opmap.check.base import CheckCase, Outcome, racecheck_child
-from opmap.contract import InputError
+from opmap.check.base import CheckCase, Outcome, probe_errors, racecheck_child
 from opmap.specs import AttentionSpec, KVAppendSpec, MergeSpec
 from opmap.tolerance import compare, cosine
 
@@ -231,15 +230,7 @@ def _bad_input(device, name):
             "wrong dtype": ("seq_lens", lambda: f(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens.long(),
                                                   pc.block_tables, scale=0.1)),
         }
-        missed = []
-        for what, (arg, call) in probes.items():
-            try:
-                call()
-                missed.append(what)
-            except InputError as e:
-                if e.arg != arg:
-                    missed.append(f"{what} (blamed {e.arg})")
-        return Outcome(not missed, "all rejected naming the argument" if not missed else "missed: " + ", ".join(missed))
+        return probe_errors(probes)
 
     return run
 
