@@ -108,8 +108,7 @@ def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
     """On a GPU the JSON names each sanitised family's source fingerprint: the code every
     sanitizer line of that report (run or resumed) is a verdict on."""
     from opmap.check import sanitizer as san
-    from opmap.check.base import CheckCase, Outcome, probe_errors
-from opmap.contract import InputError
+    from opmap.check.base import CheckCase, Outcome
     from opmap.check.fingerprint import fingerprint
 
     cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "x", lambda: Outcome(True, "ok"), device="cuda")),
