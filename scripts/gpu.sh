@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine, offline, from the checkout: the GPU tests, `opmap check`, the benchmarks
-# (which rewrite bench/baselines/<gpu>/<family>.{json,md,png}) and the end-to-end benchmark,
+# (which rewrite harness/bench/baselines/<gpu>/<family>.{json,md,png}) and the end-to-end benchmark,
 # writing logs to OUTDIR and a copy of the baselines to OUTDIR/baselines.tar.gz.
 #   scripts/gpu.sh OUTDIR                                  # everything, in this order
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR              # some steps
 #   TEST_LANES="tests/gpu/test_mla_gpu.py|tests/gpu/test_attention_gpu.py" STEPS=tests scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention --variants" STEPS=bench scripts/gpu.sh OUTDIR
-#   CHECK_ARGS="--sanitizer --resume check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
+#   CHECK_ARGS="--sanitizer --resume harness/check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
 #   STEPS=flashinfer scripts/gpu.sh OUTDIR                 # FlashInfer's JIT builds for the bench shapes
 #   NO_FLASHINFER=1 STEPS=report scripts/gpu.sh OUTDIR      # `opmap report` per model, timed
 #   E2E_ARGS="--model llama3-8b --case 1" STEPS=e2e-start scripts/gpu.sh OUTDIR   # the e2e benchmark detached,
@@ -37,12 +37,12 @@ run_file() {
   tail -3 "$out/tests-$n.log"
   return $rc
 }
-pack_baselines() { tar -czf "$out/baselines.tar.gz" bench/baselines 2>/dev/null; }
+pack_baselines() { tar -czf "$out/baselines.tar.gz" harness/bench/baselines 2>/dev/null; }
 for s in $STEPS; do
   case $s in
     env)
       step env
-      python3 -m opmap.cli env 2>&1 | tee "$out/env.log" || status=1 ;;
+      python3 -m opmap.cli.main env 2>&1 | tee "$out/env.log" || status=1 ;;
     tests)
       : > "$out/tests.log"
       if [ -n "${TEST_LANES:-}" ]; then
@@ -63,18 +63,18 @@ for s in $STEPS; do
     check)
       for m in $MODELS; do
         step "check $m"
-        timeout "${CHECK_TIMEOUT:-300}" python3 -m opmap.cli check --model "$m" --json "$out/check-$m.json" \
+        timeout "${CHECK_TIMEOUT:-300}" python3 -m opmap.cli.main check --model "$m" --json "$out/check-$m.json" \
           ${CHECK_ARGS:-} 2>&1 | tee "$out/check-$m.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       done ;;
     bench)
       step bench
-      timeout "${BENCH_TIMEOUT:-420}" python3 -m opmap.cli bench ${BENCH_ARGS:---quick} 2>&1 | tee "$out/bench.log"
+      timeout "${BENCH_TIMEOUT:-420}" python3 -m opmap.cli.main bench ${BENCH_ARGS:---quick} 2>&1 | tee "$out/bench.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       pack_baselines ;;
     e2e)
       step e2e
-      timeout "${E2E_TIMEOUT:-560}" python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
+      timeout "${E2E_TIMEOUT:-560}" python3 -m opmap.harness.bench.cases.e2e ${E2E_ARGS:---quick} 2>&1 | tee "$out/e2e.log"
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       pack_baselines ;;
     e2e-start)
@@ -84,7 +84,7 @@ for s in $STEPS; do
         echo "an e2e run is already going (pid $(cat $E2E_DIR/pid))"
       else
         rm -rf $E2E_DIR && mkdir -p $E2E_DIR
-        setsid nohup python3 -m opmap.bench.cases.e2e ${E2E_ARGS:---quick} --out $E2E_DIR > $E2E_DIR/log 2>&1 &
+        setsid nohup python3 -m opmap.harness.bench.cases.e2e ${E2E_ARGS:---quick} --out $E2E_DIR > $E2E_DIR/log 2>&1 &
         echo $! > $E2E_DIR/pid
         echo "e2e started (pid $!): ${E2E_ARGS:---quick}; collect it with STEPS=e2e-wait"
       fi ;;
@@ -99,7 +99,7 @@ for s in $STEPS; do
       if kill -0 "$(cat $E2E_DIR/pid 2>/dev/null)" 2>/dev/null; then
         echo "e2e still running: run STEPS=e2e-wait again (what it finished is in $out/e2e-partial.json)"
       elif ls $E2E_DIR/*/e2e.json >/dev/null 2>&1; then
-        for d in $E2E_DIR/*/; do mkdir -p "bench/baselines/$(basename $d)" && cp $d/e2e.* "bench/baselines/$(basename $d)/"; done
+        for d in $E2E_DIR/*/; do mkdir -p "harness/bench/baselines/$(basename $d)" && cp $d/e2e.* "harness/bench/baselines/$(basename $d)/"; done
         tail -40 $E2E_DIR/log
         pack_baselines
       else
@@ -109,7 +109,7 @@ for s in $STEPS; do
       for m in $MODELS; do
         step "report $m"
         t0=$(date +%s)
-        timeout "${REPORT_TIMEOUT:-300}" python3 -m opmap.cli report --model "$m" --out "$out/report-$m" \
+        timeout "${REPORT_TIMEOUT:-300}" python3 -m opmap.cli.main report --model "$m" --out "$out/report-$m" \
           2>&1 | tee "$out/report-$m.log"
         [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
         echo "report $m: $(( $(date +%s) - t0 )) s wall" | tee -a "$out/report-$m.log"

@@ -64,8 +64,8 @@ def _build(cfg, attn: str):
 
 def _save(src: str, path: str) -> None:
     """Gzip ``src`` into ``path``, without what the reader ignores (Python frames that name no
-    operator, opmap.profile.trace.kept; the flow arrows): a fixture, not an archive."""
-    from opmap.profile.trace import kept
+    operator, opmap.harness.profile.trace.kept; the flow arrows): a fixture, not an archive."""
+    from opmap.harness.profile.trace import kept
 
     with open(src) as f:
         doc = json.load(f)
@@ -108,7 +108,7 @@ def hf_compile(path: str) -> None:
 
 def opmap_engine(model: str, path: str) -> None:
     tmp = path[:-3]
-    cmd = [sys.executable, "-m", "opmap.cli", "profile", "--model", model, "--num-requests", "3", "--max-tokens",
+    cmd = [sys.executable, "-m", "opmap.cli.main", "profile", "--model", model, "--num-requests", "3", "--max-tokens",
            "6", "--steps", "10", "--save-trace", tmp]
     subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src")))
     _save(tmp, path)
@@ -135,7 +135,7 @@ def flashinfer_decode(path: str) -> None:
     (opmap's adapter: BatchDecodeWithPagedKVCacheWrapper, planned per call), the LM head, argmax
     and the readback of the tokens; no record_function range, as a user's own loop would be."""
     import opmap
-    from opmap.ops.attention.testing import make_paged, make_query
+    from opmap.harness.fixtures.attention import make_paged, make_query
 
     B, L = 32, 1024
     g = torch.Generator().manual_seed(0)

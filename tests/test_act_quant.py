@@ -3,8 +3,9 @@ quant.quantize_act_fp8, in the Triton interpreter (fp32 / fp16; bf16 on the GPU:
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.gemm import act_quant, quant
+from opmap.core.contract import InputError
+from opmap.kernels.gemm import act_quant
+from opmap.ops.gemm import quant
 
 
 def _fp8_same(out, ref):

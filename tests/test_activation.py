@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opmap import registry
-from opmap.contract import InputError
+from opmap.core import registry
+from opmap.core.contract import InputError
 from opmap.ops.activation import reference as ref
-from opmap.ops.activation import triton_act as tri
-from opmap.tolerance import assert_close
+from opmap.kernels.activation import triton_act as tri
+from opmap.core.tolerance import assert_close
 
 ENTRIES = ["silu_mul", "gelu_tanh_mul"]
 
@@ -61,8 +61,8 @@ def test_bad_input_is_input_error(impl):
 
 
 def test_registry_and_peer():
-    from opmap.select import select
-    from opmap.specs import ActivationSpec
+    from opmap.core.select import select
+    from opmap.core.specs import ActivationSpec
 
     assert select("activation", ActivationSpec(arch="sm90"), runtime=False).name == "triton"
     x = torch.randn(3, 64)
@@ -81,7 +81,7 @@ def test_custom_ops_opcheck():
 
 
 def test_bench_cases_providers_run_and_agree(monkeypatch):
-    from opmap.bench.cases import activation as bench
+    from opmap.harness.bench.cases import activation as bench
 
     monkeypatch.setattr(bench, "SHAPES", [(2, 14336)])
     for c in bench.cases(quick=True):

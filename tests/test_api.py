@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import opmap
-from opmap import registry
+from opmap.core import registry
 from opmap.api import dispatch
-from opmap.contract import InputError
-from opmap.select import BackendError
+from opmap.core.contract import InputError
+from opmap.core.select import BackendError
 from test_views import _entries, _same, _tensors
 
 # test_views' entry names -> the public function (and custom op) names
@@ -85,7 +85,7 @@ def test_forced_backends_and_bad_input():
 
 def test_decode_without_a_workspace_reuses_a_cached_one(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from opmap.ops.attention.testing import make_paged, make_query
+    from opmap.harness.fixtures.attention import make_paged, make_query
 
     dispatch._WORKSPACES.clear()
     g = torch.Generator().manual_seed(3)
@@ -109,8 +109,8 @@ def test_decode_without_a_workspace_reuses_a_cached_one(monkeypatch):
 
 def test_engine_runs_the_public_callables():
     from opmap.engine.opset import OpSet
-    from opmap.presets import get_preset
-    from opmap.specs import NormSpec
+    from opmap.model.presets import get_preset
+    from opmap.core.specs import NormSpec
 
     cfg = get_preset("tiny-llama3")
     ops = OpSet(cfg, "decode", "cpu", "fp32", 16, False, 4)

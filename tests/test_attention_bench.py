@@ -4,9 +4,9 @@ import warnings
 
 import torch
 
-from opmap.bench.cases import attention as BA
+from opmap.harness.bench.cases import attention as BA
 from opmap.ops.attention import reference as R
-from opmap.tolerance import assert_close
+from opmap.core.tolerance import assert_close
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")
 
@@ -44,10 +44,10 @@ def test_providers_agree_on_a_tiny_instance():
 
 def test_tile_variants_run_and_agree():
     """The tile overrides the full benchmark run times give the same result (interpreter)."""
-    from opmap.contract import InputError
-    from opmap.ops.attention import decode as Dm
-    from opmap.ops.attention import prefill as Pf
-    from opmap.ops.attention.testing import make_paged, make_query
+    from opmap.core.contract import InputError
+    from opmap.kernels.attention import decode as Dm
+    from opmap.kernels.attention import prefill as Pf
+    from opmap.harness.fixtures.attention import make_paged, make_query
     import pytest
 
     pc = make_paged([40, 3], 2, 64, 16, dtype=torch.float16)

@@ -3,13 +3,15 @@ any kernel launches; the registry declares the same limits so the selector rejec
 import pytest
 import torch
 
-from opmap import registry, specs
-from opmap.contract import InputError
-from opmap.ops.attention import decode as D
-from opmap.ops.attention import prefill as P
+from opmap.core import registry
+
+from opmap.core import specs
+from opmap.core.contract import InputError
+from opmap.kernels.attention import decode as D
+from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
 from opmap.api.custom_ops import attention_decode, attention_prefill
-from opmap.ops.attention.testing import make_paged, make_query
+from opmap.harness.fixtures.attention import make_paged, make_query
 
 
 def _args(seq=(5, 20), ql=(5, 3), hq=8, hk=2, d=64, page=16, dtype=torch.float16, **kw):

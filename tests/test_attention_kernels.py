@@ -9,12 +9,12 @@ running the full product in the interpreter.
 import pytest
 import torch
 
-from opmap.ops.attention import decode as D
-from opmap.ops.attention import prefill as P
+from opmap.kernels.attention import decode as D
+from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.mixed import mixed
-from opmap.ops.attention.testing import make_paged, make_query
-from opmap.tolerance import assert_close, cosine
+from opmap.kernels.attention.mixed import mixed
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.core.tolerance import assert_close, cosine
 
 F16, F32 = torch.float16, torch.float32
 
@@ -70,7 +70,7 @@ def test_decode(case):
 @pytest.mark.parametrize("cap", [None, 30.0])
 def test_decode_fp8_cache_queries_at_the_edge_of_fp16(cap):
     """On fp8 caches the decode's dots run in fp16 (the GPU converts the tiles with
-    cvt.rn.f16x2.e4m3x2; ops/attention/fp8.py), q divided by a power of two where it would not fit
+    cvt.rn.f16x2.e4m3x2; kernels/attention/fp8.py), q divided by a power of two where it would not fit
     fp16: queries up to 6e4 (factor 2 here) give the reference's result, with and without a soft
     cap."""
     seq = [300, 17, 1]
@@ -192,7 +192,7 @@ def test_page_prefetch_changes_nothing(win, cap):
     """PREFETCH=1 (page ids loaded one key tile ahead, the default) and PREFETCH=0 (loaded in the
     tile's own iteration) compute the same thing in the same order: bitwise equal outputs, over
     tiles that cross pages, both prefill loops (unmasked and masked tiles) and split-KV decode."""
-    from opmap.ops.attention import prefill as Pf
+    from opmap.kernels.attention import prefill as Pf
 
     seq = [300, 17, 1, 64, 129]
     pc = make_paged(seq, 2, 64, 16, dtype=F16, shared=True, poison=True)
@@ -228,9 +228,9 @@ def test_decode_fp8_cache_non_finite_query_stays_in_its_head():
 
 
 def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
-    """Which decodes take the fp16-dot path (ops/attention/fp8.py): fp8 caches with fp16 or bf16
+    """Which decodes take the fp16-dot path (kernels/attention/fp8.py): fp8 caches with fp16 or bf16
     queries, unless the config turns it off; fp32 queries keep their IEEE dots."""
-    from opmap.ops.attention.fp8 import fp16_dots
+    from opmap.kernels.attention.fp8 import fp16_dots
 
     f8 = torch.float8_e4m3fn
     assert fp16_dots(f8, torch.bfloat16) and fp16_dots(f8, torch.float16)
@@ -241,7 +241,7 @@ def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
 def test_gluon_fp8_decode_only_where_it_serves():
     """decode_fp8.usable: never in the interpreter, and only fp8 caches at head dim 128 with 16-bit
     queries, at most 16 query heads per KV head, 16-byte aligned rows (checked before any device query)."""
-    from opmap.ops.attention import decode_fp8 as F
+    from opmap.kernels.attention import decode_fp8 as F
 
     fp8 = torch.float8_e4m3fn
     kc = torch.zeros(4, 16, 8, 128, dtype=fp8)

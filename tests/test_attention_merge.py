@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.attention import merge as M
+from opmap.core.contract import InputError
+from opmap.kernels.attention import merge as M
 from opmap.ops.attention import reference as R
 from opmap.api.custom_ops import attention_merge
-from opmap.tolerance import assert_close
+from opmap.core.tolerance import assert_close
 
 
 @pytest.mark.parametrize("T,H,D,dtype", [(7, 8, 64, torch.float16), (3, 5, 96, torch.float32)])

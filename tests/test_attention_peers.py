@@ -6,12 +6,17 @@ import warnings
 import pytest
 import torch
 
-from opmap import registry, select, specs
-from opmap.contract import InputError
-from opmap.ops.attention import flex, sdpa
+from opmap.core import registry
+
+from opmap.core import select
+
+from opmap.core import specs
+from opmap.core.contract import InputError
+from opmap.peers.attention import flex
+from opmap.peers.attention import sdpa
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.testing import make_paged, make_query
-from opmap.tolerance import assert_close
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.core.tolerance import assert_close
 
 warnings.filterwarnings("ignore", message=".*flex_attention.*")
 

@@ -1,15 +1,15 @@
-"""The TMA prefill (ops/attention/prefill_tma.py) against the fp32 reference in the interpreter:
+"""The TMA prefill (kernels/attention/prefill_tma.py) against the fp32 reference in the interpreter:
 pages holding whole key tiles (BLOCK_N 16 here, pages 16 / 32 / 64), lengths at page and tile
 edges, chunked prefill over a cached prefix, shared and shuffled pages, NaN in every slot past a
 length, GQA / MQA / MHA, causal and not, window, soft cap, LSE; and what it refuses."""
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.attention import prefill as P
+from opmap.core.contract import InputError
+from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.mixed import mixed
-from opmap.ops.attention.testing import make_paged, make_query
+from opmap.kernels.attention.mixed import mixed
+from opmap.harness.fixtures.attention import make_paged, make_query
 
 from test_attention_kernels import F16, _check, _ref
 
@@ -26,7 +26,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_tma_prefill_matches_reference(case, monkeypatch):
-    from opmap.ops.attention import prefill_tma
+    from opmap.kernels.attention import prefill_tma
 
     calls = []
     real = prefill_tma.launch
@@ -52,7 +52,7 @@ def test_tma_prefill_matches_reference(case, monkeypatch):
 def test_tma_prefill_bad_page_ids_read_zeros_not_memory():
     """A page id past the cache (or negative) is outside the descriptor: its keys read as zeros.
     The validators reject such tables before a launch; this is the kernel's own safety net."""
-    from opmap.ops.attention import prefill_tma
+    from opmap.kernels.attention import prefill_tma
 
     pc = make_paged([64], 1, 32, 64, dtype=F16, generator=torch.Generator().manual_seed(3))
     q, cu = make_query([64], 2, 32, dtype=F16)

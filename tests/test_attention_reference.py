@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.testing import make_paged, make_query
-from opmap.tolerance import assert_close
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.core.tolerance import assert_close
 
 
 def sdpa64(q, k, v, q_pos, causal, window):

@@ -9,7 +9,8 @@ import torch
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-from opmap.ops.attention import prefill as P, decode as Dm
+from opmap.kernels.attention import prefill as P
+from opmap.kernels.attention import decode as Dm
 def comp(fn, sig, ce, opts):
     div = [i for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("s_")]
     return usage(compile_sm90(fn, sig, ce, opts, div))
@@ -29,7 +30,7 @@ for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_C
           "F16", "ASM"]:
     dsig[n] = "constexpr"
 out = {}
-from opmap.ops.attention.common import _default_config
+from opmap.kernels.attention.common import _default_config
 import torch
 for d in (64, 128):
     for pf in (0, 1):
@@ -72,7 +73,7 @@ def test_attention_kernels_compile_pipelined_for_sm90():
 def test_decode_prefetch_only_while_the_grid_is_small(monkeypatch):
     """The prefetch rule the H200 measurements chose: on while B x kv_heads <= 2 x SMs; an explicit
     PREFETCH in the override always wins."""
-    from opmap.ops.attention import decode as dec
+    from opmap.kernels.attention import decode as dec
 
     monkeypatch.setattr(dec, "sm_count", lambda device: 132)
     monkeypatch.setattr(dec, "kernel_config", lambda kind, d, g, device, override=None:
@@ -89,7 +90,7 @@ def test_decode_prefetch_only_while_the_grid_is_small(monkeypatch):
 def test_decode_min_chunk_auto_and_explicit(monkeypatch):
     """64-key splits only when B x kv_heads <= SMs / 16 (batch 1, 8 KV heads on the H200); a
     workspace's explicit min_chunk always wins."""
-    from opmap.ops.attention import decode as dec
+    from opmap.kernels.attention import decode as dec
 
     monkeypatch.setattr(dec, "sm_count", lambda device: 132)
     assert dec.auto_min_chunk(1, 8, "cuda") == 64 and dec.auto_min_chunk(2, 8, "cuda") == 256
@@ -103,7 +104,7 @@ def test_decode_min_chunk_auto_and_explicit(monkeypatch):
 
 
 FP8_SCRIPT = SCRIPT.split("out = {}")[0] + r'''
-from opmap.ops.attention.common import _default_config
+from opmap.kernels.attention.common import _default_config
 import torch
 cfg = _default_config("decode", 128, 4, torch.device("cuda"))
 res = {}
@@ -123,7 +124,7 @@ def test_decode_fp8_tiles_cross_shared_memory_once_in_16_bytes():
     """The d128 decode on an fp8 cache (the default config). With Triton's cast to bf16 (F16=0, the
     path of fp32 queries) the sm90 build read the 1-byte K and V tiles back from shared memory byte by byte and
     converted them element by element (e4m3 -> f16 -> bf16): at B=64 / 4096 it took 261 us against
-    bf16's 260, half the bytes for nothing. The default (ops/attention/fp8.py) converts each tile
+    bf16's 260, half the bytes for nothing. The default (kernels/attention/fp8.py) converts each tile
     once, packed, and feeds the dots by ldmatrix; pipelined as before, no stack."""
     res = run(FP8_SCRIPT)
     cast, f16 = res["cast"]["ops"], res["f16"]["ops"]
@@ -136,7 +137,7 @@ def test_decode_fp8_tiles_cross_shared_memory_once_in_16_bytes():
 
 
 GLUON_SCRIPT = r'''
-from opmap.ops.attention import decode_fp8 as F
+from opmap.kernels.attention import decode_fp8 as F
 sig = {"q_ptr": "*bf16", "kc_ptr": "*fp8e4nv", "vc_ptr": "*fp8e4nv", "o_ptr": "*bf16", "lse_ptr": "*fp32",
        "po_ptr": "*fp32", "pl_ptr": "*fp32", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
        "cu_ptr": "*i32", "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32",

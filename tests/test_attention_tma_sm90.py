@@ -1,12 +1,12 @@
 """The TMA attention kernels compile for sm90 on this CPU-only machine: the prefill
-(ops/attention/prefill_tma.py) at its default tile (BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages;
+(kernels/attention/prefill_tma.py) at its default tile (BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages;
 d = 128, pages of 64) with its K/V tiles by TMA (cp.async.bulk.tensor) and both dots on wgmma,
 no local memory (group 1 keeps an 8-byte stack frame at 255 registers). Runs in a subprocess
 because the interpreter replaces @triton.jit here."""
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-from opmap.ops.attention import prefill_tma as t
+from opmap.kernels.attention import prefill_tma as t
 
 res = {}
 for d, group in [(128, 4), (128, 1), (64, 8)]:

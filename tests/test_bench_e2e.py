@@ -4,7 +4,7 @@ case runs with and without the grammar-fill overlap. Timings here mean nothing (
 ops); the GPU run is what is reported."""
 import pytest
 
-from opmap.bench.cases import e2e
+from opmap.harness.bench.cases import e2e
 
 from test_engine_util import single_thread  # noqa: F401
 
@@ -16,7 +16,7 @@ class _Ceil:
 def test_engine_cases_records_and_grammar_overlap_variants(single_thread):
     pytest.importorskip("xgrammar")
     from opmap.engine.llm import LLM
-    from opmap.presets import get_preset
+    from opmap.model.presets import get_preset
 
     model = "tiny-llama3"
     with LLM(model, max_num_seqs=32, max_num_batched_tokens=2048, max_model_len=256) as llm:
@@ -39,8 +39,8 @@ def test_engine_cases_records_and_grammar_overlap_variants(single_thread):
 def test_kv_bytes_and_step_floor_figures(monkeypatch):
     """Llama-3-8B at B=32, prompt 512, 128 new tokens: 32 x 576 x 32 layers x (2 x 8 x 128) x 2 B
     = 2.42 GB of KV per decode step; MLA counts the latent and RoPE key."""
-    from opmap.bench.cases import e2e
-    from opmap.presets import get_preset
+    from opmap.harness.bench.cases import e2e
+    from opmap.model.presets import get_preset
 
     assert abs(e2e.kv_bytes_per_step(get_preset("llama3-8b"), 32, 512, 128) - 2.416e9) < 1e7
     ds = get_preset("deepseek-v2-lite")
@@ -66,7 +66,7 @@ def test_quantised_engine_cases_and_floor(single_thread):
     """A "<preset>:fp8" case runs the engine with weight-only fp8 (its floor counts the quantised
     projections at one byte a weight); HF says it runs only the unquantised model."""
     from opmap.engine.llm import LLM
-    from opmap.presets import get_preset
+    from opmap.model.presets import get_preset
 
     assert e2e.split_model("llama3-8b:fp8") == ("llama3-8b", "fp8", None)
     assert e2e.split_model("llama3-8b:fp8+fp8kv") == ("llama3-8b", "fp8", "fp8")
@@ -96,9 +96,9 @@ def test_hf_static_greedy_loop_matches_generate(model, compile):
     values differ in head dim (the cache sizes them at the prefill)."""
     import torch
 
-    from opmap.bench.cases.hf_static import StaticGreedy
-    from opmap.engine.config import make_hf_model
-    from opmap.presets import get_preset
+    from opmap.harness.bench.cases.hf_static import StaticGreedy
+    from opmap.model.hf import make_hf_model
+    from opmap.model.presets import get_preset
 
     cfg = get_preset(model)
     hf = make_hf_model(cfg, seed=1).eval()
@@ -116,7 +116,7 @@ def test_records_are_handed_over_after_each_provider(monkeypatch):
     provider of a model, and a provider that fails leaves a skipped line, not a lost model."""
     import torch
 
-    from opmap import hw
+    from opmap.core import hw
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(hw, "ceilings", lambda measure=True: _Ceil())
@@ -192,7 +192,7 @@ def test_a_child_run_writes_its_part_file(tmp_path):
     import sys
 
     part = tmp_path / "part.json"
-    rc = subprocess.call([sys.executable, "-m", "opmap.bench.cases.e2e", "--child", str(part), "--model", "llama3-8b",
+    rc = subprocess.call([sys.executable, "-m", "opmap.harness.bench.cases.e2e", "--child", str(part), "--model", "llama3-8b",
                           "--case", "1", "--no-hf"])
     doc = json.loads(part.read_text())
     assert rc == 0 and doc["results"] == [] and doc["skipped"][0]["reason"] == "needs a CUDA GPU"
@@ -203,7 +203,7 @@ def test_keep_others_keeps_unmeasured_rows_noted_with_their_commit(tmp_path):
     the commit that measured them; a row measured again is replaced; a kept row is not re-noted."""
     import json
 
-    from opmap.output import baseline_dir
+    from opmap.harness.output import baseline_dir
 
     env = {"gpu": "NVIDIA H200", "commit": "new"}
     old = {"environment": {"gpu": "NVIDIA H200", "commit": "abc1234"},

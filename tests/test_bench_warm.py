@@ -1,7 +1,8 @@
 """The benchmark's compile warm-up (bench.runner._warm_compiles, bench.warm_child): every case's
 providers run once in worker processes before the timing pass; nothing is timed there."""
-from opmap.bench import runner, warm_child
-from opmap.bench.base import BenchCase, Provider
+from opmap.harness.bench import runner
+from opmap.harness.bench import warm_child
+from opmap.harness.bench.base import BenchCase, Provider
 
 
 def _case(calls, avail=None):
@@ -63,8 +64,8 @@ def test_warm_up_in_the_background_gives_the_same_record():
 def test_a_row_note_carries_what_the_provider_describes(monkeypatch):
     # run_case asks a provider what ran (Provider.describe, e.g. the GEMM's tuned config) after
     # timing it and joins that to the timing's own note; providers without it keep that note only.
-    from opmap.bench import timing
-    from opmap.bench.base import BenchCase, Provider
+    from opmap.harness.bench import timing
+    from opmap.harness.bench.base import BenchCase, Provider
 
     monkeypatch.setattr(timing, "num_sets", lambda *a, **k: 1)
     monkeypatch.setattr(timing, "time_calls", lambda calls, **k: timing.Timing(2.0, "events", len(calls), "timed eagerly"))

@@ -8,12 +8,12 @@ import shutil
 
 import pytest
 
-from opmap import cli
-from opmap.contract import InputError
-from opmap.engine.config import save_checkpoint
+from opmap.cli.main import main as cli
+from opmap.core.contract import InputError
+from opmap.model.hf import save_checkpoint
 from opmap.engine.llm import LLM
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import single_thread  # noqa: F401
 

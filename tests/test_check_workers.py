@@ -1,8 +1,10 @@
-"""`opmap check` in worker processes (check/workers.py): the same results as one process, in the
+"""`opmap check` in worker processes (harness/check/workers.py): the same results as one process, in the
 selection's order; a worker that dies fails the case it held and a fresh one takes the rest."""
 import sys
 
-from opmap.check import runner, workers
+from opmap.harness.check import runner
+
+from opmap.harness.check import workers
 
 ARGS = dict(model=None, backends=None, ops=["logits"], sections=None, quick=True, device="cpu")
 
@@ -42,7 +44,7 @@ def test_gpu_default_is_several_workers_cpu_one():
 
 
 def test_a_worker_past_the_timeout_is_killed_and_replaced():
-    from opmap import workpool
+    from opmap.harness import workpool
 
     hang = [sys.executable, "-c", "import sys, time\nfor line in sys.stdin:\n    time.sleep(60)"]
     got = []

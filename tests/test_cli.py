@@ -7,7 +7,11 @@ import time
 
 import pytest
 
-from opmap import cli, registry, select as sel
+from opmap.cli.main import main as cli
+
+from opmap.core import registry
+
+from opmap.core import select as sel
 
 EXAMPLE = ["select", "attention", "--phase", "decode", "--heads", "32", "--kv-heads", "8", "--head-dim", "128",
            "--page-size", "16", "--kv-dtype", "fp8", "--cuda-graph", "--arch", "sm90"]
@@ -193,7 +197,7 @@ def test_engine_commands_exist():
 
 def test_console_entry_point():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-m", "opmap.cli", "select", "rmsnorm", "--arch", "sm90",
+    out = subprocess.run([sys.executable, "-m", "opmap.cli.main", "select", "rmsnorm", "--arch", "sm90",
                           "--hidden", "8192"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("spec: rmsnorm [arch=sm90, phase=decode, hidden=8192")
@@ -205,7 +209,7 @@ def test_environment_records_the_optional_packages(monkeypatch):
     import importlib.util
     from importlib.machinery import ModuleSpec
 
-    from opmap import output
+    from opmap.harness import output
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -217,8 +221,8 @@ def test_environment_records_the_optional_packages(monkeypatch):
 
 def test_environment_records_the_host_cpu(tmp_path, monkeypatch):
     """Host-bound figures follow the host CPU: result files name it, the bench Markdown prints it."""
-    from opmap import output
-    from opmap.bench import report
+    from opmap.harness import output
+    from opmap.harness.bench import report
 
     env = output.environment()
     assert env["host_cpu"] == output.host_cpu()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opmap import cli
+from opmap.cli.main import main as cli
 
 RUN = ["run", "--model", "tiny-llama3", "--prompt", "hi", "--max-tokens", "2", "--no-progress"]
 
@@ -55,8 +55,8 @@ def test_forced_backend_from_the_environment_is_one_line(monkeypatch, capsys):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from opmap.engine.config import save_checkpoint
-    from opmap.presets import PRESETS
+    from opmap.model.hf import save_checkpoint
+    from opmap.model.presets import PRESETS
 
     path = str(tmp_path_factory.mktemp("ckpt") / "tiny")
     save_checkpoint(PRESETS["tiny-llama3"], path)
@@ -98,7 +98,7 @@ def test_bad_checkpoints_are_one_line(ckpt, tmp_path, how, words, capsys):
 
 
 def test_an_unexpected_error_is_one_line_and_its_traceback_under_v(monkeypatch, capsys):
-    import opmap.cli_run as cr
+    import opmap.cli.run as cr
 
     def boom(args):
         raise RuntimeError("a bug\nover two lines")
@@ -113,7 +113,7 @@ def test_an_unexpected_error_is_one_line_and_its_traceback_under_v(monkeypatch, 
 
 def test_no_traceback_from_a_process():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    out = subprocess.run([sys.executable, "-m", "opmap.cli", *RUN, "--top-p", "0"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "opmap.cli.main", *RUN, "--top-p", "0"], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert [ln for ln in out.stderr.splitlines() if not _selector_line(ln)][-1].startswith("opmap run: error: top_p")
@@ -125,7 +125,7 @@ def test_models_lists_presets_and_architectures(capsys):
     for name in ("llama3-8b", "deepseek-v2-lite", "tiny-qwen3moe"):
         assert name in out
     assert "architectures (config.json model_type)" in out
-    from opmap.engine.config import HF_TYPES
+    from opmap.model.hf import HF_TYPES
 
     for mt in HF_TYPES:  # each with the fields it reads and refuses
         assert f"│ {mt} " in out, mt
@@ -133,8 +133,8 @@ def test_models_lists_presets_and_architectures(capsys):
 
 
 def test_one_resolver_takes_a_preset_a_directory_or_a_config_json(ckpt):
-    from opmap.contract import InputError
-    from opmap.engine.config import resolve_model
+    from opmap.core.contract import InputError
+    from opmap.model.hf import resolve_model
 
     by_dir, path = resolve_model(ckpt)
     by_json, none = resolve_model(os.path.join(ckpt, "config.json"))
@@ -154,7 +154,7 @@ def test_report_takes_a_checkpoint_directory(ckpt, tmp_path, capsys):
 
 def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     """--arch sm90 on this CPU machine: the sm90 selection, nothing run, and per operator the
-    nearest measured row of the selected backend in bench/baselines/h200 (file, commit); stdout
+    nearest measured row of the selected backend in harness/bench/baselines/h200 (file, commit); stdout
     gets the summary (one screen) and the output path, the Markdown starts with the same summary."""
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm90", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -193,7 +193,7 @@ def _opmap(*argv, env=None):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     e = dict(os.environ, PYTHONPATH=os.path.join(root, "src"), CUDA_VISIBLE_DEVICES="", **(env or {}))
     e.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, "-m", "opmap.cli", *argv], capture_output=True, text=True, timeout=300, env=e)
+    p = subprocess.run([sys.executable, "-m", "opmap.cli.main", *argv], capture_output=True, text=True, timeout=300, env=e)
     assert "Traceback" not in p.stderr, p.stderr[-2000:]
     return p.returncode, p.stdout, p.stderr
 
@@ -219,8 +219,8 @@ def test_presets_build_hf_configs_without_warnings():
 
     from transformers.utils import logging as hf_logging
 
-    from opmap.engine.config import to_hf_config
-    from opmap.presets import PRESETS
+    from opmap.model.hf import to_hf_config
+    from opmap.model.presets import PRESETS
 
     seen = []
 

@@ -3,7 +3,7 @@ was expected."""
 import pytest
 import torch
 
-from opmap.contract import InputError, expect, expect_in, expect_same_device, expect_tensor
+from opmap.core.contract import InputError, expect, expect_in, expect_same_device, expect_tensor
 
 
 def _err(fn):
@@ -52,7 +52,7 @@ def test_input_error_is_a_value_error():
 
 
 def test_trusted_values_skip_only_device_value_checks():
-    from opmap.contract import trusted_values, values_wanted
+    from opmap.core.contract import trusted_values, values_wanted
 
     t = torch.zeros(3, dtype=torch.int32)
     with trusted_values():
@@ -72,7 +72,7 @@ def test_flashinfer_plans_once_per_metadata():
     # The adapter's plan memo (FlashInfer itself is not needed for it): the layers of one step
     # reuse a plan; an in-place rewrite of the metadata (the next step) plans again; each wrapper
     # kind keeps one live plan, since its workspace holds it.
-    from opmap.ops.attention.flashinfer import _PLANS, _planned
+    from opmap.peers.attention.flashinfer import _PLANS, _planned
 
     for memo in _PLANS.values():
         memo.clear()

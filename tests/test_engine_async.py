@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opmap.engine.llm import PLACEHOLDER, LLM
-from opmap.ops.sampling.params import SamplingParams
+from opmap.engine.params import SamplingParams
 
 from test_engine_util import random_prompts, single_thread  # noqa: F401
 

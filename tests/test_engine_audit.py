@@ -8,8 +8,8 @@ import triton
 
 from opmap.engine.audit import StepAudit
 from opmap.engine.llm import LLM
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import get_preset
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import get_preset
 
 
 def test_audit_counts_events_inside_steps_by_phase():

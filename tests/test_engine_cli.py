@@ -5,8 +5,8 @@ import json
 
 import torch
 
-from opmap import profile as P
-from opmap.cli_run import add_profile_parser, add_run_parser
+from opmap.harness import profile as P
+from opmap.cli.run import add_profile_parser, add_run_parser
 
 from test_engine_util import single_thread  # noqa: F401
 
@@ -32,7 +32,7 @@ def test_run_synthetic_workload(tmp_path, capsys, single_thread):
 
 
 def test_prefill_graph_tokens_reaches_the_engine(monkeypatch):
-    from opmap import cli_run
+    from opmap.cli.main import run as cli_run
 
     seen = {}
     monkeypatch.setattr("opmap.engine.llm.LLM", lambda model, **kw: seen.update(kw))
@@ -141,9 +141,9 @@ def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
     from opmap.engine.runner import ModelRunner
     from types import SimpleNamespace
 
-    from opmap import hw
-    from opmap import profile as P
-    from opmap.presets import get_preset
+    from opmap.core import hw
+    from opmap.harness import profile as P
+    from opmap.model.presets import get_preset
 
     monkeypatch.setattr(hw, "ceilings", lambda measure=False: SimpleNamespace(read_tbps=4.0))
     cfg = get_preset("llama3-8b")
@@ -217,7 +217,7 @@ def test_host_time_per_operator_on_a_gpu_trace():
 def test_python_hotspots_rank_the_functions_of_a_run():
     """--python: the workload once more under cProfile, functions by own time, opmap's among them."""
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     with LLM("tiny-llama3", device="cpu", dtype="fp32", num_pages=32, page_size=16) as llm:
         lines = P.python_hotspots(llm, [[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0), 6)
@@ -242,7 +242,7 @@ def test_categorize_symbols():
 
 
 def test_bad_engine_arguments_are_clean_errors(capsys):
-    from opmap import cli
+    from opmap.cli.main import main as cli
 
     assert cli.main(["run", "--model", "no-such-model", "--no-progress"]) == 1
     assert "opmap run: error: model: got 'no-such-model'" in capsys.readouterr().err
@@ -256,7 +256,7 @@ def test_ambiguous_symbols_follow_the_model():
 
 
 def test_profile_kernel_table_on_cpu(capsys):
-    from opmap import cli
+    from opmap.cli.main import main as cli
 
     rc = cli.main(["profile", "--model", "tiny-llama3", "--steps", "4", "--kernels", "3", "--num-requests", "2",
                    "--input-len", "8", "--output-len", "4"])
@@ -270,7 +270,7 @@ def test_graph_replayed_phases_name_their_chosen_backends():
     marked "(graph)", and keeps what a range did attribute."""
     from types import SimpleNamespace as NS
 
-    from opmap.profile.engine import graph_backends
+    from opmap.harness.profile.engine import graph_backends
 
     def choice(op, phase, name):
         return ("x", "entry", NS(op=op, spec=NS(phase=phase), backend=NS(name=name)))

@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.engine.config import EngineConfig, from_hf_config, resolve_model, to_hf_config
+from opmap.core.contract import InputError
+from opmap.model.hf import from_hf_config, resolve_model, to_hf_config
+from opmap.engine.config import EngineConfig
 from opmap.engine.weights import Loader, SafetensorsSource, StateDictSource
-from opmap.presets import PRESETS
+from opmap.model.presets import PRESETS
 
 LLAMA3_4X = {  # the shape of Meta-Llama-3.1-8B's config.json (transformers 4.x fields)
     "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -89,7 +90,7 @@ def test_page_size_defaults_to_64_for_mla_models_and_on_sm90():
     """MLA models get 64-token pages (the MLA decode's TMA kernel tiles 64 keys of one page), and
     every model on sm90 (the TMA prefill's 64-key tiles); others 16. An explicit page size is kept,
     and the selector's op map follows the same default."""
-    from opmap import presets
+    from opmap.model import presets
     from opmap.engine.config import EngineConfig
 
     ds, ll = presets.PRESETS["deepseek-v2-lite"], presets.PRESETS["llama3-8b"]

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from opmap.engine.config import save_checkpoint
+from opmap.model.hf import save_checkpoint
 from opmap.engine.llm import LLM
 from opmap.engine.weights import StateDictSource
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import random_prompts, single_thread, word_tokenizer  # noqa: F401
 
@@ -81,7 +81,7 @@ def test_preemption_gives_same_tokens(ckpt, prompts, whole, single_thread):
 def test_a_max_model_len_the_kv_cache_cannot_hold_is_refused_at_load(ckpt, caplog):
     """4 pages of 16 tokens hold 64: an explicit max_model_len of 128 is refused naming both figures;
     left to the model's 2048 positions it shrinks to 64 with a warning, and a longer prompt fails alone."""
-    from opmap.contract import InputError
+    from opmap.core.contract import InputError
 
     with pytest.raises(InputError, match=r"max_model_len: got 128, expected at most 64.*4 pages of 16"):
         LLM(ckpt, max_num_seqs=2, num_pages=4, page_size=16, max_model_len=128)
@@ -109,7 +109,7 @@ def test_bad_requests_fail_alone(ckpt, prompts, whole, single_thread):
 def test_too_many_logprobs_fail_alone(ckpt, prompts, whole, single_thread):
     """A request asking for more top-n log-probabilities than the vocabulary (or than
     MAX_LOGPROBS) ends alone with an error; the good requests beside it are unchanged."""
-    from opmap.ops.sampling.params import MAX_LOGPROBS
+    from opmap.engine.params import MAX_LOGPROBS
 
     llm = LLM(ckpt, max_num_seqs=8)
     lp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=CFG.vocab + 1)
@@ -162,7 +162,7 @@ def test_stops_and_logprobs(ckpt, prompts, whole, single_thread):
 
 
 def test_state_dict_source_and_random_preset(ckpt, single_thread):
-    from opmap.engine.config import make_hf_model
+    from opmap.model.hf import make_hf_model
 
     hf = make_hf_model(CFG, seed=11)
     a = LLM(CFG, source=StateDictSource(hf.state_dict()), tokenizer=word_tokenizer(CFG.vocab), max_num_seqs=2)

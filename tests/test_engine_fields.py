@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.engine.config import from_hf_config, make_hf_model, to_hf_config
+from opmap.core.contract import InputError
+from opmap.model.hf import from_hf_config, make_hf_model, to_hf_config
 from opmap.engine.llm import LLM
 from opmap.engine.weights import StateDictSource
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import hf_greedy, random_prompts, single_thread  # noqa: F401
 
@@ -138,7 +138,7 @@ def test_qwen2_moe_fields():
 
 
 def test_every_architecture_says_what_it_reads_and_another_activation_is_refused():
-    from opmap.engine.config import HF_TYPES, HONOURED
+    from opmap.model.hf import HF_TYPES, HONOURED
 
     assert set(HONOURED) == set(HF_TYPES.values())
     d = dict(to_hf_config(PRESETS["tiny-llama3"]).to_dict(), hidden_act="gelu")

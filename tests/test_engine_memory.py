@@ -4,7 +4,7 @@ import pytest
 
 from opmap.engine.kv_plan import GiB, MemFigures, margin_bytes, plan_pages
 from opmap.engine.llm import LLM
-from opmap.ops.sampling.params import SamplingParams
+from opmap.engine.params import SamplingParams
 
 from test_engine_util import single_thread  # noqa: F401
 

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from opmap.engine.config import save_checkpoint
+from opmap.model.hf import save_checkpoint
 from opmap.engine.llm import LLM
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import first_near_tie, hf_greedy, random_prompts, single_thread, word_tokenizer  # noqa: F401
 
@@ -66,7 +66,7 @@ NEW_ARCHS = ["tiny-mistral", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-qw
 def test_new_architectures_single_pages_of_64_and_preemption(name, single_thread):
     """Beyond the batch run above: each prompt alone, pages of 64 tokens, and a cache too small for
     the batch (requests preempted and recomputed), all with HF's greedy tokens."""
-    from opmap.engine.config import make_hf_model
+    from opmap.model.hf import make_hf_model
     from opmap.engine.weights import StateDictSource
 
     cfg = PRESETS[name]

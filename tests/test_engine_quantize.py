@@ -5,11 +5,11 @@ the selector is asked for the quantised weight dtype of exactly those projection
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.engine.config import save_checkpoint
+from opmap.core.contract import InputError
+from opmap.model.hf import save_checkpoint
 from opmap.engine.llm import LLM
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import hf_greedy, random_prompts, single_thread, word_tokenizer  # noqa: F401
 
@@ -148,7 +148,7 @@ def test_fp8_checkpoint_loads_in_fp8_and_matches_hf(name, strategy, tmp_path, si
     P = r.model.params
     assert P["0.qkv"].dtype == torch.float8_e4m3fn and P["0.qkv.scale"].shape == (P["0.qkv"].shape[0],)
     assert P["lm_head"].dtype == torch.float32
-    from opmap.profile import quant_lines
+    from opmap.harness.profile import quant_lines
 
     lines = quant_lines(llm)  # what the profile and the report say of the quantised layers
     assert any(ln.startswith("fp8 weights, decode: QKV proj, O proj") for ln in lines), lines
@@ -230,7 +230,7 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
     64-wide rows): no kernel takes block scales, so the projections are dequantised at load, the
     profile's lines name that fallback, and the greedy tokens equal HF's on the dequantised
     weights; --quantize fp8 then re-quantises them per output channel and runs in fp8."""
-    from opmap.profile import quant_lines
+    from opmap.harness.profile import quant_lines
 
     cfg = PRESETS["tiny-llama3"]
     hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
@@ -263,7 +263,7 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
 def test_other_quantised_checkpoints_are_refused(qc, words, tmp_path):
     import json
 
-    from opmap.engine.config import resolve_model
+    from opmap.model.hf import resolve_model
 
     cfg = PRESETS["tiny-llama3"]
     save_checkpoint(cfg, str(tmp_path), seed=3)
@@ -402,9 +402,9 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
     (which dequantises for its GEMM) is flagged as a fallback; an unquantised engine has none."""
     from types import SimpleNamespace as NS
 
-    from opmap.profile import quant_lines
-    from opmap.registry import backends
-    from opmap.specs import GemmSpec
+    from opmap.harness.profile import quant_lines
+    from opmap.core.registry import backends
+    from opmap.core.specs import GemmSpec
 
     def engine(name, fmt="fp8"):
         b = next(x for x in backends("gemm") if x.name == name)
@@ -430,8 +430,8 @@ def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_threa
     M unknown, triton-wo), fewer rows the one planned at M unknown; prefill steps and dense models
     keep one set. A run whose second prompt prefills beside the first one's decode takes it."""
     from opmap.engine import runner as R
-    from opmap.select import select
-    from opmap.specs import GemmSpec
+    from opmap.core.select import select
+    from opmap.core.specs import GemmSpec
 
     fp8 = dict(arch="sm90", phase="mixed", n=6144, k=4096, dtype="bf16", weight_dtype="fp8")
     assert select("gemm", GemmSpec(m=R.MANY_ROWS, **fp8), runtime=False).backend.name == "scaled-mm"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from opmap.engine import oracle
-from opmap.engine.config import to_hf_config
+from opmap.model.hf import to_hf_config
 from opmap.engine.llm import LLM
 from opmap.engine.weights import StateDictSource
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import random_prompts, single_thread  # noqa: F401  (a fixture)
 

@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from opmap.engine.config import make_hf_model
+from opmap.model.hf import make_hf_model
 from opmap.engine.llm import LLM
 from opmap.engine.weights import StateDictSource
-from opmap.ops.sampling.params import SamplingParams
-from opmap.presets import PRESETS
+from opmap.engine.params import SamplingParams
+from opmap.model.presets import PRESETS
 
 from test_engine_util import hf_greedy, random_prompts, single_thread  # noqa: F401
 

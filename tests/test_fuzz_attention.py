@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from opmap.ops.attention.testing import make_paged, make_query
+from opmap.harness.fixtures.attention import make_paged, make_query
 from test_fuzz_harness import Case, close, fuzz, gen, launchers
 
 N = {"triton": 18, "flex": 10}  # FlexAttention on the CPU compiles per shape: a few cases only
@@ -159,7 +159,7 @@ def test_fuzz_prefill(name):
                           "(found by this fuzzer; Triton and reference read only owned slots)", strict=False)
 @pytest.mark.skipif("flex" not in launchers("attention", "decode"), reason="flex cannot run here")
 def test_flex_reads_only_owned_slots():
-    from opmap import registry
+    from opmap.core import registry
 
     p = make_paged([1, 7], 1, 64, 4, dtype=torch.float16, poison=True)
     q = torch.randn(2, 2, 64, generator=gen(0)).half()
@@ -172,8 +172,8 @@ def test_flex_reads_only_owned_slots():
 def test_flex_duplicate_pages():
     """A page listed twice in one sequence's table: the flex adapter attended it once (found by the
     fuzzer); now it must refuse it by name or match the reference."""
-    from opmap import registry
-    from opmap.contract import InputError
+    from opmap.core import registry
+    from opmap.core.contract import InputError
 
     p = make_paged([9], 1, 64, 4, dtype=torch.float32, generator=gen(1))
     p.block_tables[0, 1] = p.block_tables[0, 0]

@@ -25,10 +25,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from opmap import registry
-from opmap.contract import InputError
-from opmap.specs import spec_for
-from opmap.tolerance import compare as tol_compare
+from opmap.core import registry
+from opmap.core.contract import InputError
+from opmap.core.specs import spec_for
+from opmap.core.tolerance import compare as tol_compare
 
 
 class FuzzReport(UserWarning):

@@ -93,7 +93,7 @@ def test_fuzz_moe(name):
 
 @st.composite
 def mla_decode_cases(draw):
-    from opmap.ops.mla.testing import make_cache
+    from opmap.harness.fixtures.mla import make_cache
 
     seed = draw(st.integers(0, 2**31 - 1))
     B, H = draw(st.integers(1, 3)), draw(st.sampled_from([1, 2, 4]))

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opmap.contract import InputError
+from opmap.core.contract import InputError
 from test_fuzz_harness import Case, close, fuzz, gen, launchers, randn
 
 F = (torch.float32, torch.float16)
@@ -38,7 +38,7 @@ def test_fuzz_sampling_params():
     import collections
     import warnings
 
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
     from test_fuzz_harness import FuzzReport
 
     stats = collections.Counter()
@@ -228,7 +228,7 @@ def test_fuzz_apply_bitmask(name):
 # (found by the fuzzing above; its adapter now sets the padding bits): every launcher is held to it.
 @pytest.mark.parametrize("name", launchers("grammar_mask", "apply_bitmask"))
 def test_bitmask_writes_only_inside_the_row(name):
-    from opmap import registry
+    from opmap.core import registry
 
     fn = registry.get("grammar_mask", name).fn("apply_bitmask")
     for word in (1, 2**31 - 1, -2105894115):

@@ -3,12 +3,12 @@ bit-decoding path) vs reference at odd shapes, bad input, registry, custom op.""
 import pytest
 import torch
 
-from opmap import registry
-from opmap.contract import InputError
+from opmap.core import registry
+from opmap.core.contract import InputError
 from opmap.ops.gemm import quant
 from opmap.ops.gemm import reference as ref
-from opmap.ops.gemm import triton_gemm as tri
-from opmap.tolerance import assert_close
+from opmap.kernels.gemm import triton_gemm as tri
+from opmap.core.tolerance import assert_close
 
 
 def _inputs(M, N, K, dtype, fmt, bias, seed):
@@ -165,8 +165,8 @@ def test_bad_input_is_input_error(impl):
 
 
 def test_registry_declarations():
-    from opmap.select import select
-    from opmap.specs import GemmSpec
+    from opmap.core.select import select
+    from opmap.core.specs import GemmSpec
 
     names = {b.name for b in registry.backends("gemm")}
     assert {"reference", "cublas", "triton-decode", "triton-wo", "scaled-mm"} <= names
@@ -200,7 +200,7 @@ def test_custom_op_opcheck():
 
 
 def test_bench_cases_providers_run_and_agree(monkeypatch):
-    from opmap.bench.cases import gemm as bench
+    from opmap.harness.bench.cases import gemm as bench
 
     monkeypatch.setattr(bench, "SHAPES", [(64, 48)])
     monkeypatch.setattr(bench, "MS", (1, 3))
@@ -239,7 +239,7 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
 def test_dequant_cublas_matches_reference(M, N, K, fmt):
     """Prefill's weight-only path: the weight dequantised once (rounded to x's dtype) into the
     shared scratch, then the dense GEMM; odd N and K around the dequantisation tiles."""
-    from opmap.ops.gemm import dequant_cublas as dq
+    from opmap.peers.gemm import dequant_cublas as dq
 
     for dtype in (torch.float16, torch.float32):
         x, w, b, s = _inputs(M, N, K, dtype, fmt, bias=M % 2 == 0, seed=M + N + K)
@@ -250,7 +250,7 @@ def test_dequant_cublas_matches_reference(M, N, K, fmt):
 
 
 def test_dequant_cublas_declarations():
-    from opmap.specs import GemmSpec
+    from opmap.core.specs import GemmSpec
 
     b = registry.get("gemm", "dequant-cublas")
     assert not b.validate(GemmSpec(arch="sm90", m=1024, weight_dtype="fp8"))
@@ -286,8 +286,8 @@ def test_describe_names_the_plan_and_the_tuned_config(monkeypatch):
 def test_decode_gemm_selection_follows_the_measured_m_and_n_bounds(arch, m, n, k, want):
     """sm90 (docs/dense.md, Decisions): the small-M Triton GEMM up to M = 32, and up to 64 on the
     wide projections (N >= 16384); cuBLAS elsewhere."""
-    from opmap.select import select
-    from opmap.specs import GemmSpec
+    from opmap.core.select import select
+    from opmap.core.specs import GemmSpec
 
     choice = select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=n, k=k))
     assert choice.name == want
@@ -296,9 +296,9 @@ def test_decode_gemm_selection_follows_the_measured_m_and_n_bounds(arch, m, n, k
 
 
 def test_bench_marks_the_cublas_row_where_it_is_selected(monkeypatch):
-    from opmap import hw
-    from opmap.bench.cases import gemm as bench
-    from opmap.bench.runner import selected_backend
+    from opmap.core import hw
+    from opmap.harness.bench.cases import gemm as bench
+    from opmap.harness.bench.runner import selected_backend
 
     monkeypatch.setattr(hw, "local_arch", lambda: "sm90")  # the bench selects on the local arch
     by_case = {c.case: c for c in bench.cases(quick=True)}
@@ -312,8 +312,8 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     """wo_gluon.plan on an H200's figures (132 SMs, 228 KiB an SM): splits K towards four programs an
     SM, then the deepest (BLOCK_K, STAGES) whose programs all fit at once; the LM heads (many waves)
     keep the first; config= fixes fields and refuses values the kernel does not take."""
-    from opmap.contract import InputError
-    from opmap.ops.gemm import wo_gluon as W
+    from opmap.core.contract import InputError
+    from opmap.kernels.gemm import wo_gluon as W
 
     def p(M, N, K, cfg=None):
         d = W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
@@ -337,7 +337,7 @@ def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads(
     """At 32 < M <= 64 on sm90 (wgmma=True) the plan is the warpgroup-MMA kernel's: 64-row x tiles,
     64 output channels (one warpgroup) and about four programs an SM, 128 channels on N >= 65536;
     below M = 33 the mma.sync plan stands; config= fixes BLOCK_N."""
-    from opmap.ops.gemm import wo_gluon as W
+    from opmap.kernels.gemm import wo_gluon as W
 
     def p(M, N, K, cfg=None):
         return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg), wgmma=True)
@@ -352,7 +352,7 @@ def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads(
 
 
 def test_weight_only_gluon_kernel_not_on_the_interpreter_or_unaligned_rows():
-    from opmap.ops.gemm import wo_gluon as W
+    from opmap.kernels.gemm import wo_gluon as W
 
     x = torch.randn(1, 64, dtype=torch.bfloat16)
     w = torch.zeros(8, 64, dtype=torch.int8)

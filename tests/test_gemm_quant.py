@@ -4,9 +4,9 @@ distribution of a small random-weight stack stays small."""
 import pytest
 import torch
 
-from opmap.ops.gemm import quality
+from opmap.harness.fixtures import gemm_quality as quality
 from opmap.ops.gemm import reference as ref
-from opmap.ops.gemm import triton_gemm as tri
+from opmap.kernels.gemm import triton_gemm as tri
 
 GATES = {"fp8": 0.999, "int8": 0.998}
 

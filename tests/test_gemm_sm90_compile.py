@@ -5,10 +5,10 @@ Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @trit
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-from opmap.ops.gemm import triton_gemm as g
-from opmap.ops.norm import triton_norm as n
-from opmap.ops.rope import triton_rope as r
-from opmap.ops.activation import triton_act as a
+from opmap.kernels.gemm import triton_gemm as g
+from opmap.kernels.norm import triton_norm as n
+from opmap.kernels.rope import triton_rope as r
+from opmap.kernels.activation import triton_act as a
 
 res = {}
 
@@ -70,7 +70,7 @@ def test_kernels_compile_for_sm90_without_spills():
 
 
 GLUON_SCRIPT = r'''
-from opmap.ops.gemm import wo_gluon as W
+from opmap.kernels.gemm import wo_gluon as W
 res = {}
 for name, wdt, xdt, bm, bk, st, split in [("fp8-bf16-m1", "fp8e4nv", "bf16", 8, 256, 2, 1),
                                           ("fp8-fp16-m16-split", "fp8e4nv", "fp16", 16, 256, 3, 4),
@@ -108,7 +108,7 @@ def test_weight_only_gluon_kernel_reads_fragments_from_shared_memory_in_16_bytes
 
 
 WGMMA_SCRIPT = r'''
-from opmap.ops.gemm import wo_wgmma as V
+from opmap.kernels.gemm import wo_wgmma as V
 res = {}
 for name, wdt, xdt, bn, st, split in [("fp8-bf16-bn64", "fp8e4nv", "bf16", 64, 4, 1),
                                       ("fp8-fp16-bn128", "fp8e4nv", "fp16", 128, 3, 1),

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.grammar import bitmask as K
+from opmap.core.contract import InputError
+from opmap.kernels.grammar import bitmask as K
 from opmap.ops.grammar import reference as R
 
 # The Triton interpreter's own NumPy deprecation and overflow noise (-inf - -inf in masked lanes).
@@ -58,7 +58,7 @@ def test_triton_apply_matches_masked_fill(V, dtype):
 def test_row_subset_leaves_other_rows_alone(impl):
     if impl == "xgrammar":
         pytest.importorskip("xgrammar")
-        from opmap.ops.grammar.xgrammar_apply import apply_bitmask as fn
+        from opmap.peers.grammar.xgrammar_apply import apply_bitmask as fn
     else:
         fn = K.apply_bitmask if impl == "triton" else R.apply_bitmask
     V = 128001
@@ -105,7 +105,7 @@ def test_padding_bits_never_write_past_the_row(impl):
     does unless the adapter sets those bits)."""
     if impl == "xgrammar":
         pytest.importorskip("xgrammar")
-        from opmap.ops.grammar.xgrammar_apply import apply_bitmask as fn
+        from opmap.peers.grammar.xgrammar_apply import apply_bitmask as fn
     else:
         fn = K.apply_bitmask if impl == "triton" else R.apply_bitmask
     for V in (5, 31, 33):

@@ -12,11 +12,11 @@ import torch
 xgrammar = pytest.importorskip("xgrammar")
 
 from opmap.ops.grammar import reference as GR  # noqa: E402
-from opmap.ops.grammar.structured import BitmaskBuffer, StructuredOutput, apply_bitmask  # noqa: E402
-from opmap.ops.grammar.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer  # noqa: E402
-from opmap.ops.sampling.batch import SamplingTensors  # noqa: E402
-from opmap.ops.sampling.params import SamplingParams  # noqa: E402
-from opmap.ops.sampling.stop import StopChecker  # noqa: E402
+from opmap.engine.structured import BitmaskBuffer, StructuredOutput, apply_bitmask  # noqa: E402
+from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer  # noqa: E402
+from opmap.engine.sampling_tensors import SamplingTensors  # noqa: E402
+from opmap.engine.params import SamplingParams  # noqa: E402
+from opmap.engine.stop import StopChecker  # noqa: E402
 
 VOCAB = 50304  # the model's padded vocabulary (GPT-2 has 50257 tokens): rows are wider than the tokenizer
 

@@ -7,14 +7,14 @@ import types
 import pytest
 import torch
 
-from opmap.bench import report as bench_report
-from opmap.bench import runner as bench_runner
-from opmap.bench import timing
-from opmap.bench.base import BenchCase, Provider
-from opmap.check import runner
-from opmap.check.base import CheckCase, Outcome, probe_errors
-from opmap.contract import InputError
-from opmap.output import environment, gpu_slug
+from opmap.harness.bench import report as bench_report
+from opmap.harness.bench import runner as bench_runner
+from opmap.harness.bench import timing
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.harness.check import runner
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors
+from opmap.core.contract import InputError
+from opmap.harness.output import environment, gpu_slug
 
 
 def _case(section, op, backend, ok=True, raises=None, **kw):
@@ -28,7 +28,7 @@ def _case(section, op, backend, ok=True, raises=None, **kw):
 
 @pytest.fixture
 def fake_family(monkeypatch):
-    mod = types.ModuleType("opmap.check.cases.fakefam")
+    mod = types.ModuleType("opmap.harness.check.cases.fakefam")
     mod.cases = lambda device, quick: [
         _case("parity", "rmsnorm", "reference"),
         _case("parity", "rmsnorm", "triton", ok=False),
@@ -38,10 +38,10 @@ def fake_family(monkeypatch):
         _case("parity", "rmsnorm", "reference", quick=False),
         _case("structured", "e2e", "-"),
     ]
-    broken = types.ModuleType("opmap.check.cases.brokenfam")
+    broken = types.ModuleType("opmap.harness.check.cases.brokenfam")
     broken.cases = lambda device, quick: 1 / 0
-    monkeypatch.setitem(sys.modules, "opmap.check.cases.fakefam", mod)
-    monkeypatch.setitem(sys.modules, "opmap.check.cases.brokenfam", broken)
+    monkeypatch.setitem(sys.modules, "opmap.harness.check.cases.fakefam", mod)
+    monkeypatch.setitem(sys.modules, "opmap.harness.check.cases.brokenfam", broken)
     return mod
 
 
@@ -107,9 +107,9 @@ def test_check_sanitizer_without_gpu_says_so(fake_family, monkeypatch):
 def test_check_sanitizer_names_the_sources_of_its_verdicts(monkeypatch):
     """On a GPU the JSON names each sanitised family's source fingerprint: the code every
     sanitizer line of that report (run or resumed) is a verdict on."""
-    from opmap.check import sanitizer as san
-    from opmap.check.base import CheckCase, Outcome
-    from opmap.check.fingerprint import fingerprint
+    from opmap.harness.check import sanitizer as san
+    from opmap.harness.check.base import CheckCase, Outcome
+    from opmap.harness.check.fingerprint import fingerprint
 
     cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "x", lambda: Outcome(True, "ok"), device="cuda")),
              ("rope", CheckCase("parity", "rope", "triton", "y", lambda: Outcome(True, "ok"), device="cuda"))]
@@ -174,7 +174,7 @@ def _doc():
 
 
 def _Ceil_dc():
-    from opmap.hw import Ceilings
+    from opmap.core.hw import Ceilings
 
     return Ceilings(4.0, 4.0, 800.0, "NVIDIA H200", "580.1", "2026-01-01T00:00:00+00:00")
 
@@ -242,7 +242,7 @@ def test_bench_case_filters_and_provider_reasons():
     # a name no case has is an error naming the closest rows, not a run of the other rows only
     with pytest.raises(ValueError, match=r"'opmap-triton\[bh=16\]'.*closest \['opmap-triton'\]"):
         bench_runner.only_providers([case, other], ["opmap-triton", "opmap-triton[bh=16]"])
-    from opmap.specs import AttentionSpec
+    from opmap.core.specs import AttentionSpec
 
     mla_case = BenchCase("attention.mla_decode", "B=1", 1, 1, setup=lambda d: None, providers=[prov_ok],
                          spec=AttentionSpec(kind="mla", num_kv_heads=1, head_dim=576, head_dim_v=512))
@@ -255,8 +255,8 @@ def test_bench_case_filters_and_provider_reasons():
     # a model's benchmarks: the formats it runs (bf16; a quantised checkpoint's own weights too)
     import dataclasses
 
-    from opmap.presets import PRESETS
-    from opmap.specs import GemmSpec
+    from opmap.model.presets import PRESETS
+    from opmap.core.specs import GemmSpec
 
     g = lambda wd: BenchCase("gemm", f"w={wd}", 1, 1, setup=lambda d: None, providers=[prov_ok],  # noqa: E731
                              spec=GemmSpec(m=1, n=64, k=64, weight_dtype=wd))
@@ -274,8 +274,8 @@ def test_model_benchmarks_keep_the_cases_at_its_widths():
     """A model's benchmarks: the real case list filtered to Llama-3-8B's widths (RMSNorm at hidden
     4096, SiLU at 14336, NeoX RoPE at d128, prefill attention 32/8 heads at its page size); an op
     with no case at them (decode attention's cases are at page 16, sm90 runs 64) keeps its cases."""
-    from opmap import presets
-    from opmap.bench import runner as bench_runner
+    from opmap.model import presets
+    from opmap.harness.bench import runner as bench_runner
 
     cfg = presets.PRESETS["llama3-8b"]
     specs: dict = {}
@@ -373,8 +373,10 @@ def test_report_gpu_sections_render(monkeypatch, tmp_path):
     rendered on the CPU from stand-in results: the layout is checked, no figure is asserted."""
     import dataclasses
 
-    from opmap import hw, report
-    from opmap.check import runner as check_runner
+    from opmap.core import hw
+
+    from opmap.harness import report
+    from opmap.harness.check import runner as check_runner
 
     info = dataclasses.replace(hw.detect(), kind="cuda", name="NVIDIA Fake", arch="sm90", driver="1.0")
     monkeypatch.setattr(hw, "detect", lambda: info)
@@ -417,9 +419,9 @@ def test_check_of_a_model_runs_that_model_itself(tmp_path):
     """`opmap check --model DIR` compares that checkpoint's own weights with HF (not only a preset of
     its architecture); a preset too large for the device's budget says so in a note; on a CPU no
     case sits under "Eager vs CUDA graph" (nothing is captured there)."""
-    from opmap.check.cases.engine import own_parity
-    from opmap.engine.config import save_checkpoint
-    from opmap.presets import PRESETS
+    from opmap.harness.check.cases.engine import own_parity
+    from opmap.model.hf import save_checkpoint
+    from opmap.model.presets import PRESETS
 
     save_checkpoint(PRESETS["tiny-qwen3"], str(tmp_path), seed=1)
     case, note = own_parity(str(tmp_path), "cpu")
@@ -441,9 +443,9 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
     model's own widths against the reference. On a GPU the selector makes those choices; here the
     Triton backends are forced (the interpreter runs them, fp32) for a tiny MoE model."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from opmap import select as sel
-    from opmap.check.cases.model_shapes import cases as shape_cases
-    from opmap.presets import PRESETS
+    from opmap.core import select as sel
+    from opmap.harness.check.cases.model_shapes import cases as shape_cases
+    from opmap.model.presets import PRESETS
 
     ops = set()
     for name in ("tiny-qwen3moe", "tiny-llama3"):

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from opmap.check import sanitizer as san
-from opmap.check.base import CheckCase, Outcome
+from opmap.harness.check import sanitizer as san
+from opmap.harness.check.base import CheckCase, Outcome
 
 MEMCHECK_ERR = """========= COMPUTE-SANITIZER
 ========= Invalid __global__ write of size 4 bytes
-=========     at _rmsnorm_fwd_kernel+0x2d0 in /src/opmap/ops/norm/triton_norm.py:57
+=========     at _rmsnorm_fwd_kernel+0x2d0 in /src/opmap/kernels/norm/triton_norm.py:57
 =========     by thread (31,0,0) in block (3,0,0)
 =========     Address 0x7f3a00001000 is out of bounds
 =========
@@ -31,7 +31,7 @@ def test_parse():
 
 def test_which_cases_and_tools():
     mk = lambda backend, **kw: CheckCase("parity", "rmsnorm", backend, "T=1", lambda: None, **kw)  # noqa: E731
-    from opmap import registry
+    from opmap.core import registry
 
     provs = {b.name: b.provider for b in registry.backends("rmsnorm")}
     for name, prov in provs.items():
@@ -46,7 +46,7 @@ def test_which_cases_and_tools():
 
 
 CASES_MODULE = """
-from opmap.check.base import CheckCase, Outcome
+from opmap.harness.check.base import CheckCase, Outcome
 import os, time
 
 def _ok():
@@ -262,7 +262,7 @@ def test_racecheck_children_get_shorter_attention_sequences(monkeypatch):
     longest sequences under racecheck (same case titles, so the child still finds its case)."""
     import importlib
 
-    from opmap.check.cases import attention as A
+    from opmap.harness.check.cases import attention as A
 
     env = san._env(False, "racecheck")
     assert env["OPMAP_SANITIZER_TOOL"] == "racecheck" and env["PYTORCH_NO_CUDA_MEMORY_CACHING"] == "1"
@@ -297,8 +297,8 @@ def test_racecheck_children_run_smaller_sampling_and_moe_problems(monkeypatch):
     tool they run in full."""
     import torch
 
-    from opmap.check.cases import moe as M
-    from opmap.check.cases import sampling as S
+    from opmap.harness.check.cases import moe as M
+    from opmap.harness.check.cases import sampling as S
 
     monkeypatch.setattr(S, "RACE_ROWS", 32)  # the routing is under test, not the 512-row figure
     stats = S._statistics("triton", "cpu", 111, 20000, dict(T=0.8))
@@ -419,7 +419,7 @@ def test_resume_runs_again_what_changed_since(fake_tool, monkeypatch, tmp_path):
     import json as _json
     import unittest.mock as mock
 
-    from opmap.check import fingerprint as fp
+    from opmap.harness.check import fingerprint as fp
 
     tool, cases = fake_tool
     log = tmp_path / "runs.txt"
@@ -457,10 +457,10 @@ def test_resume_runs_again_what_changed_since(fake_tool, monkeypatch, tmp_path):
 
 
 def test_fingerprint_follows_a_familys_imports():
-    from opmap.check.fingerprint import files_of, fingerprint
+    from opmap.harness.check.fingerprint import files_of, fingerprint
 
     names = {"/".join(p.parts[-2:]) for p in files_of("norm")}
-    assert {"cases/norm.py", "norm/triton_norm.py", "ops/pdl.py", "check/base.py", "opmap/registry.py"} <= names
+    assert {"cases/norm.py", "norm/triton_norm.py", "kernels/pdl.py", "harness/check/base.py", "opmap/core/registry.py"} <= names
     assert not any(n.startswith("attention/") for n in names)
     mla = {"/".join(p.parts[-2:]) for p in files_of("mla")}
     assert "mla/decode.py" in mla and "attention/merge.py" in mla  # the MLA merge is the shared split merge
@@ -470,7 +470,7 @@ def test_fingerprint_follows_a_familys_imports():
 def test_fingerprint_is_of_the_code_not_its_docstrings_comments_or_layout(tmp_path):
     """A verdict stays current through edits that cannot change what runs (a docstring, a
     comment, line breaks); any change of code, a string constant in it included, makes it stale."""
-    from opmap.check.fingerprint import code_of
+    from opmap.harness.check.fingerprint import code_of
 
     base = 'import triton\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n\n\nASM = "cvt.rn.f16x2.e4m3x2"\n'
     same = ('import triton\n# a comment\n\ndef f(x):\n    """Other\n    words."""\n    return (x +\n            1)\n\n\n'
@@ -493,7 +493,7 @@ def test_fingerprint_code_is_the_same_on_every_python():
     (a literal, so that the test fails on whichever version would differ)."""
     import ast
 
-    from opmap.check.fingerprint import _dump
+    from opmap.harness.check.fingerprint import _dump
 
     tree = ast.parse("def f(x, *, y=1):\n    return x\n\n\nclass C:\n    pass\n")
     assert _dump(tree) == (
@@ -505,8 +505,8 @@ def test_fingerprint_code_is_the_same_on_every_python():
 def test_longest_runs_start_first(monkeypatch):
     """Racecheck runs, MoE first, start before memcheck ones (one job: the start order is the
     order of the calls); results keep the case order."""
-    from opmap.check.base import CheckCase, Outcome
-    from opmap.check.result import Result
+    from opmap.harness.check.base import CheckCase, Outcome
+    from opmap.harness.check.result import Result
 
     ok = lambda: Outcome(True, "ok")  # noqa: E731
     cases = [("norm", CheckCase("parity", "rmsnorm", "triton", "a", ok, device="cuda")),

@@ -3,8 +3,8 @@ a token-strided K/V (slices of a fused QKV output), fp8 with per-kv-head scales,
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.attention import kv_append as A
+from opmap.core.contract import InputError
+from opmap.kernels.attention import kv_append as A
 from opmap.ops.attention import reference as R
 from opmap.api.custom_ops import paged_kv_append
 

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.sampling import processors as P
+from opmap.core.contract import InputError
+from opmap.kernels.sampling import processors as P
 from opmap.ops.sampling import reference as R
-from opmap.ops.sampling.batch import penalty_state, update_output_counts
-from opmap.tolerance import assert_close
+from opmap.engine.sampling_tensors import penalty_state, update_output_counts
+from opmap.core.tolerance import assert_close
 
 # The Triton interpreter's own NumPy deprecation and overflow noise (-inf - -inf in masked lanes).
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),

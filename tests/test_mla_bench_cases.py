@@ -3,8 +3,8 @@ versions of the same setups (the GPU run times the real sizes)."""
 import pytest
 import torch
 
-from opmap.bench.cases import mla as bm
-from opmap.tolerance import assert_close
+from opmap.harness.bench.cases import mla as bm
+from opmap.core.tolerance import assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

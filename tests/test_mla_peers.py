@@ -2,13 +2,13 @@
 import pytest
 import torch
 
-from opmap import registry
-from opmap.contract import InputError
+from opmap.core import registry
+from opmap.core.contract import InputError
 from opmap.ops.mla import reference as ref
-from opmap.ops.mla import sdpa
-from opmap.ops.mla.testing import make_cache, sparse_indices
-from opmap.specs import AttentionSpec
-from opmap.tolerance import assert_close
+from opmap.peers.mla import sdpa
+from opmap.harness.fixtures.mla import make_cache, sparse_indices
+from opmap.core.specs import AttentionSpec
+from opmap.core.tolerance import assert_close
 
 R, DR, H = 32, 16, 4
 

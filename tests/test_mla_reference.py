@@ -4,12 +4,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opmap import registry, select
-from opmap.contract import InputError
+from opmap.core import registry
+
+from opmap.core import select
+from opmap.core.contract import InputError
 from opmap.ops.mla import reference as ref
-from opmap.ops.mla.testing import make_cache, sparse_indices
-from opmap.specs import AttentionSpec, KVAppendSpec
-from opmap.tolerance import assert_close
+from opmap.harness.fixtures.mla import make_cache, sparse_indices
+from opmap.core.specs import AttentionSpec, KVAppendSpec
+from opmap.core.tolerance import assert_close
 
 R, DR, H = 32, 16, 4
 
@@ -160,8 +162,8 @@ def test_absorbed_decode_equals_non_absorbed_prefill(impl):
     """The MLA identity: for the last token, W_UV(decode(q_nope W_UK)) == non-absorbed attention."""
     import importlib
 
-    dec = importlib.import_module("opmap.ops.mla." + ("reference" if impl == "reference" else "decode"))
-    pre = importlib.import_module("opmap.ops.mla." + ("reference" if impl == "reference" else "prefill"))
+    dec = importlib.import_module("opmap.ops.mla.reference" if impl == "reference" else "opmap.kernels.mla.decode")
+    pre = importlib.import_module("opmap.ops.mla.reference" if impl == "reference" else "opmap.kernels.mla.prefill")
     g = torch.Generator().manual_seed(6)
     Dn, Dv, lens = 8, 12, [9, 33]
     pc = make_cache(lens, R, DR, 16, torch.float32, gen=g)

@@ -1,4 +1,4 @@
-"""The MLA decode's TMA kernel (ops/mla/decode_tma.py) compiles for sm90 on this CPU-only machine
+"""The MLA decode's TMA kernel (kernels/mla/decode_tma.py) compiles for sm90 on this CPU-only machine
 at its two defaults, (BLOCK_H 16, BLOCK_N 32, 4 warps, 3 stages) with keys as rows (one loop: 199
 registers, 93 KB of shared memory, so two programs share an SM as decode._per_sm plans) and
 (64, 32, 8, 3) with heads as rows: the latent tiles come by TMA (cp.async.bulk.tensor); the value
@@ -9,7 +9,7 @@ Runs in a subprocess because the interpreter (TRITON_INTERPRET=1) replaces @trit
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
-from opmap.ops.mla import decode_tma as t
+from opmap.kernels.mla import decode_tma as t
 
 sig = {"QN": "*bf16", "QP": "*bf16", "KV_DESC": "tensordesc<bf16[1,64,256]>", "PE_DESC": "tensordesc<bf16[1,64,64]>",
        "SEQ_LENS": "*i32", "TABLES": "*i32", "SCALE_PTR": "*fp32", "O": "*bf16", "LSE": "*fp32", "PO": "*fp32",
@@ -67,7 +67,7 @@ def test_tma_kernel_fp8_builds():
 
 
 POINTER_FP8 = r'''
-from opmap.ops.mla import decode as d
+from opmap.kernels.mla import decode as d
 
 sig = {"QN": "*bf16", "QP": "*bf16", "CACHE": "*fp8e4nv", "SEQ_LENS": "*i32", "TABLES": "*i32", "INDICES": "*i32",
        "SCALE_PTR": "*fp32", "O": "*bf16", "LSE": "*fp32", "PO": "*fp32", "PLSE": "*fp32", "sm_scale": "fp32",
@@ -111,7 +111,7 @@ def test_pointer_kernel_fp8_tiles_cross_shared_memory_once_in_16_bytes():
 
 
 PREFILL = r'''
-from opmap.ops.mla import prefill as t
+from opmap.kernels.mla import prefill as t
 
 sig = {"QN": "*bf16", "QP": "*bf16", "KN": "*bf16", "KP": "*bf16", "V": "*bf16", "O": "*fp32", "LSE": "*fp32",
        "CU_Q": "*i32", "SEQ_LENS": "*i32", "chunk_start": "i32", "chunk_len": "i32", "sm_scale": "fp32",
@@ -145,7 +145,7 @@ def test_prefill_builds_keep_copies_in_flight_at_three_stages():
 
 
 GLUON_SCRIPT = r'''
-from opmap.ops.mla import decode_fp8 as F
+from opmap.kernels.mla import decode_fp8 as F
 sig = {"qn_ptr": "*bf16", "qp_ptr": "*bf16", "c_ptr": "*fp8e4nv", "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32",
        "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
        "sm_scale": "fp32", "kv_scale": "fp32", "H": "i32", "MAXP": "i32", "NPAGES": "i32", "SPLIT_MIN": "i32"}

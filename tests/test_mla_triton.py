@@ -4,13 +4,13 @@ workspace reuse after re-planning, chunked prefill with a cached prefix, append.
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.mla import append as ap
-from opmap.ops.mla import decode as dec
-from opmap.ops.mla import prefill as pf
+from opmap.core.contract import InputError
+from opmap.kernels.mla import append as ap
+from opmap.kernels.mla import decode as dec
+from opmap.kernels.mla import prefill as pf
 from opmap.ops.mla import reference as ref
-from opmap.ops.mla.testing import make_cache, sparse_indices
-from opmap.tolerance import assert_close, cosine
+from opmap.harness.fixtures.mla import make_cache, sparse_indices
+from opmap.core.tolerance import assert_close, cosine
 
 R, DR, H = 32, 16, 4
 # the interpreter converts 1-element arrays to scalars in loop bounds (numpy deprecation noise)
@@ -305,7 +305,7 @@ def test_decode_config_follows_the_h200_grid(monkeypatch):
     """>= 64 heads: the TMA kernel's 64-head blocks; below 64 its 16-head blocks with 32-token
     tiles at three stages, two programs per SM; the pointer kernel's 64-head blocks only at batch
     >= 64; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
-    from opmap.ops.mla import decode as D
+    from opmap.kernels.mla import decode as D
 
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     tma128, tma16 = D._tma_config(128), D._tma_config(16)
@@ -447,7 +447,7 @@ def test_default_config_tma_or_pointer(h, monkeypatch):
     (a page of 16 under its tiles, sparse indices), the cache is fp8 below 64 heads, or the page
     is one its GPU tests do not cover (32), the pointer kernel serves the call instead of an
     error, and every path matches the reference."""
-    from opmap.ops.mla import decode_tma
+    from opmap.kernels.mla import decode_tma
 
     calls = []
     real = decode_tma.launch
@@ -476,8 +476,8 @@ def test_fp8_gluon_kernel_takes_only_what_it_serves_and_plans_its_splits(monkeyp
     with 16-bit queries on a compiled sm89+ GPU: never interpreted, sparse, a 16-bit cache, other
     dims or fp32 queries (those keep the Triton kernels). A workspace made for an fp8 cache plans
     the Gluon kernel's 16-head programs, two an SM; GLUON=0 or a bf16 cache plans the config's."""
-    from opmap.ops.mla import decode as D
-    from opmap.ops.mla import decode_fp8 as G
+    from opmap.kernels.mla import decode as D
+    from opmap.kernels.mla import decode_fp8 as G
 
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)  # the H200's, whatever the device
     f8 = torch.float8_e4m3fn

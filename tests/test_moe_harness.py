@@ -2,8 +2,8 @@
 count only the routed work, their bytes only the experts the routing hits)."""
 import torch
 
-from opmap.bench.cases import moe as bench_moe
-from opmap.check.cases import moe as check_moe
+from opmap.harness.bench.cases import moe as bench_moe
+from opmap.harness.check.cases import moe as check_moe
 
 
 def test_check_cases_pass_on_cpu():

@@ -4,13 +4,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from opmap import registry
-from opmap.contract import InputError
-from opmap.ops.moe import reference, torch_grouped, torch_loop
+from opmap.core import registry
+from opmap.core.contract import InputError
+from opmap.ops.moe import reference
+from opmap.peers.moe import torch_grouped
+from opmap.peers.moe import torch_loop
 from opmap.ops.moe.routing import route
-from opmap.select import BackendError, select
-from opmap.specs import MoESpec
-from opmap.tolerance import assert_close
+from opmap.core.select import BackendError, select
+from opmap.core.specs import MoESpec
+from opmap.core.tolerance import assert_close
 
 transformers = pytest.importorskip("transformers")
 

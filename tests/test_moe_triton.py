@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from opmap.ops.moe import reference
-from opmap.ops.moe.align import align, max_padded
+from opmap.kernels.moe.align import align, max_padded
 from opmap.ops.moe.routing import route
-from opmap.tolerance import assert_close
+from opmap.core.tolerance import assert_close
 
-triton_moe = pytest.importorskip("opmap.ops.moe.triton_moe")
+triton_moe = pytest.importorskip("opmap.kernels.moe.triton_moe")
 
 
 def _weights(E, H, I, dtype, seed=0):
@@ -124,7 +124,7 @@ ROUTES = [
 
 @pytest.mark.parametrize("T,E,k,kw", ROUTES, ids=[f"T{r[0]}-E{r[1]}-k{r[2]}" for r in ROUTES])
 def test_fused_routing_matches_torch_routing(T, E, k, kw):
-    from opmap.ops.moe.route_triton import route as route_triton
+    from opmap.kernels.moe.route_triton import route as route_triton
 
     kw = dict(kw)
     if kw.pop("bias", False):
@@ -138,7 +138,7 @@ def test_fused_routing_matches_torch_routing(T, E, k, kw):
 
 
 def test_tile_choice_per_regime():
-    from opmap.ops.moe import grouped_gemm as gg
+    from opmap.kernels.moe import grouped_gemm as gg
 
     for bm in (16, 32, 64, 128):
         for gated in (True, False):
@@ -166,8 +166,8 @@ def test_prefill_row_tiles(bm):
 def test_token_counts_cover_every_tuning_key(E, k, monkeypatch):
     """grouped_gemm.token_counts: one count per (rows bucket, BM) key that 1..max tokens can hit
     (with the GPU's row tiles), so the engine's warm-up leaves no key for a step to tune."""
-    from opmap.ops.moe import grouped_gemm as gg
-    from opmap.ops.moe.align import next_pow2
+    from opmap.kernels.moe import grouped_gemm as gg
+    from opmap.kernels.moe.align import next_pow2
 
     monkeypatch.setattr(gg, "_INTERPRETING", False)  # the GPU's tile choice
     key = lambda t: (next_pow2(t * k), gg.pick_bm(t * k, E))  # noqa: E731
@@ -180,7 +180,7 @@ def test_token_counts_cover_every_tuning_key(E, k, monkeypatch):
 
 def test_warm_up_runs_every_count():
     """triton_moe.warm_up (the engine calls it at start-up on a GPU) runs the op at every count."""
-    from opmap.ops.moe import grouped_gemm as gg
+    from opmap.kernels.moe import grouped_gemm as gg
 
     E, H, I, k = 4, 32, 16, 2
     w13, w2 = _weights(E, H, I, torch.float16)
@@ -198,7 +198,7 @@ def test_host_helpers_match_triton():
     # The launchers use plain-int helpers instead of Triton's (slow on the host) ConstexprFunctions.
     import triton
 
-    from opmap.ops.moe.align import next_pow2
+    from opmap.kernels.moe.align import next_pow2
     for n in (0, 1, 2, 3, 8, 9, 127, 128, 129, 4097):
         assert next_pow2(n) == triton.next_power_of_2(max(1, n))
 
@@ -206,7 +206,7 @@ def test_host_helpers_match_triton():
 def test_checked_signature_does_not_hide_bad_input():
     # A valid call memoises its argument signature; a call that differs in anything checked
     # (shape, dtype, top_k's value or type, router) must still be validated and rejected.
-    from opmap.contract import InputError
+    from opmap.core.contract import InputError
 
     E, H, I, T = 4, 32, 16, 2
     w13, w2 = _weights(E, H, I, torch.float32)
@@ -227,7 +227,7 @@ def test_tuned_launch_fast_path_passes_what_the_autotuner_passes(monkeypatch):
     # directly with the remembered config. Both launches must reach JITFunction.run with the same
     # grid and keyword arguments (so they select the same compiled kernel). Run with the JIT
     # launch recorded instead of executed, and the tuner's choice pre-seeded (no benchmarking).
-    from opmap.ops.moe import grouped_gemm as gg
+    from opmap.kernels.moe import grouped_gemm as gg
 
     seen = []
     monkeypatch.setattr(gg, "_INTERPRETING", False)
@@ -271,8 +271,8 @@ def test_tuned_launch_fast_path_passes_what_the_autotuner_passes(monkeypatch):
 def test_fused_route_align_equals_route_then_align(T, E, k, kw):
     """Decode-sized batches route and align in one launch: the same ids, sorted pairs, blocks
     and total as route_triton then align, and the same weights (to fp32 rounding)."""
-    from opmap.ops.moe.route_align import fusable, route_align
-    from opmap.ops.moe.route_triton import route as route_triton
+    from opmap.kernels.moe.route_align import fusable, route_align
+    from opmap.kernels.moe.route_triton import route as route_triton
 
     kw = dict(kw)
     bias = torch.randn(E) * 0.1 if kw.pop("bias", False) else None

@@ -3,11 +3,11 @@ in the interpreter), odd shapes, in place, bad input, custom op."""
 import pytest
 import torch
 
-from opmap import registry
-from opmap.contract import InputError
+from opmap.core import registry
+from opmap.core.contract import InputError
 from opmap.ops.norm import reference as ref
-from opmap.ops.norm import triton_norm as tri
-from opmap.tolerance import assert_close
+from opmap.kernels.norm import triton_norm as tri
+from opmap.core.tolerance import assert_close
 
 
 def _hf_norm(weight, eps):
@@ -103,8 +103,8 @@ def test_bad_input_is_input_error(impl):
 
 
 def test_registry_entries_and_selection():
-    from opmap.select import select
-    from opmap.specs import NormSpec
+    from opmap.core.select import select
+    from opmap.core.specs import NormSpec
 
     names = {b.name for b in registry.backends("rmsnorm")}
     assert {"reference", "triton", "torch-rms_norm"} <= names
@@ -139,7 +139,7 @@ def test_custom_ops_opcheck():
 def test_bench_cases_providers_run_and_agree(monkeypatch):
     # Shrunk shapes; each eager provider runs once on the CPU and agrees with the reference
     # (torch.compile providers need a GPU toolchain and are only constructed here).
-    from opmap.bench.cases import norm as bench
+    from opmap.harness.bench.cases import norm as bench
 
     monkeypatch.setattr(bench, "SHAPES", [(3, 40)])
     cs = bench.cases(quick=True)

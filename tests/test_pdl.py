@@ -1,10 +1,10 @@
-"""Programmatic dependent launch (opmap.ops.pdl): only on a CUDA sm90+ device and never in the
+"""Programmatic dependent launch (opmap.kernels.pdl): only on a CUDA sm90+ device and never in the
 interpreter (on by default there, OPMAP_PDL=0 turns it off); and every PDL-aware kernel, compiled for sm90 with PDL on, carries
 both griddepcontrol instructions, the wait for the predecessor before the release of the
 dependents (compiled as in sm90_compile)."""
 from sm90_compile import needs_ptxas, run
 
-from opmap.ops import pdl
+from opmap.kernels import pdl
 
 
 def test_off_by_default_and_on_cpu(monkeypatch):
@@ -15,11 +15,12 @@ def test_off_by_default_and_on_cpu(monkeypatch):
 
 
 SCRIPT = r'''
-from opmap.ops.norm import triton_norm as n
-from opmap.ops.gemm import triton_gemm as g
-from opmap.ops.rope import triton_rope as r
-from opmap.ops.activation import triton_act as a
-from opmap.ops.attention import kv_append as kv, decode as dm
+from opmap.kernels.norm import triton_norm as n
+from opmap.kernels.gemm import triton_gemm as g
+from opmap.kernels.rope import triton_rope as r
+from opmap.kernels.activation import triton_act as a
+from opmap.kernels.attention import kv_append as kv
+from opmap.kernels.attention import decode as dm
 
 def comp(fn, sig, ce, nw=4, ns=3):
     sig = dict(sig, PDL="constexpr")

@@ -12,7 +12,7 @@ import inspect
 import pkgutil
 import textwrap
 
-import opmap.ops
+import opmap.kernels
 
 MEMORY = {"load", "store", "atomic_add", "atomic_cas", "atomic_xchg", "atomic_max", "atomic_min",
           "atomic_and", "atomic_or", "atomic_xor"}
@@ -21,7 +21,7 @@ WAITS = {"enter", "gdc_wait"}
 
 def _pdl_kernels():
     out = {}
-    for m in pkgutil.walk_packages(opmap.ops.__path__, "opmap.ops."):
+    for m in pkgutil.walk_packages(opmap.kernels.__path__, "opmap.kernels."):
         mod = importlib.import_module(m.name)
         for name, obj in vars(mod).items():
             # JITFunction, or InterpretedFunction under TRITON_INTERPRET=1: both keep the Python function
@@ -76,11 +76,11 @@ def k(x_ptr, PDL: tl.constexpr = False):
 # possible predecessor does not write (a predecessor releases its dependents only after its own
 # wait, so everything before it is complete and visible).
 LOADS_BEFORE_WAIT = {
-    "opmap.ops.attention.decode._combine_kernel":
+    "opmap.kernels.attention.decode._combine_kernel":
         "seq_lens / cu_seqlens for the split plan; launched only right after _decode_kernel, which reads them",
-    "opmap.ops.gemm.wo_gluon._wo_kernel":
+    "opmap.kernels.gemm.wo_gluon._wo_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
-    "opmap.ops.gemm.wo_wgmma._wo_wgmma_kernel":
+    "opmap.kernels.gemm.wo_wgmma._wo_wgmma_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
 }
 
@@ -96,10 +96,10 @@ def test_every_pdl_kernel_waits_before_touching_memory():
 
 
 def _launch_sites():
-    """(module, kernel expression) of every ``kernel[grid](..., **pdl.launch(...))`` under opmap.ops,
+    """(module, kernel expression) of every ``kernel[grid](..., **pdl.launch(...))`` under opmap.kernels,
     and of launches whose keyword dict came from pdl.launch by name (``**pl``, ``**cb``)."""
     sites = []
-    for m in pkgutil.walk_packages(opmap.ops.__path__, "opmap.ops."):
+    for m in pkgutil.walk_packages(opmap.kernels.__path__, "opmap.kernels."):
         mod = importlib.import_module(m.name)
         try:
             tree = ast.parse(inspect.getsource(mod))

@@ -2,8 +2,8 @@
 map of one step per phase."""
 import pytest
 
-from opmap import presets
-from opmap.specs import AttentionSpec, GemmSpec
+from opmap.model import presets
+from opmap.core.specs import AttentionSpec, GemmSpec
 
 # Total parameters as published on the models' Hugging Face pages (safetensors metadata).
 PUBLISHED = {"llama3-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512, "qwen3-8b": 8_190_735_360,
@@ -81,7 +81,7 @@ def test_fewer_layers_keep_the_first_layer_types(name):
     the first n layer types, so HF's config accepts it; fewer types than layers is refused."""
     import dataclasses
 
-    from opmap.engine.config import to_hf_config
+    from opmap.model.hf import to_hf_config
 
     full = presets.PRESETS[name]
     cut = dataclasses.replace(full, layers=8)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from opmap import cli
-from opmap.profile import analyze, trace
+from opmap.cli.main import main as cli
+from opmap.harness.profile import analyze
+from opmap.harness.profile import trace
 
 DATA = Path(__file__).parent / "data" / "traces"
 
@@ -138,7 +139,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     ("Memcpy HtoD (Pageable -> Device)", "memory copies", "CUDA"),
 ])
 def test_symbols_of_the_fixtures(symbol, cat, lib):
-    from opmap.profile import symbols
+    from opmap.harness.profile import symbols
 
     assert symbols.classify(symbol) == (cat, lib)
     assert any(symbol[:40] in k.name for n in DATA.glob("*.json.gz") for k in trace.load(str(n)).kernels[:4000])

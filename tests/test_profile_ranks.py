@@ -7,8 +7,9 @@ import gzip
 import json
 from pathlib import Path
 
-from opmap import cli
-from opmap.profile import ranks, symbols
+from opmap.cli.main import main as cli
+from opmap.harness.profile import ranks
+from opmap.harness.profile import symbols
 
 GLOO = Path(__file__).parent / "data" / "traces" / "tp-gloo"
 NCCL_AR = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"

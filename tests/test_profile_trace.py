@@ -8,9 +8,11 @@ import sqlite3
 
 import pytest
 
-from opmap import cli
-from opmap.contract import InputError
-from opmap.profile import analyze, symbols, trace
+from opmap.cli.main import main as cli
+from opmap.core.contract import InputError
+from opmap.harness.profile import analyze
+from opmap.harness.profile import symbols
+from opmap.harness.profile import trace
 
 
 @pytest.mark.parametrize("symbol,cat,lib", [

@@ -5,10 +5,11 @@ import sys
 
 import pytest
 
-from opmap import matrix as M
-from opmap import registry, select as sel
-from opmap.registry import Backend, Check, Req
-from opmap.specs import OP_SPECS, TREE, NormSpec
+from opmap.harness import matrix as M
+from opmap.core import registry
+from opmap.core import select as sel
+from opmap.core.registry import Backend, Check, Req
+from opmap.core.specs import OP_SPECS, TREE, NormSpec
 
 
 @pytest.fixture
@@ -152,9 +153,9 @@ def test_loading_the_registry_imports_no_kernel_or_peer():
 def test_priority_by_spec():
     """A priority may depend on the spec (registry.Prefer): the selector ranks by the spec's
     phase or head count, the matrix says when."""
-    from opmap import matrix
-    from opmap.select import select
-    from opmap.specs import AttentionSpec
+    from opmap.harness import matrix
+    from opmap.core.select import select
+    from opmap.core.specs import AttentionSpec
 
     registry.load_all()
     fi = next(b for b in registry.backends("attention") if b.name == "flashinfer")

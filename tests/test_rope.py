@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from opmap.contract import InputError
+from opmap.core.contract import InputError
 from opmap.ops.rope import reference as ref
-from opmap.ops.rope import triton_rope as tri
-from opmap.tolerance import assert_close
+from opmap.kernels.rope import triton_rope as tri
+from opmap.core.tolerance import assert_close
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -186,7 +186,7 @@ def test_custom_op_opcheck():
 
 
 def test_bench_cases_providers_run_and_agree(monkeypatch):
-    from opmap.bench.cases import rope as bench
+    from opmap.harness.bench.cases import rope as bench
 
     monkeypatch.setattr(bench, "CASES", [(5, 4, 2, 128, 128, "neox"), (3, 2, 1, 192, 64, "gptj")])
     monkeypatch.setattr(bench, "MAX_POS", 512)

@@ -5,12 +5,12 @@ q/k/v (slices of a fused qkv), fp8 caches, zero tokens, bad input."""
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.attention import kv_append as A
+from opmap.core.contract import InputError
+from opmap.kernels.attention import kv_append as A
 from opmap.ops.attention import reference as AR
-from opmap.ops.attention.rope_append import rope_append
+from opmap.kernels.attention.rope_append import rope_append
 from opmap.ops.rope import reference as RR
-from opmap.ops.rope import triton_rope as TR
+from opmap.kernels.rope import triton_rope as TR
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 FP8 = torch.float8_e4m3fn
@@ -102,7 +102,7 @@ def test_qk_norm_fused_equals_three_launches(T, hq, hk, d, dtype):
     """qk_norm=(w_q, w_k, eps): Qwen3's per-head norms, RoPE and the append in one launch, equal to
     qk_rmsnorm, rope and append one after another (bitwise on the interpreter; the GPU test allows
     one rounding step, the norms' row sums may take another reduction order there)."""
-    from opmap.ops.norm import triton_norm as TN
+    from opmap.kernels.norm import triton_norm as TN
 
     qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(T, hq, hk, d, d, 16, dtype, dtype, seed=T)
     g = torch.Generator().manual_seed(1)

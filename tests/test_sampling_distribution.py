@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from opmap.check.stats import chi2_tv
+from opmap.harness.check.stats import chi2_tv
 from opmap.ops.sampling import reference as R
-from opmap.ops.sampling import sampler
+from opmap.kernels.sampling import sampler
 from opmap.ops.sampling.philox import gumbel
 
 # The Triton interpreter's own NumPy deprecation and overflow noise (-inf - -inf in masked lanes).

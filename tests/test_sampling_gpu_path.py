@@ -16,7 +16,7 @@ from test_sampling_kernel import (  # noqa: F401
 
 @pytest.fixture(autouse=True)
 def gpu_chunking(monkeypatch):
-    from opmap.ops.sampling import sampler
+    from opmap.kernels.sampling import sampler
 
     block, cand, warps, _ = sampler._config(__import__("torch").device("cpu"))
     monkeypatch.setattr(sampler, "_config", lambda dev: (block, cand, warps, 256))

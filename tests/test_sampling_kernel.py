@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.contract import InputError
+from opmap.core.contract import InputError
 from opmap.ops.sampling import reference as R
-from opmap.ops.sampling import sampler
+from opmap.kernels.sampling import sampler
 
 # The Triton interpreter's own NumPy deprecation and overflow noise (-inf - -inf in masked lanes).
 pytestmark = [pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
@@ -196,8 +196,8 @@ def test_split_pass_a_matches_the_single_pass():
 
 def test_config_override_same_tokens_and_checked():
     """The (BLOCK, num_warps) override the benchmark variants use draws the same tokens."""
-    from opmap.contract import InputError
-    from opmap.ops.sampling.sampler import sample
+    from opmap.core.contract import InputError
+    from opmap.kernels.sampling.sampler import sample
 
     g = torch.Generator().manual_seed(5)
     B, V = 3, 1000
@@ -218,7 +218,7 @@ def test_histogram_bracket_at_bin_edges(k, p, mp):
     """Pass B's histogram starts top-k (and top-p alone) inside one bin (1/32 nat near the max,
     wider below). Values placed exactly on bin edges of every tier, tied across them, and a
     boundary below the histogram's range (z < -15.5) must give the reference's support and tokens."""
-    from opmap.ops.sampling.sampler_jit import hist_u_edges
+    from opmap.kernels.sampling.sampler_jit import hist_u_edges
 
     u = torch.tensor(hist_u_edges())
     g = torch.Generator().manual_seed(k * 7 + int(p * 100))

@@ -7,7 +7,7 @@ from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
 import torch
-from opmap.ops.sampling import sampler as s
+from opmap.kernels.sampling import sampler as s
 
 block, cand, warps, _ = s._config(torch.device("cuda"))
 sig = {"logits_ptr": "*fp32", "stride_row": "i32", "V": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
@@ -40,7 +40,7 @@ def test_per_row_kernel_fits_registers_at_its_launch_config():
 
 
 CHUNKS = r'''
-from opmap.ops.sampling import sampler as s
+from opmap.kernels.sampling import sampler as s
 
 flags = {"logits_ptr": "*fp32", "stride_row": "i32", "V": "i32", "temp_ptr": "*fp32", "topk_ptr": "*i32",
          "topp_ptr": "*fp32", "minp_ptr": "*fp32"}

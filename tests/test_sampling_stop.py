@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.grammar.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
-from opmap.ops.sampling.batch import SamplingTensors
-from opmap.ops.sampling.params import SamplingParams
-from opmap.ops.sampling.stop import StopChecker
+from opmap.core.contract import InputError
+from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
+from opmap.engine.sampling_tensors import SamplingTensors
+from opmap.engine.params import SamplingParams
+from opmap.engine.stop import StopChecker
 
 
 @pytest.fixture(scope="module")

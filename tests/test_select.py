@@ -3,9 +3,13 @@ and environment) with their errors, runtime availability. Uses test-local fake a
 backends (the real ones are swapped out for the test and put back after)."""
 import pytest
 
-from opmap import registry, select as sel, specs as S
-from opmap.registry import Backend, Check, Req
-from opmap.specs import AttentionSpec, NormSpec
+from opmap.core import registry
+
+from opmap.core import select as sel
+
+from opmap.core import specs as S
+from opmap.core.registry import Backend, Check, Req
+from opmap.core.specs import AttentionSpec, NormSpec
 
 
 def _fake(name, priority, reqs=(), checks=(), available=None):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opmap import registry
-from opmap.contract import InputError
-from opmap.ops.attention.testing import make_paged, make_query
-from opmap.ops.mla.testing import make_cache
+from opmap.core import registry
+from opmap.core.contract import InputError
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.harness.fixtures.mla import make_cache
 
 F16, F32 = torch.float16, torch.float32
 

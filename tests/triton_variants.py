@@ -22,13 +22,13 @@ RUN_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl", "
 
 
 def _import_ops() -> None:
-    """Import every opmap.ops module (the registry imports backends lazily, on first use)."""
+    """Import every opmap.kernels module (the registry imports backends lazily, on first use)."""
     import importlib
     import pkgutil
 
-    import opmap.ops
+    import opmap.kernels
 
-    for m in pkgutil.walk_packages(opmap.ops.__path__, "opmap.ops."):
+    for m in pkgutil.walk_packages(opmap.kernels.__path__, "opmap.kernels."):
         try:
             importlib.import_module(m.name)
         except Exception:  # noqa: BLE001 - a peer's adapter whose package is not installed
@@ -36,7 +36,7 @@ def _import_ops() -> None:
 
 
 def _kernels():
-    """Every interpreted Triton kernel defined in an opmap.ops module."""
+    """Every interpreted Triton kernel defined in an opmap.kernels module."""
     _import_ops()
     seen = {}
     for name, mod in list(sys.modules.items()):

@@ -27,7 +27,7 @@ def _gqa_inputs(B, L, hq, hk, d=128, page=16, dev="cuda"):
 
 
 def decode_gqa():
-    from opmap import registry
+    from opmap.core import registry
 
     kc, vc, sl, bt = _gqa_inputs(2, 300, 32, 8)
     q = torch.randn(2, 32, 128, dtype=torch.bfloat16, device="cuda")
@@ -36,7 +36,7 @@ def decode_gqa():
 
 def prefill(hq, hk):
     def run():
-        from opmap import registry
+        from opmap.core import registry
 
         kc, vc, sl, bt = _gqa_inputs(1, 300, hq, hk)
         q = torch.randn(300, hq, 128, dtype=torch.bfloat16, device="cuda")
@@ -48,7 +48,7 @@ def prefill(hq, hk):
 
 def sampling(kind):
     def run():
-        from opmap.ops.sampling import flashinfer_peer as fi
+        from opmap.peers.sampling import flashinfer_peer as fi
 
         B, V = 4, 32000
         x = torch.randn(B, V, device="cuda")
@@ -64,7 +64,7 @@ def sampling(kind):
 
 def mla(heads):
     def run():
-        from opmap import registry
+        from opmap.core import registry
 
         B, L, R, Dr, page = 2, 300, 512, 64, 64
         pages = -(-L // page)

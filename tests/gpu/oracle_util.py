@@ -21,7 +21,7 @@ def oracle_parity(cfg, record_property, lengths, n_new, **engine_kw):
     from transformers import AutoModelForCausalLM
 
     from opmap.engine import oracle
-    from opmap.engine.config import to_hf_config
+    from opmap.model.hf import to_hf_config
     from opmap.engine.llm import LLM
     from opmap.engine.weights import StateDictSource
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import opmap
-from opmap import registry
-from opmap.ops.attention.testing import make_paged, make_query
+from opmap.core import registry
+from opmap.harness.fixtures.attention import make_paged, make_query
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def test_public_ops_pick_the_gpu_backends():
     ref = registry.get("rmsnorm", "reference").fn("rmsnorm")(x, w, 1e-6)
     assert torch.allclose(opmap.rmsnorm(x, w).float(), ref.float(), atol=2e-2, rtol=2e-2)
     from opmap.api.dispatch import resolve
-    from opmap.specs import NormSpec
+    from opmap.core.specs import NormSpec
 
     b, _ = resolve("rmsnorm", NormSpec(arch=opmap.api.dispatch.arch_of(x), hidden=4096, dtype="bf16"), "rmsnorm")
     assert b.name == "triton"

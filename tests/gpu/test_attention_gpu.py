@@ -7,14 +7,14 @@ Run: PYTHONPATH=src python -m pytest tests/gpu/test_attention_gpu.py -m gpu -q
 import pytest
 import torch
 
-from opmap.ops.attention import decode as D
-from opmap.ops.attention import kv_append as A
-from opmap.ops.attention import merge as M
-from opmap.ops.attention import prefill as P
+from opmap.kernels.attention import decode as D
+from opmap.kernels.attention import kv_append as A
+from opmap.kernels.attention import merge as M
+from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.mixed import mixed
-from opmap.ops.attention.testing import make_paged, make_query
-from opmap.tolerance import assert_close, cosine
+from opmap.kernels.attention.mixed import mixed
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.core.tolerance import assert_close, cosine
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -269,7 +269,7 @@ def test_prefill_batch_invariance_bitwise():
 def test_decode_tile_variants(fp8):
     """Every decode tiling the benchmark's variant rows time (page-id prefetch on or off, one stage,
     128-key tiles on 8 warps) gives the reference's result at the edges of pages and splits."""
-    from opmap.bench.cases.attention import VARIANTS
+    from opmap.harness.bench.cases.attention import VARIANTS
 
     seq = [1, 15, 16, 17, 300, 4097, 8192, 0]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
@@ -283,7 +283,7 @@ def test_decode_tile_variants(fp8):
 
 
 def test_decode_fp8_fp16_dots_with_queries_past_fp16():
-    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (ops/attention/fp8.py);
+    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (kernels/attention/fp8.py);
     bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a power of two), at the
     logits of unit queries, with a soft cap too: finite and the reference's result."""
     seq = [1, 17, 300, 4097, 32768]
@@ -354,8 +354,8 @@ def test_merge_bf16():
 
 @pytest.mark.parametrize("name", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"])
 def test_sdpa_peers_contiguous(name):
-    from opmap.contract import InputError
-    from opmap.ops.attention import sdpa
+    from opmap.core.contract import InputError
+    from opmap.peers.attention import sdpa
 
     pre = getattr(sdpa, f"{name}_prefill")
     dec = getattr(sdpa, f"{name}_decode")
@@ -383,7 +383,7 @@ def test_sdpa_peers_contiguous(name):
 
 
 def test_flex_paged_compiled():
-    from opmap.ops.attention import flex
+    from opmap.peers.attention import flex
 
     seq, ql = [1000, 300, 17], [1000, 44, 1]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True)
@@ -397,8 +397,9 @@ def test_flex_paged_compiled():
 
 
 def test_selected_on_this_gpu():
-    from opmap import select, specs
-    from opmap.hw import local_arch
+    from opmap.core import select
+    from opmap.core import specs
+    from opmap.core.hw import local_arch
 
     arch = local_arch()
     for phase in ("prefill", "decode", "mixed"):
@@ -415,9 +416,9 @@ def test_selected_on_this_gpu():
 def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8):
     """The fused RoPE + KV append (one launch per layer in the engine) writes the same bits to q,
     k and both caches as the rope kernel followed by the append kernel, in bf16 on the GPU."""
-    from opmap.ops.attention.rope_append import rope_append
+    from opmap.kernels.attention.rope_append import rope_append
     from opmap.ops.rope import reference as RR
-    from opmap.ops.rope import triton_rope as TR
+    from opmap.kernels.rope import triton_rope as TR
 
     g = torch.Generator(device=DEV).manual_seed(T)
     qkv = (torch.randn(T, hq + 2 * hk, d, generator=g, device=DEV) * 2).to(BF)
@@ -451,10 +452,10 @@ def test_qk_norm_rope_append_matches_three_launches(T):
     """Qwen3-30B-A3B's per-layer q/k norm + RoPE + KV append in one launch against qk_rmsnorm, rope
     and append (bf16): the caches and q within bf16 rounding (the norms' row sums may reduce in
     another order than qk_rmsnorm's), and most values bitwise."""
-    from opmap.ops.attention.rope_append import rope_append
-    from opmap.ops.norm import triton_norm as TN
+    from opmap.kernels.attention.rope_append import rope_append
+    from opmap.kernels.norm import triton_norm as TN
     from opmap.ops.rope import reference as RR
-    from opmap.ops.rope import triton_rope as TR
+    from opmap.kernels.rope import triton_rope as TR
 
     hq, hk, d, page = 32, 4, 128, 16
     g = torch.Generator(device=DEV).manual_seed(T)

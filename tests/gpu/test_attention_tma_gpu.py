@@ -1,11 +1,11 @@
-"""The TMA attention prefill on the GPU (ops/attention/prefill_tma.py), in its own file so that a
+"""The TMA attention prefill on the GPU (kernels/attention/prefill_tma.py), in its own file so that a
 kernel fault here cannot take the other attention GPU tests' process down with it. Helpers and
 cases from test_attention_gpu."""
 import pytest
 
-from opmap.ops.attention import prefill as P
+from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.ops.attention.testing import make_paged, make_query
+from opmap.harness.fixtures.attention import make_paged, make_query
 
 from test_attention_gpu import BF, DEV, _close, _lse_ok, _ref
 
@@ -23,7 +23,7 @@ TMA_PREFILL = [
 
 @pytest.mark.parametrize("case", TMA_PREFILL, ids=[c[0] for c in TMA_PREFILL])
 def test_prefill_tma(case):
-    """The TMA prefill (config TMA=1; ops/attention/prefill_tma.py) in bf16 on real shapes: NaN in
+    """The TMA prefill (config TMA=1; kernels/attention/prefill_tma.py) in bf16 on real shapes: NaN in
     every slot past a length (a partial tail tile must not read them), shared and shuffled pages;
     against the fp32 reference and the gather kernel."""
     _, seq, ql, page, hq, hk, d, win, cap, causal = case
@@ -44,7 +44,7 @@ def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):
     """The default prefill runs the TMA kernel on pages holding whole 64-key tiles in bf16, the
     gather kernel on page 16; an fp8 cache with this many query rows a sequence is converted once
     (prefill._convert_once) and then takes the same kernels; right either way."""
-    from opmap.ops.attention import prefill_tma
+    from opmap.kernels.attention import prefill_tma
 
     calls = []
     real = prefill_tma.launch

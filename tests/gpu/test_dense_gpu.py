@@ -8,16 +8,18 @@ import pytest
 import torch
 
 from opmap.ops.activation import reference as act_ref
-from opmap.ops.activation import triton_act
-from opmap.ops.gemm import quality, quant, wo_gluon
+from opmap.kernels.activation import triton_act
+from opmap.harness.fixtures import gemm_quality as quality
+from opmap.ops.gemm import quant
+from opmap.kernels.gemm import wo_gluon
 from opmap.ops.gemm import reference as gemm_ref
-from opmap.ops.gemm import triton_gemm
-from opmap.ops.gluon_util import hopper, sm_figures
+from opmap.kernels.gemm import triton_gemm
+from opmap.kernels.gluon_util import hopper, sm_figures
 from opmap.ops.norm import reference as norm_ref
-from opmap.ops.norm import triton_norm
+from opmap.kernels.norm import triton_norm
 from opmap.ops.rope import reference as rope_ref
-from opmap.ops.rope import triton_rope
-from opmap.tolerance import assert_close, cosine
+from opmap.kernels.rope import triton_rope
+from opmap.core.tolerance import assert_close, cosine
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -171,8 +173,8 @@ def test_weight_only_gluon_kernel(M, N, K, fmt, dt):
     and fp16 activations: the reference's result, the Triton kernel's (GLUON=0) within rounding,
     the quality gate against the unquantised weight; every tuning the benchmark's variant rows
     time gives the same."""
-    from opmap.bench.cases.gemm import WGMMA_VARIANTS, WO_VARIANTS
-    from opmap.ops.gemm import wo_gluon
+    from opmap.harness.bench.cases.gemm import WGMMA_VARIANTS, WO_VARIANTS
+    from opmap.kernels.gemm import wo_gluon
 
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True, seed=M + N)
     x, b = x.to(dt), b.to(dt)
@@ -212,7 +214,7 @@ def test_dequant_cublas_bf16(M, N, K, fmt):
     """Prefill's weight-only path in bf16 at Llama-3-8B shapes and an odd vocab-sized N / odd K:
     the reference's result, the quality gate against the unquantised weight; two layers' weights
     in a row share the scratch (the second overwrites the first, in stream order)."""
-    from opmap.ops.gemm import dequant_cublas
+    from opmap.peers.gemm import dequant_cublas
 
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True)
     out = dequant_cublas.linear(x, w, b, s)
@@ -250,7 +252,7 @@ def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
 
 @needs_scaled_mm
 def test_scaled_mm_fp8_activations():
-    from opmap.ops.gemm import scaled_mm
+    from opmap.kernels.gemm import scaled_mm
 
     for M, N, K in [(1, 28672, 4096), (64, 4096, 14336), (1000, 4096, 4096)]:
         x, wq, _, s, w = _lin_inputs(M, N, K, "fp8")
@@ -264,7 +266,8 @@ def test_scaled_mm_fp8_activations():
 def test_act_quant_kernel_bitwise_against_torch(M, K):
     """The Triton per-token fp8 quantiser against quant.quantize_act_fp8: scales exactly, codes
     bitwise (the kernel divides with IEEE rounding as PyTorch does), a zero row."""
-    from opmap.ops.gemm import act_quant, quant
+    from opmap.kernels.gemm import act_quant
+    from opmap.ops.gemm import quant
 
     x = torch.randn(M, K, device=DEV, dtype=BF16) * 5
     if M > 2:
@@ -289,10 +292,10 @@ def test_prefill_route_scaled_mm_quality_and_selection():
     """fp8 weights at M >= 128 on sm90 go to scaled-mm (activations quantised per token): the
     selector says so, and the quantisation gates hold through it (the stack's next-token KL under
     the check suite's fp8 limit, within 2x the weight-only kernel's; output cosine >= 0.998)."""
-    from opmap.check.cases.gemm import COSINE_GATE, KL_LIMIT
-    from opmap.ops.gemm import scaled_mm
-    from opmap.select import select
-    from opmap.specs import GemmSpec
+    from opmap.harness.check.cases.gemm import COSINE_GATE, KL_LIMIT
+    from opmap.kernels.gemm import scaled_mm
+    from opmap.core.select import select
+    from opmap.core.specs import GemmSpec
 
     spec = dict(arch="sm90", n=4096, k=4096, dtype="bf16", weight_dtype="fp8")
     # the route is declared for sm90 (runtime=False: what the selector picks there, on any GPU)

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from opmap.presets import PRESETS
+from opmap.model.presets import PRESETS
 
 from oracle_util import free_gpu, oracle_parity, random_prompts
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("name,layers", [("llama3-8b", 2), ("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 2)])
 def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS[name], layers=layers)  # real widths, fewer layers
     prompts = random_prompts(cfg.vocab, (7, 100, 300, 33, 1))
@@ -58,7 +58,7 @@ def test_graphs_keep_their_cublas_workspace_when_the_process_frees_others():
     sequence did not break graphs captured on the shared stream either, on torch 2.11: it pins
     the contract, it is not a reproduction of the NaN runs in docs/engine.md."""
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     free_gpu()
     shared = torch.cuda.graph(torch.cuda.CUDAGraph()).default_capture_stream
@@ -106,7 +106,7 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
     bf16 greedy is reported, not asserted."""
     # 16 + 32 (fp32) + 16 (ours) GB of weights; a fixed cache of 4 x 2048 tokens (1 GiB) in pages
     # of the default size (64 on sm90: the TMA prefill).
-    from opmap.hw import local_arch
+    from opmap.core.hw import local_arch
 
     page = PRESETS["llama3-8b"].default_page_size(local_arch())
     oracle_parity(PRESETS["llama3-8b"], record_property, (128, 517), 32, max_num_seqs=4,
@@ -114,9 +114,9 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
 
 
 def test_profile_attributes_gpu_kernels_to_operators():
-    from opmap import profile as P
+    from opmap.harness import profile as P
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
     # A fixed cache (4 sequences x 1024 tokens): a failed earlier test may still hold GPU memory.
@@ -144,8 +144,8 @@ def test_moe_gemms_tuned_at_start_up_not_in_steps():
     (runner._warm_moe): prefill, mixed and decode steps of many sizes then tune nothing (a
     DeepSeek-V2-Lite run at batch 32 spent ~85 ms of each mixed step tuning)."""
     from opmap.engine.llm import LLM
-    from opmap.ops.moe import grouped_gemm as G
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.kernels.moe import grouped_gemm as G
+    from opmap.engine.params import SamplingParams
 
     cfg = dataclasses.replace(PRESETS["deepseek-v2-lite"], layers=3)  # two MoE layers
     llm = LLM(cfg, max_num_seqs=8, max_num_batched_tokens=384, max_model_len=2048, num_pages=256, seed=1)
@@ -163,7 +163,7 @@ def test_moe_gemms_tuned_at_start_up_not_in_steps():
 
 def test_second_engine_sized_from_free_memory_and_close_returns_it():
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     # The first H200 run: a second engine in the process counted the first one's KV cache as its
     # own warm-up peak and raised "-58.53 GiB available". Now it gets what is actually free.
@@ -207,7 +207,7 @@ def test_steps_neither_synchronise_nor_compile(name, engine_kw, lengths):
     Start-up does the compiling (warm-up, graph capture, MoE tuning)."""
     from opmap.engine.audit import StepAudit
     from opmap.engine.llm import LLM
-    from opmap.ops.sampling.params import SamplingParams
+    from opmap.engine.params import SamplingParams
 
     # 3 layers: a plan made per layer would show 3 syncs a step, above the bound below
     cfg = dataclasses.replace(PRESETS[name], layers=3)

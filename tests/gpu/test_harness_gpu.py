@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_ceilings_measured_and_cached(tmp_path, monkeypatch):
-    from opmap import hw
+    from opmap.core import hw
 
     monkeypatch.setenv("OPMAP_CACHE_DIR", str(tmp_path))
     c = hw.ceilings(measure=True)
@@ -23,7 +23,7 @@ def test_ceilings_measured_and_cached(tmp_path, monkeypatch):
 
 
 def test_time_calls_rotation_and_graph():
-    from opmap.bench import timing
+    from opmap.harness.bench import timing
 
     n = 16 * 2**20
     sets = [(torch.randn(n, device="cuda"), torch.empty(n, device="cuda")) for _ in range(3)]
@@ -36,9 +36,10 @@ def test_time_calls_rotation_and_graph():
 
 
 def test_bench_run_writes_consistent_records(tmp_path):
-    from opmap import hw
-    from opmap.bench import report, runner
-    from opmap.bench.base import BenchCase, Provider
+    from opmap.core import hw
+    from opmap.harness.bench import report
+    from opmap.harness.bench import runner
+    from opmap.harness.bench.base import BenchCase, Provider
 
     n = 32 * 2**20  # 128 MiB of fp32 read, 128 MiB written
     case = BenchCase("copy", f"N={n},dtype=fp32", flops=0, bytes=2 * 4 * n, family="copy",
@@ -55,7 +56,7 @@ def test_bench_run_writes_consistent_records(tmp_path):
     assert r["tbps"] == pytest.approx(case.bytes / (r["median_us"] * 1e-6) / 1e12, rel=1e-3)
     # A fraction far above 1 would mean the L2 served the inputs or the bytes are miscounted.
     assert 0 < r["frac_of_ceiling"] < 2
-    from opmap.output import environment
+    from opmap.harness.output import environment
 
     doc = {"environment": environment(hw.ceilings()), "results": recs, "skipped": skipped,
            "load_errors": []}
@@ -69,7 +70,7 @@ KERNELS = '''
 import torch
 import triton
 import triton.language as tl
-from opmap.check.base import CheckCase, Outcome
+from opmap.harness.check.base import CheckCase, Outcome
 
 
 @triton.jit
@@ -106,7 +107,7 @@ def cases(device, quick):
 
 
 def test_sanitizer_catches_out_of_bounds_write(tmp_path, monkeypatch):
-    from opmap.check import sanitizer as san
+    from opmap.harness.check import sanitizer as san
 
     exe = san.find_sanitizer()
     if exe is None:
@@ -133,7 +134,7 @@ def test_sanitizer_catches_out_of_bounds_write(tmp_path, monkeypatch):
 
 
 def test_cli_check_and_report_tiny_on_gpu(tmp_path):
-    from opmap import cli
+    from opmap.cli.main import main as cli
 
     js = tmp_path / "check.json"
     rc = cli.main(["check", "--model", "tiny-llama3", "--quick", "--json", str(js)])

@@ -5,13 +5,13 @@ chunked prefill with a cached prefix; append bit-exact vs torch; the SDPA peer."
 import pytest
 import torch
 
-from opmap.contract import InputError
-from opmap.ops.mla import append as ap
-from opmap.ops.mla import decode as dec
-from opmap.ops.mla import prefill as pf
+from opmap.core.contract import InputError
+from opmap.kernels.mla import append as ap
+from opmap.kernels.mla import decode as dec
+from opmap.kernels.mla import prefill as pf
 from opmap.ops.mla import reference as ref
-from opmap.ops.mla.testing import make_cache, sparse_indices
-from opmap.tolerance import assert_close, cosine
+from opmap.harness.fixtures.mla import make_cache, sparse_indices
+from opmap.core.tolerance import assert_close, cosine
 
 pytestmark = pytest.mark.gpu
 R, DR = 512, 64
@@ -127,7 +127,7 @@ def _captured(run):
 
 def _gluon_calls(monkeypatch):
     """Counts launches of the Gluon fp8 kernel (decode_fp8.launch), so a test knows it ran."""
-    from opmap.ops.mla import decode_fp8
+    from opmap.kernels.mla import decode_fp8
 
     n = [0]
     real = decode_fp8.launch
@@ -295,7 +295,7 @@ def test_append_exact(fp8):
 
 
 def test_sdpa_peer_matches_reference():
-    from opmap.ops.mla import sdpa
+    from opmap.peers.mla import sdpa
 
     lens = [1, 64, 1000]
     pc = _cache(lens, 16, 11)

@@ -5,9 +5,9 @@ Run with: PYTHONPATH=src python -m pytest tests/gpu/test_moe_gpu.py -m gpu -q
 import pytest
 import torch
 
-from opmap import registry
+from opmap.core import registry
 from opmap.ops.moe import reference
-from opmap.tolerance import assert_close, cosine
+from opmap.core.tolerance import assert_close, cosine
 
 pytestmark = pytest.mark.gpu
 
@@ -78,7 +78,7 @@ def test_triton_deepseek_sigmoid_grouped_routing_bf16():
     (333, 64, 6, dict(renormalize=False, n_group=8, topk_group=3)),
 ])
 def test_fused_routing_matches_torch_routing(T, E, k, kw):
-    from opmap.ops.moe.route_triton import route as route_triton
+    from opmap.kernels.moe.route_triton import route as route_triton
     from opmap.ops.moe.routing import route
 
     kw = dict(kw)
@@ -113,7 +113,7 @@ def test_triton_fp16_odd_sizes():
 
 
 def test_triton_no_host_sync_and_cuda_graph_replay():
-    from opmap.ops.moe.triton_moe import moe
+    from opmap.kernels.moe.triton_moe import moe
 
     E, k, H, I, T = 16, 4, 512, 256, 48
     w13, w2 = _weights(E, H, I)
@@ -176,8 +176,8 @@ def test_triton_direct_launch_after_tuning_matches_first_call():
     # The first call of a new shape goes through the autotuner; later calls launch the remembered
     # config directly (grouped_gemm._BEST). Same kernel, same config, no atomics: bitwise equal,
     # and both right. A shape no other test uses, so the first call really tunes.
-    from opmap.ops.moe import grouped_gemm as gg
-    from opmap.ops.moe.triton_moe import moe
+    from opmap.kernels.moe import grouped_gemm as gg
+    from opmap.kernels.moe.triton_moe import moe
 
     E, k, H, I, T = 24, 4, 1152, 320, 3
     w13, w2 = _weights(E, H, I)
@@ -199,9 +199,9 @@ def test_triton_direct_launch_after_tuning_matches_first_call():
 def test_fused_route_align_matches_route_then_align(T, E, k, kw):
     """Decode batches route and align in one launch (route_align.py): bf16 logits as the engine
     passes them; the same ids (up to near-ties, as above), sorted pairs, blocks and total."""
-    from opmap.ops.moe.align import align
-    from opmap.ops.moe.route_align import fusable, route_align
-    from opmap.ops.moe.route_triton import route as route_triton
+    from opmap.kernels.moe.align import align
+    from opmap.kernels.moe.route_align import fusable, route_align
+    from opmap.kernels.moe.route_triton import route as route_triton
 
     kw = dict(kw)
     bias = torch.randn(E, device=DEV) * 0.05 if kw.pop("bias", False) else None

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from opmap.presets import PRESETS
+from opmap.model.presets import PRESETS
 
 from oracle_util import oracle_parity
 
@@ -23,7 +23,7 @@ CASES = [("qwen2.5-7b", None, 32), ("qwen3-8b", None, 32), ("mixtral-8x7b", 4, 1
 @torch.no_grad()
 @pytest.mark.parametrize("name,layers,n_new", CASES, ids=[c[0] for c in CASES])
 def test_bf16_within_bf16_noise_of_fp32_oracle(name, layers, n_new, record_property):
-    from opmap.hw import local_arch
+    from opmap.core.hw import local_arch
 
     cfg = PRESETS[name] if layers is None else dataclasses.replace(PRESETS[name], layers=layers)
     page = cfg.default_page_size(local_arch())  # 64 on sm90: 4 x 2048 tokens either way

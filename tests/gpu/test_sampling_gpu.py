@@ -8,13 +8,13 @@ import math
 import pytest
 import torch
 
-from opmap.ops.grammar import bitmask as GK
+from opmap.kernels.grammar import bitmask as GK
 from opmap.ops.grammar import reference as GR
-from opmap.ops.sampling import processors as PK
-from opmap.check.stats import chi2_tv
+from opmap.kernels.sampling import processors as PK
+from opmap.harness.check.stats import chi2_tv
 from opmap.ops.sampling import reference as R
-from opmap.ops.sampling import sampler
-from opmap.tolerance import assert_close
+from opmap.kernels.sampling import sampler
+from opmap.core.tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -93,7 +93,7 @@ def test_histogram_bracket_with_values_on_bin_edges(V):
     """Pass B (the 128-bin histogram of z: 1/32 nat near the max, wider below) brackets the
     search: values exactly on bin edges of every tier and tied across them, bf16 and fp32 logits,
     top-k and top-p alone, and a row whose boundary lies below the histogram's range (z < -15.5)."""
-    from opmap.ops.sampling.sampler_jit import hist_u_edges
+    from opmap.kernels.sampling.sampler_jit import hist_u_edges
 
     u = torch.tensor(hist_u_edges(), device=DEV)
     B = 16
@@ -249,7 +249,7 @@ def test_bitmask_apply_vs_masked_fill(V, dtype):
 def test_bitmask_buffer_upload_and_apply():
     """The engine's path without xgrammar: pinned words -> non-blocking copy -> selected apply
     (our Triton kernel on the GPU, no fallback), only on the constrained rows."""
-    from opmap.ops.grammar.structured import BitmaskBuffer, apply_bitmask
+    from opmap.engine.structured import BitmaskBuffer, apply_bitmask
 
     B, V = 32, 128256
     buf = BitmaskBuffer(B, V, DEV)

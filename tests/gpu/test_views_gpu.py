@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from opmap import registry
+from opmap.core import registry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_views import CASES, check_views, on  # noqa: E402

@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Optional
 
 
-from ..specs import AttentionSpec, MergeSpec
-from ..registry import get as get_backend
-from ..select import BackendError
-from .dispatch import arch_of, capturing, dt, no_workspace_for, resolve, tensor, workspace as cached_workspace
+from opmap.core.specs import AttentionSpec, MergeSpec
+from opmap.core.registry import get as get_backend
+from opmap.core.select import BackendError
+from opmap.api.dispatch import arch_of, capturing, dt, no_workspace_for, resolve, tensor, workspace as cached_workspace
 
 
 def _spec(q, k_cache, v_cache, phase, window, soft_cap, return_lse, batch_invariant=False):

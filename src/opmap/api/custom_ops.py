@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from . import attention as A, dense as D, sampling as S
+from opmap.api import attention as A, dense as D, sampling as S
 
 Tensor, Opt, Str = torch.Tensor, Optional[torch.Tensor], Optional[str]
 

@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from ..specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, NormSpec, RopeSpec
-from .dispatch import arch_of, call, dt, tensor
+from opmap.core.specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, NormSpec, RopeSpec
+from opmap.api.dispatch import arch_of, call, dt, tensor
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: Optional[str] = None,

@@ -9,9 +9,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..registry import Backend, get as get_backend
-from ..contract import InputError, dtype_name, expect
-from ..select import BackendError, select
+from opmap.core.registry import Backend, get as get_backend
+from opmap.core.contract import InputError, dtype_name, expect
+from opmap.core.select import BackendError, select
 
 
 @functools.lru_cache(maxsize=64)

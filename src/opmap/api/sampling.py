@@ -10,8 +10,8 @@ from typing import Optional
 
 import torch
 
-from ..specs import GrammarMaskSpec, LogitsSpec, SamplingSpec
-from .dispatch import arch_of, call, capturing, dt, tensor
+from opmap.core.specs import GrammarMaskSpec, LogitsSpec, SamplingSpec
+from opmap.api.dispatch import arch_of, call, capturing, dt, tensor
 
 
 def _vocab_spec(cls, logits, phase, **kw):

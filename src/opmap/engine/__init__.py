@@ -6,11 +6,11 @@ caching, preemption and decode CUDA graphs."""
 def __getattr__(name):
     # LLM pulls in torch and the op registry: imported on first use.
     if name in ("LLM", "RequestOutput"):
-        from . import llm
+        from opmap.engine import llm
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from ..ops.sampling.params import SamplingParams
+        from opmap.engine.params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -22,7 +22,7 @@ _SYNC_WARNING = "synchronizing"  # torch's sync debug warning: "called a synchro
 # offsets on the host by design (its API: plan on the host, then run), and opmap's adapters build
 # its page lists just before it; they plan once per step's metadata, so these come once per step
 # and wrapper kind, never once per layer.
-DECLARED = ("/flashinfer/", "/ops/attention/flashinfer.py", "/ops/mla/flashinfer.py")
+DECLARED = ("/flashinfer/", "/peers/attention/flashinfer.py", "/peers/mla/flashinfer.py")
 
 
 class StepAudit:

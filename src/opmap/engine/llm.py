@@ -15,18 +15,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ..contract import InputError
-from ..ops.sampling.params import SamplingParams
-from .block_manager import BlockManager
-from .config import EngineConfig, resolve_model
-from .metrics import HOST_PARTS, GcTimer, StepStats, summarize
-from .runner import ModelRunner, device_arch
-from .sampler import Sampler
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .stop import check_stop, make_checker
-from .tokenizer import HFTokenizer, make_tokenizer
-from .weights import SafetensorsSource, eos_token_ids
+from opmap.core.contract import InputError
+from opmap.engine.params import SamplingParams
+from opmap.engine.block_manager import BlockManager
+from opmap.model.hf import resolve_model
+from opmap.engine.config import EngineConfig
+from opmap.engine.metrics import HOST_PARTS, GcTimer, StepStats, summarize
+from opmap.engine.runner import ModelRunner, device_arch
+from opmap.engine.sampler import Sampler
+from opmap.engine.scheduler import Scheduler
+from opmap.engine.sequence import Sequence
+from opmap.engine.stop import check_stop, make_checker
+from opmap.engine.tokenizer import HFTokenizer, make_tokenizer
+from opmap.engine.weights import SafetensorsSource, eos_token_ids
 
 log = logging.getLogger("opmap.engine")
 
@@ -75,7 +76,7 @@ class LLM:
                                trace=self.ecfg.trace_ops)
         for line in self.sampler.condensed():
             log.info("%s", line)
-        self._structured = None  # opmap.ops.grammar.structured.StructuredOutput, made on first use
+        self._structured = None  # opmap.engine.structured.StructuredOutput, made on first use
         self._bitmask = None
         if self.ecfg.structured_output:
             self._ensure_structured()  # before gc.freeze() below: its objects are frozen too
@@ -217,7 +218,7 @@ class LLM:
         if self._structured is not None:
             return
         try:
-            from ..ops.grammar.structured import BitmaskBuffer, StructuredOutput
+            from opmap.engine.structured import BitmaskBuffer, StructuredOutput
 
             ends = self.eos_ids or getattr(self.tokenizer, "grammar_end", None)
             self._structured = StructuredOutput(self.tokenizer.tok, vocab_size=self.cfg.vocab,

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..presets import ModelConfig
-from .weights import Loader, fill_random, kv_layer_scales
+from opmap.model.presets import ModelConfig
+from opmap.engine.weights import Loader, fill_random, kv_layer_scales
 
 
 @dataclass
@@ -128,7 +128,7 @@ class DecoderModel:
         each weight of ``quant_names`` becomes its quantised tensor, its scale ``<name>.scale``
         (fp32); ``lm_head``: the LM head too where it is not the embedding table (a tied one is
         read by the embedding lookup). Returns the names quantised."""
-        from ..ops.gemm.quant import quantize_weight
+        from opmap.ops.gemm.quant import quantize_weight
 
         names = self.quant_names() + (["lm_head"] if lm_head and "lm_head" in self.params else [])
         for n in names:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import DecoderModel, Step
-from .weights import Loader
+from opmap.engine.model import DecoderModel, Step
+from opmap.engine.weights import Loader
 
 
 class GemmaModel(DecoderModel):

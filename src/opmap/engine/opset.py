@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from .. import specs as S
-from ..presets import ModelConfig, _scaling
-from ..api.dispatch import entry_of
-from ..select import select
+from opmap.core import specs as S
+from opmap.model.presets import ModelConfig, _scaling
+from opmap.api.dispatch import entry_of
+from opmap.core.select import select
 
 # False: RoPE (with Qwen3's q/k norm) and the KV append as separate launches (tests compare the two).
 FUSE_ROPE_APPEND = True
@@ -84,7 +84,7 @@ class OpSet:
             app = self.choices[-1][2]
             if (app.backend.name == rope_choice.backend.name and "rope_append" in app.backend.impl
                     and FUSE_ROPE_APPEND):
-                # One launch instead of two per layer (ops/attention/rope_append.py); the rope
+                # One launch instead of two per layer (kernels/attention/rope_append.py); the rope
                 # selection above already checked the rope requirements for this backend.
                 # Qwen3's q/k norms ride along when the norm chose that backend's name too.
                 self.qk_norm_in_rope_append = qk_choice is not None and qk_choice.backend.name == app.backend.name

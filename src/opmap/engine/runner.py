@@ -25,18 +25,18 @@ from typing import Optional
 
 import torch
 
-from ..contract import InputError, dtype_name, trusted_values
-from ..hw import local_arch
-from ..ops.gemm.backends import MANY_ROWS  # rows from which a quantised GEMM takes the many-row route
-from ..ops.rope.reference import cos_sin_cache
-from ..select import BackendError
-from .capture import Capture
-from .config import EngineConfig
-from .kv_plan import MemFigures, plan_pages
-from .model import Step
-from .model_mla import build_model
-from .opset import OpSet, log_choices
-from .scheduler import Batch
+from opmap.core.contract import InputError, dtype_name, trusted_values
+from opmap.core.hw import local_arch
+from opmap.ops.gemm.backends import MANY_ROWS  # rows from which a quantised GEMM takes the many-row route
+from opmap.ops.rope.reference import cos_sin_cache
+from opmap.core.select import BackendError
+from opmap.engine.capture import Capture
+from opmap.engine.config import EngineConfig
+from opmap.engine.kv_plan import MemFigures, plan_pages
+from opmap.engine.model import Step
+from opmap.engine.model_mla import build_model
+from opmap.engine.opset import OpSet, log_choices
+from opmap.engine.scheduler import Batch
 
 log = logging.getLogger("opmap.engine")
 CPU_PAGES = 256

@@ -2,7 +2,7 @@
 ``stop.py``). Every stage is an opmap operator resolved once through the selector:
 ``logits.apply_penalties``, ``grammar_mask.apply_bitmask``, ``sampling.sample``,
 ``logits.logprobs``. Parameters are per-row tensors built from the requests' ``SamplingParams``
-(``opmap.ops.sampling.batch.SamplingTensors``); the random stream is keyed by (seed, position),
+(``opmap.engine.sampling_tensors.SamplingTensors``); the random stream is keyed by (seed, position),
 so a seeded request draws the same tokens alone or inside any batch.
 """
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import specs as S
-from ..ops.sampling.batch import SamplingTensors, penalty_state, to_device, update_output_counts
-from ..api.dispatch import entry_of
-from ..select import select
-from .opset import _ranged
+from opmap.core import specs as S
+from opmap.engine.sampling_tensors import SamplingTensors, penalty_state, to_device, update_output_counts
+from opmap.api.dispatch import entry_of
+from opmap.core.select import select
+from opmap.engine.opset import _ranged
 
 
 class Sampler:
@@ -53,7 +53,7 @@ class Sampler:
         logprobs are read here (a synchronisation).
 
         ``mask``: (bitmask[B, ceil(V/32)] int32, rows) on the device for the rows under a
-        structured-output constraint (``opmap.ops.grammar.structured.BitmaskBuffer``), or None."""
+        structured-output constraint (``opmap.engine.structured.BitmaskBuffer``), or None."""
         params = [s.params for s in seqs]
         key = tuple(s.seq_id for s in seqs)
         if key != self._key:  # steady decode keeps its batch: the per-row tensors are reused

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .sequence import Sequence, SeqStatus
+from opmap.engine.block_manager import BlockManager
+from opmap.engine.sequence import Sequence, SeqStatus
 
 
 @dataclass

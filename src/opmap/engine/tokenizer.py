@@ -52,7 +52,7 @@ def byte_tokenizer(vocab: int):
 
 
 def make_tokenizer(path, vocab: int) -> HFTokenizer:
-    from .weights import load_tokenizer
+    from opmap.engine.weights import load_tokenizer
 
     t = load_tokenizer(path)
     out = HFTokenizer(t if t is not None else byte_tokenizer(vocab))

@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..contract import InputError
+from opmap.core.contract import InputError
 
 
 class SafetensorsSource:
@@ -168,7 +168,7 @@ class Loader:
     def _quantised(self, name: str) -> tuple:
         """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter; a tensor stored
         unquantised (a layer the checkpoint's ignore list kept) is quantised per row here."""
-        from ..ops.gemm.quant import quantize_weight
+        from opmap.ops.gemm.quant import quantize_weight
 
         t = self._raw(name)
         key = self._scale_name(name) if t.dtype == FP8 else None

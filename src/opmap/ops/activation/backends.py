@@ -1,15 +1,14 @@
 """Backend registrations of the activation family (entries silu_mul / gelu_tanh_mul)."""
-from opmap import registry
-from opmap.registry import Backend, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
-_MOD = "opmap.ops.activation"
 _ENTRIES = ("silu_mul", "gelu_tanh_mul")
 
 registry.register(Backend(
     op="activation", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl={e: f"{_MOD}.reference:{e}" for e in _ENTRIES},
+    impl={e: f"opmap.ops.activation.reference:{e}" for e in _ENTRIES},
     reqs=[Req("dtype", _FLOAT), Req("kind", _ENTRIES)],
     notes="plain PyTorch, fp32 math, one rounding",
 ))
@@ -17,7 +16,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="activation", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={e: f"{_MOD}.triton_act:{e}" for e in _ENTRIES},
+    impl={e: f"opmap.kernels.activation.triton_act:{e}" for e in _ENTRIES},
     reqs=[Req("dtype", _FLOAT), Req("kind", _ENTRIES)],
     available=registry.triton_available,
     notes="elementwise, fp32 math, int64 row offsets",
@@ -26,7 +25,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="activation", name="torch-eager", provider="torch", version=registry.torch_version,
     priority={"cpu": 20, "sm80": 20, "sm89": 20, "sm90": 20, "sm100": 20},
-    impl={e: f"{_MOD}.torch_peer:{e}" for e in _ENTRIES},
+    impl={e: f"opmap.peers.activation.torch_peer:{e}" for e in _ENTRIES},
     reqs=[Req("dtype", _FLOAT), Req("kind", _ENTRIES)],
     notes="peer: F.silu / F.gelu(tanh) then a multiply, in x.dtype (two kernels, HF-style rounding)",
 ))

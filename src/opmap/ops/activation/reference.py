@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .validate import check_act
+from opmap.ops.activation.validate import check_act
 
 
 def _split(x):

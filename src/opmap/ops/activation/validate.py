@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect, expect_same_device, expect_tensor
+from opmap.core.contract import expect, expect_same_device, expect_tensor
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -6,11 +6,10 @@ Declarations only: importing this module imports no kernel module and no peer pa
 """
 from __future__ import annotations
 
-from ...registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Prefer, Req, needs_cuda,
+from opmap.core.registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Prefer, Req, needs_cuda,
                          package_available, package_version, register, torch_version, triton_available,
                          triton_version)
 
-PKG = "opmap.ops.attention"
 NOT_MLA = Req("kind", ("mha", "gqa", "mqa"), "kind in {mha, gqa, mqa} (MLA: opmap.ops.mla)")
 TRITON_PRIORITY = {"cpu": TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50}
 TRITON_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -44,7 +43,7 @@ DV_SAME = Check("head_dim_v == head_dim", _dv_same, "head_dim_v")
 register(Backend(
     op="kv_append", name="reference", provider="torch", version=torch_version,
     priority=dict(REFERENCE_PRIORITY),
-    impl={"append": f"{PKG}.reference:append", "rope_append": f"{PKG}.reference:rope_append"},
+    impl={"append": "opmap.ops.attention.reference:append", "rope_append": "opmap.ops.attention.reference:rope_append"},
     reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
           Req("cuda_graph", (False,), "no CUDA-graph capture (index_put on a boolean selection syncs)")),
     notes="plain PyTorch index_put; fp8 saturates to +-448 and rounds to nearest",
@@ -55,7 +54,7 @@ register(Backend(
     priority=dict(TRITON_PRIORITY), available=triton_available,
     # rope_append: RoPE on q, k and this append in one launch (the engine uses it when the rope
     # op chose this backend's name too, so the rope requirements were met by that selection).
-    impl={"append": f"{PKG}.kv_append:append", "rope_append": f"{PKG}.rope_append:rope_append"},
+    impl={"append": "opmap.kernels.attention.kv_append:append", "rope_append": "opmap.kernels.attention.rope_append:rope_append"},
     reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
           Req("dtype", ("fp32", "fp16", "bf16")),
           Req("page_size", lambda p: 1 <= p <= 4096, "1 <= page_size <= 4096")),
@@ -68,8 +67,8 @@ register(Backend(
 register(Backend(
     op="attention", name="reference", provider="torch", version=torch_version,
     priority=dict(REFERENCE_PRIORITY),
-    impl={"prefill": f"{PKG}.reference:prefill", "decode": f"{PKG}.reference:decode",
-          "mixed": f"{PKG}.reference:mixed"},
+    impl={"prefill": "opmap.ops.attention.reference:prefill", "decode": "opmap.ops.attention.reference:decode",
+          "mixed": "opmap.ops.attention.reference:mixed"},
     reqs=(NOT_MLA, Req("sparse", (False,), "dense attention only"),
           Req("cuda_graph", (False,), "no CUDA-graph capture (loops over sequences on the host)")),
     checks=(KV_CHECK,),
@@ -79,8 +78,8 @@ register(Backend(
 register(Backend(
     op="attention", name="triton", provider="opmap-triton", version=triton_version,
     priority=dict(TRITON_PRIORITY), available=triton_available,
-    impl={"prefill": f"{PKG}.prefill:prefill", "decode": f"{PKG}.decode:decode",
-          "mixed": f"{PKG}.mixed:mixed", "make_workspace": f"{PKG}.decode:make_workspace"},
+    impl={"prefill": "opmap.kernels.attention.prefill:prefill", "decode": "opmap.kernels.attention.decode:decode",
+          "mixed": "opmap.kernels.attention.mixed:mixed", "make_workspace": "opmap.kernels.attention.decode:make_workspace"},
     reqs=(NOT_MLA, Req("paged", (True,), "paged KV (contiguous KV: one page per sequence of a listed size)"),
           Req("page_size", TRITON_PAGE_SIZES),
           Req("dtype", ("fp32", "fp16", "bf16")),
@@ -99,7 +98,7 @@ _SDPA = (
     # name, provider, SDPBackend member, priority, dtypes, head-dim condition
     # cuDNN outruns our Triton kernels where it can serve (contiguous KV) on the H200:
     # prefill S=8192 540 vs 303 TFLOP/s, decode B=64/4096 4.22 vs 3.67 TB/s
-    # (bench/baselines/h200/attention.md), so it ranks above triton (50) there.
+    # (harness/bench/baselines/h200/attention.md), so it ranks above triton (50) there.
     ("sdpa_cudnn", "cudnn-sdpa", "CUDNN_ATTENTION", {"sm90": 60},
      ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 128, "head_dim <= 128, multiple of 8")),
     ("sdpa_flash", "torch-sdpa-flash", "FLASH_ATTENTION", {"sm80": 30, "sm90": 30},
@@ -113,7 +112,7 @@ for name, provider, member, prio, dts, (dfn, dtext) in _SDPA:
     register(Backend(
         op="attention", name=name, provider=provider, version=torch_version, priority=prio,
         available=needs_cuda,
-        impl={e: f"{PKG}.sdpa:{name}_{e}" for e in ("prefill", "decode", "mixed")},
+        impl={e: f"opmap.peers.attention.sdpa:{name}_{e}" for e in ("prefill", "decode", "mixed")},
         reqs=(NOT_MLA, *((CUDNN_PHASES,) if name == "sdpa_cudnn" else ()),
               Req("paged", (False,), "contiguous KV only ([B, S, Hk, D], one page per sequence)"),
               Req("dtype", dts), Req("head_dim", dfn, dtext),
@@ -132,7 +131,7 @@ register(Backend(
     op="attention", name="flex", provider="torch-flex", version=torch_version,
     priority={"cpu": 5, "sm80": 15, "sm90": 15},
     available=package_available("torch.nn.attention.flex_attention"),
-    impl={e: f"{PKG}.flex:{e}" for e in ("prefill", "decode", "mixed")},
+    impl={e: f"opmap.peers.attention.flex:{e}" for e in ("prefill", "decode", "mixed")},
     reqs=(NOT_MLA, Req("dtype", ("fp32", "fp16", "bf16")), Req("head_dim", (64, 128, 256)),
           Req("sparse", (False,)),
           Req("cuda_graph", (False,), "no CUDA-graph capture (block mask built from host lengths per call)"),
@@ -150,8 +149,8 @@ register(Backend(
     # B=64 / 4096, 52 against 54 at B=1 / 32k); mixed batches were not timed.
     priority={"sm80": 40, "sm90": Prefer(55, 40, lambda s: s.phase == "prefill", "phase = prefill")},
     available=package_available("flashinfer"),
-    impl={"prefill": f"{PKG}.flashinfer:prefill", "decode": f"{PKG}.flashinfer:decode",
-          "mixed": f"{PKG}.flashinfer:prefill"},
+    impl={"prefill": "opmap.peers.attention.flashinfer:prefill", "decode": "opmap.peers.attention.flashinfer:decode",
+          "mixed": "opmap.peers.attention.flashinfer:prefill"},
     reqs=(NOT_MLA, Req("paged", (True,), "paged KV"), Req("dtype", ("fp16", "bf16")),
           Req("head_dim", (64, 128, 256)), Req("sparse", (False,)),
           Req("cuda_graph", (False,), "no CUDA-graph capture through this adapter (plan() per call)"),
@@ -167,12 +166,12 @@ register(Backend(
 
 register(Backend(
     op="attention_merge", name="reference", provider="torch", version=torch_version,
-    priority=dict(REFERENCE_PRIORITY), impl={"merge": f"{PKG}.reference:merge"},
+    priority=dict(REFERENCE_PRIORITY), impl={"merge": "opmap.ops.attention.reference:merge"},
 ))
 
 register(Backend(
     op="attention_merge", name="triton", provider="opmap-triton", version=triton_version,
     priority=dict(TRITON_PRIORITY), available=triton_available,
-    impl={"merge": f"{PKG}.merge:merge"},
+    impl={"merge": "opmap.kernels.attention.merge:merge"},
     reqs=(Req("dtype", ("fp32", "fp16", "bf16")), Req("head_dim", lambda d: 1 <= d <= 1024, "head_dim <= 1024")),
 ))

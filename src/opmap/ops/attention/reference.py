@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from ...contract import expect, expect_same_device, expect_tensor
-from . import validate as V
+from opmap.core.contract import expect, expect_same_device, expect_tensor
+from opmap.ops.attention import validate as V
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,9 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
                 v_scale=None, qk_norm=None) -> None:
     """(Qwen3's q/k RMSNorm when ``qk_norm=(w_q, w_k, eps)``,) RoPE on q and k in place, then
     append: the fused entry's definition."""
-    from ..norm.reference import _rmsnorm
-    from ..rope import reference as rope_ref
-    from .rope_append import check_qk_norm_arg
+    from opmap.ops.norm.reference import _rmsnorm
+    from opmap.ops.rope import reference as rope_ref
+    from opmap.kernels.attention.rope_append import check_qk_norm_arg
 
     norm = check_qk_norm_arg(qk_norm, q)
     if norm is not None:

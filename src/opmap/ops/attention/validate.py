@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...contract import (InputError, dtype_name, expect, expect_same_device, expect_tensor, value_check_passed,
+from opmap.core.contract import (InputError, dtype_name, expect, expect_same_device, expect_tensor, value_check_passed,
                          value_check_seen, values_wanted)
 
 FP8 = torch.float8_e4m3fn

@@ -1,10 +1,9 @@
 """Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
 weight-only fp8-e4m3 / int8 with per-output-channel scales)."""
-from opmap import registry
-from opmap.registry import Backend, Check, Prefer, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Check, Prefer, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
-_MOD = "opmap.ops.gemm"
 MANY_ROWS = 128  # rows from which one weight pass serves many rows (dequant-cublas, scaled-mm); engine/runner.py
 
 
@@ -40,7 +39,7 @@ def _fp8_cast_arch(spec):
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl={"linear": f"{_MOD}.reference:linear"},
+    impl={"linear": "opmap.ops.gemm.reference:linear"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
@@ -49,7 +48,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="cublas", provider="cublas", version=registry.torch_version,
     priority={"cpu": 20, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
-    impl={"linear": f"{_MOD}.torch_peer:linear"},
+    impl={"linear": "opmap.peers.gemm.torch_peer:linear"},
     reqs=[Req("dtype", _FLOAT)],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
     notes="torch.nn.functional.linear (cuBLAS on a GPU, the CPU BLAS on a CPU)",
@@ -57,11 +56,11 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
-    # sm90, bf16 (bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
+    # sm90, bf16 (harness/bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
     # N (gate/up, LM head) at M = 64, behind it at M = 64 on QKV, O and down (3.4-7.3 us each).
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50,
               "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384")},
-    impl={"linear": f"{_MOD}.triton_gemm:linear"},
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
@@ -72,7 +71,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="triton-wo", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={"linear": f"{_MOD}.triton_gemm:linear"},
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
     checks=[_SAME_ACT],
     available=registry.triton_available,
@@ -88,11 +87,11 @@ registry.register(Backend(
     # an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs'
     # limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill):
     # 1.09-2.43x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
-    # fp8 and int8 (bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
+    # fp8 and int8 (harness/bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
     # (engine/runner.py, MANY_ROWS) and the others at M unknown, which keeps triton-wo.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
               **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
-    impl={"linear": f"{_MOD}.dequant_cublas:linear"},
+    impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
     checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
@@ -117,7 +116,7 @@ registry.register(Backend(
     # Llama-3-8B shapes, M = 128-2048) it was 1.4-3.9x dequant-cublas at every shape, and from M =
     # 512 1.3-1.7x cuBLAS on bf16 weights; activations given as fp8 (act_dtype="fp8") take it at any M.
     priority={"sm89": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step"), "sm100": 45},
-    impl={"linear": f"{_MOD}.scaled_mm:linear"},
+    impl={"linear": "opmap.kernels.gemm.scaled_mm:linear"},
     reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",))],
     checks=[Check("act_dtype fp8, or M >= 128 / a prefill step", _act_fp8_or_many_rows, "act_dtype"),
             Check("N, K multiples of 16", _mult16, "k")],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect_in, expect_tensor
+from opmap.core.contract import expect_in, expect_tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .validate import check_linear
+from opmap.ops.gemm.validate import check_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:

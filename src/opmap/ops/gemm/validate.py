@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect, expect_same_device, expect_tensor, dtype_name
+from opmap.core.contract import expect, expect_same_device, expect_tensor, dtype_name
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)

@@ -33,7 +33,7 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows=None) -> None:
-    from .validate import check_bitmask_args
+    from opmap.ops.grammar.validate import check_bitmask_args
 
     check_bitmask_args(logits, bitmask, rows)
     V = logits.shape[1]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import expect, expect_same_device, expect_tensor, expect_writable
+from opmap.core.contract import expect, expect_same_device, expect_tensor, expect_writable
 
 
 def check_bitmask_args(logits, bitmask, rows) -> None:

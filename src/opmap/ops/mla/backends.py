@@ -10,14 +10,14 @@ num_kv_heads = 1 (one latent shared by every head). Phase "mixed" is served by `
 """
 from __future__ import annotations
 
-from ... import registry
-from ...registry import Backend, Check, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Check, Req
 
-_MOD = "opmap.ops.mla"
 
 
 def _impl(mod: str, names) -> dict:
-    return {n: f"{_MOD}.{mod}:{n}" for n in names}
+    """Entries of ``mod`` (a module under opmap, e.g. "kernels.mla.decode") by name."""
+    return {n: f"opmap.{mod}:{n}" for n in names}
 
 
 def _rope_part(spec):
@@ -64,7 +64,7 @@ ENTRIES = ("mla_decode", "mla_prefill", "mla_sparse_decode")
 registry.register(Backend(
     op="attention", name="mla-reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl=_impl("reference", ENTRIES),
+    impl=_impl("ops.mla.reference", ENTRIES),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("cuda_graph", (False,), "eager only (host loop over sequences)")),
     checks=(ROPE, SPARSE),
@@ -74,8 +74,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="attention", name="mla-triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={**_impl("decode", ("mla_decode", "mla_sparse_decode", "make_workspace")),
-          **_impl("prefill", ("mla_prefill",))},
+    impl={**_impl("kernels.mla.decode", ("mla_decode", "mla_sparse_decode", "make_workspace")),
+          **_impl("kernels.mla.prefill", ("mla_prefill",))},
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("kv_dtype", ("fp32", "fp16", "bf16", "fp8"), "KV bf16 / fp16 / fp32 / fp8-e4m3 + scale"),
           Req("batch_invariant", (False,), "split-KV count depends on the batch size")),
@@ -88,7 +88,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="attention", name="mla-sdpa", provider="torch-sdpa", version=registry.torch_version,
     priority={"cpu": 5, "sm80": 20, "sm90": 20},
-    impl=_impl("sdpa", ENTRIES),
+    impl=_impl("peers.mla.sdpa", ENTRIES),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("cuda_graph", (False,), "eager only (gathers pages on the host side)"),
           Req("return_lse", (False,), "no LSE (SDPA does not return it)")),
@@ -112,7 +112,7 @@ registry.register(Backend(
     # 323.6 us, B=1 / 32k 44.3 against 61.5 (128 heads). At 16 heads ours: 30.1 against 53.1 us at
     # B=1 / 32k, 94.7 against 91.6 at B=64 (docs/mla.md, Decisions).
     priority={"sm80": 40, "sm90": registry.Prefer(55, 40, lambda s: s.num_heads >= 64, "num_heads >= 64")},
-    impl=_impl("flashinfer", ("mla_decode",)),
+    impl=_impl("peers.mla.flashinfer", ("mla_decode",)),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("phase", ("decode",), "decode only (our prefill entry is the non-absorbed form)"),
           Req("sparse", (False,), "dense only"),
@@ -131,7 +131,7 @@ _APPEND_KIND = Req("kind", ("mla",), "kind = mla")
 registry.register(Backend(
     op="kv_append", name="mla-reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl=_impl("reference", ("append_mla",)),
+    impl=_impl("ops.mla.reference", ("append_mla",)),
     reqs=(_APPEND_KIND, ONE_KV, Req("cuda_graph", (False,), "eager only (boolean indexing)")),
     notes="index_put of [ckv, kpe] rows; fp8 stores value / scale clamped to +-448",
 ))
@@ -139,7 +139,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="kv_append", name="mla-triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl=_impl("append", ("append_mla",)),
+    impl=_impl("kernels.mla.append", ("append_mla",)),
     reqs=(_APPEND_KIND, ONE_KV,
           Req("kv_dtype", ("fp32", "fp16", "bf16", "fp8"), "KV bf16 / fp16 / fp32 / fp8-e4m3 + scale")),
     available=registry.triton_available,

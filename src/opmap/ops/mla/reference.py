@@ -39,7 +39,7 @@ from typing import Optional, Union
 
 import torch
 
-from .validate import (check_append, check_decode, check_prefill, check_sparse_indices,
+from opmap.ops.mla.validate import (check_append, check_decode, check_prefill, check_sparse_indices,
                        scale_alias, scale_value)
 
 FP8_MAX = 448.0

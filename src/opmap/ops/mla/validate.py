@@ -1,4 +1,4 @@
-"""Input checks shared by every MLA backend: each error names the argument (opmap.contract).
+"""Input checks shared by every MLA backend: each error names the argument (opmap.core.contract).
 
 Shape, dtype and device checks always run. Checks of *values* (lengths against the pages a
 sequence owns, page ids inside the cache, slots, sparse indices) read the tensors on the host;
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import (InputError, expect, expect_same_device, expect_tensor, value_check_passed,
+from opmap.core.contract import (InputError, expect, expect_same_device, expect_tensor, value_check_passed,
                          value_check_seen, values_wanted)
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)

@@ -9,8 +9,8 @@ Importing this module imports no kernel module and no peer.
 """
 from __future__ import annotations
 
-from opmap import registry
-from opmap.registry import Backend, Check, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Check, Req
 
 _ROUTE = "opmap.ops.moe.routing:route"
 _FLOAT = ("fp32", "fp16", "bf16")
@@ -53,7 +53,7 @@ def _grouped_mm_alignment(spec):
 
 
 def _grouped_mm_available():
-    from opmap.ops.moe.torch_grouped import available
+    from opmap.peers.moe.torch_grouped import available
 
     return available()
 
@@ -70,7 +70,7 @@ registry.register(Backend(
     op="moe", name="torch-loop", provider="torch", version=registry.torch_version,
     # The fallback engines use when no grouped kernel exists: on GPUs below our kernels.
     priority={"cpu": 50, "sm80": 20, "sm89": 20, "sm90": 20, "sm100": 20},
-    impl={"moe": "opmap.ops.moe.torch_loop:moe", "route": _ROUTE},
+    impl={"moe": "opmap.peers.moe.torch_loop:moe", "route": _ROUTE},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     notes="per-expert loop of cuBLAS GEMMs in the input dtype; one host sync for the expert counts",
 ))
@@ -78,7 +78,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="torch-grouped-mm", provider="torch", version=registry.torch_version,
     priority={"cpu": 40, "sm80": 30, "sm90": 40, "sm100": 40},
-    impl={"moe": "opmap.ops.moe.torch_grouped:moe", "route": _ROUTE},
+    impl={"moe": "opmap.peers.moe.torch_grouped:moe", "route": _ROUTE},
     reqs=_COMMON_REQS,
     checks=_COMMON_CHECKS + (
         Check("CUDA: bf16 only", _grouped_mm_cuda_dtype, "dtype"),
@@ -91,8 +91,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={"moe": "opmap.ops.moe.triton_moe:moe", "route": "opmap.ops.moe.route_triton:route",
-          "warm_up": "opmap.ops.moe.triton_moe:warm_up"},
+    impl={"moe": "opmap.kernels.moe.triton_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
+          "warm_up": "opmap.kernels.moe.triton_moe:warm_up"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     available=registry.triton_available,
     notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM "

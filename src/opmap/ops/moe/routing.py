@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from opmap.contract import expect, expect_in, expect_same_device, expect_tensor
+from opmap.core.contract import expect, expect_in, expect_same_device, expect_tensor
 
 ROUTERS = ("softmax", "sigmoid", "sigmoid_grouped")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

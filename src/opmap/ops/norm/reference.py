@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .validate import check_norm, check_qk_norm
+from opmap.ops.norm.validate import check_norm, check_qk_norm
 
 
 def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,18 +1,17 @@
 """Backend registrations of the rope family (entry "rope", in place on q and k).
 
-HF transformers' apply_rotary_pos_emb is a benchmark peer (opmap.bench.cases.rope), not a
+HF transformers' apply_rotary_pos_emb is a benchmark peer (opmap.harness.bench.cases.rope), not a
 backend: it is out of place and NeoX-only.
 """
-from opmap import registry
-from opmap.registry import Backend, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
-_MOD = "opmap.ops.rope"
 
 registry.register(Backend(
     op="rope", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY),
-    impl={"rope": f"{_MOD}.reference:rope"},
+    impl={"rope": "opmap.ops.rope.reference:rope"},
     reqs=[Req("dtype", _FLOAT), Req("style", ("neox", "gptj")), Req("scaling", ("none", "linear", "llama3", "yarn")),
           Req("rotary_dim", lambda r: r is not None and r > 0 and r % 2 == 0, "rotary_dim even")],
     notes="plain PyTorch, fp32 math; scaling is folded into the cos/sin cache (cos_sin_cache)",
@@ -21,7 +20,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="rope", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={"rope": f"{_MOD}.triton_rope:rope"},
+    impl={"rope": "opmap.kernels.rope.triton_rope:rope"},
     reqs=[Req("dtype", _FLOAT), Req("style", ("neox", "gptj")), Req("scaling", ("none", "linear", "llama3", "yarn")),
           Req("rotary_dim", lambda r: r is not None and r > 0 and r % 2 == 0, "rotary_dim even")],
     available=registry.triton_available,

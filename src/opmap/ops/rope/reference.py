@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .validate import check_rope
+from opmap.ops.rope.validate import check_rope
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

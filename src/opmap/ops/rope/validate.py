@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.contract import expect, expect_in, expect_same_device, expect_tensor, expect_writable
+from opmap.core.contract import expect, expect_in, expect_same_device, expect_tensor, expect_writable
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 STYLES = ("neox", "gptj")

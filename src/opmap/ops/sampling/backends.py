@@ -1,14 +1,14 @@
 """Backend registrations of the ``logits`` (processors) and ``sampling`` ops.
 
 Entry points and their contract: ``opmap.ops.sampling.reference`` (module docstring). User
-parameters: ``opmap.ops.sampling.params.SamplingParams``; per-row tensors:
-``opmap.ops.sampling.batch.SamplingTensors``; stop handling: ``opmap.ops.sampling.stop``.
+parameters: ``opmap.engine.params.SamplingParams``; per-row tensors:
+``opmap.engine.sampling_tensors.SamplingTensors``; stop handling: ``opmap.engine.stop``.
 Importing this module imports no kernel and no peer (impl strings are resolved on first use).
 """
 from __future__ import annotations
 
-from ... import registry
-from ...registry import Backend, Check, Req
+from opmap.core import registry
+from opmap.core.registry import Backend, Check, Req
 
 _REF = "opmap.ops.sampling.reference"
 
@@ -31,7 +31,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="sampling", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={"sample": "opmap.ops.sampling.sampler:sample"},
+    impl={"sample": "opmap.kernels.sampling.sampler:sample"},
     available=registry.triton_available,
     notes="one program per row: key bisection for the top-k / top-p boundary (exact ties), "
           "register compaction once <= 2048 candidates remain, Gumbel race with Philox keyed by "
@@ -41,8 +41,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="logits", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl={"apply_penalties": "opmap.ops.sampling.processors:apply_penalties",
-          "apply_temperature": "opmap.ops.sampling.processors:apply_temperature",
+    impl={"apply_penalties": "opmap.kernels.sampling.processors:apply_penalties",
+          "apply_temperature": "opmap.kernels.sampling.processors:apply_temperature",
           "apply_filters": f"{_REF}:apply_filters", "logprobs": f"{_REF}:logprobs"},
     available=registry.triton_available,
     notes="Triton kernels for apply_penalties and apply_temperature (elementwise); apply_filters "
@@ -58,7 +58,7 @@ _UNSEEDED = (
 registry.register(Backend(
     op="sampling", name="torch-sort", provider="torch-sort", version=registry.torch_version,
     priority={"cpu": 20, "sm80": 5, "sm89": 5, "sm90": 5, "sm100": 5},
-    impl={"sample": "opmap.ops.sampling.torch_peers:sample_sort"},
+    impl={"sample": "opmap.peers.sampling.torch_peers:sample_sort"},
     reqs=_UNSEEDED,
     notes="sort + cumsum + mask + torch.multinomial: the fallback engines use",
 ))
@@ -66,7 +66,7 @@ registry.register(Backend(
 registry.register(Backend(
     op="sampling", name="torch-race", provider="torch-race", version=registry.torch_version,
     priority={"cpu": 30, "sm80": 10, "sm89": 10, "sm90": 10, "sm100": 10},
-    impl={"sample": "opmap.ops.sampling.torch_peers:sample_race"},
+    impl={"sample": "opmap.peers.sampling.torch_peers:sample_race"},
     reqs=_UNSEEDED,
     notes="argmax(p / Exp(1)) over the support; the support sorts only when a row has a filter",
 ))
@@ -84,8 +84,8 @@ def _one_filter_family(spec):
 registry.register(Backend(
     op="sampling", name="flashinfer", provider="flashinfer", version=registry.package_version("flashinfer-python"),
     priority={"sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
-    impl={"sample": "opmap.ops.sampling.flashinfer_peer:sample",
-          "sample_joint": "opmap.ops.sampling.flashinfer_peer:sample_joint"},
+    impl={"sample": "opmap.peers.sampling.flashinfer_peer:sample",
+          "sample_joint": "opmap.peers.sampling.flashinfer_peer:sample_joint"},
     reqs=_UNSEEDED,
     checks=(Check("one filter kind per batch (top-k, top-p or min-p)", _one_filter_family, "top_k"),),
     available=registry.all_of(registry.needs_cuda, registry.package_available("flashinfer")),

@@ -1,7 +1,7 @@
 """Plain-PyTorch reference (the oracle) of the logits processors and of sampling.
 
 Contract (shared by every backend of the ``logits`` and ``sampling`` ops; parameter meaning in
-``opmap.ops.sampling.params``). Per-row parameters are tensors of shape [B] on the logits' device:
+``opmap.engine.params``). Per-row parameters are tensors of shape [B] on the logits' device:
 ``temperature`` fp32 (0 = greedy), ``top_k`` int32/int64 (0 or >= V = off), ``top_p`` fp32
 (>= 1 = off), ``min_p`` fp32 (0 = off), ``seeds`` int64, ``positions`` int64.
 
@@ -29,9 +29,9 @@ import math
 
 import torch
 
-from ...contract import expect, expect_tensor
-from .philox import gumbel
-from .validate import INTS, check_logits, check_penalty_args, check_row_params, check_sample_args
+from opmap.core.contract import expect, expect_tensor
+from opmap.ops.sampling.philox import gumbel
+from opmap.ops.sampling.validate import INTS, check_logits, check_penalty_args, check_row_params, check_sample_args
 
 __all__ = ["apply_penalties", "apply_temperature", "apply_filters", "logprobs", "filtered_probs",
            "support_mask", "invalid_rows", "sample", "race", "kernel_z", "greedy_ids"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...contract import expect_same_device, expect_tensor, expect_writable
+from opmap.core.contract import expect_same_device, expect_tensor, expect_writable
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)

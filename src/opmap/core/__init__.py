@@ -1,0 +1,1 @@
+"""The vocabulary every other package speaks: specs (what is asked), the registry (which backends exist and what each declares), the selector, the input contract, the device facts (hw), tolerances and tile configurations. Imports nothing else of opmap."""

@@ -1,0 +1,187 @@
+"""Decode GEMM benchmark cases: M in {1, 16, 32, 64, 256} (and 1024 in the full grid) for the Llama-3-8B MLP shapes
+(K=4096, N=28672: gate+up; K=14336, N=4096: down), bf16 / fp8-e4m3 / int8 weights with
+per-output-channel scales, bf16 activations. The full grid (not ``--quick``) adds every other
+projection of Llama-3-8B and Qwen3-8B (QKV, O, Qwen3's MLP, both LM heads).
+
+Providers, timed in the same run on the same inputs:
+- bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
+- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"); at M >= 128 also our
+  "dequant-cublas" (the weight dequantised by one Triton pass into a reused bf16 scratch, then
+  cuBLAS); cuBLAS bf16 on the same
+  weights kept in bf16 (the baseline of the "fp8 weight-only >= 1.8x cuBLAS bf16" target);
+  "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
+  path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
+  fp8, then torch._scaled_mm on cuBLASLt).
+The op ``gemm.act_quant`` times the per-token fp8 activation quantisation that scaled-mm runs
+before its GEMM (our Triton kernel against the same thing in PyTorch ops) at prefill row counts.
+Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written once.
+Every M is timed by CUDA-graph replay (launch costs out): decode steps replay from graphs, and so
+do the engine's prefill steps of up to ``EngineConfig.prefill_graph_tokens`` (2048) tokens, so the
+GPU time is what a route choice at M >= 128 has to compare (eager timings of the small shapes
+measured the host's launch work instead: dequant-cublas on O at M = 256, 61.9 us eager against
+31.2 graph-timed).
+"""
+from __future__ import annotations
+
+import torch
+
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core.specs import GemmSpec
+
+SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
+# QKV (32 + 2 x 8 heads of 128) and O of both models, Qwen3-8B's gate+up and down, the LM heads
+MORE_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 128256), (4096, 151936)]
+MS = (1, 16, 32, 64, 256)
+MS_FULL = MS + (1024,)  # a prefill chunk: where a quantised path that dequantises once per call may win
+RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
+
+
+def _setup(M, N, K, fmt):
+    def setup(device):
+        from opmap.ops.gemm.quant import quantize_weight
+
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
+        w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
+        d = dict(x=x, w=w)  # quantised cases keep the bf16 weight for the cuBLAS-bf16 baseline
+        if fmt:
+            d["wq"], d["s"] = quantize_weight(w, fmt)
+        return d
+
+    return setup
+
+
+def _ours(backend, quantised):
+    def make(inp):
+        from opmap.core import registry
+
+        fn = registry.get("gemm", backend).fn("linear")
+        if quantised:
+            return lambda: fn(inp["x"], inp["wq"], None, inp["s"])
+        return lambda: fn(inp["x"], inp["w"])
+
+    return make
+
+
+def _described(M, N, K, quantised):
+    def note():
+        from opmap.kernels.gemm import triton_gemm as T
+
+        return T.describe(M, N, K, "cuda" if torch.cuda.is_available() else "cpu", quantised=quantised)
+
+    return note
+
+
+def _cublas(inp):
+    import torch.nn.functional as F
+
+    return lambda: F.linear(inp["x"], inp["w"])
+
+
+def _dequant_cublas(inp):
+    import torch.nn.functional as F
+
+    wq, s, x = inp["wq"], inp["s"], inp["x"]
+    return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
+
+
+# Tunings of the weight-only Gluon kernels (kernels/gemm/wo_gluon.py at M <= 32, wo_wgmma.py at
+# 32 < M <= 64 on sm90) timed with --variants beside their defaults, and GLUON=0: the Triton kernel
+# they replace at M <= 64.
+WO_VARIANTS = [dict(GLUON=0), dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
+WGMMA_VARIANTS = [dict(GLUON=0), dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
+_SHORT = {"GLUON": "gl", "BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
+
+
+def _config_row(cfg):
+    def make(inp):
+        from opmap.kernels.gemm import triton_gemm as T
+
+        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], config=cfg)
+
+    return make
+
+
+def _tag(cfg):
+    return ",".join(f"{_SHORT[k]}={v}" for k, v in cfg.items())
+
+
+def _scaled_mm(inp):
+    from opmap.kernels.gemm.scaled_mm import linear
+
+    return lambda: linear(inp["x"], inp["wq"], None, inp["s"])
+
+
+def _act_quant(triton_kernel):
+    def make(inp):
+        from opmap.kernels.gemm import act_quant
+        from opmap.ops.gemm import quant
+
+        fn = act_quant.quantize_act_fp8 if triton_kernel else quant.quantize_act_fp8
+        return lambda: fn(inp["x"])
+
+    return make
+
+
+ACT_QUANT_MS = (128, 1024, 2048)
+
+
+def _act_quant_cases(arch) -> list[BenchCase]:
+    out = []
+    for K, N in SHAPES:  # N: the GEMM the quantised x feeds (places the row at a model's widths)
+        for M in ACT_QUANT_MS:
+            out.append(BenchCase(
+                op="gemm.act_quant", case=f"M={M},K={K},dtype=bf16", flops=0.0,
+                bytes=float(M * K * 3 + M * 4),  # bf16 read, fp8 and one fp32 scale a row written
+                setup=lambda device, M=M, K=K: dict(x=torch.randn(M, K, device=device, dtype=torch.bfloat16)),
+                providers=[Provider("opmap-triton", _act_quant(True)), Provider("torch-ops", _act_quant(False))],
+                graph=True, tags=("gemm",),
+                spec=GemmSpec(arch=arch, phase="prefill", m=M, n=N, k=K, dtype="bf16", weight_dtype="fp8")))
+    return out
+
+
+def _sm89():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        return "torch._scaled_mm fp8 needs an sm89+ GPU"
+    return None
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    from opmap.core.hw import local_arch
+
+    arch = local_arch()
+    out = []
+    for fmt in (None, "fp8", "int8"):
+        for K, N in SHAPES + ([] if quick else MORE_SHAPES):
+            for M in (MS if quick else MS_FULL):
+                wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
+                nbytes = wbytes + M * K * 2 + M * N * 2
+                flops = 2.0 * M * N * K
+                wd = fmt or "bf16"
+                if fmt is None:
+                    provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode"),
+                                      describe=_described(M, N, K, False)),
+                             Provider("cublas", _cublas, backend=("gemm", "cublas"))]  # marked where selected
+                else:
+                    provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo"),
+                                      describe=_described(M, N, K, True)),
+                             Provider("cublas-bf16-weights", _cublas),
+                             Provider("dequant+cublas", _dequant_cublas)]
+                    if M <= 64:  # wo_gluon.MAX_M, WGMMA_MAX_M
+                        provs += [Provider(f"opmap-triton[{_tag(c)}]", _config_row(c))
+                                  for c in (WO_VARIANTS if M <= 32 else WGMMA_VARIANTS)]
+                    if M >= 128:  # its backend serves M >= 128 only
+                        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
+                                              backend=("gemm", "dequant-cublas")))
+                    if fmt == "fp8":
+                        # the backend serves bf16 activations from M >= 128 (marked there when selected);
+                        # below, the row is timed as a peer
+                        provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89,
+                                              backend=("gemm", "scaled-mm") if M >= 128 else None))
+                out.append(BenchCase(
+                    op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
+                    setup=_setup(M, N, K, fmt), providers=provs,
+                    bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
+                    spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
+                                  dtype="bf16", weight_dtype=wd),
+                    tags=("gemm",)))
+    return out + _act_quant_cases(arch)

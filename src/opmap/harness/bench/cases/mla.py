@@ -1,0 +1,218 @@
+"""MLA benchmark cases (DeepSeek shapes: latent R = 512, RoPE Dr = 64, page 64, shuffled pages).
+
+Decode: 16 heads (V2-Lite) and 128 heads (V2/V3), batch {1, 16, 64, 128}, context {1k, 4k, 16k,
+32k}, latent cache bf16 and fp8-e4m3. Sparse decode: 128 heads, top-k 2048 at contexts 32k and
+128k. Prefill (non-absorbed, causal): 16 and 128 heads, 4096 new tokens (and 1024 after a 3072
+cached prefix).
+
+Bytes (the minimum a decode must move): the cache rows attended to, read once (B x L x 576 x
+element size; sparse: B x k rows plus the indices), plus q read and out written. FLOPs: per head
+and token 2 x 576 (scores) + 2 x 512 (value). A case is "compute" bound when its FLOPs per byte
+exceed the H200's ridge (~760 TFLOP/s / 4.2 TB/s = 181): 128 heads with a bf16 cache
+are (242 FLOP/B), so those report TFLOP/s against the bf16 GEMM ceiling; 16 heads are memory
+bound and report the fraction of the read ceiling.
+
+Providers, same inputs, same run: ours (CUDA-graph replay, persistent workspace), with a few other
+tile configurations under ``--variants`` so that one GPU run also tunes the default; PyTorch SDPA on
+the latent already gathered into contiguous memory (like "cuDNN on contiguous KV" for GQA: the
+gather is not timed; sparse: the torch gather of the top-k rows *is* timed, it is the op);
+FlashInfer's MLA when importable (plan outside the timing).
+"""
+from __future__ import annotations
+
+import torch
+
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core.specs import AttentionSpec
+
+R, DR, PAGE = 512, 64, 64
+RIDGE = 181.0  # FLOP per byte where the H200's bf16 GEMM ceiling meets its read ceiling
+# Tile variants of our decode (with --variants), as config dicts (core/tiles.py) over the default
+# the selector picks: the TMA kernel's tiles, and the pointer kernel (TMA=0) beside them.
+VARIANTS = {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_warps=8),
+                 dict(BLOCK_H=64, num_warps=8, num_stages=2), dict(TMA=0, num_stages=2)],
+            128: [dict(num_stages=2), dict(BLOCK_H=32, num_stages=2), dict(TMA=0, num_stages=1)]}
+# fp8: the Triton kernels (GLUON=0) beside the Gluon default, at each head count's former default
+# (the pointer kernel at 16 heads, the TMA kernel at 128) and the other kernel
+FP8_VARIANTS = {16: [dict(GLUON=0), dict(GLUON=0, TMA=1)],
+                128: [dict(GLUON=0), dict(GLUON=0, BLOCK_H=64, num_warps=8, num_stages=1, TMA=0)]}
+PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
+_FP8 = torch.float8_e4m3fn
+
+
+def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
+    """dt: bf16 on the GPU; the CPU test of these cases uses fp16 (the interpreter mishandles bf16)."""
+    def setup(device):
+        maxp = -(-ctx // PAGE)
+        P = B * maxp
+        vals = torch.randn(P, PAGE, R + DR, device=device, dtype=dt) * 0.5
+        scale = None
+        if fp8:
+            scale = torch.tensor([vals.abs().max().float().item() / 448.0], device=device)
+            cache = (vals.float() / scale).to(_FP8)
+        else:
+            cache = vals
+        del vals
+        tables = torch.randperm(P, device=device).view(B, maxp).to(torch.int32).contiguous()
+        inp = dict(cache=cache, kv_scale=scale, tables=tables,
+                   seq_lens=torch.full((B,), ctx, dtype=torch.int32, device=device),
+                   qn=torch.randn(B, H, R, device=device, dtype=dt),
+                   qp=torch.randn(B, H, DR, device=device, dtype=dt), scale=192 ** -0.5)
+        if k:
+            inp["indices"] = torch.stack([torch.randperm(ctx, device=device)[:k] for _ in range(B)]).to(torch.int32)
+        return inp
+
+    return setup
+
+
+def _row(config: dict) -> str:
+    """A config's bench row name: {"BLOCK_N": 64, "num_stages": 2} -> "opmap-triton[bn=64,s=2]"."""
+    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s", "TMA": "tma",
+             "GLUON": "gl"}
+    return "opmap-triton[" + ",".join(f"{short[k]}={v}" for k, v in config.items()) + "]"
+
+
+def _ours(entry, config=None, **ws_kw):
+    def make(inp):
+        from opmap.kernels.mla import decode as dec
+
+        B, H, _ = inp["qn"].shape
+        cfg = dec.decode_config(inp["qn"], inp["qp"], inp["cache"], entry == "mla_sparse_decode", config)
+        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=cfg, kv_dtype=inp["cache"].dtype, **ws_kw)
+        extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
+        fn = getattr(dec, entry)
+        return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,
+                          scale=inp["scale"], kv_scale=inp["kv_scale"], workspace=ws, config=config)
+
+    return make
+
+
+def _rows_of(inp, positions):
+    """Flat cache rows [B, n] of token positions [B, n] through the block tables."""
+    pages = inp["tables"].long().gather(1, positions.long() // PAGE)
+    return pages * PAGE + positions.long() % PAGE
+
+
+def _sdpa_contiguous(inp):
+    from opmap.peers.mla.sdpa import mqa_latent
+
+    B, ctx = inp["seq_lens"].shape[0], int(inp["seq_lens"][0])
+    pos = torch.arange(ctx, device=inp["cache"].device).expand(B, ctx)
+    lat = inp["cache"].view(-1, R + DR)[_rows_of(inp, pos)]  # gathered once, outside the timing
+    return lambda: mqa_latent(inp["qn"], inp["qp"], lat, inp["scale"])
+
+
+def _sdpa_sparse(inp):
+    from opmap.peers.mla.sdpa import mqa_latent
+
+    rows = _rows_of(inp, inp["indices"])
+    flat = inp["cache"].view(-1, R + DR)
+    return lambda: mqa_latent(inp["qn"], inp["qp"], flat[rows], inp["scale"])
+
+
+def _flashinfer(inp):
+    from opmap.peers.mla import flashinfer as fi
+
+    w = fi.plan(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], scale=inp["scale"])
+    return lambda: fi.run(w, inp["qn"], inp["qp"], inp["cache"])
+
+
+def _spec(H, fp8, sparse=False, phase="decode"):
+    return AttentionSpec(kind="mla", num_heads=H, num_kv_heads=1, head_dim=R + DR, head_dim_v=R,
+                         page_size=PAGE, kv_dtype="fp8" if fp8 else "bf16", sparse=sparse, phase=phase,
+                         cuda_graph=phase == "decode", arch="sm90")
+
+
+def _flashinfer_available():
+    from opmap.core import registry
+
+    return registry.get("attention", "mla-flashinfer").available()
+
+
+def _decode_case(B, H, ctx, fp8, quick):
+    elt = 1 if fp8 else 2
+    nbytes = B * ctx * (R + DR) * elt + B * H * (R + DR) * 2 + B * H * R * 2
+    flops = 2.0 * B * H * ctx * (2 * R + DR)
+    provs = [Provider("opmap-triton", _ours("mla_decode"), backend=("attention", "mla-triton"))]
+    provs += [Provider(_row(c), _ours("mla_decode", c)) for c in (FP8_VARIANTS if fp8 else VARIANTS)[H]]
+    if B == 1:
+        provs.append(Provider("opmap-triton[splits=256,min=128]", _ours("mla_decode", num_splits=256, split_min=128)))
+    if not fp8:
+        provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
+        provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
+    return BenchCase("attention.mla_decode",
+                     f"B={B},kv={ctx},h={H},R={R},Dr={DR},page={PAGE},kv_dtype={'fp8' if fp8 else 'bf16'}",
+                     flops, nbytes, _setup(B, H, ctx, fp8), provs,
+                     bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
+                     spec=_spec(H, fp8), tags=("mla",))
+
+
+def _sparse_case(B, ctx, k, fp8):
+    H, elt = 128, 1 if fp8 else 2
+    nbytes = B * k * ((R + DR) * elt + 4) + B * H * (R + DR) * 2 + B * H * R * 2
+    flops = 2.0 * B * H * k * (2 * R + DR)
+    provs = [Provider("opmap-triton", _ours("mla_sparse_decode"), backend=("attention", "mla-triton"))]
+    if not fp8:
+        provs.append(Provider("torch-gather+sdpa", _sdpa_sparse))
+    return BenchCase("attention.mla_sparse_decode",
+                     f"B={B},kv={ctx},topk={k},h={H},page={PAGE},kv_dtype={'fp8' if fp8 else 'bf16'}",
+                     flops, nbytes, _setup(B, H, ctx, fp8, k), provs,
+                     bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
+                     spec=_spec(H, fp8, sparse=True), tags=("mla",))
+
+
+def _prefill_setup(H, new, prefix):
+    def setup(device):
+        inp = _setup(1, H, new + prefix, False)(device)
+        g = dict(device=device, dtype=torch.bfloat16)
+        inp.update(qn=torch.randn(new, H, 128, **g), qp=torch.randn(new, H, DR, **g),
+                   wk=torch.randn(H, 128, R, **g) / R ** 0.5, wv=torch.randn(H, 128, R, **g) / R ** 0.5,
+                   cu=torch.tensor([0, new], dtype=torch.int32, device=device))
+        return inp
+
+    return setup
+
+
+def _prefill_call(backend, config=None):
+    def make(inp):
+        from opmap.core import registry
+
+        fn = registry.get("attention", backend).fn("mla_prefill")
+        n = int(inp["seq_lens"][0])
+        kw = {"config": config} if config else {}
+        return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["wk"], inp["wv"], inp["cu"], inp["seq_lens"],
+                          inp["tables"], scale=inp["scale"], max_q_len=inp["qn"].shape[0], max_seq_len=n, **kw)
+
+    return make
+
+
+def _prefill_case(H, new, prefix):
+    n = new + prefix
+    # causal pairs: each new token at position p sees p + 1 keys
+    pairs = new * prefix + new * (new + 1) / 2
+    flops = 2.0 * H * pairs * (128 + DR + 128) + 2.0 * n * R * H * 256  # attention + kv_b expansion
+    nbytes = n * (R + DR) * 2 + new * H * (128 + DR + 128) * 2 + H * 256 * R * 2
+    provs = [Provider("opmap-triton", _prefill_call("mla-triton"), backend=("attention", "mla-triton")),
+             Provider("torch-sdpa", _prefill_call("mla-sdpa"), backend=("attention", "mla-sdpa"))]
+    for c in PREFILL_VARIANTS:
+        provs.append(Provider(_row(c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
+    return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
+                     flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",
+                     spec=_spec(H, False, phase="prefill"), tags=("mla",))
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    out = []
+    grid = ([(64, 4096), (1, 32768)] if quick else
+            [(B, ctx) for B in (1, 16, 64, 128) for ctx in (1024, 4096, 16384, 32768)])
+    for H in (16, 128):
+        for fp8 in (False, True):
+            for B, ctx in grid:
+                out.append(_decode_case(B, H, ctx, fp8, quick))
+    for ctx in ((32768,) if quick else (32768, 131072)):
+        for B in ((1,) if quick else (1, 64)):
+            for fp8 in ((False,) if quick else (False, True)):
+                out.append(_sparse_case(B, ctx, 2048, fp8))
+    for H, new, prefix in ([(16, 4096, 0)] if quick else [(16, 4096, 0), (128, 4096, 0), (128, 1024, 3072)]):
+        out.append(_prefill_case(H, new, prefix))
+    return out

@@ -1,0 +1,129 @@
+"""MoE benchmark cases: Mixtral-8x7B and Qwen3-30B-A3B expert shapes at 1, 64 and 4096 tokens,
+bf16, routing included in every provider's time.
+
+FLOPs count only the routed work: 2 * T * top_k * 3 * H * I (gate, up and down per pair).
+Bytes: the weights of the experts the case's routing actually hits (each read once) plus the
+activations (x and router logits read, output written). The routing is drawn from a fixed CPU
+seed so the hit count is known when the case is built and every input set routes the same way.
+
+Providers, all timed in the same run on the same inputs: our Triton path (eagerly, and replayed
+from a CUDA graph, which removes the launch cost of its ~10 kernels), the per-expert loop of
+cuBLAS calls (eager only: it reads the expert counts on the host, so it cannot be captured), and
+torch._grouped_mm (eager and graph). Prefill cases also time two dense cuBLAS GEMMs with the
+same FLOPs (not an MoE: the dense-GEMM rate the prefill target is a fraction of).
+"""
+from __future__ import annotations
+
+import torch
+
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core.specs import MoESpec
+
+MODELS = {  # name: (experts, top_k, hidden, intermediate)
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "qwen3-30b-a3b": (128, 8, 2048, 768),
+}
+TOKENS = (1, 64, 4096)
+
+
+def _logits(T: int, E: int, seed: int) -> torch.Tensor:
+    return torch.randn(T, E, generator=torch.Generator().manual_seed(seed))
+
+
+def _experts_hit(logits: torch.Tensor, k: int) -> int:
+    return int(logits.topk(k, dim=-1).indices.unique().numel())
+
+
+def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
+    def setup(device):
+        w13 = (torch.randn(E, 2 * I, H, device=device, dtype=dt) / H ** 0.5)
+        w2 = (torch.randn(E, H, I, device=device, dtype=dt) / I ** 0.5)
+        x = torch.randn(T, H, device=device, dtype=dt)
+        return dict(x=x, logits=_logits(T, E, seed).to(device), w13=w13, w2=w2, k=k)
+
+    return setup
+
+
+def _call(backend: str):
+    def make(inp):
+        from opmap.core import registry
+
+        fn = registry.get("moe", backend).fn("moe")
+        return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"])
+
+    return make
+
+
+def _graphed(backend: str):
+    """A provider that captures the op in its own CUDA graph and times the replay."""
+    def make(inp):
+        call = _call(backend)(inp)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        return g.replay
+
+    return make
+
+
+def _grouped_mm_available():
+    from opmap.peers.moe.torch_grouped import available
+
+    return available()
+
+
+def _dense_same_flops(inp):
+    """Not an MoE: two dense cuBLAS GEMMs with the routed work's FLOPs (all T*k rows through one
+    expert's weights), the "dense GEMM TFLOP/s" the prefill target is stated against."""
+    x, w13, w2, k = inp["x"], inp["w13"], inp["w2"], inp["k"]
+    rows = x.repeat_interleave(k, dim=0)
+    inter = w2.shape[2]
+    h = torch.empty(rows.shape[0], 2 * inter, device=x.device, dtype=x.dtype)
+    y = torch.empty_like(rows)
+
+    def run():
+        torch.mm(rows, w13[0].t(), out=h)
+        torch.mm(h[:, :inter], w2[0].t(), out=y)
+
+    return run
+
+
+def providers(prefill: bool) -> list[Provider]:
+    extra = [Provider("cublas-dense-same-flops", _dense_same_flops)] if prefill else []
+    return extra + [
+        Provider("opmap-triton", _call("triton"), backend=("moe", "triton")),
+        Provider("opmap-triton+graph", _graphed("triton"), backend=("moe", "triton")),
+        Provider("torch-loop", _call("torch-loop"), backend=("moe", "torch-loop")),
+        Provider("torch-grouped-mm", _call("torch-grouped-mm"), backend=("moe", "torch-grouped-mm"),
+                 available=_grouped_mm_available),
+        Provider("torch-grouped-mm+graph", _graphed("torch-grouped-mm"), backend=("moe", "torch-grouped-mm"),
+                 available=_grouped_mm_available),
+    ]
+
+
+def cases(quick: bool) -> list[BenchCase]:
+    from opmap.core.hw import local_arch
+
+    arch = local_arch()
+    out = []
+    for model, (E, k, H, I) in MODELS.items():
+        for T in TOKENS:
+            seed = 1000 + T
+            hit = _experts_hit(_logits(T, E, seed), k)
+            flops = 2.0 * T * k * 3 * H * I
+            nbytes = hit * 3 * H * I * 2 + 2 * T * H * 2 + T * E * 4
+            phase = "prefill" if T > 64 else "decode"
+            out.append(BenchCase(
+                op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
+                flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64),
+                bound="compute" if flops / nbytes > 200 else "memory",
+                spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
+                             dtype="bf16", weight_dtype="bf16", tokens=T),
+                tags=("moe",)))
+    return out

@@ -1,0 +1,251 @@
+"""MLA check cases: each runnable MLA backend against the fp32 reference (decode, sparse decode,
+prefill, latent append), the reference against SDPA in fp64 on the gathered latent, page-boundary
+lengths, fp8 cache quality (cosine >= 0.999 vs bf16), CUDA-graph replay after re-planning, and
+sparse index errors. CPU: fp32, R=32/Dr=16/H=4; GPU: bf16, R=512/Dr=64, 16 and 128 heads."""
+from __future__ import annotations
+
+import torch
+
+from opmap.core import registry
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors
+from opmap.core.specs import AttentionSpec, KVAppendSpec
+from opmap.core.tolerance import compare, cosine
+
+TAGS = ("mla",)
+
+
+def _shape(device):
+    if device == "cuda":
+        return dict(R=512, Dr=64, H=16, dt=torch.bfloat16, page=64, lens=[1, 63, 64, 65, 4000, 0])
+    return dict(R=32, Dr=16, H=4, dt=torch.float32, page=16, lens=[1, 15, 16, 17, 70, 0])
+
+
+def _problem(device, s, seed, lens=None, page=None, fp8=False, H=None):
+    from opmap.harness.fixtures.mla import make_cache
+
+    lens = lens or s["lens"]
+    g = torch.Generator().manual_seed(seed)
+    pc = make_cache(lens, s["R"], s["Dr"], page or s["page"], s["dt"], device=device, fp8=fp8, gen=g, std=0.5)
+    h = H or s["H"]
+    qn = torch.randn(len(lens), h, s["R"], generator=g).to(device, s["dt"])
+    qp = torch.randn(len(lens), h, s["Dr"], generator=g).to(device, s["dt"])
+    return pc, qn, qp
+
+
+def _vs(out, want, dt, scale=1.0) -> Outcome:
+    # plus a cosine gate: long-context outputs average many rows and can fall below bf16's
+    # absolute tolerance, where the elementwise bound alone would pass a wrong answer
+    e = compare(out, want, dt, scale=scale)
+    c = cosine(out, want)
+    return Outcome(e.ok and c >= 0.9995, f"{e} cosine={c:.6f}", e.worst_ratio, 1.0)
+
+
+def _decode(device, name, page, H=None):
+    def run():
+        from opmap.ops.mla import reference as ref
+
+        s = _shape(device)
+        pc, qn, qp = _problem(device, s, page, page=page, H=H)
+        sc = (s["R"] + s["Dr"]) ** -0.5
+        args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables)
+        out = registry.get("attention", name)("mla_decode", *args, scale=sc)
+        return _vs(out, ref.mla_decode(*args, scale=sc), s["dt"])
+
+    return run
+
+
+def _sparse(device, name):
+    def run():
+        from opmap.ops.mla import reference as ref
+        from opmap.harness.fixtures.mla import sparse_indices
+
+        s = _shape(device)
+        lens = [3, 200, 3000] if device == "cuda" else [3, 40, 90]
+        k = 2048 if device == "cuda" else 24
+        pc, qn, qp = _problem(device, s, 21, lens=lens)
+        idx = sparse_indices(lens, k, gen=torch.Generator().manual_seed(3), device=device)
+        args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx)
+        out = registry.get("attention", name)("mla_sparse_decode", *args, scale=0.1)
+        return _vs(out, ref.mla_sparse_decode(*args, scale=0.1), s["dt"])
+
+    return run
+
+
+def _prefill(device, name):
+    def run():
+        from opmap.ops.mla import reference as ref
+
+        s = _shape(device)
+        Dn, Dv = (128, 128) if device == "cuda" else (16, 8)
+        lens, qlens = ([1500, 300, 1], [700, 300, 1]) if device == "cuda" else ([40, 7, 1], [19, 7, 1])
+        pc, _, _ = _problem(device, s, 31, lens=lens)
+        g = torch.Generator().manual_seed(32)
+        T, H, R = sum(qlens), s["H"], s["R"]
+        qn = torch.randn(T, H, Dn, generator=g).to(device, s["dt"])
+        qp = torch.randn(T, H, s["Dr"], generator=g).to(device, s["dt"])
+        wk = (torch.randn(H, Dn, R, generator=g) / R ** 0.5).to(device, s["dt"])
+        wv = (torch.randn(H, Dv, R, generator=g) / R ** 0.5).to(device, s["dt"])
+        cu = torch.tensor([0, qlens[0], qlens[0] + qlens[1], T], dtype=torch.int32, device=device)
+        args = (qn, qp, pc.cache, wk, wv, cu, pc.seq_lens, pc.block_tables)
+        out = registry.get("attention", name)("mla_prefill", *args, scale=192 ** -0.5)
+        # K/V are rounded to the input dtype after the kv_b GEMM (as HF does): 2x tolerance
+        return _vs(out, ref.mla_prefill(*args, scale=192 ** -0.5), s["dt"], scale=2.0)
+
+    return run
+
+
+def _ref_vs_sdpa(device):
+    def run():
+        import torch.nn.functional as F
+
+        from opmap.ops.mla import reference as ref
+
+        s = _shape(device)
+        pc, qn, qp = _problem(device, s, 41, lens=[1, 17, 40])
+        out = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.1)
+        worst = 0.0
+        for b, n in enumerate([1, 17, 40]):
+            pos = torch.arange(n, device=device)
+            rows = pc.cache[pc.block_tables[b].long()[pos // s["page"]], pos % s["page"]].double()
+            q = torch.cat([qn[b], qp[b]], -1).double()[None, :, None]
+            k = rows[None, None].expand(1, q.shape[1], -1, -1)
+            want = F.scaled_dot_product_attention(q, k, k[..., :s["R"]], scale=0.1)[0, :, 0]
+            worst = max(worst, compare(out[b], want, s["dt"]).worst_ratio)
+        return Outcome(worst <= 1.0, f"worst/tol={worst:.3g}", worst, 1.0)
+
+    return run
+
+
+def _fp8_quality(device, name):
+    def run():
+        s = _shape(device)
+        pc, qn, qp = _problem(device, s, 51, lens=[70, 300] if device == "cpu" else [1000, 5000], fp8=True)
+        sc = (s["R"] + s["Dr"]) ** -0.5
+        f = registry.get("attention", name).fn("mla_decode")
+        q8 = f(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=sc, kv_scale=pc.kv_scale)
+        hi = f(qn, qp, pc.values.to(s["dt"]), pc.seq_lens, pc.block_tables, scale=sc)
+        c = cosine(q8, hi)
+        return Outcome(c >= 0.999, f"cosine={c:.5f}", c, 0.999)
+
+    return run
+
+
+def _graph_replay(name):
+    def run():
+        from opmap.kernels.mla import decode as dec
+        from opmap.ops.mla import reference as ref
+
+        s = _shape("cuda")
+        B, page, maxp = 4, 64, 40
+        P = B * maxp
+        pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B)
+        cache = (torch.randn(P, page, s["R"] + s["Dr"], device="cuda") * 0.5).to(s["dt"])
+        lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
+        tables = torch.randperm(P, device="cuda").view(B, maxp).to(torch.int32).contiguous()
+        ws = dec.make_workspace(B, s["H"], s["R"], "cuda")
+        call = lambda: dec.mla_decode(qn, qp, cache, lens, tables, scale=0.05, workspace=ws)  # noqa: E731
+        call()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = call()
+        worst, cos = 0.0, 1.0
+        for new in ([2000, 1, 0, 2559], [64, 128, 192, 256]):
+            lens.copy_(torch.tensor(new, dtype=torch.int32))
+            tables.copy_(torch.randperm(P, device="cuda").view(B, maxp))
+            g.replay()
+            want = ref.mla_decode(qn, qp, cache, lens, tables, scale=0.05)
+            worst = max(worst, compare(out, want, s["dt"]).worst_ratio)
+            cos = min(cos, cosine(out, want))
+        return Outcome(worst <= 1.0 and cos >= 0.9995, f"worst/tol={worst:.3g} cosine>={cos:.6f} over 2 re-plans",
+                       worst, 1.0)
+
+    return run
+
+
+def _bad_indices(device, name):
+    def run():
+        s = _shape(device)
+        pc, qn, qp = _problem(device, s, 71, lens=[10, 20])
+        f = registry.get("attention", name).fn("mla_sparse_decode")
+        args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables)
+        bad = {"duplicate": [[1, 1], [2, 3]], "out of range": [[0, 10], [1, 2]]}
+        return probe_errors({what: ("indices", lambda i=i: f(*args, torch.tensor(i, dtype=torch.int32, device=device),
+                                                             scale=0.1)) for what, i in bad.items()})
+
+    return run
+
+
+def _append(device, name, fp8):
+    def run():
+        from opmap.ops.mla import reference as ref
+
+        s = _shape(device)
+        dt = torch.float8_e4m3fn if fp8 else s["dt"]
+        g = torch.Generator().manual_seed(81)
+        ckv = torch.randn(9, s["R"], generator=g).to(device, s["dt"])
+        kpe = torch.randn(9, s["Dr"], generator=g).to(device, s["dt"])
+        scale = torch.tensor([0.25], device=device) if fp8 else None
+        if fp8 and device == "cpu":  # fp8-grid values: the interpreter's fp8 rounding is not RTNE
+            ckv = (ckv.float() * 4).to(dt).float().to(s["dt"]) / 4
+            kpe = (kpe.float() * 4).to(dt).float().to(s["dt"]) / 4
+        base = torch.randn(3, s["page"], s["R"] + s["Dr"], generator=g).to(device, dt)
+        slots = torch.tensor([0, 5, -1, 17, 33, 2, 40, 47, -1], dtype=torch.int32, device=device)
+        a, b = base.clone(), base.clone()
+        ref.append_mla(ckv, kpe, a, slots, scale)
+        registry.get("kv_append", name)("append_mla", ckv, kpe, b, slots, scale)
+        same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return Outcome(same, "bit-exact" if same else f"{int((a.view(torch.uint8) != b.view(torch.uint8)).sum())} bytes differ")
+
+    return run
+
+
+def _runnable(op, spec):
+    return [b.name for b in registry.backends(op)
+            if b.name != "mla-reference" and b.name.startswith("mla-") and not b.validate(spec, runtime=True)]
+
+
+def cases(device: str, quick: bool) -> list[CheckCase]:
+    s = _shape(device)
+    arch = "cpu" if device == "cpu" else None
+    if arch is None:
+        from opmap.core.hw import local_arch
+
+        arch = local_arch()
+    dts = {torch.float32: "fp32", torch.bfloat16: "bf16"}[s["dt"]]
+    spec = AttentionSpec(kind="mla", num_heads=s["H"], num_kv_heads=1, head_dim=s["R"] + s["Dr"],
+                         head_dim_v=s["R"], page_size=s["page"], dtype=dts, kv_dtype=dts, arch=arch)
+    shape = f"R={s['R']},Dr={s['Dr']},h={s['H']},dtype={dts}"
+    out = [CheckCase("parity", "attention", "mla-reference", f"decode vs fp64 SDPA,{shape}", _ref_vs_sdpa(device),
+                     tags=TAGS)]
+    for name in _runnable("attention", spec):
+        out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape}",
+                             _decode(device, name, s["page"]), tags=TAGS))
+        if device == "cuda":
+            out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape},h=128",
+                                 _decode(device, name, s["page"], H=128), tags=TAGS, quick=False))
+        for page in (1,):
+            out.append(CheckCase("boundaries", "attention", name, f"decode,page={page},lens at page edges",
+                                 _decode(device, name, page), tags=TAGS, quick=False))
+    sparse = spec.replace(sparse=True)
+    for name in _runnable("attention", sparse):
+        out.append(CheckCase("gqa-mla", "attention", name, f"sparse decode,{shape}", _sparse(device, name), tags=TAGS))
+        out.append(CheckCase("input", "attention", name, "sparse indices: duplicate / out of range",
+                             _bad_indices(device, name), tags=TAGS))
+    for name in _runnable("attention", spec.replace(phase="prefill")):
+        out.append(CheckCase("gqa-mla", "attention", name, f"prefill (prefix, causal, varlen),{shape}",
+                             _prefill(device, name), tags=TAGS))
+    for name in _runnable("attention", spec.replace(kv_dtype="fp8")):
+        out.append(CheckCase("quant", "attention", name, f"decode fp8 cache vs {dts},{shape}",
+                             _fp8_quality(device, name), tags=TAGS))
+    if device == "cuda" and "mla-triton" in _runnable("attention", spec.replace(cuda_graph=True)):
+        out.append(CheckCase("graph", "attention", "mla-triton", "decode replay after re-planning,h=16",
+                             _graph_replay("mla-triton"), device="cuda", tags=TAGS))
+    app = KVAppendSpec(kind="mla", num_kv_heads=1, head_dim=s["R"] + s["Dr"], page_size=s["page"],
+                       dtype=dts, kv_dtype=dts, arch=arch)
+    for name in [b.name for b in registry.backends("kv_append")
+                 if b.name.startswith("mla-") and b.name != "mla-reference" and not b.validate(app, runtime=True)]:
+        for fp8 in (False, True):
+            out.append(CheckCase("gqa-mla" if not fp8 else "quant", "kv_append", name,
+                                 f"append_mla,kv={'fp8' if fp8 else dts}", _append(device, name, fp8), tags=TAGS))
+    return out

@@ -1,0 +1,100 @@
+"""Expected speed of an operator on a GPU this machine may not have: the nearest measured case of
+the selected backend in that GPU's committed baselines (``harness/bench/baselines/<gpu>/<family>.json``).
+A figure always comes with the row it was read from; where no row fits, it says so."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+# The GPUs whose baselines are committed, by the arch the selector plans for.
+GPU_OF_ARCH = {"sm90": "h200"}
+BASELINES = Path(__file__).resolve().parents[3] / "bench" / "baselines"
+
+
+def load_rows(arch: str, root: Path = BASELINES) -> tuple[Optional[str], list]:
+    """(gpu name, result records of every family file, each with its file's commit); (None, [])
+    when no baseline exists for the arch."""
+    gpu = GPU_OF_ARCH.get(arch)
+    folder = root / gpu if gpu else None
+    if folder is None or not folder.is_dir():
+        return None, []
+    rows = []
+    for f in sorted(folder.glob("*.json")):
+        doc = json.loads(f.read_text())
+        env = doc.get("environment") or {}
+        for r in doc.get("results", []):
+            rows.append({**r, "gpu": env.get("gpu") or gpu, "commit": env.get("commit"), "file": f"{gpu}/{f.name}"})
+    return gpu, rows
+
+
+def _case(case: str) -> dict:
+    out = {}
+    for part in case.split(","):
+        k, _, v = part.partition("=")
+        if _:
+            try:
+                out[k] = int(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def _bench_op(op: str, spec) -> str:
+    """The bench's op name for a registry op and spec (attention rows are per phase and kind)."""
+    if op == "attention":
+        kind = "mla_" if getattr(spec, "kind", "") == "mla" else ""
+        if kind and getattr(spec, "sparse", False):
+            return "attention.mla_sparse_decode"
+        return f"attention.{kind}{spec.phase if spec.phase != 'mixed' or kind else 'mixed'}"
+    return op
+
+
+def _features(op: str, spec, rows: int) -> tuple[dict, dict]:
+    """(numbers to be near, strings to equal) of the spec, in the bench cases' key names; ``rows``:
+    the tokens of the step (the specs of row-wise ops do not carry them)."""
+    if op == "gemm":
+        return {"M": spec.m or rows, "N": spec.n, "K": spec.k}, {"w": spec.weight_dtype}
+    if op == "rmsnorm":
+        return {"R": rows, "H": spec.hidden}, {"fused_add": str(int(spec.fused_add))}
+    if op == "rope":
+        return {"T": rows, "d": spec.head_dim}, {"style": spec.style}
+    if op == "activation":
+        return {"R": rows, "H": spec.hidden}, {"kind": spec.kind}
+    if op == "moe":
+        return {"E": spec.num_experts, "H": spec.hidden, "I": spec.intermediate}, {}
+    if op == "attention" and getattr(spec, "kind", "") == "mla":
+        return {"h": spec.num_heads}, {"kv_dtype": spec.kv_dtype}
+    if op == "attention":
+        return {"d": spec.head_dim, "page": spec.page_size}, {"dtype": spec.kv_dtype}
+    if op == "kv_append":
+        return {"d": spec.head_dim, "page": spec.page_size}, {"kv_dtype": spec.kv_dtype}
+    return {}, {}
+
+
+def expected(op: str, spec, backend: str, rows: list, tokens: int = 1) -> Optional[dict]:
+    """The measured row of ``backend`` nearest to ``spec`` at ``tokens`` rows (None when the
+    baselines have none). A peer's rows carry no registry name, so they match by provider."""
+    want = f"{op}/{backend}"
+    name = _bench_op(op, spec)
+    mine = [r for r in rows if r["op"] == name and "[" not in r["provider"]
+            and (r.get("backend") == want or (r.get("backend") is None and r["provider"] == backend))]
+    if not mine:
+        return None
+    near, equal = _features(op, spec, tokens)
+
+    def distance(r):
+        c = _case(r["case"])
+        if any(k in c and str(c[k]) != str(v) for k, v in equal.items()):
+            return math.inf
+        return sum(abs(math.log(max(c[k], 1) / max(v, 1))) for k, v in near.items() if isinstance(c.get(k), int))
+
+    best = min(mine, key=distance)
+    return best if distance(best) < math.inf else None
+
+
+def describe(r: Optional[dict]) -> str:
+    if r is None:
+        return "no baseline row for this backend"
+    return (f"{r['median_us']:.1f} us at `{r['case']}` ({r['provider']}; {r['file']}, commit {r['commit']})")

@@ -1,0 +1,449 @@
+"""`opmap report --model PRESET`, the main job: for one model on this device, every operator of
+one step in prefill and in decode with the backend the selector picks and why; the answers to
+the report's four questions (attention paths, where the sampler pipeline lives and how it
+falls back, MoE grouped vs loop, quantised paths); the quick correctness check of those
+backends; on a GPU the benchmarks of those ops (and the engine's TTFT / TPOT when it is there).
+Writes report.md and report.json."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from opmap.model import presets
+
+from opmap.core import registry
+from opmap.harness.output import short_error
+from opmap.core.select import BackendError, Choice, select
+from opmap.core.specs import AttentionSpec
+
+
+def _choice_dict(phase: str, op: str, label: str, spec) -> dict:
+    d = {"phase": phase, "op": op, "label": label, "spec": spec.describe()}
+    try:
+        ch = select(op, spec)
+    except BackendError as e:
+        return {**d, "backend": None, "error": str(e)}
+    b = ch.backend
+    return {**d, "backend": b.name, "provider": b.provider, "version": b.provider_version(), "why": ch.why(),
+            "fallbacks": [c.name for c in ch.trace[1:] if c.valid],
+            "rejected": [{"name": c.name, "level": c.level, "reasons": list(c.reasons)}
+                         for c in ch.trace if not c.valid],
+            "planned_only": not ch.runtime, "without_optional": _without_optional(ch)}
+
+
+def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
+    try:
+        return select(op, spec), None
+    except BackendError as e:
+        return None, short_error(str(e))
+
+
+_BUILT_IN = ("torch", "opmap-triton")  # providers every opmap install has (Triton where the GPU runs it)
+
+
+def _optional(b) -> bool:
+    """A backend of a package opmap does not depend on (FlashInfer, XGrammar, ...)."""
+    return b.available is not None and not any(b.provider.startswith(p) for p in _BUILT_IN)
+
+
+def _without_optional(ch: Choice) -> Optional[str]:
+    """Where a planned choice needs an optional package: the backend chosen without it."""
+    if ch.runtime or not _optional(ch.backend):
+        return None
+    nxt = next((c.name for c in ch.trace[1:] if c.valid and not _optional(registry.get(ch.op, c.name))), None)
+    return nxt or "none"
+
+
+def _name(ch: Optional[Choice], err: Optional[str]) -> str:
+    if not ch:
+        return f"no backend ({err})"
+    alt = _without_optional(ch)
+    tail = f"; if {ch.backend.provider} is installed there, else `{alt}`" if alt else ""
+    return f"`{ch.name}` ({ch.backend.provider}{tail})"
+
+
+def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
+    """The report questions, each answered from the selector (never from prose written here)."""
+    find = lambda phase, op: [(lb, s) for o, lb, s in maps[phase] if o == op]  # noqa: E731
+    qs = []
+    # 1. Attention paths.
+    (pl, ps), (dl, ds) = find("prefill", "attention")[0], find("decode", "attention")[0]
+    pc, pe = _try("attention", ps)
+    dc, de = _try("attention", ds)
+    contiguous, ce = _try("attention", ds.replace(paged=False))
+    lines = [f"prefill ({pl}): {_name(pc, pe)}"]
+    if arch != "cpu" and not ps.cuda_graph:  # the engine's padded prefill steps replay CUDA graphs
+        from opmap.engine.config import EngineConfig
+
+        gc, ge = _try("attention", ps.replace(cuda_graph=True))
+        lines.append(f"prefill steps of up to {EngineConfig.prefill_graph_tokens} tokens"
+                     f"{' (one sequence)' if cfg.is_mla else ''}, replayed from CUDA graphs: {_name(gc, ge)}")
+    lines += [f"decode ({dl}, paged, page {ds.page_size}): {_name(dc, de)}",
+              f"decode on contiguous KV (not paged): {_name(contiguous, ce)}"]
+    if pc and dc:
+        lines.append("paged decode runs the same backend as prefill" if pc.name == dc.name else
+                     f"paged decode runs a different backend from prefill ({dc.name} vs {pc.name})")
+    if cfg.is_mla:
+        mla = ds
+    else:  # DeepSeek-V2 shapes: 16 heads over a 512-rank latent plus a 64-dim RoPE part
+        mla = AttentionSpec(arch=arch, phase="decode", kind="mla", num_heads=16, num_kv_heads=1, head_dim=576,
+                            head_dim_v=512, page_size=ds.page_size, cuda_graph=ds.cuda_graph)
+    mc, me = _try("attention", mla)
+    sc, se = _try("attention", mla.replace(sparse=True))
+    lines.append(f"MLA decode ({'this model' if cfg.is_mla else 'DeepSeek-V2 shapes'}): {_name(mc, me)}")
+    lines.append(f"sparse MLA decode: {_name(sc, se)}")
+    qs.append({"question": "Which attention backend runs prefill and which decode; is paged decode the same "
+                           "path; does MLA have its own?", "answer": lines})
+    # 2. Sampler pipeline.
+    lines = []
+    for op in ("logits", "grammar_mask", "sampling"):
+        for lb, spec in find("decode", op):
+            ch, err = _try(op, spec)
+            if ch is None:
+                lines.append(f"{lb}: {_name(ch, err)}")
+                continue
+            fb = [c.name for c in ch.trace[1:] if c.valid]
+            eager, _ = _try(op, spec.replace(cuda_graph=False)) if hasattr(spec, "cuda_graph") else (None, None)
+            lines.append(f"{lb}: `{ch.name}` ({ch.backend.provider}); when it cannot serve, the next valid "
+                         f"by priority: {', '.join(fb) or 'none'}"
+                         + (f"; without CUDA-graph capture: `{eager.name}`" if eager else ""))
+    lines.append(_stop_line())
+    lines.append("a forced backend (argument or OPMAP_<OP>_BACKEND) that cannot serve raises BackendError: "
+                 "there is no silent fallback")
+    qs.append({"question": "Where do logits processors, the grammar bitmask, sampling and stop live, and how "
+                           "does each fall back?", "answer": lines})
+    # 3. MoE.
+    if cfg.is_moe:
+        lines = []
+        for phase in ("prefill", "decode"):
+            for lb, spec in find(phase, "moe"):
+                ch, err = _try("moe", spec)
+                lines.append(f"{phase}: {_name(ch, err)}: {_moe_kind(ch) if ch else ''}")
+    else:
+        lines = ["dense model: no MoE layer"]
+    qs.append({"question": "Is MoE a grouped GEMM or a loop of per-expert GEMMs?", "answer": lines})
+    # 4. Quantised paths, asked of the selector with the model's own decode / prefill GEMM shapes.
+    lines = []
+    for phase in ("decode", "prefill"):
+        lb, g = find(phase, "gemm")[0]
+        for wd in ("fp8", "int8"):
+            ch, err = _try("gemm", g.replace(weight_dtype=wd))
+            lines.append(f"{phase} {lb} (m={g.m}) with {wd} weights: {_name(ch, err)}")
+    kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
+    lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
+    lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
+                 "GPU profile: `opmap profile` on a GPU")
+    qs.append({"question": "With quantised weights or KV, which kernels run?", "answer": lines})
+    return qs
+
+
+def _stop_line() -> str:
+    """Stop is not a registry op: where the engine checks it, in one sentence."""
+    return ("stop: not a registry op; on the host, after each step's tokens are read back, one "
+            "`opmap.engine.stop.StopChecker` per request (EOS, stop ids, stop strings on the "
+            "detokenised text, max_tokens, grammar end) and the engine's max_model_len")
+
+
+def _moe_kind(ch: Choice) -> str:
+    text = f"{ch.name} {ch.backend.notes}".lower()
+    if "loop" in text:
+        return "a loop of per-expert GEMMs (declared: " + (ch.backend.notes or ch.name) + ")"
+    if "group" in text:
+        return "a grouped GEMM (declared: " + (ch.backend.notes or ch.name) + ")"
+    return "not declared by the backend (notes: " + (ch.backend.notes or "none") + ")"
+
+
+E2E_PROMPT, E2E_NEW = 1024, 128  # the end-to-end target case: batch 1, prompt 1024, 128 new tokens
+
+
+def _engine_section(model: str, on_gpu: bool) -> dict:
+    """TTFT / TPOT of the engine on random weights of the preset's shapes (GPU only), and the
+    profile summary when the engine offers one."""
+    if not on_gpu:
+        return {"status": "skipped", "why": "TTFT / TPOT are measured on a GPU; this machine has none"}
+    try:
+        from opmap.engine import llm as _  # noqa: F401  (importable, else the section says why)
+    except Exception as e:
+        return {"status": "unavailable", "why": f"the engine cannot be imported ({type(e).__name__}: {e})"[:400]}
+    from rich.console import Console
+
+    status = Console(stderr=True).status(f"engine: loading {model}")  # tens of seconds: say what runs
+    status.start()
+    try:
+        t = time.perf_counter()
+        out = _engine_run(model, status)
+        out["seconds"] = {"run": round(time.perf_counter() - t, 2)}
+        if out["status"] == "ok":
+            status.update(f"engine: profiling a batch-8 workload of {model}")
+            t = time.perf_counter()
+            out["profile"] = _profile_summary(model)
+            out["seconds"]["profile"] = round(time.perf_counter() - t, 2)
+        return out
+    finally:
+        status.stop()
+
+
+def _engine_run(model: str, status) -> dict:
+    import torch
+
+    from opmap.engine.llm import LLM
+    from opmap.engine.metrics import format_summary
+    from opmap.engine.params import SamplingParams
+
+    llm = None
+    try:
+        llm = LLM(model)
+        status.update(f"engine: batch-1 run of {model} (TTFT / TPOT)")
+        n = min(E2E_PROMPT, llm.max_model_len - E2E_NEW - 1)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, llm.cfg.vocab, (n,), generator=g).tolist()
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        llm.generate([prompt[:32]], SamplingParams(max_tokens=8, **greedy))  # compile, capture graphs
+        llm.generate([prompt], SamplingParams(max_tokens=E2E_NEW, **greedy))
+        d = dict(llm.last_summary)
+        return {"status": "ok", "workload": f"batch 1, prompt {n}, {E2E_NEW} new tokens, greedy, random weights",
+                "summary": d, "lines": format_summary(d)}
+    except Exception as e:
+        return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:400]}
+    finally:
+        if llm is not None:
+            llm.close()  # the profile builds its own engine: free this one's KV cache and weights first
+
+
+def _profile_summary(model: str) -> dict:
+    try:
+        from opmap.harness import profile  # the profiler view, when the engine side provides it
+    except Exception as e:
+        return {"status": "unavailable", "why": f"no opmap.harness.profile ({type(e).__name__}: {e})"[:300]}
+    fn = getattr(profile, "report_summary", None)
+    if fn is None:
+        return {"status": "unavailable", "why": "opmap.harness.profile has no report_summary(model)"}
+    try:
+        return {"status": "ok", **fn(model)}
+    except Exception as e:
+        return {"status": "failed", "why": f"{type(e).__name__}: {e}"[:300]}
+
+
+def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool = False,
+          progress: bool = True, arch: Optional[str] = None) -> dict:
+    """``arch``: plan for that GPU arch instead of this device's (the selection for it and, per
+    operator, the expected time from that GPU's committed baselines; nothing runs)."""
+    from opmap.harness import plan
+    from opmap.harness.output import environment
+    from opmap.core.hw import ceilings, detect, local_arch
+
+    t0 = time.perf_counter()
+    from opmap.model.hf import resolve_model
+
+    cfg = resolve_model(model)[0]
+    registry.load_all()
+    here = local_arch()
+    arch = arch or here
+    planned = arch != here
+    on_gpu = detect().kind == "cuda" and not planned
+    from opmap.harness.check.runner import step_maps
+
+    maps = step_maps(cfg, arch)
+    doc = {"model": model, "arch": arch, "planned": planned,
+           "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
+           "environment": environment(ceilings(measure=True) if on_gpu else None),
+           "operators": {ph: [_choice_dict(ph, op, lb, s) for op, lb, s in m] for ph, m in maps.items()},
+           "questions": questions(cfg, arch, maps)}
+    gpu, rows = plan.load_rows(arch)
+    doc["baseline_gpu"] = gpu
+    for ph, m in maps.items():
+        tokens = next((s.m for op, _, s in m if op == "gemm" and s.m), 1)  # the step's rows
+        for row, (op, lb, s) in zip(doc["operators"][ph], m):
+            row["expected"] = plan.expected(op, s, row["backend"], rows, tokens) if row["backend"] and rows else None
+    if planned:
+        why = f"planned for {arch} on this {here} machine: nothing runs here"
+        doc["engine"] = {"status": "skipped", "why": why}
+        doc["seconds"] = round(time.perf_counter() - t0, 2)
+        return doc
+    parts = doc["part_seconds"] = {"plan": round(time.perf_counter() - t0, 2)}  # where the time went
+
+    def done(part: str, t: float) -> None:
+        parts[part] = round(time.perf_counter() - t, 2)
+        if progress:
+            print(f"report: {part} took {parts[part]} s", file=sys.stderr, flush=True)
+    warmed = None
+    if run_bench and on_gpu:
+        from opmap.harness.bench import runner as bench_runner
+
+        # The bench's compile warm-up runs beside the check (neither times anything; both mostly
+        # compile), so the bench part is its timing pass alone.
+        warmed = bench_runner.warm_in_background(model=model, quick=not full, progress=False)
+    if run_check:
+        from opmap.harness.check import runner
+
+        t = time.perf_counter()
+        results, extra = runner.check(model=model, quick=not full, progress=progress)
+        doc["check"] = {"summary": runner.summary(results), "notes": extra["notes"],
+                        "results": [vars(r) for r in results]}
+        done("check", t)
+    if run_bench and on_gpu:
+        t = time.perf_counter()
+        doc["bench"] = bench_runner.bench(model=model, quick=not full, progress=progress, warmed=warmed)
+        done("bench", t)
+    elif run_bench:
+        doc["bench"] = {"status": "skipped", "why": "GPU timings need a GPU; this machine has none"}
+    t = time.perf_counter()
+    doc["engine"] = _engine_section(model, on_gpu)
+    if on_gpu:
+        done("engine", t)
+        parts.update({f"engine {k}": v for k, v in doc["engine"].get("seconds", {}).items()})
+    doc["seconds"] = round(time.perf_counter() - t0, 2)
+    return doc
+
+
+def to_markdown(doc: dict) -> str:
+    from opmap.harness.check.result import Result
+    from opmap.harness.check.runner import to_markdown as check_md
+
+    from opmap.harness import plan
+
+    env, cfg = doc["environment"], doc["config"]
+    where = (f"planned for {doc['arch']} (on {env['device']})" if doc.get("planned")
+             else f"on {env['device']} ({env['arch']})")
+    out = [f"# opmap report: {doc['model']} {where}", "", "## Summary", ""] + summary_lines(doc)[1:] + ["",
+           f"torch {env['torch']}, triton {env['triton']}, CUDA {env['cuda']}, commit `{env['commit']}`, "
+           f"{env['date']}. Command: `{env['command']}`", "",
+           f"Model: {cfg['arch']}, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} heads / "
+           f"{cfg['kv_heads']} KV heads, head dim {cfg['head_dim']}, vocab {cfg['vocab']}"
+           + (f", {cfg['num_experts']} experts top-{cfg['top_k']}" if cfg["num_experts"] else "")
+           + (f", MLA latent {cfg['kv_lora_rank']} + rope {cfg['qk_rope_dim']}" if cfg["kv_lora_rank"] else ""), ""]
+    if env.get("ceilings"):
+        c = env["ceilings"]
+        out += [f"Ceilings: read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, bf16 GEMM "
+                f"{c['bf16_tflops']} TFLOP/s.", ""]
+    gpu = doc.get("baseline_gpu")
+    exp_head = f"expected on {gpu.upper()} (its baseline)" if gpu else "expected"
+    for ph, rows in doc["operators"].items():
+        out += [f"## Operator map, {ph}", "", f"| # | operator | op | backend | why | rejected | {exp_head} |",
+                "|---|---|---|---|---|---|---|"]
+        for i, r in enumerate(rows, 1):
+            if r["backend"] is None:
+                out.append(f"| {i} | {r['label']} | {r['op']} | **none** | no backend can serve | "
+                           f"{_md(short_error(r['error']))} | |")
+                continue
+            rej = "; ".join(f"{x['name']} ({x['level']}: {'; '.join(x['reasons'])})" for x in r["rejected"])
+            exp = plan.describe(r.get("expected")) if gpu else f"no baseline for {doc.get('arch')}"
+            alt = f"; if installed there, else `{r['without_optional']}`" if r.get("without_optional") else ""
+            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}{alt}) | "
+                       f"{_md(r['why'])} | {_md(rej)} | {_md(exp)} |")
+        out.append("")
+    figs = doc.get("figures") or {}
+    if figs:
+        cap = {"roofline": "Roofline of the benchmark cases" + (" (the baseline cases behind the expected times)"
+                                                                 if doc.get("planned") or "bench" not in doc
+                                                                 or "results" not in doc.get("bench", {}) else ""),
+               "phases": "Time per operator and phase"}
+        out += ["## Pictures", ""]
+        for name, f in figs.items():
+            out += [f"![{cap[name]}]({f})", ""] if f.endswith(".png") else [f"- {cap[name]}: {f}", ""]
+    out += ["## Questions", ""]
+    for q in doc["questions"]:
+        out += [f"**{q['question']}**", ""] + [f"- {_md(a)}" for a in q["answer"]] + [""]
+    if "check" in doc:
+        s = doc["check"]["summary"]
+        out += [f"## Correctness ({s['passed']} of {s['total']} pass)", ""]
+        out.append(check_md([Result(**r) for r in doc["check"]["results"]], heading="###"))
+        out += [f"- note: {n}" for n in doc["check"]["notes"]] + [""]
+    b = doc.get("bench")
+    if b is not None:
+        out += ["## Benchmarks", ""]
+        if "results" in b:
+            out += ["The cases of this model's operators in the formats it runs (bf16, and a quantised "
+                    "checkpoint's own); other weight and KV formats: `opmap bench --op gemm` / `--op attention`.", ""]
+            from opmap.harness.bench.report import to_markdown as bench_md
+
+            out.append(bench_md(b).split("\n", 2)[2])
+        else:
+            out += [f"Not run: {b['why']}.", ""]
+    e = doc["engine"]
+    out += ["## Engine (TTFT / TPOT, profile)", ""]
+    if e["status"] == "ok":
+        out += [f"Workload: {e['workload']}.", ""] + [f"- {ln}" for ln in e["lines"]]
+        p = e["profile"]
+        out += [""] + ([f"- {ln}" for ln in p.get("lines", [])] if p["status"] == "ok"
+                       else [f"Profile: not available ({p['why']})."])
+    else:
+        out += [f"Not run: {e['why']}."]
+    parts = _parts_text(doc)
+    out += ["", f"Report built in {doc['seconds']} s" + (f" ({parts})." if parts else ".")]
+    return "\n".join(out) + "\n"
+
+
+def summary_lines(doc: dict) -> list:
+    """One screen: the four answers, the largest expected share per phase, correctness, diagnosis."""
+    cfg = doc["config"]
+    where = f"planned for {doc['arch']}" if doc.get("planned") else f"on {doc['environment']['device']}"
+    out = [f"opmap report: {doc['model']} ({cfg['arch']}, {cfg['layers']} layers) {where}"]
+    for q in doc["questions"]:
+        out.append(f"- {q['question']}")
+        out += [f"    {a}" for a in q["answer"][:3]]
+    gpu = doc.get("baseline_gpu")
+    n = sum(1 for rows in doc["operators"].values() for r in rows if r.get("expected"))
+    out.append(f"- expected times: {n} operators with the nearest measured case of their backend in the {gpu.upper()} "
+               "baseline (the operator map below; the case's shape, not this model's)" if gpu and n else
+               f"- expected times: no baseline for {doc.get('arch')}")
+    if "check" in doc:
+        s = doc["check"]["summary"]
+        out.append(f"- correctness: {s['passed']} of {s['total']} checks pass" + (f", {s['failed']} fail" if s["failed"] else ""))
+    e = doc.get("engine", {})
+    prof = e.get("profile") or {}
+    shares = []
+    for ph, p in (prof.get("phases") or {}).items():
+        cats = p.get("categories") or {}
+        if cats:
+            top = max(cats, key=cats.get)
+            shares.append(f"{ph} {top} {cats[top] / sum(cats.values()):.0%}")
+    if shares:
+        out.append(f"- largest GPU-time share ({prof.get('workload', 'profiled run')}): " + "; ".join(shares))
+    rules = prof.get("diagnosis") or []
+    if rules:
+        out.append(f"- diagnosis: {rules[0]}")
+    elif e.get("status") != "ok":
+        out.append(f"- engine: {e.get('why', 'not run')}")
+    return out
+
+
+def _parts_text(doc: dict) -> str:
+    """"check 12.3 s, bench 45.6 s, ...": where the report's time went ("" for a planned report)."""
+    return ", ".join(f"{k} {v} s" for k, v in (doc.get("part_seconds") or {}).items())
+
+
+def _md(s: str) -> str:
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def main(args) -> int:
+    from opmap.core.hw import local_arch
+
+    from opmap.model.hf import resolve_model
+
+    cfg = resolve_model(args.model)[0]  # a bad --model is an InputError: one line, exit 1
+    arch = args.arch or local_arch()
+    out = Path(args.out or f"reports/{cfg.name}-{arch}")
+    doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full,
+                arch=arch)
+    out.mkdir(parents=True, exist_ok=True)
+    from opmap.harness import report_figures
+
+    doc["figures"] = report_figures.write(doc, out)
+    (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
+    md = to_markdown(doc)
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(report_figures.to_html(md, out, f"opmap report: {doc['model']}"))
+    for line in summary_lines(doc):
+        print(line)
+    pngs = [f for f in doc["figures"].values() if f.endswith(".png")]
+    parts = _parts_text(doc)
+    print(f"wrote {out / 'report.md'}, report.html (pictures inline), report.json" + (", " if pngs else "")
+          + ", ".join(pngs) + f" in {doc['seconds']} s" + (f" ({parts})" if parts else ""))
+    failed = doc.get("check", {}).get("summary", {}).get("failed", 0)
+    missing = sum(r["backend"] is None for rows in doc["operators"].values() for r in rows)
+    return 1 if failed or missing else 0

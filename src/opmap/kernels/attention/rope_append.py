@@ -1,0 +1,141 @@
+"""RoPE and the paged KV append in one launch: the entry ``rope_append`` of the kv_append op.
+
+The engine's attention step ran ``rope(q, k)`` then ``append(k, v)``: two launches per layer
+whose work at decode is a few KB, so each costs its launch latency (on the H200, Llama-3-8B at
+batch 1: RoPE 2.3 us and append 1.5 us per layer, ~0.12 ms per step). This kernel does both for
+one token per program: q and k rotated in place (exactly as ``rope``: fp32 math, one rounding to
+the tensor's dtype), the rotated k row and the v row written to slot ``slot_mapping[t]`` of the
+NHD caches (exactly as ``append``: -1 skips, fp8 caches store value / scale saturated to +-448).
+Same formulas in the same order as the two kernels: the results are bitwise equal to the two
+launches on the interpreter (tests/test_rope_append.py) and on the GPU (tests/gpu, compared
+bitwise as well; a compiler contracting the products differently would show there).
+
+A k row is rotated pair by pair as rope does it, and the rotated pairs go from the same registers
+to the cache; dims at or above the rotary dim (partial rotary) are copied to the cache unrotated.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from opmap.kernels import pdl
+from opmap.kernels.pdl import enter
+from opmap.kernels.norm.triton_norm import _norm_rows
+from opmap.kernels.rope.triton_rope import _pair_index, _rotate_heads, _rotate_pairs
+from opmap.ops.rope.validate import check_rope
+from opmap.core.contract import expect, expect_tensor
+from opmap.kernels.attention import kv_append as A
+from opmap.ops.attention import validate as V
+
+
+@triton.jit
+def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
+                           wq_ptr, wk_ptr, eps, stride_qt, stride_qh, stride_kt, stride_vt, HQ, HALF,
+                           HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, IS_NEOX: tl.constexpr,
+                           BLOCK_QH: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, FP8: tl.constexpr,
+                           QK_NORM: tl.constexpr = False, BLOCK_QN: tl.constexpr = 1, PDL: tl.constexpr = False):
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    if QK_NORM:
+        # Qwen3's per-head q_norm / k_norm first, in place, with qk_rmsnorm's row helper (HF
+        # numerics); the barrier makes every thread's normalised values visible to the loads below.
+        dt = q_ptr.dtype.element_ty
+        dn = tl.arange(0, BLOCK_D)[None, :]
+        wq = tl.load(wq_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+        wk = tl.load(wk_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+        for h0 in range(0, HQ, BLOCK_QN):
+            hq = (h0 + tl.arange(0, BLOCK_QN))[:, None]
+            mq = (hq < HQ) & (dn < D)
+            pq = q_ptr + t * stride_qt + hq.to(tl.int64) * stride_qh + dn
+            vq = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
+            tl.store(pq, _norm_rows(vq, wq, D, eps, dt).to(dt), mask=mq)
+        hk = tl.arange(0, BLOCK_HK)[:, None]
+        mk = (hk < HK) & (dn < D)
+        pk = k_ptr + t * stride_kt + hk * D + dn
+        vk = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
+        tl.store(pk, _norm_rows(vk, wk, D, eps, dt).to(dt), mask=mk)
+        tl.debug_barrier()
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cs_row = cs_ptr + pos * (2 * HALF)
+    # q: all heads of the token, in place (the rope kernel's own helper, so the bits match).
+    dh = tl.arange(0, BLOCK_HALF)
+    c = tl.load(cs_row + dh, mask=dh < HALF, other=0.0)[None, :]
+    s = tl.load(cs_row + HALF + dh, mask=dh < HALF, other=0.0)[None, :]
+    for h0 in range(0, HQ, BLOCK_QH):
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
+    # k: its rotary pairs in place with the same helper (so the bits match rope's) and, from the
+    # same registers, into the cache row; dims at or above the rotary dim are copied unrotated.
+    # Each thread stores only values it loaded itself: an earlier version loaded each element's
+    # partner through a second, permuted load and raced with the in-place store of another warp
+    # (caught on the H200 by the bitwise GPU test, not by the interpreter, which runs one thread).
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    i1, i2 = _pair_index(dh[None, :], HALF, IS_NEOX)
+    okr = (h < HK) & (dh[None, :] < HALF)
+    kp = k_ptr + t * stride_kt + h * D
+    y1, y2 = _rotate_pairs(kp, i1, i2, okr, c, s)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        crow = kc_ptr + slot * (HK * D) + h * D
+        _store_row(crow + i1, y1, ks_ptr, h, HK, okr, FP8)
+        _store_row(crow + i2, y2, ks_ptr, h, HK, okr, FP8)
+        if BLOCK_PASS > 0:
+            dp = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+            okp = (h < HK) & (dp < D)
+            _store_row(crow + dp, tl.load(kp + dp, mask=okp, other=0.0), ks_ptr, h, HK, okp, FP8)
+        dv = tl.arange(0, BLOCK_DV)[None, :]
+        okv = (h < HK) & (dv < DV)
+        vv = tl.load(v_ptr + t * stride_vt + h * DV + dv, mask=okv, other=0.0)
+        _store_row(vc_ptr + slot * (HK * DV) + h * DV + dv, vv, vs_ptr, h, HK, okv, FP8)
+
+
+@triton.jit
+def _store_row(ptr, x, scale_ptr, h, HK, mask, FP8: tl.constexpr):
+    """One token's [Hk, D] cache row, as the append kernel writes it (fp8: value / the kv head's
+    scale, IEEE division, saturated to +-448)."""
+    if FP8:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr + h, mask=h < HK, other=1.0)), -448.0, 448.0)
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+def check_qk_norm_arg(qk_norm, q):
+    """``qk_norm``: None or (w_q [D], w_k [D], eps), Qwen3's per-head norms of q and k."""
+    if qk_norm is None:
+        return None
+    expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
+           "None or a tuple (w_q, w_k, eps)")
+    w_q, w_k, eps = qk_norm
+    D = q.shape[2]
+    for name, w in (("w_q", w_q), ("w_k", w_k)):
+        expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
+    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+    return w_q, w_k, float(eps)
+
+
+def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
+                v_scale=None, qk_norm=None) -> None:
+    """``rope(q, k, positions, cos_sin, style)`` then ``append(k, v, k_cache, v_cache, slot_mapping,
+    k_scale, v_scale)`` in one launch, with both entries' checks and results. ``qk_norm=(w_q, w_k,
+    eps)``: Qwen3's per-head RMSNorm of q and k first (``qk_rmsnorm``), in the same launch."""
+    r = check_rope(q, k, positions, cos_sin, style)
+    norm = check_qk_norm_arg(qk_norm, q)
+    _, _, hk, d, dv = A.check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    T, HQ, _ = q.shape
+    if T == 0:
+        return None
+    half = r // 2
+    block_half = triton.next_power_of_2(half)
+    block_qh = max(1, min(triton.next_power_of_2(HQ), 2048 // block_half))
+    fp8 = k_cache.dtype == V.FP8
+    block_d = triton.next_power_of_2(d)
+    w_q, w_k, eps = norm if norm is not None else (q, q, 0.0)
+    _rope_kv_append_kernel[(T,)](
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
+        v_scale if fp8 else v_cache, w_q, w_k, eps, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,
+        HK=hk, D=d, DV=dv, IS_NEOX=style == "neox", BLOCK_QH=block_qh, BLOCK_HK=triton.next_power_of_2(hk),
+        BLOCK_D=block_d, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_HALF=block_half,
+        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0, FP8=fp8,
+        QK_NORM=norm is not None, BLOCK_QN=max(1, min(triton.next_power_of_2(HQ), 2048 // block_d)),
+        num_warps=4, **pdl.launch(q.device))
+    return None

@@ -1,0 +1,1 @@
+"""opmap's gemm kernels."""

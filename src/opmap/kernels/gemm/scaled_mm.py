@@ -1,0 +1,38 @@
+"""Backend "scaled-mm": fp8 activations x fp8 weights through ``torch._scaled_mm`` (cuBLASLt).
+
+x (bf16/fp16) is quantised per token (row) to fp8-e4m3 on the fly by one Triton launch
+(``act_quant``); the weight is fp8-e4m3 with a per-output-channel scale
+(``quant.quantize_weight(w, "fp8")``). On sm90 with a bf16 output both scales go to cuBLASLt as
+row-wise scales (applied in its epilogue). Elsewhere (sm89, fp16 output) the product is taken
+with tensor-wise scales in fp32 and the per-channel scale is applied afterwards (one extra pass
+over the output). cuBLASLt needs K and N to be multiples of 16; M is free.
+"""
+from __future__ import annotations
+
+import torch
+
+from opmap.core.contract import expect
+
+from opmap.kernels.gemm.act_quant import quantize_act_fp8
+from opmap.ops.gemm.quant import FP8
+from opmap.ops.gemm.validate import check_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
+    M, N, K = check_linear(x, w, bias, w_scale)
+    expect(x.dtype in (torch.bfloat16, torch.float16), "x", f"dtype {x.dtype}", "bf16 or fp16 (scaled-mm)")
+    expect(w.dtype == FP8, "w", f"dtype {w.dtype}", "float8_e4m3fn weights (scaled-mm)")
+    expect(N % 16 == 0 and K % 16 == 0, "w", f"shape {tuple(w.shape)}", "N and K multiples of 16 (cuBLASLt fp8)")
+    expect(x.device.type == "cuda", "x", f"device {x.device}", "a CUDA device (sm89+)")
+    xq, xs = quantize_act_fp8(x)
+    wt = w.t()  # [K, N] column-major, the layout cuBLASLt wants for the second operand
+    rowwise = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if rowwise:
+        y = torch._scaled_mm(xq, wt, scale_a=xs, scale_b=w_scale.view(1, N), out_dtype=torch.bfloat16)
+        return y if bias is None else y + bias.to(y.dtype)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    y = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = y * xs * w_scale.view(1, N)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,318 @@
+"""Linear in Triton for decode-shaped GEMMs, with dense or weight-only fp8-e4m3 / int8 weights.
+
+``linear(x[M, K], w[N, K], bias=None, w_scale=None) -> [M, N]`` in x.dtype.
+
+Design (the weight is the traffic; at decode M the activations are noise):
+- Swap AB: each program computes a ``[BLOCK_N, BLOCK_M]`` tile of out^T = w @ x^T. The weight
+  tile is the MMA's A operand, so a converted (fp8 / int8 -> x.dtype) weight tile can feed the
+  tensor cores from registers, and a 64-row weight tile matches one Hopper warpgroup MMA
+  even when M = 1 (x is padded to 16 columns, which costs no memory traffic).
+- Many narrow N tiles (BLOCK_N = 64: 448 programs for N = 28672) so every SM streams weight;
+  when N is far too small for that (fewer tiles than a quarter of the SMs; weight-only formats
+  below four tiles an SM, see plan()), split K: each split writes fp32
+  partials to a workspace, and a small kernel sums them, scales, adds bias and casts.
+  Deterministic (no atomics).
+- Weight-only formats are converted tile by tile in registers; the per-output-channel scale
+  multiplies the fp32 accumulator in the epilogue (it is constant along K), so no dequantised
+  copy of the weight ever exists. On GPUs before sm89 (no fp8 conversion instruction) the
+  fp8 bits are decoded with integer ops.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from opmap.kernels import pdl
+from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
+from opmap.kernels.gemm import wo_gluon
+from opmap.ops.gemm.validate import check_linear
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
+@triton.jit(do_not_specialize=["M"])
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+                 K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k0 = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k0 + K_PER_SPLIT, K)
+    if PDL:
+        # Wait for x; the dependents are released only after the wait (see pdl.enter).
+        gdc_wait()
+        gdc_launch_dependents()
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
+    xdt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        if W_KIND == 3:
+            # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
+            # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
+            u = w.to(tl.int16) & 0xFF
+            wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+            wv = (wv * 256.0).to(xdt)
+        else:
+            wv = w.to(xdt)
+        acc = tl.dot(wv, xt, acc, input_precision=PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT == 1:
+        _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
+    else:
+        # Partials [SPLIT, M, N] fp32. The program that finishes a tile last (a counter per
+        # tile) sums its partials in split order, so the result does not depend on which split
+        # ends last, then applies scale and bias once and resets the counter for the next call.
+        part = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        mn = M.to(tl.int64) * N
+        tl.store(part + pid_k * mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
+                acc += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om,
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of eager calls, zero between calls
+_GRAPH_COUNTERS: dict = {}  # device -> the tile counters of calls captured in CUDA graphs
+_RETIRED: list = []   # outgrown counter buffers: a captured CUDA graph may still point at one
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _counters(tiles: int, device: torch.device) -> torch.Tensor:
+    """The split-K tile counters for this device and stream. Stream order (and, under PDL, each
+    program's wait for the previous kernel before it touches them) keeps two GEMMs of one stream
+    from sharing them at once; two streams never share them.
+
+    A call captured in a CUDA graph takes the device's graph counters instead, which an eager call
+    made and zeroed before the capture; the graphs of a device share them, so they replay in
+    stream order. Counters made during a capture would come from the graph's memory pool
+    uninitialised (their zero-fill is a node of that one graph, run only when it replays), and
+    the pool hands out the same memory to the temporaries of graphs captured before in it, which
+    overwrite them at each of their replays."""
+    if _capturing(device):
+        buf = _GRAPH_COUNTERS.get(device)
+        if buf is None or buf.numel() < tiles:
+            raise RuntimeError(f"a split-K GEMM of {tiles} output tiles is being captured in a CUDA graph before an "
+                               f"eager call of that size on {device}: run it once outside the capture first "
+                               f"(that call makes the graph counters)")
+        return buf
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        if buf is not None:
+            _RETIRED.append(buf)
+        # Every plan()-made split has fewer than four tiles an SM: one buffer serves them all.
+        n = max(tiles, 4 * _sm_count(device))
+        buf = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    graph = _GRAPH_COUNTERS.get(device)
+    if graph is None or graph.numel() < buf.numel():
+        if graph is not None:
+            _RETIRED.append(graph)
+        _GRAPH_COUNTERS[device] = torch.zeros(buf.numel(), dtype=torch.int32, device=device)
+    return buf
+
+
+# (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
+# pipelines keep enough weight bytes in flight per SM to cover HBM latency. BLOCK_K 512 is left
+# out: its converted fp8/int8 tile needs all 255 registers and spills (seen in the sm90 cubin).
+_SMALL_BN64 = [(128, 4, 4), (256, 4, 3), (256, 4, 4), (256, 4, 6)]
+_SMALL_BN128 = [(64, 4, 6), (128, 4, 3), (128, 4, 4), (128, 8, 4)]  # M 33-64: 128 x 64 tiles
+_LARGE = [(64, 4, 4), (64, 8, 3)]
+
+
+def _configs(small_m: bool):
+    shapes = list(dict.fromkeys(_SMALL_BN64 + _SMALL_BN128)) if small_m else _LARGE
+    return [triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=s) for bk, w, s in shapes]
+
+
+SMEM_BUDGET = 200 * 1024  # below the 227 KiB of sm90 / 163 KiB of sm80 is checked by Triton
+
+
+def _prune(configs, named_args, **kw):
+    """Keep the configs meant for this tile width, and drop those whose pipelined tiles cannot
+    fit in shared memory: compiling them only to fail costs seconds each."""
+    wb = named_args["w_ptr"].element_size()
+    xb = named_args["x_ptr"].element_size()
+    bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
+    meant = set(_SMALL_BN128 if bn == 128 else _SMALL_BN64) | set(_LARGE)
+    mine = [c for c in configs if (c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in meant]
+    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
+    return fit or mine[:1]
+
+
+_TUNED = {}
+# False: run the default config of each regime without autotuning (the check cases and tests that
+# sweep many shapes set it to spare compile time; benchmarks keep autotuning on).
+AUTOTUNE = True
+# Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
+DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
+
+
+def _tuned(small_m: bool):
+    """Autotuned variants (GPU only; the interpreter runs one fixed config). Few configs:
+    compile time counts. Keyed on the shape class, not on M, so decode batches of any size
+    reuse the choice."""
+    if small_m not in _TUNED:
+        _TUNED[small_m] = triton.autotune(
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
+            prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
+    return _TUNED[small_m]
+
+
+def describe(M: int, N: int, K: int, device, quantised: bool = False) -> str:
+    """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
+    its shape class when it has run on this device (benchmark rows name it in their note)."""
+    dev = torch.device(device)
+    if quantised and wo_gluon.takes(M, dev, _INTERP):
+        return wo_gluon.describe(M, N, K, dev)  # bf16 / fp16 activations, as the bench's
+    p = plan(M, N, K, _sm_count(dev), quantised=quantised)
+    kq = p.get("BLOCK_K", 256)
+    split = triton.cdiv(K, triton.cdiv(triton.cdiv(K, kq), p["SPLIT"]) * kq)  # as linear() rounds it
+    text = f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, {split} K split{'s' if split > 1 else ''}"
+    if "BLOCK_K" in p:
+        return f"{text}, BLOCK_K {p['BLOCK_K']} (fixed)"
+    best = getattr(_TUNED.get(p["small"]), "best_config", None)  # the last tuned call's, this shape's in a bench row
+    if best is None:
+        return text
+    return f"{text}, BLOCK_K {best.kwargs['BLOCK_K']}, {best.num_warps} warps, {best.num_stages} stages (autotuned)"
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).multi_processor_count
+    return 8
+
+
+def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
+    if w.dtype == torch.int8:
+        return W_INT8
+    if w.dtype == torch.float8_e4m3fn:
+        if w.device.type != "cuda":
+            return W_FP8
+        if torch.cuda.get_device_capability(w.device) < (8, 9):
+            return W_FP8_BITS
+        return W_FP8
+    return W_SAME
+
+
+# K is split while the tiles number fewer than sms // SPLIT_BELOW (a quarter of the SMs).
+SPLIT_BELOW = 4
+
+
+def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bool = False) -> dict:
+    """Tile shape and split-K for a problem (BLOCK_K is autotuned on a GPU)."""
+    small = M <= 64
+    bm = max(16, triton.next_power_of_2(M)) if small else 64
+    # 128-row weight tiles once x has 64 columns: each program re-reads its x tile from L2, and
+    # at M = 64 with 64-row tiles that re-read traffic would equal the weight traffic.
+    bn = 128 if bm == 64 else 64
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = 1
+    # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them): at 64 and
+    # 96 tiles no split beat split 1 on the H200 (docs/dense.md, Decisions).
+    if small and tiles < sms // SPLIT_BELOW:
+        # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
+        split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
+    elif small and quantised and bm <= 32 and tiles < 4 * sms:
+        # A weight-only program streams its weights at about half a bf16 program's byte rate and
+        # is latency-bound (docs/dense.md), so more programs in flight help: 4 splits below one
+        # tile an SM, 2 below four (M=1 fp8 on the H200, gemm baseline: QKV N=6144 in 4 splits
+        # 18.3 vs 22.2 us in 2; gate/up N=28672 in 2 splits 50.1 vs 58.3 unsplit; docs/dense.md,
+        # Decisions). Kept at >= 4 K-blocks of 256 per split.
+        split = max(1, min(4 if tiles < sms else 2, K // 1024))
+    elif small and quantised and tiles < sms:
+        # M 33-64 (128 x 64 tiles): about two programs an SM, as at M <= 32 before the rule above
+        # (measured at M <= 32 only).
+        split = max(1, min((2 * sms) // tiles, K // 1024))
+    d = {"BLOCK_M": bm, "BLOCK_N": bn, "SPLIT": split, "small": small}
+    if interp:
+        d["BLOCK_K"] = max(16, min(64, triton.next_power_of_2(K)))
+    return d
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None,
+           _plan: dict | None = None) -> torch.Tensor:
+    """``config``: tuning of the weight-only Gluon kernel (``wo_gluon.plan``'s keys; GLUON=0 runs this
+    module's Triton kernel instead). ``_plan`` (internal) overrides fields of the Triton kernel's
+    ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}, and so runs it."""
+    M, N, K = check_linear(x, w, bias, w_scale)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(x.dtype)
+        return out
+    gluon_cfg = wo_gluon.config_of(config)
+    if gluon_cfg is not None and not _plan and wo_gluon.usable(x, w, _INTERP):
+        wo_gluon.launch(x, w, bias, w_scale, out, counters=_counters, pdl_args=pdl.launch(x.device), config=gluon_cfg)
+        return out
+    p = plan(M, N, K, _sm_count(x.device), quantised=w.dtype != x.dtype)
+    p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
+    split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
+    kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
+    wk = w.view(torch.uint8) if kind == W_FP8_BITS else w
+    dummy = out  # never read when the HAS_* flag is off
+    fixed_k = "BLOCK_K" in p
+    # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (<= 256 when tuned);
+    # then a K that is a multiple of it too needs no K masks.
+    kq = p["BLOCK_K"] if fixed_k else 256
+    k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
+    split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
+    even = K % kq == 0
+    common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        cnt = _counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
+    else:
+        ws = cnt = dummy  # never read with one split
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
+            M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
+    if fixed_k:
+        _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
+    elif not AUTOTUNE:
+        bk, nw, ns = DEFAULT[(p["small"], bn)]
+        _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
+    else:
+        _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
+    return out

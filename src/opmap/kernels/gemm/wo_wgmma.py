@@ -1,0 +1,110 @@
+"""Weight-only fp8 / int8 linear at 32 < M <= 64 on Hopper (sm90), in Gluon, on warpgroup MMAs.
+
+At M = 64 mma.sync (wo_gluon.py) spends more time on tensor-core instructions than the weight
+takes to stream. Here each warpgroup owns 64 output channels and runs ``wgmma`` m64nMk16 with
+the weight tile as the A operand *from registers* and x^T (the tokens) as the B operand from
+shared memory, so the converted weight never goes back to shared memory:
+
+- weight and x tiles arrive by 16-byte async copies in a pipeline of ``STAGES`` tiles; the
+  weight tile sits under the 128-byte NVMMA swizzle, so the A-fragment reads (two bytes a
+  thread a row, the register layout wgmma wants for 16-bit A) are free of bank conflicts;
+- the fragment is converted exactly in registers (wo_common.operand), and the per-output-channel
+  scale multiplies the fp32 accumulator in the epilogue;
+- split K and the PDL overlap as in wo_gluon.py.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from opmap.kernels.gluon_util import enter
+from opmap.kernels.gemm.wo_common import finish, issue
+
+
+def _pair_asm(head: str, pack: str) -> gl.constexpr:
+    """Two weight bytes (one 16-bit register) -> two 16-bit values packed in 32 bits: ``head``
+    leaves them in fp32 registers a (low) and b (high); ``pack`` converts the pair, exactly."""
+    return gl.constexpr("{ .reg .b32 t, h; .reg .b16 lo, hi; .reg .f32 a, b;\n" + head + pack + " $0, b, a; }")
+
+
+# int8: each byte (offset by 128) under 2^23's exponent, minus 2^23 + 128; e4m3: through fp16
+_I8 = ("cvt.u32.u16 t, $1;\nxor.b32 t, t, 0x8080;\nprmt.b32 h, t, 0x4B000000, 0x7540;\n"
+       "sub.f32 a, h, 0f4B000080;\nprmt.b32 h, t, 0x4B000000, 0x7541;\nsub.f32 b, h, 0f4B000080;\n")
+_F8 = "cvt.rn.f16x2.e4m3x2 h, $1;\nmov.b32 {lo, hi}, h;\ncvt.f32.f16 a, lo;\ncvt.f32.f16 b, hi;\n"
+I8_BF16 = _pair_asm(_I8, "cvt.rn.bf16x2.f32")
+I8_F16 = _pair_asm(_I8, "cvt.rn.f16x2.f32")
+F8_BF16 = _pair_asm(_F8, "cvt.rn.bf16x2.f32")
+
+
+@gluon.jit
+def _pair_operand(w, xdt: gl.constexpr, W_INT8: gl.constexpr):
+    """A weight fragment in x's dtype, exactly, two elements (one 16-bit read) at a time: the
+    register layout of a 16-bit A operand holds K in pairs, and four-element conversions would
+    make ptxas unpack and repack the bytes of two reads."""
+    if W_INT8:
+        if xdt == gl.float16:
+            return gl.inline_asm_elementwise(I8_F16, "=r,h", [w], dtype=gl.float16, is_pure=True, pack=2)
+        else:
+            return gl.inline_asm_elementwise(I8_BF16, "=r,h", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
+    elif xdt == gl.float16:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [w], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise(F8_BF16, "=r,h", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _wo_wgmma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_om, K_PER_SPLIT,
+                     W_INT8: gl.constexpr, HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                     PDL: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    A_W: gl.constexpr = gl.DotOperandLayout(0, ACC, 2)
+    TPR: gl.constexpr = BLOCK_K // 16  # threads a weight row (16 bytes each)
+    COPY_W: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPR, TPR], [NW, 1], [1, 0])
+    XPR: gl.constexpr = BLOCK_K // 8  # threads an x row (8 elements each)
+    COPY_X: gl.constexpr = gl.BlockedLayout([1, 8], [32 // XPR, XPR], [NW, 1], [1, 0])
+    xdt: gl.constexpr = x_ptr.dtype.element_ty
+    W_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    X_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m0 = pid_m * BLOCK_M
+    k0 = pid_k * K_PER_SPLIT
+    k_end = gl.minimum(k0 + K_PER_SPLIT, K)
+    w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], W_SMEM)
+    x_smem = gl.allocate_shared_memory(xdt, [STAGES, BLOCK_M, BLOCK_K], X_SMEM)
+    # The weights do not depend on the previous kernel: their first copies overlap its tail.
+    for i in gl.static_range(STAGES - 1):
+        issue(w_smem.index(i), w_ptr, n0, k0 + i * BLOCK_K, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
+    enter(PDL)
+    for i in gl.static_range(STAGES - 1):
+        issue(x_smem.index(i), x_ptr, m0, k0 + i * BLOCK_K, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
+    it = 0
+    for k in range(k0, k_end, BLOCK_K):
+        cp.wait_group(STAGES - 2)
+        fence_async_shared()  # the copies of x are read by the tensor cores (the async proxy)
+        gl.thread_barrier()
+        nxt = (it + STAGES - 1) % STAGES
+        ka = k + (STAGES - 1) * BLOCK_K
+        issue(w_smem.index(nxt), w_ptr, n0, ka, N, k_end, s_wn, BLOCK_N, BLOCK_K, COPY_W, 16, False)
+        issue(x_smem.index(nxt), x_ptr, m0, ka, M, k_end, s_xm, BLOCK_M, BLOCK_K, COPY_X, 8, True)
+        cur = it % STAGES
+        wf = _pair_operand(w_smem.index(cur).load(A_W), xdt, W_INT8)
+        # synchronous: the other warpgroups of the SM convert while this one's MMA runs (an
+        # asynchronous MMA keeps two fragments live: 167 registers, one program an SM, slower)
+        acc = warpgroup_mma(wf, x_smem.index(cur).permute((1, 0)), acc)
+        it += 1
+    cp.wait_group(0)
+
+    finish(acc, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, s_om, n0, m0, pid_n, pid_m, pid_k, HAS_SCALE, HAS_BIAS,
+           SPLIT, BLOCK_N, BLOCK_M, ACC)

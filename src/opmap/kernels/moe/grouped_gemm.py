@@ -1,0 +1,225 @@
+"""Grouped GEMM over expert-aligned row blocks (see align.py), and the weighted combine.
+
+One kernel, two uses:
+- gate/up (GATED=True): rows of x gathered by token (pair // top_k), two accumulators (gate
+  columns n and up columns I + n of w13[e]) sharing each A tile; the epilogue writes
+  SiLU(gate) * up to ``inter[pair, n]`` so the [T*k, 2I] intermediate never exists.
+- down (GATED=False, WEIGHTED=True): rows of ``inter`` by pair, w2[e]; the epilogue multiplies
+  by the pair's routing weight in fp32 and writes ``y[pair, :]``.
+The combine sums the k rows of each token in fp32 (deterministic: no atomics).
+
+Each program owns one BM-row block (all rows of one expert) and one BN column tile; blocks past
+the padded total exit at once. Weights are read as [BK, BN] tiles of the row-major [N, K]
+expert matrix (K contiguous). Offsets into x / w / outputs are int64.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from opmap.kernels.moe.align import next_pow2
+
+
+@triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    n_pairs, N, K, a_row_div, rows_bucket,
+    stride_am, stride_we, stride_wn, stride_om,
+    GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BN)
+    num_m = tl.num_programs(0) // num_n
+    # Grouped ordering: GROUP_M consecutive row blocks (mostly one expert) walk the column
+    # tiles together, so each weight tile is read from HBM once and from L2 after.
+    width = GROUP_M * num_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    total = tl.load(total_ptr)
+    if pid_m * BM >= total:
+        return
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + rows)
+    valid = pair < n_pairs
+    a_row = tl.where(valid, pair // a_row_div, 0).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BK)
+    # Loads need no row or column masks: padding rows read row 0 and the column tail wraps
+    # around (offs_n % N); neither result is stored. Masks cost registers and pipelining.
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we
+    g_ptrs = w_base + (offs_n % N).to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    if GATED:
+        u_ptrs = g_ptrs + N * stride_wn
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for kk in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            g = tl.load(g_ptrs)
+        else:
+            k_ok = offs_k < K - kk * BK
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, g, acc, input_precision=PRECISION)
+        if GATED:
+            if EVEN_K:
+                u = tl.load(u_ptrs)
+            else:
+                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            u_ptrs += BK
+        a_ptrs += BK
+        g_ptrs += BK
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u  # SiLU(gate) * up, in fp32
+    if WEIGHTED:
+        w = tl.load(weights_ptr + tl.where(valid, pair, 0), mask=valid, other=0.0)
+        acc = acc * w[:, None]
+    o_ptrs = out_ptr + tl.where(valid, pair, 0).to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, top_k, stride_y, stride_o, BH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    acc = tl.zeros([BH], dtype=tl.float32)
+    for j in range(0, top_k):
+        acc += tl.load(y_ptr + (t * top_k + j) * stride_y + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Read once: Triton itself fixes interpreter mode when @triton.jit runs at import, and the
+# os.environ lookup cost ~2 us on each of the three calls per MoE call.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _interpreting() -> bool:
+    return _INTERPRETING
+
+
+def pick_bm(n_pairs: int, num_experts: int) -> int:
+    """Row-block height from the expected rows per expert (known on the host: no sync).
+    Decode is weight-streaming: an expert whose rows spill into a second block has its weights
+    read twice, so the tile covers the expected rows plus three standard deviations (Mixtral at
+    64 tokens: 16 +- 4 rows -> 32). Prefill wants tall tiles to reuse each weight tile across
+    rows, but every expert's last block is padded, so the tile stays well below the rows an
+    expert gets (Qwen3-30B-A3B at 4096 tokens: ~256 rows -> 64; Mixtral: ~1000 -> 128)."""
+    if _interpreting():
+        return 16
+    per_expert = n_pairs / num_experts
+    high = per_expert + 3.0 * per_expert ** 0.5
+    if high <= 16:
+        return 16
+    if high <= 32:
+        return 32
+    if per_expert <= 512:
+        return 64
+    return 128
+
+
+def _c(bn, bk, warps, stages, group_m):
+    return triton.Config(dict(BN=bn, BK=bk, GROUP_M=group_m), num_warps=warps, num_stages=stages)
+
+
+# A few configs per regime (compile time counts): decode tiles are narrow and deep along K, to
+# spread the weight stream over many CTAs; prefill tiles feed wgmma (BM >= 64). Configs whose
+# accumulators spill on sm90 (seen with ptxas: 128x128 with 4 warps, 128x256 with 8, gated
+# 2x128x128 with 8) are left out.
+# GROUP_M=8 at decode too: the (rare) second block of an expert runs next to its first, so
+# the weight tiles it re-reads come from L2.
+_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8)],
+           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8)]}
+_BM64 = {True: [_c(64, 64, 4, 4, 8), _c(64, 128, 4, 3, 8)],
+         False: [_c(128, 64, 4, 4, 8), _c(128, 128, 4, 3, 8)]}
+_BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
+          False: [_c(128, 64, 8, 3, 8), _c(128, 64, 8, 4, 8)]}
+
+
+def _prune(configs, named_args, **kw):
+    bm = kw["BM"]
+    table = _DECODE if bm <= 32 else (_BM64 if bm == 64 else _BM128)
+    want = table[bool(kw["GATED"])]
+    k = named_args["K"]
+    return [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
+
+
+def _bench(kernel_call, quantiles):
+    """The tuner's timing: 25 ms of repeats per config instead of Triton's default 100 (plus 25 of
+    warm-up): a few hundred runs of a 10-400 us kernel decide as well, and the engine tunes every
+    key at start-up (token_counts), 28 of them for DeepSeek-V2-Lite."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+_ALL_CONFIGS = list(dict.fromkeys(c for t in (_DECODE, _BM64, _BM128) for cs in t.values() for c in cs))
+_tuned_kernel = triton.autotune(_ALL_CONFIGS, key=["N", "K", "rows_bucket", "BM", "GATED"],
+                                prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(
+    triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_grouped_gemm_kernel))
+
+
+def token_counts(max_tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """One token count per tuning key (rows bucket, BM) that a call of 1..max_tokens tokens can
+    hit, the smallest of each: running the MoE once at each tunes every GEMM a step can launch
+    (the key's N, K, gating and dtypes are fixed by the weights)."""
+    first: dict = {}
+    for t in range(1, max_tokens + 1):
+        n = t * top_k
+        first.setdefault((next_pow2(n), pick_bm(n, num_experts)), t)
+    return sorted(first.values())
+
+
+def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div, bm, *, gated, weights=None):
+    """out[pair] = f(a[pair // a_row_div] @ w[e].T) for every pair of every expert block."""
+    E, n_rows, K = w.shape
+    N = n_rows // 2 if gated else n_rows
+    nblocks = block_expert.numel()
+    args = (a, w, out, weights if weights is not None else out, sorted_ids, block_expert, total,
+            n_pairs, N, K, a_row_div, next_pow2(n_pairs),
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+    # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
+    flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
+                 PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
+    if _interpreting() or a.dtype == torch.float32:
+        # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
+        # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
+        bn, bk = 32, 32
+        _grouped_gemm_kernel[(nblocks * -(-N // bn),)](
+            *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, num_warps=4,
+            num_stages=1 if _interpreting() else 2)
+        return
+    # The tuner's decision per key, mirrored here: after the first call of a key the kernel is
+    # launched directly with it, skipping Autotuner.run and Heuristics.run (their per-call dict
+    # building over ~20 arguments cost ~14 us per launch on the host, measured on the CPU with the
+    # launch stubbed; two GEMM launches per MoE call). The key is the autotuner's own: its key
+    # arguments plus the dtypes of the tensor arguments (the int32 index tensors never vary).
+    key = (N, K, args[11], bm, gated, a.dtype, w.dtype, out.dtype, None if weights is None else weights.dtype)
+    cfg = _BEST.get(key)
+    if cfg is None:
+        # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.
+        grid = lambda meta: (nblocks * -(-N // meta["BN"]),)  # noqa: E731  (plain ints: see align.next_pow2)
+        _tuned_kernel[grid](*args, **flags)
+        _BEST[key] = _tuned_kernel.best_config
+        return
+    kw = cfg.all_kwargs()
+    _grouped_gemm_kernel[(nblocks * -(-N // kw["BN"]),)](*args, **flags, **kw, EVEN_K=K % kw["BK"] == 0)
+
+
+_BEST: dict = {}
+
+
+def combine(y: torch.Tensor, T: int, top_k: int, out: torch.Tensor) -> torch.Tensor:
+    H = y.shape[1]
+    bh = min(1024, next_pow2(H))
+    _combine_kernel[(T, -(-H // bh))](y, out, H, top_k, y.stride(0), out.stride(0), BH=bh)
+    return out

@@ -1,0 +1,438 @@
+"""One internal model config (``opmap.model.presets.ModelConfig``) from a preset name or a Hugging Face
+``config.json``, and the way back: an HF transformers
+config and a random-weight HF model for a preset, saved with ``save_pretrained`` so that tests
+exercise the real checkpoint-loading path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from opmap.model.presets import PRESETS, ModelConfig, get_preset
+
+# HF model_type -> our arch name (the presets use the same names).
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
+            "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "deepseek_v2": "deepseek_v2",
+            "deepseek_v3": "deepseek_v3"}
+
+# What `opmap models` says of each architecture: the config.json fields read beyond the common
+# ones, and those refused at load (any other value of a refused field is an InputError naming it).
+COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim, "
+                 "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
+                 "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
+                 "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
+                 "fp8, fbgemm_fp8; block-wise fp8 dequantised at load)")
+HONOURED = {
+    "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
+    "mistral": ("sliding_window (every layer)", "mlp_bias"),
+    "phi3": ("the fused qkv_proj and gate_up_proj tensors, sliding_window (every layer)",
+             "partial_rotary_factor != 1, longrope scaling, attention_bias, mlp_bias"),
+    "gemma2": ("attn_logit_softcapping, final_logit_softcapping, query_pre_attn_scalar, sliding_window with "
+               "layer_types, hidden_activation (gelu_pytorch_tanh), the four norms of a layer with 1 + w, the "
+               "embedding times sqrt(hidden_size)", "attention_bias, use_bidirectional_attention"),
+    "gemma3_text": ("as gemma2, with q/k norms, the sliding layers' own RoPE base (rope_parameters per layer type "
+                    "or rope_local_base_freq) and the full layers' scaling", "attention_bias, "
+                    "use_bidirectional_attention, a scaled RoPE on the sliding layers"),
+    "qwen2": ("q/k/v biases", "use_sliding_window, mlp_bias"),
+    "qwen3": ("attention_bias, q/k norms", "use_sliding_window, mlp_bias"),
+    "mixtral": ("num_local_experts, num_experts_per_tok, sliding_window", "mlp_bias"),
+    "qwen2_moe": ("qkv_bias, num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, "
+                  "shared_expert_intermediate_size with the shared-expert gate",
+                  "use_sliding_window, mlp_only_layers, decoder_sparse_step != 1, mlp_bias"),
+    "qwen3_moe": ("num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, attention_bias",
+                  "use_sliding_window, mlp_only_layers, decoder_sparse_step != 1, mlp_bias"),
+    "deepseek_v2": ("MLA (kv_lora_rank, q_lora_rank, qk_nope/rope_head_dim, v_head_dim), n_routed_experts, "
+                    "n_shared_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob, "
+                    "first_k_dense_replace, routed_scaling_factor, topk_method with n_group / topk_group, "
+                    "yarn mscale", "mlp_bias"),
+    "deepseek_v3": ("as deepseek_v2, with sigmoid routing on e_score_correction_bias (noaux_tc), rope_interleave; "
+                    "num_nextn_predict_layers: the MTP layers are ignored (one token per step)",
+                    "topk_method other than noaux_tc, mlp_bias"),
+}
+
+
+def _rope(d: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling dict or None) from either transformers 5.x ``rope_parameters`` or 4.x fields (a
+    checkpoint's config.json comes through ``AutoConfig`` first: ``_through_autoconfig``);
+    of the full-attention layers where the dict is per layer type (Gemma-3: ``_local_rope``)."""
+    rp = d.get("rope_parameters") or {}
+    if isinstance(rp, dict) and "rope_theta" not in rp and rp:  # per layer type
+        rp = rp.get("full_attention") or next(iter(rp.values()))
+    theta = float(rp.get("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling = d.get("rope_scaling") or None
+    if scaling is None and rp.get("rope_type", "default") not in ("default", None):
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    kind = (scaling.get("rope_type") or scaling.get("type")) if scaling is not None else None
+    # dynamic NTK scaling changes the base only past max_position_embeddings, which the engine's
+    # max_model_len never exceeds: below it HF's dynamic RoPE is the default one
+    if kind in ("default", None, "dynamic"):
+        return theta, None
+    from opmap.core.contract import InputError
+    from opmap.ops.rope.reference import ROPE_SCALINGS
+
+    if kind not in ROPE_SCALINGS:
+        raise InputError("config.json rope_scaling", repr(kind), "one of " + ", ".join(ROPE_SCALINGS))
+    return theta, scaling
+
+
+def _local_rope(d: dict) -> Optional[float]:
+    """The RoPE base of Gemma-3's sliding layers (plain RoPE: another kind there is refused)."""
+    from opmap.core.contract import InputError
+
+    rp = (d.get("rope_parameters") or {}).get("sliding_attention")
+    if rp is None:
+        return float(d["rope_local_base_freq"]) if d.get("rope_local_base_freq") else None
+    if rp.get("rope_type", "default") != "default":
+        raise InputError("config.json rope_parameters.sliding_attention", repr(rp.get("rope_type")), "'default'")
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
+    """Our ModelConfig from the dict of an HF config.json."""
+    from opmap.core.contract import InputError
+
+    mt = d.get("model_type")
+    if mt not in HF_TYPES:
+        raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
+    arch = HF_TYPES[mt]
+    act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    want = ("gelu_pytorch_tanh", "gelu_tanh") if mt.startswith("gemma") else ("silu", "swish")
+    if act not in want:
+        raise InputError("config.json hidden_act", repr(act), f"{want[0]!r} ({mt} with another activation is not "
+                                                              "implemented)")
+    heads = d["num_attention_heads"]
+    hidden = d["hidden_size"]
+    theta, scaling = _rope(d)
+    kw = dict(name=name, arch=arch, hidden=hidden, layers=d["num_hidden_layers"], heads=heads,
+              kv_heads=d.get("num_key_value_heads") or heads,
+              head_dim=d.get("head_dim") or hidden // heads, intermediate=d["intermediate_size"],
+              vocab=d["vocab_size"], max_position=d.get("max_position_embeddings", 8192),
+              rope_theta=theta, rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
+              tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+              attention_bias=bool(d.get("attention_bias", False)))
+    if arch in ("gemma2", "gemma3_text"):
+        if d.get("attention_bias") or d.get("use_bidirectional_attention"):
+            raise InputError("config.json attention_bias/use_bidirectional_attention",
+                             (d.get("attention_bias"), d.get("use_bidirectional_attention")), "false (Gemma-2 as released)")
+        L = d["num_hidden_layers"]
+        types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+        kw.update(activation="gelu_tanh", embed_scale=True, norm_offset=1.0, sandwich_norms=True,
+                  attn_soft_cap=d.get("attn_logit_softcapping"), final_soft_cap=d.get("final_logit_softcapping"),
+                  query_scale=float(d.get("query_pre_attn_scalar") or kw["head_dim"]),
+                  sliding_window=d.get("sliding_window") or None,
+                  layer_types=tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+                  tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+        if arch == "gemma3_text":
+            kw.update(qk_norm=True, local_rope_theta=_local_rope(d))
+    if arch in ("llama", "qwen3", "qwen3_moe"):
+        kw["o_bias"] = kw["attention_bias"]  # HF: o_proj has bias=config.attention_bias
+    if arch in ("mistral", "mixtral", "phi3"):
+        kw["sliding_window"] = d.get("sliding_window") or None  # every layer, as HF's attention does
+    if arch == "phi3":
+        if float(d.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise InputError("config.json partial_rotary_factor", d.get("partial_rotary_factor"), "1.0 (RoPE on whole heads)")
+        if d.get("attention_bias"):
+            raise InputError("config.json attention_bias", "true", "false (Phi-3 as released)")
+    if arch in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+        raise InputError("config.json use_sliding_window", "true",
+                         f"false ({mt}'s per-layer sliding window is not implemented)")
+    if d.get("mlp_bias"):
+        if arch != "llama":
+            raise InputError("config.json mlp_bias", repr(d.get("mlp_bias")), f"false for {mt} (only Llama's is read)")
+        kw["mlp_bias"] = True
+    if arch == "qwen2":
+        kw["attention_bias"] = True  # Qwen2 always has q/k/v biases (no config switch)
+    if arch in ("qwen3", "qwen3_moe"):
+        kw["qk_norm"] = True
+    if arch == "mixtral":
+        kw.update(num_experts=d["num_local_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["intermediate_size"], norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise InputError("config.json mlp_only_layers/decoder_sparse_step",
+                             (d.get("mlp_only_layers"), d.get("decoder_sparse_step")), "[] and 1 (all layers MoE)")
+        kw.update(attention_bias=bool(d.get("qkv_bias", True)), num_experts=d["num_experts"],
+                  top_k=d["num_experts_per_tok"], moe_intermediate=d["moe_intermediate_size"],
+                  norm_topk_prob=bool(d.get("norm_topk_prob", False)), shared_experts=1,
+                  shared_intermediate=d["shared_expert_intermediate_size"], shared_gate=True)
+    if arch == "qwen3_moe":
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise InputError("config.json mlp_only_layers/decoder_sparse_step",
+                             (d.get("mlp_only_layers"), d.get("decoder_sparse_step")), "[] and 1 (all layers MoE)")
+        kw.update(num_experts=d.get("num_experts") or d["num_local_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], norm_topk_prob=bool(d.get("norm_topk_prob", False)))
+    if arch == "deepseek_v3":
+        mtp = int(d.get("num_nextn_predict_layers") or d.get("num_mtp_layers") or 0)
+        kw.update(num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], shared_experts=d.get("n_shared_experts") or 0,
+                  norm_topk_prob=bool(d.get("norm_topk_prob", True)), first_dense_layers=d.get("first_k_dense_replace", 0),
+                  routed_scaling=float(d.get("routed_scaling_factor", 1.0)), n_group=d.get("n_group") or 1,
+                  topk_group=d.get("topk_group") or 1, router="sigmoid_grouped", router_bias=True,
+                  kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
+                  qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"], v_head_dim=d["v_head_dim"],
+                  rope_style="gptj" if d.get("rope_interleave", True) else "neox",
+                  head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"], extra={"mtp_layers": mtp})
+        if d.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise InputError("config.json topk_method", repr(d.get("topk_method")), "'noaux_tc' (DeepSeek-V3 routing)")
+    if arch == "deepseek_v2":
+        kw.update(num_experts=d["n_routed_experts"], top_k=d["num_experts_per_tok"],
+                  moe_intermediate=d["moe_intermediate_size"], shared_experts=d.get("n_shared_experts") or 0,
+                  norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                  first_dense_layers=d.get("first_k_dense_replace", 0),
+                  routed_scaling=float(d.get("routed_scaling_factor", 1.0)),
+                  # group-limited routing only where HF applies it (group_limited_greedy, noaux_tc)
+                  n_group=(d.get("n_group") or 1) if d.get("topk_method") in ("group_limited_greedy", "noaux_tc") else 1,
+                  topk_group=(d.get("topk_group") or 1) if d.get("topk_method") in ("group_limited_greedy", "noaux_tc") else 1,
+                  router="sigmoid_grouped" if d.get("topk_method") == "noaux_tc" else "softmax",
+                  kv_lora_rank=d["kv_lora_rank"], q_lora_rank=d.get("q_lora_rank"),
+                  qk_nope_dim=d["qk_nope_head_dim"], qk_rope_dim=d["qk_rope_head_dim"],
+                  v_head_dim=d["v_head_dim"], rope_style="gptj",
+                  head_dim=d["qk_nope_head_dim"] + d["qk_rope_head_dim"])
+    quant = weight_quant(d)
+    if quant:
+        kw["extra"] = {**kw.get("extra", {}), "weight_quant": quant}
+    return ModelConfig(**kw)
+
+
+def weight_quant(d: dict) -> Optional[dict]:
+    """The weight format of a quantised checkpoint from its ``quantization_config``: fp8 (e4m3)
+    weights with one scale per tensor or per output channel, in the compressed-tensors layout
+    (llm-compressor), the ``fp8`` one (AutoFP8, vLLM, and transformers' per-tensor FP8: ``weight_scale``
+    or ``weight_scale_inv``, the factor that dequantises) or the ``fbgemm_fp8`` one (a scale per
+    output channel) -> {"format": "fp8", "strategy", "ignore", "static_activation_scales",
+    "kv_scales"}; with a ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when
+    unquantised. ``kv_scales`` "if-present": the format names no KV scheme, the per-layer
+    ``k_scale`` / ``v_scale`` (or one ``kv_scale``) are read where the checkpoint has them.
+    Block-wise fp8 (``weight_block_size``, DeepSeek-V3's and Qwen3's FP8 releases) -> {"format": None,
+    "block": [rows, cols], ...}: dequantised at load. Any other quantisation is refused, naming the
+    field (it would load as wrong numbers)."""
+    from opmap.core.contract import InputError
+
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    where = "config.json quantization_config"
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("activation_scheme", "dynamic") not in ("dynamic", "static") or q.get("fmt", "e4m3") != "e4m3":
+            got = {k: q[k] for k in ("activation_scheme", "fmt") if k in q}
+            raise InputError(where, repr(got), "e4m3 weights, a 'dynamic' or 'static' activation scheme")
+        block = q.get("weight_block_size")
+        if block:
+            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
+                                                                                 for b in block)):
+                raise InputError(f"{where}.weight_block_size", repr(block), "two positive ints (rows, columns)")
+            # No kernel takes block scales: the weights are dequantised at load (named as a
+            # fallback; --quantize fp8 then re-quantises them per output channel).
+            return {"format": None, "block": list(block), "kv_scales": "if-present"}
+        return {"format": "fp8", "strategy": "tensor",
+                "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
+                "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}
+    if method == "fbgemm_fp8":
+        return {"format": "fp8", "strategy": "channel", "ignore": list(q.get("modules_to_not_convert") or []),
+                "static_activation_scales": False, "kv_scales": False}
+    if method != "compressed-tensors":
+        raise InputError(f"{where}.quant_method", repr(method),
+                         "'compressed-tensors', 'fp8' or 'fbgemm_fp8' with fp8 weights (one scale per tensor or per "
+                         "output channel); other formats are not loaded (opmap run --quantize fp8|int8 quantises an "
+                         "unquantised checkpoint)")
+    kv = q.get("kv_cache_scheme")
+    if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"
+                               and kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic", False)):
+        raise InputError(f"{where}.kv_cache_scheme", repr(kv), "8-bit float, one static scale per tensor (k_scale, "
+                         "v_scale per layer)")
+    groups = q.get("config_groups") or {}
+    if not groups and kv is not None:  # fp8 KV scales only: the weights are unquantised
+        return {"format": None, "kv_scales": True}
+    if len(groups) != 1:
+        raise InputError(f"{where}.config_groups", f"{len(groups)} groups", "one group (the same scheme for every Linear)")
+    g = next(iter(groups.values()))
+    w = g.get("weights") or {}
+    ok = (w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
+          and w.get("symmetric", True) and not w.get("dynamic", False) and not w.get("group_size"))
+    if not ok:
+        got = {k: w.get(k) for k in ("num_bits", "type", "strategy", "symmetric", "dynamic", "group_size") if k in w}
+        raise InputError(f"{where}.config_groups weights", repr(got), "8-bit float (e4m3), symmetric, static, with a "
+                         "'tensor' or 'channel' strategy (one scale per tensor or per output channel)")
+    if (g.get("targets") or ["Linear"]) != ["Linear"]:
+        raise InputError(f"{where} targets", repr(g.get("targets")), "['Linear']")
+    if q.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
+    return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
+            "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
+
+
+def resolve_model(model: str) -> tuple:
+    """A preset name, a local checkpoint directory or a config.json -> (config, checkpoint dir or
+    None). The one resolver of every command: a config.json alone gives the architecture with
+    random weights."""
+    from opmap.core.contract import InputError, expect
+
+    if model in PRESETS:
+        return get_preset(model), None
+    if os.path.isdir(model) or (os.path.isfile(model) and os.path.basename(model).endswith(".json")):
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        if not os.path.isfile(path):
+            raise InputError("model", repr(model), "a directory with a config.json")
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(path, "a file that is not JSON", f"a config.json ({e})") from None
+        expect(isinstance(d, dict), path, type(d).__name__, "a JSON object")
+        d = _through_autoconfig(d, path)
+        folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
+        try:
+            cfg = from_hf_config(d, name=os.path.basename(os.path.normpath(folder)))
+        except KeyError as e:
+            raise InputError(path, f"no field {e.args[0]!r}", "every field the architecture needs") from None
+        return cfg, (model if os.path.isdir(model) else None)
+    raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + "), a checkpoint directory "
+                     "or a config.json")
+
+
+def _through_autoconfig(d: dict, path: str) -> dict:
+    """The config.json as transformers reads it (``AutoConfig.for_model``: the defaults of the
+    architecture filled in, ``rope_scaling`` and ``rope_parameters`` in the form of this
+    transformers); an architecture opmap does not serve is refused first, naming the supported ones."""
+    from opmap.core.contract import InputError
+
+    mt = d.get("model_type")
+    if mt not in HF_TYPES:
+        raise InputError(f"{path} model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
+    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if f not in d:  # transformers would take its class default: a checkpoint of another size
+            raise InputError(path, f"no field {f!r}", "every field the architecture needs")
+    from transformers import AutoConfig
+
+    rest = {k: v for k, v in d.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(mt, **rest).to_dict()
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputError(path, f"a config transformers refuses ({type(e).__name__}: {str(e)[:200]})",
+                         f"a valid {mt} config") from None
+
+
+# ---- the way back: HF config and model for a preset -----------------------------------------------
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    rp = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rp.update({k: v for k, v in cfg.rope_scaling.items() if k != "type"})
+    return rp
+
+
+def to_hf_config(cfg: ModelConfig, **overrides):
+    """The transformers config of the same model (transformers 5.x classes)."""
+    import transformers as T
+
+    common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                  max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.rms_eps,
+                  rope_parameters=_rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+                  hidden_act="silu", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    a = cfg.arch
+    if a == "llama":
+        c = T.LlamaConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                          attention_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias, **common)
+    elif a == "mistral":
+        c = T.MistralConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                            sliding_window=cfg.sliding_window, **common)
+    elif a == "gemma3_text":
+        g = dict(common, hidden_act="gelu_pytorch_tanh",
+                 rope_parameters={"full_attention": _rope_parameters(cfg),
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": cfg.local_rope_theta}})
+        c = T.Gemma3TextConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                               hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(cfg.query_scale),
+                               sliding_window=cfg.sliding_window, layer_types=[f"{t}_attention" for t in cfg.layer_types],
+                               attn_logit_softcapping=cfg.attn_soft_cap, final_logit_softcapping=cfg.final_soft_cap, **g)
+    elif a == "phi3":
+        c = T.Phi3Config(intermediate_size=cfg.intermediate, sliding_window=cfg.sliding_window, **common)
+    elif a == "qwen2":
+        c = T.Qwen2Config(intermediate_size=cfg.intermediate, **common)
+    elif a == "gemma2":
+        g = dict(common, hidden_act="gelu_pytorch_tanh")
+        c = T.Gemma2Config(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim, hidden_activation="gelu_pytorch_tanh",
+                           query_pre_attn_scalar=int(cfg.query_scale), sliding_window=cfg.sliding_window,
+                           layer_types=[f"{t}_attention" for t in cfg.layer_types],
+                           attn_logit_softcapping=cfg.attn_soft_cap, final_logit_softcapping=cfg.final_soft_cap, **g)
+    elif a == "qwen3":
+        c = T.Qwen3Config(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                          attention_bias=cfg.attention_bias, **common)
+    elif a == "mixtral":
+        c = T.MixtralConfig(intermediate_size=cfg.moe_intermediate, head_dim=cfg.head_dim,
+                            sliding_window=cfg.sliding_window,
+                            num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, **common)
+    elif a == "qwen3_moe":
+        c = T.Qwen3MoeConfig(intermediate_size=cfg.intermediate, head_dim=cfg.head_dim,
+                             moe_intermediate_size=cfg.moe_intermediate, num_experts=cfg.num_experts,
+                             num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
+                             decoder_sparse_step=1, mlp_only_layers=[], attention_bias=cfg.attention_bias, **common)
+    elif a in ("deepseek_v2", "deepseek_v3"):
+        ds = dict(intermediate_size=cfg.intermediate, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+                  moe_intermediate_size=cfg.moe_intermediate, n_shared_experts=cfg.shared_experts,
+                  first_k_dense_replace=cfg.first_dense_layers, norm_topk_prob=cfg.norm_topk_prob,
+                  routed_scaling_factor=cfg.routed_scaling, kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank,
+                  qk_nope_head_dim=cfg.qk_nope_dim, qk_rope_head_dim=cfg.qk_rope_dim, v_head_dim=cfg.v_head_dim,
+                  n_group=cfg.n_group, topk_group=cfg.topk_group, **common)
+        if a == "deepseek_v2":
+            c = T.DeepseekV2Config(topk_method="group_limited_greedy" if cfg.n_group > 1 else "greedy", **ds)
+        else:
+            c = T.DeepseekV3Config(rope_interleave=cfg.rope_style == "gptj", **ds)
+    elif a == "qwen2_moe":
+        c = T.Qwen2MoeConfig(intermediate_size=cfg.intermediate, moe_intermediate_size=cfg.moe_intermediate,
+                             shared_expert_intermediate_size=cfg.shared_width, num_experts=cfg.num_experts,
+                             num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=1,
+                             mlp_only_layers=[], qkv_bias=cfg.attention_bias, **common)
+    else:
+        raise ValueError(f"no HF config for arch {a!r}")
+    for k, v in overrides.items():
+        setattr(c, k, v)
+    got = getattr(c, "rope_parameters", None) or {}
+    got = got.get("full_attention", got)  # per layer type (Gemma-3)
+    if float(got.get("rope_theta", -1)) != float(cfg.rope_theta):
+        # A transformers without rope_parameters would silently keep its default theta.
+        raise RuntimeError(f"transformers {T.__version__} did not take rope_parameters (got {got!r}); "
+                           "this helper needs transformers 5.x")
+    return c
+
+
+def make_hf_model(cfg: ModelConfig, seed: int = 0, dtype=None, device="cpu", std: float = 0.05):
+    """A random-weight HF model of ``cfg``. Every parameter is drawn (biases included: HF inits
+    them to zero, which would leave the bias path untested); norm weights are drawn around 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    hf_cfg = to_hf_config(cfg)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g, device=device, dtype=torch.float32)
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * r)
+            else:
+                p.copy_(std * r)
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias is a buffer (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g, device=device, dtype=torch.float32))
+    return model.eval()
+
+
+def save_checkpoint(cfg: ModelConfig, path: str, seed: int = 0, tokenizer=None, max_shard_size="200KB"):
+    """Save a random HF model of ``cfg`` (sharded, with its index) and an optional
+    ``tokenizers.Tokenizer`` as tokenizer.json. Returns the HF model (for parity runs)."""
+    model = make_hf_model(cfg, seed=seed)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(path, "tokenizer.json"))
+    return model
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    return dataclasses.replace(cfg, **kw)

@@ -1,0 +1,60 @@
+"""Weight-only fp8 / int8 linear for many rows (prefill): the weight dequantised by one Triton
+pass into a bf16 scratch buffer (its fp8 / int8 bytes read once, the bf16 bytes written once,
+the per-output-channel scale applied there), then cuBLAS on it. The scratch is one buffer per
+device, dtype and stream, grown to the largest weight and reused by every layer (stream order
+keeps a layer's GEMM before the next layer's dequantisation): the model keeps its weights
+quantised, at the cost of one weight's bf16 copy.
+
+Why: the weight-only kernel (``triton_gemm``, registers-converted tiles) is the decode path; at
+M=256 it is 2-7x slower than cuBLAS on bf16 weights (harness/bench/baselines/h200/gemm.md), where the
+dequantisation's ~3 bytes an element are spread over the rows."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from opmap.ops.gemm.validate import QUANT_DTYPES, check_linear
+from opmap.core.contract import expect
+
+BLOCK_N, BLOCK_K = 16, 256
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask).to(tl.float32)  # masked lanes are not stored
+    s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+    tl.store(o_ptr + rn[:, None] * K + rk[None, :], (w * s[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+_SCRATCH: dict = {}  # (device, dtype, stream) -> flat buffer
+
+
+def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, dtype, stream)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
+    return buf
+
+
+def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``wq * scale[:, None]`` rounded once to ``dtype``, [N, K], in the shared scratch buffer (the
+    next call on this stream overwrites it)."""
+    N, K = wq.shape
+    out = _scratch(N * K, dtype, wq.device)[:N * K].view(N, K)
+    if N and K:
+        _dequant_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
+            wq, scale, out, N, K, wq.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
+    check_linear(x, w, bias, w_scale)
+    expect(w.dtype in QUANT_DTYPES, "w", f"dtype {w.dtype}", "fp8-e4m3 or int8 weights (dense ones go to cublas)")
+    return F.linear(x, dequantize(w, w_scale, x.dtype), None if bias is None else bias.to(x.dtype))

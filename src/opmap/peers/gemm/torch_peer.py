@@ -1,0 +1,16 @@
+"""Peer: torch.nn.functional.linear (cuBLAS on a GPU) for dense weights in x.dtype."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from opmap.core.contract import expect
+
+from opmap.ops.gemm.validate import QUANT_DTYPES, check_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
+    check_linear(x, w, bias, w_scale)
+    expect(w.dtype not in QUANT_DTYPES, "w", f"dtype {w.dtype}",
+           "dense weights in x.dtype (the cublas backend does not dequantise; use triton-wo)")
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))

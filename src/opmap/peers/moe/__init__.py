@@ -1,0 +1,1 @@
+"""Peer adapters of the moe op."""
