@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine, offline, from the checkout: the GPU tests, `opmap check`, the benchmarks
-# (which rewrite harness/bench/baselines/<gpu>/<family>.{json,md,png}) and the end-to-end benchmark,
+# (which rewrite bench/baselines/<gpu>/<family>.{json,md,png}) and the end-to-end benchmark,
 # writing logs to OUTDIR and a copy of the baselines to OUTDIR/baselines.tar.gz.
 #   scripts/gpu.sh OUTDIR                                  # everything, in this order
 #   STEPS="tests bench" scripts/gpu.sh OUTDIR              # some steps
 #   TEST_LANES="tests/gpu/test_mla_gpu.py|tests/gpu/test_attention_gpu.py" STEPS=tests scripts/gpu.sh OUTDIR
 #   BENCH_ARGS="--op attention --variants" STEPS=bench scripts/gpu.sh OUTDIR
-#   CHECK_ARGS="--sanitizer --resume harness/check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
+#   CHECK_ARGS="--sanitizer --resume check/state/llama3-8b.jsonl" STEPS=check scripts/gpu.sh OUTDIR
 #   STEPS=flashinfer scripts/gpu.sh OUTDIR                 # FlashInfer's JIT builds for the bench shapes
 #   NO_FLASHINFER=1 STEPS=report scripts/gpu.sh OUTDIR      # `opmap report` per model, timed
 #   E2E_ARGS="--model llama3-8b --case 1" STEPS=e2e-start scripts/gpu.sh OUTDIR   # the e2e benchmark detached,
@@ -37,7 +37,7 @@ run_file() {
   tail -3 "$out/tests-$n.log"
   return $rc
 }
-pack_baselines() { tar -czf "$out/baselines.tar.gz" harness/bench/baselines 2>/dev/null; }
+pack_baselines() { tar -czf "$out/baselines.tar.gz" bench/baselines 2>/dev/null; }
 for s in $STEPS; do
   case $s in
     env)
@@ -99,7 +99,7 @@ for s in $STEPS; do
       if kill -0 "$(cat $E2E_DIR/pid 2>/dev/null)" 2>/dev/null; then
         echo "e2e still running: run STEPS=e2e-wait again (what it finished is in $out/e2e-partial.json)"
       elif ls $E2E_DIR/*/e2e.json >/dev/null 2>&1; then
-        for d in $E2E_DIR/*/; do mkdir -p "harness/bench/baselines/$(basename $d)" && cp $d/e2e.* "harness/bench/baselines/$(basename $d)/"; done
+        for d in $E2E_DIR/*/; do mkdir -p "bench/baselines/$(basename $d)" && cp $d/e2e.* "bench/baselines/$(basename $d)/"; done
         tail -40 $E2E_DIR/log
         pack_baselines
       else

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 from opmap.core.contract import InputError
 from opmap.model.hf import save_checkpoint
 from opmap.engine.llm import LLM

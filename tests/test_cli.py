@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 
 from opmap.core import registry
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 
 RUN = ["run", "--model", "tiny-llama3", "--prompt", "hi", "--max-tokens", "2", "--no-progress"]
 
@@ -154,7 +154,7 @@ def test_report_takes_a_checkpoint_directory(ckpt, tmp_path, capsys):
 
 def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     """--arch sm90 on this CPU machine: the sm90 selection, nothing run, and per operator the
-    nearest measured row of the selected backend in harness/bench/baselines/h200 (file, commit); stdout
+    nearest measured row of the selected backend in bench/baselines/h200 (file, commit); stdout
     gets the summary (one screen) and the output path, the Markdown starts with the same summary."""
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm90", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out.splitlines()

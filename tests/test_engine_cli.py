@@ -32,7 +32,7 @@ def test_run_synthetic_workload(tmp_path, capsys, single_thread):
 
 
 def test_prefill_graph_tokens_reaches_the_engine(monkeypatch):
-    from opmap.cli.main import run as cli_run
+    from opmap.cli import run as cli_run
 
     seen = {}
     monkeypatch.setattr("opmap.engine.llm.LLM", lambda model, **kw: seen.update(kw))
@@ -242,7 +242,7 @@ def test_categorize_symbols():
 
 
 def test_bad_engine_arguments_are_clean_errors(capsys):
-    from opmap.cli.main import main as cli
+    from opmap.cli import main as cli
 
     assert cli.main(["run", "--model", "no-such-model", "--no-progress"]) == 1
     assert "opmap run: error: model: got 'no-such-model'" in capsys.readouterr().err
@@ -256,7 +256,7 @@ def test_ambiguous_symbols_follow_the_model():
 
 
 def test_profile_kernel_table_on_cpu(capsys):
-    from opmap.cli.main import main as cli
+    from opmap.cli import main as cli
 
     rc = cli.main(["profile", "--model", "tiny-llama3", "--steps", "4", "--kernels", "3", "--num-requests", "2",
                    "--input-len", "8", "--output-len", "4"])

@@ -49,7 +49,7 @@ def test_ceilings_cache_per_gpu_and_driver(fake_gpu, monkeypatch):
 
 
 def test_env_prints_ceilings_on_gpu(fake_gpu, monkeypatch, capsys):
-    from opmap.cli.main import main as cli
+    from opmap.cli import main as cli
 
     c = hw.Ceilings(4.2, 4.1, 760.0, fake_gpu.name, fake_gpu.driver, "2026-01-01T00:00:00+00:00")
     hw._cache_file(fake_gpu).write_text(json.dumps(c.as_dict()))

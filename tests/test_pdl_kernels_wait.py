@@ -3,7 +3,7 @@
 A kernel launched with ``launch_pdl=True`` may start while the kernel before it still runs; if it
 loads, stores or atomically updates global memory before ``griddepcontrol.wait``, it can read
 stale data or race with the predecessor, and no test on an idle GPU would notice. So: for each
-@triton.jit kernel under opmap.ops that takes a ``PDL`` parameter, no statement before the first
+@triton.jit kernel under opmap.kernels that takes a ``PDL`` parameter, no statement before the first
 ``enter(PDL)`` / ``gdc_wait()`` may call a memory operation. Checked on the source (AST), so it
 runs on the CPU and covers kernels added later."""
 import ast

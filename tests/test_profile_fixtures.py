@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 from opmap.harness.profile import analyze
 from opmap.harness.profile import trace
 

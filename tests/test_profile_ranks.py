@@ -7,7 +7,7 @@ import gzip
 import json
 from pathlib import Path
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 from opmap.harness.profile import ranks
 from opmap.harness.profile import symbols
 

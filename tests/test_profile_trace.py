@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from opmap.cli.main import main as cli
+from opmap.cli import main as cli
 from opmap.core.contract import InputError
 from opmap.harness.profile import analyze
 from opmap.harness.profile import symbols

@@ -40,7 +40,7 @@ def _kernels():
     _import_ops()
     seen = {}
     for name, mod in list(sys.modules.items()):
-        if not name.startswith("opmap.ops") or mod is None:
+        if not name.startswith("opmap.kernels") or mod is None:
             continue
         for obj in vars(mod).values():
             fn = getattr(obj, "fn", None)  # an Autotuner / Heuristics wraps the function

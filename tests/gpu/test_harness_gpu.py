@@ -134,7 +134,7 @@ def test_sanitizer_catches_out_of_bounds_write(tmp_path, monkeypatch):
 
 
 def test_cli_check_and_report_tiny_on_gpu(tmp_path):
-    from opmap.cli.main import main as cli
+    from opmap.cli import main as cli
 
     js = tmp_path / "check.json"
     rc = cli.main(["check", "--model", "tiny-llama3", "--quick", "--json", str(js)])

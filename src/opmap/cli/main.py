@@ -335,9 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the one-by-one timing (default: 8 or the CPU cores, fewer; 1: no warm-up)")
     b.add_argument("--variants", action="store_true",
                    help="also time the tuning variants of our kernels (rows named opmap-triton[...])")
-    b.add_argument("--out", default="harness/bench/baselines", metavar="DIR",
+    b.add_argument("--out", default="bench/baselines", metavar="DIR",
                    help="results go to DIR/<gpu>/<family>.{json,md,png}, replacing the files there "
-                        "(default: harness/bench/baselines, the figures the docs cite)")
+                        "(default: bench/baselines, the figures the docs cite)")
     b.add_argument("--no-png", action="store_true", help="skip the roofline PNGs")
     b.set_defaults(func=cmd_bench)
 

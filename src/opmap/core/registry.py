@@ -273,7 +273,7 @@ def all_of(*fns: Callable[[], Optional[str]]) -> Callable[[], Optional[str]]:
 
 
 # Priority conventions: on GPUs our Triton kernels and the best peer get high numbers that
-# follow measured results (see harness/bench/baselines); the reference is always last on a GPU. On the
+# follow measured results (see bench/baselines); the reference is always last on a GPU. On the
 # CPU the reference comes first (the Triton interpreter is for testing, not for speed).
 REFERENCE_PRIORITY = {"cpu": 100, "sm80": 1, "sm89": 1, "sm90": 1, "sm100": 1}
 TRITON_CPU_PRIORITY = 10

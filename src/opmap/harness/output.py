@@ -125,12 +125,12 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "gpu"
 
 
-BASELINES = "harness/bench/baselines"
+BASELINES = "bench/baselines"
 
 
 def baseline_dir(out_dir: str, gpu: str) -> Path:
     """<out_dir>/<gpu slug>: where a GPU's figures live, one file per op family, overwritten by
-    each run at the current defaults (harness/bench/baselines/h200/attention.json, ...)."""
+    each run at the current defaults (bench/baselines/h200/attention.json, ...)."""
     d = Path(out_dir) / gpu_slug(gpu)
     d.mkdir(parents=True, exist_ok=True)
     return d

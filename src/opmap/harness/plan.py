@@ -1,5 +1,5 @@
 """Expected speed of an operator on a GPU this machine may not have: the nearest measured case of
-the selected backend in that GPU's committed baselines (``harness/bench/baselines/<gpu>/<family>.json``).
+the selected backend in that GPU's committed baselines (``bench/baselines/<gpu>/<family>.json``).
 A figure always comes with the row it was read from; where no row fits, it says so."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`opmap bench`: every provider of every BenchCase timed in the same run on the same inputs,
-as a fraction of this GPU's measured ceilings; results to harness/bench/baselines/<gpu>/<family>.json +
+as a fraction of this GPU's measured ceilings; results to bench/baselines/<gpu>/<family>.json +
 .md + roofline .png, one file per op family, replaced by each run. Tuning variants of our kernels
 run only with ``--variants``. On a machine without a GPU it says so and writes nothing."""
 from __future__ import annotations

@@ -98,7 +98,7 @@ _SDPA = (
     # name, provider, SDPBackend member, priority, dtypes, head-dim condition
     # cuDNN outruns our Triton kernels where it can serve (contiguous KV) on the H200:
     # prefill S=8192 540 vs 303 TFLOP/s, decode B=64/4096 4.22 vs 3.67 TB/s
-    # (harness/bench/baselines/h200/attention.md), so it ranks above triton (50) there.
+    # (bench/baselines/h200/attention.md), so it ranks above triton (50) there.
     ("sdpa_cudnn", "cudnn-sdpa", "CUDNN_ATTENTION", {"sm90": 60},
      ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 128, "head_dim <= 128, multiple of 8")),
     ("sdpa_flash", "torch-sdpa-flash", "FLASH_ATTENTION", {"sm80": 30, "sm90": 30},

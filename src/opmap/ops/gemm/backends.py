@@ -56,7 +56,7 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
-    # sm90, bf16 (harness/bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
+    # sm90, bf16 (bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
     # N (gate/up, LM head) at M = 64, behind it at M = 64 on QKV, O and down (3.4-7.3 us each).
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50,
               "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384")},
@@ -87,7 +87,7 @@ registry.register(Backend(
     # an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs'
     # limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill):
     # 1.09-2.43x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
-    # fp8 and int8 (harness/bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
+    # fp8 and int8 (bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
     # (engine/runner.py, MANY_ROWS) and the others at M unknown, which keeps triton-wo.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
               **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},

@@ -6,7 +6,7 @@ keeps a layer's GEMM before the next layer's dequantisation): the model keeps it
 quantised, at the cost of one weight's bf16 copy.
 
 Why: the weight-only kernel (``triton_gemm``, registers-converted tiles) is the decode path; at
-M=256 it is 2-7x slower than cuBLAS on bf16 weights (harness/bench/baselines/h200/gemm.md), where the
+M=256 it is 2-7x slower than cuBLAS on bf16 weights (bench/baselines/h200/gemm.md), where the
 dequantisation's ~3 bytes an element are spread over the rows."""
 from __future__ import annotations
 

@@ -437,7 +437,7 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers, eager and compiled)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
-    ap.add_argument("--out", default="harness/bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
+    ap.add_argument("--out", default="bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
     ap.add_argument("--model", action="append",
                     help="only this model as the cases name it (repeatable): a preset's bf16 rows (llama3-8b), "
                          "or with quantisation (llama3-8b:fp8, llama3-8b:fp8+fp8kv)")
