@@ -8,7 +8,18 @@ import json
 import sys
 from typing import Optional
 
+from rich.console import Console
+from rich.table import Table
+
+from opmap import __version__
+from opmap.cli.run import add_profile_parser, add_run_parser, positive
+from opmap.core import hw, registry
 from opmap.core import specs as S
+from opmap.core.contract import InputError
+from opmap.core.select import BackendError, select
+from opmap.harness import matrix as M
+from opmap.harness.output import wide_console
+from opmap.model.presets import PRESETS
 
 # Short flag names for the fields people type most (the field name works too).
 ALIASES = {"heads": "num_heads", "kv_heads": "num_kv_heads", "experts": "num_experts"}
@@ -125,8 +136,6 @@ def spec_from_args(op: str, args, arch: str) -> S.Spec:
 
 def load_registry() -> None:
     """Import every family's backends; a broken family module is an error that says which."""
-    from opmap.core import registry
-
     try:
         registry.load_all()
     except Exception as e:
@@ -134,11 +143,6 @@ def load_registry() -> None:
 
 
 def cmd_env(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from opmap.core import hw
-
     info = hw.detect()
     out = {"device": dataclasses.asdict(info)}
     t = Table(title="opmap env", show_header=False, title_justify="left")
@@ -162,10 +166,6 @@ def cmd_env(args) -> int:
 
 
 def cmd_select(args) -> int:
-    from opmap.core import hw
-    from opmap.core import registry
-    from opmap.core.select import BackendError, select
-
     if args.fields:
         cls = S.OP_SPECS.get(args.op)
         if cls is None:
@@ -191,11 +191,9 @@ def cmd_select(args) -> int:
 
 def cmd_models(args) -> int:
     """The presets (real shapes, random weights) and the architectures a checkpoint may have."""
-    from rich.table import Table
 
+    # transformers (behind the HF config parser) loads only for the commands that read a config
     from opmap.model.hf import COMMON_FIELDS, HF_TYPES, HONOURED
-    from opmap.harness.output import wide_console
-    from opmap.model.presets import PRESETS
 
     t = Table(title="presets (random weights; a checkpoint directory or config.json works as --model too)",
               title_justify="left")
@@ -219,8 +217,6 @@ def cmd_models(args) -> int:
 
 
 def cmd_matrix(args) -> int:
-    from opmap.core import hw
-    from opmap.harness import matrix as M
 
     load_registry()
     arch = args.arch or hw.local_arch()
@@ -237,19 +233,19 @@ def cmd_matrix(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from opmap.harness.check import runner
+    from opmap.harness.check import runner  # heavy (the cases, the engine): loaded for this command only
 
     return runner.main(args)
 
 
 def cmd_bench(args) -> int:
-    from opmap.harness.bench import runner
+    from opmap.harness.bench import runner  # heavy (the cases, the engine): loaded for this command only
 
     return runner.main(args)
 
 
 def cmd_report(args) -> int:
-    from opmap.harness import report
+    from opmap.harness import report  # heavy (the engine, matplotlib): loaded for this command only
 
     return report.main(args)
 
@@ -257,7 +253,6 @@ def cmd_report(args) -> int:
 # ---- parser ---------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from opmap import __version__
 
     p = _Parser(prog="opmap", description="The operator layer of LLM inference: which "
                                 "kernel runs each operator, is it right, how fast against the alternatives.")
@@ -301,12 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sanitizer", action="store_true",
                    help="also run each GPU case in its own process under compute-sanitizer")
     c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
-    from opmap.cli.run import _positive
 
-    c.add_argument("--workers", type=_positive, metavar="N",
+    c.add_argument("--workers", type=positive, metavar="N",
                    help="on a GPU, processes that run the cases at once (default: 8 or the CPU cores, fewer; "
                         "1: all in this process)")
-    c.add_argument("--jobs", type=_positive, default=4, help="sanitizer cases run at once")
+    c.add_argument("--jobs", type=positive, default=4, help="sanitizer cases run at once")
     c.add_argument("--batch", type=int, default=6,
                    help="sanitizer cases per child process (1: each alone; what is left of a run cut "
                         "off by a time limit is the slow cases, which then run side by side)")
@@ -330,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--provider", action="append", metavar="NAME",
                    help="only the providers of this exact name (repeatable; e.g. opmap-triton for our default "
                         "without its [config] variants, flashinfer)")
-    b.add_argument("--warm-workers", type=_positive, metavar="N",
+    b.add_argument("--warm-workers", type=positive, metavar="N",
                    help="processes that first run every case once, side by side, to compile its kernels before "
                         "the one-by-one timing (default: 8 or the CPU cores, fewer; 1: no warm-up)")
     b.add_argument("--variants", action="store_true",
@@ -352,7 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "its committed baselines (default: this device, measured)")
     r.set_defaults(func=cmd_report)
 
-    from opmap.cli.run import add_profile_parser, add_run_parser
 
     add_run_parser(sub)
     add_profile_parser(sub)
@@ -363,9 +356,6 @@ def main(argv: Optional[list] = None) -> int:
     """Exit status: 0 done, 1 bad input or a failed check, 2 a usage error (argparse's too), 130
     interrupted. A user mistake is one line on stderr, never a traceback; an unexpected error is
     one line too, with its traceback under -v."""
-    from opmap.core.contract import InputError
-    from opmap.core.select import BackendError
-
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
