@@ -51,7 +51,7 @@ def _int_at_least(lo: int, what: str):
     return parse
 
 
-_positive = _int_at_least(1, "a positive integer")
+positive = _int_at_least(1, "a positive integer")
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
@@ -84,13 +84,13 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                    help="fp8: the KV cache in e4m3 with a scale of 1 per KV head (GQA models; values beyond "
                         "+-448 saturate); default: the model's dtype")
-    p.add_argument("--max-num-seqs", type=_positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=_positive, default=2048)
-    p.add_argument("--max-model-len", type=_positive, default=None)
-    p.add_argument("--page-size", type=_positive, default=None,
+    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--max-model-len", type=positive, default=None)
+    p.add_argument("--page-size", type=positive, default=None,
                    help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
     p.add_argument("--gpu-memory-fraction", type=_fraction, default=0.85)
-    p.add_argument("--num-pages", type=_positive, default=None, help="force the KV page count")
+    p.add_argument("--num-pages", type=positive, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill steps run eagerly)")
     from opmap.engine.config import EngineConfig
 
@@ -107,11 +107,11 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--backend", type=_backend, action="append", default=[], metavar="OP=NAME",
                    help="force a backend for an op (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the synthetic workload")
-    p.add_argument("--num-requests", type=_positive, default=None, help="synthetic workload: number of requests")
+    p.add_argument("--num-requests", type=positive, default=None, help="synthetic workload: number of requests")
     p.add_argument("--input-len", type=_range, default=(128, 128), help="synthetic prompt length N or LO:HI")
     p.add_argument("--output-len", type=_range, default=(64, 64), help="synthetic output length N or LO:HI")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--max-tokens", type=_positive, default=64)
+    p.add_argument("--max-tokens", type=positive, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -144,7 +144,7 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
                         "repeat it (or give a folder) for the ranks of one tensor / expert parallel run")
     p.add_argument("--png", type=_out_file, default=None, help="with --trace: write a timeline of the first steps")
     p.add_argument("--json", type=_out_file, default=None, help="with --trace: write the analysis as JSON")
-    p.add_argument("--steps", type=_positive, default=40, help="engine steps to profile")
+    p.add_argument("--steps", type=positive, default=40, help="engine steps to profile")
     p.add_argument("--save-trace", type=_out_file, default=None, help="write the engine's Chrome trace here")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
                    help="also list the N kernels with the most GPU time per phase (launches and us per step)")

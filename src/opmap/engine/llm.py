@@ -92,9 +92,10 @@ class LLM:
                               torch.cuda.Event())
         self.ahead_steps = 0  # decode steps launched before the previous step's tokens were read
         self.closed = False
-        # Everything alive now (torch, transformers, the model and its graphs: ~200k objects) goes
-        # to the collector's permanent generation: a full collection otherwise walks all of it,
-        # 70-80 ms on the development CPU, inside whichever step triggered it. Full collections
+        # Everything alive now (torch, transformers, the model and its graphs: a heap of hundreds of
+        # thousands of objects) goes to the collector's permanent generation: a full collection
+        # otherwise walks all of it inside whichever step triggered it (docs/engine.md, Decisions:
+        # `gc.freeze()`). Full collections
         # are rare in a run (a 128-token generate at batch 1 or 32 triggered one generation-0
         # collection on the CPU), so this bounds an outlier rather than the mean; the summary's
         # "gc" field counts them. close() unfreezes, so a closed engine's cycles can be collected.
@@ -117,9 +118,9 @@ class LLM:
         step's token budget, so that the steps run are a prefill of two sequences, a mixed step (a
         decode beside the long prompt's last chunk) and decode steps, sampled greedily and with
         top-k / top-p; then the same with 16 short prompts beside the long one (below). The kernel
-        variants they launch are then compiled before any request waits on them: a Qwen3-30B-A3B
-        run at batch 32 without it spent 1.21 s in its first prefill step and 415 ms per mixed
-        step, against 69 and 73 ms once warm. The prefix cache and the counters
+        variants they launch are then compiled before any request waits on them: without it the
+        first prefill and mixed steps of a run carry the JIT compiles, several times a warm step
+        (docs/engine.md, Decisions: the start-up warm-up). The prefix cache and the counters
         start empty after it. Seconds taken."""
         import random
 
@@ -129,8 +130,9 @@ class LLM:
         if long <= self.ecfg.max_num_batched_tokens and self.scheduler.chunked:
             # A model length within the token budget: no prompt is chunked at that budget, so the
             # warm-up steps with a smaller one to run a mixed step all the same (without it the
-            # first mixed step of a run compiled its kernels: 1.8 s for Llama-3-8B under the
-            # report's profile, max_model_len 640 against a budget of 2048). _new_scheduling
+            # first mixed step of a run compiled its kernels, as under the report's profile with
+            # max_model_len 640 against a budget of 2048: docs/engine.md, Decisions: the warm-up
+            # steps with half its long prompt as budget). _new_scheduling
             # below restores the budget.
             self.scheduler.budget = max(1, long // 2)
         greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
@@ -518,9 +520,9 @@ class _Pending:
     contiguous temporary that is *not* pinned, and a device-to-pageable cudaMemcpyAsync returns only
     when the copy is done, i.e. after the forward pass queued before it. The host then waited a
     whole forward pass inside the sampler's launch. CUDA's sync debug mode does not flag that wait.
-    On the H200 the Llama-3-8B B=1 e2e (max_num_seqs 32) spent 4.6 ms of each 5.1 ms step there,
-    and the next step's launch could no longer overlap the GPU. The profile at max_num_seqs 1,
-    whose slice is contiguous, did not show it."""
+    In the Llama-3-8B B=1 e2e (max_num_seqs 32) that wait was most of each decode step, and the
+    next step's launch could no longer overlap the GPU. The profile at max_num_seqs 1, whose slice
+    is contiguous, did not show it (tests/test_engine_async.py keeps the slice contiguous)."""
 
     def __init__(self, seqs: list, grammars: list, ids, invalid, lps: list, readback=None):
         import torch
