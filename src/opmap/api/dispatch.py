@@ -82,7 +82,8 @@ def workspace(b: Backend, make_args: Callable[[int], tuple], batch: int, device:
     where ``b`` has none). Made during a CUDA-graph capture, it comes from the graph's pool and
     stays valid while cached; graphs captured on one stream share it, as the engine's graphs of one
     batch bucket share theirs. Why the call never goes without one: docs/attention.md, Decisions
-    (the call without it launched another specialisation of the kernel, 36% slower at B=64)."""
+    (the call without it launched another specialisation of the kernel, slower at B=64; the
+    baseline's `opmap-decode-call` rows time the call with the cached workspace)."""
     if "make_workspace" not in b.impl:
         return None
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -43,7 +43,7 @@ class EngineConfig:
     overlap_grammar: bool = True
     # Build the structured-output machinery (XGrammar, the tokenizer info, the compiler) at start-up
     # instead of on the first constrained request, whose time to first token would otherwise carry
-    # it (~0.7 s on the development CPU; on the H200 run it also brought 499 garbage collections).
+    # it (XGrammar's import and the tokenizer info, and on the GPU run a burst of garbage collections).
     # Its objects are then frozen with the engine's (see LLM.__init__). Needs xgrammar.
     structured_output: bool = False
     # Run a short workload at start-up (a prefill, a mixed chunked-prefill step, decode steps,

@@ -32,8 +32,8 @@ class Step:
     workspace: Any = None
     # Host ints of prefill and mixed steps: the longest query chunk and sequence. The MLA prefill
     # plans its chunks from them; without them it reads them from the device, a host
-    # synchronisation in every layer (DeepSeek-V2-Lite's prefill steps left the GPU idle 59% of
-    # the time).
+    # synchronisation in every layer (DeepSeek-V2-Lite's prefill steps left the GPU idle more than
+    # half the time).
     max_q_len: Optional[int] = None
     max_seq_len: Optional[int] = None
 

@@ -441,8 +441,9 @@ class ModelRunner:
 
     def _warm_moe(self) -> float:
         """Tune the MoE GEMMs at start-up for every token count a prefill or mixed step can bring
-        (the backend's ``warm_up``), not in the first steps that hit a new count: a DeepSeek-V2-Lite
-        run at batch 32 spent ~85 ms of each mixed step tuning them. Seconds taken."""
+        (the backend's ``warm_up``), not in the first steps that hit a new count, whose tuning
+        otherwise lands inside the mixed steps (docs/engine.md, Decisions: the MoE GEMMs tuned at
+        start-up). Seconds taken."""
         if self.device.type != "cuda" or not self.cfg.is_moe:
             return 0.0
         c, P = self.cfg, self.model.params

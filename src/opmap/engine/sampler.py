@@ -40,7 +40,7 @@ class Sampler:
         self._key, self._st = None, None
         # The last launch's penalty state: the next decode step adds its sampled ids on the device
         # instead of rebuilding both [B, V] tensors from every token of every row on the host
-        # (~5 ms per step at B=32 with 512-token prompts: more than the GPU's step).
+        # (at B=32 with 512-token prompts that host work took longer than the GPU's whole step).
         self._pen: Optional[_PenaltyState] = None
 
     def condensed(self) -> list:

@@ -34,8 +34,8 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, after which PyTorch
     synchronises the stream: built right after the forward pass was launched, the host then waits
-    for the whole forward before it can go on (a B=32 e2e run on the H200 put 54-68 ms of each
-    prefill step's host time in "sample": eight such copies in ``SamplingTensors.build``).
+    for the whole forward before it can go on (a B=32 e2e run put most of each prefill step's host
+    time in "sample", the wait of eight such copies in ``SamplingTensors.build``).
     From pinned memory with ``non_blocking`` the copy is queued behind the forward and the host
     goes on launching; the caching host allocator keeps the pinned block alive until the copy ran.
     """
