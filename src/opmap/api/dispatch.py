@@ -53,16 +53,23 @@ def resolve(op: str, spec, entry: str, backend: Optional[str] = None):
 def entry_of(choice, entry: str):
     """(Backend, callable) of ``entry`` for a selector's Choice (the engine resolves its choices
     through this too, so the engine and a user's call run the same callable)."""
+    b = entry_backend(choice, entry)
+    return b, b.fn(entry)
+
+
+def entry_backend(choice, entry: str) -> Backend:
+    """The backend whose ``entry`` runs for a selector's Choice, without loading it: the chosen
+    one, or the valid backend of highest priority after it that has the entry."""
     op, spec = choice.op, choice.spec
     if entry in choice.backend.impl:
-        return choice.backend, choice.backend.fn(entry)
+        return choice.backend
     if choice.forced_by:
         raise BackendError(f"{op}: backend {choice.name!r} ({choice.forced_by}) has no entry {entry!r}; "
                            f"it has {', '.join(sorted(choice.backend.impl))}")
     for cand in choice.trace[1:]:
         b = get_backend(op, cand.name)
         if cand.valid and entry in b.impl:
-            return b, b.fn(entry)
+            return b
     raise BackendError(f"{op}: no valid backend for [{spec.describe()}] has the entry {entry!r}")
 
 

@@ -34,6 +34,10 @@ class EngineConfig:
     seed: int = 0  # random weights for presets
     device: Optional[str] = None  # None = cuda if available else cpu
     backends: Optional[dict] = None  # op -> forced backend name (passed to the selector)
+    # RoPE (with Qwen3's q/k norm) and the KV append as one launch per layer where the rope and
+    # kv_append ops chose one backend that has that entry (opmap.model.step.resolve); False: two
+    # launches, whatever the backends (the fused and separate paths give the same tokens).
+    fuse_rope_append: bool = True
     trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
     # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
     # device); see LLM.step. False: lockstep (read every step's tokens before the next).

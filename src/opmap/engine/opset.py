@@ -1,141 +1,110 @@
 """The operators of one model step, resolved once through the selector.
 
 An ``OpSet`` holds, for one phase (prefill / mixed / decode) and one row count, the callable of
-every operator the model runs: the selector's choice and its entry, resolved as the public op
-functions resolve theirs (``opmap.api.dispatch.entry_of``). It is built when the model
-is built, never per step; the engine logs each choice once per op and phase
-(``Choice.condensed()``). On the CPU the selector picks the fp32 references; the same code picks
-Triton / cuBLAS / ... on a GPU.
+every slot of the model's step map (``opmap.model.step``): the selector's choice and its entry,
+resolved as the public op functions resolve theirs (``opmap.api.dispatch.entry_of``), under the
+slot's key (``ops.<key>``; a GEMM's ``ops.gemm[<key>]``). It is built when the model is built,
+never per step; the engine logs each choice once per op and phase (``Choice.condensed()``). On the
+CPU the selector picks the fp32 references; the same code picks Triton / cuBLAS / ... on a GPU.
+``engine_settings`` and ``planned_maps`` give the report, check and bench the step maps of the
+engine's defaults, resolved as the runner resolves its op sets.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
-from opmap.core import specs as S
-from opmap.model.presets import ModelConfig, _scaling
 from opmap.api.dispatch import entry_of
-from opmap.core.select import select
-
-# False: RoPE (with Qwen3's q/k norm) and the KV append as separate launches (tests compare the two).
-FUSE_ROPE_APPEND = True
+from opmap.engine.config import EngineConfig
+from opmap.model.presets import ModelConfig
+from opmap.model.step import StepSettings, resolve, step_map, step_slots
 
 log = logging.getLogger("opmap.engine")
 
+# The callables a model may use besides ops.gemm; a slot the step map of a model lacks stays None.
+CALLABLES = ("rmsnorm", "add_rmsnorm", "q_a_norm", "latent_norm", "qk_norm", "rope", "kv_append", "rope_append",
+             "attention", "moe", "shared_act", "act")
+PLANNED_PHASES = ("prefill", "decode", "mixed")
+
 
 class OpSet:
-    def __init__(self, cfg: ModelConfig, phase: str, arch: str, dtype: str, page_size: int,
-                 cuda_graph: bool, m: Optional[int], forced: Optional[dict] = None, trace: bool = False,
-                 quant: Optional[str] = None, kv_dtype: Optional[str] = None, quant_lm_head: bool = False):
-        self.phase, self.m, self.cuda_graph, self.trace = phase, m, cuda_graph, trace
-        self.choices: list = []  # (label, entry, Choice)
-        self._forced = forced or {}
-        base = dict(arch=arch, phase=phase)
-        h = cfg.hidden
-        self.rmsnorm = self._pick("rmsnorm", "RMSNorm", S.NormSpec(hidden=h, dtype=dtype, **base), "rmsnorm")
-        self.add_rmsnorm = self._pick("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True,
-                                                                             **base), "add_rmsnorm")
-        # ``quant``: the weight-only format of the projections DecoderModel.quant_names quantises
-        gemm = lambda label, n, k, bias=False, q=False: self._pick(  # noqa: E731
-            "gemm", label, S.GemmSpec(m=m, n=n, k=k, dtype=dtype, weight_dtype=(quant if q and quant else dtype),
-                                      bias=bias, **base), "linear")
-        rope_dim = cfg.qk_rope_dim if cfg.is_mla else cfg.head_dim
-        self.rope = self._pick("rope", "RoPE", S.RopeSpec(head_dim=rope_dim, style=cfg.rope_style,
-                                                          scaling=_scaling(cfg), dtype=dtype, **base), "rope")
-        rope_choice = self.choices[-1][2]
-        self.rope_append = None  # RoPE + KV append in one launch, where both ops chose one backend
-        self.qk_norm_in_rope_append = False
+    def __init__(self, cfg: ModelConfig, phase: str, settings: StepSettings, forced: Optional[dict] = None,
+                 trace: bool = False, fuse_rope_append: bool = True):
+        self.phase, self.m, self.cuda_graph, self.trace = phase, settings.m, settings.cuda_graph, trace
+        self.rows = resolve(step_slots(cfg, phase, settings), forced, fuse_rope_append=fuse_rope_append)
+        self.choices: list = []  # (label, entry, Choice), in step-map order
         self.gemm: dict = {}
-        self.moe_warm_up = None
-        if cfg.is_mla:
-            qk = cfg.qk_nope_dim + cfg.qk_rope_dim
-            if cfg.q_lora_rank:
-                self.gemm["q_a"] = gemm("q_a proj", cfg.q_lora_rank, h)
-                self.gemm["q_b"] = gemm("q_b proj", cfg.heads * qk, cfg.q_lora_rank)
-                self.q_a_norm = self._pick("rmsnorm", "q_a norm", S.NormSpec(hidden=cfg.q_lora_rank, dtype=dtype,
-                                                                             **base), "rmsnorm")
+        for name in CALLABLES:
+            setattr(self, name, None)
+        for r in self.rows:
+            fn = self._use(r)
+            if r.op == "gemm":
+                self.gemm[r.key] = fn
             else:
-                self.gemm["q"] = gemm("q proj", cfg.heads * qk, h)
-            self.gemm["kv_a"] = gemm("kv_a proj", cfg.kv_lora_rank + cfg.qk_rope_dim, h)
-            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.v_head_dim, q=True)
-            self.latent_norm = self._pick("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype,
-                                                                             **base), "rmsnorm")
-            self.kv_append = self._pick("kv_append", "latent KV append", S.KVAppendSpec(
-                kind="mla", num_kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, page_size=page_size,
-                dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base), "append_mla")
-            aspec = S.AttentionSpec(kind="mla", num_heads=cfg.heads, num_kv_heads=1,
-                                    head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, head_dim_v=cfg.kv_lora_rank,
-                                    page_size=page_size, dtype=dtype, kv_dtype=dtype, cuda_graph=cuda_graph, **base)
-            self.attention = self._pick("attention", "MLA attention", aspec,
-                                        "mla_decode" if phase == "decode" else "mla_prefill")
-        else:
-            qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-            self.gemm["qkv"] = gemm("QKV proj", qkv_n, h, cfg.attention_bias, q=True)
-            self.gemm["o"] = gemm("O proj", h, cfg.heads * cfg.head_dim, cfg.o_bias, q=True)
-            qk_choice = None
-            if cfg.qk_norm:
-                self.qk_norm = self._pick("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base),
-                                          "qk_rmsnorm")
-                qk_choice = self.choices[-1][2]
-            kvd = kv_dtype or dtype  # "fp8": the engine's fp8 cache (EngineConfig.kv_cache_dtype)
-            self.kv_append = self._pick("kv_append", "KV append", S.KVAppendSpec(
-                num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-                kv_dtype=kvd, cuda_graph=cuda_graph, **base), "append")
-            app = self.choices[-1][2]
-            if (app.backend.name == rope_choice.backend.name and "rope_append" in app.backend.impl
-                    and FUSE_ROPE_APPEND):
-                # One launch instead of two per layer (kernels/attention/rope_append.py); the rope
-                # selection above already checked the rope requirements for this backend.
-                # Qwen3's q/k norms ride along when the norm chose that backend's name too.
-                self.qk_norm_in_rope_append = qk_choice is not None and qk_choice.backend.name == app.backend.name
-                label = "q/k norm + RoPE + KV append (one launch)" if self.qk_norm_in_rope_append else \
-                    "RoPE + KV append (one launch)"
-                self.rope_append = self._use(app, label, "rope_append")
-            aspec = S.AttentionSpec(num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim,
-                                    page_size=page_size, dtype=dtype, kv_dtype=kvd, cuda_graph=cuda_graph,
-                                    sliding_window=any(cfg.window_of(i) for i in range(cfg.layers)),
-                                    soft_cap=bool(cfg.attn_soft_cap), **base)
-            self.attention = self._pick("attention", "attention (paged)", aspec, phase)
-        self.attn_backend = self.choices[-1][2].backend
+                setattr(self, r.key, fn)
+        fused = next((r for r in self.rows if r.key == "rope_append"), None)
+        self.qk_norm_in_rope_append = fused is not None and any(f.key == "qk_norm" for f in fused.folded)
+        self.attn_backend = next(r.backend for r in self.rows if r.key == "attention")
         self.make_workspace = (self.attn_backend.fn("make_workspace")
                                if "make_workspace" in self.attn_backend.impl else None)
-        if cfg.is_moe:
-            self.gemm["router"] = gemm("router", cfg.num_experts, h)
-            self.moe = self._pick("moe", "MoE", S.MoESpec(
-                num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
-                router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, weight_dtype=dtype,
-                tokens=m, **base), "moe")
-            moe_backend = self.choices[-1][2].backend
-            # a backend that tunes kernels per token count does it once at start-up (runner)
-            self.moe_warm_up = moe_backend.fn("warm_up") if "warm_up" in moe_backend.impl else None
-            if cfg.shared_experts:
-                si = cfg.shared_width
-                self.gemm["shared_gate_up"] = gemm("shared gate/up proj", 2 * si, h)
-                self.gemm["shared_down"] = gemm("shared down proj", h, si)
-                if cfg.shared_gate:
-                    self.gemm["shared_gate"] = gemm("shared expert gate", 1, h)
-                self.shared_act = self._pick("activation", "shared SiLU * mul",
-                                             S.ActivationSpec(hidden=si, dtype=dtype, **base), "silu_mul")
-        if not cfg.is_moe or cfg.first_dense_layers:
-            self.gemm["gate_up"] = gemm("gate/up proj", 2 * cfg.intermediate, h, cfg.mlp_bias, q=True)
-            self.gemm["down"] = gemm("down proj", h, cfg.intermediate, cfg.mlp_bias, q=True)
-            kind = "gelu_tanh_mul" if cfg.activation == "gelu_tanh" else "silu_mul"
-            self.act = self._pick("activation", "GELU-tanh * mul" if cfg.activation == "gelu_tanh" else "SiLU * mul",
-                                  S.ActivationSpec(kind=kind, hidden=cfg.intermediate, dtype=dtype, **base), kind)
-        # Prefill computes logits for the sampled rows only; decode for every row.
-        self.gemm["lm_head"] = gemm("LM head", cfg.vocab, h, q=quant_lm_head)
+        moe = next((r.backend for r in self.rows if r.key == "moe"), None)
+        # a backend that tunes kernels per token count does it once at start-up (runner)
+        self.moe_warm_up = moe.fn("warm_up") if moe is not None and "warm_up" in moe.impl else None
 
-    def _pick(self, op: str, label: str, spec, entry: str):
-        return self._use(select(op, spec, backend=self._forced.get(op)), label, entry)
-
-    def _use(self, choice, label: str, entry: str):
-        self.choices.append((label, entry, choice))
-        fn = entry_of(choice, entry)[1]  # the callable a user's opmap.<op> call runs for this spec
-        return _ranged(fn, f"opmap::{choice.op}::{label}::{choice.backend.name}") if self.trace else fn
+    def _use(self, r):
+        self.choices.append((r.label, r.entry, r.choice))
+        fn = entry_of(r.choice, r.entry)[1]  # the callable a user's opmap.<op> call runs for this spec
+        return _ranged(fn, f"opmap::{r.op}::{r.label}::{r.backend.name}") if self.trace else fn
 
     def summary(self) -> list:
         """(op, phase, label, backend, condensed trace) per operator, in map order."""
         return [(c.op, c.spec.phase, label, c.backend.name, c.condensed()) for label, _, c in self.choices]
+
+
+def engine_dtype(ecfg: EngineConfig, arch: str) -> str:
+    """The activation dtype of an engine on ``arch``: ``ecfg.dtype``, auto = fp32 on the CPU, bf16 on a GPU."""
+    return ecfg.dtype if ecfg.dtype != "auto" else ("fp32" if arch == "cpu" else "bf16")
+
+
+def engine_settings(cfg: ModelConfig, ecfg: EngineConfig, arch: str, weight_format: Optional[str] = None,
+                    lm_head_quantised: bool = False) -> StepSettings:
+    """The step settings of an engine with ``ecfg`` on ``arch`` (no row count, no CUDA graph: each
+    op set sets its own). ``weight_format``: the projections' quantised format (``--quantize`` or
+    the checkpoint's); ``lm_head_quantised``: the LM head's too."""
+    return StepSettings(arch=arch, dtype=engine_dtype(ecfg, arch), page_size=ecfg.page_size or
+                        cfg.default_page_size(arch), kv_dtype=ecfg.kv_cache_dtype, weight_quant=weight_format,
+                        quant_lm_head=lm_head_quantised)
+
+
+def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = None,
+                 phases=PLANNED_PHASES) -> dict:
+    """{phase: resolved rows of the step map} of an engine with ``ecfg`` (default: EngineConfig())
+    on ``arch``, as ModelRunner resolves its op sets: prefill and mixed eager at any row count,
+    decode at one row (the first batch bucket), captured in a CUDA graph on a GPU unless
+    ``enforce_eager`` (eager again, as the runner falls back, where some op has no capturable
+    backend); quantised weights as ``--quantize`` or the checkpoint's format gives them. A slot no
+    backend can serve carries its error. What ``opmap report``, ``check --model`` and ``bench
+    --model`` read."""
+    ecfg = ecfg or EngineConfig()
+    stored = (cfg.extra.get("weight_quant") or {}).get("format")
+    fmt = ecfg.quantize or stored
+    base = engine_settings(cfg, ecfg, arch, fmt, bool(ecfg.quantize) and not cfg.tie_embeddings)
+
+    def rows(phase, graph, m):
+        return resolve(step_map(cfg, phase, dataclasses.replace(base, cuda_graph=graph, m=m)), ecfg.backends,
+                       fuse_rope_append=ecfg.fuse_rope_append, strict=False)
+
+    out = {}
+    for ph in phases:
+        if ph != "decode":
+            out[ph] = rows(ph, False, None)
+            continue
+        graph = arch != "cpu" and not ecfg.enforce_eager
+        out[ph] = rows(ph, graph, 1)
+        if graph and any(r.error and getattr(r.spec, "cuda_graph", False) for r in out[ph]):
+            out[ph] = rows(ph, False, 1)
+    return out
 
 
 def _ranged(fn, name: str):

@@ -19,6 +19,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
@@ -35,7 +36,7 @@ from opmap.engine.config import EngineConfig
 from opmap.engine.kv_plan import MemFigures, plan_pages
 from opmap.engine.model import Step
 from opmap.engine.model_mla import build_model
-from opmap.engine.opset import OpSet, log_choices
+from opmap.engine.opset import OpSet, engine_dtype, engine_settings, log_choices
 from opmap.engine.scheduler import Batch
 
 log = logging.getLogger("opmap.engine")
@@ -64,8 +65,7 @@ class ModelRunner:
         self.cfg, self.ecfg = cfg, ecfg
         self.device, self.arch = device_arch(ecfg.device)
         on_gpu = self.device.type == "cuda"
-        dt = ecfg.dtype if ecfg.dtype != "auto" else ("bf16" if on_gpu else "fp32")
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[engine_dtype(ecfg, self.arch)]
         self.page = ecfg.page_size
         if on_gpu:
             torch.cuda.synchronize(self.device)
@@ -119,10 +119,12 @@ class ModelRunner:
         self.max_tokens = max(ecfg.max_num_batched_tokens, self.buckets[-1])
         self.slot_cap = self.max_seqs + 1  # sequence slots: a padded prefill step adds one
         self.use_graphs = on_gpu and not ecfg.enforce_eager
-        dn, forced = dtype_name(self.dtype), ecfg.backends
+        # Every op set is the model's step map (opmap.model.step) at these settings, resolved.
+        settings = engine_settings(cfg, ecfg, self.arch, self.weight_format, self.lm_head_quantised)
+
         def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
-            return OpSet(cfg, phase, self.arch, dn, self.page, graph, m, forced, ecfg.trace_ops, self.weight_format,
-                         ecfg.kv_cache_dtype, self.lm_head_quantised)
+            return OpSet(cfg, phase, dataclasses.replace(settings, cuda_graph=graph, m=m),
+                         ecfg.backends, ecfg.trace_ops, ecfg.fuse_rope_append)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned

@@ -11,32 +11,21 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from opmap.core import specs as S
-from opmap.engine.sampling_tensors import SamplingTensors, penalty_state, to_device, update_output_counts
 from opmap.api.dispatch import entry_of
-from opmap.core.select import select
 from opmap.engine.opset import _ranged
+from opmap.engine.sampling_tensors import SamplingTensors, penalty_state, to_device, update_output_counts
+from opmap.model.step import resolve, sampler_slots
 
 
 class Sampler:
     def __init__(self, vocab: int, device, arch: str, forced: Optional[dict] = None, trace: bool = False):
-        forced = forced or {}
         self.vocab, self.device = vocab, torch.device(device)
-        base = dict(arch=arch, phase="decode")
+        # The sampler stage of the step map (the report's rows): penalties, bitmask, sample, logprobs.
         self.choices = []
-
-        def pick(op, spec, entry):
-            c = select(op, spec, backend=forced.get(op))
-            self.choices.append((entry, c))
-            fn = entry_of(c, entry)[1]
-            return _ranged(fn, f"opmap::{op}::{entry}::{c.backend.name}") if trace else fn
-
-        lspec = S.LogitsSpec(vocab=vocab, penalties=True, **base)
-        self.penalties = pick("logits", lspec, "apply_penalties")
-        self.logprobs = pick("logits", lspec, "logprobs")
-        self.sample = pick("sampling", S.SamplingSpec(vocab=vocab, top_k=True, top_p=True, min_p=True, **base),
-                           "sample")
-        self.bitmask = pick("grammar_mask", S.GrammarMaskSpec(vocab=vocab, **base), "apply_bitmask")
+        for r in resolve(sampler_slots(vocab, arch), forced, fuse_rope_append=False):
+            self.choices.append((r.entry, r.choice))
+            fn = entry_of(r.choice, r.entry)[1]
+            setattr(self, r.key, _ranged(fn, f"opmap::{r.op}::{r.label}::{r.backend.name}") if trace else fn)
         self._key, self._st = None, None
         # The last launch's penalty state: the next decode step adds its sampled ids on the device
         # instead of rebuilding both [B, V] tensors from every token of every row on the host

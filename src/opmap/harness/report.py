@@ -20,18 +20,18 @@ from opmap.core.select import BackendError, Choice, select
 from opmap.core.specs import AttentionSpec
 
 
-def _choice_dict(phase: str, op: str, label: str, spec) -> dict:
-    d = {"phase": phase, "op": op, "label": label, "spec": spec.describe()}
-    try:
-        ch = select(op, spec)
-    except BackendError as e:
-        return {**d, "backend": None, "error": str(e)}
-    b = ch.backend
+def _row_dict(phase: str, r) -> dict:
+    """One row of the operator map: a resolved slot of the step map (``opmap.model.step``)."""
+    d = {"phase": phase, "key": r.key, "op": r.op, "label": r.label, "entry": r.entry, "spec": r.spec.describe()}
+    if r.choice is None:
+        return {**d, "backend": None, "error": r.error}
+    ch, b = r.choice, r.backend
     return {**d, "backend": b.name, "provider": b.provider, "version": b.provider_version(), "why": ch.why(),
             "fallbacks": [c.name for c in ch.trace[1:] if c.valid],
             "rejected": [{"name": c.name, "level": c.level, "reasons": list(c.reasons)}
                          for c in ch.trace if not c.valid],
-            "planned_only": not ch.runtime, "without_optional": _without_optional(ch)}
+            "planned_only": not ch.runtime, "without_optional": _without_optional(ch),
+            "one_launch_for": [f.label for f in r.folded]}
 
 
 def _try(op: str, spec) -> tuple[Optional[Choice], Optional[str]]:
@@ -66,8 +66,9 @@ def _name(ch: Optional[Choice], err: Optional[str]) -> str:
 
 
 def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
-    """The report questions, each answered from the selector (never from prose written here)."""
-    find = lambda phase, op: [(lb, s) for o, lb, s in maps[phase] if o == op]  # noqa: E731
+    """The report questions, each answered from the selector (never from prose written here).
+    ``maps``: {phase: resolved rows} (``opmap.engine.opset.planned_maps``)."""
+    find = lambda phase, op: [(r.label, r.spec) for r in maps[phase] if r.op == op]  # noqa: E731
     qs = []
     # 1. Attention paths.
     (pl, ps), (dl, ds) = find("prefill", "attention")[0], find("decode", "attention")[0]
@@ -106,10 +107,10 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
                 lines.append(f"{lb}: {_name(ch, err)}")
                 continue
             fb = [c.name for c in ch.trace[1:] if c.valid]
-            eager, _ = _try(op, spec.replace(cuda_graph=False)) if hasattr(spec, "cuda_graph") else (None, None)
             lines.append(f"{lb}: `{ch.name}` ({ch.backend.provider}); when it cannot serve, the next valid "
-                         f"by priority: {', '.join(fb) or 'none'}"
-                         + (f"; without CUDA-graph capture: `{eager.name}`" if eager else ""))
+                         f"by priority: {', '.join(fb) or 'none'}")
+    lines.append("the engine runs these once per step (prefill and decode alike) on the fp32 logits, after the "
+                 "forward pass and outside its CUDA graph")
     lines.append(_stop_line())
     lines.append("a forced backend (argument or OPMAP_<OP>_BACKEND) that cannot serve raises BackendError: "
                  "there is no silent fallback")
@@ -131,7 +132,7 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
         lb, g = find(phase, "gemm")[0]
         for wd in ("fp8", "int8"):
             ch, err = _try("gemm", g.replace(weight_dtype=wd))
-            lines.append(f"{phase} {lb} (m={g.m}) with {wd} weights: {_name(ch, err)}")
+            lines.append(f"{phase} {lb} (m={g.m or 'any'}) with {wd} weights: {_name(ch, err)}")
     kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
     lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
     lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
@@ -244,20 +245,24 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
     arch = arch or here
     planned = arch != here
     on_gpu = detect().kind == "cuda" and not planned
-    from opmap.harness.check.runner import step_maps
+    from opmap.engine.opset import planned_maps
 
-    maps = step_maps(cfg, arch)
+    # The engine's op sets with its defaults on this arch: the rows printed are the calls it makes.
+    maps = planned_maps(cfg, arch)
     doc = {"model": model, "arch": arch, "planned": planned,
            "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
            "environment": environment(ceilings(measure=True) if on_gpu else None),
-           "operators": {ph: [_choice_dict(ph, op, lb, s) for op, lb, s in m] for ph, m in maps.items()},
+           "operators": {ph: [_row_dict(ph, r) for r in m] for ph, m in maps.items()},
            "questions": questions(cfg, arch, maps)}
     gpu, rows = plan.load_rows(arch)
     doc["baseline_gpu"] = gpu
     for ph, m in maps.items():
-        tokens = next((s.m for op, _, s in m if op == "gemm" and s.m), 1)  # the step's rows
-        for row, (op, lb, s) in zip(doc["operators"][ph], m):
-            row["expected"] = plan.expected(op, s, row["backend"], rows, tokens) if row["backend"] and rows else None
+        # the step's rows: decode's batch; prefill and mixed are planned at any row count, their
+        # expected times at the end-to-end case's prompt
+        tokens = next((r.spec.m for r in m if r.op == "gemm" and r.spec.m), E2E_PROMPT)
+        for row, r in zip(doc["operators"][ph], m):
+            row["expected"] = (plan.expected(r.op, r.spec, row["backend"], rows, tokens)
+                               if row["backend"] and rows else None)
     if planned:
         why = f"planned for {arch} on this {here} machine: nothing runs here"
         doc["engine"] = {"status": "skipped", "why": why}
@@ -332,8 +337,9 @@ def to_markdown(doc: dict) -> str:
             rej = "; ".join(f"{x['name']} ({x['level']}: {'; '.join(x['reasons'])})" for x in r["rejected"])
             exp = plan.describe(r.get("expected")) if gpu else f"no baseline for {doc.get('arch')}"
             alt = f"; if installed there, else `{r['without_optional']}`" if r.get("without_optional") else ""
+            why = r["why"] + (f"; one launch for {', '.join(r['one_launch_for'])}" if r.get("one_launch_for") else "")
             out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}{alt}) | "
-                       f"{_md(r['why'])} | {_md(rej)} | {_md(exp)} |")
+                       f"{_md(why)} | {_md(rej)} | {_md(exp)} |")
         out.append("")
     figs = doc.get("figures") or {}
     if figs:

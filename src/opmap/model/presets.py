@@ -1,5 +1,5 @@
-"""Model presets with real models' shapes, their tiny CPU versions, and the operator map of
-one step of each as specs (what the report and the checks ask the selector about).
+"""Model presets with real models' shapes and their tiny CPU versions (the operators of one step
+of a model are its step map: ``opmap.model.step``).
 
 Shapes follow the models' published config.json files. ``tiny-*`` presets keep the
 architecture (GQA ratio, MoE routing, MLA ranks scaled down, RoPE style) at sizes a CPU runs
@@ -11,7 +11,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from opmap.core import specs as S
 
 
 @dataclass(frozen=True)
@@ -260,83 +259,3 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
-
-
-
-def op_map(cfg: ModelConfig, phase: str, arch: str, dtype: str = "bf16", page_size: Optional[int] = None,
-           kv_dtype: Optional[str] = None, cuda_graph: Optional[bool] = None,
-           tokens: Optional[int] = None) -> list[tuple[str, str, S.Spec]]:
-    """The operators of one step of ``cfg`` in ``phase`` as (op, label, spec), in map order.
-    ``page_size``: the engine's default on ``arch`` when None (ModelConfig.default_page_size)."""
-    page_size = page_size or cfg.default_page_size(arch)
-    kv_dtype = kv_dtype or dtype
-    graph = (phase == "decode") if cuda_graph is None else cuda_graph
-    if tokens is None:
-        tokens = 1 if phase == "decode" else 1024
-    base = dict(arch=arch, phase=phase)
-    out: list[tuple[str, str, S.Spec]] = []
-    h = cfg.hidden
-    out.append(("rmsnorm", "input RMSNorm", S.NormSpec(hidden=h, dtype=dtype, **base)))
-    if cfg.is_mla:
-        qk = cfg.qk_nope_dim + cfg.qk_rope_dim
-        out.append(("gemm", "q proj", S.GemmSpec(m=tokens, n=cfg.heads * qk, k=h, dtype=dtype, **base)))
-        out.append(("gemm", "kv_a proj", S.GemmSpec(m=tokens, n=cfg.kv_lora_rank + cfg.qk_rope_dim, k=h,
-                                                     dtype=dtype, **base)))
-        out.append(("rmsnorm", "kv_a norm", S.NormSpec(hidden=cfg.kv_lora_rank, dtype=dtype, **base)))
-        out.append(("rope", "RoPE(q_pe, k_pe)", S.RopeSpec(head_dim=cfg.qk_rope_dim, style=cfg.rope_style,
-                                                          scaling=_scaling(cfg), dtype=dtype, **base)))
-        out.append(("kv_append", "latent KV append", S.KVAppendSpec(
-            kind="mla", num_kv_heads=1, head_dim=cfg.kv_lora_rank + cfg.qk_rope_dim, page_size=page_size,
-            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, arch=arch, phase=phase)))
-        attn_dim, attn_v = cfg.kv_lora_rank + cfg.qk_rope_dim, cfg.kv_lora_rank
-        out.append(("attention", "MLA attention", S.AttentionSpec(
-            kind="mla", num_heads=cfg.heads, num_kv_heads=1, head_dim=attn_dim, head_dim_v=attn_v,
-            page_size=page_size, dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, **base)))
-        out.append(("gemm", "o proj", S.GemmSpec(m=tokens, n=h, k=cfg.heads * cfg.v_head_dim, dtype=dtype,
-                                                 **base)))
-    else:
-        qkv_n = (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim
-        out.append(("gemm", "QKV proj", S.GemmSpec(m=tokens, n=qkv_n, k=h, dtype=dtype,
-                                                   bias=cfg.attention_bias, **base)))
-        if cfg.qk_norm:
-            out.append(("rmsnorm", "q/k norm", S.NormSpec(hidden=cfg.head_dim, dtype=dtype, **base)))
-        out.append(("rope", "RoPE(q, k)", S.RopeSpec(head_dim=cfg.head_dim, style=cfg.rope_style,
-                                                    scaling=_scaling(cfg), dtype=dtype, **base)))
-        out.append(("kv_append", "KV append", S.KVAppendSpec(
-            num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size, dtype=dtype,
-            kv_dtype=kv_dtype, cuda_graph=graph, arch=arch, phase=phase)))
-        out.append(("attention", "attention (paged)", S.AttentionSpec(
-            num_heads=cfg.heads, num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, page_size=page_size,
-            dtype=dtype, kv_dtype=kv_dtype, cuda_graph=graph, sliding_window=bool(cfg.sliding_window), **base)))
-        out.append(("gemm", "O proj", S.GemmSpec(m=tokens, n=h, k=cfg.heads * cfg.head_dim, dtype=dtype,
-                                                 **base)))
-    out.append(("rmsnorm", "add + RMSNorm", S.NormSpec(hidden=h, dtype=dtype, fused_add=True, **base)))
-    if cfg.is_moe:
-        out.append(("moe", "MoE (router, grouped GEMM, combine)", S.MoESpec(
-            num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
-            router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, tokens=tokens, **base)))
-    if not cfg.is_moe or cfg.first_dense_layers:
-        inter = cfg.intermediate
-        out.append(("gemm", "gate/up proj", S.GemmSpec(m=tokens, n=2 * inter, k=h, dtype=dtype, **base)))
-        out.append(("activation", "SiLU * mul", S.ActivationSpec(hidden=inter, dtype=dtype, **base)))
-        out.append(("gemm", "down proj", S.GemmSpec(m=tokens, n=h, k=inter, dtype=dtype, **base)))
-    out.append(("rmsnorm", "final norm", S.NormSpec(hidden=h, dtype=dtype, **base)))
-    lm_m = tokens if phase == "decode" else 1  # prefill computes logits for the last token only
-    out.append(("gemm", "LM head", S.GemmSpec(m=lm_m, n=cfg.vocab, k=h, dtype=dtype, **base)))
-    if phase != "prefill":
-        out.append(("logits", "logits processors", S.LogitsSpec(vocab=cfg.vocab, penalties=True,
-                                                              cuda_graph=graph, **base)))
-        out.append(("grammar_mask", "grammar bitmask", S.GrammarMaskSpec(vocab=cfg.vocab, cuda_graph=graph,
-                                                                         **base)))
-        out.append(("sampling", "sample (top-k/top-p/min-p)", S.SamplingSpec(
-            vocab=cfg.vocab, top_k=True, top_p=True, min_p=True, cuda_graph=graph, **base)))
-    # The model's dense weights are in its dtype (the specs' weight_dtype default is bf16 whatever
-    # the activation dtype is, which made every fp32 / fp16 GEMM look like a mixed-dtype one).
-    return [(op, lb, sp.replace(weight_dtype=dtype) if op in ("gemm", "moe") else sp) for op, lb, sp in out]
-
-
-def _scaling(cfg: ModelConfig) -> str:
-    if not cfg.rope_scaling:
-        return "none"
-    t = cfg.rope_scaling.get("rope_type") or cfg.rope_scaling.get("type")
-    return {"linear": "linear", "llama3": "llama3", "yarn": "yarn"}.get(t, "none")

@@ -224,17 +224,16 @@ def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = 
     """(cases, load errors) that ``bench`` times with these arguments, in its order (the compile
     warm-up's workers rebuild the list from the same arguments)."""
     from opmap.core import hw
-    from opmap.model import presets
 
     model_ops, mla, formats, model_specs = None, None, None, {}
     if model:
+        from opmap.engine.opset import planned_maps
         from opmap.model.hf import resolve_model
 
         cfg = resolve_model(model)[0]
-        arch = hw.local_arch()
-        for ph in ("prefill", "decode"):
-            for op, _, spec in presets.op_map(cfg, ph, arch):
-                model_specs.setdefault(op, []).append(spec)
+        for rows in planned_maps(cfg, hw.local_arch()).values():  # the engine's step maps, as the report lists them
+            for r in rows:
+                model_specs.setdefault(r.op, []).append(r.spec)
         model_ops = set(model_specs)
         mla = cfg.is_mla
         formats = model_formats(cfg)

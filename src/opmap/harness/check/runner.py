@@ -18,7 +18,6 @@ import torch
 from opmap.model import presets
 
 from opmap.core import registry
-from opmap.core.select import BackendError, select
 from opmap.harness.output import wide_console
 from opmap.harness.check.base import SECTIONS, CheckCase
 from opmap.harness.check.result import Result
@@ -74,34 +73,26 @@ class Targets:
     cfg: presets.ModelConfig
 
 
-def step_maps(cfg: presets.ModelConfig, arch: str) -> dict:
-    """The op map of one prefill and one decode step as this device would run it: bf16 with
-    CUDA-graph decode on a GPU; fp32 and eager on the CPU (the engine's defaults there)."""
-    cpu = arch == "cpu"
-    kw = dict(dtype="fp32", cuda_graph=False) if cpu else {}
-    return {ph: presets.op_map(cfg, ph, arch, **kw) for ph in ("prefill", "decode")}
-
-
 def model_targets(model: str, arch: Optional[str] = None) -> Targets:
+    """The model's step maps as the engine resolves them on ``arch`` with its defaults
+    (``opmap.engine.opset.planned_maps``: bf16 with CUDA-graph decode on a GPU, fp32 and eager on
+    the CPU): the rows the engine calls, each with its choice or the reason none serves."""
     from opmap.core.hw import local_arch
-
+    from opmap.engine.opset import planned_maps
     from opmap.model.hf import resolve_model
 
     cfg = resolve_model(model)[0]
     arch = arch or local_arch()
     pairs, ops, choices = set(), set(), []
-    for phase, entries in step_maps(cfg, arch).items():
-        for op, label, spec in entries:
-            ops.add(op)
+    for phase, rows in planned_maps(cfg, arch).items():
+        for r in rows:
+            ops.add(r.op)
             # The op's references (MLA's is "mla-reference"): their parity cases are the oracle's.
-            pairs.update((op, b.name) for b in registry.backends(op)
+            pairs.update((r.op, b.name) for b in registry.backends(r.op)
                          if b.name == "reference" or b.name.endswith("-reference"))
-            try:
-                ch = select(op, spec)
-                pairs.add((op, ch.name))
-                choices.append((phase, op, label, ch, None))
-            except BackendError as e:
-                choices.append((phase, op, label, None, str(e)))
+            if r.choice is not None:
+                pairs.add((r.op, r.backend.name))
+            choices.append((phase, r.op, r.label, r.choice, r.error))
     return Targets(pairs, ops, choices, cfg)
 
 
