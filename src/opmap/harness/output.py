@@ -77,7 +77,8 @@ def environment(ceilings=None) -> dict:
         "ceilings": ceilings.as_dict() if ceilings is not None else None,
         "packages": optional_packages(),
         # host-bound figures (an eager prefill's launches, HF eager decode, compile times) follow
-        # the host CPU: two H200 runs whose prefill path had not changed differed by 40% in its host time
+        # the host CPU: two H200 runs whose prefill path had not changed differed markedly in its host
+        # time (docs/engine.md, "Prefill graphs")
         "host_cpu": host_cpu(),
     }
 

@@ -5,7 +5,7 @@ replay.
 The L2 is emptied by *reading* a buffer of twice its size, not by writing one (as
 ``triton.testing.do_bench`` does with 256 MB of zeros): after a write the L2 is full of dirty
 lines, and the timed call would start by writing them back, tens of MB that no decode step pays
-(the H200: about 12 us added to every call, a third of a 30 us GEMM).
+(a large part of a small decode GEMM's time; docs/harness.md, `opmap bench`).
 
 Rotation: the case's ``setup(device)`` is called several times to build independent input sets
 whose bytes together exceed a few times the L2 size, and each timed call uses the next set, so a

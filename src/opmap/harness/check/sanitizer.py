@@ -147,8 +147,8 @@ _SLOTS: Optional[threading.BoundedSemaphore] = None
 # Children still running, each the leader of its own process group. compute-sanitizer starts the
 # checked Python as its own child, so killing the tool alone (subprocess.run's timeout) left that
 # process on the GPU; and an `opmap check` killed by `timeout` left both. On a GPU machine kept
-# warm between runs they ran on into the next run (bench figures 4x slow, a racecheck timed
-# out). Their whole groups are killed on a timeout and when this process is
+# warm between runs they ran on into the next run (bench figures several times slow, a racecheck
+# timed out). Their whole groups are killed on a timeout and when this process is
 # terminated (run_all's SIGTERM handler).
 _CHILDREN: set = set()
 _STOPPING = threading.Event()  # set on SIGTERM: start no child, record no verdict
@@ -249,7 +249,7 @@ def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe:
 
 def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe: str) -> list:
     """Several cases of one family in one process under the tool (one Python start-up, one CUDA
-    context under the tool, one build of the family's cases: most of a case's time on the H200).
+    context under the tool, one build of the family's cases: most of a case's time under the tool).
     When the run is clean, or its errors are all in library kernels, each case gets its own
     verdict from its outcome line. Otherwise (an error in one of our kernels, a crash, a timeout)
     every case of the batch runs again alone, so each error is pinned to its case."""
@@ -258,8 +258,8 @@ def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe
     if len(cases) == 1:
         return [run_one(fam, cases[0], quick, tool, timeout, exe)]
     t0 = time.perf_counter()
-    # One case's timeout plus 30 s per further case: on the H200 most of a single-case child's
-    # 40-150 s was start-up, which the batch pays once. A batch holding one slow case (racecheck
+    # One case's timeout plus 30 s per further case: most of a single-case child's time is
+    # start-up, which the batch pays once. A batch holding one slow case (racecheck
     # of a prefill kernel) times out early and its cases run alone with the full timeout each.
     p, outcomes = _launch(exe, tool, fam, cases, quick, timeout + BATCH_EXTRA_S * (len(cases) - 1))
     if p is not None:
@@ -295,8 +295,8 @@ def _key(fam: str, c: CheckCase, tool: str) -> str:
 
 def load_state(path: Optional[str], current: bool = False) -> dict:
     """Finished sanitizer verdicts of an earlier run (one JSON line each), by case key. A run cut
-    off by a time limit resumes from here instead of starting over: on the H200 a full preset is
-    100+ tool runs of 20-150 s each. ``current``: only the verdicts whose family's source
+    off by a time limit resumes from here instead of starting over: a full preset is over a
+    hundred tool runs, each paying its start-up. ``current``: only the verdicts whose family's source
     fingerprint (check.fingerprint) is today's; a verdict of code edited since, or of a line
     saved before fingerprints were recorded, is left out (``stale_count`` says how many)."""
     return _load(path, current)[0]
@@ -381,7 +381,7 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
         groups.setdefault((f, tool, c.section == "graph"), []).append(k)
     chunks = [ks[i:i + max(1, batch)] for ks in groups.values() for i in range(0, len(ks), max(1, batch))]
     # Longest first, so that a run cut off by a device call's time limit has finished them: the
-    # racecheck runs take 2-8x a memcheck one, and the MoE ones the longest (359 s on the H200).
+    # racecheck runs take several times a memcheck one, and the MoE ones the longest.
     chunks.sort(key=lambda ks: (jobs[ks[0]][2] != "racecheck", jobs[ks[0]][0] != "moe"))
     from concurrent.futures import ThreadPoolExecutor
 

@@ -19,7 +19,7 @@ __all__ = ["apply_bitmask"]
 
 # B (the logits rows) changes from step to step as requests finish: one binary for every B. With
 # B specialised, the first step at B = 16 or 32 compiled a second one inside a timed decode step
-# (one 311 ms step in the JSON e2e case).
+# (a step of the JSON e2e case carried that compile).
 @triton.jit(do_not_specialize=["B"])
 def _bitmask_kernel(logits_ptr, stride_l, bitmask_ptr, stride_b, rows_ptr, B, V,
                     HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):

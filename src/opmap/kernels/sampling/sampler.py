@@ -503,9 +503,8 @@ def _config(device: torch.device) -> tuple[int, int, int, int]:
     if device.type == "cuda":
         # Pass A of a row is split in chunks of 8192 logits read by separate programs: one
         # program per row alone would leave most SMs idle at small batch. The per-row kernel runs
-        # 16 warps: in two H200 profiles its time fell
-        # by a third for top-p alone (B=64: 858 -> 571 us) and by 13-14% for min-p, and rose ~1 us
-        # (18.7 -> 19.8) for top-k + top-p; the sm90 build has 121 registers and no stack (200 at 8).
+        # 16 warps (docs/sampling.md, Decisions: the per-row kernel at 16 warps: top-p alone gains
+        # most, top-k + top-p loses a little); the sm90 build has 121 registers and no stack (200 at 8).
         return 2048, 2048, 16, 8192
     return 4096, 2048, 4, 0  # the interpreter pays per block iteration: fewer, larger blocks
 

@@ -18,9 +18,9 @@ PART = tl.constexpr(9)  # floats per (row, chunk) record of pass A's partials
 # -hi_j < z <= -lo_j. Each index is floor(u * 2^s) plus a constant: exact, because scaling by a
 # power of two is exact. Narrow bins where top-k boundaries usually lie; the top-p mass bounds
 # are within 3% per value there. tl.histogram costs ~NB/32 * log2(NB) operations per value (one
-# ballot per index bit, then each lane counts its NB/32 bins): 512 uniform bins took 49 us for
-# B=64 x 128256 on the H200, ~5x the read. With 128 bins the sm90 PTX has a quarter of the
-# popcounts but still the ballots and the tier arithmetic: predicted ~20-25 us (docs/sampling.md).
+# ballot per index bit, then each lane counts its NB/32 bins): 512 uniform bins cost several times
+# the read of the logits. With 128 bins the sm90 PTX has a quarter of the popcounts but still the
+# ballots and the tier arithmetic (docs/sampling.md, Decisions: passes B and C).
 HIST_NB = tl.constexpr(128)
 HIST_TIERS = ((0.0, 32.0, 0), (2.0, 8.0, 64), (8.0, 2.0, 112), (15.5, None, 127))  # (u from, bins per nat, first bin)
 
@@ -62,11 +62,13 @@ def _unkey(k):
 
 
 # _ahead: the per-row kernel's full-row loops (_evaluate, _compact, _race_lanes) load block i+1
-# before working on block i; so do the chunk passes A (_pass_a_lanes), B and C: without it pass A read its 33 MB at B=64 in 24 us (~1.4 TB/s; at 139 registers three 4-warp
-# programs fit on an SM, ~12 KB in flight), three times the read at the ceiling. One program per row reads a 0.5 MB row; with one 16-byte load in
-# flight per thread (the sm90 build has no async copies in these loops) a pass took ~85 us on the
-# H200, about 6 GB/s: the load latency times the blocks, as Little's law predicts for ~8 KB in
-# flight per SM. Two loads in flight halve the wait. Same values, same order: the same bits.
+# before working on block i; so do the chunk passes A (_pass_a_lanes), B and C. Without it pass A
+# read its rows at a third of the read ceiling (at 139 registers three 4-warp programs fit on an SM,
+# ~12 KB in flight), and one program per row reading its 0.5 MB row with one 16-byte load in flight
+# per thread (the sm90 build has no async copies in these loops) was bound by the load latency
+# times the blocks, as Little's law predicts for ~8 KB in flight per SM. Two loads in flight halve
+# the wait (docs/sampling.md, Decisions: the chunk passes load one block ahead). Same values, same
+# order: the same bits.
 @triton.jit
 def _load_z(row_ptr, offs, V, m, inv_t):
     x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)

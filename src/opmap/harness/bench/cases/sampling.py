@@ -132,9 +132,9 @@ def cases(quick: bool) -> list[BenchCase]:
                         # against the default's next block loaded ahead, in the same run.
                         providers.append(Provider("opmap-triton[ahead=0]", _ours_config(ahead=False)))
                     if not quick and V == 128256 and B == 64:
-                        # The per-row search runs one program per row: at 423 us for top-k+top-p
-                        # (B=64) each of its ~4 passes over a 0.5 MB row took ~90 us, far below one
-                        # SM's L2 bandwidth, so the program's width is the other thing to vary
+                        # The per-row search runs one program per row, and each of its passes over
+                        # a 0.5 MB row runs far below one SM's L2 bandwidth (docs/sampling.md,
+                        # Decisions: the per-row kernel at 16 warps), so the program's width is the other thing to vary
                         # (what passes B and C leave to it: top-p rows over 2048 tokens). The sm90
                         # build has no async copies in those loops; (8192, 16) and (8192, 32) have
                         # a 360-byte stack frame (128 and 64 registers).
@@ -148,9 +148,9 @@ def cases(quick: bool) -> list[BenchCase]:
                 out.append(BenchCase(op="sampling", case=f"B={B},vocab={V},filter={fname},dtype=fp32",
                                      flops=4.0 * B * V, bytes=4.0 * B * V + 40.0 * B, setup=_setup(B, V, f),
                                      providers=providers, spec=spec, tags=("sampling",),
-                                     # GPU time, by graph replay: timed eagerly, the sampler's five
-                                     # launches cost ~170 us of host time at B=1 on the H200 (222 us
-                                     # eager against 51 us replayed), which an engine hides behind
+                                     # GPU time, by graph replay: timed eagerly, the host cost of the
+                                     # sampler's five launches is most of a B=1 call (docs/sampling.md,
+                                     # Decisions: the sampler timed by CUDA-graph replay), which an engine hides behind
                                      # the forward pass or captures. A peer that syncs is timed
                                      # eagerly instead, with a note (harness/bench/timing.py).
                                      graph=True))

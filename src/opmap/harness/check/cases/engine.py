@@ -44,7 +44,7 @@ def _dev_kw(device, num_pages=64):
 def _untuned(fn):
     """fn with our GEMMs at their default tiles: these cases compare tokens and time nothing, and
     the engine autotuning each projection shape of a model costs several compiles a shape (the
-    critical path of a GPU check: Llama-3-8B's own parity took 63 s on the H200)."""
+    critical path of a GPU check is the model's own parity: docs/harness.md, `opmap check`)."""
     def run():
         from opmap.harness.check.cases.gemm import default_tiles
 
@@ -112,8 +112,8 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
         return Outcome(True, f"{same}/{total} greedy tokens equal HF", float(same), float(total))
 
     # Single-threaded for the tiny CPU models only: a preset at its real widths wants every thread
-    # (Llama-3-8B's 2 layers took 75 s on the H200 when its 1.5 B fp32 weights were drawn on the CPU
-    # and saved to disk on one thread).
+    # (drawing Llama-3-8B's 2 layers, 1.5 B fp32 weights, on the CPU and saving them to disk on one
+    # thread made this case the longest of the check).
     return _untuned(_one_thread(run) if device == "cpu" and not in_memory else run)
 
 

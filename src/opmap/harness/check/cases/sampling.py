@@ -61,7 +61,8 @@ def _statistics(name, device, V, n, f):
         g = torch.Generator().manual_seed(V)
         x = (torch.randn(1, V, generator=g) * (1.0 if V < 1000 else 4.0)).to(device)
         if racecheck_child() and name != "reference":
-            # Racecheck of 20000 rows x 32001 took 225 s on the H200 (128256: over the timeout).
+            # Racecheck of all 20000 rows takes minutes at vocab 32001 and runs past the timeout at
+            # 128256 (docs/harness.md, `--sanitizer`).
             # The same kernel on RACE_ROWS rows; the statistics need all n and are checked without
             # the tool and under memcheck.
             m = min(n, RACE_ROWS)
