@@ -3,7 +3,7 @@
 # machine's Python 3.12, trimmed of the CUDA sources of kernel families opmap does not build
 # (the large families: fused_moe, gdn, xqa, ...). scripts/gpu.sh unpacks it onto PYTHONPATH when it is there;
 # carry .whl in the device call. FlashInfer then JIT-compiles its kernels on first use
-# (decode ~15-20 s per configuration, FA3 prefill ~80 s, sampling ~90 s on 16 cores).
+# (seconds to minutes per configuration on 16 cores: FA3 prefill and sampling the longest).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tmp=$(mktemp -d)
