@@ -110,10 +110,11 @@ def test_decode_without_a_workspace_reuses_a_cached_one(monkeypatch):
 def test_engine_runs_the_public_callables():
     from opmap.engine.opset import OpSet
     from opmap.model.presets import get_preset
+    from opmap.model.step import StepSettings
     from opmap.core.specs import NormSpec
 
     cfg = get_preset("tiny-llama3")
-    ops = OpSet(cfg, "decode", "cpu", "fp32", 16, False, 4)
+    ops = OpSet(cfg, "decode", StepSettings(arch="cpu", dtype="fp32", page_size=16, m=4))
     spec = NormSpec(arch="cpu", phase="decode", hidden=cfg.hidden, dtype="fp32")
     assert ops.rmsnorm is dispatch.resolve("rmsnorm", spec, "rmsnorm")[1]
 

@@ -89,9 +89,10 @@ def test_loader_errors_name_the_tensor(tmp_path):
 def test_page_size_defaults_to_64_for_mla_models_and_on_sm90():
     """MLA models get 64-token pages (the MLA decode's TMA kernel tiles 64 keys of one page), and
     every model on sm90 (the TMA prefill's 64-key tiles); others 16. An explicit page size is kept,
-    and the selector's op map follows the same default."""
+    and the step maps of the engine's defaults (what the report reads) follow the same."""
     from opmap.model import presets
     from opmap.engine.config import EngineConfig
+    from opmap.engine.opset import planned_maps
 
     ds, ll = presets.PRESETS["deepseek-v2-lite"], presets.PRESETS["llama3-8b"]
     assert EngineConfig().for_model(ds).page_size == 64
@@ -99,6 +100,8 @@ def test_page_size_defaults_to_64_for_mla_models_and_on_sm90():
     assert EngineConfig().for_model(ll, "sm90").page_size == 64
     assert EngineConfig().for_model(ll, "sm80").page_size == 16
     assert EngineConfig(page_size=32).for_model(ds, "sm90").page_size == 32
-    pages = {arch: {spec.page_size for cfg in (ds, ll) for _, _, spec in presets.op_map(cfg, "decode", arch)
-                    if getattr(spec, "page_size", None)} for arch in ("sm90", "sm80")}
+    pages = {arch: {r.spec.page_size for cfg in (ds, ll) for r in planned_maps(cfg, arch)["decode"]
+                    if getattr(r.spec, "page_size", None)} for arch in ("sm90", "sm80")}
     assert pages == {"sm90": {64}, "sm80": {64, 16}}
+    kept = planned_maps(ll, "sm90", EngineConfig(page_size=32))["decode"]
+    assert {r.spec.page_size for r in kept if getattr(r.spec, "page_size", None)} == {32}

@@ -59,21 +59,23 @@ def test_triton_path_matches_hf(name, single_thread):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 5)
 
 
-def test_rope_append_fusion_can_be_turned_off(monkeypatch, single_thread):
-    """opset.FUSE_ROPE_APPEND False: RoPE and the KV append as two launches again; the same tokens."""
+def test_rope_append_fusion_can_be_turned_off(single_thread):
+    """EngineConfig.fuse_rope_append False: RoPE and the KV append as two launches of the same
+    Triton backends; the same tokens."""
     cfg = dataclasses.replace(PRESETS["tiny-llama3"], head_dim=32)
     hf = make_hf_model(cfg, seed=5)
     prompts = random_prompts(cfg.vocab, (9, 20), seed=2)
     toks = {}
-    from opmap.engine import opset
-
-    for flag in ("1", "0"):
-        monkeypatch.setattr(opset, "FUSE_ROPE_APPEND", flag == "1")
+    for fuse in (True, False):
         llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=2,
-                  backends=forced(cfg))
-        assert all((ops.rope_append is not None) == (flag == "1") for ops in llm.runner.decode_ops.values())
-        toks[flag] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))]
-    assert toks["1"] == toks["0"] == [hf_greedy(hf, p, 4) for p in prompts]
+                  backends=forced(cfg), fuse_rope_append=fuse)
+        for ops in llm.runner.decode_ops.values():
+            assert (ops.rope_append is not None) == fuse and (ops.rope is None) == fuse
+            labels = [label for label, _, _ in ops.choices]
+            assert ("RoPE + KV append (one launch)" in labels) == fuse and ("RoPE" in labels) == (not fuse)
+        toks[fuse] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))]
+        llm.close()
+    assert toks[True] == toks[False] == [hf_greedy(hf, p, 4) for p in prompts]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek", "tiny-qwen3moe"])

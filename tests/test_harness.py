@@ -271,19 +271,31 @@ def test_bench_case_filters_and_provider_reasons():
 
 
 def test_model_benchmarks_keep_the_cases_at_its_widths():
-    """A model's benchmarks: the real case list filtered to Llama-3-8B's widths (RMSNorm at hidden
-    4096, SiLU at 14336, NeoX RoPE at d128, prefill attention 32/8 heads at its page size); an op
-    with no case at them (decode attention's cases are at page 16, sm90 runs 64) keeps its cases."""
+    """A model's benchmarks: the real case list filtered to the ops of Llama-3-8B's step maps and
+    their widths (RMSNorm at hidden 4096, SiLU at 14336, NeoX RoPE at d128, prefill attention 32/8
+    heads at its page size); an op with no case at them (decode attention's cases are at page 16,
+    sm90 runs 64) keeps its cases."""
+    from opmap.engine.config import EngineConfig
+    from opmap.engine.opset import planned_maps
     from opmap.model import presets
     from opmap.harness.bench import runner as bench_runner
 
     cfg = presets.PRESETS["llama3-8b"]
-    specs: dict = {}
-    for ph in ("prefill", "decode"):
-        for op, _, spec in presets.op_map(cfg, ph, "sm90"):
-            specs.setdefault(op, []).append(spec)
-    cases = [c for c in bench_runner.collect(True)[0] if bench_runner.keep(c, None, set(specs))]
-    kept = bench_runner.at_model_widths(cases, specs)
+    every = bench_runner.collect(True)[0]
+
+    def kept_for(ecfg):
+        specs: dict = {}
+        for rows in planned_maps(cfg, "sm90", ecfg).values():
+            for r in rows:
+                specs.setdefault(r.op, []).append(r.spec)
+        cases = [c for c in every if bench_runner.keep(c, None, set(specs))]
+        return cases, bench_runner.at_model_widths(cases, specs)
+
+    # The engine's one launch of RoPE and the append (the default) is a kv_append case, which times
+    # it against the two launches; with fuse_rope_append off, RoPE's own cases at the model's width.
+    fused = kept_for(None)[1]
+    assert not [c for c in fused if c.op == "rope"] and any(c.case.startswith("rope+append") for c in fused)
+    cases, kept = kept_for(EngineConfig(fuse_rope_append=False))
     by = lambda op: [c for c in kept if c.op == op]  # noqa: E731
     assert by("rmsnorm") and {c.spec.hidden for c in by("rmsnorm")} == {4096}
     assert by("activation") and {(c.spec.kind, c.spec.hidden) for c in by("activation")} == {("silu_mul", 14336)}
@@ -444,6 +456,8 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
     Triton backends are forced (the interpreter runs them, fp32) for a tiny MoE model."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from opmap.core import select as sel
+    from opmap.engine.config import EngineConfig
+    from opmap.engine.opset import planned_maps
     from opmap.harness.check.cases.model_shapes import cases as shape_cases
     from opmap.model.presets import PRESETS
 
@@ -451,11 +465,12 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
     for name in ("tiny-qwen3moe", "tiny-llama3"):
         cfg = PRESETS[name]
         choices = []
-        for ph, m in runner.step_maps(cfg, "cpu").items():
-            for op, label, spec in m:
+        # the separate RoPE and append launches: the standalone RoPE gets its case too
+        for ph, m in planned_maps(cfg, "cpu", EngineConfig(fuse_rope_append=False)).items():
+            for r in m:
                 for b in ("triton", "triton-decode"):
                     try:
-                        choices.append((ph, op, label, sel.select(op, spec, backend=b), None))
+                        choices.append((ph, r.op, r.label, sel.select(r.op, r.spec, backend=b), None))
                         break
                     except sel.BackendError:
                         continue

@@ -1,8 +1,8 @@
-"""Model presets: shapes against the published parameter counts, tiny versions, and the operator
-map of one step per phase."""
+"""Model presets: shapes against the published parameter counts, tiny versions, and the step map
+of one step per phase."""
 import pytest
 
-from opmap.model import presets
+from opmap.model import presets, step
 from opmap.core.specs import AttentionSpec, GemmSpec
 
 # Total parameters as published on the models' Hugging Face pages (safetensors metadata).
@@ -50,29 +50,46 @@ def test_tiny_presets_keep_the_architecture():
 
 @pytest.mark.parametrize("name", sorted(presets.PRESETS))
 @pytest.mark.parametrize("arch", ["sm90", "cpu"])
-def test_op_map(name, arch):
+def test_step_map(name, arch):
+    """The slots of one step (opmap.model.step) at the settings given: one slot per key, the forward
+    pass in the step's phase, the sampler stage (decode's, uncaptured) after it at decode only."""
     cfg = presets.get_preset(name)
-    pre = presets.op_map(cfg, "prefill", arch)
-    dec = presets.op_map(cfg, "decode", arch, dtype="fp32")
+    pre = step.step_map(cfg, "prefill", step.StepSettings(arch=arch))
+    dec = step.step_map(cfg, "decode", step.StepSettings(arch=arch, dtype="fp32", cuda_graph=True, m=3))
     for phase, m in (("prefill", pre), ("decode", dec)):
-        ops = [op for op, _, _ in m]
-        assert ops[0] == "rmsnorm" and all(s.phase == phase and s.arch == arch for _, _, s in m)
-        assert ops.count("attention") == 1 and ops.count("kv_append") == 1
+        ops = [s.op for s in m]
+        assert len({s.key for s in m}) == len(m) and ops[0] == "rmsnorm"
+        assert all(s.spec.phase == phase and s.spec.arch == arch for s in m)
+        assert ops.count("attention") == 1 and ops.count("kv_append") == 1 and ops.count("rope") == 1
         assert ("moe" in ops) == cfg.is_moe
-        assert ("activation" in ops) == (not cfg.is_moe or cfg.first_dense_layers > 0)
-        att = next(s for op, _, s in m if op == "attention")
+        assert ("activation" in ops) == (not cfg.is_moe or cfg.first_dense_layers > 0 or cfg.shared_experts > 0)
+        att = next(s.spec for s in m if s.op == "attention")
         assert isinstance(att, AttentionSpec) and att.kind == ("mla" if cfg.is_mla else
                                                                "gqa" if cfg.kv_heads < cfg.heads else "mha")
-        for op, _, s in m:
-            if op in ("gemm", "moe"):
-                assert s.weight_dtype == s.dtype  # dense weights in the model dtype
-    assert not {"logits", "sampling", "grammar_mask"} & {op for op, _, _ in pre}
-    assert [op for op, _, _ in dec][-3:] == ["logits", "grammar_mask", "sampling"]
-    # Decode is captured in a CUDA graph by default, prefill is not; prefill's LM head is one row.
-    assert next(s for op, _, s in dec if op == "attention").cuda_graph
-    assert not next(s for op, _, s in pre if op == "attention").cuda_graph
-    lm = [s for op, lb, s in pre if lb == "LM head"][0]
-    assert isinstance(lm, GemmSpec) and lm.m == 1 and lm.n == cfg.vocab
+        for s in m:
+            if s.op in ("gemm", "moe"):
+                assert s.spec.weight_dtype == s.spec.dtype  # dense weights in the model dtype
+    assert not {"logits", "sampling", "grammar_mask"} & {s.op for s in pre}
+    assert [s.key for s in dec][-4:] == ["penalties", "bitmask", "sample", "logprobs"]
+    assert not any(s.spec.cuda_graph for s in dec[-4:])  # the sampler runs after the step's graph
+    # decode captured here, prefill not; the GEMMs at the step's rows (prefill's: any)
+    assert next(s.spec for s in dec if s.op == "attention").cuda_graph
+    assert not next(s.spec for s in pre if s.op == "attention").cuda_graph
+    lm = {ph: next(s.spec for s in m if s.key == "lm_head") for ph, m in (("prefill", pre), ("decode", dec))}
+    assert isinstance(lm["decode"], GemmSpec) and lm["decode"].m == 3 and lm["prefill"].m is None
+    assert lm["decode"].n == cfg.vocab
+
+
+def test_step_map_quantised_weights():
+    """Weight-only quantisation reaches the projections DecoderModel.quant_names quantises (the
+    attention and dense MLP ones), the LM head only when asked; the router and experts keep the dtype."""
+    for name, want in (("llama3-8b", {"qkv", "o", "gate_up", "down"}), ("deepseek-v3", {"o", "gate_up", "down"}),
+                       ("qwen3-30b-a3b", {"qkv", "o"})):
+        cfg = presets.get_preset(name)
+        for head in (False, True):
+            m = step.step_slots(cfg, "decode", step.StepSettings(arch="sm90", weight_quant="fp8", quant_lm_head=head))
+            got = {s.key for s in m if s.op in ("gemm", "moe") and s.spec.weight_dtype == "fp8"}
+            assert got == want | ({"lm_head"} if head else set()), (name, head, got)
 
 
 @pytest.mark.parametrize("name", ["gemma2-9b", "gemma3-4b"])
