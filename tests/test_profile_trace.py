@@ -11,6 +11,7 @@ import pytest
 from opmap.cli import main as cli
 from opmap.core.contract import InputError
 from opmap.harness.profile import analyze
+from opmap.harness.profile import ours
 from opmap.harness.profile import symbols
 from opmap.harness.profile import trace
 
@@ -39,12 +40,6 @@ from opmap.harness.profile import trace
     ("void cub::DeviceRadixSortOnesweepKernel<...>", "sampling", "PyTorch"),
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norm", "Inductor"),
     ("triton_poi_fused_mul_silu_1", "activation", "Inductor"),
-    ("_decode_kernel", "attention", "opmap"),
-    ("_gemm_kernel", "GEMM", "opmap"),
-    ("_wo_kernel", "GEMM", "opmap"),
-    ("_dequant_kernel", "GEMM", "opmap"),
-    ("_fp8_decode_kernel", "attention", "opmap"),
-    ("_mla_fp8_kernel", "attention", "opmap"),
     ("apply_token_bitmask_inplace_kernel", "grammar", "XGrammar"),
     ("Memcpy HtoD (Pinned -> Device)", "memory copies", "CUDA"),
 ])
@@ -192,12 +187,15 @@ def test_bad_trace_files_are_one_line(tmp_path, capsys):
         trace.load(str(bad))
 
 
-def test_a_dequantise_then_bf16_gemm_is_flagged_and_the_weight_only_gemm_is_not(tmp_path):
-    """opmap's weight-only kernel (_wo_kernel) is a quantised GEMM; its prefill route that dequantises
-    each weight for a bf16 cuBLAS GEMM (_dequant_kernel, then nvjet) is the fallback the profile names."""
+@pytest.mark.parametrize("wo_symbol", ["sm90_xmma_gemm_e4m3bf16_bf16f32_f32_tn_n_tilesize128x128x64_kernel"]
+                         + sorted(s for s in ours.table() if ours.low_precision_gemm(s)))
+def test_a_dequantise_then_bf16_gemm_is_flagged_and_the_weight_only_gemm_is_not(tmp_path, wo_symbol):
+    """A weight-only GEMM (opmap's: the kernels of its quantised-only gemm backends, from the registry)
+    is a quantised GEMM; the prefill route that dequantises each weight for a bf16 cuBLAS GEMM
+    (_dequant_kernel, then nvjet) is the fallback the profile names."""
     deq = [("opmap::linear", "_dequant_kernel", 40), ("aten::linear", "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 300),
            ("opmap::attention", "_prefill_tma_kernel", 200)]
-    wo = [("opmap::linear", "_wo_kernel", 30), ("opmap::attention", "_fp8_decode_kernel", 20)]
+    wo = [("opmap::linear", wo_symbol, 30), ("opmap::attention", "_decode_kernel", 20)]
     flag = "the quantised path fell back to a dequantise kernel and a bf16 GEMM"
     res = analyze.analyze(trace.load(_write(tmp_path, _chrome([(None, deq)] * 2), "deq.json.gz")))
     assert any(flag in d for d in res["diagnosis"]) and res["other_fraction"] == 0

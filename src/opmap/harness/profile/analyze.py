@@ -10,8 +10,9 @@ import re
 import statistics
 from collections import Counter, defaultdict
 
+from opmap.harness.profile import ours
 from opmap.harness.profile import symbols
-from opmap.harness.profile.symbols import OP_CATEGORY as _OP_CATEGORY
+from opmap.harness.profile.ours import OP_CATEGORY as _OP_CATEGORY
 from opmap.harness.profile.trace import Trace
 
 # Host ranges that name an operator: opmap's own (opmap::<op>::<label>::<backend>), and the module
@@ -66,6 +67,22 @@ def _category(name: str, launcher, ranges: tuple) -> tuple[str, str, str]:
     if by_launcher and (cat in ("other", "memory copies", "GEMM") or by_launcher == "attention"):
         return by_launcher, lib, "launcher"
     return cat, lib, "symbol"
+
+
+_OP_BACKEND = re.compile(r"^opmap::(\w+)::[^:]*::([\w.-]+)$")
+
+
+@functools.lru_cache(maxsize=65536)
+def opmap_backend(name: str, ranges: tuple):
+    """"op/backend" of a kernel opmap's engine ran: the innermost operator range open at its launch
+    (``opmap::<op>::<label>::<backend>``), else the registry's owners of its symbol (a replayed CUDA
+    graph has no ranges); None for a kernel that is not opmap's."""
+    for r in reversed(ranges):
+        m = _OP_BACKEND.match(r)
+        if m:
+            return f"{m.group(1)}/{m.group(2)}"
+    own = ours.owners(name)
+    return ", ".join(dict.fromkeys(f"{o.op}/{o.backend}" for o in own)) if own else None
 
 
 def _patterns(kernels: list) -> dict:
@@ -248,7 +265,7 @@ def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
         ph, conf = label(s, median_busy)
         p = phases.setdefault(ph, {"steps": 0, "gpu_ms": 0.0, "wall_ms": 0.0, "idle_ms": 0.0,
                                    "categories": Counter(), "libraries": defaultdict(Counter), "kernels": Counter(),
-                                   "confidence": Counter()})
+                                   "confidence": Counter(), "opmap": Counter()})
         p["steps"] += 1
         p["confidence"][conf] += 1
         busy = _busy(s["kernels"]) / 1e3
@@ -266,6 +283,9 @@ def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
             p["categories"][cat] += t
             p["libraries"][cat][lib] += t
             p["kernels"][k.name[:100]] += t
+            be = opmap_backend(k.name, k.ranges)
+            if be:
+                p["opmap"][be] += t
             if cat == "sampling" and _SORT.search(k.name):
                 p["sorts"] = True
             libs[cat][lib] += t
@@ -280,7 +300,8 @@ def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
                           "categories": {c: round(v, 4) for c, v in p["categories"].most_common()},
                           "libraries": {c: dict(v.most_common()) for c, v in p["libraries"].items()},
                           "top_kernels": [[n, round(v, 4)] for n, v in p["kernels"].most_common(top)],
-                          "label_confidence": dict(p["confidence"]), "sampling_sorts": p.get("sorts", False)}
+                          "label_confidence": dict(p["confidence"]), "sampling_sorts": p.get("sorts", False),
+                          "opmap_backends": {b: round(v, 4) for b, v in p["opmap"].most_common()}}
     res = {"source": trace.source, "kind": trace.kind, "kernels": len(trace.kernels), "steps": len(steps),
            "phases": out_phases, "other_fraction": round(other / total, 4) if total else 0.0,
            "backends": {c: [lib for lib, _ in v.most_common()] for c, v in libs.items()},
@@ -338,14 +359,15 @@ def rules(res: dict, trace: Trace) -> list:
     return out
 
 
-# opmap's weight-only GEMMs (_wo_kernel, _wo_wgmma_kernel) and its prefill pass that dequantises a weight for a bf16
+# opmap's weight-only GEMMs (the kernels of its quantised-only gemm backends, from the registry) and its prefill pass
+# that dequantises a weight for a bf16
 # GEMM (_dequant_kernel) carry no dtype in their symbols
 _DEQUANT = re.compile(r"(?i)dequant")
 
 
 @functools.lru_cache(maxsize=65536)
 def _quant_symbol(name: str) -> bool:
-    return re.search(r"(?i)e4m3|fp8|float8|int8|dequant|^_wo(_wgmma)?_kernel$", name) is not None
+    return re.search(r"(?i)e4m3|fp8|float8|int8|dequant", name) is not None or ours.low_precision_gemm(name)
 
 
 def _libs(p: dict, cat: str) -> str:
@@ -367,6 +389,9 @@ def format_lines(res: dict) -> list:
                          f"[{', '.join(p['libraries'].get(cat, {}))}]")
         for name, ms in p["top_kernels"][:3]:
             lines.append(f"    {ms / n:8.3f} ms/step  {name}")
+        if p.get("opmap_backends"):
+            lines.append("  opmap backends: " + ", ".join(f"{b} {ms / n:.3f}" for b, ms in p["opmap_backends"].items())
+                         + " ms/step")
     return lines + [f"diagnosis: {d}" for d in res["diagnosis"]]
 
 

@@ -1,6 +1,7 @@
-"""The symbol table (``symbols.json``, data): a kernel symbol -> (operator category, library), and
-the launching CPU op -> category for kernels whose symbol says nothing (a cuBLAS GEMM launched by
-``aten::bmm`` inside attention, an elementwise kernel under ``aten::softmax``)."""
+"""The symbol table: a kernel symbol -> (operator category, library), opmap's own kernels from the
+registry (``ours``), other libraries' from ``symbols.json`` (data); and the launching CPU op ->
+category for kernels whose symbol says nothing (a cuBLAS GEMM launched by ``aten::bmm`` inside
+attention, an elementwise kernel under ``aten::softmax``)."""
 from __future__ import annotations
 
 import functools
@@ -9,11 +10,10 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from opmap.harness.profile import ours
+from opmap.harness.profile.ours import OP_CATEGORY  # noqa: F401  (re-exported)
+
 TABLE = Path(__file__).with_name("symbols.json")
-# The op of an ``opmap::<op>::<label>::<backend>`` range (opmap's engine) -> its category.
-OP_CATEGORY = {"attention": "attention", "kv_append": "attention", "attention_merge": "attention", "gemm": "GEMM",
-               "rmsnorm": "norm", "rope": "RoPE", "activation": "activation", "moe": "MoE", "logits": "sampling",
-               "sampling": "sampling", "grammar_mask": "grammar"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +40,11 @@ def categories() -> list:
 
 @functools.lru_cache(maxsize=65536)  # a trace holds a few hundred distinct symbols, launched many times
 def classify(symbol: str) -> tuple[str, str]:
-    """(category, library) of a kernel symbol; ("other", "unknown") when no rule matches."""
+    """(category, library) of a kernel symbol; ("other", "unknown") when no rule matches. opmap's
+    own kernels come from the registry (``ours``), where a symbol two ops share takes the first."""
+    cats = ours.categories(symbol)
+    if cats:
+        return cats[0], "opmap"
     for cat, lib, rx in table()["compiled"]:
         if rx.search(symbol):
             return cat, lib
