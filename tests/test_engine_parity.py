@@ -82,3 +82,75 @@ def test_new_architectures_single_pages_of_64_and_preemption(name, single_thread
     outs = small.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == want
     assert small.stats.preemptions > 0
+
+
+def _retie(path, tied: bool, drop_head: bool = False):
+    """Rewrite a saved checkpoint's tie_word_embeddings (and drop its lm_head.weight)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    conf = path / "config.json"
+    d = json.loads(conf.read_text())
+    d["tie_word_embeddings"] = tied
+    conf.write_text(json.dumps(d))
+    if drop_head:
+        index = path / "model.safetensors.index.json"
+        m = json.loads(index.read_text())
+        fn = path / m["weight_map"].pop("lm_head.weight")
+        index.write_text(json.dumps(m))
+        state = load_file(str(fn))
+        del state["lm_head.weight"]
+        save_file(state, str(fn), metadata={"format": "pt"})
+
+
+def test_tied_config_with_its_own_lm_head_loads_it_as_transformers_does(tmp_path, single_thread, caplog):
+    """tie_word_embeddings true beside an lm_head.weight that differs from the embedding:
+    transformers 5.x unties them and loads lm_head.weight; so does the engine (greedy tokens equal)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = PRESETS["tiny-llama3"]  # untied: save_pretrained writes both tensors
+    save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    _retie(tmp_path, True)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)  # what transformers loads
+    with caplog.at_level("WARNING", logger="opmap.model"):
+        llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    assert not llm.cfg.tie_embeddings and "lm_head" in llm.runner.model.params
+    assert any("tie_word_embeddings is true" in r.getMessage() and "lm_head.weight" in r.getMessage()
+               for r in caplog.records)
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(hf, p, 10)
+
+
+def test_tied_config_with_an_equal_lm_head_stays_tied(tmp_path, single_thread):
+    """An lm_head.weight equal to the embedding (transformers ties them): one table on the device."""
+    from safetensors.torch import load_file, save_file
+    import json
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    _retie(tmp_path, True)
+    wm = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    fn = tmp_path / wm["lm_head.weight"]
+    state = load_file(str(fn))
+    state["lm_head.weight"] = hf.model.embed_tokens.weight.detach().clone()
+    save_file(state, str(fn), metadata={"format": "pt"})
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    assert llm.cfg.tie_embeddings and "lm_head" not in llm.runner.model.params
+
+
+def test_untied_config_without_lm_head_is_refused_naming_field_and_tensor(tmp_path):
+    """tie_word_embeddings false and no lm_head.weight: transformers draws a random LM head on
+    every load (nothing to match), so the load is refused in one line naming both."""
+    from opmap.core.contract import InputError
+
+    cfg = PRESETS["tiny-llama3"]
+    save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    _retie(tmp_path, False, drop_head=True)
+    with pytest.raises(InputError) as e:
+        LLM(str(tmp_path))
+    msg = str(e.value)
+    assert "tie_word_embeddings" in msg and "lm_head.weight" in msg and "\n" not in msg

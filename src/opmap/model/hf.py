@@ -289,9 +289,83 @@ def resolve_model(model: str) -> tuple:
             cfg = from_hf_config(d, name=os.path.basename(os.path.normpath(folder)))
         except KeyError as e:
             raise InputError(path, f"no field {e.args[0]!r}", "every field the architecture needs") from None
+        if os.path.isdir(model):
+            cfg = _tied_as_loaded(cfg, model, path)
         return cfg, (model if os.path.isdir(model) else None)
     raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + "), a checkpoint directory "
                      "or a config.json")
+
+
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
+    """``tie_word_embeddings`` as transformers 5.x loads the checkpoint: true with an ``lm_head.weight``
+    that differs from the embedding loads that tensor as the LM head (transformers then unties
+    them, with a warning); true with an equal one stays tied. False without an ``lm_head.weight``
+    is refused: transformers would draw that LM head at random on every load."""
+    from opmap.core.contract import InputError
+
+    where = _tensor_files(folder)
+    if where is None:  # no readable safetensors: the weight loader names what is wrong
+        return cfg
+    if not cfg.tie_embeddings and HEAD not in where:
+        raise InputError(f"{path} tie_word_embeddings", f"false, and the checkpoint has no {HEAD} tensor",
+                         f"true (the embedding is the LM head), or a checkpoint with {HEAD}")
+    if cfg.tie_embeddings and HEAD in where and not _same_tensor(where, HEAD, EMBED):
+        import logging
+
+        logging.getLogger("opmap.model").warning(
+            "%s: tie_word_embeddings is true, but the checkpoint's %s differs from %s: it is loaded as the LM "
+            "head, as transformers does", path, HEAD, EMBED)
+        return dataclasses.replace(cfg, tie_embeddings=False)
+    return cfg
+
+
+def _tensor_files(folder: str) -> Optional[dict]:
+    """{tensor name: safetensors file} of a checkpoint folder (the index's weight map, else the
+    files' own headers), or None when they cannot be read."""
+    import glob
+
+    root = os.path.realpath(folder)
+    index = os.path.join(folder, "model.safetensors.index.json")
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+            out = {str(k): os.path.realpath(os.path.join(folder, str(v))) for k, v in wm.items()}
+        else:
+            from safetensors import safe_open
+
+            out = {}
+            for fn in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+                fn = os.path.realpath(fn)
+                if os.path.commonpath([root, fn]) != root:
+                    return None
+                with safe_open(fn, framework="pt") as f:
+                    out.update(dict.fromkeys(f.keys(), fn))
+        # A file outside the folder is never opened here (the weight loader refuses it).
+        if not out or any(os.path.commonpath([root, fn]) != root for fn in out.values()):
+            return None
+        return out
+    except Exception:  # noqa: BLE001 - unreadable (JSON, a damaged file): the weight loader refuses it, naming it
+        return None
+
+
+def _same_tensor(where: dict, a: str, b: str) -> bool:
+    """Whether tensors ``a`` and ``b`` of the checkpoint hold the same values (False when one is
+    missing or unreadable)."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        if b not in where:
+            return False
+        with safe_open(where[a], framework="pt") as fa, safe_open(where[b], framework="pt") as fb:
+            ta, tb = fa.get_tensor(a), fb.get_tensor(b)
+        return ta.shape == tb.shape and ta.dtype == tb.dtype and torch.equal(ta, tb)
+    except Exception:  # noqa: BLE001 - unreadable: loaded separately, where the loader names the fault
+        return False
 
 
 def _through_autoconfig(d: dict, path: str) -> dict:
