@@ -14,12 +14,17 @@ from opmap.core.specs import AttentionSpec, MergeSpec
 from opmap.core.registry import get as get_backend
 from opmap.core.select import BackendError
 from opmap.api.dispatch import arch_of, capturing, dt, no_workspace_for, resolve, tensor, workspace as cached_workspace
+from opmap.core.contract import expect_tensor
+from opmap.ops.attention.validate import FP8, Q_DTYPES
 
 
 def _spec(q, k_cache, v_cache, phase, window, soft_cap, return_lse, batch_invariant=False):
     tensor("q", q, 3)
     tensor("k_cache", k_cache, 4)
     tensor("v_cache", v_cache, 4)
+    # dtypes before they make the spec: an InputError naming the argument, not the spec's ValueError
+    expect_tensor("q", q, dtype=Q_DTYPES)
+    expect_tensor("k_cache", k_cache, dtype=Q_DTYPES + (FP8,))
     return AttentionSpec(arch=arch_of(q), phase=phase, num_heads=q.shape[1], num_kv_heads=k_cache.shape[2],
                            head_dim=q.shape[2], head_dim_v=v_cache.shape[3], page_size=k_cache.shape[1],
                            dtype=dt(q), kv_dtype=dt(k_cache), sliding_window=window is not None,
@@ -99,6 +104,8 @@ def _mla_spec(q_nope, q_pe, cache, phase, sparse=False, rank_from_cache=False):
     tensor("q_nope", q_nope, 3)
     tensor("q_pe", q_pe, 3)
     tensor("cache", cache, 3)
+    expect_tensor("q_nope", q_nope, dtype=Q_DTYPES)
+    expect_tensor("cache", cache, dtype=Q_DTYPES + (FP8,))
     R = cache.shape[2] - q_pe.shape[2] if rank_from_cache else q_nope.shape[2]  # prefill: q_nope is [T, H, Dn]
     return AttentionSpec(arch=arch_of(q_nope), phase=phase, kind="mla", num_heads=q_nope.shape[1],
                            num_kv_heads=1, head_dim=R + q_pe.shape[2], head_dim_v=R, page_size=cache.shape[1],

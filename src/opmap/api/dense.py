@@ -11,15 +11,29 @@ from typing import Optional
 
 import torch
 
+from opmap.core.contract import expect, expect_tensor
 from opmap.core.specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, NormSpec, RopeSpec
 from opmap.api.dispatch import arch_of, call, dt, tensor
+from opmap.ops.gemm.validate import ACT_DTYPES, QUANT_DTYPES
+from opmap.ops.moe.routing import check_top_k
+
+
+def _floats(arg: str, t, ndim: Optional[int] = None, dtypes=ACT_DTYPES) -> torch.Tensor:
+    """A tensor of ``dtypes`` with at least one dimension (``ndim`` of them if given) and a last one
+    that is not empty: checked before its shape and dtype make a spec (an InputError naming the
+    argument, where a spec would raise an IndexError or its own ValueError)."""
+    tensor(arg, t, ndim)
+    expect(t.dim() >= 1, arg, "a 0-d tensor", ">= 1 dims [..., H]")
+    expect_tensor(arg, t, dtype=dtypes)
+    expect(t.shape[-1] > 0, arg, f"shape {tuple(t.shape)}", "a last dimension > 0")
+    return t
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend: Optional[str] = None,
             phase: str = "decode") -> torch.Tensor:
     """RMSNorm over the last dim of x[..., H] with weight[H] -> new tensor like x (HF numerics:
     normalise in fp32, cast to x.dtype, multiply by the weight)."""
-    tensor("x", x)
+    _floats("x", x)
     spec = NormSpec(arch=arch_of(x), phase=phase, hidden=x.shape[-1], dtype=dt(x))
     return call("rmsnorm", spec, "rmsnorm", backend, x, weight, eps)
 
@@ -27,7 +41,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backend
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
                 backend: Optional[str] = None, phase: str = "decode") -> torch.Tensor:
     """``residual += x`` in place, then -> rmsnorm(residual, weight, eps)."""
-    tensor("x", x)
+    _floats("x", x)
     spec = NormSpec(arch=arch_of(x), phase=phase, hidden=x.shape[-1], dtype=dt(x), fused_add=True)
     return call("rmsnorm", spec, "add_rmsnorm", backend, x, residual, weight, eps)
 
@@ -36,13 +50,13 @@ def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_hea
                backend: Optional[str] = None, phase: str = "decode") -> torch.Tensor:
     """Per-head RMSNorm in place on qk[T, Hq + Hk, D] (Qwen3's q_norm / k_norm): heads below
     ``num_q_heads`` use w_q[D], the rest w_k[D]. Returns qk."""
-    tensor("qk", qk, 3)
+    _floats("qk", qk, 3)
     spec = NormSpec(arch=arch_of(qk), phase=phase, hidden=qk.shape[-1], dtype=dt(qk))
     return call("rmsnorm", spec, "qk_rmsnorm", backend, qk, w_q, w_k, num_q_heads, eps)
 
 
 def _rope_spec(q, cos_sin, style, phase):
-    tensor("q", q, 3)
+    _floats("q", q, 3)
     tensor("cos_sin", cos_sin, 2)
     return RopeSpec(arch=arch_of(q), phase=phase, head_dim=q.shape[-1], rotary_dim=cos_sin.shape[1],
                       style=style if style in ("neox", "gptj") else "neox", dtype=dt(q))
@@ -58,7 +72,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
 
 
 def _append_spec(k_cache, kind, phase, heads, width, dtype):
-    tensor("k_cache" if kind == "gqa" else "cache", k_cache)
+    # [pages, page_size, Hk, D] (GQA) or [pages, page_size, R + Dr] (MLA): page_size is dim 1
+    tensor("k_cache" if kind == "gqa" else "cache", k_cache, 4 if kind == "gqa" else 3)
     return KVAppendSpec(arch=arch_of(k_cache), phase=phase, kind=kind, num_kv_heads=heads, head_dim=width,
                           page_size=k_cache.shape[1] if k_cache.dim() > 1 else 0, dtype=dtype,
                           kv_dtype=dt(k_cache))
@@ -95,7 +110,7 @@ def append_mla(ckv: torch.Tensor, kpe: torch.Tensor, cache: torch.Tensor, slot_m
 
 
 def _act(kind: str, x, backend, phase):
-    tensor("x", x)
+    _floats("x", x)
     spec = ActivationSpec(arch=arch_of(x), phase=phase, kind=kind, hidden=x.shape[-1] // 2, dtype=dt(x))
     return call("activation", spec, kind, backend, x)
 
@@ -116,8 +131,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     """x[M, K] @ w[N, K].T (+ bias[N]) -> [M, N] in x.dtype. Weight-only fp8-e4m3 or int8 ``w`` take
     per-output-channel w_scale[N] fp32 (``opmap.ops.gemm.quant.quantize_weight``). The phase
     defaults to decode for M <= 64 rows, else prefill."""
-    tensor("x", x, 2)
-    tensor("w", w, 2)
+    _floats("x", x, 2)
+    _floats("w", w, 2, ACT_DTYPES + QUANT_DTYPES)
     m = x.shape[0]
     spec = GemmSpec(arch=arch_of(x), phase=phase or ("decode" if m <= 64 else "prefill"), m=m, n=w.shape[0],
                       k=w.shape[1], dtype=dt(x), weight_dtype=dt(w), bias=bias is not None)
@@ -126,12 +141,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
 
 def _moe_spec(router_logits, top_k, router, phase, x=None, w13=None, w2=None):
     tensor("router_logits", router_logits, 2)
+    check_top_k(router_logits, top_k)
     fields = dict(arch=arch_of(router_logits), phase=phase, num_experts=router_logits.shape[1],
-                  top_k=top_k if isinstance(top_k, int) else 1, tokens=router_logits.shape[0],
+                  top_k=top_k, tokens=router_logits.shape[0],
                   router="sigmoid_grouped" if router in ("sigmoid", "sigmoid_grouped") else "softmax")
     if x is not None:
-        tensor("x", x, 2)
-        tensor("w13", w13, 3)
+        _floats("x", x, 2)
+        _floats("w13", w13, 3)
         fields.update(hidden=x.shape[1], intermediate=w13.shape[1] // 2, dtype=dt(x), weight_dtype=dt(w13))
     return MoESpec(**fields)
 

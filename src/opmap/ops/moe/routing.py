@@ -28,14 +28,21 @@ ROUTERS = ("softmax", "sigmoid", "sigmoid_grouped")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_route_args(router_logits, top_k, router, n_group, topk_group, score_bias) -> tuple[int, int]:
-    """Validate the routing arguments; returns (T, E)."""
+def check_top_k(router_logits, top_k) -> tuple[int, int]:
+    """The router logits [T, E] and ``top_k`` in [1, E] (the public op checks them before they
+    make its spec); returns (T, E)."""
     expect_tensor("router_logits", router_logits, dtype=FLOAT_DTYPES, ndim=2)
     T, E = router_logits.shape
     expect(E >= 1, "router_logits", f"shape {tuple(router_logits.shape)}", "at least one expert")
-    expect_in("router", router, ROUTERS)
     expect(isinstance(top_k, int) and not isinstance(top_k, bool), "top_k", repr(top_k), "an int")
     expect(1 <= top_k <= E, "top_k", top_k, f"1 <= top_k <= num_experts={E}")
+    return T, E
+
+
+def check_route_args(router_logits, top_k, router, n_group, topk_group, score_bias) -> tuple[int, int]:
+    """Validate the routing arguments; returns (T, E)."""
+    T, E = check_top_k(router_logits, top_k)
+    expect_in("router", router, ROUTERS)
     expect(isinstance(n_group, int) and n_group >= 1 and E % n_group == 0, "n_group", n_group,
            f"a positive divisor of num_experts={E}")
     expect(isinstance(topk_group, int) and 1 <= topk_group <= n_group, "topk_group", topk_group,

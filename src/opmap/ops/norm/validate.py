@@ -9,6 +9,11 @@ from opmap.core.contract import expect, expect_same_device, expect_tensor, expec
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _weight_dtypes(x) -> tuple:
+    """x's dtype or fp32 (each named once in an error)."""
+    return (x.dtype,) if x.dtype == torch.float32 else (x.dtype, torch.float32)
+
+
 def check_norm(x, weight, eps, residual=None, out=None) -> int:
     """Validate the arguments of rmsnorm / add_rmsnorm; returns the hidden size."""
     expect_tensor("x", x, dtype=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -16,7 +21,7 @@ def check_norm(x, weight, eps, residual=None, out=None) -> int:
     hidden = x.shape[-1]
     expect(hidden > 0, "x", f"hidden size {hidden}", "hidden size > 0")
     # The weight may be kept in fp32 even when activations are half precision.
-    expect_tensor("weight", weight, dtype=(x.dtype, torch.float32), ndim=1, contiguous=True)
+    expect_tensor("weight", weight, dtype=_weight_dtypes(x), ndim=1, contiguous=True)
     expect(weight.shape[0] == hidden, "weight", f"shape {tuple(weight.shape)}",
            f"shape ({hidden},) (the hidden size of x)")
     expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
@@ -39,7 +44,7 @@ def check_qk_norm(qk, w_q, w_k, num_q_heads, eps) -> tuple:
     expect(isinstance(num_q_heads, int) and 0 <= num_q_heads <= NH, "num_q_heads", repr(num_q_heads),
            f"an int in [0, {NH}] (the heads of qk)")
     for name, w in (("w_q", w_q), ("w_k", w_k)):
-        expect_tensor(name, w, dtype=(qk.dtype, torch.float32), ndim=1, contiguous=True)
+        expect_tensor(name, w, dtype=_weight_dtypes(qk), ndim=1, contiguous=True)
         expect(w.shape[0] == D, name, f"shape {tuple(w.shape)}", f"shape ({D},) (the head_dim of qk)")
     expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
     expect_same_device(qk=qk, w_q=w_q, w_k=w_k)
