@@ -1,5 +1,7 @@
 """Linear: reference vs an fp64 matmul, Triton (dense / int8 / fp8, split-K, the fp8
-bit-decoding path) vs reference at odd shapes, bad input, registry, custom op."""
+bit-decoding path) vs reference at odd shapes, bad input, registry (each weight-only kernel its
+own backend, selected where it must be and rejected with its reason elsewhere), the Gluon
+launchers' plans and contracts (their kernels run on the GPU only), custom op."""
 import pytest
 import torch
 
@@ -7,7 +9,11 @@ from opmap.core import registry
 from opmap.core.contract import InputError
 from opmap.ops.gemm import quant
 from opmap.ops.gemm import reference as ref
+from opmap.core.select import select
+from opmap.core.specs import GemmSpec
+from opmap.kernels.gemm import splitk
 from opmap.kernels.gemm import triton_gemm as tri
+from opmap.kernels.gemm import wo_gluon, wo_wgmma
 from opmap.core.tolerance import assert_close
 
 
@@ -74,14 +80,14 @@ def test_split_k_counters_reset_and_grow():
     # the old one kept alive for graphs captured with it).
     x, w, b, s = _inputs(40, 700, 1088, torch.float16, "fp8", bias=True, seed=11)
     p = dict(tri.plan(40, 700, 1088, sms=8), BLOCK_M=16, BLOCK_N=64, SPLIT=3)  # 3 x 11 tiles
-    tri._COUNTERS.clear()
+    splitk._COUNTERS.clear()
     first = tri.linear(x[:1], w, b, s, _plan=dict(p, BLOCK_M=16))  # 11 tiles: the default buffer
-    small = tri._COUNTERS[(x.device, 0)]
+    small = splitk._COUNTERS[(x.device, 0)]
     out = tri.linear(x, w, b, s, _plan=p)
     assert_close(out, ref.linear(x, w, b, s), scale=2.0)
     assert_close(first, ref.linear(x[:1], w, b, s), scale=2.0)
-    grown = tri._COUNTERS[(x.device, 0)]
-    assert grown.numel() >= 33 and any(r is small for r in tri._RETIRED)
+    grown = splitk._COUNTERS[(x.device, 0)]
+    assert grown.numel() >= 33 and any(r is small for r in splitk._RETIRED)
     assert not grown.any() and not small.any()
     assert torch.equal(out, tri.linear(x, w, b, s, _plan=p)) and not grown.any()
 
@@ -91,22 +97,22 @@ def test_captured_split_k_calls_take_graph_counters_made_before_the_capture(monk
     # before made and zeroed, and names the warm-up it needs when there are none or too few.
     x, w, b, s = _inputs(40, 700, 1088, torch.float16, "fp8", bias=True, seed=12)
     p = dict(tri.plan(40, 700, 1088, sms=8), BLOCK_M=16, BLOCK_N=64, SPLIT=3)  # 3 x 11 tiles
-    monkeypatch.setattr(tri, "_GRAPH_COUNTERS", {})
-    monkeypatch.setattr(tri, "_COUNTERS", {})
+    monkeypatch.setattr(splitk, "_GRAPH_COUNTERS", {})
+    monkeypatch.setattr(splitk, "_COUNTERS", {})
     capturing = [True]
-    monkeypatch.setattr(tri, "_capturing", lambda device: capturing[0])
+    monkeypatch.setattr(splitk, "capturing", lambda device: capturing[0])
     with pytest.raises(RuntimeError, match="run it once outside the capture first"):
         tri.linear(x, w, b, s, _plan=p)
-    assert not tri._COUNTERS and not tri._GRAPH_COUNTERS  # nothing made inside the capture
+    assert not splitk._COUNTERS and not splitk._GRAPH_COUNTERS  # nothing made inside the capture
     capturing[0] = False
     eager = tri.linear(x, w, b, s, _plan=p)
-    graph = tri._GRAPH_COUNTERS[x.device]
-    assert graph is not tri._COUNTERS[(x.device, 0)] and graph.numel() >= 33 and not graph.any()
+    graph = splitk._GRAPH_COUNTERS[x.device]
+    assert graph is not splitk._COUNTERS[(x.device, 0)] and graph.numel() >= 33 and not graph.any()
     capturing[0] = True
     assert torch.equal(tri.linear(x, w, b, s, _plan=p), eager) and not graph.any()
-    assert tri._GRAPH_COUNTERS[x.device] is graph and len(tri._COUNTERS) == 1
+    assert splitk._GRAPH_COUNTERS[x.device] is graph and len(splitk._COUNTERS) == 1
     with pytest.raises(RuntimeError, match="6000 output tiles"):
-        tri._counters(6000, x.device)
+        splitk.counters(6000, x.device)
 
 
 def test_triton_fp8_bit_decoding_path():
@@ -165,14 +171,12 @@ def test_bad_input_is_input_error(impl):
 
 
 def test_registry_declarations():
-    from opmap.core.select import select
-    from opmap.core.specs import GemmSpec
-
     names = {b.name for b in registry.backends("gemm")}
-    assert {"reference", "cublas", "triton-decode", "triton-wo", "scaled-mm"} <= names
+    assert {"reference", "cublas", "triton-decode", "triton-wo", "gluon-wo", "gluon-wo-wgmma", "dequant-cublas",
+            "scaled-mm"} <= names
     assert select("gemm", GemmSpec(arch="sm90", m=1), runtime=False).name == "triton-decode"
     assert select("gemm", GemmSpec(arch="sm90", m=4096), runtime=False).name == "cublas"
-    assert select("gemm", GemmSpec(arch="sm90", m=1, weight_dtype="int8"), runtime=False).name == "triton-wo"
+    assert select("gemm", GemmSpec(arch="sm90", m=1, weight_dtype="int8"), runtime=False).name == "gluon-wo"
     fp8act = GemmSpec(arch="sm90", m=64, weight_dtype="fp8", act_dtype="fp8")
     assert select("gemm", fp8act, runtime=False).name == "scaled-mm"
     sm = registry.get("gemm", "scaled-mm")
@@ -180,6 +184,77 @@ def test_registry_declarations():
     assert any("arch" in r for r in sm.validate(fp8act.replace(arch="sm80")))
     # cuBLAS never silently takes a quantised weight
     assert registry.get("gemm", "cublas").validate(GemmSpec(weight_dtype="fp8"))
+
+
+# (arch, m, phase, weight dtype, activation dtype, K) -> the weight-only kernel planned there: each
+# kernel is its own backend, the M bounds of docs/dense.md's Decisions (mma.sync up to 32, the
+# warpgroup MMAs to 64 on sm90, the many-row routes from 128 or a prefill step), and the Triton
+# kernel wherever no Gluon kernel serves (sm80, fp32 activations, K not a multiple of 16, M unknown).
+@pytest.mark.parametrize("arch,m,phase,wd,dtype,k,want", [
+    ("sm90", 1, "decode", "fp8", "bf16", 4096, "gluon-wo"), ("sm90", 32, "decode", "int8", "fp16", 4096, "gluon-wo"),
+    ("sm89", 16, "decode", "fp8", "bf16", 4096, "gluon-wo"), ("sm90", 33, "decode", "fp8", "bf16", 4096, "gluon-wo-wgmma"),
+    ("sm90", 64, "decode", "int8", "bf16", 4096, "gluon-wo-wgmma"), ("sm89", 48, "decode", "fp8", "bf16", 4096, "triton-wo"),
+    ("sm90", 65, "decode", "fp8", "bf16", 4096, "triton-wo"), ("sm90", 127, "mixed", "int8", "bf16", 4096, "triton-wo"),
+    ("sm90", None, "mixed", "fp8", "bf16", 4096, "triton-wo"), ("sm90", None, "decode", "int8", "bf16", 4096, "triton-wo"),
+    ("sm80", 1, "decode", "int8", "bf16", 4096, "triton-wo"), ("sm90", 1, "decode", "fp8", "fp32", 4096, "triton-wo"),
+    ("sm90", 16, "decode", "fp8", "bf16", 4104, "triton-wo"), ("sm90", 48, "decode", "int8", "bf16", 4100, "triton-wo"),
+    ("sm90", 128, "mixed", "fp8", "bf16", 4096, "scaled-mm"), ("sm90", 128, "mixed", "int8", "bf16", 4096, "dequant-cublas"),
+    ("sm90", None, "prefill", "fp8", "bf16", 4096, "scaled-mm"), ("sm89", 1024, "prefill", "fp8", "bf16", 4096, "dequant-cublas")])
+def test_each_weight_only_kernel_is_selected_where_it_serves(arch, m, phase, wd, dtype, k, want):
+    spec = GemmSpec(arch=arch, m=m, phase=phase, k=k, dtype=dtype, weight_dtype=wd)
+    assert select("gemm", spec, runtime=False).name == want
+
+
+def test_the_gluon_backends_say_why_they_cannot_serve():
+    """Rejected with the reason, in words, where their kernels cannot run: M out of range or
+    unknown, an arch without the instructions, fp32 activations, K not a multiple of 16, and at run
+    time the interpreter (these tests run in it) or a process without a GPU."""
+    wo, wg = registry.get("gemm", "gluon-wo"), registry.get("gemm", "gluon-wo-wgmma")
+    base = GemmSpec(arch="sm90", m=16, weight_dtype="fp8")
+    assert not wo.validate(base) and not wg.validate(base.replace(m=48))
+    assert any("M known and <= 32" in r for r in wo.validate(base.replace(m=33)))
+    assert any("M known and <= 32" in r for r in wo.validate(base.replace(m=None)))
+    assert any("32 < M <= 64" in r for r in wg.validate(base.replace(m=32)))
+    assert any("32 < M <= 64" in r for r in wg.validate(base.replace(m=65)))
+    assert any("arch=sm80 not served" in r for r in wo.validate(base.replace(arch="sm80")))
+    assert any("arch=sm89 not served" in r for r in wg.validate(base.replace(arch="sm89", m=48)))
+    assert any("bf16 / fp16 activations" in r for r in wo.validate(base.replace(dtype="fp32")))
+    assert any("not a multiple of 16" in r for r in wg.validate(base.replace(m=48, k=4100)))
+    assert any("weight-only" in r for r in wo.validate(base.replace(weight_dtype="bf16")))
+    assert any("act_dtype" in r for r in wo.validate(base.replace(act_dtype="fp8")))
+    runtime = wo.validate(base, runtime=True)
+    assert runtime and ("TRITON_INTERPRET=1" in runtime[0] or "no CUDA device" in runtime[0])
+    # selected for the local device here (the interpreter), the Triton kernel serves instead
+    assert select("gemm", base, runtime=True).name == "triton-wo"
+    choice = select("gemm", base.replace(m=48), runtime=False)
+    assert choice.name == "gluon-wo-wgmma" and "m=48 not supported" in choice.explain()
+
+
+def test_gluon_launchers_check_their_contract_before_any_launch():
+    """Each Gluon launcher raises InputError naming the argument for what its kernel cannot take
+    (the registry routes such calls to triton-wo); the CPU tensors here fail on the device last."""
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    wq, s = quant.quantize_weight(torch.randn(32, 64), "int8")
+    for lin, rows in ((wo_gluon.linear, 33), (wo_wgmma.linear, 65)):
+        with pytest.raises(InputError, match="^x: got 3 dims"):
+            lin(x[None], wq, None, s)  # linear's shared contract first
+        with pytest.raises(InputError, match="^w: got dtype bf16"):
+            lin(x, torch.randn(32, 64, dtype=torch.bfloat16))
+        with pytest.raises(InputError, match="^x: got dtype fp32"):
+            lin(x.float(), wq, None, s)
+        with pytest.raises(InputError, match=f"^x: got {rows} rows"):
+            lin(torch.randn(rows, 64, dtype=torch.bfloat16), wq, None, s)
+        with pytest.raises(InputError, match="^x: got K = 40"):
+            lin(x[:, :40], wq[:, :40].contiguous(), None, s)
+        with pytest.raises(InputError, match="^x: got row stride 66"):
+            lin(torch.randn(4, 66, dtype=torch.bfloat16)[:, :64], wq, None, s)
+        with pytest.raises(InputError, match="^w: got row stride 72"):
+            lin(x, torch.zeros(32, 72, dtype=torch.int8)[:, :64], None, s)
+        with pytest.raises(InputError, match="^x: got device cpu") as e:
+            lin(x, wq, None, s)
+        assert "Triton interpreter" in str(e.value)
+    with pytest.raises(InputError, match="config"):
+        wo_gluon.config_of({"GLUON": 0})  # a config never picks another kernel: that is a backend
 
 
 def test_cublas_peer_rejects_quantised_weight():
@@ -201,6 +276,7 @@ def test_custom_op_opcheck():
 
 def test_bench_cases_providers_run_and_agree(monkeypatch):
     from opmap.harness.bench.cases import gemm as bench
+    from opmap.harness.bench.runner import why_not
 
     monkeypatch.setattr(bench, "SHAPES", [(64, 48)])
     monkeypatch.setattr(bench, "MS", (1, 3))
@@ -218,9 +294,14 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
         fmt = None if "w=bf16" in c.case else c.case.split("w=")[1].split(",")[0]
         wbytes = 48 * 64 * (1 if fmt else 2) + (48 * 4 if fmt else 0)
         assert c.bytes == wbytes + int(c.case.split(",")[0][2:]) * (64 + 48) * 2
+        names = {p.name for p in c.providers}
+        if fmt:  # each weight-only kernel its own row, named after its backend (M <= 32: the mma.sync one)
+            assert {"opmap-triton", "opmap-gluon-wo", "opmap-gluon-wo[s=2]"} <= names
+            assert not names & {"opmap-gluon-wo-wgmma", "opmap-dequant-cublas"}
         for p in c.providers:
-            if p.available is not None and p.available():
-                continue  # scaled-mm: sm89+ GPU only
+            if why_not(p, c):
+                assert p.name.startswith(("scaled-mm", "opmap-gluon"))  # an sm89+ GPU only, compiled
+                continue
             raw = c.setup("cpu")
             inp = {k: (v.half() if v.dtype == torch.bfloat16 else v) for k, v in raw.items()}
             out = p.make(inp)()
@@ -276,6 +357,21 @@ def test_describe_names_the_plan_and_the_tuned_config(monkeypatch):
     assert tri.describe(3, 4096, 4096, "cpu") == "BLOCK_N 64, BLOCK_M 16, 1 K split"  # not tuned yet
     tri._TUNED[True] = types.SimpleNamespace(best_config=triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=6))
     assert tri.describe(3, 4096, 4096, "cpu").endswith("BLOCK_K 128, 4 warps, 6 stages (autotuned)")
+    # config fixes the tile (AUTOTUNE=0: the shape class's default; a field: that field)
+    assert tri.describe(3, 4096, 4096, "cpu", config={"AUTOTUNE": 0}).endswith("BLOCK_K 256, 4 warps, 3 stages (config)")
+    assert tri.describe(3, 4096, 4096, "cpu", config={"num_stages": 5}).endswith("BLOCK_K 256, 4 warps, 5 stages (config)")
+
+
+def test_triton_config_tunes_the_tile_of_its_one_kernel():
+    """config= is the Triton kernel's tile (BLOCK_K, warps, stages, AUTOTUNE), checked; the result
+    does not depend on it."""
+    x, w, b, s = _inputs(3, 40, 200, torch.float16, "int8", bias=True, seed=5)
+    want = ref.linear(x, w, b, s)
+    for cfg in (None, {"AUTOTUNE": 0}, {"BLOCK_K": 16}, {"BLOCK_K": 32, "num_warps": 8}):
+        assert_close(tri.linear(x, w, b, s, config=cfg), want, scale=2.0, what=str(cfg))
+    for bad in ({"BLOCK_K": 512}, {"AUTOTUNE": 2}, {"GLUON": 0}, {"BLOCK_K": 48}):
+        with pytest.raises(InputError, match="config"):
+            tri.linear(x, w, b, s, config=bad)
 
 
 @pytest.mark.parametrize("arch,m,n,k,want", [
@@ -312,13 +408,10 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     """wo_gluon.plan on an H200's figures (132 SMs, 228 KiB an SM): splits K towards four programs an
     SM, then the deepest (BLOCK_K, STAGES) whose programs all fit at once; the LM heads (many waves)
     keep the first; config= fixes fields and refuses values the kernel does not take."""
-    from opmap.core.contract import InputError
-    from opmap.kernels.gemm import wo_gluon as W
+    W = wo_gluon
 
     def p(M, N, K, cfg=None):
-        d = W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
-        assert d.pop("WGMMA") is False
-        return d
+        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
 
     assert p(1, 28672, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=2, SPLIT=1)  # 448 programs
     assert p(1, 6144, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=3, SPLIT=4)  # 384 fit 3 an SM
@@ -327,36 +420,23 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     assert p(1, 128256, 4096)["STAGES"] == 3 and p(1, 128256, 4096)["SPLIT"] == 1
     assert p(1, 28672, 4096, {"STAGES": 3}) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1)
     assert p(1, 28672, 4096, {"BLOCK_K": 256, "STAGES": 3})["STAGES"] == 3  # fixed: two waves, as asked
-    assert W.config_of({"GLUON": 0}) is None
-    for bad in ({"STAGES": 1}, {"BLOCK_K": 512}, {"BLOCK_N": 32}, {"TILE": 3}):
+    for bad in ({"STAGES": 1}, {"BLOCK_K": 512}, {"BLOCK_N": 32}, {"TILE": 3}, {"GLUON": 0}):
         with pytest.raises(InputError):
             W.config_of(bad)
 
 
 def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads():
-    """At 32 < M <= 64 on sm90 (wgmma=True) the plan is the warpgroup-MMA kernel's: 64-row x tiles,
-    64 output channels (one warpgroup) and about four programs an SM, 128 channels on N >= 65536;
-    below M = 33 the mma.sync plan stands; config= fixes BLOCK_N."""
-    from opmap.kernels.gemm import wo_gluon as W
+    """The warpgroup-MMA kernel's plan (gluon-wo-wgmma): 64-row x tiles, 64 output channels (one
+    warpgroup) and about four programs an SM, 128 channels on N >= 65536; config= fixes BLOCK_N."""
+    V = wo_wgmma
 
     def p(M, N, K, cfg=None):
-        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg), wgmma=True)
+        return V.plan(M, N, K, 132, 228 * 1024, V.config_of(cfg))
 
-    assert p(64, 6144, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=5, WGMMA=True)
-    assert p(33, 4096, 14336) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=8, WGMMA=True)
-    assert p(64, 24576, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1, WGMMA=True)
-    assert p(64, 128256, 4096) == dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3, SPLIT=1, WGMMA=True)
+    assert p(64, 6144, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=5)
+    assert p(33, 4096, 14336) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=8)
+    assert p(64, 24576, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=3, SPLIT=1)
+    assert p(64, 128256, 4096) == dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, STAGES=3, SPLIT=1)
     assert p(64, 28672, 4096, {"BLOCK_N": 128})["BLOCK_N"] == 128
     assert p(64, 28672, 4096, {"STAGES": 3})["STAGES"] == 3
-    assert p(32, 28672, 4096)["WGMMA"] is False  # mma.sync up to MAX_M
-
-
-def test_weight_only_gluon_kernel_not_on_the_interpreter_or_unaligned_rows():
-    from opmap.kernels.gemm import wo_gluon as W
-
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    w = torch.zeros(8, 64, dtype=torch.int8)
-    assert not W.usable(x, w, interpreted=True)
-    assert not W.usable(torch.randn(65, 64, dtype=torch.bfloat16), w, interpreted=False)  # M > WGMMA_MAX_M
-    assert not W.usable(x[:, :40], w[:, :40], interpreted=False)  # K not a multiple of 16
-    assert not W.usable(x.float(), w, interpreted=False)
+    assert p(5, 28672, 4096)["BLOCK_M"] == 64  # any M <= 64 runs one 64-token tile

@@ -291,17 +291,31 @@ def test_fused_route_align_equals_route_then_align(T, E, k, kw):
     assert torch.equal(block_expert[:int(total) // 16], b_ref[:int(t_ref) // 16])
 
 
-def test_moe_decode_path_with_and_without_the_fused_routing(monkeypatch):
-    """triton_moe.moe at a decode batch takes the fused route+align path; turning it off
-    (triton_moe.FUSE_ROUTE_ALIGN False) gives the same output up to fp32 rounding (the routing weights'
-    softmax sums run along a tile's axis instead of a vector: same math, another summation order)."""
+def test_moe_routes_in_one_launch_where_the_fused_kernel_serves(monkeypatch):
+    """triton_moe.moe routes and aligns in one launch (route_align.py) at a decode batch and in two
+    (route_triton.py, align.py) where that kernel cannot serve (more than 64 tokens, group-limited
+    routing); no switch picks between them. Both give the reference's output, and at the decode
+    batch the two launches (called directly) give the same output up to fp32 rounding (the routing
+    weights' softmax sums run along a tile's axis instead of a vector)."""
+    from opmap.kernels.moe.route_triton import route as route_triton
+
     T, H, I, E, k = 5, 32, 24, 16, 4
     w13, w2 = _weights(E, H, I, torch.float32)
     g = torch.Generator().manual_seed(9)
     x, logits = torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
-    monkeypatch.setattr(triton_moe, "FUSE_ROUTE_ALIGN", True)
+    calls = []
+    for name in ("route_align", "route_launch"):
+        real = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     a = triton_moe.moe(x, logits, w13, w2, k)
-    monkeypatch.setattr(triton_moe, "FUSE_ROUTE_ALIGN", False)
-    b = triton_moe.moe(x, logits, w13, w2, k)
-    assert_close(a, b, torch.float32)
+    assert calls == ["route_align"]
     assert_close(a, reference.moe(x, logits, w13, w2, k), torch.float32)
+    assert_close(a, triton_moe.experts(x, *route_triton(logits, k), w13, w2), torch.float32)
+    calls.clear()
+    grouped = triton_moe.moe(x, logits, w13, w2, k, n_group=4, topk_group=2)
+    assert calls == ["route_launch"]
+    assert_close(grouped, reference.moe(x, logits, w13, w2, k, n_group=4, topk_group=2), torch.float32)
+    calls.clear()
+    x65, l65 = torch.randn(65, H, generator=g), torch.randn(65, E, generator=g)
+    assert_close(triton_moe.moe(x65, l65, w13, w2, k), reference.moe(x65, l65, w13, w2, k), torch.float32)
+    assert calls == ["route_launch"]

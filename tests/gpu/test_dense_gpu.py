@@ -1,20 +1,25 @@
 """Dense-layer ops on the GPU (bf16, real model shapes): RMSNorm / fused add, RoPE,
-activations, linear (dense small-M, weight-only fp8 / int8, scaled-mm) against the fp32
-references; quantisation gates; int64 offsets on a tensor over 2^31 elements; CUDA-graph
-capture of the decode GEMM; the custom ops under torch.compile.
+activations, linear (dense small-M, weight-only fp8 / int8 through each kernel's backend:
+triton-wo, gluon-wo, gluon-wo-wgmma, dequant-cublas; scaled-mm) against the fp32 references;
+quantisation gates; int64 offsets on a tensor over 2^31 elements; CUDA-graph capture of the
+decode GEMMs and their shared split-K counters; the custom ops under torch.compile.
 Run with: PYTHONPATH=src python -m pytest tests/gpu/test_dense_gpu.py -m gpu -q
 """
 import pytest
 import torch
 
+import opmap
+from opmap.core import registry
+from opmap.core.hw import local_arch
+from opmap.core.select import select
+from opmap.core.specs import GemmSpec
 from opmap.ops.activation import reference as act_ref
 from opmap.kernels.activation import triton_act
 from opmap.harness.fixtures import gemm_quality as quality
 from opmap.ops.gemm import quant
-from opmap.kernels.gemm import wo_gluon
+from opmap.kernels.gemm import splitk, triton_gemm, wo_gluon
 from opmap.ops.gemm import reference as gemm_ref
-from opmap.kernels.gemm import triton_gemm
-from opmap.kernels.gluon_util import hopper, sm_figures
+from opmap.kernels.gluon_util import hopper
 from opmap.ops.norm import reference as norm_ref
 from opmap.kernels.norm import triton_norm
 from opmap.ops.rope import reference as rope_ref
@@ -27,6 +32,11 @@ DEV = "cuda"
 needs_scaled_mm = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                                      reason="torch._scaled_mm needs sm89+")
 BF16 = torch.bfloat16
+DEFAULT_TILE = {"AUTOTUNE": 0}  # the Triton kernel's default tile: no autotuning across a grid of shapes
+
+
+def _backend(name):
+    return registry.get("gemm", name).fn("linear")
 
 
 @pytest.fixture(autouse=True)
@@ -147,12 +157,12 @@ def _lin_inputs(M, N, K, fmt, bias=False, seed=9):
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (17, 28672, 4096), (64, 28672, 4096),
                                    (1, 4096, 14336), (64, 4096, 14336), (3, 32001, 4096), (1000, 5120, 4095)])
 @pytest.mark.parametrize("fmt", [None, "fp8", "int8"])
-def test_linear_bf16(M, N, K, fmt, monkeypatch):
-    # The default tile config (no autotuning) across this grid spares ~50 compiles; the
-    # autotuned path is exercised by the CUDA-graph test below and by the benchmarks.
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
+def test_linear_bf16(M, N, K, fmt):
+    # The Triton kernel (triton-decode, triton-wo) at every M with its default tile config (no
+    # autotuning across this grid spares many compiles; the autotuned path is exercised by the
+    # CUDA-graph tests below and by the benchmarks).
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=M == 3)
-    out = triton_gemm.linear(x, w, b, s)
+    out = triton_gemm.linear(x, w, b, s, config=DEFAULT_TILE)
     assert_close(out, gemm_ref.linear(x, w, b, s))
     if fmt:
         exp = x.float() @ w_orig.float().t() + (b.float() if b is not None else 0)
@@ -168,43 +178,46 @@ def test_linear_bf16(M, N, K, fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dt", [BF16, torch.float16], ids=["bf16", "fp16"])
 def test_weight_only_gluon_kernel(M, N, K, fmt, dt):
-    """The weight-only Gluon kernels (wo_gluon.py at M <= 32 on sm89+, wo_wgmma.py above it on
-    sm90) at odd N and K tails (K a multiple of 16, not of the tile) and odd M, with bias, in bf16
-    and fp16 activations: the reference's result, the Triton kernel's (GLUON=0) within rounding,
-    the quality gate against the unquantised weight; every tuning the benchmark's variant rows
-    time gives the same."""
-    from opmap.harness.bench.cases.gemm import WGMMA_VARIANTS, WO_VARIANTS
-    from opmap.kernels.gemm import wo_gluon
+    """The weight-only Gluon kernels through their backends (gluon-wo at M <= 32 on sm89+,
+    gluon-wo-wgmma above it on sm90, each the selector's choice there) at odd N and K tails (K a
+    multiple of 16, not of the tile) and odd M, with bias, in bf16 and fp16 activations: the
+    reference's result, the Triton kernel's (triton-wo) within rounding, the quality gate against
+    the unquantised weight; every tuning the benchmark's variant rows time gives the same."""
+    from opmap.harness.bench.cases.gemm import GLUON
 
+    wgmma = M > wo_gluon.MAX_M
+    if wgmma and not hopper(torch.device(DEV)):
+        pytest.skip("gluon-wo-wgmma: warpgroup MMAs are sm90's (triton-wo serves 32 < M <= 64 elsewhere)")
+    _, name, _, variants = GLUON[wgmma]
+    spec = GemmSpec(arch=local_arch(), m=M, n=N, k=K, dtype="bf16" if dt == BF16 else "fp16", weight_dtype=fmt)
+    assert select("gemm", spec).name == name
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True, seed=M + N)
     x, b = x.to(dt), b.to(dt)
-    assert wo_gluon.usable(x, w, False)
-    out = triton_gemm.linear(x, w, b, s)
+    lin = _backend(name)
+    out = lin(x, w, b, s)
     ref = gemm_ref.linear(x, w, b, s)
     assert_close(out, ref)
     if dt == BF16:
-        assert_close(out, triton_gemm.linear(x, w, b, s, config={"GLUON": 0}), scale=0.5)
+        assert_close(out, triton_gemm.linear(x, w, b, s, config=DEFAULT_TILE), scale=0.5)
     exp = x.float() @ w_orig.float().t() + b.float()
     assert cosine(out, exp) >= {"fp8": 0.999, "int8": 0.998}[fmt]
-    wgmma = M > wo_gluon.MAX_M
-    assert wo_gluon.plan(M, N, K, *sm_figures(x.device), wgmma=hopper(x.device))["WGMMA"] == wgmma
-    for cfg in (WGMMA_VARIANTS if wgmma else WO_VARIANTS)[1:] if dt == BF16 else ():
-        assert_close(triton_gemm.linear(x, w, b, s, config=cfg), ref, what=str(cfg))
+    for cfg in variants if dt == BF16 else ():
+        assert_close(lin(x, w, b, s, config=cfg), ref, what=str(cfg))
 
 
 def test_weight_only_gluon_every_e4m3_and_int8_value():
     """Each e4m3 code (but NaN) and each int8 value reaches the dots exactly: w [4, 64] holds them
-    all, x is the identity, so out^T = w (x of 64 rows: the warpgroup-MMA kernel; of 32 rows, the
-    first 32 columns: the mma.sync one)."""
+    all, x is the identity, so out^T = w (x of 64 rows: gluon-wo-wgmma on sm90; of 32 rows, the
+    first 32 columns: gluon-wo)."""
     codes = torch.arange(256, device=DEV, dtype=torch.int32)
     codes = torch.nn.functional.pad(codes[(codes & 0x7F) != 0x7F], (0, 2)).to(torch.uint8)  # 254 codes, 2 zeros
     w8 = codes.view(torch.float8_e4m3fn).reshape(4, 64).contiguous()
     wi = torch.arange(-128, 128, device=DEV, dtype=torch.int32).to(torch.int8).reshape(4, 64).contiguous()
     for w in (w8, wi):
         for dt in (BF16, torch.float16):
-            for rows in (64, 32):
+            for rows in (64, 32) if hopper(torch.device(DEV)) else (32,):
                 eye = torch.eye(64, device=DEV, dtype=dt)[:rows]
-                got = triton_gemm.linear(eye, w, None, torch.ones(4, device=DEV))
+                got = _backend("gluon-wo-wgmma" if rows > 32 else "gluon-wo")(eye, w, None, torch.ones(4, device=DEV))
                 assert torch.equal(got.t().float(), w[:, :rows].float()), (w.dtype, dt, rows)
 
 
@@ -228,15 +241,14 @@ def test_dequant_cublas_bf16(M, N, K, fmt):
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 28672, 4096), (64, 4096, 14336), (5, 1000, 4095)])
-def test_fp8_conversion_paths_agree(M, N, K, monkeypatch):
+def test_fp8_conversion_paths_agree(M, N, K):
     # The integer bit decoding of fp8 (the path of GPUs before sm89) and Triton's cast (default) give
     # identical weights; outputs agree to the accumulation order of the two compiled kernels.
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("Triton's fp8 cast needs sm89+")
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
     x, wq, _, s, _ = _lin_inputs(M, N, K, "fp8", seed=21)
-    asm = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8_BITS})
-    native = triton_gemm.linear(x, wq, None, s, _plan={"W_KIND": triton_gemm.W_FP8})
+    asm = triton_gemm.linear(x, wq, None, s, config=DEFAULT_TILE, _plan={"W_KIND": triton_gemm.W_FP8_BITS})
+    native = triton_gemm.linear(x, wq, None, s, config=DEFAULT_TILE, _plan={"W_KIND": triton_gemm.W_FP8})
     assert_close(asm, native, scale=0.25)
     assert_close(asm, gemm_ref.linear(x, wq, None, s))
     # every e4m3 byte through the bit-decoding path: w = diag-like rows hitting each code once
@@ -279,9 +291,11 @@ def test_act_quant_kernel_bitwise_against_torch(M, K):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-def test_quant_stack_kl_on_gpu(monkeypatch):
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
-    res = {f: quality.stack_kl(triton_gemm.linear, f, tokens=64, hidden=1024, inter=2048, vocab=32000,
+@pytest.mark.parametrize("tokens", [32, 64])
+def test_quant_stack_kl_on_gpu(tokens):
+    # through opmap.linear: the kernels the selector picks at this M (on sm90 gluon-wo at 32 rows,
+    # gluon-wo-wgmma at 64; the dense stack on triton-decode)
+    res = {f: quality.stack_kl(opmap.linear, f, tokens=tokens, hidden=1024, inter=2048, vocab=32000,
                                layers=4, device=DEV) for f in (None, "int8", "fp8")}
     assert res["int8"]["kl_mean"] < 0.01 and res["fp8"]["kl_mean"] < 0.05, res
     assert res[None]["kl_mean"] < res["fp8"]["kl_mean"], res
@@ -299,7 +313,8 @@ def test_prefill_route_scaled_mm_quality_and_selection():
 
     spec = dict(arch="sm90", n=4096, k=4096, dtype="bf16", weight_dtype="fp8")
     # the route is declared for sm90 (runtime=False: what the selector picks there, on any GPU)
-    for m, phase, want in ((None, "prefill", "scaled-mm"), (256, "mixed", "scaled-mm"), (64, "decode", "triton-wo")):
+    for m, phase, want in ((None, "prefill", "scaled-mm"), (256, "mixed", "scaled-mm"), (64, "decode", "gluon-wo-wgmma"),
+                           (None, "mixed", "triton-wo")):
         assert select("gemm", GemmSpec(m=m, phase=phase, **spec), runtime=False).backend.name == want
     dims = dict(tokens=256, hidden=1024, inter=2048, vocab=32000, layers=4, device=DEV)
     w8a8 = quality.stack_kl(scaled_mm.linear, "fp8", **dims)["kl_mean"]
@@ -309,14 +324,14 @@ def test_prefill_route_scaled_mm_quality_and_selection():
     assert cos >= COSINE_GATE["fp8-act"], cos
 
 
-@pytest.mark.parametrize("fmt", [None, "fp8"])
-def test_decode_linear_autotuned_cuda_graph_replay(fmt, monkeypatch):
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", True)
+@pytest.mark.parametrize("backend,fmt", [("triton-decode", None), ("triton-wo", "fp8"), ("gluon-wo", "fp8")])
+def test_decode_linear_cuda_graph_replay(backend, fmt):
+    lin = _backend(backend)  # the Triton kernel autotuned (no config)
     x, w, _, s, _ = _lin_inputs(1, 28672, 4096, fmt)
-    eager = triton_gemm.linear(x, w, None, s)  # compiles and autotunes outside the capture
+    eager = lin(x, w, None, s)  # compiles and autotunes outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = triton_gemm.linear(x, w, None, s)
+        out = lin(x, w, None, s)
     x.copy_(_randn(1, 4096, seed=99))
     g.replay()
     torch.cuda.synchronize()
@@ -325,19 +340,23 @@ def test_decode_linear_autotuned_cuda_graph_replay(fmt, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-def test_split_k_chain_in_cuda_graph_replays(fmt, monkeypatch):
+@pytest.mark.parametrize("backends", [("gluon-wo",) * 3, ("triton-wo",) * 3, ("gluon-wo", "triton-wo", "gluon-wo")],
+                         ids=["gluon", "triton", "mixed"])
+def test_split_k_chain_in_cuda_graph_replays(fmt, backends):
     # Three split-K GEMMs back to back (under PDL where it is on), each tile's partials summed by
-    # its last program through counters shared by the stream: replayed many times, every output
-    # matches its eager call bit for bit, and the counters are back at zero.
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", True)
-    shapes = [(4096, 14336), (6144, 4096), (4096, 4096)]  # down, QKV, O: 4 splits each at M = 1
+    # its last program through counters shared by the stream (and by the kernels: splitk.py):
+    # replayed many times, every output matches its eager call bit for bit, and the counters are
+    # back at zero.
+    shapes = [(4096, 14336), (6144, 4096), (4096, 4096)]  # down, QKV, O: K split at M = 1
     layers = [_lin_inputs(1, n, k, fmt, bias=i == 1, seed=40 + i) for i, (n, k) in enumerate(shapes)]
     assert all(wo_gluon.plan(1, n, k, 132)["SPLIT"] > 1 for n, k in shapes)
+    assert all(triton_gemm.plan(1, n, k, 132, interp=False, quantised=True)["SPLIT"] > 1 for n, k in shapes)
+    lins = [_backend(b) for b in backends]
 
     def chain(x0):
-        a = triton_gemm.linear(x0, *layers[0][1:4])
-        q = triton_gemm.linear(a, *layers[1][1:4])
-        return [a, q, triton_gemm.linear(q[:, :4096], *layers[2][1:4])]  # a strided x
+        a = lins[0](x0, *layers[0][1:4])
+        q = lins[1](a, *layers[1][1:4])
+        return [a, q, lins[2](q[:, :4096], *layers[2][1:4])]  # a strided x
 
     x0 = layers[0][0]
     chain(x0)  # compiles and autotunes outside the capture
@@ -361,7 +380,7 @@ def _replays_match_eager(replay, outs, chain, x0, seeds):
 
 
 def _counters_back_at_zero():
-    assert all(not c.any() for c in [*triton_gemm._COUNTERS.values(), *triton_gemm._GRAPH_COUNTERS.values()])
+    assert all(not c.any() for c in [*splitk._COUNTERS.values(), *splitk._GRAPH_COUNTERS.values()])
 
 
 def test_split_k_graphs_in_a_shared_pool_keep_their_counters(monkeypatch):
@@ -370,14 +389,15 @@ def test_split_k_graphs_in_a_shared_pool_keep_their_counters(monkeypatch):
     # of split-K GEMMs (a decode graph). Replaying the first between replays of the second leaves
     # the second's outputs equal to eager calls: its counters were made before the capture, not
     # inside it, where the pool could hand them the first graph's temporaries.
-    monkeypatch.setattr(triton_gemm, "_COUNTERS", {})
-    monkeypatch.setattr(triton_gemm, "_GRAPH_COUNTERS", {})
+    monkeypatch.setattr(splitk, "_COUNTERS", {})
+    monkeypatch.setattr(splitk, "_GRAPH_COUNTERS", {})
     shapes = [(4096, 14336), (6144, 4096)]
     layers = [_lin_inputs(1, n, k, "fp8", bias=False, seed=60 + i) for i, (n, k) in enumerate(shapes)]
+    lin = _backend("gluon-wo")  # the decode path of fp8 weights at one row
 
     def chain(x0):
-        a = triton_gemm.linear(x0, *layers[0][1:4])
-        return [a, triton_gemm.linear(a, *layers[1][1:4])]
+        a = lin(x0, *layers[0][1:4])
+        return [a, lin(a, *layers[1][1:4])]
 
     def scribble():  # small temporaries, freed at the end of the capture, written at each replay
         return torch.stack([torch.full((4096,), -1, dtype=torch.int32, device="cuda").sum() for _ in range(64)])
@@ -409,10 +429,10 @@ def test_custom_ops_under_torch_compile():
     assert_close(out, exp)
 
 
-def test_decode_layer_ops_capture_in_one_cuda_graph(monkeypatch):
+def test_decode_layer_ops_capture_in_one_cuda_graph():
     # add+RMSNorm -> QKV linear -> RoPE (in place on views of qkv) -> gate/up linear (fp8) ->
-    # SiLU*mul -> down linear, captured once and replayed on new inputs: no host sync anywhere.
-    monkeypatch.setattr(triton_gemm, "AUTOTUNE", False)
+    # SiLU*mul -> down linear, captured once and replayed on new inputs: no host sync anywhere
+    # (the linears through opmap.linear: the backends the selector picks at 8 rows).
     T, H, Hq, Hk, D, I = 8, 1024, 8, 2, 128, 2048
     g = torch.Generator(device=DEV).manual_seed(30)
     mk = lambda *s, scale=1.0: (torch.randn(*s, device=DEV, generator=g) * scale).to(BF16)  # noqa: E731
@@ -432,7 +452,7 @@ def test_decode_layer_ops_capture_in_one_cuda_graph(monkeypatch):
         a = impl_act.silu_mul(lin(h, w13q, None, s13))
         return qkv, lin(a, w2)
 
-    run = lambda x, res: layer(triton_norm, triton_rope, triton_act, triton_gemm.linear, x, res)  # noqa: E731
+    run = lambda x, res: layer(triton_norm, triton_rope, triton_act, opmap.linear, x, res)  # noqa: E731
     run(x.clone(), res.clone())  # compile outside the capture
     xs, rs = x.clone(), res.clone()
     graph = torch.cuda.CUDAGraph()

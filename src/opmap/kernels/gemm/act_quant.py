@@ -15,7 +15,7 @@ import triton.language as tl
 
 from opmap.core.contract import expect_tensor
 
-from opmap.ops.gemm.quant import _MIN_SCALE, FP8, FP8_MAX
+from opmap.ops.gemm.quant import FP8, FP8_MAX, MIN_SCALE
 
 ONE_PASS_K = 16384  # the widest activation of the supported models (14336 for Llama-3-8B's down)
 BLOCK_K = 4096
@@ -65,8 +65,8 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(K) if one_pass else BLOCK_K
         # 16-32 fp32 elements a thread: 8 warps at 4096, 16 at 8192 and wider.
         warps = max(1, min(16, block // 512))
-        _act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), MIN_SCALE=_MIN_SCALE, QMAX=FP8_MAX,
+        _act_quant_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), MIN_SCALE=MIN_SCALE, QMAX=FP8_MAX,
                                 BLOCK_K=block, ONE_PASS=one_pass, num_warps=warps)
     elif M:
-        s.fill_(_MIN_SCALE)
+        s.fill_(MIN_SCALE)
     return q, s

@@ -1,6 +1,8 @@
 """Linear in Triton for decode-shaped GEMMs, with dense or weight-only fp8-e4m3 / int8 weights.
 
-``linear(x[M, K], w[N, K], bias=None, w_scale=None) -> [M, N]`` in x.dtype.
+``linear(x[M, K], w[N, K], bias=None, w_scale=None, *, config=None) -> [M, N]`` in x.dtype: the
+kernel of the backends ``triton-decode`` (dense weights) and ``triton-wo`` (weight-only; the Gluon
+kernels of wo_gluon.py and wo_wgmma.py are their own backends, selected above it where they serve).
 
 Design (the weight is the traffic; at decode M the activations are noise):
 - Swap AB: each program computes a ``[BLOCK_N, BLOCK_M]`` tile of out^T = w @ x^T. The weight
@@ -9,9 +11,9 @@ Design (the weight is the traffic; at decode M the activations are noise):
   even when M = 1 (x is padded to 16 columns, which costs no memory traffic).
 - Many narrow N tiles (BLOCK_N = 64: 448 programs for N = 28672) so every SM streams weight;
   when N is far too small for that (fewer tiles than a quarter of the SMs; weight-only formats
-  below four tiles an SM, see plan()), split K: each split writes fp32
-  partials to a workspace, and a small kernel sums them, scales, adds bias and casts.
-  Deterministic (no atomics).
+  below four tiles an SM, see plan()), split K: each split writes fp32 partials to a workspace,
+  and the program that finishes a tile last (splitk.py's counters) sums them in split order,
+  scales, adds bias and casts: deterministic.
 - Weight-only formats are converted tile by tile in registers; the per-output-channel scale
   multiplies the fp32 accumulator in the epilogue (it is constant along K), so no dequantised
   copy of the weight ever exists. On GPUs before sm89 (no fp8 conversion instruction) the
@@ -25,9 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from opmap.core.contract import expect
+from opmap.core.tiles import tile_config
 from opmap.kernels import pdl
+from opmap.kernels.gemm.splitk import counters, sm_count
 from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
-from opmap.kernels.gemm import wo_gluon
 from opmap.ops.gemm.validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,50 +109,6 @@ def _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om,
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
-_COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of eager calls, zero between calls
-_GRAPH_COUNTERS: dict = {}  # device -> the tile counters of calls captured in CUDA graphs
-_RETIRED: list = []   # outgrown counter buffers: a captured CUDA graph may still point at one
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _counters(tiles: int, device: torch.device) -> torch.Tensor:
-    """The split-K tile counters for this device and stream. Stream order (and, under PDL, each
-    program's wait for the previous kernel before it touches them) keeps two GEMMs of one stream
-    from sharing them at once; two streams never share them.
-
-    A call captured in a CUDA graph takes the device's graph counters instead, which an eager call
-    made and zeroed before the capture; the graphs of a device share them, so they replay in
-    stream order. Counters made during a capture would come from the graph's memory pool
-    uninitialised (their zero-fill is a node of that one graph, run only when it replays), and
-    the pool hands out the same memory to the temporaries of graphs captured before in it, which
-    overwrite them at each of their replays."""
-    if _capturing(device):
-        buf = _GRAPH_COUNTERS.get(device)
-        if buf is None or buf.numel() < tiles:
-            raise RuntimeError(f"a split-K GEMM of {tiles} output tiles is being captured in a CUDA graph before an "
-                               f"eager call of that size on {device}: run it once outside the capture first "
-                               f"(that call makes the graph counters)")
-        return buf
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if buf is not None:
-            _RETIRED.append(buf)
-        # Every plan()-made split has fewer than four tiles an SM: one buffer serves them all.
-        n = max(tiles, 4 * _sm_count(device))
-        buf = _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    graph = _GRAPH_COUNTERS.get(device)
-    if graph is None or graph.numel() < buf.numel():
-        if graph is not None:
-            _RETIRED.append(graph)
-        _GRAPH_COUNTERS[device] = torch.zeros(buf.numel(), dtype=torch.int32, device=device)
-    return buf
-
-
 # (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
 # pipelines keep enough weight bytes in flight per SM to cover HBM latency. BLOCK_K 512 is left
 # out: its converted fp8/int8 tile needs all 255 registers and spills (seen in the sm90 cubin).
@@ -178,11 +138,31 @@ def _prune(configs, named_args, **kw):
 
 
 _TUNED = {}
-# False: run the default config of each regime without autotuning (the check cases and tests that
-# sweep many shapes set it to spare compile time; benchmarks keep autotuning on).
-AUTOTUNE = True
 # Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
 DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
+# config= keys: BLOCK_K, num_warps, num_stages fix that part of the tile (0: the shape class's
+# default); AUTOTUNE=0 runs the default tile without autotuning (the check cases and tests that
+# sweep many shapes pass it to spare compile time; benchmarks and the engine autotune).
+CONFIG = {"BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "AUTOTUNE": 1}
+
+
+def config_of(config) -> dict:
+    """The checked tuning dict of a call (CONFIG's keys)."""
+    if config is None:
+        return CONFIG  # read only: no checks on the path of every call
+    cfg = tile_config(CONFIG, config)
+    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
+           "16, 32, 64, 128 or 256 (K splits are multiples of 256)")
+    expect(cfg["AUTOTUNE"] in (0, 1), "config", f"AUTOTUNE={cfg['AUTOTUNE']}", "0 or 1")
+    return cfg
+
+
+def _fixed_tile(cfg: dict, small: bool, bn: int):
+    """(BLOCK_K, warps, stages) when config fixes any of them or turns autotuning off, else None."""
+    if cfg["AUTOTUNE"] and not (cfg["BLOCK_K"] or cfg["num_warps"] or cfg["num_stages"]):
+        return None
+    bk, nw, ns = DEFAULT[(small, bn)]
+    return cfg["BLOCK_K"] or bk, cfg["num_warps"] or nw, cfg["num_stages"] or ns
 
 
 def _tuned(small_m: bool):
@@ -196,28 +176,23 @@ def _tuned(small_m: bool):
     return _TUNED[small_m]
 
 
-def describe(M: int, N: int, K: int, device, quantised: bool = False) -> str:
+def describe(M: int, N: int, K: int, device, quantised: bool = False, config=None) -> str:
     """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
     its shape class when it has run on this device (benchmark rows name it in their note)."""
     dev = torch.device(device)
-    if quantised and wo_gluon.takes(M, dev, _INTERP):
-        return wo_gluon.describe(M, N, K, dev)  # bf16 / fp16 activations, as the bench's
-    p = plan(M, N, K, _sm_count(dev), quantised=quantised)
+    p = plan(M, N, K, sm_count(dev), quantised=quantised)
     kq = p.get("BLOCK_K", 256)
     split = triton.cdiv(K, triton.cdiv(triton.cdiv(K, kq), p["SPLIT"]) * kq)  # as linear() rounds it
     text = f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, {split} K split{'s' if split > 1 else ''}"
     if "BLOCK_K" in p:
         return f"{text}, BLOCK_K {p['BLOCK_K']} (fixed)"
+    fixed = _fixed_tile(config_of(config), p["small"], p["BLOCK_N"])
+    if fixed is not None:
+        return f"{text}, BLOCK_K {fixed[0]}, {fixed[1]} warps, {fixed[2]} stages (config)"
     best = getattr(_TUNED.get(p["small"]), "best_config", None)  # the last tuned call's, this shape's in a bench row
     if best is None:
         return text
     return f"{text}, BLOCK_K {best.kwargs['BLOCK_K']}, {best.num_warps} warps, {best.num_stages} stages (autotuned)"
-
-
-def _sm_count(dev: torch.device) -> int:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev).multi_processor_count
-    return 8
 
 
 def _w_kind(w: torch.Tensor, x: torch.Tensor) -> int:
@@ -253,9 +228,8 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     elif small and quantised and bm <= 32 and tiles < 4 * sms:
         # A weight-only program streams its weights at about half a bf16 program's byte rate and
         # is latency-bound (docs/dense.md), so more programs in flight help: 4 splits below one
-        # tile an SM, 2 below four (M=1 fp8 on the H200, gemm baseline: QKV N=6144 in 4 splits
-        # 18.3 vs 22.2 us in 2; gate/up N=28672 in 2 splits 50.1 vs 58.3 unsplit; docs/dense.md,
-        # Decisions). Kept at >= 4 K-blocks of 256 per split.
+        # tile an SM, 2 below four (docs/dense.md, Decisions: the weight-only K splits at M <= 32).
+        # Kept at >= 4 K-blocks of 256 per split.
         split = max(1, min(4 if tiles < sms else 2, K // 1024))
     elif small and quantised and tiles < sms:
         # M 33-64 (128 x 64 tiles): about two programs an SM, as at M <= 32 before the rule above
@@ -269,10 +243,11 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None,
            _plan: dict | None = None) -> torch.Tensor:
-    """``config``: tuning of the weight-only Gluon kernel (``wo_gluon.plan``'s keys; GLUON=0 runs this
-    module's Triton kernel instead). ``_plan`` (internal) overrides fields of the Triton kernel's
-    ``plan()``, e.g. {"SPLIT": 3} or {"W_KIND": W_FP8}, and so runs it."""
+    """``config``: the tile of this kernel (CONFIG's keys); none autotunes BLOCK_K / warps / stages
+    on a GPU. ``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or
+    {"W_KIND": W_FP8_BITS} (tests and benchmarks)."""
     M, N, K = check_linear(x, w, bias, w_scale)
+    cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
@@ -281,18 +256,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=
         if bias is not None:
             out += bias.to(x.dtype)
         return out
-    gluon_cfg = wo_gluon.config_of(config)
-    if gluon_cfg is not None and not _plan and wo_gluon.usable(x, w, _INTERP):
-        wo_gluon.launch(x, w, bias, w_scale, out, counters=_counters, pdl_args=pdl.launch(x.device), config=gluon_cfg)
-        return out
-    p = plan(M, N, K, _sm_count(x.device), quantised=w.dtype != x.dtype)
+    p = plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
+    if "BLOCK_K" in p and cfg["BLOCK_K"]:
+        p["BLOCK_K"] = cfg["BLOCK_K"]  # the interpreter's one fixed tile, as config asks
     split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
     kind = p.get("W_KIND", _w_kind(w, x))  # tests force the bit-decoding fp8 path
     wk = w.view(torch.uint8) if kind == W_FP8_BITS else w
     dummy = out  # never read when the HAS_* flag is off
     fixed_k = "BLOCK_K" in p
-    # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (<= 256 when tuned);
+    # K_PER_SPLIT must be a multiple of every BLOCK_K that may run (<= 256 when tuned or given);
     # then a K that is a multiple of it too needs no K masks.
     kq = p["BLOCK_K"] if fixed_k else 256
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
@@ -302,16 +275,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
     if split > 1:
         ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = _counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
+        cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
     else:
         ws = cnt = dummy  # never read with one split
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
             M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
+    fixed = None if fixed_k else _fixed_tile(cfg, p["small"], bn)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
-    elif not AUTOTUNE:
-        bk, nw, ns = DEFAULT[(p["small"], bn)]
+    elif fixed is not None:
+        bk, nw, ns = fixed
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)

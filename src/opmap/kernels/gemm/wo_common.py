@@ -1,10 +1,24 @@
-"""What the weight-only Gluon kernels share (wo_gluon.py: mma.sync, wo_wgmma.py: Hopper wgmma):
-the exact weight conversions, the async copy of a tile, and the split-K tail with its epilogue."""
+"""What the weight-only Gluon kernels share (wo_gluon.py: mma.sync, backend ``gluon-wo``;
+wo_wgmma.py: Hopper wgmma, backend ``gluon-wo-wgmma``): the exact weight conversions, the async
+copy of a tile and the split-K tail with its epilogue (@gluon.jit), and on the host their
+launchers' input contract, tuning dict, pipeline choice and split-K geometry."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
+from opmap.core.contract import dtype_name, expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.gemm.splitk import counters
 from opmap.kernels.gluon_util import e4m3_to_f16
+from opmap.ops.gemm.validate import check_linear
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @gluon.jit
@@ -82,3 +96,84 @@ def _epilogue(acc, s_ptr, b_ptr, o_ptr, rn, rm, n_ok, mask, s_om, HAS_SCALE: gl.
     if HAS_BIAS:
         acc = acc + gl.load(b_ptr + rn, mask=n_ok, other=0.0).to(gl.float32)[:, None]
     gl.store(o_ptr + rm[None, :].to(gl.int64) * s_om + rn[:, None], acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- the launchers' host side ------------------------------------------------------------------
+
+# config= keys (0: the plan's choice): output channels a program, programs an SM that K splits aim
+# for, the K tile, and the pipeline depth
+CONFIG = {"BLOCK_N": 0, "per_sm": 0, "BLOCK_K": 0, "STAGES": 0}
+
+
+def config_of(config) -> dict:
+    """The fields a call's ``config`` fixes, checked (an empty dict for none)."""
+    if config is None:
+        return {}  # the plan's defaults: no checks on the path of every call
+    cfg = tile_config(CONFIG, config)
+    expect(cfg["STAGES"] in (0, 2, 3, 4), "config", f"STAGES={cfg['STAGES']}", "2, 3 or 4")
+    expect(cfg["BLOCK_K"] in (0, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}", "64, 128 or 256")
+    expect(cfg["BLOCK_N"] in (0, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "64 or 128")
+    return {k: v for k, v in cfg.items() if v}
+
+
+def check_inputs(x, w, bias, w_scale, max_m: int, gpu: str, gpu_ok) -> tuple:
+    """linear's contract (validate.check_linear) and what the Gluon kernels add: fp8 / int8
+    weights, bf16 / fp16 activations, at most ``max_m`` rows, 16-byte aligned rows, a compiled
+    run on a GPU that ``gpu_ok(device)`` accepts (``gpu`` names it). Returns (M, N, K)."""
+    M, N, K = check_linear(x, w, bias, w_scale)
+    expect(w.dtype in (torch.float8_e4m3fn, torch.int8), "w", f"dtype {dtype_name(w.dtype)}",
+           "fp8 or int8 (weight-only; dense weights go to cublas or triton-decode)")
+    expect(x.dtype in (torch.bfloat16, torch.float16), "x", f"dtype {dtype_name(x.dtype)}", "bf16 or fp16")
+    expect(M <= max_m, "x", f"{M} rows", f"at most {max_m} rows (triton-wo serves any M)")
+    expect(K % 16 == 0, "x", f"K = {K}", "a multiple of 16 (16-byte rows for the async copies)")
+    expect(x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0, "x", f"row stride {x.stride(0)}, address {x.data_ptr()}",
+           "rows 16-byte aligned (row stride a multiple of 8, address of 16)")
+    expect(w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0, "w", f"row stride {w.stride(0)}, address {w.data_ptr()}",
+           "rows 16-byte aligned (row stride a multiple of 16, address of 16)")
+    on_gpu = x.device.type == "cuda" and not INTERPRETED
+    expect(on_gpu and gpu_ok(x.device), "x", f"device {x.device}{' under TRITON_INTERPRET=1' if INTERPRETED else ''}",
+           f"a CUDA tensor on {gpu}, compiled (Gluon kernels do not run in the Triton interpreter)")
+    return M, N, K
+
+
+def pipeline(shapes, cfg: dict, bn: int, bm: int, tiles: int, K: int, sms: int, smem_per_sm: int, per_sm: int):
+    """(BLOCK_K, STAGES, SPLIT): K split until the programs number about ``per_sm`` an SM, each
+    split keeping >= 4 tiles of K; then the first of ``shapes`` (deepest first) whose programs fit
+    on the GPU in one wave by shared memory, else the first (many waves: the LM heads). A second
+    wave of a few programs cost more than a shallower pipeline (docs/dense.md, Decisions)."""
+    shapes = [(bk, st) for bk, st in shapes if cfg.get("BLOCK_K", bk) == bk and cfg.get("STAGES", st) == st] or [
+        (cfg.get("BLOCK_K", 256), cfg.get("STAGES", 3))]
+    choice = None
+    for bk, st in shapes:
+        split = max(1, min(per_sm * sms // tiles, triton.cdiv(K, bk) // 4))
+        smem = st * bk * (bn + 2 * bm) + 1024  # the weight and x stages, and what the SM keeps a program
+        fits = (smem_per_sm // smem) * sms >= tiles * split
+        if choice is None or fits:
+            choice = (bk, st, split)
+        if fits:
+            break
+    return choice
+
+
+def geometry(M: int, N: int, K: int, p: dict, out: torch.Tensor) -> tuple:
+    """(K_PER_SPLIT, SPLIT, grid, workspace, counters) of a plan ``p``: the splits that have K left
+    (rounding K_PER_SPLIT up can empty the last ones); one split needs no workspace or counters."""
+    bk = p["BLOCK_K"]
+    k_per_split = triton.cdiv(triton.cdiv(K, bk), p["SPLIT"]) * bk
+    split = triton.cdiv(K, k_per_split)
+    grid = (triton.cdiv(N, p["BLOCK_N"]), triton.cdiv(M, p["BLOCK_M"]), split)
+    if split == 1:
+        return k_per_split, split, grid, out, out  # never read with one split
+    ws = torch.empty((split, M, N), dtype=torch.float32, device=out.device)
+    return k_per_split, split, grid, ws, counters(grid[0] * grid[1], out.device)
+
+
+def nothing_to_multiply(M: int, N: int, K: int, bias, out) -> bool:
+    """Fills ``out`` of a call with no products (M, N or K zero) and says so."""
+    if M and N and K:
+        return False
+    if M and N:
+        out.zero_()
+        if bias is not None:
+            out += bias.to(out.dtype)
+    return True

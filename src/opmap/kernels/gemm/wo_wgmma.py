@@ -1,26 +1,33 @@
-"""Weight-only fp8 / int8 linear at 32 < M <= 64 on Hopper (sm90), in Gluon, on warpgroup MMAs.
+"""Weight-only fp8 / int8 linear at 32 < M <= 64 on Hopper (sm90), in Gluon, on warpgroup MMAs:
+backend ``gluon-wo-wgmma``.
 
-At M = 64 mma.sync (wo_gluon.py) spends more time on tensor-core instructions than the weight
-takes to stream. Here each warpgroup owns 64 output channels and runs ``wgmma`` m64nMk16 with
-the weight tile as the A operand *from registers* and x^T (the tokens) as the B operand from
-shared memory, so the converted weight never goes back to shared memory:
+``linear(x[M, K], w[N, K] fp8-e4m3 or int8, bias, w_scale[N], *, config=None) -> [M, N]`` in
+x.dtype, as ``triton_gemm.linear`` (any M <= 64; the registry selects it above M = 32, where the
+mma.sync kernel of wo_gluon.py lost: docs/dense.md, Decisions). At M = 64 mma.sync spends more
+time on tensor-core instructions than the weight takes to stream. Here each warpgroup owns 64
+output channels and runs ``wgmma`` m64nMk16 with the weight tile as the A operand *from
+registers* and x^T (the tokens) as the B operand from shared memory, so the converted weight
+never goes back to shared memory:
 
 - weight and x tiles arrive by 16-byte async copies in a pipeline of ``STAGES`` tiles; the
   weight tile sits under the 128-byte NVMMA swizzle, so the A-fragment reads (two bytes a
   thread a row, the register layout wgmma wants for 16-bit A) are free of bank conflicts;
-- the fragment is converted exactly in registers (wo_common.operand), and the per-output-channel
-  scale multiplies the fp32 accumulator in the epilogue;
-- split K and the PDL overlap as in wo_gluon.py.
+- the fragment is converted exactly in registers (two elements a 16-bit read), and the
+  per-output-channel scale multiplies the fp32 accumulator in the epilogue;
+- split K and the PDL overlap as in wo_gluon.py (wo_common.py holds what the two share).
 """
 from __future__ import annotations
 
+import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from opmap.kernels.gluon_util import enter
-from opmap.kernels.gemm.wo_common import finish, issue
+from opmap.kernels import pdl
+from opmap.kernels.gemm.wo_common import check_inputs, config_of, finish, geometry, issue, nothing_to_multiply, pipeline
+from opmap.kernels.gluon_util import enter, hopper, sm_figures
 
 
 def _pair_asm(head: str, pack: str) -> gl.constexpr:
@@ -108,3 +115,47 @@ def _wo_wgmma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K
 
     finish(acc, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, s_om, n0, m0, pid_n, pid_m, pid_k, HAS_SCALE, HAS_BIAS,
            SPLIT, BLOCK_N, BLOCK_M, ACC)
+
+
+MAX_M = 64  # one 64-token B operand
+# One warpgroup of 64 output channels a program, four programs an SM; two warpgroups (128
+# channels, two programs an SM) on the LM heads, whose many waves favour the longer tiles
+# (H200, M=64: docs/dense.md, Decisions).
+LONG_N = 65536
+# (BLOCK_K, STAGES) by BLOCK_N, deepest first (wo_common.pipeline)
+SHAPES = {64: ((128, 4), (128, 3), (128, 2)), 128: ((128, 3), (128, 2))}
+
+
+def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config=None) -> dict:
+    """Tiles, stages and K splits of a call (``config``: the fields ``config_of`` fixed): 64-row x
+    tiles, 64 output channels a program (128 on N >= LONG_N), about four programs an SM (two at
+    128), the deepest of SHAPES that fits one wave."""
+    bm = max(64, triton.next_power_of_2(M))
+    bn = (config or {}).get("BLOCK_N") or (128 if N >= LONG_N else 64)
+    cfg = {"BLOCK_N": bn, "per_sm": 4 if bn == 64 else 2, **(config or {})}
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    bk, st, split = pipeline(SHAPES[bn], cfg, bn, bm, tiles, K, sms, smem_per_sm, cfg["per_sm"])
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=st, SPLIT=split)
+
+
+def describe(M: int, N: int, K: int, device, config=None) -> str:
+    p = plan(M, N, K, *sm_figures(torch.device(device)), config=config_of(config))
+    return (f"Gluon wgmma: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, "
+            f"{p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
+    """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
+    M, N, K = check_inputs(x, w, bias, w_scale, MAX_M, "an sm90 GPU (warpgroup MMAs)", hopper)
+    cfg = config_of(config)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if nothing_to_multiply(M, N, K, bias, out):
+        return out
+    p = plan(M, N, K, *sm_figures(x.device), config=cfg)
+    k_per_split, split, grid, ws, cnt = geometry(M, N, K, p, out)
+    _wo_wgmma_kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0),
+                           w.stride(0), out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=True,
+                           HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"],
+                           BLOCK_K=p["BLOCK_K"], STAGES=p["STAGES"], num_warps=p["BLOCK_N"] // 16,
+                           **pdl.launch(x.device))
+    return out

@@ -78,8 +78,8 @@ def max_padded(n_pairs: int, num_experts: int, bm: int) -> int:
 
 def next_pow2(n: int) -> int:
     """Plain-int next power of two. ``triton.next_power_of_2`` / ``triton.cdiv`` are
-    ConstexprFunction objects in Triton 3.6 (~5 us a call on the host through their
-    constexpr-unwrapping wrapper); the launchers called them ~12 times per MoE call."""
+    ConstexprFunction objects in Triton 3.6, slow on the host through their constexpr-unwrapping
+    wrapper, and the launchers called them about a dozen times per MoE call."""
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 

@@ -100,8 +100,8 @@ def _combine_kernel(y_ptr, out_ptr, H, top_k, stride_y, stride_o, BH: tl.constex
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-# Read once: Triton itself fixes interpreter mode when @triton.jit runs at import, and the
-# os.environ lookup cost ~2 us on each of the three calls per MoE call.
+# Read once: Triton itself fixes interpreter mode when @triton.jit runs at import, and an
+# os.environ lookup on each of the three calls per MoE call is host time for nothing.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -156,9 +156,10 @@ def _prune(configs, named_args, **kw):
 
 
 def _bench(kernel_call, quantiles):
-    """The tuner's timing: 25 ms of repeats per config instead of Triton's default 100 (plus 25 of
-    warm-up): a few hundred runs of a 10-400 us kernel decide as well, and the engine tunes every
-    key at start-up (token_counts), 28 of them for DeepSeek-V2-Lite."""
+    """The tuner's timing: a quarter of Triton's default repeat time per config (rep=25 against 100)
+    and a short warm-up: a few hundred runs of a kernel of tens to hundreds of microseconds decide
+    as well, and the engine tunes every key at start-up (token_counts), 28 of them for
+    DeepSeek-V2-Lite."""
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
@@ -200,7 +201,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
         return
     # The tuner's decision per key, mirrored here: after the first call of a key the kernel is
     # launched directly with it, skipping Autotuner.run and Heuristics.run (their per-call dict
-    # building over ~20 arguments cost ~14 us per launch on the host, measured on the CPU with the
+    # building over ~20 arguments is host time on every launch, measured on the CPU with the
     # launch stubbed; two GEMM launches per MoE call). The key is the autotuner's own: its key
     # arguments plus the dtypes of the tensor arguments (the int32 index tensors never vary).
     key = (N, K, args[11], bm, gated, a.dtype, w.dtype, out.dtype, None if weights is None else weights.dtype)

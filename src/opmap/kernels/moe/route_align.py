@@ -1,8 +1,8 @@
 """MoE routing and the align by expert in one launch, for decode-sized token counts.
 
 At decode the two launches of route_triton.py (one program per token) and align.py (one program
-per expert) each cost more than their work (Qwen3-30B-A3B at batch 1 on the H200: route 4.0 us,
-align 1.8 us per layer, 48 layers). Here each of the E programs routes *all* T tokens itself
+per expert) each cost more than their work (Qwen3-30B-A3B at batch 1: docs/moe.md, Decisions, the
+routing-and-align row). Here each of the E programs routes *all* T tokens itself
 (a [T, E] tile of router logits of at most MAX_TILE scores), so no program waits for another:
 program e counts every expert's pairs from its own copy of the routing, places its own pairs
 in token order and pads its blocks, exactly as align.py does; program 0 also writes the routing

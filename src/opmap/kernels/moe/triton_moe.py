@@ -1,9 +1,13 @@
-"""Our MoE: fused routing (route_triton.py), device-side align by expert, grouped GEMM gate/up
+"""Our MoE (backend ``triton``): routing and the device-side align by expert, grouped GEMM gate/up
 with fused SiLU-and-mul, grouped GEMM down with the routing weight in its epilogue, combine.
 
-Five launches, no host synchronisation (the grids are sized by static bounds, see align.py),
-so the whole op can be captured in a CUDA graph. First calls for a new shape autotune the
-GEMMs (grouped_gemm.py): warm up before capturing a graph.
+The routing and the align are one launch where route_align.py serves the call (decode sizes: at
+most 64 tokens, no group-limited routing, a routing tile of at most 2048 scores) and two launches
+otherwise (route_triton.py, then align.py): there is no switch between them, since the two
+launches lost at decode (docs/moe.md, Decisions) and the fused kernel serves nothing else.
+Four or five launches, no host synchronisation (the grids are sized by static bounds, see
+align.py), so the whole op can be captured in a CUDA graph. First calls for a new shape autotune
+the GEMMs (grouped_gemm.py): warm up before capturing a graph.
 """
 from __future__ import annotations
 
@@ -48,9 +52,6 @@ def _aligned(x, topk_weights, w13, w2, top_k, bm, sorted_ids, block_expert, tota
     return combine(y, T, top_k, torch.empty(T, H, dtype=x.dtype, device=x.device))
 
 
-# False: routing and align as two launches at decode too (the GPU tests compare the two).
-FUSE_ROUTE_ALIGN = True
-
 # Argument signatures that passed check_moe_args. Every check there depends only on these fields
 # (dtypes, shapes, strides, devices, and the routing ints / names with their types), so a call
 # with a known signature skips ~15 expect() calls (host time at decode, once per layer per step).
@@ -82,7 +83,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
             _CHECKED.add(sig)
     # check_moe_args already checked the routing arguments: launch without checking them again.
     T = x.shape[0]
-    if FUSE_ROUTE_ALIGN and fusable(T, n_group, w13.shape[0]):
+    if fusable(T, n_group, w13.shape[0]):
         # Decode: routing and align in one launch (route_align.py).
         bm = pick_bm(T * top_k, w13.shape[0])
         weights, _, *aligned = route_align(router_logits, top_k, router, renormalize, routed_scaling, score_bias,
@@ -96,8 +97,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
 def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, **routing) -> int:
     """Run the op once at every token count whose GEMM tuning key a step of up to ``max_tokens``
     tokens can hit (grouped_gemm.token_counts), on random activations: the engine calls it at
-    start-up, so that no step tunes while requests wait (a DeepSeek-V2-Lite run at batch 32 spent
-    ~85 ms of each mixed step tuning). Returns how many counts ran."""
+    start-up, so that no step tunes while requests wait (a DeepSeek-V2-Lite run at batch 32 had
+    its mixed steps wait on tuning). Returns how many counts ran."""
     counts = token_counts(max_tokens, top_k, w13.shape[0])
     g = torch.Generator(device=w13.device).manual_seed(0)
     for t in counts:

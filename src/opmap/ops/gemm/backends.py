@@ -1,5 +1,11 @@
 """Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
-weight-only fp8-e4m3 / int8 with per-output-channel scales)."""
+weight-only fp8-e4m3 / int8 with per-output-channel scales). One kernel, one backend: the
+weight-only kernels are triton-wo (Triton, any M), gluon-wo (Gluon mma.sync, M <= 32, sm89+),
+gluon-wo-wgmma (Gluon warpgroup MMAs, 32 < M <= 64, sm90) and, for many rows, dequant-cublas and
+scaled-mm; the selector picks among them by the spec's M (GemmSpec.m: the engine plans its decode
+steps per batch bucket, so each bucket's M is known)."""
+import os
+
 from opmap.core import registry
 from opmap.core.registry import Backend, Check, Prefer, Req
 
@@ -56,8 +62,9 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
-    # sm90, bf16 (bench/baselines/h200/gemm.md): level with cuBLAS at M <= 32 and ahead on the wide
-    # N (gate/up, LM head) at M = 64, behind it at M = 64 on QKV, O and down (3.4-7.3 us each).
+    # sm90, bf16: level with cuBLAS at M <= 32 and ahead on the wide N (gate/up, LM head) at M = 64,
+    # behind it at M = 64 on QKV, O and down (bench/baselines/h200/gemm.md, rows opmap-triton and
+    # cublas, w=bf16; docs/dense.md, Decisions).
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50,
               "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384")},
     impl={"linear": "opmap.kernels.gemm.triton_gemm:linear"},
@@ -75,20 +82,66 @@ registry.register(Backend(
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
     checks=[_SAME_ACT],
     available=registry.triton_available,
-    notes="weight-only fp8/int8: the weight tile is converted in registers, the per-channel "
-          "scale applied in the epilogue; no dequantised copy (Gluon kernels: _wo_kernel on mma.sync "
-          "at M <= 32 on sm89+, _wo_wgmma_kernel on warpgroup MMAs at 32 < M <= 64 on sm90; else the "
-          "Triton kernel _gemm_kernel)",
+    notes="weight-only fp8/int8 in Triton (_gemm_kernel), any M: the weight tile is converted in registers, "
+          "the per-channel scale applied in the epilogue; no dequantised copy. Below the Gluon kernels where "
+          "they serve; the route of sm80, fp32 activations, K not a multiple of 16 and steps of unknown M",
+))
+
+
+def _gluon_available():
+    """The Gluon kernels run compiled on a CUDA GPU, never in the Triton interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: Gluon kernels do not run in the Triton interpreter"
+    return registry.needs_cuda()
+
+
+def _k16(spec):
+    return f"k={spec.k} not a multiple of 16 (16-byte rows for the async copies)" if spec.k % 16 else None
+
+
+_GLUON_REQS = [Req("dtype", ("bf16", "fp16"), "bf16 / fp16 activations"),
+               Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")]
+_GLUON_CHECKS = [_SAME_ACT, Check("K a multiple of 16", _k16, "k")]
+
+registry.register(Backend(
+    op="gemm", name="gluon-wo", provider="opmap-triton", version=registry.triton_version,
+    # Above triton-wo (50) where it serves: faster on every shape at M <= 32, fp8 and int8
+    # (bench/baselines/h200/gemm.md, rows opmap-triton and opmap-triton[gl=0] at M <= 32, w=fp8 / int8;
+    # docs/dense.md, Decisions).
+    priority={"sm89": 52, "sm90": 52},
+    impl={"linear": "opmap.kernels.gemm.wo_gluon:linear"},
+    reqs=_GLUON_REQS + [Req("m", lambda m: m is not None and m <= 32,
+                            "M known and <= 32 (mma.sync: above it each warp re-reads the whole x tile)")],
+    checks=_GLUON_CHECKS,
+    available=_gluon_available,
+    notes="weight-only fp8/int8 in Gluon (_wo_kernel) on mma.sync, sm89+: 16-byte async copies of the weight "
+          "tile, fragments converted exactly in registers; bf16 / fp16 activations, 16-byte aligned rows",
+))
+
+registry.register(Backend(
+    op="gemm", name="gluon-wo-wgmma", provider="opmap-triton", version=registry.triton_version,
+    # Above triton-wo (50) at 32 < M <= 64 on sm90, where the mma.sync kernel lost to the Triton one
+    # (bench/baselines/h200/gemm.md, rows opmap-triton and opmap-triton[gl=0] at M = 64, w=fp8;
+    # docs/dense.md, Decisions).
+    priority={"sm90": 52},
+    impl={"linear": "opmap.kernels.gemm.wo_wgmma:linear"},
+    reqs=_GLUON_REQS + [Req("m", lambda m: m is not None and 32 < m <= 64,
+                            "M known, 32 < M <= 64 (one 64-token warpgroup MMA; gluon-wo below)")],
+    checks=_GLUON_CHECKS,
+    available=_gluon_available,
+    notes="weight-only fp8/int8 in Gluon (_wo_wgmma_kernel) on Hopper warpgroup MMAs, the converted weight "
+          "as the A operand from registers; bf16 / fp16 activations, 16-byte aligned rows",
 ))
 
 registry.register(Backend(
     op="gemm", name="dequant-cublas", provider="opmap-triton", version=registry.triton_version,
-    # Above triton-wo where M >= 128 is known (a decode bucket) or the phase is prefill (on a GPU
-    # an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the graphs'
-    # limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill):
-    # 1.09-2.43x faster than triton-wo at M=256 and 1024 on every Llama-3-8B / Qwen3-8B shape,
-    # fp8 and int8 (bench/baselines/h200/gemm.md). The engine plans its mixed steps of >= 128 rows at M = 128
-    # (engine/runner.py, MANY_ROWS) and the others at M unknown, which keeps triton-wo.
+    # Above the weight-only kernels where M >= 128 is known (a decode bucket) or the phase is prefill
+    # (on a GPU an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the
+    # graphs' limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill): faster than
+    # triton-wo at M = 256 and 1024 on every Llama-3-8B / Qwen3-8B shape, fp8 and int8
+    # (bench/baselines/h200/gemm.md, rows opmap-dequant-cublas and opmap-triton; docs/dense.md,
+    # Decisions). The engine plans its mixed steps of >= 128 rows at M = 128 (MANY_ROWS) and the
+    # others at M unknown, which only triton-wo serves among the weight-only kernels.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
               **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
     impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
@@ -112,9 +165,9 @@ registry.register(Backend(
     op="gemm", name="scaled-mm", provider="cublaslt-fp8", version=registry.torch_version,
     # Above dequant-cublas (55) for fp8 weights where M >= 128 is known or the phase is prefill, on
     # sm90: the activations are quantised per token (W8A8 dynamic, how vLLM runs fp8 checkpoints)
-    # and the GEMM runs on fp8 tensor cores. Graph-timed on the H200 (docs/dense.md, Decisions;
-    # Llama-3-8B shapes, M = 128-2048) it was 1.4-3.9x dequant-cublas at every shape, and from M =
-    # 512 1.3-1.7x cuBLAS on bf16 weights; activations given as fp8 (act_dtype="fp8") take it at any M.
+    # and the GEMM runs on fp8 tensor cores, faster than dequant-cublas at every Llama-3-8B shape
+    # from M = 128 (graph-timed; docs/dense.md, Decisions, the many-rows row); activations given as
+    # fp8 (act_dtype="fp8") take it at any M.
     priority={"sm89": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step"), "sm100": 45},
     impl={"linear": "opmap.kernels.gemm.scaled_mm:linear"},
     reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",))],

@@ -13,7 +13,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
 # A row of zeros would give scale 0 and 0/0 = NaN; any positive floor reproduces zeros exactly.
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
 
 
 def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,7 +21,7 @@ def quantize_weight(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
     expect_tensor("w", w, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
     wf = w.float()
     qmax = FP8_MAX if fmt == "fp8" else INT8_MAX
-    scale = (wf.abs().amax(dim=1) / qmax).clamp_min(_MIN_SCALE)
+    scale = (wf.abs().amax(dim=1) / qmax).clamp_min(MIN_SCALE)
     q = wf / scale[:, None]
     if fmt == "fp8":
         wq = q.clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -38,5 +38,5 @@ def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) dynamic fp8: returns (xq[M, K] fp8, scale[M, 1] fp32)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale

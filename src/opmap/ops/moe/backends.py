@@ -3,11 +3,14 @@
 Every backend serves the two entries of docs/OPS_API.md: ``moe`` (routed experts: route,
 dispatch, gate/up GEMM, SiLU-and-mul, down GEMM, weighted combine) and ``route``. The torch
 backends share one fp32 routing function (``routing.route``); ours fuses the same rules into one
-Triton kernel (``route_triton.route``, tested to pick the same experts).
+Triton kernel (``route_triton.route``, tested to pick the same experts), and at decode sizes the
+routing and the align by expert into one launch (``route_align.py``: kernels/moe/triton_moe.py).
 None of them serves quantised (fp8 / int8) expert weights.
 Importing this module imports no kernel module and no peer.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from opmap.core import registry
 from opmap.core.registry import Backend, Check, Req
@@ -52,10 +55,19 @@ def _grouped_mm_alignment(spec):
     return None
 
 
-def _grouped_mm_available():
-    from opmap.peers.moe.torch_grouped import available
+def _grouped_mm_available() -> Optional[str]:
+    """Whether this process's torch has torch._grouped_mm for its GPU (any CPU build that has it)."""
+    import torch  # heavy: importing the registry imports no framework
 
-    return available()
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 0):
+            return f"torch._grouped_mm needs sm80 or newer (this GPU is sm{major}{minor})"
+        if major != 9 and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
+            return f"torch {torch.__version__}: torch._grouped_mm is sm90-only before torch 2.9"
+    return None
 
 
 registry.register(Backend(
@@ -95,7 +107,7 @@ registry.register(Backend(
           "warm_up": "opmap.kernels.moe.triton_moe:warm_up"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     available=registry.triton_available,
-    notes="fused routing kernel, device-side sort/align by expert padded to the row tile, grouped GEMM "
-          "gate/up with fused SiLU*mul, grouped GEMM down with the routing weight in its epilogue, fp32 "
-          "combine; no host sync",
+    notes="routing and the device-side align by expert padded to the row tile (one launch at decode sizes: "
+          "<= 64 tokens, no group-limited routing; two above), grouped GEMM gate/up with fused SiLU*mul, "
+          "grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync",
 ))

@@ -18,18 +18,6 @@ from opmap.ops.moe.routing import check_moe_args, route
 from opmap.peers.moe.torch_loop import combine, sort_by_expert
 
 
-def available() -> Optional[str]:
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 0):
-            return f"torch._grouped_mm needs sm80 or newer (this GPU is sm{major}{minor})"
-        if major != 9 and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
-            return f"torch {torch.__version__}: torch._grouped_mm is sm90-only before torch 2.9"
-    return None
-
-
 def check_alignment(x, w13, w2) -> None:
     """grouped_mm (CPU and CUDA) needs 16-byte aligned row strides and base pointers."""
     el = x.element_size()

@@ -3,9 +3,12 @@
 per-output-channel scales, bf16 activations. The full grid (not ``--quick``) adds every other
 projection of Llama-3-8B and Qwen3-8B (QKV, O, Qwen3's MLP, both LM heads).
 
-Providers, timed in the same run on the same inputs:
-- bf16 weights: our small-M Triton GEMM ("triton-decode", M <= 64) and cuBLAS (F.linear).
-- fp8 / int8 weights: our weight-only Triton GEMM ("triton-wo"); at M >= 128 also our
+Providers, timed in the same run on the same inputs, each named after the backend it runs:
+- bf16 weights: our small-M Triton GEMM ("opmap-triton": triton-decode, M <= 64) and cuBLAS (F.linear).
+- fp8 / int8 weights: our weight-only kernels, each its own backend: the Triton one
+  ("opmap-triton": triton-wo, every M), the Gluon mma.sync one at M <= 32 ("opmap-gluon-wo") and the
+  Gluon warpgroup-MMA one at 32 < M <= 64 ("opmap-gluon-wo-wgmma", sm90), with their tunings as
+  ``--variants`` rows; at M >= 128 also our
   "dequant-cublas" (the weight dequantised by one Triton pass into a reused bf16 scratch, then
   cuBLAS); cuBLAS bf16 on the same
   weights kept in bf16 (the baseline of the "fp8 weight-only >= 1.8x cuBLAS bf16" target);
@@ -18,15 +21,20 @@ Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written
 Every M is timed by CUDA-graph replay (launch costs out): decode steps replay from graphs, and so
 do the engine's prefill steps of up to ``EngineConfig.prefill_graph_tokens`` (2048) tokens, so the
 GPU time is what a route choice at M >= 128 has to compare (eager timings of the small shapes
-measured the host's launch work instead: dequant-cublas on O at M = 256, 61.9 us eager against
-31.2 graph-timed).
+measured the host's launch work instead: dequant-cublas on O at M = 256 took about twice its
+graph-timed figure eagerly).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import GemmSpec
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.kernels.gemm import act_quant, scaled_mm, triton_gemm, wo_gluon, wo_wgmma
+from opmap.ops.gemm import quant
+from opmap.ops.gemm.quant import quantize_weight
 
 SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
 # QKV (32 + 2 x 8 heads of 128) and O of both models, Qwen3-8B's gate+up and down, the LM heads
@@ -38,8 +46,6 @@ RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bo
 
 def _setup(M, N, K, fmt):
     def setup(device):
-        from opmap.ops.gemm.quant import quantize_weight
-
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
         d = dict(x=x, w=w)  # quantised cases keep the bf16 weight for the cuBLAS-bf16 baseline
@@ -50,72 +56,61 @@ def _setup(M, N, K, fmt):
     return setup
 
 
-def _ours(backend, quantised):
+def _ours(backend, quantised, config=None):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("gemm", backend).fn("linear")
+        kw = {} if config is None else {"config": config}
         if quantised:
-            return lambda: fn(inp["x"], inp["wq"], None, inp["s"])
-        return lambda: fn(inp["x"], inp["w"])
+            return lambda: fn(inp["x"], inp["wq"], None, inp["s"], **kw)
+        return lambda: fn(inp["x"], inp["w"], **kw)
 
     return make
 
 
-def _described(M, N, K, quantised):
+def _described(describe, M, N, K, **kw):
     def note():
-        from opmap.kernels.gemm import triton_gemm as T
-
-        return T.describe(M, N, K, "cuda" if torch.cuda.is_available() else "cpu", quantised=quantised)
+        return describe(M, N, K, "cuda" if torch.cuda.is_available() else "cpu", **kw)
 
     return note
 
 
 def _cublas(inp):
-    import torch.nn.functional as F
-
     return lambda: F.linear(inp["x"], inp["w"])
 
 
 def _dequant_cublas(inp):
-    import torch.nn.functional as F
-
     wq, s, x = inp["wq"], inp["s"], inp["x"]
     return lambda: F.linear(x, wq.to(x.dtype) * s[:, None].to(x.dtype))
 
 
-# Tunings of the weight-only Gluon kernels (kernels/gemm/wo_gluon.py at M <= 32, wo_wgmma.py at
-# 32 < M <= 64 on sm90) timed with --variants beside their defaults, and GLUON=0: the Triton kernel
-# they replace at M <= 64.
-WO_VARIANTS = [dict(GLUON=0), dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
-WGMMA_VARIANTS = [dict(GLUON=0), dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
-_SHORT = {"GLUON": "gl", "BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
-
-
-def _config_row(cfg):
-    def make(inp):
-        from opmap.kernels.gemm import triton_gemm as T
-
-        return lambda: T.linear(inp["x"], inp["wq"], None, inp["s"], config=cfg)
-
-    return make
+# Tunings (config=) of the weight-only Gluon kernels (gluon-wo at M <= 32, gluon-wo-wgmma at
+# 32 < M <= 64 on sm90), timed with --variants beside their defaults.
+WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
+WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
+_SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
+# (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
+GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
+         True: ("opmap-gluon-wo-wgmma", "gluon-wo-wgmma", wo_wgmma.describe, WGMMA_VARIANTS)}
 
 
 def _tag(cfg):
     return ",".join(f"{_SHORT[k]}={v}" for k, v in cfg.items())
 
 
-def _scaled_mm(inp):
-    from opmap.kernels.gemm.scaled_mm import linear
+def _gluon_rows(M, N, K) -> list:
+    """The Gluon kernel of this M (M <= 64), its default and its --variants rows."""
+    name, backend, describe, variants = GLUON[M > wo_gluon.MAX_M]
+    return [Provider(name, _ours(backend, True), backend=("gemm", backend), describe=_described(describe, M, N, K))] + [
+        Provider(f"{name}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
+                 describe=_described(describe, M, N, K, config=c)) for c in variants]
 
-    return lambda: linear(inp["x"], inp["wq"], None, inp["s"])
+
+def _scaled_mm(inp):
+    return lambda: scaled_mm.linear(inp["x"], inp["wq"], None, inp["s"])
 
 
 def _act_quant(triton_kernel):
     def make(inp):
-        from opmap.kernels.gemm import act_quant
-        from opmap.ops.gemm import quant
-
         fn = act_quant.quantize_act_fp8 if triton_kernel else quant.quantize_act_fp8
         return lambda: fn(inp["x"])
 
@@ -146,9 +141,7 @@ def _sm89():
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for fmt in (None, "fp8", "int8"):
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
@@ -159,16 +152,15 @@ def cases(quick: bool) -> list[BenchCase]:
                 wd = fmt or "bf16"
                 if fmt is None:
                     provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode"),
-                                      describe=_described(M, N, K, False)),
+                                      describe=_described(triton_gemm.describe, M, N, K)),
                              Provider("cublas", _cublas, backend=("gemm", "cublas"))]  # marked where selected
                 else:
                     provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo"),
-                                      describe=_described(M, N, K, True)),
+                                      describe=_described(triton_gemm.describe, M, N, K, quantised=True)),
                              Provider("cublas-bf16-weights", _cublas),
                              Provider("dequant+cublas", _dequant_cublas)]
-                    if M <= 64:  # wo_gluon.MAX_M, WGMMA_MAX_M
-                        provs += [Provider(f"opmap-triton[{_tag(c)}]", _config_row(c))
-                                  for c in (WO_VARIANTS if M <= 32 else WGMMA_VARIANTS)]
+                    if M <= wo_wgmma.MAX_M:
+                        provs += _gluon_rows(M, N, K)
                     if M >= 128:  # its backend serves M >= 128 only
                         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
                                               backend=("gemm", "dequant-cublas")))

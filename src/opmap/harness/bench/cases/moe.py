@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import MoESpec
+from opmap.harness.bench.base import BenchCase, Provider
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -46,8 +47,6 @@ def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
 
 def _call(backend: str):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("moe", backend).fn("moe")
         return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"])
 
@@ -72,12 +71,6 @@ def _graphed(backend: str):
     return make
 
 
-def _grouped_mm_available():
-    from opmap.peers.moe.torch_grouped import available
-
-    return available()
-
-
 def _dense_same_flops(inp):
     """Not an MoE: two dense cuBLAS GEMMs with the routed work's FLOPs (all T*k rows through one
     expert's weights), the "dense GEMM TFLOP/s" the prefill target is stated against."""
@@ -100,17 +93,14 @@ def providers(prefill: bool) -> list[Provider]:
         Provider("opmap-triton", _call("triton"), backend=("moe", "triton")),
         Provider("opmap-triton+graph", _graphed("triton"), backend=("moe", "triton")),
         Provider("torch-loop", _call("torch-loop"), backend=("moe", "torch-loop")),
-        Provider("torch-grouped-mm", _call("torch-grouped-mm"), backend=("moe", "torch-grouped-mm"),
-                 available=_grouped_mm_available),
-        Provider("torch-grouped-mm+graph", _graphed("torch-grouped-mm"), backend=("moe", "torch-grouped-mm"),
-                 available=_grouped_mm_available),
+        # the backend's declaration says where torch._grouped_mm runs (checked before timing)
+        Provider("torch-grouped-mm", _call("torch-grouped-mm"), backend=("moe", "torch-grouped-mm")),
+        Provider("torch-grouped-mm+graph", _graphed("torch-grouped-mm"), backend=("moe", "torch-grouped-mm")),
     ]
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for model, (E, k, H, I) in MODELS.items():
         for T in TOKENS:

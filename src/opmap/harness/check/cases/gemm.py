@@ -1,18 +1,22 @@
 """GEMM (linear) check cases: every runnable backend against the fp32 reference (dense and
 weight-only fp8 / int8, decode M and a prefill M, vocab-sized odd N, K not a multiple of the
-tile, split K); quantisation gates (section "quant": output cosine >= 0.999 fp8 / >= 0.998
+tile, split K; each weight-only kernel through its own backend: triton-wo, gluon-wo at M <= 32,
+gluon-wo-wgmma at 32 < M <= 64, dequant-cublas); quantisation gates (section "quant": output cosine >= 0.999 fp8 / >= 0.998
 int8 against the fp32 reference on the unquantised weights, and the mean KL divergence of the
 next-token distribution of a small random-weight layer stack, with figures); bad input."""
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 
 from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.core.specs import GemmSpec
 from opmap.core.tolerance import compare
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
+from opmap.harness.fixtures import gemm_quality as quality
+from opmap.ops.gemm import reference
+from opmap.ops.gemm.quant import quantize_weight
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998}
@@ -22,8 +26,6 @@ KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2}
 
 
 def _inputs(device, M, N, K, dtype, fmt, bias, seed):
-    from opmap.ops.gemm.quant import quantize_weight
-
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g).to(device, dtype)
     w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device, dtype)
@@ -34,27 +36,24 @@ def _inputs(device, M, N, K, dtype, fmt, bias, seed):
     return x, wq, b, s
 
 
-@contextlib.contextmanager
-def default_tiles():
-    """Our kernels with their default tile config: correctness does not depend on the autotuned
-    BLOCK_K / stages, and autotuning every shape here would cost ~3 compiles per shape."""
-    from opmap.kernels.gemm import triton_gemm
+# The Triton kernel with its default tile (config AUTOTUNE=0): correctness does not depend on the
+# autotuned BLOCK_K / stages, and autotuning every shape here would cost a few compiles per shape.
+DEFAULT_TILES = {"triton-decode": {"AUTOTUNE": 0}, "triton-wo": {"AUTOTUNE": 0}}
+# Rows of the quantisation gates' GEMMs where the backend serves only some M (the others: the case's)
+QUANT_ROWS = {"gluon-wo": lambda m: min(m, 32), "gluon-wo-wgmma": lambda m: 64}
+WEIGHT_ONLY = ("triton-wo", "gluon-wo", "gluon-wo-wgmma", "dequant-cublas")
 
-    old = triton_gemm.AUTOTUNE
-    triton_gemm.AUTOTUNE = False
-    try:
-        yield
-    finally:
-        triton_gemm.AUTOTUNE = old
+
+def _linear(backend):
+    """The backend's linear entry, with the default tile where its kernel autotunes."""
+    fn = registry.get("gemm", backend).fn("linear")
+    return functools.partial(fn, config=DEFAULT_TILES[backend]) if backend in DEFAULT_TILES else fn
 
 
 def _parity(backend, device, M, N, K, dtype, fmt, bias=False):
     def run():
-        from opmap.ops.gemm import reference
-
         x, w, b, s = _inputs(device, M, N, K, dtype, fmt, bias, M + N + K)
-        with default_tiles():
-            out = registry.get("gemm", backend)("linear", x, w, b, s)
+        out = _linear(backend)(x, w, b, s)
         e = compare(out, reference.linear(x, w, b, s), dtype, scale=2.0)
         return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
 
@@ -63,11 +62,7 @@ def _parity(backend, device, M, N, K, dtype, fmt, bias=False):
 
 def _cosine(backend, device, fmt, M, N, K, dtype):
     def run():
-        from opmap.harness.fixtures import gemm_quality as quality
-
-        fn = registry.get("gemm", backend).fn("linear")
-        with default_tiles():
-            cos = quality.output_cosine(fn, fmt.replace("-act", ""), M, N, K, dtype, device)
+        cos = quality.output_cosine(_linear(backend), fmt.replace("-act", ""), M, N, K, dtype, device)
         gate = COSINE_GATE[fmt]
         return Outcome(cos >= gate, f"cosine {cos:.6f} (gate {gate})", cos, gate)
 
@@ -76,11 +71,7 @@ def _cosine(backend, device, fmt, M, N, K, dtype):
 
 def _kl(backend, device, fmt, dtype, dims):
     def run():
-        from opmap.harness.fixtures import gemm_quality as quality
-
-        fn = registry.get("gemm", backend).fn("linear")
-        with default_tiles():
-            r = quality.stack_kl(fn, fmt, dtype=dtype, device=device, **dims)
+        r = quality.stack_kl(_linear(backend), fmt, dtype=dtype, device=device, **dims)
         lim = KL_LIMIT[fmt]
         return Outcome(r["kl_mean"] <= lim, f"mean KL {r['kl_mean']:.2e} nats (max {r['kl_max']:.2e}), "
                        f"top-1 agreement {r['top1_agree']:.3f}; limit {lim:g}", r["kl_mean"], lim)
@@ -90,8 +81,6 @@ def _kl(backend, device, fmt, dtype, dims):
 
 def _bad_input(backend, device):
     def run():
-        from opmap.ops.gemm.quant import quantize_weight
-
         fn = registry.get("gemm", backend).fn("linear")
         x = torch.randn(4, 64, device=device)
         wq, s = quantize_weight(torch.randn(32, 64, device=device), "int8")
@@ -121,8 +110,8 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     out = []
     for dt in dtypes:
         d = _DT[dt]
-        for name, fmt in (("cublas", None), ("triton-decode", None), ("triton-wo", "int8"), ("triton-wo", "fp8"),
-                          ("dequant-cublas", "int8"), ("dequant-cublas", "fp8")):
+        for name, fmt in [("cublas", None), ("triton-decode", None)] + [(b, f) for b in WEIGHT_ONLY
+                                                                        for f in ("int8", "fp8")]:
             wd = fmt or dt
             for M, N, K in decode + [prefill]:
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dt, weight_dtype=wd):
@@ -130,7 +119,8 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                                          _parity(name, device, M, N, K, d, fmt, bias=M == 3),
                                          quick=(M, N) in ((1, 96), (64, 80), (1000, 48), (1, 28672), (64, 4096))))
             bnd = [("vocab-sized odd N", vocab, not cpu), ("odd N", (3, 1001, 32), True),
-                   ("K not a tile multiple", odd_k, True), ("prefill rows, odd N and K", (129, 1001, 95), False)]
+                   ("K not a tile multiple", odd_k, True), ("prefill rows, odd N and K", (129, 1001, 95), False),
+                   ("odd rows above 32, odd N", (33, 1001, 80) if cpu else (48, 1001, 4112), False)]
             for label, (M, N, K), q in bnd:  # 32001 columns take seconds in the interpreter
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dt, weight_dtype=wd):
                     out.append(CheckCase("boundaries", "gemm", name, f"{label},M={M},N={N},K={K},w={wd},dtype={dt}",
@@ -143,12 +133,16 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         dict(tokens=64, hidden=1024, inter=2048, vocab=32000, layers=4)
     dim_s = ",".join(f"{k}={v}" for k, v in dims.items())
     for fmt in ("fp8", "int8"):
-        for name in ("reference", "triton-wo"):
-            if _ok(name, arch, m=M, n=N, k=K, dtype=qname, weight_dtype=fmt):
-                out.append(CheckCase("quant", "gemm", name, f"output cosine vs fp32,{fmt},M={M},N={N},K={K},dtype={qname}",
-                                     _cosine(name, device, fmt, M, N, K, qdt)))
-                out.append(CheckCase("quant", "gemm", name, f"stack next-token KL,{fmt},{dim_s},dtype={qname}",
-                                     _kl(name, device, fmt, qdt, dims)))
+        for name in ("reference", "triton-wo", "gluon-wo", "gluon-wo-wgmma"):
+            rows = QUANT_ROWS.get(name, lambda m: m)
+            m, kd = rows(M), dict(dims, tokens=rows(dims["tokens"]))
+            kd_s = ",".join(f"{k}={v}" for k, v in kd.items())
+            if _ok(name, arch, m=m, n=N, k=K, dtype=qname, weight_dtype=fmt):
+                out.append(CheckCase("quant", "gemm", name, f"output cosine vs fp32,{fmt},M={m},N={N},K={K},dtype={qname}",
+                                     _cosine(name, device, fmt, m, N, K, qdt)))
+            if _ok(name, arch, m=kd["tokens"], n=kd["hidden"], k=kd["hidden"], dtype=qname, weight_dtype=fmt):
+                out.append(CheckCase("quant", "gemm", name, f"stack next-token KL,{fmt},{kd_s},dtype={qname}",
+                                     _kl(name, device, fmt, qdt, kd)))
     if _ok("triton-decode", arch, m=dims["tokens"], n=dims["hidden"], k=dims["hidden"], dtype=qname, weight_dtype=qname):
         out.append(CheckCase("quant", "gemm", "triton-decode", f"stack next-token KL,unquantised,{dim_s},dtype={qname}",
                              _kl("triton-decode", device, None, qdt, dims)))
@@ -157,7 +151,10 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                              _cosine("scaled-mm", device, "fp8-act", M, N, K, torch.bfloat16)))
         out.append(CheckCase("quant", "gemm", "scaled-mm", f"stack next-token KL,fp8 act x fp8 w,{dim_s}",
                              _kl("scaled-mm", device, "fp8", torch.bfloat16, dims)))
-    for name in ("reference", "cublas", "triton-decode", "triton-wo"):
+    for name in ("reference", "cublas", "triton-decode", "triton-wo", "gluon-wo", "gluon-wo-wgmma"):
+        if name.startswith("gluon") and not _ok(name, arch, m=4 if name == "gluon-wo" else 40, n=32, k=64,
+                                                  dtype="bf16", weight_dtype="int8"):
+            continue  # a Gluon kernel runs compiled on its GPUs only
         out.append(CheckCase("input", "gemm", name, "K mismatch, wrong dtype, scale shape, bias shape",
                              _bad_input(name, device)))
     return out

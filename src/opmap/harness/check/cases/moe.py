@@ -1,14 +1,18 @@
 """MoE check cases: every runnable MoE backend against the fp32 reference (and the reference
 against HF transformers' MixtralSparseMoeBlock), boundaries (an expert with no token, every
-token on one expert, one token, top_k == experts), bad input, CUDA-graph replay of ours."""
+token on one expert, one token, top_k == experts, past the one-launch routing of ours), bad
+input, CUDA-graph replay of ours."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
+from opmap.core import hw, registry
 from opmap.core.specs import MoESpec
 from opmap.core.tolerance import compare
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
+from opmap.kernels.moe.triton_moe import moe as triton_moe
+from opmap.ops.moe import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -33,10 +37,8 @@ def _outcome(out, want, dtype) -> Outcome:
 
 def _parity(backend, device, T, H, I, E, k, dtype, race_T=None, **kw):
     """``race_T``: the tokens to run under racecheck (see racecheck_child): the Qwen3-30B-A3B
-    shapes at T=64 did not finish racecheck within 400 s on the H200."""
+    shapes at T=64 did not finish racecheck within the sanitizer's time limit."""
     def run():
-        from opmap.ops.moe import reference
-
         t = race_T if race_T is not None and racecheck_child() else T
         route_kw = dict(kw)
         x, logits, w13, w2 = _inputs(device, t, H, I, E, dtype, seed=T, hot=route_kw.pop("hot", None),
@@ -53,11 +55,9 @@ def _parity(backend, device, T, H, I, E, k, dtype, race_T=None, **kw):
 
 def _vs_hf_mixtral(device):
     def run():
-        import torch.nn.functional as F
+        # transformers: optional and heavy, imported only where this case runs
         from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        from opmap.ops.moe import reference
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # the same optional package
 
         block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, intermediate_size=96, num_local_experts=8,
                                                     num_experts_per_tok=2)).eval().to(device)
@@ -88,9 +88,7 @@ def _bad_input(backend, device):
 
 def _graph_replay(device):
     def run():
-        from opmap.ops.moe import reference
-        from opmap.kernels.moe.triton_moe import moe
-
+        moe = triton_moe
         x, logits, w13, w2 = _inputs(device, 48, 256, 128, 16, torch.bfloat16)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -116,7 +114,7 @@ def _runnable(name: str, spec: MoESpec) -> bool:
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    arch = "cpu" if device == "cpu" else _cuda_arch()
+    arch = "cpu" if device == "cpu" else hw.local_arch()
     dtypes = ("fp32", "fp16") if device == "cpu" else ("bf16",)
     small = dict(T=17, H=48, I=40, E=8, k=2)
     out = []
@@ -138,7 +136,9 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
             bnd = [("T=1,k=2", dict(T=1, H=32, I=24, E=8, k=2)),
                    ("expert with no token,T=64", dict(T=64, H=32, I=16, E=8, k=2, cold=3)),
                    ("all tokens on one expert,T=40", dict(T=40, H=32, I=16, E=4, k=1, hot=1)),
-                   ("top_k == experts,T=3", dict(T=3, H=40, I=20, E=4, k=4))]
+                   ("top_k == experts,T=3", dict(T=3, H=40, I=20, E=4, k=4)),
+                   # ours routes and aligns in one launch up to 64 tokens, in two above
+                   ("past the one-launch routing,T=65", dict(T=65, H=32, I=16, E=8, k=2))]
             for label, kw in bnd:
                 if not _runnable(name, spec.replace(hidden=kw["H"], intermediate=kw["I"])):
                     continue
@@ -160,8 +160,3 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                                      quick=False, tags=("moe",)))
     return out
 
-
-def _cuda_arch() -> str:
-    from opmap.core.hw import local_arch
-
-    return local_arch()
