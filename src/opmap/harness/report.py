@@ -1,7 +1,8 @@
-"""`opmap report --model PRESET`, the main job: for one model on this device, every operator of
-one step in prefill and in decode with the backend the selector picks and why; the answers to
-the report's four questions (attention paths, where the sampler pipeline lives and how it
-falls back, MoE grouped vs loop, quantised paths); the quick correctness check of those
+"""`opmap report --model PRESET`, the main job: for one model on this device, every call of one
+prefill, decode and mixed step as the engine makes it (its step map resolved with the engine's
+defaults, ``opmap.engine.opset.planned_maps``) with the backend the selector picks and why; the
+answers to the report's four questions (attention paths, where the sampler pipeline lives and how
+it falls back, MoE grouped vs loop, quantised paths); the quick correctness check of those
 backends; on a GPU the benchmarks of those ops (and the engine's TTFT / TPOT when it is there).
 Writes report.md and report.json."""
 from __future__ import annotations

@@ -49,6 +49,9 @@ def roofline(doc: dict, path: Path) -> Optional[str]:
     return roofline_png({"environment": env, "results": list(rows.values())}, path)
 
 
+PHASE_COLOURS = {"prefill": "C0", "decode": "C1", "mixed": "C2"}  # the report's step maps
+
+
 def phases(doc: dict, path: Path) -> Optional[str]:
     """Stacked time per category and phase (the engine's profile), else the expected time of each
     operator call per phase (the nearest baseline case)."""
@@ -72,7 +75,7 @@ def phases(doc: dict, path: Path) -> Optional[str]:
             return "the engine did not run here and no operator has an expected time"
         fig, ax = plt.subplots(figsize=(8, 0.25 * len(items) + 1.2))
         labels = [f"{ph}: {lb}" for ph, lb, _ in items]
-        ax.barh(labels, [us for _, _, us in items], color=["C0" if ph == "prefill" else "C1" for ph, _, _ in items])
+        ax.barh(labels, [us for _, _, us in items], color=[PHASE_COLOURS.get(ph, "C3") for ph, _, _ in items])
         ax.invert_yaxis()
         ax.set_xscale("log")
         ax.set_xlabel(f"expected us per call (nearest {doc['baseline_gpu'].upper()} baseline case)")

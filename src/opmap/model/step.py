@@ -18,7 +18,7 @@ RMSNorm between blocks and before the LM head) is one slot.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from opmap.api.dispatch import entry_backend
@@ -62,7 +62,7 @@ class Resolved:
     choice: Optional[Choice]
     backend: Optional[Backend]
     error: Optional[str] = None
-    folded: tuple = field(default=())
+    folded: tuple = ()
 
     key = property(lambda self: self.slot.key)
     label = property(lambda self: self.slot.label)
