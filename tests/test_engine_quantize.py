@@ -413,8 +413,9 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
         runner = NS(weight_format=fmt, ops={}, decode_ops={1: ops}, model=NS(dequantised=[]), dtype=torch.bfloat16)
         return NS(runner=runner, ecfg=NS(kv_cache_dtype=None))
 
-    (wo,) = quant_lines(engine("triton-wo"))
-    assert wo == "fp8 weights, decode: QKV proj run `triton-wo`"
+    for name in ("triton-wo", "gluon-wo", "gluon-wo-wgmma"):  # each weight-only kernel by its backend's name
+        (wo,) = quant_lines(engine(name))
+        assert wo == f"fp8 weights, decode: QKV proj run `{name}`"
     (ref,) = quant_lines(engine("reference"))
     assert "run `reference` -> fallback: the weight is dequantised for a bf16 GEMM" in ref
     (dq,) = quant_lines(engine("dequant-cublas"))
@@ -427,7 +428,8 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
 def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_thread):
     """Quantised weights: an eager mixed step of MANY_ROWS rows or more runs the op set planned at
     M = MANY_ROWS (on sm90 the fp8 projections then go to scaled-mm, int8 ones to dequant-cublas; at
-    M unknown, triton-wo), fewer rows the one planned at M unknown; prefill steps and dense models
+    M unknown, triton-wo, the one weight-only kernel of any M), fewer rows the one planned at M
+    unknown; prefill steps and dense models
     keep one set. A run whose second prompt prefills beside the first one's decode takes it."""
     from opmap.engine import runner as R
     from opmap.core.select import select

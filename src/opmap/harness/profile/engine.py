@@ -256,7 +256,8 @@ def quant_lines(llm) -> list:
         for (phase, name), labels in by.items():
             line = f"{fmt} weights, {phase}: {', '.join(dict.fromkeys(labels))} run `{name}`"
             # the fp32 reference is the one registered gemm backend that dequantises the weight
-            # (triton-wo converts tiles in registers, scaled-mm reads fp8 and quantises the activations)
+            # (triton-wo and the gluon-wo kernels convert tiles in registers, scaled-mm reads fp8 and
+            # quantises the activations)
             if name == "reference":
                 line += (f" -> fallback: the weight is dequantised for a {dn} GEMM on every call "
                          "(twice the weight bytes of a weight-only kernel, or more)")
