@@ -43,7 +43,7 @@ def test_hf_sdpa_attention_is_cudnn_and_modules_name_the_rest():
         assert res["backends"]["GEMM"][0] == "cuBLAS"
     # without module frames the RMSNorm / RoPE elementwise kernels are named by the runs of ops that
     # spell them (symbols.json, motifs); with the frames, by their modules
-    for res, how in ((plain, "pattern"), (stack, "range")):
+    for res, how in ((plain, "motif"), (stack, "range")):
         cats = res["phases"]["decode"]["categories"]
         assert {"norm", "RoPE", "activation", "attention", "GEMM", "sampling"} <= set(cats)
         assert res["evidence"][how] > 0.1  # GEMMs (by their launcher) are most of the time at these shapes
@@ -52,7 +52,7 @@ def test_hf_sdpa_attention_is_cudnn_and_modules_name_the_rest():
 
 @pytest.mark.parametrize("name", sorted(p.name[:-len(".json.gz")] for p in DATA.glob("*.json.gz")))
 def test_at_least_90_percent_is_named(name):
-    assert _res(name)["other_fraction"] <= 0.1
+    assert _res(name)["unattributed"] <= 0.1
 
 
 def test_flashinfer_decode_loop_without_ranges():
@@ -71,28 +71,41 @@ def test_flashinfer_decode_loop_without_ranges():
     assert any("flashinfer::BatchPrefillWithPagedKVCacheKernel" in n for n in top), top
     cats = res["phases"]["decode"]["categories"]
     assert list(cats)[:2] == ["GEMM", "attention"] and cats["attention"] > 0.3 * res["phases"]["decode"]["gpu_ms"]
-    assert res["evidence"]["pattern"] > 0.05  # the metadata kernels, named by their motif
+    assert res["evidence"]["motif"] > 0.05  # the metadata kernels, named by their motif
     assert any("CUDA graphs not captured" in d for d in res["diagnosis"])
 
 
 def test_hf_eager_attention_is_pytorch_kernels_inside_the_attention_module():
+    """Unfused attention: the matmuls (cuBLAS) and the softmax (PyTorch) under eager_attention_forward
+    are attention's, in both phases; the projections (Linear modules) stay GEMMs."""
     res = _res("hf-llama-eager-stack")
-    assert res["backends"]["attention"] == ["PyTorch"]  # matmuls, softmax under eager_attention_forward
-    assert res["phases"]["prefill"]["categories"]["attention"] > 0
+    assert set(res["backends"]["attention"]) == {"PyTorch", "cuBLAS"}
+    for ph in ("prefill", "decode"):
+        p = res["phases"][ph]
+        assert p["categories"]["attention"] > 0 and "cuBLAS" in p["libraries"]["attention"]
+        assert p["categories"]["GEMM"] > 2 * p["libraries"]["attention"]["cuBLAS"]
 
 
-@pytest.mark.parametrize("name", ["hf-mixtral-sdpa-stack", "hf-qwen3moe-sdpa-stack"])
-def test_hf_moe_is_the_largest_operator_with_module_frames(name):
+@pytest.mark.parametrize("name", ["hf-mixtral-sdpa-stack", "hf-mixtral-sdpa", "hf-qwen3moe-sdpa-stack"])
+def test_hf_moe_is_the_largest_operator_of_prefill(name):
+    """Mixtral's and Qwen3-MoE's MoE blocks, by their module frames or (without them) by the block
+    between two norms that routes with a top-k and then multiplies; in decode, the experts' weight
+    gathers (vectorized_gather_kernel) are the MoE's, not memory copies."""
     res = _res(name)
-    assert _top(res, "prefill") == "MoE" and _top(res, "decode") == "MoE"
-    assert "MoE" in _res("hf-mixtral-sdpa")["phases"]["prefill"]["categories"]  # CUTLASS grouped GEMM by symbol
+    assert _top(res, "prefill") == "MoE"
+    dec = res["phases"]["decode"]
+    assert dec["categories"]["MoE"] > 5 * dec["categories"].get("memory copies", 0.0)
+    if name.startswith("hf-mixtral"):
+        assert _top(res, "decode") == "MoE"
+    else:  # Qwen3-MoE's 151936-token LM head is the larger GEMM at one token a step
+        assert _top(res, "decode") == "GEMM" and dec["categories"]["MoE"] > 0.3 * dec["categories"]["GEMM"]
 
 
 def test_torch_compile_kernels_are_inductor_and_cudnn():
     res = _res("hf-llama-compile")
-    assert res["other_fraction"] < 0.05
+    assert res["unattributed"] < 0.05
     assert "Inductor" in res["backends"]["norm"] and "Inductor" in res["backends"]["RoPE"]
-    assert res["backends"]["attention"] == ["cuDNN"]
+    assert res["backends"]["attention"][0] == "cuDNN"  # and the Memset its launch makes
 
 
 @pytest.mark.parametrize("name,attn", [("opmap-llama", "_decode_kernel"), ("opmap-deepseek", "_mla_decode")])

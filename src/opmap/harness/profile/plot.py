@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from opmap.harness.profile.analyze import category_of, steps_of
+from opmap.harness.profile import attribute
+from opmap.harness.profile.steps import steps_of
 from opmap.harness.profile.trace import Trace
 
 
@@ -20,13 +21,14 @@ def timeline_png(trace: Trace, path: str, steps: int = 4) -> Optional[str]:
     if not chosen:
         return "no GPU kernel in the trace"
     t0 = chosen[0]["ts"]
-    cats = sorted({category_of(k)[0] for s in chosen for k in s["kernels"]})
+    attrs = {id(k): a.category for s in chosen for k, a in zip(s["kernels"], attribute.step(s["kernels"]))}
+    cats = sorted(set(attrs.values()))
     cmap = plt.get_cmap("tab10")
     color = {c: cmap(i % 10) for i, c in enumerate(cats)}
     fig, ax = plt.subplots(figsize=(11, 2.8))
     for s in chosen:
         for k in s["kernels"]:
-            ax.barh(0, k.dur / 1e3, left=(k.ts - t0) / 1e3, color=color[category_of(k)[0]], height=0.6)
+            ax.barh(0, k.dur / 1e3, left=(k.ts - t0) / 1e3, color=color[attrs[id(k)]], height=0.6)
         ax.axvline((s["ts"] - t0) / 1e3, color="k", lw=0.5, alpha=0.4)
     ax.set_yticks([])
     ax.set_xlabel("ms from the first step's start")

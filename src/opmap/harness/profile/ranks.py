@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from opmap.harness.profile.analyze import _busy, analyze, category_of, measure, steps_of, union
+from opmap.harness.profile.analyze import analyze, category_of, intersect
+from opmap.harness.profile.analyze import format_lines as one
+from opmap.harness.profile.steps import busy, measure, steps_of, union
 from opmap.harness.profile.trace import Trace, load
 
 SUFFIXES = (".json", ".json.gz", ".sqlite")
@@ -23,19 +25,6 @@ def trace_files(paths: list) -> list:
     return out
 
 
-def _intersect(x: list, y: list) -> float:
-    i = j = 0
-    t = 0.0
-    while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        t += max(hi - lo, 0.0)
-        if x[i][1] < y[j][1]:
-            i += 1
-        else:
-            j += 1
-    return t
-
-
 def communication(trace: Trace) -> dict:
     """ms of communication (its union over streams), the share of it overlapped by compute on the
     same rank, and the libraries."""
@@ -47,7 +36,7 @@ def communication(trace: Trace) -> dict:
             libs[lib] += k.dur
     c, o = union(comm), union(other)
     total = measure(c)
-    return {"ms": round(total / 1e3, 4), "overlap": round(_intersect(c, o) / total, 4) if total else 0.0,
+    return {"ms": round(total / 1e3, 4), "overlap": round(intersect(c, o) / total, 4) if total else 0.0,
             "share": round(total / (measure(union(comm + other)) or 1.0), 4), "libraries": list(libs)}
 
 
@@ -60,7 +49,7 @@ def analyze_ranks(paths: list, progress: bool = False) -> dict:
         r["rank"] = i
         r["communication"] = communication(t)
         r["step_ms"] = [round(((s.get("wall_end", s["end"])) - s["ts"]) / 1e3, 4) for s in steps]
-        r["busy_ms"] = [round(_busy(s["kernels"]) / 1e3, 4) for s in steps]
+        r["busy_ms"] = [round(busy(s["kernels"]) / 1e3, 4) for s in steps]
         per.append(r)
     n = min(len(r["step_ms"]) for r in per) if per else 0
     slowest = Counter()
@@ -98,8 +87,6 @@ def rules(res: dict) -> list:
 
 
 def format_lines(res: dict) -> list:
-    from opmap.harness.profile.analyze import format_lines as one
-
     lines = []
     for r in res["ranks"]:
         c = r["communication"]

@@ -1,8 +1,11 @@
 """Trace readers: a PyTorch profiler Chrome trace (``.json`` / ``.json.gz``, as torch.profiler,
 vLLM's and SGLang's profilers and HF runs write it) and an Nsight Systems SQLite export (``nsys
 export --type sqlite``), both into one list of GPU kernels. Each kernel carries the CPU op that
-launched it (through the correlation id of its launch call) and the host ranges open at that
-launch (``record_function`` / NVTX: the engine's step and layer ranges, opmap's op ranges)."""
+launched it (through the correlation id of its launch call), that op's input shapes where they were
+recorded, and the host ranges open at that launch (``record_function`` / NVTX: the engine's step
+and layer ranges, opmap's op ranges). A kernel replayed by ``cudaGraphLaunch`` has no launching op
+of its own; where the trace holds the graph's capture, the launch recorded at the same place of
+the capture lends it its op, shapes and ranges."""
 from __future__ import annotations
 
 import gzip
@@ -25,6 +28,9 @@ class Kernel:
     launcher: Optional[str] = None  # the innermost CPU op around the launch call
     ranges: tuple = ()  # host ranges open at the launch, outermost first
     stream: Optional[int] = None
+    shapes: tuple = ()  # the launching op's input shapes, where recorded
+    graph: bool = False  # replayed by cudaGraphLaunch
+    launched: Optional[float] = None  # when the host launched it, us
 
 
 @dataclass
@@ -52,11 +58,12 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_RANGE_CATS = ("user_annotation", "python_function")
 # Python frames (a trace recorded with_stack=True) that name an operator: the nn.Module calls
 # ("nn.Module: LlamaRMSNorm_0") and the functions models call outside a module (HF's
-# apply_rotary_pos_emb, the attention-interface functions, the logits processors; not HF's
-# ``_sample``, the whole generate loop). The other frames are dropped on reading, so a
+# apply_rotary_pos_emb, the attention-interface functions, the attention-mask builders, the logits
+# processors; not HF's ``_sample``, the whole generate loop). The other frames are dropped on reading, so a
 # stack-heavy trace costs no memory for them.
 PY_FRAMES = re.compile(r"^nn\.Module: |apply_rotary_pos_emb|rotate_half|_attention_forward|repeat_kv|"
-                       r"LogitsProcessor|\): (sample|top_k_top_p|apply_penalties)$")
+                       r"LogitsProcessor|\): (sample|top_k_top_p|apply_penalties)$|\): (create_causal_mask|"
+                       r"create_sliding_window_causal_mask|create_block_mask|_prepare_4d_causal_attention_mask\w*)$")
 
 
 def kept(e: dict) -> bool:
@@ -64,6 +71,9 @@ def kept(e: dict) -> bool:
     return e.get("cat") != "python_function" or bool(PY_FRAMES.search(e.get("name", "")))
 _OP_CATS = ("cpu_op", "operator")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver", "runtime")
+# The runtime / driver calls a stream capture records as graph nodes, in the order the graph replays them.
+_NODE_CALLS = re.compile(r"^(cudaLaunchKernel|cuLaunchKernel|cudaLaunchCooperativeKernel|cudaMemcpy\w*Async|"
+                         r"cudaMemset\w*Async|cuMemcpy\w*Async|cuMemsetD\w*Async)")
 
 
 class _Counted:
@@ -124,18 +134,24 @@ def from_chrome(doc, source: str) -> Trace:
             host.setdefault((e.get("pid"), e.get("tid")), []).append(e)
             if cat in _LAUNCH_CATS and (e.get("args") or {}).get("correlation") is not None:
                 launches[e["args"]["correlation"]] = e
-    context = _host_context(host) if kernels else {}
-    out = []
+    context, captures = _host_context(host) if kernels else ({}, [])
+    out, replays = [], {}
     for k in kernels:
         corr = (k.get("args") or {}).get("correlation")
         launch = launches.get(corr)
-        op, ranges = context.get(id(launch), (None, ())) if launch is not None else (None, ())
+        op, ranges, shapes = context.get(id(launch), (None, (), ())) if launch is not None else (None, (), ())
         name = k.get("name", "")
         if k.get("cat") == "gpu_memcpy" and "Memcpy" not in name:
             name = "Memcpy " + name
         if k.get("cat") == "gpu_memset" and "Memset" not in name:
             name = "Memset " + name
-        out.append(Kernel(name, float(k["ts"]), float(k["dur"]), op, ranges, (k.get("args") or {}).get("stream")))
+        graph = launch is not None and launch.get("name", "").startswith("cudaGraphLaunch")
+        out.append(Kernel(name, float(k["ts"]), float(k["dur"]), op, ranges, (k.get("args") or {}).get("stream"),
+                          shapes, graph, float(launch["ts"]) if launch is not None else None))
+        if graph:
+            replays.setdefault(corr, (launch["ts"], []))[1].append(out[-1])
+    if captures and replays:
+        _lend_captures(replays, captures)
     kind = "chrome"
     if not kernels:  # a CPU run (e.g. torch.distributed over gloo): its outermost CPU ops stand for kernels
         out, kind = _cpu_ops(host), "chrome-cpu"
@@ -170,19 +186,63 @@ def _cpu_ops(host: dict) -> list:
         for e, stack in _sweep(evs):
             if _is_op(e) and not any(_is_op(x) for x in stack):
                 ranges = tuple(x["name"] for x in stack if x.get("cat") in _HOST_RANGE_CATS)
-                out.append(Kernel(e["name"], float(e["ts"]), float(e["dur"]), e["name"], ranges, tid))
+                out.append(Kernel(e["name"], float(e["ts"]), float(e["dur"]), e["name"], ranges, tid, _dims(e)))
     return out
 
 
-def _host_context(host: dict) -> dict:
-    """id(launch event) -> (innermost CPU op, host ranges open), by a stack sweep per thread."""
-    out = {}
+def _dims(op: Optional[dict]) -> tuple:
+    dims = ((op or {}).get("args") or {}).get("Input Dims")
+    return tuple(tuple(d) if isinstance(d, list) else () for d in dims) if isinstance(dims, list) else ()
+
+
+def _host_context(host: dict) -> tuple[dict, list]:
+    """id(launch event) -> (innermost CPU op, host ranges open, the op's input shapes), by a stack
+    sweep per thread; and the stream captures: per capture (its end's ts, the contexts of the
+    graph-node calls it recorded, in order)."""
+    out, captures = {}, []
     for evs in host.values():
+        cap = None
         for e, stack in _sweep(evs):
-            if e.get("cat") in _LAUNCH_CATS:
-                op = next((s["name"] for s in reversed(stack) if s.get("cat") in _OP_CATS), None)
-                out[id(e)] = (op, tuple(s["name"] for s in stack if s.get("cat") in _HOST_RANGE_CATS))
-    return out
+            if e.get("cat") not in _LAUNCH_CATS:
+                continue
+            name = e.get("name", "")
+            if name.startswith("cudaStreamBeginCapture"):
+                cap = []
+            elif name.startswith("cudaStreamEndCapture"):
+                if cap:
+                    captures.append((e["ts"], cap))
+                cap = None
+            op = next((s for s in reversed(stack) if s.get("cat") in _OP_CATS), None)
+            ctx = (op["name"] if op else None, tuple(s["name"] for s in stack if s.get("cat") in _HOST_RANGE_CATS),
+                   _dims(op))
+            out[id(e)] = ctx
+            if cap is not None and _NODE_CALLS.match(name):
+                cap.append(ctx)
+    return out, sorted(captures, key=lambda c: c[0])
+
+
+def _lent(r: str) -> bool:
+    return bool(PY_FRAMES.search(r)) or (r.startswith("opmap::") and not r.startswith("opmap::step::"))
+
+
+def _lend_captures(replays: dict, captures: list) -> None:
+    """Each graph replay's kernels (one cudaGraphLaunch: one correlation id, in time order) take the
+    op, ranges and shapes of the launches at the same places of a capture that recorded as many
+    graph nodes: the latest such capture before the replay (an engine captures one graph per batch
+    size, in one code path, so captures of equal length launch the same ops). A replay no capture
+    matches keeps what its own launch tells (the ranges open at cudaGraphLaunch)."""
+    for ts, ks in replays.values():
+        ks.sort(key=lambda k: k.ts)
+        same = [c for end, c in captures if len(c) == len(ks)]
+        before = [c for end, c in captures if len(c) == len(ks) and end <= ts]
+        cap = (before or same or [None])[-1]
+        if cap is None:
+            continue
+        for k, (op, ranges, shapes) in zip(ks, cap):
+            if k.launcher is None:
+                k.launcher, k.shapes = op, shapes
+                # the capture's frames, not its step ranges (the replay belongs to its own step)
+                k.ranges = k.ranges + tuple(r for r in ranges if r not in k.ranges and _lent(r))
 
 
 # ---- Nsight Systems SQLite exports --------------------------------------------------------------
@@ -219,13 +279,14 @@ def _nsys(p: Path) -> Trace:
     out = []
     for start, end, nm, corr, stream in rows:
         name = strings.get(nm, str(nm)) if isinstance(nm, int) else str(nm)
-        open_ = ()
+        open_, t = (), None
         if corr in launches:
             t, tid = launches[corr]
             spans = nvtx.get(tid, [])
             i = bisect_right(spans, (t, float("inf"), ""))
             open_ = tuple(n for s, e, n in spans[:i] if s <= t <= e)
-        out.append(Kernel(name, start / 1e3, (end - start) / 1e3, None, open_, stream))
+        out.append(Kernel(name, start / 1e3, (end - start) / 1e3, None, open_, stream,
+                          launched=t / 1e3 if t is not None else None))
     for table_, label in (("CUPTI_ACTIVITY_KIND_MEMCPY", "Memcpy"), ("CUPTI_ACTIVITY_KIND_MEMSET", "Memset")):
         if table_ in tables:
             for start, end in db.execute(f"SELECT start, end FROM {table_}"):

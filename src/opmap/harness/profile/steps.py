@@ -1,0 +1,171 @@
+"""A trace's engine steps and their phases: the step ranges where the engine emits them (opmap's,
+vLLM's and SGLang's model-runner calls, TensorRT-LLM-style ``execute_context_N(...)_generation_M(...)``
+ranges, the profiler's step marks), else the host's token readbacks, else bursts of GPU work; each
+step labelled prefill / decode / mixed from its range name, its attention kernels or its GPU time."""
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+import statistics
+
+from opmap.harness.profile import attribute
+from opmap.harness.profile.trace import Trace
+
+# Step ranges: opmap's, vLLM's and SGLang's model-runner calls, a context / generation batch, the profiler's step marks.
+_STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
+                                   r"^execute_context_\d+\(", r"^ProfilerStep#\d+$")]
+# "execute_context_1(888_788544)_generation_0(0)": 1 context (prefill) request, 0 generation (decode) requests
+_CTX_GEN = re.compile(r"^execute_context_(\d+)\(.*_generation_(\d+)\(")
+# FlashInfer's tensor-core decode (use_tensor_cores=True) launches its prefill kernel without a
+# mask (MaskMode 0) on 16-row query tiles; a causal prefill has MaskMode 1.
+_DECODE = re.compile(r"(?i)decode|splitkv|split_kv|paged_attention|xqa|mmha|flash_fwd_splitkv|flash_mla|flashmla|"
+                     r"unified_attention|BatchPrefillWithPagedKVCacheKernel<\w+, flashinfer::KernelTraits<"
+                     r"\(flashinfer::MaskMode\)0, 16u")
+# Kernels that serve one phase only; cuDNN / PyTorch SDPA and FlashAttention's plain forward run
+# HF's decode steps as well as its prefill, so they say nothing of the phase.
+_PREFILL = re.compile(r"(?i)prefill|fmha|RaggedKVCache|_prefill_tma_kernel|context_attention")
+
+
+@functools.lru_cache(maxsize=65536)
+def is_step(name: str) -> bool:
+    return any(p.search(name) for p in _STEP)
+
+
+def steps_of(trace: Trace) -> list[dict]:
+    """Engine steps: the step ranges where the engine emits them (kernels by the range open at
+    their launch), else bursts of GPU work split at host gaps. Each: name, kernels, ts, end."""
+    ks = trace.kernels
+    named = [r for r in trace.ranges if is_step(r[0])]
+    if named and ks:
+        by_name: dict = {}
+        starts = [r[1] for r in named]
+        of_name: dict = {}  # range name -> its ranges' starts and the ranges, in time order
+        for r in named:
+            of_name.setdefault(r[0], ([], []))
+            of_name[r[0]][0].append(r[1])
+            of_name[r[0]][1].append(r)
+        for k in ks:
+            want = next((r for r in reversed(k.ranges) if is_step(r)), None)
+            if want is not None:
+                by_name.setdefault(_launch_step(k, want, of_name), []).append(k)
+            elif trace.kind == "chrome-cpu":
+                # an op of another thread (gloo's collectives): the step range its time falls in
+                i = bisect.bisect_right(starts, k.ts) - 1
+                if i >= 0 and k.ts <= named[i][1] + named[i][2]:
+                    by_name.setdefault(named[i], []).append(k)
+        steps = []
+        for (name, ts, dur), kk in sorted(by_name.items(), key=lambda x: x[0][1]):
+            steps.append({"name": name, "kernels": kk, "ts": ts, "end": max(ts + dur, max(k.ts + k.dur for k in kk))})
+        if steps:
+            return steps
+    if not ks:
+        return []
+    by_sync = _split_at_readbacks(ks)
+    if by_sync is not None:
+        return _with_wall(by_sync)
+    gaps = [b.ts - (a.ts + a.dur) for a, b in zip(ks, ks[1:])]
+    cut = max(50.0, 20 * statistics.median([g for g in gaps if g > 0] or [1.0]))
+    steps, cur = [], [ks[0]]
+    for k, g in zip(ks[1:], gaps):
+        if g > cut:
+            steps.append(cur)
+            cur = []
+        cur.append(k)
+    steps.append(cur)
+    return _with_wall(steps)
+
+
+def _with_wall(steps: list) -> list:
+    out = [{"name": None, "kernels": s, "ts": s[0].ts, "end": max(k.ts + k.dur for k in s)} for s in steps]
+    # a step's wall time runs to the next step's start: the host's gap between them is the step's too
+    for s, nxt in zip(out, out[1:]):
+        s["wall_end"] = nxt["ts"]
+    return out
+
+
+def _split_at_readbacks(ks: list):
+    """Steps of an engine that emits no step range: each step ends where the host reads a result
+    back (a device-to-host copy: the sampled tokens, the stop check), the pattern of HF generate
+    and of most engines' loops; where the run samples on the GPU, the first readback after the
+    sampling kernels. A stretch of fewer than a quarter of the longest stretch's kernels
+    (a second readback in one step, the set-up before the first forward) joins its neighbour.
+    None where fewer than two steps result."""
+    # Where the run samples on the GPU, only a readback after a sampling kernel ends a step: the
+    # copies a step makes before it samples (FlashInfer's plan reading the page offsets, a
+    # nonzero's count) are part of it.
+    chooses = [attribute.chooses(k) for k in ks]
+    sampled = any(chooses)
+    parts, cur, seen = [], [], False
+    for k, c in zip(ks, chooses):
+        cur.append(k)
+        seen = seen or c
+        if attribute.readback(k) and (seen or not sampled):
+            parts.append(cur)
+            cur, seen = [], False
+    if cur:
+        parts.append(cur)
+    if len(parts) < 2:
+        return None
+    small = max(len(p) for p in parts) / 4
+    steps: list = []
+    pending: list = []  # small stretches before the first full step
+    for p in parts:
+        if len(p) >= small:
+            steps.append(pending + p)
+            pending = []
+        elif steps:
+            steps[-1].extend(p)
+        else:
+            pending.extend(p)
+    if pending:
+        steps.append(pending) if not steps else steps[-1].extend(pending)
+    return steps if len(steps) >= 2 else None
+
+
+def _launch_step(k, want: str, of_name: dict) -> tuple:
+    """The step range (name, ts, dur) named ``want`` (the innermost step range open at k's launch)
+    that started last before k."""
+    starts, rs = of_name.get(want, ((), ()))
+    i = bisect.bisect_right(starts, k.ts if k.launched is None else k.launched) - 1
+    return rs[i] if i >= 0 else (want, k.ts, 0.0)
+
+
+def label(step: dict, median_busy_us: float) -> tuple[str, str]:
+    """(phase, confidence) of a step: from its range name (high), from the attention kernels it
+    ran (medium), else from its GPU busy time against the run's median step (low: a prefill
+    step computes over the prompt, a decode step over one token per sequence)."""
+    name = step["name"] or ""
+    m = re.match(r"^opmap::step::(\w+)$", name)
+    if m:
+        return m.group(1), "high"
+    m = _CTX_GEN.match(name)
+    if m:
+        ctx, gen = int(m.group(1)), int(m.group(2))
+        return ("mixed" if ctx and gen else "prefill" if ctx else "decode"), "high"
+    att = [k.name for k in step["kernels"] if attribute.of(k).category == "attention"]
+    dec = any(_DECODE.search(n) for n in att)
+    pre = any(_PREFILL.search(n) and not _DECODE.search(n) for n in att)
+    if dec or pre:
+        return ("mixed" if dec and pre else "decode" if dec else "prefill"), "medium"
+    return ("prefill" if busy(step["kernels"]) >= 1.15 * median_busy_us else "decode"), "low"
+
+
+def union(intervals) -> list:
+    """Disjoint [start, end] spans covering the given (start, end) intervals, in order."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def measure(spans: list) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def busy(kernels) -> float:
+    """Time covered by at least one of the kernels."""
+    return measure(union((k.ts, k.ts + k.dur) for k in kernels))
