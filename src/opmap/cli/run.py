@@ -142,6 +142,10 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
                    help="analyse this trace instead of running the engine: a PyTorch profiler Chrome trace "
                         "(.json / .json.gz; vLLM, SGLang, HF transformers, opmap) or an Nsight Systems SQLite export; "
                         "repeat it (or give a folder) for the ranks of one tensor / expert parallel run")
+    p.add_argument("--baseline", default=None, metavar="FILE",
+                   help="with one --trace (the run after a change): the trace of the same workload before it; "
+                        "prints which operator moved: ms per step of each phase and category before and after, the "
+                        "kernels that appeared or vanished, the step time's change explained by the categories")
     p.add_argument("--png", type=_out_file, default=None, help="with --trace: write a timeline of the first steps")
     p.add_argument("--json", type=_out_file, default=None, help="with --trace: write the analysis as JSON")
     p.add_argument("--steps", type=positive, default=40, help="engine steps to profile")
@@ -293,6 +297,8 @@ def cli_trace(args) -> int:
         from opmap.core.contract import InputError
 
         raise InputError("--trace", repr(args.trace), "trace files, or a folder holding them")
+    if args.baseline:
+        return _trace_diff(args, files)
     if len(files) > 1:
         res = ranks.analyze_ranks(files, progress=True)
         for line in ranks.format_lines(res):
@@ -315,6 +321,28 @@ def cli_trace(args) -> int:
     if args.png:
         why = plot.timeline_png(t, args.png)
         print(f"wrote {args.png}" if why is None else f"no timeline: {why}")
+    return 0
+
+
+def _trace_diff(args, files: list) -> int:
+    """`opmap profile --trace AFTER --baseline BEFORE`: which operator moved between two traces."""
+    from opmap.core.contract import InputError
+    from opmap.harness.profile import analyze
+    from opmap.harness.profile import diff
+    from opmap.harness.profile import trace
+
+    if len(files) != 1:
+        raise InputError("--baseline", f"{len(files)} --trace files", "one --trace file (the run after the change)")
+    before = analyze.analyze(trace.load(args.baseline, progress=True))
+    after = analyze.analyze(trace.load(files[0], progress=True))
+    d = diff.compare(before, after)
+    for line in diff.format_lines(d):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"before": analyze.summary_json(before), "after": analyze.summary_json(after), "diff": d}, f,
+                      indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -28,7 +28,7 @@ NONE = "unattributed"
 _OP_RANGE = re.compile(r"^opmap::(\w+)::")
 _COPY_OPS = {"copy_", "_to_copy", "to", "contiguous", "clone"}
 _CHOOSE = re.compile(r"(?i)argmax|multinomial|sampl|gumbel|exponential")
-_RANDOM = re.compile(r"(?i)multinomial|exponential|uniform_|distribution|SamplingFrom|gumbel|_sample_")
+_RANDOM = re.compile(r"(?i)multinomial|exponential|SamplingFrom|gumbel|_sample_")
 
 
 class Attr(NamedTuple):
