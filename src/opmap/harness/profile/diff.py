@@ -45,7 +45,7 @@ def compare(before: dict, after: dict, min_share: float = 0.005) -> dict:
         fb, fa = _families(b), _families(a)
         floor_b, floor_a = min_share * _per_step(b, "gpu_ms"), min_share * _per_step(a, "gpu_ms")
         libs = {c: (list(b["libraries"].get(c, {})), list(a["libraries"].get(c, {}))) for c in cats
-                if list(b["libraries"].get(c, {})) != list(a["libraries"].get(c, {}))}
+                if set(b["libraries"].get(c, {})) != set(a["libraries"].get(c, {}))}
         out[ph] = {
             "steps": (b["steps"], a["steps"]),
             "wall_ms": (_per_step(b, "wall_ms"), _per_step(a, "wall_ms")),

@@ -59,11 +59,13 @@ _HOST_RANGE_CATS = ("user_annotation", "python_function")
 # Python frames (a trace recorded with_stack=True) that name an operator: the nn.Module calls
 # ("nn.Module: LlamaRMSNorm_0") and the functions models call outside a module (HF's
 # apply_rotary_pos_emb, the attention-interface functions, the attention-mask builders, the logits
-# processors; not HF's ``_sample``, the whole generate loop). The other frames are dropped on reading, so a
+# processors, an engine's model-runner call (vLLM's execute_model: a step); not HF's ``_sample``, the
+# whole generate loop). The other frames are dropped on reading, so a
 # stack-heavy trace costs no memory for them.
 PY_FRAMES = re.compile(r"^nn\.Module: |apply_rotary_pos_emb|rotate_half|_attention_forward|repeat_kv|"
                        r"LogitsProcessor|\): (sample|top_k_top_p|apply_penalties)$|\): (create_causal_mask|"
-                       r"create_sliding_window_causal_mask|create_block_mask|_prepare_4d_causal_attention_mask\w*)$")
+                       r"create_sliding_window_causal_mask|create_block_mask|_prepare_4d_causal_attention_mask\w*)$|"
+                       r"model_runner\w*\.py\(\d+\): (execute_model|run_batch|forward_batch\w*)$")
 
 
 def kept(e: dict) -> bool:
