@@ -22,7 +22,15 @@ def test_cases_are_well_formed():
     assert "B=64,kv=4096,h=32/8,d=128,page=16,dtype=bf16" in full
     assert "B=1,kv=32768,h=32/8,d=128,page=16,dtype=fp8" in full
     names = {p.name for c in BA.cases(True) if c.op == "attention.decode" for p in c.providers}
-    assert {"opmap-triton", "cudnn-sdpa", "torch-sdpa-flash", "torch-flex", "flashinfer"} <= names
+    assert {"opmap-triton", "opmap-gluon-fp8", "cudnn-sdpa", "torch-sdpa-flash", "torch-flex", "flashinfer"} <= names
+    # each of our rows is one backend's kernel, named after it; a variant row tunes that kernel only
+    for c in BA.cases(False):
+        for p in c.providers:
+            if p.name.startswith("opmap-") and p.backend:
+                assert p.name.split("[")[0] == f"opmap-{p.backend[1]}", p.name
+    fp8 = next(c for c in BA.cases(True) if c.case == "B=1,kv=32768,h=32/8,d=128,page=16,dtype=fp8")
+    rows = {p.name for p in fp8.providers}
+    assert {"opmap-gluon-fp8[split_tokens=512]", "opmap-triton[pf=0]"} <= rows and not any("gl=" in r for r in rows)
 
 
 def test_providers_agree_on_a_tiny_instance():
@@ -33,7 +41,7 @@ def test_providers_agree_on_a_tiny_instance():
         phase = "decode" if q_lens[0] == 1 else "prefill"
         if phase == "decode":
             inp["q"] = inp["q"].view(2, 4, BA.D)
-        ours = BA._ours(phase)(inp)().reshape(ref.shape)
+        ours = BA._ours("triton", phase)(inp)().reshape(ref.shape)
         assert_close(ours, ref, torch.float32, scale=4.0)
         flash = BA._sdpa("FLASH_ATTENTION", causal=phase == "prefill")(inp)()  # [B, Hq, S_q, D]
         assert_close(flash.transpose(1, 2).reshape(ref.shape), ref, torch.float32, scale=4.0)
@@ -65,17 +73,18 @@ def test_tile_variants_run_and_agree():
 
 
 def test_page64_prefill_rows_agree_on_a_tiny_instance():
-    """The page-64 prefill cases: the default (the TMA kernel on a GPU), the gather kernel and SDPA on
-    the same pages."""
+    """The page-64 prefill cases: the TMA kernel (triton-tma, the selector's there under CUDA graphs),
+    the gather kernel (triton) and SDPA on the same pages."""
     torch.manual_seed(1)
     inp = BA._paged(2, 80, 2, [80, 80], 4, False, "cpu", dt=torch.float16, page=64)
     ref = R.prefill(inp["q"].float(), inp["kc"].float(), inp["vc"].float(), inp["cu"], inp["seq_lens"], inp["bt"],
                     scale=inp["scale"])
     names = {p.name for c in BA.cases(True) if c.case.startswith("B=1,S=8192") and "page=64" in c.case
              for p in c.providers}
-    assert {"opmap-triton", "opmap-triton[tma=0]", "cudnn-sdpa"} <= names and "torch-flex" not in names
-    for cfg in (None, dict(TMA=0), dict(TMA=1)):
-        assert_close(BA._ours("prefill", config=cfg)(inp)().float(), ref, torch.float16, scale=2.0)
+    assert {"opmap-triton", "opmap-triton-tma", "opmap-triton-tma[s=2]", "cudnn-sdpa"} <= names
+    assert "torch-flex" not in names
+    for backend in ("triton", "triton-tma"):
+        assert_close(BA._ours(backend, "prefill")(inp)().float(), ref, torch.float16, scale=2.0)
     flash = BA._sdpa("FLASH_ATTENTION", causal=True)(inp)()
     assert_close(flash.transpose(1, 2).reshape(ref.shape).float(), ref, torch.float16, scale=4.0)
 
@@ -86,7 +95,7 @@ def test_public_decode_rows_agree_with_the_workspace_row():
     torch.manual_seed(1)
     inp = BA._paged(2, 40, 2, [1, 1], 4, False, "cpu", dt=torch.float32)
     inp["q"] = inp["q"].view(2, 4, BA.D)
-    want = BA._ours("decode")(inp)()
+    want = BA._ours("triton", "decode")(inp)()
     assert_close(BA._public_decode(False)(inp)(), want, torch.float32)
     out, lse = BA._public_decode(True)(inp)()
     assert_close(out, want, torch.float32)

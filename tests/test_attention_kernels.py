@@ -238,21 +238,34 @@ def test_fp16_dots_only_for_fp8_caches_and_16_bit_queries():
     assert not fp16_dots(torch.bfloat16, torch.bfloat16) and not fp16_dots(torch.float16, torch.float16)
 
 
-def test_gluon_fp8_decode_only_where_it_serves():
-    """decode_fp8.usable: never in the interpreter, and only fp8 caches at head dim 128 with 16-bit
-    queries, at most 16 query heads per KV head, 16-byte aligned rows (checked before any device query)."""
+def test_gluon_fp8_decode_refuses_what_it_cannot_serve():
+    """decode_fp8 (the gluon-fp8 backend) checks on the tensors what its backend declares, and a call
+    it cannot serve is an InputError naming the argument (never another kernel): a 16-bit cache,
+    another head dim, fp32 queries, 17 query heads per KV head, cache rows not 16-byte aligned,
+    then (everything else right) a device that cannot run Gluon (this CPU, the interpreter)."""
+    from opmap.core.contract import InputError
     from opmap.kernels.attention import decode_fp8 as F
 
     fp8 = torch.float8_e4m3fn
     kc = torch.zeros(4, 16, 8, 128, dtype=fp8)
     q = torch.zeros(2, 32, 128, dtype=torch.float16)
-    assert not F.usable(q, kc, kc, interpreted=True)
-    assert not F.usable(q, kc.to(torch.float16), kc.to(torch.float16), interpreted=False)
-    assert not F.usable(q[..., :64], kc[..., :64], kc[..., :64], interpreted=False)
-    assert not F.usable(q.float(), kc, kc, interpreted=False)
-    assert not F.usable(torch.zeros(2, 136, 128, dtype=torch.float16), kc, kc, interpreted=False)  # 17 per KV head
     strided = torch.zeros(4, 16, 8, 136, dtype=fp8)[..., :128]  # 136-byte rows: not 16-byte aligned
-    assert not F.usable(q, strided, strided, interpreted=False)
+    for args, arg, what in [((q, kc.half(), kc.half()), "k_cache", "float8_e4m3fn"),
+                            ((q[..., :64], kc[..., :64], kc[..., :64]), "q", "128"),
+                            ((q.float(), kc, kc), "q", "float16 or bfloat16"),
+                            ((torch.zeros(2, 136, 128, dtype=torch.float16), kc, kc), "q", "at most 16"),
+                            ((q, strided, strided), "k_cache", "16-byte aligned"),
+                            ((q, kc, kc), "q", "sm89 or newer")]:
+        with pytest.raises(InputError, match=what) as e:
+            F.check_inputs(*args)
+        assert e.value.arg == arg
+    pc = make_paged([40, 3], 8, 128, 16, fp8=True)
+    qd, _ = make_query([1, 1], 32, 128, dtype=F16)
+    with pytest.raises(InputError, match="sm89 or newer"):  # the entry too, before any launch
+        F.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.1, **pc.kw)
+    with pytest.raises(InputError, match="config"):  # its tiles are fixed: config= takes no key
+        F.decode(qd, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.1, config=dict(BLOCK_N=32),
+                 **pc.kw)
 
 
 @pytest.mark.parametrize("case", [c for c in PREFILL if c[-1]], ids=[c[0] for c in PREFILL if c[-1]])

@@ -23,12 +23,22 @@ def test_case_grid():
 
 
 def test_providers_agree_on_tiny_inputs():
+    """Every row of the 16-bit decode case (the pointer and TMA kernels and their variants, SDPA)
+    gives the pointer kernel's result; each of ours is one backend's kernel, named after it."""
     dec = bm._decode_case(2, 16, 96, False, quick=False)
     inp = bm._setup(2, 16, 96, False, dt=torch.float16)("cpu")
     outs = {p.name: p.make(inp)() for p in dec.providers if p.name != "flashinfer"}
+    assert {"opmap-triton", "opmap-tma", "opmap-tma[s=2]"} <= set(outs)
     ref = outs.pop("opmap-triton")
     for name, o in outs.items():
         assert_close(o, ref, what=name)
+    for c in bm.cases(quick=False):
+        for p in c.providers:
+            if p.name.startswith("opmap-"):
+                assert p.backend and p.name.split("[")[0] == "opmap-" + p.backend[1].removeprefix("mla-"), p.name
+    f8 = bm._decode_case(1, 16, 4096, True, quick=True)
+    assert {"opmap-triton", "opmap-tma", "opmap-gluon-fp8", "opmap-gluon-fp8[splits=256,min=128]"} <= {
+        p.name for p in f8.providers}
     sp = bm._sparse_case(1, 200, 64, False)
     inp = bm._setup(1, 128, 200, False, k=64, dt=torch.float16)("cpu")
     o = [p.make(inp)() for p in sp.providers]

@@ -139,7 +139,7 @@ def test_declarations_split_mla_from_gqa():
     mla = AttentionSpec(kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512,
                         page_size=64, arch="sm90", cuda_graph=True)
     ch = select.select("attention", mla, runtime=False)
-    assert ch.name == "mla-triton", ch.explain()
+    assert ch.name == "mla-tma", ch.explain()  # pages of 64, a 16-bit cache: the TMA kernel's backend
     gqa = AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128, arch="sm90")
     for b in registry.backends("attention"):
         if b.name.startswith("mla-"):

@@ -1,12 +1,20 @@
 """MLA Triton kernels (interpreter, fp32/fp16, small rank/heads plus one real-rank case) against
 the fp32 reference: page boundaries, shuffled pages, split-KV, fp8 cache, sparse indices,
-workspace reuse after re-planning, chunked prefill with a cached prefix, append."""
+workspace reuse after re-planning, chunked prefill with a cached prefix, append. The pointer
+kernel is the mla-triton backend's (decode.py), the TMA kernel mla-tma's (decode_tma.py); the Gluon
+fp8 kernel (mla-gluon-fp8, decode_fp8.py) does not run here: its refusals and split plan are
+checked, its numbers by tests/gpu/test_mla_gpu.py."""
 import pytest
 import torch
 
+from opmap.core import registry
+from opmap.core import select
 from opmap.core.contract import InputError
+from opmap.core.specs import AttentionSpec
 from opmap.kernels.mla import append as ap
+from opmap.kernels.mla import common
 from opmap.kernels.mla import decode as dec
+from opmap.kernels.mla import decode_tma as tma
 from opmap.kernels.mla import prefill as pf
 from opmap.ops.mla import reference as ref
 from opmap.harness.fixtures.mla import make_cache, sparse_indices
@@ -113,7 +121,7 @@ def test_sparse_decode_and_its_errors():
                                  return_lse=True)
     ws = dec.make_workspace(3, H, R, "cpu", num_splits=3, split_min=8)
     got = dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, scale=0.2,
-                                return_lse=True, workspace=ws, config=dict(BLOCK_H=16, BLOCK_N=8, num_warps=4, num_stages=1, TMA=0))
+                                return_lse=True, workspace=ws, config=dict(BLOCK_H=16, BLOCK_N=8, num_warps=4, num_stages=1))
     _check(got, want, torch.float16)
     # every position of every sequence = the dense result
     full = torch.full((3, 90), -1, dtype=torch.int32)
@@ -301,27 +309,30 @@ def test_prefill_empty_sequence_with_padding_table_row():
     assert_close(pf.mla_prefill(*args, scale=0.2), ref.mla_prefill(*args, scale=0.2))
 
 
-def test_decode_config_follows_the_h200_grid(monkeypatch):
-    """>= 64 heads: the TMA kernel's 64-head blocks; below 64 its 16-head blocks with 32-token
-    tiles at three stages, two programs per SM; the pointer kernel's 64-head blocks only at batch
-    >= 64; the split plan counts one 8-warp program per SM, so B=64 x 128 heads does not split."""
-    from opmap.kernels.mla import decode as D
-
-    monkeypatch.setattr(D, "_sm_count", lambda device: 132)
-    tma128, tma16 = D._tma_config(128), D._tma_config(16)
-    assert tma128 == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1, GLUON=1) and D._per_sm(tma128) == 1
-    assert tma16 == dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1, GLUON=1) and D._per_sm(tma16) == 2
-    assert D._per_sm(dict(tma16, num_stages=4)) == 1 and D._per_sm(dict(tma16, num_stages=2)) == 2
-    assert D._per_sm(dict(tma16, BLOCK_N=64, num_stages=2)) == 1
-    assert D._pointer_config(128, 512, 64) == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0, GLUON=1)
-    assert D._pointer_config(128, 512, 16) == D._pointer_config(16, 512, 128) == dict(
-        BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=0, GLUON=1)
-    assert D.plan_splits(64, 128, "cuda", 64, 8) == 1 and D.plan_splits(64, 128, "cuda", 64, 4) == 2
-    assert D.plan_splits(1, 16, "cuda") == 128 and D.plan_splits(16, 128, "cuda") == 2
-    assert D.plan_splits(64, 16, "cuda", 16, 4, D._per_sm(dict(tma16, BLOCK_N=64, num_stages=2))) == 2
-    assert D.plan_splits(64, 16, "cuda", 16, 4, D._per_sm(D._pointer_config(16, 512, 64))) == 4
+def test_decode_configs_and_split_plans_follow_the_h200_grid(monkeypatch):
+    """The TMA kernel (mla-tma): 64-head blocks from 64 heads, below 64 16-head blocks with 32-token
+    tiles at three stages, two programs per SM; the pointer kernel (mla-triton): 64-head blocks only
+    at batch >= 64; each backend's workspace plans its own kernel's wave, so B=64 x 128 heads on the
+    TMA kernel does not split."""
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)
+    tma128, tma16 = tma.default_config(128), tma.default_config(16)
+    assert tma128 == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3) and tma.per_sm(tma128) == 1
+    assert tma16 == dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3) and tma.per_sm(tma16) == 2
+    assert tma.per_sm(dict(tma16, num_stages=4)) == 1 and tma.per_sm(dict(tma16, num_stages=2)) == 2
+    assert tma.per_sm(dict(tma16, BLOCK_N=64, num_stages=2)) == 1
+    assert dec.default_config(128, 512, 64) == dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1)
+    assert dec.default_config(128, 512, 16) == dec.default_config(16, 512, 128) == dict(
+        BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    assert common.plan_splits(64, 128, "cuda", 64, 8) == 1 and common.plan_splits(64, 128, "cuda", 64, 4) == 2
+    assert common.plan_splits(1, 16, "cuda") == 128 and common.plan_splits(16, 128, "cuda") == 2
+    assert tma.make_workspace(64, 128, 512, "cpu").num_splits == 1
+    assert tma.make_workspace(64, 16, 512, "cpu", config=dict(BLOCK_N=64, num_stages=2)).num_splits == 2
+    assert dec.make_workspace(64, 16, 512, "cpu").num_splits == 4  # 4-warp programs, two an SM
+    assert dec.make_workspace(64, 128, 512, "cpu").num_splits == 1  # 64-head blocks on 8 warps
+    with pytest.raises(InputError, match="config"):
+        tma.make_workspace(4, 16, 512, "cpu", config=dict(TMA=1))  # no kernel switch in a config
     # The merge: whole latent rows at B=64 x 16 heads (1024 programs), blocks of 128 at B=1.
-    assert D._merge_block_r(64, 16, 512, "cuda") == 512 and D._merge_block_r(1, 16, 512, "cuda") == 128
+    assert common.merge_block_r(64, 16, 512, "cuda") == 512 and common.merge_block_r(1, 16, 512, "cuda") == 128
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -331,7 +342,7 @@ def test_split_merge_many_splits(sparse, whole_rows, monkeypatch):
     the real rank 512, in 4 blocks of 128 per head or whole rows (the tile a large batch gets):
     equal to the reference, a length-0 sequence zero with LSE -inf, one whose plan uses a single
     split, and two launches bitwise equal."""
-    monkeypatch.setattr(dec, "_merge_block_r", lambda B, H, R, device: 512 if whole_rows else 128)
+    monkeypatch.setattr(common, "merge_block_r", lambda B, H, R, device: 512 if whole_rows else 128)
     g = torch.Generator().manual_seed(21)
     lens = [0, 5, 40, 900]
     pc = make_cache(lens, 512, 64, 16, torch.float16, gen=g)
@@ -363,9 +374,10 @@ def _poison_past_lengths(pc, page):
 @pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
 @pytest.mark.parametrize("page,splits,bn", [(16, 1, 16), (16, 3, 16), (64, 2, 32), (32, 4, 16), (64, 3, 64)])
 def test_tma_decode_matches_reference(page, splits, bn, bh):
-    """config TMA=1: the latent tiles through tensor descriptors, the partial last tile of
-    each split read so that it ends at the length; lengths around the page and tile edges,
-    shuffled pages; both dot layouts (keys as rows below 64 heads per block)."""
+    """The TMA kernel (mla-tma): the latent tiles through tensor descriptors, the partial last tile
+    of each split read so that it ends at the length; lengths around the page and tile edges,
+    shuffled pages; both dot layouts (keys as rows below 64 heads per block); the pointer kernel
+    (mla-triton) on the same inputs."""
     g = torch.Generator().manual_seed(40 + page + splits)
     lens = [0, 1, bn - 1, bn, bn + 1, page - 1, page, page + 1, 3 * page + 5]
     pc = make_cache(lens, R, DR, page, torch.float16, gen=g)
@@ -373,19 +385,19 @@ def test_tma_decode_matches_reference(page, splits, bn, bh):
     qn, qp = _q(len(lens), torch.float16, g)
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True)
     ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
-                         workspace=ws, config=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4, num_stages=2, TMA=1))
+    got = tma.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
+                         workspace=ws, config=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4, num_stages=2))
     _check(got, want, torch.float16)
     assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
     plain = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, return_lse=True,
-                           workspace=ws, config=dict(BLOCK_H=16, BLOCK_N=bn, num_warps=4, num_stages=2, TMA=0))
+                           workspace=ws, config=dict(BLOCK_H=16, BLOCK_N=bn, num_warps=4, num_stages=2))
     assert_close(got[0], plain[0], dtype=torch.float16, what="tma vs pointer kernel")
 
 
 @pytest.mark.parametrize("bh", [4, 64], ids=["keys-rows", "heads-rows"])
 @pytest.mark.parametrize("page,splits,bn,tensor_scale", [(16, 1, 16, True), (64, 3, 32, False), (32, 2, 16, True)])
 def test_tma_decode_fp8_cache(page, splits, bn, tensor_scale, bh):
-    """config TMA=1 on an fp8 cache: e4m3 tiles through the descriptors, converted before the dots,
+    """The TMA kernel on an fp8 cache: e4m3 tiles through the descriptors, converted before the dots,
     the cache scale (a [1] tensor or a float) on the scores and the output; rows past a length hold
     NaN and are never read."""
     g = torch.Generator().manual_seed(60 + page + splits)
@@ -396,8 +408,8 @@ def test_tma_decode_fp8_cache(page, splits, bn, tensor_scale, bh):
     ks = pc.kv_scale if tensor_scale else float(pc.kv_scale)
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks, return_lse=True)
     ws = dec.make_workspace(len(lens), H, R, "cpu", num_splits=splits, split_min=bn)
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks, return_lse=True,
-                         workspace=ws, config=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4, num_stages=2, TMA=1))
+    got = tma.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.2, kv_scale=ks, return_lse=True,
+                         workspace=ws, config=dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=4, num_stages=2))
     _check(got, want, torch.float16)
     assert torch.all(got[0][0] == 0) and torch.all(torch.isinf(got[1][0]))  # length 0
 
@@ -414,84 +426,102 @@ def test_tma_decode_real_rank_two_halves(cfg):
     s = 576 ** -0.5
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True)
     ws = dec.make_workspace(len(lens), 16, 512, "cpu", num_splits=2, split_min=32)
-    _check(dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True,
+    _check(tma.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=s, return_lse=True,
                           workspace=ws, config=cfg), want, torch.float16)
 
 
 def test_tma_decode_refuses_what_it_cannot_read():
+    """What the mla-tma backend declares its entry checks again on the tensors: an InputError naming
+    the argument, never the pointer kernel in its place; sparse decode is not its entry."""
     g = torch.Generator().manual_seed(45)
     pc = make_cache([20, 9], R, DR, 16, torch.float16, gen=g)
     qn, qp = _q(2, torch.float16, g)
     args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables)
+    with pytest.raises(InputError, match="cache.*page size 16 is not a multiple of BLOCK_N 32"):
+        tma.mla_decode(*args, scale=0.2)
     with pytest.raises(InputError, match="config.*page size 16 is not a multiple of BLOCK_N 32"):
-        dec.mla_decode(*args, scale=0.2, config=dict(TMA=1, BLOCK_N=32))
-    with pytest.raises(InputError, match="config.*sparse"):
-        dec.mla_sparse_decode(*args, sparse_indices([20, 9], 8, gen=g), scale=0.2, config=dict(TMA=1))
+        tma.mla_decode(*args, scale=0.2, config=dict(BLOCK_N=32))
+    assert "mla_sparse_decode" not in registry.get("attention", "mla-tma").impl
     with pytest.raises(InputError, match="config"):
-        dec.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2))  # the config is a dict
+        tma.mla_decode(*args, scale=0.2, config=(4, 16, 4, 2))  # the config is a dict
     with pytest.raises(InputError, match="config"):
-        dec.mla_decode(*args, scale=0.2, config=dict(BLOCK_N=48))
+        tma.mla_decode(*args, scale=0.2, config=dict(BLOCK_N=48))
+    with pytest.raises(InputError, match="config"):
+        tma.mla_decode(*args, scale=0.2, config=dict(TMA=0))  # the kernel is the backend, not a key
     big = make_cache([20, 9], R, DR, 64, torch.float16, gen=g)
     with pytest.raises(InputError, match="config.*page size 64 is not a multiple of BLOCK_N 128"):
-        dec.mla_decode(qn, qp, big.cache, big.seq_lens, big.block_tables, scale=0.2, config=dict(BLOCK_N=128))
+        tma.mla_decode(qn, qp, big.cache, big.seq_lens, big.block_tables, scale=0.2, config=dict(BLOCK_N=128))
     f32 = make_cache([20, 9], R, DR, 64, torch.float32, gen=g)
-    with pytest.raises(InputError, match="config.*bf16/fp16"):
-        dec.mla_decode(qn.float(), qp.float(), f32.cache, f32.seq_lens, f32.block_tables, scale=0.2,
-                       config=dict(TMA=1))
+    with pytest.raises(InputError, match="q_nope.*bf16/fp16"):
+        tma.mla_decode(qn.float(), qp.float(), f32.cache, f32.seq_lens, f32.block_tables, scale=0.2)
+    with pytest.raises(InputError, match="config"):
+        dec.mla_decode(qn, qp, big.cache, big.seq_lens, big.block_tables, scale=0.2, config=dict(TMA=1))
+
+
+MLA_SPEC = dict(arch="sm90", kind="mla", num_kv_heads=1, dtype="fp16", cuda_graph=True)
 
 
 @pytest.mark.parametrize("h", [16, 64])
-def test_default_config_tma_or_pointer(h, monkeypatch):
-    """Decode defaults to the TMA kernel (heads as rows from 64 heads, keys as rows with 32-token
-    tiles below) on pages of 64, for fp8 caches from 64 heads only; where it cannot read the cache
-    (a page of 16 under its tiles, sparse indices), the cache is fp8 below 64 heads, or the page
-    is one its GPU tests do not cover (32), the pointer kernel serves the call instead of an
-    error, and every path matches the reference."""
-    from opmap.kernels.mla import decode_tma
-
-    calls = []
-    real = decode_tma.launch
-    monkeypatch.setattr(decode_tma, "launch", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_selection_keeps_each_kernel_where_it_was_the_default(h):
+    """On sm90 the selector names the kernel that runs: the TMA kernel (mla-tma) on pages of 64 for a
+    16-bit cache, and for an fp8 one from 64 heads only; the Gluon kernel (mla-gluon-fp8) for fp8 at
+    DeepSeek's dims; the pointer kernel (mla-triton) on other pages, for sparse decode, for fp8 below
+    64 heads at other dims; the rejected ones say why. Each CPU-runnable kernel gives the
+    reference's result on such a spec's inputs."""
     g = torch.Generator().manual_seed(46)
     lens = [1, 31, 33, 70]
     qn, qp = _q(len(lens), torch.float16, g, h=h)
-    for page, fp8, sparse, tma in [(64, False, False, True), (16, False, False, False), (64, True, False, h >= 64),
-                                   (64, False, True, False), (32, False, False, False)]:
+    for page, fp8, sparse, want_backend, why_not in [
+            (64, False, False, "mla-tma", None), (16, False, False, "mla-triton", "page_size=16"),
+            (64, True, False, "mla-tma" if h >= 64 else "mla-triton", None),
+            (64, False, True, "mla-triton", "sparse"), (32, False, False, "mla-triton", "page_size=32")]:
+        spec = AttentionSpec(num_heads=h, head_dim=R + DR, head_dim_v=R, page_size=page,
+                             kv_dtype="fp8" if fp8 else "fp16", sparse=sparse, **MLA_SPEC)
+        ch = select.select("attention", spec, runtime=False)
+        assert ch.name == want_backend, ch.explain()
+        tma_row = next(c for c in ch.trace if c.name == "mla-tma")
+        if why_not:
+            assert any(why_not in r for r in tma_row.reasons), tma_row
+        gluon = next(c for c in ch.trace if c.name == "mla-gluon-fp8")
+        assert gluon.reasons  # R = 32, Dr = 16 (and a 16-bit cache where not fp8)
         pc = make_cache(lens, R, DR, page, torch.float16, fp8=fp8, gen=g)
         kw = dict(scale=0.2, return_lse=True, kv_scale=pc.kv_scale if fp8 else None)
-        calls.clear()
+        b = registry.get("attention", want_backend)
         if sparse:
             idx = sparse_indices(lens, 16, gen=g)
-            got = dec.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, **kw)
+            got = b("mla_sparse_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, **kw)
             want = ref.mla_sparse_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, idx, **kw)
         else:
-            got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
+            got = b("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
             want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
         _check(got, want, torch.float16)
-        assert bool(calls) == tma, (h, page, fp8, sparse)
+    real = AttentionSpec(num_heads=h, head_dim=576, head_dim_v=512, page_size=64, kv_dtype="fp8", **MLA_SPEC)
+    assert select.select("attention", real, runtime=False).name == "mla-gluon-fp8"
+    assert select.select("attention", real.replace(kv_dtype="fp16"), runtime=False).name == "mla-tma"
+    assert select.select("attention", real.replace(dtype="fp32", kv_dtype="fp8"), runtime=False).name == "mla-triton"
 
 
-def test_fp8_gluon_kernel_takes_only_what_it_serves_and_plans_its_splits(monkeypatch):
-    """The Gluon fp8 decode (decode_fp8.py) serves dense decode of an fp8 cache at R = 512, Dr = 64
-    with 16-bit queries on a compiled sm89+ GPU: never interpreted, sparse, a 16-bit cache, other
-    dims or fp32 queries (those keep the Triton kernels). A workspace made for an fp8 cache plans
-    the Gluon kernel's 16-head programs, two an SM; GLUON=0 or a bf16 cache plans the config's."""
-    from opmap.kernels.mla import decode as D
+def test_fp8_gluon_kernel_refuses_what_it_cannot_serve_and_plans_its_splits(monkeypatch):
+    """The Gluon fp8 decode (decode_fp8.py, mla-gluon-fp8) serves dense decode of an fp8 cache at
+    R = 512, Dr = 64 with 16-bit queries on a compiled sm89+ GPU: anything else is an InputError
+    naming the argument (another kernel is another backend). Its workspace plans its own 16-head
+    programs, two an SM."""
     from opmap.kernels.mla import decode_fp8 as G
 
-    monkeypatch.setattr(D, "_sm_count", lambda device: 132)  # the H200's, whatever the device
+    monkeypatch.setattr(common, "sm_count", lambda device: 132)  # the H200's, whatever the device
     f8 = torch.float8_e4m3fn
     qn, qp, cache = torch.empty(2, 16, 512), torch.empty(2, 16, 64), torch.empty(4, 64, 576).to(f8)
     bf = dict(q_nope=qn.bfloat16(), q_pe=qp.bfloat16())
-    assert not G.usable(**bf, cache=cache, sparse=False, interpreted=True)
-    assert not G.usable(**bf, cache=cache, sparse=True, interpreted=False)
-    assert not G.usable(**bf, cache=cache.bfloat16(), sparse=False, interpreted=False)
-    assert not G.usable(qn, qp, cache, sparse=False, interpreted=False)  # fp32 queries
-    assert not G.usable(bf["q_nope"][..., :256], bf["q_pe"], cache[..., :320], sparse=False, interpreted=False)
-    assert not G.usable(**bf, cache=cache, sparse=False, interpreted=False)  # no CUDA device here
-    ws = D.make_workspace(64, 16, 512, "cpu", kv_dtype=f8)
-    assert ws.num_splits == 2 * 132 // 64  # 16-head programs, two an SM
-    ws128 = D.make_workspace(64, 128, 512, "cpu", kv_dtype=f8)
-    assert ws128.num_splits == max(1, 2 * 132 // (64 * 8))
-    assert D.make_workspace(64, 128, 512, "cpu").num_splits == 1  # bf16: the TMA kernel's 64-head blocks
-    assert D.make_workspace(64, 16, 512, "cpu", kv_dtype=f8, config=dict(GLUON=0)).num_splits == 4
+    for kw, arg, what in [(dict(bf, cache=cache.bfloat16()), "cache", "float8_e4m3fn"),
+                          (dict(q_nope=qn, q_pe=qp, cache=cache), "q_nope", "float16 or bfloat16"),
+                          (dict(q_nope=bf["q_nope"][..., :256], q_pe=bf["q_pe"], cache=cache[..., :320]), "cache",
+                           "R = 512, Dr = 64"),
+                          (dict(bf, cache=cache), "q_nope", "sm89 or newer")]:  # no CUDA device here
+        with pytest.raises(InputError, match=what) as e:
+            G.check_inputs(**kw)
+        assert e.value.arg == arg
+    assert G.make_workspace(64, 16, 512, "cpu").num_splits == 2 * 132 // 64  # 16-head programs, two an SM
+    assert G.make_workspace(64, 128, 512, "cpu").num_splits == max(1, 2 * 132 // (64 * 8))
+    with pytest.raises(InputError, match="config"):
+        G.make_workspace(64, 16, 512, "cpu", config=dict(BLOCK_N=32))  # its tiles are fixed
+    assert set(registry.get("attention", "mla-gluon-fp8").impl) == {"mla_decode", "make_workspace"}

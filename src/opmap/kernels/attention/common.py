@@ -54,44 +54,34 @@ def kernel_config(kind: str, head_dim: int, group: int, device: torch.device, ov
 
 
 def _default_config(kind: str, head_dim: int, group: int, device: torch.device, ieee: bool = False) -> dict:
-    """Tile sizes. GPU values are the FlashAttention-2 starting points for sm90 (BLOCK_M 128 /
-    BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in registers); the
-    interpreter gets small tiles because its cost grows with the tile, not the grid. fp32 prefill
-    on a GPU (IEEE dots: the exactness checks' dtype, not a speed path) gets small tiles too: its
-    dots lower to FMA loops whose compile time grows with the tile."""
+    """Tile sizes of one kernel: ``kind`` "prefill" (the gather prefill), "prefill_tma" (the TMA
+    prefill) or "decode" (the Triton decode). GPU values are the FlashAttention-2 starting points
+    for sm90 (BLOCK_M 128 / BLOCK_N 64 / 8 warps / 3 stages at d<=128, halved for d=256 to stay in
+    registers); the interpreter gets small tiles because its cost grows with the tile, not the
+    grid. fp32 prefill on a GPU (IEEE dots: the exactness checks' dtype, not a speed path) gets
+    small tiles too: its dots lower to FMA loops whose compile time grows with the tile."""
     gp = triton.next_power_of_2(group)
-    # PREFETCH: the page ids of the next key tile are loaded one iteration ahead and carried in
-    # registers. With the page-table load in the same iteration as the K/V loads that it
-    # addresses, Triton 3.6's pipeliner waits for every outstanding copy at the top of each
-    # iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the sm90 TTGIR of
-    # both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3 stages).
-    # 0 keeps the in-iteration load. Decode turns it off for large grids (decode.decode_config),
-    # as measured.
-    pf = 1
+    # PREFETCH (the gather prefill and the decode): the page ids of the next key tile are loaded
+    # one iteration ahead and carried in registers. With the page-table load in the same iteration
+    # as the K/V loads that it addresses, Triton 3.6's pipeliner waits for every outstanding copy at
+    # the top of each iteration (ttg.async_wait num = 0: no overlap of loads and MMAs, seen in the
+    # sm90 TTGIR of both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3
+    # stages). 0 keeps the in-iteration load: the same kernel, its loads issued in another order.
+    # Decode turns it off for large grids (decode.decode_config). The TMA prefill always carries
+    # its page ids (prefill_tma._page_of): no switch.
+    pf = {} if kind == "prefill_tma" else {"PREFETCH": 1}
     if interpreted(device):
-        if kind == "prefill":
-            return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, TMA=0)
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, PREFETCH=pf, GLUON=0)
-    if kind == "prefill" and ieee:
-        return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2, PREFETCH=pf, TMA=0)
-    if kind == "prefill":
-        # TMA: K/V tiles through tensor descriptors (prefill_tma.py; pages holding whole tiles,
-        # bf16/fp16). -1 = wherever prefill_tma.usable says it can, on sm90 at the head dims its
-        # GPU tests cover (64, 128): faster than the gather kernel there (docs/attention.md).
-        if head_dim <= 128:
-            tma = -1 if head_dim in (64, 128) and _sm90_or_newer(device) else 0
-            return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, PREFETCH=pf, TMA=tma)
-        return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, PREFETCH=pf, TMA=0)
-    bn = 64 if head_dim <= 128 else 32
-    # GLUON: fp8 caches at head dim 128 take the Gluon kernel (decode_fp8.usable; its own tiles)
-    return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, PREFETCH=pf, GLUON=1)
-
-
-def _sm90_or_newer(device: torch.device) -> bool:
-    try:
-        return torch.cuda.get_device_capability(device) >= (9, 0)
-    except (AssertionError, RuntimeError):  # a CPU-only build asked for GPU configs (the sm90 compile tests)
-        return True
+        if kind == "decode":
+            return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, **pf)
+        return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, **pf)
+    if kind == "decode":
+        bn = 64 if head_dim <= 128 else 32
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, **pf)
+    if ieee:
+        return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2, **pf)
+    if head_dim <= 128:
+        return dict(BLOCK_M=max(128, gp), BLOCK_N=64, num_warps=8, num_stages=3, **pf)
+    return dict(BLOCK_M=max(64, gp), BLOCK_N=32, num_warps=8, num_stages=2, **pf)
 
 
 def prepare_scales(k_cache, k_scale, v_scale):

@@ -1,11 +1,12 @@
-"""Paged decode on an fp8 (e4m3) KV cache, in Gluon (Triton's explicit-layout dialect), for sm89+.
+"""Paged decode on an fp8 (e4m3) KV cache, in Gluon (Triton's explicit-layout dialect), for sm89+:
+the ``gluon-fp8`` backend's decode, at head dim 128 with 16-bit queries.
 
-Why a second kernel: the Triton decode moves each fp8 tile through shared memory four times (the
-copy in, a read back, the fp16 tile written after conversion, ldmatrix into the dots), about 6
-bytes of L1 traffic per byte of DRAM, and is bound by that pipe at half the DRAM rate
-(docs/attention.md). Here each tile crosses shared memory once each way, as bf16's does: the
-async copy writes the e4m3 bytes, and every thread reads back, 16 bytes at a time, exactly the
-bytes its tensor-core fragments hold, converting them in registers.
+Why a second kernel: the Triton decode (decode.py, the ``triton`` backend) moves each fp8 tile
+through shared memory four times (the copy in, a read back, the fp16 tile written after
+conversion, ldmatrix into the dots), about 6 bytes of L1 traffic per byte of DRAM, and is bound by
+that pipe at half the DRAM rate (docs/attention.md). Here each tile crosses shared memory once
+each way, as bf16's does: the async copy writes the e4m3 bytes, and every thread reads back, 16
+bytes at a time, exactly the bytes its tensor-core fragments hold, converting them in registers.
 
 - **Warps are independent.** A program (sequence, KV head, split) walks 64-key tiles; warp w takes
   keys [16w, 16w + 16) of each tile with its own running max, sum and accumulator (a batched 3-D
@@ -21,15 +22,18 @@ bytes its tensor-core fragments hold, converting them in registers.
 - **V's head dim is permuted.** An A-operand thread holds rows m = g + 8h + 16i of V^T for four
   keys; giving row m the head-dim element 16g + 2i + h makes them 16 contiguous bytes per key. The
   loaded tile is relabelled (reshape and permute: register moves only) into the operand, and the
-  output is stored through the same permutation.
+  output is stored through the same permutation (fp8_mma.py, shared with the MLA fp8 decode).
 - **Two stages, one barrier a tile.** The tiles alternate between two buffers (separate
   allocations, so that Triton's barrier pass sees that the copy into one and the reads of the other
   do not overlap); the barrier after each wait orders both the copy's data and the buffer's reuse.
 - Shared-memory swizzles make both reads conflict-free (K: 64-byte halves swapped on odd rows;
   V: 16-byte chunks XORed with the row).
 
-Scales, the split plan, soft cap, window, mixed batches and the partials are those of
-``decode._decode_kernel``; ``decode.launch_decode`` chooses this kernel where ``usable`` says.
+Scales, the split plan, soft cap, window, mixed batches, the workspace and the merge of partials
+are those of the Triton decode (splitkv.py); the tiles are fixed by the layouts, so ``config=``
+takes no key. What the backend declares (ops/attention/backends.py) the launcher checks again on
+the tensors (an InputError, never another kernel): an fp8 cache with 16-bit queries at head dim
+128, at most 16 query heads per KV head, 16-byte aligned cache rows, a compiled sm89+ device.
 """
 from __future__ import annotations
 
@@ -39,68 +43,87 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from opmap.core.contract import InputError, expect
+from opmap.core.tiles import tile_config
+from opmap.kernels import pdl
+from opmap.kernels.attention import splitkv, tiles
+from opmap.kernels.attention.common import check_attention, interpreted, prepare_scales
+from opmap.kernels.attention.fp8_mma import (A_K, B_P, B_Q, HD, KEYS_PER_WARP, KW, MMA, NUM_WARPS, NW, V_LOAD,
+                                             row_col, vt_operand)
 from opmap.kernels.gluon_util import e4m3_to_f16, enter, sm89_or_newer
-from opmap.kernels.attention import tiles
 
 _plan = gluon.jit(tiles._plan.fn)  # the split plan of decode._decode_kernel, the same source
 
-NUM_WARPS = 4
-KEYS_PER_WARP = 16
 BLOCK_N = NUM_WARPS * KEYS_PER_WARP
 HEAD_DIM = 128
+MAX_GROUP = 16  # query heads per KV head: one 16-row tile of them
 MAX_REGISTERS = 128  # four programs of 128 threads an SM, for groups of up to 8 heads (16 would spill)
 
-_MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1, 1], instr_shape=[1, 16, 8])
-MMA = gl.constexpr(_MMA)
-A_K = gl.constexpr(gl.DotOperandLayout(0, _MMA, 16))  # K, one half of the head dim
-B_Q = gl.constexpr(gl.DotOperandLayout(1, _MMA, 16))
-A_V = gl.constexpr(gl.DotOperandLayout(0, _MMA, 2))
-B_P = gl.constexpr(gl.DotOperandLayout(1, _MMA, 2))
 # The async copy: 16 bytes a thread, 8 threads a 128-byte row, each warp its own 16 keys.
 COPY = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[1, 4, 8],
                                      warps_per_cta=[NUM_WARPS, 1, 1], order=[2, 1, 0]))
 Q_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[NUM_WARPS, 1],
                                        order=[1, 0]))
-# V as loaded: thread (g, t) holds keys {2t, 2t+1, 2t+8, 2t+9} x head-dim bytes 16g..16g+15.
-V_LOAD = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 8, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[NUM_WARPS, KEYS_PER_WARP, HEAD_DIM]))
 K_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=64, per_phase=1, max_phase=2, order=[2, 1, 0]))
 V_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0]))
-NW = gl.constexpr(NUM_WARPS)
-KW = gl.constexpr(KEYS_PER_WARP)
 BN = gl.constexpr(BLOCK_N)
-HD = gl.constexpr(HEAD_DIM)
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, interpreted: bool) -> bool:
-    """fp8 caches with 16-bit queries at head dim 128 (K and V), at most 16 query heads per KV head,
-    16-byte aligned cache rows, on a compiled sm89+ device (cvt.rn.f16x2.e4m3x2)."""
-    if interpreted or k_cache.dtype != torch.float8_e4m3fn or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if q.shape[-1] != HEAD_DIM or v_cache.shape[-1] != HEAD_DIM or q.shape[1] // k_cache.shape[2] > 16:
-        return False
-    for c in (k_cache, v_cache):
-        if c.data_ptr() % 16 or c.stride(3) != 1 or any(st % 16 for st in c.stride()[:3]):
-            return False
-    return sm89_or_newer(q.device)
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What this kernel needs beyond the common attention contract (common.check_attention): an
+    InputError naming the argument, before any launch."""
+    expect(k_cache.dtype == torch.float8_e4m3fn, "k_cache", f"dtype {k_cache.dtype}",
+           "float8_e4m3fn (the gluon-fp8 backend decodes fp8 caches; 16-bit ones: the triton backend)")
+    expect(q.dtype in (torch.float16, torch.bfloat16), "q", f"dtype {q.dtype}", "float16 or bfloat16")
+    expect(q.shape[-1] == HEAD_DIM and v_cache.shape[-1] == HEAD_DIM, "q", f"head dims {q.shape[-1]} / "
+           f"{v_cache.shape[-1]}", f"{HEAD_DIM} (K and V: the kernel's layouts)")
+    group = q.shape[1] // k_cache.shape[2]
+    expect(group <= MAX_GROUP, "q", f"{group} query heads per KV head", f"at most {MAX_GROUP}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        expect(c.data_ptr() % 16 == 0 and c.stride(3) == 1 and not any(st % 16 for st in c.stride()[:3]), name,
+               f"strides {tuple(c.stride())}", "16-byte aligned rows (16-byte async copies)")
+    if interpreted(q.device) or not sm89_or_newer(q.device):
+        raise InputError("q", f"device {q.device}" + (" under TRITON_INTERPRET=1" if q.device.type == "cuda" else ""),
+                         "a compiled CUDA device of sm89 or newer (Gluon kernels do not run in the interpreter)")
 
 
-def launch(q, k_cache, v_cache, seq_lens, block_tables, out, lse, po4, pl3, ks, vs, cu, *, scale, soft_cap, window,
-           fixed, splits, min_chunk, return_lse, has_window, has_cap, q_from_cu, pdl_args):
-    """The kernel on ``decode.launch_decode``'s arguments (its grid (B, Hk, splits))."""
+def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scale, window, soft_cap, k_scale,
+                  v_scale, return_lse, workspace=None, cu_seqlens_q=None):
+    """Launch on inputs ``check_inputs`` accepted, with the Triton decode's grid (B, Hk, splits),
+    plan and merge (splitkv.py); ``cu_seqlens_q`` as in decode.launch_decode (mixed batches)."""
     B, hq, hk = seq_lens.shape[0], q.shape[1], k_cache.shape[2]
+    if B == 0:
+        return
     group = hq // hk
+    p = splitkv.plan(workspace, out, B, hq, v_cache.shape[3], hk, k_cache.shape[1], block_tables, q.device)
+    ks, vs = prepare_scales(k_cache, k_scale, v_scale)
+    cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     cap = {"maxnreg": MAX_REGISTERS} if group <= 8 else {}
-    _fp8_decode_kernel[(B, hk, splits)](
-        q, k_cache, v_cache, out, lse, po4, pl3, seq_lens, block_tables, ks, vs, cu,
-        float(scale), float(soft_cap), window, fixed, splits, min_chunk,
+    _fp8_decode_kernel[(B, hk, p.splits)](
+        q, k_cache, v_cache, out, lse, p.po, p.pl, seq_lens, block_tables, ks, vs, cu,
+        float(scale), float(soft_cap or 1.0), int(window or 0), p.split_tokens, p.splits, p.min_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), po4.stride(0), po4.stride(1), po4.stride(2), pl3.stride(0), pl3.stride(1),
-        GROUP=group, PAGE=k_cache.shape[1], BLOCK_H=8 if group <= 8 else 16, HAS_WINDOW=has_window,
-        HAS_CAP=has_cap, RETURN_LSE=return_lse, Q_FROM_CU=q_from_cu, num_warps=NUM_WARPS, **cap, **pdl_args)
+        v_cache.stride(2), p.po.stride(0), p.po.stride(1), p.po.stride(2), p.pl.stride(0), p.pl.stride(1),
+        GROUP=group, PAGE=k_cache.shape[1], BLOCK_H=8 if group <= 8 else 16, HAS_WINDOW=window is not None,
+        HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse, Q_FROM_CU=cu_seqlens_q is not None,
+        num_warps=NUM_WARPS, **cap, **pdl.launch(q.device))
+    splitkv.combine(p, out, lse, seq_lens, cu, window=window, block_n=BLOCK_N, return_lse=return_lse,
+                    q_from_cu=cu_seqlens_q is not None)
+
+
+def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,
+           k_scale=None, v_scale=None, return_lse: bool = False, workspace=None, config=None):
+    """The entry of decode.decode's signature; ``config`` takes no key (the layouts fix the tiles)."""
+    tile_config({}, config)
+    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
+                                            k_scale, v_scale)
+    check_inputs(q, k_cache, v_cache)
+    out = torch.empty(B, q.shape[1], dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, q.shape[1], dtype=torch.float32, device=q.device) if return_lse else out
+    launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, scale=scale, window=window,
+                  soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, workspace=workspace)
+    return (out, lse) if return_lse else out
 
 
 @gluon.jit
@@ -178,21 +201,6 @@ def _issue(k_buf, v_buf, kc_ptr, vc_ptr, pg, start, end, kvh, s_kp, s_ks, s_kh, 
 
 
 @gluon.jit
-def _vt_operand(v):
-    """V [warps, keys, head-dim bytes] as loaded (V_LOAD) -> the A operand V^T [warps, 128, keys], row
-    m = 16i + 8h + g holding head-dim element 16g + 2i + h (register moves only)."""
-    v = gl.reshape(v.to(gl.float16), [NW, KW, 8, 8, 2])
-    v = gl.permute(v, (0, 3, 4, 2, 1))
-    return gl.convert_layout(gl.reshape(v, [NW, HD, KW]), A_V)
-
-
-@gluon.jit
-def _row_col(m):
-    """Head-dim element of row m of V^T (the permutation of _vt_operand)."""
-    return (m % 8) * 16 + (m // 16) * 2 + (m // 8) % 2
-
-
-@gluon.jit
 def _tile(k_buf, v_buf, start, end, q0, q1, m_i, l_i, acc, scale, k_mul, qk_scale, soft_cap,
           BLOCK_H: gl.constexpr, HAS_CAP: gl.constexpr):
     """One 64-key tile of the online softmax (exp2 domain), each warp on its own 16 keys: scores
@@ -216,7 +224,7 @@ def _tile(k_buf, v_buf, start, end, q0, q1, m_i, l_i, acc, scale, k_mul, qk_scal
     alpha = gl.exp2(m_i - m_ref)
     p = gl.exp2(s - m_ref[:, None, :])
     l_i = l_i * alpha + gl.sum(p, 1)
-    vt = _vt_operand(v_buf.load(V_LOAD))
+    vt = vt_operand(v_buf.load(V_LOAD))
     acc = mma_v2(vt, gl.convert_layout(p.to(gl.float16), B_P), acc * alpha[:, None, :])
     return m_new, l_i, acc
 
@@ -280,7 +288,7 @@ def _fp8_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
     lse2 = gl.where(pos, m + gl.log2(gl.where(pos, l, 1.0)), float("-inf"))
     o = gl.sum(acc * (f * inv[None, :])[:, None, :], 0)
     OUT: gl.constexpr = gl.SliceLayout(0, MMA)
-    col = _row_col(gl.arange(0, HD, layout=gl.SliceLayout(1, OUT)))
+    col = row_col(gl.arange(0, HD, layout=gl.SliceLayout(1, OUT)))
     h = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(0, OUT))
     head = kvh * GROUP + h
     o_ok = (h < GROUP)[None, :]

@@ -1,6 +1,6 @@
 """Merge of two partial attention states by their LSE (natural log, fp32), in Triton;
-``_split_sum``, the split-KV decodes' merge of n split partials (GQA ``_combine_kernel``, MLA
-``_mla_merge_kernel``); and ``_softmax_step``, the online-softmax update of one key tile that the
+``split_sum``, the split-KV decodes' merge of n split partials (GQA ``_combine_kernel``, MLA
+``_mla_merge_kernel``); and ``softmax_step``, the online-softmax update of one key tile that the
 decode kernels and MLA's prefill share.
 
 o = (o_a e^{lse_a} + o_b e^{lse_b}) / (e^{lse_a} + e^{lse_b}); a state with LSE -inf
@@ -18,7 +18,7 @@ from opmap.ops.attention import validate as V
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, AX: tl.constexpr, SAFE: tl.constexpr = False):
+def softmax_step(s, m_i, l_i, AX: tl.constexpr, SAFE: tl.constexpr = False):
     """One key tile of the online softmax (exp2 domain): the scores ``s`` hold the keys along axis
     ``AX`` (1: rows are query heads; 0: rows are keys, the transposed dots). Returns the new running
     max, the factor that rescales the old accumulator and sum, the tile's weights and the new sum.
@@ -35,7 +35,7 @@ def _softmax_step(s, m_i, l_i, AX: tl.constexpr, SAFE: tl.constexpr = False):
 
 
 @triton.jit
-def _split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.constexpr, EXP2: tl.constexpr):
+def split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.constexpr, EXP2: tl.constexpr):
     """(acc, m, tot) over the n splits of one row: partial j at ``po + j * s_pos + offs``, its LSE
     at ``pl + j`` (log2 domain with EXP2, else natural log); the merged output is acc / tot and
     its LSE m + log(tot). All LSEs are read at once (their max, then every weight directly) and

@@ -1,34 +1,34 @@
 """The engine's chunked-prefill step: prefill chunks and decode tokens in one varlen batch.
 
-Two launches over the same batch, no host synchronisation: the prefill kernel serves the
-sequences with more than one query token (its programs for one-token sequences return at once),
-and the split-KV decode kernel serves the one-token sequences, reading the query and writing the
-output at row cu_seqlens_q[b] (its programs for the other sequences return at once). Which kernel
-serves a sequence is decided on the device from cu_seqlens_q, so the step can be captured in a
-CUDA graph and replayed with a different mix. Both grids are static in (T, B).
+Two launches over the same batch, no host synchronisation: the gather prefill kernel (prefill.py)
+serves the sequences with more than one query token (its programs for one-token sequences return
+at once), and a split-KV decode kernel serves the one-token sequences, reading the query and writing
+the output at row cu_seqlens_q[b] (its programs for the other sequences return at once). Which
+kernel serves a sequence is decided on the device from cu_seqlens_q, so the step can be captured in
+a CUDA graph and replayed with a different mix. Both grids are static in (T, B).
 
 Decode tokens thus get small tiles and split-KV over long contexts instead of a BLOCK_Q-token
 prefill tile with one valid token. A one-token prompt (seq_len 1) is served by the decode kernel
 too; the result is the same attention.
+
+Each backend's ``mixed`` entry names its decode kernel: ``mixed`` (the ``triton`` backend) the
+Triton decode, ``mixed_fp8`` (the ``gluon-fp8`` backend, fp8 caches at head dim 128) the Gluon one;
+the chunks take the gather prefill in both (its in-kernel fp8 conversion: a chunk's few query rows
+read each key tile about once).
 """
 from __future__ import annotations
 
 import torch
 
+from opmap.kernels.attention import decode, decode_fp8
 from opmap.kernels.attention.common import check_attention
-from opmap.kernels.attention.decode import launch_decode
 from opmap.kernels.attention.prefill import launch_prefill
 
 
-def mixed(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
-          window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, workspace=None,
-          config=None):
-    """Same signature as ``prefill``; ``workspace`` (from ``decode.make_workspace`` for at least B
-    sequences) holds the decode part's split-KV partials; without it they are allocated per call."""
-    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
-                                            k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
+def _step(launch_decode, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, causal, window,
+          soft_cap, k_scale, v_scale, return_lse, workspace, config):
     T, hq, _ = q.shape
-    out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(T, hq, v_cache.shape[3], dtype=q.dtype, device=q.device)
     lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
     kw = dict(scale=scale, window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse)
     # A single query token at the end of its context sees every key up to it, causal or not, so
@@ -38,3 +38,29 @@ def mixed(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: f
     launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, workspace=workspace,
                   cu_seqlens_q=cu_seqlens_q, **kw)
     return (out, lse) if return_lse else out
+
+
+def mixed(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
+          window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, workspace=None,
+          config=None):
+    """Same signature as ``prefill``; ``workspace`` (from ``splitkv.make_workspace`` for at least B
+    sequences) holds the decode part's split-KV partials; without it they are allocated per call.
+    ``config`` tunes the prefill part's tiles (the decode part takes its defaults)."""
+    check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale,
+                    cu_seqlens_q=cu_seqlens_q)
+    return _step(decode.launch_decode, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=scale,
+                 causal=causal, window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                 return_lse=return_lse, workspace=workspace, config=config)
+
+
+def mixed_fp8(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
+              window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, workspace=None,
+              config=None):
+    """``mixed`` with the one-token sequences on the Gluon fp8 decode (decode_fp8.py), whose
+    requirements the inputs must meet (an InputError otherwise)."""
+    check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale,
+                    cu_seqlens_q=cu_seqlens_q)
+    decode_fp8.check_inputs(q, k_cache, v_cache)
+    return _step(decode_fp8.launch_decode, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale=scale,
+                 causal=causal, window=window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                 return_lse=return_lse, workspace=workspace, config=config)

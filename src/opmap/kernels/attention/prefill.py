@@ -1,4 +1,6 @@
-"""Varlen paged prefill in Triton (FlashAttention-2 style), MHA / GQA / MQA.
+"""Varlen paged prefill in Triton (FlashAttention-2 style), MHA / GQA / MQA: the ``triton``
+backend's prefill, its K/V rows gathered through the block table (any page size; prefill_tma.py,
+the ``triton-tma`` backend, reads pages that hold whole key tiles through TMA instead).
 
 Grid: (T // BLOCK_Q + B, Hk), static from the shapes (no host synchronisation, CUDA-graph safe).
 Each program finds its sequence by a binary search over cu_seqlens (sequence b owns programs
@@ -12,9 +14,9 @@ cached prefix is attended to (chunked prefill, prefix reuse). Tiles wholly below
 run without masks.
 
 fp8 caches with many query rows a sequence (``_convert_once``) are converted to q's dtype once,
-page by page into a scratch cache, and run the 16-bit kernels (the TMA one where pages hold whole
-tiles): the prefill reads each key tile once per query block, and converting it in every program
-cost 0.55-0.65x the bf16 time at B=4 / 4096 (docs/attention.md).
+page by page into a scratch cache, and this kernel runs on the 16-bit copy: the prefill reads each
+key tile once per query block, and converting it in every program cost more than the conversion
+(docs/attention.md, Decisions).
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.core.contract import expect
 from opmap.kernels.attention.common import check_attention, kernel_config, prepare_scales
 from opmap.kernels.attention.tiles import _allowed, _kv_range, _kv_scales, _locate, _pages, _rows, _scaled, _update
 
@@ -183,19 +184,6 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
         return
     group = hq // hk
     cfg = kernel_config("prefill", d, group, q.device, config, ieee=q.dtype == torch.float32)
-    if cfg["TMA"]:
-        from opmap.kernels.attention import prefill_tma
-
-        why = prefill_tma.usable(q, k_cache, v_cache, cfg["BLOCK_N"])
-        if cfg["TMA"] < 0:  # the default: TMA where it can read the cache, the gather kernel elsewhere
-            cfg["TMA"] = int(why is None and not skip_single)
-        else:
-            expect(why is None, "config", "TMA=1", f"a cache the TMA prefill can read ({why})")
-            expect(not skip_single, "config", "TMA=1", "a prefill call (mixed batches use the gather kernel)")
-    if cfg["TMA"]:
-        prefill_tma.launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale,
-                           causal=causal, window=window, soft_cap=soft_cap, return_lse=return_lse)
-        return
     bm = cfg["BLOCK_M"]
     grid = (T // (bm // group) + B, hk)
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
@@ -213,7 +201,8 @@ def launch_prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, ou
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
             window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
-    """``config``: optional tile override (BLOCK_M, BLOCK_N, num_warps, num_stages), for tuning."""
+    """``config``: optional tile override (BLOCK_M, BLOCK_N, num_warps, num_stages, PREFETCH: see
+    common._default_config), for tuning."""
     P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
                                             k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
     T, hq, _ = q.shape

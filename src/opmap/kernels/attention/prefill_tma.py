@@ -1,5 +1,6 @@
-"""Varlen paged prefill with the K/V tiles loaded through TMA (tensor descriptors), for caches whose
-page holds whole key tiles (page % BLOCK_N == 0: pages of 64 and 128 at BLOCK_N 64), bf16/fp16.
+"""Varlen paged prefill with the K/V tiles loaded through TMA (tensor descriptors): the ``triton-tma``
+backend's prefill, for caches whose page holds whole key tiles (page % BLOCK_N == 0: pages of 64 and
+128 at BLOCK_N 64), bf16/fp16 K/V of q's dtype.
 
 Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics and outputs as
 ``prefill._prefill_kernel``; what differs is how a key tile reaches shared memory. The gather
@@ -14,6 +15,8 @@ A tile never reads rows past a sequence's length (they may hold anything, NaN in
 ``hi``, the rows before ``start`` (done already) masked, rows before the page read as zeros (a
 negative row is outside the descriptor).
 Page ids outside the cache read as zeros too (the descriptor's bounds), never other memory.
+What the backend declares (ops/attention/backends.py) the entry checks again on the tensors
+(``check_inputs``: an InputError, never another kernel).
 """
 from __future__ import annotations
 
@@ -21,18 +24,23 @@ import torch
 import triton
 import triton.language as tl
 
+from opmap.core.contract import expect
+from opmap.kernels.attention.common import check_attention, kernel_config
 from opmap.kernels.attention.tiles import _allowed, _kv_range, _locate, _rows, _scaled, _update
 from opmap.kernels.attention.tma import cache_problem, descriptors, fit_stages
 
 
-def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> str | None:
-    """None when the TMA kernel can serve this call, else the reason."""
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the TMA prefill reads bf16/fp16 caches of q's dtype, not {k_cache.dtype}"
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int, config=None) -> None:
+    """What this kernel needs beyond the common attention contract (common.check_attention), at the
+    key tile ``block_n`` it will launch: an InputError naming the argument, before any launch."""
+    expect(q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+           "k_cache", f"dtype {k_cache.dtype} with q {q.dtype}",
+           "bf16/fp16 K/V of q's dtype (the TMA prefill; fp8 and fp32 caches: the triton backend)")
     page = k_cache.shape[1]
-    if page % block_n:
-        return f"page size {page} is not a multiple of BLOCK_N {block_n}"
-    return cache_problem(k_cache, v_cache)
+    expect(page % block_n == 0, "config" if config and "BLOCK_N" in config else "k_cache",
+           f"page size {page} is not a multiple of BLOCK_N {block_n}", "pages that hold whole key tiles")
+    why = cache_problem(k_cache, v_cache)
+    expect(why is None, "k_cache", f"strides {tuple(k_cache.stride())} / {tuple(v_cache.stride())}", why)
 
 
 @triton.jit
@@ -108,9 +116,11 @@ def _prefill_tma_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, b
 
 def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, *, scale, causal, window,
            soft_cap, return_lse):
-    """Launch on validated inputs that ``usable`` accepted, with ``cfg`` from common.kernel_config."""
+    """Launch on inputs ``check_inputs`` accepted, with ``cfg`` from common.kernel_config."""
     T, hq, d = q.shape
     B, hk, page = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    if T == 0 or B == 0:
+        return
     group = hq // hk
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     kd, vd = descriptors(k_cache, v_cache, bn)
@@ -123,3 +133,19 @@ def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, 
         GROUP=group, D=d, DV=v_cache.shape[3], PAGE=page, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=stages)
+
+
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
+            window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
+    """The entry of prefill.prefill's signature. ``config``: optional tile override (BLOCK_M,
+    BLOCK_N, num_warps, num_stages), for tuning; BLOCK_N must divide the page size."""
+    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
+                                            k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
+    T, hq, _ = q.shape
+    cfg = kernel_config("prefill_tma", d, hq // hk, q.device, config)
+    check_inputs(q, k_cache, v_cache, cfg["BLOCK_N"], config)
+    out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
+    launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale, causal=causal,
+           window=window, soft_cap=soft_cap, return_lse=return_lse)
+    return (out, lse) if return_lse else out

@@ -4,7 +4,7 @@ online-softmax update. One module that every kernel imports, so no kernel import
 import triton
 import triton.language as tl
 
-from opmap.kernels.attention.merge import _softmax_step
+from opmap.kernels.attention.merge import softmax_step
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def _allowed(mj, j, qpos, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr
 @triton.jit
 def _update(acc, l_i, m_i, s, v, IEEE: tl.constexpr):
     """The online softmax step of one tile of scores (exp2 domain) and its values."""
-    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i, 1, True)
+    m_new, alpha, p, l_i = softmax_step(s, m_i, l_i, 1, True)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     return acc, l_i, m_new
 

@@ -1,4 +1,5 @@
-"""MLA decode on an fp8 (e4m3) latent cache, in Gluon, for sm89+ (DeepSeek's dims: R = 512, Dr = 64).
+"""MLA decode on an fp8 (e4m3) latent cache, in Gluon, for sm89+ (DeepSeek's dims: R = 512, Dr = 64):
+the ``mla-gluon-fp8`` backend's decode.
 
 Why a third kernel: the Triton kernels convert each fp8 tile through shared memory (a read back,
 the fp16 tile written, ldmatrix into the dots) and carry a [16 heads, 512] accumulator beside the
@@ -21,11 +22,16 @@ converting them in registers.
 - The cache scale multiplies the scores and the output (e4m3 -> fp16 is exact); q goes to fp16
   divided by the power of two its largest magnitude needs, as in the Triton kernels.
 
-Split plan and partials are those of decode._mla_decode_kernel (``common._split_range``, one split
-writes the output, more write the workspace for decode._mla_merge_kernel); ``usable`` says where
-decode._launch runs this kernel.
+Split plan, workspace and merge are common.py's (one split writes the output, more write the
+workspace for common._mla_merge_kernel); this backend's ``make_workspace`` plans for its 16-head
+programs, two an SM. The tiles are fixed by the layouts, so ``config=`` takes no key. What the
+backend declares (ops/mla/backends.py) the entry checks again on the tensors (``check_inputs``:
+an InputError, never another kernel): dense decode of an fp8 cache at R = 512, Dr = 64 with 16-bit
+queries, 16-byte aligned rows, a compiled sm89+ device.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -33,9 +39,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from opmap.kernels.attention.decode_fp8 import A_K, B_P, B_Q, MMA, V_LOAD, _row_col, _vt_operand
+from opmap.core.contract import InputError, expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.attention.common import interpreted
+from opmap.kernels.attention.fp8_mma import A_K, B_P, B_Q, MMA, V_LOAD, row_col, vt_operand
 from opmap.kernels.gluon_util import e4m3_to_f16, sm89_or_newer
 from opmap.kernels.mla import common
+from opmap.kernels.mla.common import Workspace, scale_args
+from opmap.ops.mla.validate import check_decode
 
 _split_range = gluon.jit(common._split_range.fn)  # the Triton kernels' split plan, the same source
 
@@ -78,24 +89,35 @@ Q_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, o
 QP_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=2, order=[2, 1, 0]))
 
 
-def usable(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, sparse: bool, interpreted: bool) -> bool:
-    """Dense decode of an fp8 cache at R = 512, Dr = 64 with 16-bit queries, 16-byte aligned rows,
-    on a compiled sm89+ device (cvt.rn.f16x2.e4m3x2)."""
-    if sparse or interpreted or cache.dtype != torch.float8_e4m3fn or q_nope.dtype not in (torch.float16,
-                                                                                           torch.bfloat16):
-        return False
-    if q_nope.shape[2] != RANK or q_pe.shape[2] != ROPE or cache.shape[2] != RANK + ROPE:
-        return False
-    if q_nope.stride(2) != 1 or q_pe.stride(2) != 1 or cache.stride(2) != 1 or cache.data_ptr() % 16:
-        return False
-    if cache.stride(0) % 16 or cache.stride(1) % 16:
-        return False
-    return sm89_or_newer(q_nope.device)
+def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> None:
+    """What this kernel needs beyond the decode contract (validate.check_decode): an InputError
+    naming the argument, before any launch."""
+    expect(cache.dtype == torch.float8_e4m3fn, "cache", f"dtype {cache.dtype}",
+           "float8_e4m3fn (the mla-gluon-fp8 backend; 16-bit caches: mla-tma or mla-triton)")
+    expect(q_nope.dtype in (torch.float16, torch.bfloat16), "q_nope", f"dtype {q_nope.dtype}", "float16 or bfloat16")
+    expect(q_nope.shape[2] == RANK and q_pe.shape[2] == ROPE and cache.shape[2] == RANK + ROPE, "cache",
+           f"latent rank {q_nope.shape[2]}, RoPE dim {q_pe.shape[2]}", f"R = {RANK}, Dr = {ROPE} (the kernel's layouts)")
+    expect(q_nope.stride(2) == 1 and q_pe.stride(2) == 1 and cache.stride(2) == 1 and cache.data_ptr() % 16 == 0
+           and cache.stride(0) % 16 == 0 and cache.stride(1) % 16 == 0, "cache", f"strides {tuple(cache.stride())}",
+           "16-byte aligned rows (16-byte async copies)")
+    if interpreted(q_nope.device) or not sm89_or_newer(q_nope.device):
+        raise InputError("q_nope", f"device {q_nope.device}"
+                         + (" under TRITON_INTERPRET=1" if q_nope.device.type == "cuda" else ""),
+                         "a compiled CUDA device of sm89 or newer (Gluon kernels do not run in the interpreter)")
+
+
+def make_workspace(max_batch: int, num_heads: int, rank: int, device, *, num_splits: Optional[int] = None,
+                   split_min: int = 256, config: Optional[dict] = None) -> Workspace:
+    """Split-KV buffers for this kernel's decodes of up to ``max_batch`` sequences, the splits planned
+    for its 16-head programs, two an SM (106 KB of shared memory each); ``config`` takes no key."""
+    tile_config({}, config)
+    s = num_splits or common.plan_splits(max_batch, num_heads, device, BLOCK_H, NUM_WARPS, 2)
+    return common.workspace(max_batch, num_heads, rank, device, s, split_min)
 
 
 def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, ks_value, from_ptr, scale, out, lse, po, pl,
            num_splits, split_min):
-    """The kernel on decode._launch's arguments (its grid: head blocks, splits, batch)."""
+    """The kernel on inputs ``check_inputs`` accepted (its grid: head blocks, splits, batch)."""
     B, H, _ = q_nope.shape
     _mla_fp8_kernel[(-(-H // BLOCK_H), num_splits, B)](
         q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, out, lse, po, pl,
@@ -104,6 +126,27 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, ks_value, fro
         block_tables.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2),
         pl.stride(0), pl.stride(1),
         NUM_SPLITS=num_splits, PAGE=cache.shape[1], SCALE_FROM_PTR=from_ptr, num_warps=NUM_WARPS)
+
+
+def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
+               return_lse: bool = False, workspace: Optional[Workspace] = None, config=None):
+    """The entry of decode.mla_decode's signature (dense decode of an fp8 cache)."""
+    tile_config({}, config)
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
+    check_inputs(q_nope, q_pe, cache)
+    B, H, R = q_nope.shape
+    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
+    if workspace is None:
+        workspace = make_workspace(B, H, R, q_nope.device)
+    common.check_workspace(workspace, B, H, R, q_nope.device)
+    if B > 0:
+        split_min = max(workspace.split_min, BLOCK_N)
+        fp8, from_ptr, scale_ptr, ks_value = scale_args(cache, kv_scale, seq_lens)
+        launch(q_nope, q_pe, cache, seq_lens, block_tables, scale_ptr, ks_value, from_ptr, scale, out, lse,
+               workspace.part_o, workspace.part_lse, workspace.num_splits, split_min)
+        common.merge(workspace, out, lse, seq_lens, 0, split_min, False)
+    return (out, lse) if return_lse else out
 
 
 @gluon.jit
@@ -212,7 +255,7 @@ def _values(lat, c: gl.constexpr, s, m_ref, l_i, acc):
     p = gl.exp2(s - m_ref[None, :])
     l_i = l_i + p
     p3 = gl.expand_dims(p.to(gl.float16), 0) + gl.zeros([NW, 16, BH], gl.float16, MMA)  # the same in every warp
-    vt = _vt_operand(lat.slice(16 * c, 16, dim=1).load(V_LOAD))
+    vt = vt_operand(lat.slice(16 * c, 16, dim=1).load(V_LOAD))
     return l_i, mma_v2(vt, gl.convert_layout(p3, B_P), acc)
 
 
@@ -283,7 +326,7 @@ def _mla_fp8_kernel(qn_ptr, qp_ptr, c_ptr, sl_ptr, bt_ptr, ks_ptr, o_ptr, lse_pt
     w = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
     m = gl.arange(0, GW, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     h = gl.arange(0, BH, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    col = (w * GW)[:, None, None] + _row_col(m)[None, :, None]
+    col = (w * GW)[:, None, None] + row_col(m)[None, :, None]
     head = (h0 + h)[None, None, :]
     ok = head < H
     hl = h0 + gl.arange(0, BH, layout=gl.SliceLayout(0, S2))

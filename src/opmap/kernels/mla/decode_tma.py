@@ -1,4 +1,5 @@
-"""MLA decode with the latent tiles loaded by TMA (tensor descriptors), dense 16-bit or fp8 caches.
+"""MLA decode with the latent tiles loaded by TMA (tensor descriptors), dense 16-bit or fp8 caches:
+the ``mla-tma`` backend's decode (pages holding whole key tiles; sparse decode is ``mla-triton``'s).
 
 Why: on sm90 the pointer kernel (decode.py) at 16 heads computes a [BLOCK_N, 576] pointer tile per
 key tile; its build has 255 registers and a stack frame, and it waits for every copy it issues
@@ -21,36 +22,80 @@ fp8 caches: the e4m3 tiles land in shared memory at half the bytes and are conve
 before the dots (fp16 dots on PTX-converted tiles at 16-head blocks, Triton's cast to q's dtype at
 64-head blocks, as in the pointer kernel: attention/fp8.py); the cache scale multiplies the
 scores and the output. Sparse decode (rows from an index list) runs on the pointer kernel.
+
+The split plan, the workspace and the merge are common.py's; this backend's ``make_workspace`` plans
+for its own programs (``per_sm``). What the backend declares (ops/mla/backends.py) the entry checks
+again on the tensors (``check_inputs``: an InputError, never another kernel).
 """
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from opmap.kernels.attention.fp8 import absmax, e4m3_to_f16, f16_factor, scaled_f16
-from opmap.kernels.attention.merge import _softmax_step
+from opmap.core.contract import expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
+from opmap.kernels.attention.merge import softmax_step
 from opmap.kernels.attention.tma import MAX_BOX
-from opmap.kernels.mla.common import _cache_scale, _split_range
+from opmap.kernels.mla import common
+from opmap.kernels.mla.common import Workspace, _cache_scale, _split_range, scale_args
+from opmap.ops.mla.validate import check_decode
 
 
-def usable(cache: torch.Tensor, q: torch.Tensor, R: int, Dr: int, block_n: int) -> str | None:
-    """None when the TMA kernel can serve this call, else the reason."""
+def default_config(H: int) -> dict:
+    """The TMA kernel's tiles. 64 heads or more: 64-head blocks as the rows of wgmma dots, three
+    stages so that a tile is in flight during the dots. Fewer: 16-head blocks with the keys as the
+    rows of the dots, 32-token tiles at three stages, two programs per SM (``per_sm``). Why these:
+    docs/mla.md, Decisions."""
+    if H >= 64:
+        return dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3)
+    return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3)
+
+
+def decode_config(H: int, override: Optional[dict] = None) -> dict:
+    """``default_config`` with the keys of ``override`` replaced (core/tiles.py)."""
+    return tile_config(default_config(H), override)
+
+
+def per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64) -> int:
+    """Programs per SM the split plan counts for a config: two 4-warp programs where their stages of
+    bf16 tiles fit beside each other in the H200's 228 KB of shared memory (32-token tiles at 2 or
+    3 stages), else one."""
+    stage = cfg["BLOCK_N"] * (rank + rope_dim) * 2
+    return 2 if cfg["num_warps"] <= 4 and 2 * cfg["num_stages"] * stage <= 224 * 1024 else 1
+
+
+def make_workspace(max_batch: int, num_heads: int, rank: int, device, *, num_splits: Optional[int] = None,
+                   split_min: int = 256, config: Optional[dict] = None) -> Workspace:
+    """Split-KV buffers for this kernel's decodes of up to ``max_batch`` sequences, the splits
+    planned for the programs of ``config`` (default: this kernel's tiles)."""
+    c = decode_config(num_heads, config)
+    s = num_splits or common.plan_splits(max_batch, num_heads, device, c["BLOCK_H"], c["num_warps"],
+                                         per_sm(c, rank))
+    return common.workspace(max_batch, num_heads, rank, device, s, split_min)
+
+
+def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_n: int, config=None) -> None:
+    """What this kernel needs beyond the decode contract (validate.check_decode), at the key tile
+    ``block_n`` it will launch: an InputError naming the argument, before any launch."""
+    R, Dr = q_nope.shape[2], q_pe.shape[2]
     elt = cache.element_size()
     page = cache.shape[1]
-    if q.dtype not in (torch.bfloat16, torch.float16) or cache.dtype not in (q.dtype, torch.float8_e4m3fn):
-        return f"the TMA path reads bf16/fp16 caches of q's dtype or fp8-e4m3 ones, not {cache.dtype}"
-    if page % block_n:
-        return f"page size {page} is not a multiple of BLOCK_N {block_n}"
-    if cache.stride(2) != 1 or cache.stride(1) != R + Dr or cache.stride(0) != page * (R + Dr):
-        return "the cache is not contiguous"
-    if ((R + Dr) * elt) % 16 or (R * elt) % 16 or (Dr * elt) % 16 or cache.data_ptr() % 16:
-        return "TMA needs 16-byte aligned rows, latent and RoPE parts"
-    if R > 2 * MAX_BOX:
-        return f"R = {R} > {2 * MAX_BOX}"
-    return None
+    expect(q_nope.dtype in (torch.bfloat16, torch.float16), "q_nope", f"dtype {q_nope.dtype}",
+           "bf16/fp16 (the TMA decode; fp32: the mla-triton backend)")
+    expect(cache.dtype in (q_nope.dtype, torch.float8_e4m3fn), "cache", f"dtype {cache.dtype}",
+           f"{q_nope.dtype} (as q) or float8_e4m3fn")
+    expect(page % block_n == 0, "config" if config and "BLOCK_N" in config else "cache",
+           f"page size {page} is not a multiple of BLOCK_N {block_n}", "pages that hold whole key tiles")
+    expect(cache.stride(2) == 1 and cache.stride(1) == R + Dr and cache.stride(0) == page * (R + Dr), "cache",
+           f"strides {tuple(cache.stride())}", "a contiguous cache (tensor descriptors)")
+    expect(((R + Dr) * elt) % 16 == 0 and (R * elt) % 16 == 0 and (Dr * elt) % 16 == 0 and cache.data_ptr() % 16 == 0,
+           "cache", f"rows of {R} + {Dr} elements of {elt} bytes", "16-byte aligned rows, latent and RoPE parts (TMA)")
+    expect(R <= 2 * MAX_BOX, "q_nope", f"latent rank {R}", f"<= {2 * MAX_BOX} (two TMA boxes)")
 
 
 def descriptors(cache: torch.Tensor, R: int, Dr: int, block_n: int, block_rh: int, block_dr: int):
@@ -139,7 +184,7 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
         if R_CHUNKS == 2:
             st += tl.dot(kv1, q1)
         st += tl.dot(kpe, qp)
-        m_i, alpha, pt, l_i = _softmax_step(tl.where(ok, st * qk_scale, float("-inf")), m_i, l_i, 0)
+        m_i, alpha, pt, l_i = softmax_step(tl.where(ok, st * qk_scale, float("-inf")), m_i, l_i, 0)
         pt = pt.to(kv0.dtype)
         acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(kv0), pt)  # [BLOCK_RH, BLOCK_H]
         if R_CHUNKS == 2:
@@ -151,7 +196,7 @@ def _step(KV_DESC, PE_DESC, raw, n0, end, MAXP, NPAGES, q0, q1, qp, qk_scale, m_
         if R_CHUNKS == 2:
             s += tl.dot(q1, tl.trans(kv1))
         s += tl.dot(qp, tl.trans(kpe))
-        m_i, alpha, p, l_i = _softmax_step(tl.where(ok, s * qk_scale, float("-inf")), m_i, l_i, 1)
+        m_i, alpha, p, l_i = softmax_step(tl.where(ok, s * qk_scale, float("-inf")), m_i, l_i, 1)
         p = p.to(kv0.dtype)
         acc0 = acc0 * alpha[:, None] + tl.dot(p, kv0)  # [BLOCK_H, BLOCK_RH]
         if R_CHUNKS == 2:
@@ -269,9 +314,8 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, SCALE_PTR
 
 def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, scales, asm, out, lse, workspace, bh, bn, warps,
            stages):
-    """The TMA kernel on the decode's grid and workspace (decode._launch checked the arguments,
-    ``usable`` included, and derived ``scales``, common.scale_args' tuple, and ``asm``, the PTX
-    conversion flag of attention/fp8.dot_flags)."""
+    """The kernel on inputs ``check_inputs`` accepted, with ``scales`` (common.scale_args' tuple)
+    and ``asm`` (the PTX conversion flag of attention/fp8.dot_flags)."""
     B, H, R = q_nope.shape
     Dr = q_pe.shape[2]
     block_r = triton.next_power_of_2(R)
@@ -290,3 +334,27 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, scales, asm, out,
         BLOCK_H=bh, BLOCK_RH=block_rh, R_CHUNKS=chunks, BLOCK_DR=block_dr, BLOCK_N=bn, NUM_SPLITS=S,
         PAGE=cache.shape[1], KEYS_ROWS=bh < 64, FP8=fp8, SCALE_FROM_PTR=from_ptr, ASM=asm, num_warps=warps,
         num_stages=stages)
+
+
+def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_scale=None,
+               return_lse: bool = False, workspace: Optional[Workspace] = None, config=None):
+    """The entry of decode.mla_decode's signature (dense decode only); ``config``: tile keys replacing
+    ``default_config``'s (BLOCK_H, BLOCK_N, num_warps, num_stages), for tuning."""
+    check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
+    B, H, R = q_nope.shape
+    cfg = decode_config(H, config)
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    check_inputs(q_nope, q_pe, cache, bn, config)
+    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
+    if workspace is None:
+        workspace = make_workspace(B, H, R, q_nope.device, config=cfg)
+    common.check_workspace(workspace, B, H, R, q_nope.device)
+    if B > 0:
+        scales = scale_args(cache, kv_scale, seq_lens)
+        # fp8: fp16 dots on PTX-converted tiles at 16-head blocks, Triton's cast at 64 (attention/fp8.py)
+        asm = dot_flags(cache.dtype, q_nope, bh < 64)["ASM"]
+        launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, scales, asm, out, lse, workspace, bh, bn,
+               cfg["num_warps"], cfg["num_stages"])
+        common.merge(workspace, out, lse, seq_lens, 0, max(workspace.split_min, bn), False)
+    return (out, lse) if return_lse else out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from opmap.core.contract import expect
-from opmap.kernels.attention.merge import _softmax_step
+from opmap.kernels.attention.merge import softmax_step
 from opmap.core.tiles import tile_config
 from opmap.ops.mla.validate import check_prefill, scale_value
 
@@ -53,7 +53,7 @@ def _tile(acc, m_i, l_i, qn, qp, KN, KP, V, b64, h, n0, end, chunk_start, qpos, 
     if CAUSAL:
         ok = ok & ((chunk_start + offs_n)[None, :] <= qpos[:, None])
     s = tl.where(ok, s, float("-inf"))
-    m_i, alpha, p, l_i = _softmax_step(s, m_i, l_i, 1)
+    m_i, alpha, p, l_i = softmax_step(s, m_i, l_i, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
     return acc, m_i, l_i
 

@@ -6,6 +6,9 @@ Declarations only: importing this module imports no kernel module and no peer pa
 """
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 from opmap.core.registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Prefer, Req, needs_cuda,
                          package_available, package_version, register, torch_version, triton_available,
                          triton_version)
@@ -14,6 +17,7 @@ NOT_MLA = Req("kind", ("mha", "gqa", "mqa"), "kind in {mha, gqa, mqa} (MLA: opma
 TRITON_PRIORITY = {"cpu": TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50}
 TRITON_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+TMA_BLOCK_N = 64  # the TMA prefill's key tile on a GPU (kernels/attention/common._default_config)
 
 
 def _kv_same_or_fp8(spec):
@@ -75,23 +79,89 @@ register(Backend(
     notes="fp32 accumulation; a contiguous cache is a paged one with one page per sequence",
 ))
 
+def _gluon_available() -> Optional[str]:
+    """The Gluon kernels run compiled on a CUDA GPU, never in the Triton interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: Gluon kernels do not run in the Triton interpreter"
+    return needs_cuda()
+
+
+def _group_at_most(n):
+    def fn(spec):
+        if spec.num_heads // spec.num_kv_heads > n:
+            return f"{spec.num_heads // spec.num_kv_heads} query heads per KV head (at most {n}: one 16-row tile)"
+        return None
+
+    return fn
+
+
+def _kv_fp8(spec):
+    if spec.kv_dtype != "fp8":
+        return f"kv_dtype={spec.kv_dtype} (an fp8 cache only; 16-bit caches: triton)"
+    return None
+
+
+TRITON_COMMON = (NOT_MLA, Req("paged", (True,), "paged KV (contiguous KV: one page per sequence of a listed size)"),
+                 Req("sparse", (False,), "dense attention only"))
+
 register(Backend(
     op="attention", name="triton", provider="opmap-triton", version=triton_version,
     priority=dict(TRITON_PRIORITY), available=triton_available,
     impl={"prefill": "opmap.kernels.attention.prefill:prefill", "decode": "opmap.kernels.attention.decode:decode",
-          "mixed": "opmap.kernels.attention.mixed:mixed", "make_workspace": "opmap.kernels.attention.decode:make_workspace"},
-    reqs=(NOT_MLA, Req("paged", (True,), "paged KV (contiguous KV: one page per sequence of a listed size)"),
+          "mixed": "opmap.kernels.attention.mixed:mixed",
+          "make_workspace": "opmap.kernels.attention.splitkv:make_workspace"},
+    reqs=(*TRITON_COMMON,
           Req("page_size", TRITON_PAGE_SIZES),
           Req("dtype", ("fp32", "fp16", "bf16")),
           Req("head_dim", TRITON_HEAD_DIMS),
-          Req("sparse", (False,), "dense attention only"),
           Req("cuda_graph", (False, True), "decode: workspace from make_workspace, allocated before capture"),
           Req("batch_invariant", (False, True),
               "decode: make_workspace(batch_invariant=True) (fixed split size); prefill always")),
     checks=(KV_CHECK, DV_SAME),
-    notes=("prefill: FlashAttention-2 style varlen kernel reading pages, GQA heads packed per tile; "
-           "decode: query heads of a KV head packed in one tile, split-KV planned on the device "
-           "(static grid, persistent workspace); batch_invariant uses a fixed split size in tokens"),
+    notes=("prefill: FlashAttention-2 style varlen kernel gathering K/V rows through the block table, GQA "
+           "heads packed per tile (fp8 caches: pages converted once to q's dtype when a call has many query "
+           "rows a sequence, else converted in the kernel); decode: query heads of a KV head packed in one "
+           "tile, split-KV planned on the device (static grid, persistent workspace), fp8 tiles converted in "
+           "registers; batch_invariant uses a fixed split size in tokens; mixed: both kernels in one step"),
+))
+
+# Above triton (50) where they serve, below FlashInfer's prefill (55): the kernels the engine ran
+# before they were their own backends (docs/attention.md, Decisions: TMA tiles the prefill default
+# where pages hold whole 64-key tiles; the Gluon kernel over the Triton one for fp8 at head dim 128).
+register(Backend(
+    op="attention", name="triton-tma", provider="opmap-triton", version=triton_version,
+    priority={"cpu": TRITON_CPU_PRIORITY - 1, "sm90": 52}, available=triton_available,
+    impl={"prefill": "opmap.kernels.attention.prefill_tma:prefill"},
+    reqs=(*TRITON_COMMON,
+          Req("phase", ("prefill",), "prefill (mixed steps: the gather kernel's, triton)"),
+          Req("page_size", lambda p: p in TRITON_PAGE_SIZES and p % TMA_BLOCK_N == 0,
+              f"pages holding whole {TMA_BLOCK_N}-key tiles (64, 128)"),
+          Req("dtype", ("fp16", "bf16")),
+          Req("head_dim", (64, 128), "head_dim 64 or 128 (the tiles its GPU tests cover)")),
+    checks=(KV_SAME, DV_SAME),
+    notes=("varlen prefill whose K/V tiles are one TMA box each (one page id a tile, no per-row addresses); "
+           "the cache's rows 16-byte aligned (an InputError otherwise); the interpreter runs it with small "
+           "tiles (cpu: for tests, below triton)"),
+))
+
+register(Backend(
+    op="attention", name="gluon-fp8", provider="opmap-triton", version=triton_version,
+    priority={"sm90": 52}, available=_gluon_available,
+    impl={"decode": "opmap.kernels.attention.decode_fp8:decode", "mixed": "opmap.kernels.attention.mixed:mixed_fp8",
+          "make_workspace": "opmap.kernels.attention.splitkv:make_workspace"},
+    reqs=(*TRITON_COMMON,
+          Req("phase", ("decode", "mixed"), "decode, and mixed steps' decode tokens"),
+          Req("page_size", TRITON_PAGE_SIZES),
+          Req("dtype", ("fp16", "bf16"), "16-bit queries (fp16 dots)"),
+          Req("head_dim", (128,), "head_dim 128 (the kernel's layouts)"),
+          Req("cuda_graph", (False, True), "workspace from make_workspace, allocated before capture"),
+          Req("batch_invariant", (False, True), "make_workspace(batch_invariant=True) (fixed split size)")),
+    checks=(Check("an fp8 (e4m3) cache, per-kv-head scales", _kv_fp8, "kv_dtype"), DV_SAME,
+            Check("at most 16 query heads per KV head", _group_at_most(16), "num_heads")),
+    notes=("decode in Gluon: each 64-key fp8 tile crosses shared memory once, read in 16-byte pieces straight "
+           "into the MMA fragments and converted in registers; the Triton decode's split plan, workspace and "
+           "merge; mixed: the chunks on the gather prefill (in-kernel fp8 conversion), the one-token rows on "
+           "this kernel; cache rows 16-byte aligned (an InputError otherwise)"),
 ))
 
 _SDPA = (

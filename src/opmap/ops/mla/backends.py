@@ -10,6 +10,8 @@ num_kv_heads = 1 (one latent shared by every head). Phase "mixed" is served by `
 """
 from __future__ import annotations
 
+import os
+
 from opmap.core import registry
 from opmap.core.registry import Backend, Check, Req
 
@@ -81,8 +83,86 @@ registry.register(Backend(
           Req("batch_invariant", (False,), "split-KV count depends on the batch size")),
     checks=(ROPE, SPARSE, GRAPH, Check("R <= 512, Dr <= 64", _dims_at_most(512, 64), "head_dim")),
     available=registry.triton_available,
-    notes="absorbed split-KV decode (device-side split plan, persistent workspace), sparse top-k "
-          "decode, non-absorbed chunked prefill; any page size",
+    notes="absorbed split-KV decode on the pointer kernel (row addresses from the block table: any page "
+          "size; device-side split plan, persistent workspace), sparse top-k decode, non-absorbed chunked "
+          "prefill",
+))
+
+
+def _kv_same_or_fp8(spec):
+    if spec.kv_dtype not in (spec.dtype, "fp8"):
+        return f"kv_dtype={spec.kv_dtype} with dtype={spec.dtype} (needs kv_dtype == dtype or fp8)"
+    return None
+
+
+def _tma_rows(spec):
+    elt = 1 if spec.kv_dtype == "fp8" else 2
+    r, d = spec.head_dim_v, spec.head_dim - spec.head_dim_v
+    if (r * elt) % 16 or (d * elt) % 16:
+        return f"latent rank {r} / rope dim {d} at {elt} byte(s) an element: not 16-byte rows (TMA boxes)"
+    return None
+
+
+def _kv_fp8(spec):
+    if spec.kv_dtype != "fp8":
+        return f"kv_dtype={spec.kv_dtype} (an fp8 cache only; 16-bit caches: mla-tma, mla-triton)"
+    return None
+
+
+def _deepseek_dims(spec):
+    if (spec.head_dim_v, spec.head_dim) != (512, 576):
+        return f"R = {spec.head_dim_v}, Dr = {spec.head_dim - spec.head_dim_v} (the kernel's layouts: R=512, Dr=64)"
+    return None
+
+
+DECODE_ONLY = Req("phase", ("decode",), "decode (prefill and mixed steps: mla-triton's non-absorbed prefill)")
+DENSE = Req("sparse", (False,), "dense decode (sparse top-k: mla-triton's pointer kernel)")
+Q16 = Req("dtype", ("fp16", "bf16"), "q bf16 / fp16")
+NOT_INVARIANT = Req("batch_invariant", (False,), "split-KV count depends on the batch size")
+
+# Above mla-triton (50) where they serve, below FlashInfer's decode from 64 heads (55): the kernels
+# the engine ran before they were their own backends (docs/mla.md, Decisions: the TMA kernel the
+# default for dense 16-bit caches and, among the Triton kernels, for fp8 from 64 heads; the Gluon
+# kernel for fp8 at R = 512 / Dr = 64, every head count).
+_TMA_FIRST = registry.Prefer(52, 45, lambda s: s.kv_dtype != "fp8" or s.num_heads >= 64,
+                             "a 16-bit cache, or an fp8 one from 64 heads")
+
+registry.register(Backend(
+    op="attention", name="mla-tma", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1, "sm80": _TMA_FIRST, "sm90": _TMA_FIRST},
+    impl=_impl("kernels.mla.decode_tma", ("mla_decode", "make_workspace")),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP, DECODE_ONLY, DENSE, Q16,
+          Req("page_size", lambda p: p % 64 == 0, "pages of 64 or more holding whole key tiles (multiples of 64)"),
+          NOT_INVARIANT),
+    checks=(ROPE, Check("kv_dtype == dtype or fp8", _kv_same_or_fp8, "kv_dtype"),
+            Check("R <= 512, Dr <= 64", _dims_at_most(512, 64), "head_dim"),
+            Check("16-byte latent and RoPE rows", _tma_rows, "head_dim")),
+    available=registry.triton_available,
+    notes="absorbed split-KV decode whose latent tiles are TMA boxes of one page (R = 512 as two 256-wide "
+          "boxes), dots on wgmma from shared memory (keys as rows below 64-head blocks); fp8 tiles converted "
+          "after the copy; a contiguous, 16-byte aligned cache (an InputError otherwise); the interpreter runs "
+          "it (cpu: for tests, below mla-triton)",
+))
+
+
+def _gluon_available():
+    """The Gluon kernels run compiled on a CUDA GPU, never in the Triton interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "TRITON_INTERPRET=1: Gluon kernels do not run in the Triton interpreter"
+    return registry.needs_cuda()
+
+
+registry.register(Backend(
+    op="attention", name="mla-gluon-fp8", provider="opmap-triton", version=registry.triton_version,
+    priority={"sm90": 53},
+    impl=_impl("kernels.mla.decode_fp8", ("mla_decode", "make_workspace")),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP, DECODE_ONLY, DENSE, Q16, NOT_INVARIANT),
+    checks=(Check("an fp8 (e4m3) cache + scale", _kv_fp8, "kv_dtype"),
+            Check("R = 512, Dr = 64", _deepseek_dims, "head_dim")),
+    available=_gluon_available,
+    notes="absorbed split-KV decode in Gluon: each 64-key fp8 tile crosses shared memory once, read in "
+          "16-byte pieces straight into the MMA fragments of both dots and converted in registers; warps "
+          "split the latent; 16-byte aligned rows (an InputError otherwise)",
 ))
 
 registry.register(Backend(

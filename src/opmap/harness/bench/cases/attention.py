@@ -9,8 +9,10 @@ Prefill: causal, S in {512, 2048, 8192, 16384}, 32 heads d=128 (MHA), and B=4 GQ
 S=4096; FLOPs 4 x B x Hq x D x S(S+1)/2 (causal pairs); compute bound: fraction of the bf16
 GEMM ceiling.
 
-Providers: ours on the paged cache (decode under CUDA-graph replay with a persistent workspace;
-also the fixed-split batch-invariant mode in the full run); PyTorch SDPA with each CUDA backend
+Providers: ours on the paged cache, one row per backend whose kernel can serve the case
+(``opmap-triton``: the gather prefill and the Triton decode; ``opmap-triton-tma``: the TMA prefill
+on pages of 64; ``opmap-gluon-fp8``: the Gluon decode on fp8 caches), decode under CUDA-graph replay
+with a persistent workspace; also the fixed-split batch-invariant mode in the full run; PyTorch SDPA with each CUDA backend
 on contiguous [B, H, S, D] K/V made from the same data outside the timing (enable_gqa; where a
 backend refuses unequal head counts the provider fails with the reason, and a "repeat-kv"
 variant reads K/V expanded to 32 heads); FlexAttention on the paged cache with its block mask
@@ -68,43 +70,46 @@ def _contiguous(inp, repeat=False):
     return inp[key]
 
 
-# Alternative tiles timed in the full run (ours only), so one GPU run also tunes the defaults.
-# PREFETCH=0: the page-id load inside the iteration, as before the prefetch (see
+# Alternative tiles of one backend's kernel timed with --variants (ours only), so one GPU run also
+# tunes the defaults. PREFETCH=0: the page-id load inside the iteration, as before the prefetch (see
 # kernels/attention/common.py): the row that measures what the pipelining change did.
-# decode: page-id prefetch where the default turns it off (large grids), one stage (K/V straight to
-# registers), one stage with 128-key tiles on 8 warps, and no prefetch where the default has it
-# fp8 caches at head dim 128 run the Gluon kernel (kernels/attention/decode_fp8.py), which takes none of
-# these tiles: their variant row is the Triton kernel on the same cache (GLUON=0).
+# decode (the Triton kernel, 16-bit and fp8 caches): page-id prefetch where the default turns it off
+# (large grids), one stage (K/V straight to registers), one stage with 128-key tiles on 8 warps, and
+# no prefetch where the default has it. The Gluon fp8 kernel takes no tiles (its layouts fix them).
 VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, BLOCK_N=128, num_warps=8),
                        dict(PREFETCH=0)],
-            "decode_fp8": [dict(GLUON=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
-                        dict(PREFETCH=0)]}
+                        dict(PREFETCH=0)],
+            # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
+            # 64-row query blocks (two programs per SM)
+            "prefill_tma": [dict(num_stages=2), dict(BLOCK_M=64, num_warps=4)]}
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
-             "GLUON": "gl"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
-def _ours(phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
-    def make(inp):
-        from opmap.kernels.attention import decode as Dm
-        from opmap.kernels.attention import mixed as Mx
-        from opmap.kernels.attention import prefill as Pf
+def _row(backend, extra=""):
+    """A backend's row name: "opmap-" + its name, then ``[extra]`` for a variant of it."""
+    return f"opmap-{backend}" + (f"[{extra}]" if extra else "")
 
+
+def _ours(backend, phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
+    def make(inp):
+        from opmap.core import registry
+
+        b = registry.get("attention", backend)
+        fn = b.fn(phase)
         kw = dict(scale=inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
+        if config:
+            kw["config"] = config
         if phase == "decode":
             B = inp["q"].shape[0]
-            ws = Dm.make_workspace(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
-                                   max_seq_len=inp["bt"].shape[1] * inp["page"], min_chunk=min_chunk,
-                                   split_tokens=split_tokens)
-            return lambda: Dm.decode(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws,
-                                     config=config, **kw)
-        if phase == "prefill":
-            kw["config"] = config
-        fn = Pf.prefill if phase == "prefill" else Mx.mixed
+            ws = b.fn("make_workspace")(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
+                                        max_seq_len=inp["bt"].shape[1] * inp["page"], min_chunk=min_chunk,
+                                        split_tokens=split_tokens)
+            return lambda: fn(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws, **kw)
         return lambda: fn(inp["q"], inp["kc"], inp["vc"], inp["cu"], inp["seq_lens"], inp["bt"], **kw)
 
     return make
@@ -209,24 +214,29 @@ def _spec(phase, hk, fp8, graph, page=PAGE):
 def _decode_case(B, L, fp8, quick):
     elt = 1 if fp8 else 2
     nbytes = 2 * B * L * HK * D * elt + 2 * B * HQ * D * 2
-    provs = [Provider("opmap-triton", _ours("decode"), backend=("attention", "triton"))]
-    # tile variants (timed with --variants only), in the quick grid too, on fp8 caches as well
-    provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("decode", config=c))
-              for c in VARIANTS["decode_fp8" if fp8 else "decode"]]
+    # the kernel the selector picks for this case (the split-plan rows below time its plans)
+    default = "gluon-fp8" if fp8 else "triton"
+    provs = [Provider(_row("triton"), _ours("triton", "decode"), backend=("attention", "triton"))]
+    if fp8:  # the Gluon kernel where it serves (fp8 at head dim 128), beside the Triton kernel on the same cache
+        provs.append(Provider(_row("gluon-fp8"), _ours("gluon-fp8", "decode"), backend=("attention", "gluon-fp8")))
+    # tile variants of the Triton kernel (timed with --variants only), in the quick grid too, on fp8 caches as well
+    provs += [Provider(_row("triton", _tag(c)), _ours("triton", "decode", config=c), backend=("attention", "triton"))
+              for c in VARIANTS["decode"]]
     if not quick:
-        provs.append(Provider("opmap-triton[fixed-split]", _ours("decode", fixed=True)))
+        provs.append(Provider(_row(default, "fixed-split"), _ours(default, "decode", fixed=True), backend=("attention", default)))
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
-            # picks one of them by B x Hk: decode.auto_min_chunk): at B=1, kv=1152 the engine's
+            # picks one of them by B x Hk: splitkv.auto_min_chunk): at B=1, kv=1152 the engine's
             # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
-            provs.append(Provider("opmap-triton[chunk=64]", _ours("decode", min_chunk=64)))
-            provs.append(Provider("opmap-triton[chunk=256]", _ours("decode", min_chunk=256)))
+            provs.append(Provider(_row(default, "chunk=64"), _ours(default, "decode", min_chunk=64), backend=("attention", default)))
+            provs.append(Provider(_row(default, "chunk=256"), _ours(default, "decode", min_chunk=256), backend=("attention", default)))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
         # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more
         # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
         # (64 and 128 splits) against 2048 (16), in the quick grid too.
-        provs += [Provider(f"opmap-triton[split_tokens={n}]", _ours("decode", split_tokens=n)) for n in (256, 512, 2048)]
+        provs += [Provider(_row(default, f"split_tokens={n}"), _ours(default, "decode", split_tokens=n),
+                           backend=("attention", default)) for n in (256, 512, 2048)]
     if (B, L) in ((64, 4096), (1, 32768)):
         # what a user's call costs beside the engine's path (the workspace row above)
         provs.append(Provider("opmap-decode-call", _public_decode(False)))
@@ -249,19 +259,15 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False):
     16-bit caches): the issue's bar is the bf16 row of the same shape."""
     pairs = B * S * (S + 1) / 2
     nbytes = B * S * (HQ * 2 + hk * (1 if fp8 else 2)) * D * 2
-    provs = [Provider("opmap-triton", _ours("prefill"), backend=("attention", "triton"))]
+    provs = [Provider(_row("triton"), _ours("triton", "prefill"), backend=("attention", "triton"))]
     if not quick and not fp8:
-        provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours("prefill", config=c)) for c in VARIANTS["prefill"]]
-    if page % 64 == 0:
-        # The default reads these pages through TMA (kernels/attention/prefill_tma.py, pages holding
-        # whole 64-key tiles); the gather kernel beside it
-        provs.append(Provider("opmap-triton[tma=0]", _ours("prefill", config=dict(TMA=0))))
+        provs += [Provider(_row("triton", _tag(c)), _ours("triton", "prefill", config=c), backend=("attention", "triton"))
+                  for c in VARIANTS["prefill"]]
     if page % 64 == 0 and not fp8:
-        # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
-        # 64-row query blocks (two programs per SM)
-        provs.append(Provider("opmap-triton[tma=1,s=2]", _ours("prefill", config=dict(TMA=1, num_stages=2))))
-        provs.append(Provider("opmap-triton[tma=1,bm=64,w=4]",
-                              _ours("prefill", config=dict(TMA=1, BLOCK_M=64, num_warps=4))))
+        # pages holding whole 64-key tiles: the TMA kernel beside the gather kernel and the peers
+        provs.append(Provider(_row("triton-tma"), _ours("triton-tma", "prefill"), backend=("attention", "triton-tma")))
+        provs += [Provider(_row("triton-tma", _tag(c)), _ours("triton-tma", "prefill", config=c),
+                           backend=("attention", "triton-tma")) for c in VARIANTS["prefill_tma"]]
     if not fp8:
         provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
         if hk != HQ:
@@ -289,7 +295,7 @@ def _mixed_case():
     nbytes = 2 * (8192 + 63 * 4096) * HK * D * 2 + 2 * (2048 + 63) * HQ * D * 2
     return BenchCase("attention.mixed", f"chunk=2048/8192+63x4096,h={HQ}/{HK},d={D},page={PAGE},dtype=bf16",
                      4.0 * HQ * D * pairs, nbytes, setup,
-                     [Provider("opmap-triton", _ours("mixed"), backend=("attention", "triton")),
+                     [Provider(_row("triton"), _ours("triton", "mixed"), backend=("attention", "triton")),
                       Provider("torch-flex", _flex)], bound="compute", spec=_spec("mixed", HK, False, False))
 
 
@@ -382,8 +388,8 @@ def cases(quick: bool) -> list[BenchCase]:
     for S in ((8192,) if quick else (512, 2048, 8192, 16384)):
         out.append(_prefill_case(1, S, HQ, quick))
     out.append(_prefill_case(4, 4096, HK, quick))
-    # Pages of 64 (TensorRT-LLM's default block, FlashMLA's page): the TMA prefill beside the gather
-    # kernel and the peers
+    # Pages of 64 (TensorRT-LLM's default block, FlashMLA's page; the engine's on sm90): the TMA
+    # prefill (triton-tma) beside the gather kernel and the peers
     out += [_prefill_case(1, 8192, HQ, quick, page=64), _prefill_case(4, 4096, HK, quick, page=64)]
     # fp8 caches, beside the bf16 rows of the same shapes
     out += [_prefill_case(4, 4096, HK, quick, page=p, fp8=True) for p in (PAGE, 64)]

@@ -12,8 +12,11 @@ exceed the H200's ridge (~760 TFLOP/s / 4.2 TB/s = 181): 128 heads with a bf16 c
 are (242 FLOP/B), so those report TFLOP/s against the bf16 GEMM ceiling; 16 heads are memory
 bound and report the fraction of the read ceiling.
 
-Providers, same inputs, same run: ours (CUDA-graph replay, persistent workspace), with a few other
-tile configurations under ``--variants`` so that one GPU run also tunes the default; PyTorch SDPA on
+Providers, same inputs, same run: ours, one row per backend whose kernel can serve the case
+(``opmap-triton``: the pointer kernel, mla-triton; ``opmap-tma``: the TMA kernel, mla-tma;
+``opmap-gluon-fp8``: the Gluon fp8 kernel, mla-gluon-fp8), under CUDA-graph replay with a persistent
+workspace, with a few other tile configurations of a kernel under ``--variants`` so that one GPU run
+also tunes its defaults; PyTorch SDPA on
 the latent already gathered into contiguous memory (like "cuDNN on contiguous KV" for GQA: the
 gather is not timed; sparse: the torch gather of the top-k rows *is* timed, it is the op);
 FlashInfer's MLA when importable (plan outside the timing).
@@ -27,15 +30,13 @@ from opmap.core.specs import AttentionSpec
 
 R, DR, PAGE = 512, 64, 64
 RIDGE = 181.0  # FLOP per byte where the H200's bf16 GEMM ceiling meets its read ceiling
-# Tile variants of our decode (with --variants), as config dicts (core/tiles.py) over the default
-# the selector picks: the TMA kernel's tiles, and the pointer kernel (TMA=0) beside them.
-VARIANTS = {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_warps=8),
-                 dict(BLOCK_H=64, num_warps=8, num_stages=2), dict(TMA=0, num_stages=2)],
-            128: [dict(num_stages=2), dict(BLOCK_H=32, num_stages=2), dict(TMA=0, num_stages=1)]}
-# fp8: the Triton kernels (GLUON=0) beside the Gluon default, at each head count's former default
-# (the pointer kernel at 16 heads, the TMA kernel at 128) and the other kernel
-FP8_VARIANTS = {16: [dict(GLUON=0), dict(GLUON=0, TMA=1)],
-                128: [dict(GLUON=0), dict(GLUON=0, BLOCK_H=64, num_warps=8, num_stages=1, TMA=0)]}
+# Tile variants of our decode kernels (with --variants), as config dicts (core/tiles.py) over each
+# kernel's defaults: the TMA kernel's tiles (mla-tma) at each head count, and the pointer kernel's
+# (mla-triton) 64-head blocks at 128 heads whatever the batch.
+VARIANTS = {"mla-tma": {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2), dict(num_warps=8),
+                             dict(BLOCK_H=64, num_warps=8, num_stages=2)],
+                        128: [dict(num_stages=2), dict(BLOCK_H=32, num_stages=2)]},
+            "mla-triton": {16: [], 128: [dict(BLOCK_H=64, num_warps=8, num_stages=1)]}}
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
 
@@ -65,24 +66,26 @@ def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
     return setup
 
 
-def _row(config: dict) -> str:
-    """A config's bench row name: {"BLOCK_N": 64, "num_stages": 2} -> "opmap-triton[bn=64,s=2]"."""
-    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s", "TMA": "tma",
-             "GLUON": "gl"}
-    return "opmap-triton[" + ",".join(f"{short[k]}={v}" for k, v in config.items()) + "]"
+def _row(backend: str, config: dict = None, extra: str = "") -> str:
+    """A backend's bench row: "opmap-" + its name without the family's "mla-" prefix, then the
+    config of a variant: ("mla-tma", {"BLOCK_N": 64, "num_stages": 2}) -> "opmap-tma[bn=64,s=2]"."""
+    short = {"BLOCK_H": "bh", "BLOCK_M": "bm", "BLOCK_N": "bn", "num_warps": "w", "num_stages": "s"}
+    tag = ",".join([f"{short[k]}={v}" for k, v in (config or {}).items()] + ([extra] if extra else []))
+    return f"opmap-{backend.removeprefix('mla-')}" + (f"[{tag}]" if tag else "")
 
 
-def _ours(entry, config=None, **ws_kw):
+def _ours(backend, entry="mla_decode", config=None, **ws_kw):
     def make(inp):
-        from opmap.kernels.mla import decode as dec
+        from opmap.core import registry
 
+        b = registry.get("attention", backend)
         B, H, _ = inp["qn"].shape
-        cfg = dec.decode_config(inp["qn"], inp["qp"], inp["cache"], entry == "mla_sparse_decode", config)
-        ws = dec.make_workspace(B, H, R, inp["qn"].device, config=cfg, kv_dtype=inp["cache"].dtype, **ws_kw)
+        ws = b.fn("make_workspace")(B, H, R, inp["qn"].device, config=config, **ws_kw)
         extra = (inp["indices"],) if entry == "mla_sparse_decode" else ()
-        fn = getattr(dec, entry)
+        kw = {"config": config} if config else {}
+        fn = b.fn(entry)
         return lambda: fn(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], *extra,
-                          scale=inp["scale"], kv_scale=inp["kv_scale"], workspace=ws, config=config)
+                          scale=inp["scale"], kv_scale=inp["kv_scale"], workspace=ws, **kw)
 
     return make
 
@@ -133,10 +136,14 @@ def _decode_case(B, H, ctx, fp8, quick):
     elt = 1 if fp8 else 2
     nbytes = B * ctx * (R + DR) * elt + B * H * (R + DR) * 2 + B * H * R * 2
     flops = 2.0 * B * H * ctx * (2 * R + DR)
-    provs = [Provider("opmap-triton", _ours("mla_decode"), backend=("attention", "mla-triton"))]
-    provs += [Provider(_row(c), _ours("mla_decode", c)) for c in (FP8_VARIANTS if fp8 else VARIANTS)[H]]
+    provs = [Provider(_row(b), _ours(b), backend=("attention", b))
+             for b in ("mla-triton", "mla-tma", *(("mla-gluon-fp8",) if fp8 else ()))]
+    provs += [Provider(_row(b, c), _ours(b, config=c), backend=("attention", b))
+              for b in ("mla-tma", "mla-triton") for c in VARIANTS[b][H]]
     if B == 1:
-        provs.append(Provider("opmap-triton[splits=256,min=128]", _ours("mla_decode", num_splits=256, split_min=128)))
+        default = "mla-gluon-fp8" if fp8 else "mla-tma"  # the selector's under CUDA graphs on sm90
+        provs.append(Provider(_row(default, extra="splits=256,min=128"),
+                              _ours(default, num_splits=256, split_min=128), backend=("attention", default)))
     if not fp8:
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
@@ -151,7 +158,7 @@ def _sparse_case(B, ctx, k, fp8):
     H, elt = 128, 1 if fp8 else 2
     nbytes = B * k * ((R + DR) * elt + 4) + B * H * (R + DR) * 2 + B * H * R * 2
     flops = 2.0 * B * H * k * (2 * R + DR)
-    provs = [Provider("opmap-triton", _ours("mla_sparse_decode"), backend=("attention", "mla-triton"))]
+    provs = [Provider(_row("mla-triton"), _ours("mla-triton", "mla_sparse_decode"), backend=("attention", "mla-triton"))]
     if not fp8:
         provs.append(Provider("torch-gather+sdpa", _sdpa_sparse))
     return BenchCase("attention.mla_sparse_decode",
@@ -192,10 +199,10 @@ def _prefill_case(H, new, prefix):
     pairs = new * prefix + new * (new + 1) / 2
     flops = 2.0 * H * pairs * (128 + DR + 128) + 2.0 * n * R * H * 256  # attention + kv_b expansion
     nbytes = n * (R + DR) * 2 + new * H * (128 + DR + 128) * 2 + H * 256 * R * 2
-    provs = [Provider("opmap-triton", _prefill_call("mla-triton"), backend=("attention", "mla-triton")),
+    provs = [Provider(_row("mla-triton"), _prefill_call("mla-triton"), backend=("attention", "mla-triton")),
              Provider("torch-sdpa", _prefill_call("mla-sdpa"), backend=("attention", "mla-sdpa"))]
     for c in PREFILL_VARIANTS:
-        provs.append(Provider(_row(c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
+        provs.append(Provider(_row("mla-triton", c), _prefill_call("mla-triton", c), backend=("attention", "mla-triton")))
     return BenchCase("attention.mla_prefill", f"new={new},prefix={prefix},h={H},Dqk=192,Dv=128,page={PAGE}",
                      flops, nbytes, _prefill_setup(H, new, prefix), provs, bound="compute",
                      spec=_spec(H, False, phase="prefill"), tags=("mla",))

@@ -1,7 +1,8 @@
 """Attention (MHA/GQA/MQA) check cases: every runnable backend against the fp32 reference
-(decode, chunked varlen prefill, mixed, page edges, window + soft-cap), the reference against
-SDPA in fp64, fp8 KV quality (cosine >= 0.999 vs the 16-bit cache), CUDA-graph replay after
-re-planning, fixed-split batch invariance, KV append and LSE merge, and bad input.
+(decode, chunked varlen prefill, mixed, page edges, window + soft-cap, fp8 caches; the TMA prefill
+on 64-token pages), the reference against SDPA in fp64, fp8 KV quality (cosine >= 0.999 vs the
+16-bit cache), CUDA-graph replay after re-planning and fixed-split batch invariance of each decode
+backend with a workspace, KV append and LSE merge, and bad input.
 CPU: fp32, 4/2 heads, d=64 (interpreter); GPU: bf16, 32/8 heads, d=128. Paged backends get the
 paged cache; contiguous-only backends (SDPA) get the same data as [B, S, Hk, D]."""
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _inputs(device, seed, lens, qlens, fp8=False, page=None, dtype=None):
     dt = dtype or DT[device][0]
     g = torch.Generator().manual_seed(seed)
     pc = make_paged(lens, s["hk"], s["d"], page or s["page"], dtype=dt, fp8=fp8, device=device, shared=True,
-                    generator=g)
+                    poison=fp8, generator=g)
     q, cu = make_query(qlens, s["hq"], s["d"], dtype=dt, device=device, generator=g)
     return s, pc, q, cu
 
@@ -62,6 +63,7 @@ def _ref(fn, q, pc, *a, **kw):
 
 def _call(name, entry, paged, q, pc, cu, **kw):
     b = registry.get("attention", name)
+    kw.update(pc.kw)  # an fp8 cache's scales
     if paged:
         kc, vc, bt = pc.k_cache, pc.v_cache, pc.block_tables
     else:  # [B, S, Hk, D]: a paged cache with one page of S tokens per sequence, in order
@@ -72,47 +74,37 @@ def _call(name, entry, paged, q, pc, cu, **kw):
     return b(entry, q, kc, vc, cu, pc.seq_lens, bt, **kw)
 
 
-def _decode(device, name, paged, page=None, feats=False):
+def _decode(device, name, paged, page=None, feats=False, fp8=False):
+    """``fp8``: an e4m3 cache (NaN in its unused slots) against the reference on the same cache."""
     def run():
         from opmap.ops.attention import reference as R
 
         s = _shape(device)
-        s, pc, q, _ = _inputs(device, 11, s["lens"], [1] * len(s["lens"]), page=page)
+        s, pc, q, _ = _inputs(device, 11, s["lens"], [1] * len(s["lens"]), page=page, fp8=fp8)
         kw = dict(scale=s["d"] ** -0.5, window=(40 if feats else None), soft_cap=(30.0 if feats else None))
         out = _call(name, "decode", paged, q, pc, None, **kw)
-        return _vs(out, _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw), q.dtype)
+        return _vs(out, _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw, **pc.kw), q.dtype,
+                   scale=2.0 if fp8 else 1.0)
 
     return run
 
 
-def _prefill(device, name, paged, entry="prefill", feats=False):
+def _prefill(device, name, paged, entry="prefill", feats=False, fp8=False, page=None):
     def run():
         from opmap.ops.attention import reference as R
 
         s = _shape(device)
         # cuDNN SDPA takes whole prompts only (no bottom-right mask, declared); the rest get chunks
-        # over cached prefixes, a zero-token sequence and decode tokens in one varlen batch.
+        # over cached prefixes, a zero-token sequence and decode tokens in one varlen batch. Pages of
+        # 64 (the TMA prefill's): lengths at the 64-key tile edges too.
         lens, ql = (s["whole"], s["whole"]) if name == "sdpa_cudnn" else (s["lens"], s["chunk"])
-        s, pc, q, cu = _inputs(device, 12, lens, ql)
+        if page == 64:
+            lens, ql = [1, 63, 64, 65, 1025, 0, 300], [1, 3, 64, 65, 512, 0, 1]
+        s, pc, q, cu = _inputs(device, 12, lens, ql, fp8=fp8, page=page)
         kw = dict(scale=s["d"] ** -0.5, window=(40 if feats else None), soft_cap=(30.0 if feats else None))
         out = _call(name, entry, paged, q, pc, cu, **kw)
-        return _vs(out, _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw), q.dtype)
-
-    return run
-
-
-def _prefill_tma(device):
-    """The TMA prefill (config TMA=1; kernels/attention/prefill_tma.py) on 64-token pages: lengths at
-    the 64-key tile edges, chunks over cached prefixes, a zero-token sequence."""
-    def run():
-        from opmap.kernels.attention import prefill as P
-        from opmap.ops.attention import reference as R
-
-        lens, ql = [1, 63, 64, 65, 1025, 0, 300], [1, 3, 64, 65, 512, 0, 1]
-        s, pc, q, cu = _inputs(device, 13, lens, ql, page=64)
-        kw = dict(scale=s["d"] ** -0.5)
-        out = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
-        return _vs(out, _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw), q.dtype)
+        return _vs(out, _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw, **pc.kw), q.dtype,
+                   scale=2.0 if fp8 else 1.0)
 
     return run
 
@@ -140,7 +132,9 @@ def _ref_vs_sdpa(device):
 
 
 def _fp8_quality(device, name, entry):
+    """The backend on the fp8 copy of a cache against the fp32 reference on the 16-bit cache."""
     def run():
+        from opmap.ops.attention import reference as R
         from opmap.ops.attention.reference import quantize_fp8
 
         s = _shape(device)
@@ -153,7 +147,8 @@ def _fp8_quality(device, name, entry):
         v8 = quantize_fp8(pc.v_cache.view(-1, hk, d), vs).view(pc.v_cache.shape)
         f = registry.get("attention", name).fn(entry)
         mid = () if entry == "decode" else (cu,)
-        hi = f(q, pc.k_cache, pc.v_cache, *mid, pc.seq_lens, pc.block_tables, scale=d ** -0.5)
+        hi = getattr(R, entry)(q.float(), pc.k_cache.float(), pc.v_cache.float(), *mid, pc.seq_lens, pc.block_tables,
+                               scale=d ** -0.5)
         lo = f(q, k8, v8, *mid, pc.seq_lens, pc.block_tables, scale=d ** -0.5, k_scale=ks, v_scale=vs)
         c = cosine(lo, hi)
         err = float((lo.float() - hi.float()).abs().max())
@@ -162,32 +157,41 @@ def _fp8_quality(device, name, entry):
     return run
 
 
-def _graph_replay():
+def _graph_replay(name, fp8=False):
+    """The backend's decode captured once with its workspace, replayed after lengths and block tables
+    are rewritten in place (fp8: an e4m3 cache with per-kv-head scales)."""
     def run():
-        from opmap.kernels.attention import decode as D
         from opmap.ops.attention import reference as R
 
+        b = registry.get("attention", name)
         B, hq, hk, d, page, maxp, P = 4, 32, 8, 128, 16, 300, 2000
         g = torch.Generator().manual_seed(15)
         kc = torch.randn(P, page, hk, d, generator=g).to("cuda", torch.bfloat16)
         vc = torch.randn(P, page, hk, d, generator=g).to("cuda", torch.bfloat16)
+        sc = {}
+        if fp8:
+            sc = dict(k_scale=kc.float().abs().amax(dim=(0, 1, 3)) / 448.0,
+                      v_scale=vc.float().abs().amax(dim=(0, 1, 3)) / 448.0)
+            kc = R.quantize_fp8(kc.view(-1, hk, d), sc["k_scale"]).view(kc.shape)
+            vc = R.quantize_fp8(vc.view(-1, hk, d), sc["v_scale"]).view(vc.shape)
         q = torch.randn(B, hq, d, generator=g).to("cuda", torch.bfloat16)
         lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
         tables = torch.randperm(P, generator=g)[:B * maxp].view(B, maxp).int().to("cuda")
-        ws = D.make_workspace(B, hq, d, device="cuda")
-        call = lambda: D.decode(q, kc, vc, lens, tables, scale=0.088, workspace=ws)  # noqa: E731
+        ws = b("make_workspace", B, hq, d, device="cuda")
+        call = lambda: b("decode", q, kc, vc, lens, tables, scale=0.088, workspace=ws, **sc)  # noqa: E731
         call()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = call()
         worst, cos = 0.0, 1.0
+        kr, vr = (kc, vc) if fp8 else (kc.float(), vc.float())
         for new in ([4800, 1, 0, 2559], [16, 17, 4799, 300]):
             lens.copy_(torch.tensor(new, dtype=torch.int32))
             tables.copy_(torch.randperm(P, generator=g)[:B * maxp].view(B, maxp))
             graph.replay()
-            want = R.decode(q.float(), kc.float(), vc.float(), lens, tables, scale=0.088)
-            worst = max(worst, compare(out, want, torch.bfloat16).worst_ratio)
+            want = R.decode(q.float(), kr, vr, lens, tables, scale=0.088, **sc)
+            worst = max(worst, compare(out, want, torch.bfloat16, scale=2.0 if fp8 else 1.0).worst_ratio)
             cos = min(cos, cosine(out, want))
         return Outcome(worst <= 1.0 and cos >= 0.9995, f"worst/tol={worst:.3g} cosine>={cos:.6f} over 2 re-plans",
                        worst, 1.0)
@@ -195,19 +199,19 @@ def _graph_replay():
     return run
 
 
-def _batch_invariance(device):
+def _batch_invariance(device, name, fp8=False):
     def run():
-        from opmap.kernels.attention import decode as D
-
+        b = registry.get("attention", name)
         s = _shape(device)
-        s, pc, q, _ = _inputs(device, 16, s["lens"], [1] * len(s["lens"]))
+        s, pc, q, _ = _inputs(device, 16, s["lens"], [1] * len(s["lens"]), fp8=fp8)
         width = pc.block_tables.shape[1] * s["page"]
-        ws = lambda B: D.make_workspace(B, s["hq"], s["d"], device=device, batch_invariant=True,  # noqa: E731
-                                        split_tokens=32 if device == "cpu" else None, max_seq_len=width)
-        full = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.1, workspace=ws(q.shape[0]))
+        ws = lambda B: b("make_workspace", B, s["hq"], s["d"], device=device, batch_invariant=True,  # noqa: E731
+                         split_tokens=32 if device == "cpu" else None, max_seq_len=width)
+        full = b("decode", q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.1,
+                 workspace=ws(q.shape[0]), **pc.kw)
         sub = [4, 0]
-        part = D.decode(q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.1,
-                        workspace=ws(2))
+        part = b("decode", q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.1,
+                 workspace=ws(2), **pc.kw)
         same = torch.equal(part, full[sub])
         return Outcome(same, "sub-batch rows bitwise equal" if same else "sub-batch rows differ")
 
@@ -366,18 +370,37 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         for name in _runnable("attention", base.replace(phase=entry, kv_dtype="fp8")):
             out.append(CheckCase("quant", "attention", name, f"{entry} fp8 KV vs {dts},{shape}",
                                  _fp8_quality(device, name, entry)))
-    if "triton" in _runnable("attention", base.replace(batch_invariant=True)):
-        out.append(CheckCase("boundaries", "attention", "triton", "decode fixed-split batch invariance",
-                             _batch_invariance(device)))
+    # fp8 caches against the reference on the same cache (the GPU shape: head dim 128, where the
+    # Gluon decode serves; NaN in the unused slots), decode and the mixed step's decode tokens
+    f8 = base.replace(kv_dtype="fp8")
+    for name in _runnable("attention", f8.replace(phase="decode")):
+        out.append(CheckCase("quant", "attention", name, f"decode fp8 KV,{shape}", _decode(device, name, True, fp8=True)))
+    for name in _runnable("attention", f8.replace(phase="mixed")):
+        out.append(CheckCase("quant", "attention", name, f"mixed fp8 KV,{shape}",
+                             _prefill(device, name, True, entry="mixed", fp8=True), quick=False))
+    for name in _runnable("attention", base.replace(batch_invariant=True)):
+        if "make_workspace" not in registry.get("attention", name).impl:
+            continue
+        out.append(CheckCase("boundaries", "attention", name, "decode fixed-split batch invariance",
+                             _batch_invariance(device, name)))
+    for name in _runnable("attention", f8.replace(batch_invariant=True)):
+        if "make_workspace" in registry.get("attention", name).impl and name != "triton":
+            out.append(CheckCase("boundaries", "attention", name, "decode fixed-split batch invariance,kv=fp8",
+                                 _batch_invariance(device, name, fp8=True)))
+    if "triton" in _runnable("attention", base.replace(phase="prefill")):
         out.append(CheckCase("input", "attention", "triton", "page id / length / heads / dtype errors",
                              _bad_input(device, "triton")))
-    if device == "cuda" and "triton" in _runnable("attention", base.replace(phase="prefill", page_size=64)):
-        tma_shape = f"h={s['hq']}/{s['hk']},d={s['d']},page=64,dtype={dts}"
-        out.append(CheckCase("boundaries", "attention", "triton", f"prefill TMA tiles,{tma_shape}",
-                             _prefill_tma(device), device="cuda", quick=False))
-    if device == "cuda" and "triton" in _runnable("attention", base.replace(cuda_graph=True)):
-        out.append(CheckCase("graph", "attention", "triton", "decode replay after re-planning,h=32/8",
-                             _graph_replay(), device="cuda"))
+    for name in _runnable("attention", base.replace(phase="prefill", page_size=64)):
+        if name not in _runnable("attention", base.replace(phase="prefill")):  # served at pages of 64 only
+            out.append(CheckCase("boundaries", "attention", name,
+                                 f"prefill at 64-key tile edges,h={s['hq']}/{s['hk']},d={s['d']},page=64,dtype={dts}",
+                                 _prefill(device, name, True, page=64), quick=False))
+    if device == "cuda":
+        for kv in ("bf16", "fp8"):
+            for name in _runnable("attention", base.replace(kv_dtype=kv, cuda_graph=True)):
+                if "make_workspace" in registry.get("attention", name).impl:
+                    out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=32/8,kv={kv}",
+                                         _graph_replay(name, fp8=kv == "fp8"), device="cuda"))
     app = KVAppendSpec(arch=arch, num_kv_heads=s["hk"], head_dim=s["d"], page_size=s["page"], dtype=dts, kv_dtype=dts)
     for name in _runnable("kv_append", app):
         out.append(CheckCase("parity", "kv_append", name, f"append,kv={dts}", _append(device, name, False)))

@@ -1,7 +1,7 @@
-"""MLA check cases: each runnable MLA backend against the fp32 reference (decode, sparse decode,
-prefill, latent append), the reference against SDPA in fp64 on the gathered latent, page-boundary
-lengths, fp8 cache quality (cosine >= 0.999 vs bf16), CUDA-graph replay after re-planning, and
-sparse index errors. CPU: fp32, R=32/Dr=16/H=4; GPU: bf16, R=512/Dr=64, 16 and 128 heads."""
+"""MLA check cases: each runnable MLA backend against the fp32 reference (decode on 16-bit and fp8
+caches, sparse decode, prefill, latent append), the reference against SDPA in fp64 on the gathered
+latent, page-boundary lengths, fp8 cache quality (cosine >= 0.999 vs bf16), CUDA-graph replay after
+re-planning for each decode backend with a workspace, and sparse index errors. CPU: fp32, R=32/Dr=16/H=4; GPU: bf16, R=512/Dr=64, 16 and 128 heads."""
 from __future__ import annotations
 
 import torch
@@ -40,16 +40,18 @@ def _vs(out, want, dt, scale=1.0) -> Outcome:
     return Outcome(e.ok and c >= 0.9995, f"{e} cosine={c:.6f}", e.worst_ratio, 1.0)
 
 
-def _decode(device, name, page, H=None):
+def _decode(device, name, page, H=None, fp8=False):
+    """``fp8``: an e4m3 cache against the reference on the same cache."""
     def run():
         from opmap.ops.mla import reference as ref
 
         s = _shape(device)
-        pc, qn, qp = _problem(device, s, page, page=page, H=H)
+        pc, qn, qp = _problem(device, s, page, page=page, H=H, fp8=fp8)
         sc = (s["R"] + s["Dr"]) ** -0.5
         args = (qn, qp, pc.cache, pc.seq_lens, pc.block_tables)
-        out = registry.get("attention", name)("mla_decode", *args, scale=sc)
-        return _vs(out, ref.mla_decode(*args, scale=sc), s["dt"])
+        kw = dict(scale=sc, kv_scale=pc.kv_scale if fp8 else None)
+        out = registry.get("attention", name)("mla_decode", *args, **kw)
+        return _vs(out, ref.mla_decode(*args, **kw), s["dt"], scale=2.0 if fp8 else 1.0)
 
     return run
 
@@ -117,33 +119,40 @@ def _ref_vs_sdpa(device):
 
 
 def _fp8_quality(device, name):
+    """The backend on an fp8 cache against the fp32 reference on the 16-bit values it quantises."""
     def run():
+        from opmap.ops.mla import reference as ref
+
         s = _shape(device)
         pc, qn, qp = _problem(device, s, 51, lens=[70, 300] if device == "cpu" else [1000, 5000], fp8=True)
         sc = (s["R"] + s["Dr"]) ** -0.5
         f = registry.get("attention", name).fn("mla_decode")
         q8 = f(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=sc, kv_scale=pc.kv_scale)
-        hi = f(qn, qp, pc.values.to(s["dt"]), pc.seq_lens, pc.block_tables, scale=sc)
+        hi = ref.mla_decode(qn, qp, pc.values.to(s["dt"]), pc.seq_lens, pc.block_tables, scale=sc)
         c = cosine(q8, hi)
         return Outcome(c >= 0.999, f"cosine={c:.5f}", c, 0.999)
 
     return run
 
 
-def _graph_replay(name):
+def _graph_replay(name, fp8=False):
     def run():
-        from opmap.kernels.mla import decode as dec
         from opmap.ops.mla import reference as ref
 
+        b = registry.get("attention", name)
         s = _shape("cuda")
         B, page, maxp = 4, 64, 40
         P = B * maxp
         pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B)
         cache = (torch.randn(P, page, s["R"] + s["Dr"], device="cuda") * 0.5).to(s["dt"])
+        ks = None
+        if fp8:
+            ks = torch.tensor([float(cache.float().abs().max()) / 448.0], device="cuda")
+            cache = (cache.float() / ks).to(torch.float8_e4m3fn)
         lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
         tables = torch.randperm(P, device="cuda").view(B, maxp).to(torch.int32).contiguous()
-        ws = dec.make_workspace(B, s["H"], s["R"], "cuda")
-        call = lambda: dec.mla_decode(qn, qp, cache, lens, tables, scale=0.05, workspace=ws)  # noqa: E731
+        ws = b("make_workspace", B, s["H"], s["R"], "cuda")
+        call = lambda: b("mla_decode", qn, qp, cache, lens, tables, scale=0.05, kv_scale=ks, workspace=ws)  # noqa: E731
         call()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -154,8 +163,8 @@ def _graph_replay(name):
             lens.copy_(torch.tensor(new, dtype=torch.int32))
             tables.copy_(torch.randperm(P, device="cuda").view(B, maxp))
             g.replay()
-            want = ref.mla_decode(qn, qp, cache, lens, tables, scale=0.05)
-            worst = max(worst, compare(out, want, s["dt"]).worst_ratio)
+            want = ref.mla_decode(qn, qp, cache, lens, tables, scale=0.05, kv_scale=ks)
+            worst = max(worst, compare(out, want, s["dt"], scale=2.0 if fp8 else 1.0).worst_ratio)
             cos = min(cos, cosine(out, want))
         return Outcome(worst <= 1.0 and cos >= 0.9995, f"worst/tol={worst:.3g} cosine>={cos:.6f} over 2 re-plans",
                        worst, 1.0)
@@ -224,9 +233,9 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         if device == "cuda":
             out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape},h=128",
                                  _decode(device, name, s["page"], H=128), tags=TAGS, quick=False))
-        for page in (1,):
-            out.append(CheckCase("boundaries", "attention", name, f"decode,page={page},lens at page edges",
-                                 _decode(device, name, page), tags=TAGS, quick=False))
+    for name in _runnable("attention", spec.replace(page_size=1)):
+        out.append(CheckCase("boundaries", "attention", name, "decode,page=1,lens at page edges",
+                             _decode(device, name, 1), tags=TAGS, quick=False))
     sparse = spec.replace(sparse=True)
     for name in _runnable("attention", sparse):
         out.append(CheckCase("gqa-mla", "attention", name, f"sparse decode,{shape}", _sparse(device, name), tags=TAGS))
@@ -235,12 +244,21 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     for name in _runnable("attention", spec.replace(phase="prefill")):
         out.append(CheckCase("gqa-mla", "attention", name, f"prefill (prefix, causal, varlen),{shape}",
                              _prefill(device, name), tags=TAGS))
-    for name in _runnable("attention", spec.replace(kv_dtype="fp8")):
+    f8 = spec.replace(kv_dtype="fp8")
+    for name in _runnable("attention", f8):
         out.append(CheckCase("quant", "attention", name, f"decode fp8 cache vs {dts},{shape}",
                              _fp8_quality(device, name), tags=TAGS))
-    if device == "cuda" and "mla-triton" in _runnable("attention", spec.replace(cuda_graph=True)):
-        out.append(CheckCase("graph", "attention", "mla-triton", "decode replay after re-planning,h=16",
-                             _graph_replay("mla-triton"), device="cuda", tags=TAGS))
+        out.append(CheckCase("quant", "attention", name, f"decode fp8 cache,page={s['page']},{shape}",
+                             _decode(device, name, s["page"], fp8=True), tags=TAGS))
+        if device == "cuda":
+            out.append(CheckCase("quant", "attention", name, f"decode fp8 cache,page={s['page']},{shape},h=128",
+                                 _decode(device, name, s["page"], H=128, fp8=True), tags=TAGS, quick=False))
+    if device == "cuda":
+        for kv in (dts, "fp8"):
+            for name in _runnable("attention", spec.replace(kv_dtype=kv, cuda_graph=True)):
+                if "make_workspace" in registry.get("attention", name).impl:
+                    out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=16,kv={kv}",
+                                         _graph_replay(name, fp8=kv == "fp8"), device="cuda", tags=TAGS))
     app = KVAppendSpec(kind="mla", num_kv_heads=1, head_dim=s["R"] + s["Dr"], page_size=s["page"],
                        dtype=dts, kv_dtype=dts, arch=arch)
     for name in [b.name for b in registry.backends("kv_append")
