@@ -5,9 +5,10 @@ device, dtype and stream, grown to the largest weight and reused by every layer 
 keeps a layer's GEMM before the next layer's dequantisation): the model keeps its weights
 quantised, at the cost of one weight's bf16 copy.
 
-Why: the weight-only kernel (``triton_gemm``, registers-converted tiles) is the decode path; at
-M=256 it is 2-7x slower than cuBLAS on bf16 weights (bench/baselines/h200/gemm.md), where the
-dequantisation's ~3 bytes an element are spread over the rows."""
+Why: the weight-only kernels (triton-wo, gluon-wo, gluon-wo-wgmma: tiles converted in registers)
+are the decode path; from M = 256 triton-wo is well behind cuBLAS on bf16 weights, and this route
+ahead of it (docs/dense.md, Decisions, the many-rows row), the dequantisation's ~3 bytes an element
+being spread over the rows."""
 from __future__ import annotations
 
 import torch

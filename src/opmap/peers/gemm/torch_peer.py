@@ -12,5 +12,6 @@ from opmap.ops.gemm.validate import QUANT_DTYPES, check_linear
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
     check_linear(x, w, bias, w_scale)
     expect(w.dtype not in QUANT_DTYPES, "w", f"dtype {w.dtype}",
-           "dense weights in x.dtype (the cublas backend does not dequantise; use triton-wo)")
+           "dense weights in x.dtype (the cublas backend does not dequantise; the weight-only backends "
+           "triton-wo, gluon-wo, gluon-wo-wgmma and dequant-cublas take fp8 / int8)")
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
