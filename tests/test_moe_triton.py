@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from opmap.ops.moe import reference
-from opmap.kernels.moe.align import align, max_padded
+from opmap.kernels.moe.align import align
+from opmap.kernels.moe.common import max_padded
 from opmap.ops.moe.routing import route
 from opmap.core.tolerance import assert_close
 
@@ -167,7 +168,7 @@ def test_token_counts_cover_every_tuning_key(E, k, monkeypatch):
     """grouped_gemm.token_counts: one count per (rows bucket, BM) key that 1..max tokens can hit
     (with the GPU's row tiles), so the engine's warm-up leaves no key for a step to tune."""
     from opmap.kernels.moe import grouped_gemm as gg
-    from opmap.kernels.moe.align import next_pow2
+    from opmap.kernels.moe.common import next_pow2
 
     monkeypatch.setattr(gg, "_INTERPRETING", False)  # the GPU's tile choice
     key = lambda t: (next_pow2(t * k), gg.pick_bm(t * k, E))  # noqa: E731
@@ -198,7 +199,7 @@ def test_host_helpers_match_triton():
     # The launchers use plain-int helpers instead of Triton's (slow on the host) ConstexprFunctions.
     import triton
 
-    from opmap.kernels.moe.align import next_pow2
+    from opmap.kernels.moe.common import next_pow2
     for n in (0, 1, 2, 3, 8, 9, 127, 128, 129, 4097):
         assert next_pow2(n) == triton.next_power_of_2(max(1, n))
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.kernels.moe.align import next_pow2
+from opmap.kernels.moe.common import next_pow2
 
 
 @triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
@@ -208,7 +208,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
     cfg = _BEST.get(key)
     if cfg is None:
         # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.
-        grid = lambda meta: (nblocks * -(-N // meta["BN"]),)  # noqa: E731  (plain ints: see align.next_pow2)
+        grid = lambda meta: (nblocks * -(-N // meta["BN"]),)  # noqa: E731  (plain ints: see common.next_pow2)
         _tuned_kernel[grid](*args, **flags)
         _BEST[key] = _tuned_kernel.best_config
         return

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.kernels.moe.align import _pad_segment, _segment, align_plan, next_pow2, outputs
+from opmap.kernels.moe.common import align_plan, next_pow2, outputs, pad_segment, segment
 
 MAX_TOKENS = 64
 # The [T, E] routing tile each program holds, padded to powers of two, at most this many scores:
@@ -83,12 +83,12 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
     flat_ok = tl.reshape(pair_ok, [T_POW2 * K_POW2])
     flat_pair = tl.reshape(pair, [T_POW2 * K_POW2])
     counts = tl.histogram(tl.where(flat_ok, flat_ids, 0), E_POW2, mask=flat_ok)
-    start, mine, my_padded = _segment(counts, e, total_ptr, BM, E_POW2)
+    start, mine, my_padded = segment(counts, e, total_ptr, BM, E_POW2)
     # Pairs in increasing p: the flattened [t, j] tile is in that order (padding lanes hit nothing).
     hit = (flat_ok & (flat_ids == e)).to(tl.int32)
     pos = start + tl.cumsum(hit, axis=0) - 1
     tl.store(sorted_ptr + pos, flat_pair, mask=hit != 0)
-    _pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pairs, BM, 16)
+    pad_segment(sorted_ptr, block_expert_ptr, e, start, mine, my_padded, n_pairs, BM, 16)
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormalize: bool, routed_scaling: float,

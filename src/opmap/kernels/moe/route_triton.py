@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.kernels.moe.align import next_pow2
+from opmap.kernels.moe.common import next_pow2
 from opmap.ops.moe.routing import check_route_args
 
 NEG = tl.constexpr(float("-inf"))
