@@ -65,7 +65,8 @@ def test_selector_and_declarations():
         assert name in reg
     dec = specs.AttentionSpec(arch="sm90", phase="decode", kv_dtype="fp8", cuda_graph=True)
     ch = select.select("attention", dec, runtime=False)
-    assert ch.name == "triton"
+    assert ch.name == "gluon-fp8"  # fp8 at head dim 128: the Gluon kernel's backend
+    assert select.select("attention", dec.replace(kv_dtype="bf16"), runtime=False).name == "triton"
     assert any(c.name == "sdpa_cudnn" and c.level == "paged" for c in ch.trace)
     contig = specs.AttentionSpec(arch="sm90", phase="prefill", paged=False)
     assert select.select("attention", contig, runtime=False).name == "sdpa_cudnn"

@@ -89,18 +89,19 @@ def test_decode_prefetch_only_while_the_grid_is_small(monkeypatch):
 
 def test_decode_min_chunk_auto_and_explicit(monkeypatch):
     """64-key splits only when B x kv_heads <= SMs / 16 (batch 1, 8 KV heads on the H200); a
-    workspace's explicit min_chunk always wins."""
-    from opmap.kernels.attention import decode as dec
+    workspace's explicit min_chunk always wins (the split plan both decode kernels share)."""
+    from opmap.kernels.attention import splitkv as sk
 
-    monkeypatch.setattr(dec, "sm_count", lambda device: 132)
-    assert dec.auto_min_chunk(1, 8, "cuda") == 64 and dec.auto_min_chunk(2, 8, "cuda") == 256
-    assert dec.auto_min_chunk(8, 1, "cuda") == 64 and dec.auto_min_chunk(64, 8, "cuda") == 256
+    monkeypatch.setattr(sk, "sm_count", lambda device: 132)
+    assert sk.auto_min_chunk(1, 8, "cuda") == 64 and sk.auto_min_chunk(2, 8, "cuda") == 256
+    assert sk.auto_min_chunk(8, 1, "cuda") == 64 and sk.auto_min_chunk(64, 8, "cuda") == 256
     bt = torch.zeros(1, 4, dtype=torch.int32)
-    auto = dec.make_workspace(1, 32, 128, device="cpu")
-    fixed = dec.make_workspace(1, 32, 128, device="cpu", min_chunk=256)
-    assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[1] == 64
-    assert dec._splits(fixed, 1, 32, 128, 8, 16, bt, "cpu")[1] == 256
-    assert dec._splits(auto, 1, 32, 128, 8, 16, bt, "cpu")[2] == 32  # 2 x 132 // 8 = 33, capped at 32
+    out = torch.empty(1, 32, 128)
+    auto = sk.make_workspace(1, 32, 128, device="cpu")
+    fixed = sk.make_workspace(1, 32, 128, device="cpu", min_chunk=256)
+    assert sk.plan(auto, out, 1, 32, 128, 8, 16, bt, "cpu").min_chunk == 64
+    assert sk.plan(fixed, out, 1, 32, 128, 8, 16, bt, "cpu").min_chunk == 256
+    assert sk.plan(auto, out, 1, 32, 128, 8, 16, bt, "cpu").splits == 32  # 2 x 132 // 8 = 33, capped at 32
 
 
 FP8_SCRIPT = SCRIPT.split("out = {}")[0] + r'''

@@ -34,6 +34,25 @@ def test_select_issue_example(capsys):
         assert rc == 2 and err.startswith("error: attention: no backend") and "Traceback" not in err
 
 
+def test_select_names_the_kernel_that_runs(capsys):
+    """bf16 and fp8-KV decode on sm90 run different kernels, and `opmap select` names each one's
+    backend (the fp8 one the Gluon kernel's, with the Triton kernel's as the valid runner-up); the
+    TMA prefill on pages of 64 likewise."""
+    assert cli.main(EXAMPLE) == 0
+    fp8 = capsys.readouterr().out
+    assert "attention [decode] -> gluon-fp8 (opmap-triton" in fp8
+    assert any(ln.split()[:2] == ["ok", "triton"] for ln in fp8.splitlines())
+    assert cli.main([x if x != "fp8" else "bf16" for x in EXAMPLE]) == 0
+    bf16 = capsys.readouterr().out
+    assert "attention [decode] -> triton (opmap-triton" in bf16
+    assert any(ln.split()[:3] == ["no", "gluon-fp8", "at"] and "kv_dtype=bf16" in ln for ln in bf16.splitlines())
+    assert cli.main(["select", "attention", "--phase", "prefill", "--page-size", "64", "--cuda-graph",
+                     "--arch", "sm90"]) == 0
+    assert "attention [prefill] -> triton-tma (opmap-triton" in capsys.readouterr().out
+    assert cli.main(["select", "attention", "--kind", "mla", "--kv-dtype", "fp8", "--cuda-graph", "--arch", "sm90"]) == 0
+    assert "attention [decode] -> mla-gluon-fp8 (opmap-triton" in capsys.readouterr().out
+
+
 def test_select_mla_defaults_to_a_latent_layer(capsys):
     """--kind mla without shapes: DeepSeek-V2-Lite's latent layer, not the GQA defaults (which no
     MLA backend serves); given fields still win."""

@@ -142,7 +142,7 @@ def test_every_op_with_backends_has_a_reference():
 
 
 def test_loading_the_registry_imports_no_kernel_or_peer():
-    code = ("import sys; from opmap import registry; registry.load_all(); "
+    code = ("import sys; from opmap.core import registry; registry.load_all(); "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'flashinfer', 'xgrammar', "
             "'transformers')); print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -168,11 +168,15 @@ def test_priority_by_spec():
     assert select("attention", dec, runtime=False).backend.name == "triton"
     row = next(r for r in matrix.op_matrix("attention", "sm90").rows if r.backend == "flashinfer")
     assert row.priority == 55 and row.cells["arch"].condition == "priority 55 where phase = prefill, else 40"
-    # FlashInfer's MLA decode first from 64 heads, ours below
+    # FlashInfer's MLA decode first from 64 heads, ours (the TMA kernel on pages of 64) below
     mla = dict(arch="sm90", phase="decode", kind="mla", num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64,
                dtype="bf16", kv_dtype="bf16")
     assert select("attention", AttentionSpec(num_heads=128, **mla), runtime=False).backend.name == "mla-flashinfer"
-    assert select("attention", AttentionSpec(num_heads=16, **mla), runtime=False).backend.name == "mla-triton"
+    assert select("attention", AttentionSpec(num_heads=16, **mla), runtime=False).backend.name == "mla-tma"
     # under CUDA graphs (the engine's decode) FlashInfer's per-call plan is refused whatever its priority
     g = AttentionSpec(num_heads=128, cuda_graph=True, **mla)
-    assert select("attention", g, runtime=False).backend.name == "mla-triton"
+    assert select("attention", g, runtime=False).backend.name == "mla-tma"
+    # the TMA kernel's own rule: first for a 16-bit cache, and for an fp8 one from 64 heads
+    tma = next(b for b in registry.backends("attention") if b.name == "mla-tma")
+    assert tma.describe_priority("sm90") == "priority 52 where a 16-bit cache, or an fp8 one from 64 heads, else 45"
+    assert tma.priority_for(AttentionSpec(num_heads=16, **dict(mla, kv_dtype="fp8"))) == 45

@@ -185,3 +185,76 @@ def test_spec_sizes_refused_below_their_least_value(make, field, least):
         with pytest.raises(ValueError, match=rf"\.{field}=.*expected an integer >= {least}"):
             make(bad)
     assert S.GemmSpec(m=None).m is None  # an optional size may be left unknown
+
+
+# One kernel, one backend: on the real registry the selector names the kernel that runs, and the
+# spec each kernel served as the default before it was its own backend still gets it.
+GQA = dict(arch="sm90", num_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16", kv_dtype="bf16", page_size=16)
+MLA = dict(arch="sm90", kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64,
+           dtype="bf16", kv_dtype="bf16", cuda_graph=True)
+
+
+@pytest.mark.parametrize("fields,chosen,rejected", [
+    # decode: the Triton kernel for 16-bit caches, the Gluon one for fp8 at head dim 128
+    (dict(GQA, phase="decode", cuda_graph=True), "triton", {"gluon-fp8": "kv_dtype=bf16"}),
+    (dict(GQA, phase="decode", kv_dtype="fp8", cuda_graph=True), "gluon-fp8",
+     {"triton-tma": "phase='decode' not supported"}),
+    (dict(GQA, phase="decode", kv_dtype="fp8", head_dim=64), "triton", {"gluon-fp8": "head_dim=64 not supported"}),
+    (dict(GQA, phase="decode", kv_dtype="fp8", num_kv_heads=1), "triton",
+     {"gluon-fp8": "32 query heads per KV head"}),
+    (dict(GQA, phase="decode", kv_dtype="fp8", dtype="fp32"), "triton", {"gluon-fp8": "dtype='fp32' not supported"}),
+    (dict(GQA, phase="decode", kv_dtype="fp8", arch="sm80"), "triton", {"gluon-fp8": "arch=sm80 not served"}),
+    # mixed steps: the decode tokens on the fp8 cache's decode kernel
+    (dict(GQA, phase="mixed", kv_dtype="fp8"), "gluon-fp8", {"triton-tma": "phase='mixed' not supported"}),
+    (dict(GQA, phase="mixed"), "triton", {"gluon-fp8": "kv_dtype=bf16"}),
+    # prefill: the TMA kernel where pages hold whole 64-key tiles (FlashInfer first where it can serve)
+    (dict(GQA, phase="prefill", page_size=64, cuda_graph=True), "triton-tma", {"flashinfer": "cuda_graph"}),
+    (dict(GQA, phase="prefill", page_size=128, cuda_graph=True), "triton-tma", {}),
+    (dict(GQA, phase="prefill", cuda_graph=True), "triton", {"triton-tma": "page_size=16 not supported"}),
+    (dict(GQA, phase="prefill", page_size=64, head_dim=256, cuda_graph=True), "triton",
+     {"triton-tma": "head_dim=256 not supported"}),
+    (dict(GQA, phase="prefill", page_size=64, kv_dtype="fp8", cuda_graph=True), "triton",
+     {"triton-tma": "kv_dtype=fp8 differs from dtype=bf16"}),
+    (dict(GQA, phase="prefill", page_size=64, arch="sm80", cuda_graph=True), "triton",
+     {"triton-tma": "arch=sm80 not served"}),
+    # MLA decode: the TMA kernel on pages of 64, the Gluon kernel for fp8 at DeepSeek's dims, the
+    # pointer kernel for other pages, sparse decode and prefill
+    (MLA, "mla-tma", {"mla-gluon-fp8": "kv_dtype=bf16"}),
+    (dict(MLA, kv_dtype="fp8"), "mla-gluon-fp8", {}),
+    (dict(MLA, kv_dtype="fp8", num_heads=128), "mla-gluon-fp8", {}),
+    (dict(MLA, page_size=16), "mla-triton", {"mla-tma": "page_size=16 not supported"}),
+    (dict(MLA, sparse=True), "mla-triton", {"mla-tma": "sparse=True not supported",
+                                            "mla-gluon-fp8": "sparse=True not supported"}),
+    (dict(MLA, phase="prefill", cuda_graph=False), "mla-triton", {"mla-tma": "phase='prefill' not supported"}),
+])
+def test_each_kernel_is_its_own_backend(fields, chosen, rejected):
+    ch = sel.select("attention", AttentionSpec(**fields), runtime=False)
+    assert ch.name == chosen, ch.explain()
+    by = {c.name: c for c in ch.trace}
+    for name, reason in rejected.items():
+        assert not by[name].valid and any(reason in r for r in by[name].reasons), (name, by[name].reasons)
+    assert f"-> {chosen} " in ch.explain()
+
+
+def test_forcing_a_kernel_backend_that_cannot_serve_says_why():
+    """A forced kernel never falls back: forcing the Gluon fp8 decode on a bf16 cache, or the TMA
+    prefill on 16-token pages, is an error naming its reasons and the backends that could."""
+    spec = AttentionSpec(phase="decode", cuda_graph=True, **GQA)
+    with pytest.raises(sel.BackendError, match=r"'gluon-fp8' \(argument\) cannot serve[\s\S]*kv_dtype=bf16"
+                                               r"[\s\S]*backends that could: triton"):
+        sel.select("attention", spec, backend="gluon-fp8", runtime=False)
+    with pytest.raises(sel.BackendError, match=r"'triton-tma'[\s\S]*page_size=16"):
+        sel.select("attention", spec.replace(phase="prefill"), backend="triton-tma", runtime=False)
+    # forcing the Triton kernel on an fp8 decode the Gluon one would take runs it, as asked
+    assert sel.select("attention", spec.replace(kv_dtype="fp8"), backend="triton", runtime=False).name == "triton"
+    # on the CPU the interpreter runs the TMA kernels when asked for (below the others)
+    cpu = AttentionSpec(**dict(GQA, arch="cpu", phase="prefill", page_size=64, dtype="fp16", kv_dtype="fp16"))
+    assert sel.select("attention", cpu, backend="triton-tma", runtime=False).name == "triton-tma"
+    assert sel.select("attention", cpu, runtime=False).name == "reference"
+
+
+def test_gluon_backends_do_not_run_in_the_interpreter(monkeypatch):
+    registry.load_all()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in ("gluon-fp8", "mla-gluon-fp8"):
+        assert "interpreter" in registry.get("attention", name).available()
