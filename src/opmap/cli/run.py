@@ -287,6 +287,7 @@ def cli_run(args) -> int:
 
 def cli_trace(args) -> int:
     """`opmap profile --trace FILE`: another engine's trace on the operator map."""
+    # the profiler view loads for this command only
     from opmap.harness.profile import analyze
     from opmap.harness.profile import plot
     from opmap.harness.profile import ranks
@@ -294,7 +295,7 @@ def cli_trace(args) -> int:
 
     files = ranks.trace_files(args.trace)
     if not files:
-        from opmap.core.contract import InputError
+        from opmap.core.contract import InputError  # only on this error path
 
         raise InputError("--trace", repr(args.trace), "trace files, or a folder holding them")
     if args.baseline:
@@ -326,6 +327,7 @@ def cli_trace(args) -> int:
 
 def _trace_diff(args, files: list) -> int:
     """`opmap profile --trace AFTER --baseline BEFORE`: which operator moved between two traces."""
+    # the profiler view loads for this command only
     from opmap.core.contract import InputError
     from opmap.harness.profile import analyze
     from opmap.harness.profile import diff
@@ -347,6 +349,7 @@ def _trace_diff(args, files: list) -> int:
 
 
 def cli_profile(args) -> int:
+    # the profiler and the engine load for this command only
     from opmap.harness import profile as P
     from opmap.core.contract import InputError
     from opmap.engine.params import SamplingParams
@@ -363,7 +366,7 @@ def cli_profile(args) -> int:
     res = P.profile_engine(llm, prompts, params, args.steps, args.save_trace)
     print(f"opmap profile: {args.model}, {res['profiled_steps']} steps on {llm.runner.device} "
           f"({'CUDA graphs' if llm.runner.graphs else 'eager'} decode)")
-    from opmap.harness.profile import analyze
+    from opmap.harness.profile import analyze  # the profiler view loads for this command only
 
     # the trace's operator map as `opmap profile --trace` reads any engine's, then the engine's own view
     # (host time per part, operator ranges, graph replay)

@@ -10,21 +10,32 @@ ranges themselves are timed (host time of the reference ops).
 """
 from __future__ import annotations
 
+import bisect
+import cProfile
 import json
 import os
+import pstats
 import tempfile
 from collections import Counter, defaultdict
 
+from opmap.core.contract import dtype_name
+from opmap.core import hw
+from opmap.harness.profile import analyze
+from opmap.harness.profile import trace
 from opmap.harness.profile.symbols import OP_CATEGORY, classify
 
-CATEGORIES = ("attention", "GEMM", "norm", "RoPE", "activation", "MoE", "sampling", "grammar", "memory copies",
-              "other")
+CATEGORIES = ("attention", "GEMM", "norm", "RoPE", "activation", "MoE", "sampling", "grammar", "communication",
+              "quantise", "memory copies", "other")
+
+
 def categorize(symbol: str, moe: bool = True) -> str:
     """A kernel symbol's category through the symbol table (symbols.json). ``_combine_kernel`` is
-    both opmap's MoE combine and its split-KV decode combine: MoE in MoE models, else attention's."""
+    both opmap's MoE combine and its split-KV decode combine: MoE in MoE models, else attention's.
+    A symbol that says nothing alone is "other" here (the operator ranges name the rest)."""
     if symbol == "_combine_kernel":
         return "MoE" if moe else "attention"
-    return classify(symbol)[0]
+    cat = classify(symbol)[0]
+    return "other" if cat == "unattributed" else cat
 
 
 def _op_of(name: str):
@@ -46,8 +57,6 @@ def analyse(trace: dict, moe: bool = True) -> dict:
     starts = [s["ts"] for s in steps]
 
     def step_of(ts):
-        import bisect
-
         i = bisect.bisect_right(starts, ts) - 1
         if i >= 0 and ts <= steps[i]["ts"] + steps[i]["dur"]:
             return steps[i]
@@ -70,8 +79,6 @@ def analyse(trace: dict, moe: bool = True) -> dict:
             continue
         ph = phases[s["name"].split("::")[2]]
         if on_gpu:
-            import bisect
-
             j = bisect.bisect_right(op_starts, ev["ts"]) - 1
             owner = gpu_ops[j] if j >= 0 and ev["ts"] <= gpu_ops[j]["ts"] + gpu_ops[j]["dur"] else None
             op = _op_of(owner["name"]) if owner else None
@@ -112,8 +119,8 @@ def analyse(trace: dict, moe: bool = True) -> dict:
 def _exclusive(kernels: list) -> dict:
     """Each kernel's GPU time not already covered by an earlier-starting one (by id). Under PDL a
     kernel starts before the one it depends on has finished and waits inside (griddepcontrol.wait),
-    so the profiler's durations overlap: summed as they are, an H200 Llama-3-8B B=32 decode step
-    came to 8.5 ms of kernel time in 4.98 ms of busy GPU. These times add up
+    so the profiler's durations overlap: summed as they are, a decode step's kernel time comes to
+    well over its busy GPU time. These times add up
     to the busy time, and the waiting is counted once, for the kernel being waited on."""
     out, end = {}, float("-inf")
     for k in sorted(kernels, key=lambda e: e["ts"]):
@@ -193,9 +200,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
 def _weight_floor_ms(llm):
     """Read time of one decode step's weights at the measured ceiling; quantised projections count
     one byte a parameter (ModelRunner.decode_weight_bytes)."""
-    from opmap.core.hw import ceilings
-
-    c = ceilings(measure=False)
+    c = hw.ceilings(measure=False)
     r = llm.runner
     wb = r.decode_weight_bytes(r.max_seqs)
     return wb / (c.read_tbps * 1e12) * 1e3 if c else None
@@ -203,12 +208,12 @@ def _weight_floor_ms(llm):
 
 def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> dict:
     """Run up to ``steps`` engine steps of a workload under torch.profiler, then finish it unprofiled."""
-    import torch
+    import torch  # heavy: loaded when the engine is profiled, not when a trace is read
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     plist = params if isinstance(params, list) else [params] * len(prompts)
-    from opmap.engine.metrics import StepStats
+    from opmap.engine.metrics import StepStats  # the engine loads only when it is profiled
 
     llm.add_requests(prompts, plist)
     n = 0
@@ -227,9 +232,6 @@ def profile_engine(llm, prompts: list, params, steps: int, trace_path=None) -> d
         doc = json.load(f)
     res = analyse(doc, moe=llm.cfg.is_moe)
     graph_backends(res, llm)
-    from opmap.harness.profile import analyze
-    from opmap.harness.profile import trace
-
     res["analysis"] = analyze.analyze(trace.from_chrome(doc, path))  # what `opmap profile --trace` makes of it
     if trace_path is None:
         os.remove(path)
@@ -243,8 +245,6 @@ def quant_lines(llm) -> list:
     """Which backend runs each quantised layer, per phase, and the fallbacks: a layer whose
     backend dequantises the weight for a GEMM in the model's dtype, and checkpoint tensors
     dequantised at load because no kernel takes them quantised ([] for an unquantised engine)."""
-    from opmap.core.contract import dtype_name
-
     r = llm.runner
     fmt, dn = r.weight_format, dtype_name(r.dtype)
     out = []
@@ -358,10 +358,7 @@ def python_hotspots(llm, prompts: list, params, top: int = 20) -> list:
     (no torch profiler): what the host time of eager steps is made of below the operator ranges
     (argument checks, launcher code, allocation). cProfile slows each Python call; the ranking is
     the figure, the times are upper bounds."""
-    import cProfile
-    import pstats
-
-    from opmap.engine.metrics import StepStats
+    from opmap.engine.metrics import StepStats  # the engine loads only when it is profiled
 
     llm.stats = StepStats()
     prof = cProfile.Profile()
@@ -401,7 +398,7 @@ def format_profile(res: dict) -> list:
             head += f", GPU busy {p['busy_us'] / n / 1e3:.3f} ms/step, idle {p['idle_us'] / n / 1e3:.3f} ms/step"
         lines.append(head)
         if res.get("host_ms", {}).get(name):
-            from opmap.engine.metrics import host_line
+            from opmap.engine.metrics import host_line  # the engine loads only when it is profiled
 
             lines.append("  host: " + host_line(res["host_ms"][name]))
         total = sum(p["by_category"].values()) or 1.0
@@ -417,8 +414,8 @@ def format_profile(res: dict) -> list:
 
 def report_summary(model: str) -> dict:
     """The profile of a short batch-8 workload on random weights (for `opmap report`)."""
+    # the engine (and torch) load only when it is profiled, not when a trace is read
     import torch
-
     from opmap.engine.llm import LLM
     from opmap.engine.params import SamplingParams
 

@@ -10,11 +10,11 @@ from opmap.harness.profile.trace import Trace
 
 def timeline_png(trace: Trace, path: str, steps: int = 4) -> Optional[str]:
     """Draw it; returns None when written, else why not."""
-    try:
+    try:  # matplotlib is optional: the timeline is drawn only where it is installed
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib)"
     chosen = steps_of(trace)[:steps]

@@ -16,6 +16,7 @@ from opmap.harness.profile.trace import Trace
 _STEP = [re.compile(p) for p in (r"^opmap::step::(prefill|decode|mixed)$", r"execute_model", r"^(run_batch|forward_batch)",
                                    r"^execute_context_\d+\(", r"^ProfilerStep#\d+$")]
 # "execute_context_1(888_788544)_generation_0(0)": 1 context (prefill) request, 0 generation (decode) requests
+_PHASED = re.compile(r"^opmap::step::|^execute_context_\d+\(")
 _CTX_GEN = re.compile(r"^execute_context_(\d+)\(.*_generation_(\d+)\(")
 # FlashInfer's tensor-core decode (use_tensor_cores=True) launches its prefill kernel without a
 # mask (MaskMode 0) on 16-row query tiles; a causal prefill has MaskMode 1.
@@ -46,7 +47,9 @@ def steps_of(trace: Trace) -> list[dict]:
             of_name[r[0]][0].append(r[1])
             of_name[r[0]][1].append(r)
         for k in ks:
-            want = next((r for r in reversed(k.ranges) if is_step(r)), None)
+            # a range that names the phase (opmap's, a context / generation batch) over any other
+            want = (next((r for r in reversed(k.ranges) if _PHASED.match(r)), None)
+                    or next((r for r in reversed(k.ranges) if is_step(r)), None))
             if want is not None:
                 by_name.setdefault(_launch_step(k, want, of_name), []).append(k)
             elif trace.kind == "chrome-cpu":

@@ -101,7 +101,7 @@ def _read_json(p: Path, progress: bool, show_above: int = 50 * 2**20) -> dict:
         gz = raw.read(2) == b"\x1f\x8b"
         raw.seek(0)
         try:
-            if progress and size > show_above:
+            if progress and size > show_above:  # rich only for a progress bar over a large file
                 from rich.console import Console
                 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
