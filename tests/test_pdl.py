@@ -21,6 +21,7 @@ from opmap.kernels.rope import triton_rope as r
 from opmap.kernels.activation import triton_act as a
 from opmap.kernels.attention import kv_append as kv
 from opmap.kernels.attention import decode as dm
+from opmap.kernels.attention import splitkv as sk
 
 def comp(fn, sig, ce, nw=4, ns=3):
     sig = dict(sig, PDL="constexpr")
@@ -61,7 +62,7 @@ for x in ["GROUP", "D", "DV", "PAGE", "BLOCK_H", "BLOCK_N", "HAS_WINDOW", "HAS_C
     dsig[x] = "constexpr"
 res["decode"] = comp(dm._decode_kernel, dsig, dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=16, BLOCK_N=64, HAS_WINDOW=False,
     HAS_CAP=False, FP8=False, RETURN_LSE=False, IEEE=False, Q_FROM_CU=False, PREFETCH=1))
-res["combine"] = comp(dm._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
+res["combine"] = comp(sk._combine_kernel, {"o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
     "sl_ptr": "*i32", "cu_ptr": "*i32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32",
     "s_ob": "i32", "s_oh": "i32", "s_pob": "i32", "s_poh": "i32", "s_pos": "i32", "s_plb": "i32", "s_plh": "i32",
     "DV": "constexpr", "BLOCK_N": "constexpr", "HAS_WINDOW": "constexpr", "RETURN_LSE": "constexpr", "Q_FROM_CU": "constexpr",

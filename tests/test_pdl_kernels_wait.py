@@ -76,8 +76,9 @@ def k(x_ptr, PDL: tl.constexpr = False):
 # possible predecessor does not write (a predecessor releases its dependents only after its own
 # wait, so everything before it is complete and visible).
 LOADS_BEFORE_WAIT = {
-    "opmap.kernels.attention.decode._combine_kernel":
-        "seq_lens / cu_seqlens for the split plan; launched only right after _decode_kernel, which reads them",
+    "opmap.kernels.attention.splitkv._combine_kernel":
+        "seq_lens / cu_seqlens for the split plan; launched only right after a decode kernel (decode.py's or "
+        "decode_fp8.py's), which reads them",
     "opmap.kernels.gemm.wo_gluon._wo_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
     "opmap.kernels.gemm.wo_wgmma._wo_wgmma_kernel":

@@ -1,18 +1,20 @@
-"""Attention on the GPU (bf16, real shapes): Triton prefill / decode / mixed / KV append / merge
-against the fp32 reference, NaN-poisoned unused slots, CUDA-graph capture with re-planning,
-batch invariance of the fixed-split mode, the fp8 quality gate, and the peer adapters.
+"""Attention on the GPU (bf16, real shapes): each of our backends' kernels (triton: gather prefill,
+Triton decode, mixed; gluon-fp8: the Gluon fp8 decode and its mixed step; the TMA prefill is in
+test_attention_tma_gpu.py) reached through its registered backend, KV append and merge, against the
+fp32 reference, NaN-poisoned unused slots, CUDA-graph capture with re-planning, batch invariance of
+the fixed-split mode, the fp8 quality gate, and the peer adapters.
 
 Run: PYTHONPATH=src python -m pytest tests/gpu/test_attention_gpu.py -m gpu -q
 """
 import pytest
 import torch
 
+from opmap.core import registry
 from opmap.kernels.attention import decode as D
 from opmap.kernels.attention import kv_append as A
 from opmap.kernels.attention import merge as M
 from opmap.kernels.attention import prefill as P
 from opmap.ops.attention import reference as R
-from opmap.kernels.attention.mixed import mixed
 from opmap.harness.fixtures.attention import make_paged, make_query
 from opmap.core.tolerance import assert_close, cosine
 
@@ -36,6 +38,17 @@ def _close(out, ref, scale=1.0, what="output"):
     assert c >= 0.9995, f"{what}: cosine {c:.6f}"
 
 
+def _be(name):
+    """A backend's entries by name (``_be("gluon-fp8")("decode", ...)``): the kernel it names."""
+    return registry.get("attention", name)
+
+
+def _decoders(fp8, hq, hk, d):
+    """The decode backends whose kernel serves these inputs: triton always, gluon-fp8 for an fp8
+    cache at head dim 128 with at most 16 query heads per KV head."""
+    return ["triton"] + (["gluon-fp8"] if fp8 and d == 128 and hq // hk <= 16 else [])
+
+
 def _lse_ok(lse, ref_lse):
     fin = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), fin)
@@ -51,9 +64,9 @@ DECODE = [
     ("b17-d64-mha-window-cap", [1, 2, 63, 64, 65, 700, 1999, 0, 31, 5, 1024, 513, 77, 100, 2000, 3, 9], 16, 8, 8,
      64, 256, 30.0, False),
     ("b8-fp8", [1, 15, 16, 17, 300, 4097, 32768, 0], 16, 32, 8, 128, None, None, True),
-    # fp8 at head dim 128 runs the Gluon kernel (decode_fp8.py): one query head per KV head, pages of
-    # one key, a window and a soft cap; 16 heads per KV head in pages of 128; pages of 8 around
-    # their edges; at head dim 64 the Triton kernel
+    # fp8 at head dim 128: the Gluon kernel (gluon-fp8) beside the Triton one (triton): one query head
+    # per KV head, pages of one key, a window and a soft cap; 16 heads per KV head in pages of 128;
+    # pages of 8 around their edges; at head dim 64 the Triton kernel only
     ("b9-fp8-mha-page1-window-cap", [1, 2, 63, 64, 65, 700, 1999, 0, 31], 1, 8, 8, 128, 256, 30.0, True),
     ("b5-fp8-group16-page128", [1, 129, 4096, 300, 0], 128, 32, 2, 128, None, None, True),
     ("b6-fp8-group2-page8-cap", [23, 24, 25, 2049, 64, 65], 8, 16, 8, 128, None, 20.0, True),
@@ -66,13 +79,15 @@ def test_decode(case):
     _, seq, page, hq, hk, d, win, cap, fp8 = case
     pc = make_paged(seq, hk, d, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
     q, _ = make_query([1] * len(seq), hq, d, dtype=BF, device=DEV)
-    for ws in (None, D.make_workspace(len(seq), hq, d, device=DEV)):
-        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
-                            soft_cap=cap, return_lse=True, workspace=ws, **pc.kw)
-        ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
-                            soft_cap=cap, return_lse=True, **pc.kw)
-        _close(out, ref, scale=2.0 if fp8 else 1.0)
-        _lse_ok(lse, ref_lse)
+    ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, scale=d ** -0.5, window=win,
+                        soft_cap=cap, return_lse=True, **pc.kw)
+    for name in _decoders(fp8, hq, hk, d):
+        be = _be(name)
+        for ws in (None, be("make_workspace", len(seq), hq, d, device=DEV)):
+            out, lse = be("decode", q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=d ** -0.5,
+                          window=win, soft_cap=cap, return_lse=True, workspace=ws, **pc.kw)
+            _close(out, ref, scale=2.0 if fp8 else 1.0, what=name)
+            _lse_ok(lse, ref_lse)
 
 
 PREFILL = [
@@ -82,8 +97,8 @@ PREFILL = [
     ("b2-d256-page32-window-cap", [700, 300], [700, 100], 32, 8, 2, 256, 128, 50.0, False),
     ("b2-d64-page1-mha", [100, 37], [100, 37], 1, 8, 8, 64, None, None, False),
     ("b1-fp8-chunk", [2048], [512], 16, 32, 8, 128, None, None, True),
-    # fp8 with many query rows a sequence: the pages converted once, then the 16-bit kernels (TMA at
-    # page 64); few rows keep the in-kernel conversion
+    # fp8 with many query rows a sequence: the pages converted once, then the gather kernel on the
+    # 16-bit copy; few rows keep the in-kernel conversion
     ("b4-fp8-gqa-chunks-page64", [32768, 1000, 17, 0], [256, 1000, 1, 0], 64, 32, 8, 128, None, None, True),
     ("b3-fp8-few-rows-window", [700, 300, 65], [5, 100, 1], 16, 32, 8, 128, 128, None, True),
 ]
@@ -102,14 +117,17 @@ def test_prefill(case):
     _lse_ok(lse, ref_lse)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_mixed_step(fp8):
+@pytest.mark.parametrize("name,fp8", [("triton", False), ("triton", True), ("gluon-fp8", True)])
+def test_mixed_step(name, fp8):
+    """A mixed step through each backend's mixed entry: the gather prefill for the chunks and the
+    backend's decode kernel (Triton or Gluon) for the one-token sequences."""
     seq, ql = [3000, 17, 1, 9000, 64], [512, 1, 1, 1, 64]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=fp8, poison=True, device=DEV)
     q, cu = make_query(ql, 32, 128, dtype=BF, device=DEV)
-    ws = D.make_workspace(len(seq), 32, 128, device=DEV)
-    out, lse = mixed(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5,
-                     return_lse=True, workspace=ws, **pc.kw)
+    be = _be(name)
+    ws = be("make_workspace", len(seq), 32, 128, device=DEV)
+    out, lse = be("mixed", q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5,
+                  return_lse=True, workspace=ws, **pc.kw)
     ref, ref_lse = _ref(R.mixed, q, pc, cu, pc.seq_lens, pc.block_tables, scale=128 ** -0.5, return_lse=True,
                         **pc.kw)
     _close(out, ref, scale=2.0 if fp8 else 1.0)
@@ -125,9 +143,10 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("fixed,fp8", [(False, False), (True, False), (False, True)],
-                         ids=["auto-split", "fixed-split", "auto-split-fp8"])
-def test_decode_cuda_graph_replan(fixed, fp8):
+@pytest.mark.parametrize("name,fixed,fp8", [("triton", False, False), ("triton", True, False), ("triton", False, True),
+                                            ("gluon-fp8", False, True), ("gluon-fp8", True, True)],
+                         ids=["auto-split", "fixed-split", "auto-split-fp8", "gluon-fp8", "gluon-fp8-fixed-split"])
+def test_decode_cuda_graph_replan(name, fixed, fp8):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
     is checked against the reference (split counts change with the lengths, on the device)."""
     B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
@@ -142,8 +161,9 @@ def test_decode_cuda_graph_replan(fixed, fp8):
     lens, bt = _rand_step(B, max_pages, num_pages, page, g)
     sl_buf, bt_buf = lens.to(DEV), bt.to(DEV)
     q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
-    ws = D.make_workspace(B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
-    run = lambda: D.decode(q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws, **sc)  # noqa
+    be = _be(name)
+    ws = be("make_workspace", B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
+    run = lambda: be("decode", q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws, **sc)  # noqa
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -207,18 +227,26 @@ def test_prefill_and_append_cuda_graph_replan():
         _close(out, ref)
 
 
-def test_mixed_cuda_graph_replan():
-    """The mix of prefill chunks and decode tokens changes between replays of one captured step."""
+@pytest.mark.parametrize("name", ["triton", "gluon-fp8"])
+def test_mixed_cuda_graph_replan(name):
+    """The mix of prefill chunks and decode tokens changes between replays of one captured step
+    (gluon-fp8: on an fp8 cache, its one-token sequences on the Gluon decode)."""
     T, B, hq, hk, d, page, num_pages = 64, 8, 32, 8, 128, 16, 4096
     g = torch.Generator().manual_seed(12)
     kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
     vc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
+    sc = {}
+    if name == "gluon-fp8":
+        sc = dict(k_scale=kc.float().abs().amax(dim=(0, 1, 3)) / 448.0, v_scale=vc.float().abs().amax(dim=(0, 1, 3)) / 448.0)
+        kc = R.quantize_fp8(kc.view(-1, hk, d), sc["k_scale"]).view(kc.shape)
+        vc = R.quantize_fp8(vc.view(-1, hk, d), sc["v_scale"]).view(vc.shape)
     q_buf = torch.randn(T, hq, d, generator=g).to(DEV, BF)
     cu_buf = torch.tensor([0, 57, 58, 59, 60, 61, 62, 63, 64], dtype=torch.int32, device=DEV)
     sl_buf = torch.tensor([100, 5000, 1, 17, 16, 3000, 2, 9], dtype=torch.int32, device=DEV)
     bt_buf = torch.randperm(num_pages, generator=g)[:B * 320].view(B, 320).int().to(DEV)
-    ws = D.make_workspace(B, hq, d, device=DEV)
-    run = lambda: mixed(q_buf, kc, vc, cu_buf, sl_buf, bt_buf, scale=d ** -0.5, workspace=ws)  # noqa: E731
+    be = _be(name)
+    ws = be("make_workspace", B, hq, d, device=DEV)
+    run = lambda: be("mixed", q_buf, kc, vc, cu_buf, sl_buf, bt_buf, scale=d ** -0.5, workspace=ws, **sc)  # noqa: E731
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -236,22 +264,26 @@ def test_mixed_cuda_graph_replan():
         q_buf.copy_(torch.randn(T, hq, d, generator=g).to(BF))
         graph.replay()
         torch.cuda.synchronize()
-        ref = R.mixed(q_buf.float(), kc.float(), vc.float(), cu_buf, sl_buf, bt_buf, scale=d ** -0.5)
-        _close(out, ref)
+        kr, vr = (kc, vc) if sc else (kc.float(), vc.float())
+        ref = R.mixed(q_buf.float(), kr, vr, cu_buf, sl_buf, bt_buf, scale=d ** -0.5, **sc)
+        _close(out, ref, scale=2.0 if sc else 1.0)
 
 
-def test_fixed_split_batch_invariance_bitwise():
+@pytest.mark.parametrize("name", ["triton", "gluon-fp8"])
+def test_fixed_split_batch_invariance_bitwise(name):
     g = torch.Generator().manual_seed(9)
     seq = torch.randint(1, 8192, (32,), generator=g).tolist()
     seq[5] = 0
-    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True)
+    pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV, shared=True, fp8=name == "gluon-fp8")
     q, _ = make_query([1] * 32, 32, 128, dtype=BF, device=DEV)
-    mk = lambda B: D.make_workspace(B, 32, 128, device=DEV, batch_invariant=True,  # noqa: E731
-                                    max_seq_len=pc.block_tables.shape[1] * 16)
-    full = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.088, workspace=mk(32))
+    be = _be(name)
+    mk = lambda B: be("make_workspace", B, 32, 128, device=DEV, batch_invariant=True,  # noqa: E731
+                      max_seq_len=pc.block_tables.shape[1] * 16)
+    full = be("decode", q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.088, workspace=mk(32),
+              **pc.kw)
     for sub in ([3], [7, 0, 5], list(range(0, 32, 3))):
-        part = D.decode(q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.088,
-                        workspace=mk(len(sub)))
+        part = be("decode", q[sub], pc.k_cache, pc.v_cache, pc.seq_lens[sub], pc.block_tables[sub], scale=0.088,
+                  workspace=mk(len(sub)), **pc.kw)
         assert torch.equal(part, full[sub]), f"rows {sub} differ from the same rows in the batch of 32"
 
 
@@ -267,8 +299,9 @@ def test_prefill_batch_invariance_bitwise():
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_decode_tile_variants(fp8):
-    """Every decode tiling the benchmark's variant rows time (page-id prefetch on or off, one stage,
-    128-key tiles on 8 warps) gives the reference's result at the edges of pages and splits."""
+    """Every tiling of the Triton decode the benchmark's variant rows time (page-id prefetch on or
+    off, one stage, 128-key tiles on 8 warps), on 16-bit and fp8 caches, gives the reference's result
+    at the edges of pages and splits."""
     from opmap.harness.bench.cases.attention import VARIANTS
 
     seq = [1, 15, 16, 17, 300, 4097, 8192, 0]
@@ -276,16 +309,18 @@ def test_decode_tile_variants(fp8):
     q, _ = make_query([1] * len(seq), 32, 128, dtype=BF, device=DEV)
     kw = dict(scale=128 ** -0.5, return_lse=True, **pc.kw)
     ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
-    for cfg in VARIANTS["decode_fp8" if fp8 else "decode"]:
+    for cfg in VARIANTS["decode"]:
         out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, config=cfg, **kw)
         _close(out, ref, scale=2.0 if fp8 else 1.0, what=str(cfg))
         _lse_ok(lse, ref_lse)
 
 
-def test_decode_fp8_fp16_dots_with_queries_past_fp16():
-    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (kernels/attention/fp8.py);
-    bf16 queries up to 1e6, far past fp16's range (the kernel divides q by a power of two), at the
-    logits of unit queries, with a soft cap too: finite and the reference's result."""
+@pytest.mark.parametrize("name", ["triton", "gluon-fp8"])
+def test_decode_fp8_fp16_dots_with_queries_past_fp16(name):
+    """fp8 caches run fp16 dots on tiles converted by cvt.rn.f16x2.e4m3x2 (kernels/attention/fp8.py
+    in the Triton kernel, gluon_util in the Gluon one); bf16 queries up to 1e6, far past fp16's range
+    (the kernels divide q by a power of two), at the logits of unit queries, with a soft cap too:
+    finite and the reference's result."""
     seq = [1, 17, 300, 4097, 32768]
     pc = make_paged(seq, 8, 128, 16, dtype=BF, fp8=True, shared=True, poison=True, device=DEV)
     q, _ = make_query([1] * len(seq), 32, 128, dtype=torch.float32, device=DEV)
@@ -294,14 +329,16 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16():
     for cap in (None, 30.0):
         kw = dict(scale=128 ** -0.5 / big, soft_cap=cap, return_lse=True, **pc.kw)
         ref, ref_lse = _ref(R.decode, q, pc, pc.seq_lens, pc.block_tables, **kw)
-        out, lse = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, **kw)
+        out, lse = _be(name)("decode", q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, **kw)
         assert torch.isfinite(out).all()
         _close(out, ref, scale=2.0, what=f"cap={cap}")
         _lse_ok(lse, ref_lse)
 
 
-def test_fp8_quality_gate():
-    """fp8 KV (per-kv-head scales from the absolute max) against the bf16 result on random data."""
+@pytest.mark.parametrize("name", ["triton", "gluon-fp8"])
+def test_fp8_quality_gate(name):
+    """fp8 KV (per-kv-head scales from the absolute max) against the bf16 result on random data:
+    each fp8 decode kernel's backend, and the prefill (triton's gather kernel)."""
     seq = [4096] * 8
     pc = make_paged(seq, 8, 128, 16, dtype=BF, device=DEV)
     amax = lambda c: c.float().abs().amax(dim=(0, 1, 3))  # noqa: E731
@@ -310,9 +347,9 @@ def test_fp8_quality_gate():
     v8 = R.quantize_fp8(pc.v_cache.view(-1, 8, 128), vs).view(pc.v_cache.shape)
     q, cu = make_query([1] * 8, 32, 128, dtype=BF, device=DEV)
     a = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, scale=0.088)
-    b = D.decode(q, k8, v8, pc.seq_lens, pc.block_tables, scale=0.088, k_scale=ks, v_scale=vs)
+    b = _be(name)("decode", q, k8, v8, pc.seq_lens, pc.block_tables, scale=0.088, k_scale=ks, v_scale=vs)
     c = cosine(a, b)
-    print(f"fp8 decode: cosine {c:.6f}, max abs err {float((a.float() - b.float()).abs().max()):.4g}")
+    print(f"fp8 decode ({name}): cosine {c:.6f}, max abs err {float((a.float() - b.float()).abs().max()):.4g}")
     assert c >= 0.999
     qp, cup = make_query([512], 32, 128, dtype=BF, device=DEV)
     one = lambda kc, vc, **kw: P.prefill(qp, kc, vc, cup, pc.seq_lens[:1], pc.block_tables[:1], scale=0.088, **kw)  # noqa
@@ -402,9 +439,13 @@ def test_selected_on_this_gpu():
     from opmap.core.hw import local_arch
 
     arch = local_arch()
+    want = {"prefill": "triton", "decode": "gluon-fp8", "mixed": "gluon-fp8"}  # an sm90 GPU, fp8 at head dim 128
     for phase in ("prefill", "decode", "mixed"):
         ch = select.select("attention", specs.AttentionSpec(arch=arch, phase=phase, kv_dtype="fp8", cuda_graph=True))
-        assert ch.name == "triton", ch.explain()
+        assert ch.name == want[phase], ch.explain()
+    bf16 = specs.AttentionSpec(arch=arch, phase="prefill", page_size=64, cuda_graph=True)
+    assert select.select("attention", bf16).name == "triton-tma"
+    assert select.select("attention", bf16.replace(phase="decode")).name == "triton"
 
 
 @pytest.mark.parametrize("T,hq,hk,d,rot,page,style,fp8", [

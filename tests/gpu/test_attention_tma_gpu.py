@@ -1,9 +1,11 @@
-"""The TMA attention prefill on the GPU (kernels/attention/prefill_tma.py), in its own file so that a
-kernel fault here cannot take the other attention GPU tests' process down with it. Helpers and
-cases from test_attention_gpu."""
+"""The TMA attention prefill on the GPU (kernels/attention/prefill_tma.py, the triton-tma backend), in
+its own file so that a kernel fault here cannot take the other attention GPU tests' process down
+with it. Helpers and cases from test_attention_gpu."""
 import pytest
 
+from opmap.core import registry
 from opmap.kernels.attention import prefill as P
+from opmap.kernels.attention import prefill_tma as T
 from opmap.ops.attention import reference as R
 from opmap.harness.fixtures.attention import make_paged, make_query
 
@@ -23,14 +25,15 @@ TMA_PREFILL = [
 
 @pytest.mark.parametrize("case", TMA_PREFILL, ids=[c[0] for c in TMA_PREFILL])
 def test_prefill_tma(case):
-    """The TMA prefill (config TMA=1; kernels/attention/prefill_tma.py) in bf16 on real shapes: NaN in
-    every slot past a length (a partial tail tile must not read them), shared and shuffled pages;
-    against the fp32 reference and the gather kernel."""
+    """The TMA prefill (the triton-tma backend's entry) in bf16 on real shapes: NaN in every slot past
+    a length (a partial tail tile must not read them), shared and shuffled pages; against the fp32
+    reference and the gather kernel (triton)."""
     _, seq, ql, page, hq, hk, d, win, cap, causal = case
     pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)
     q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
     kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, causal=causal, return_lse=True)
-    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, config={"TMA": 1}, **kw)
+    out, lse = registry.get("attention", "triton-tma")("prefill", q, pc.k_cache, pc.v_cache, cu, pc.seq_lens,
+                                                        pc.block_tables, **kw)
     ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
     _close(out, ref)
     _lse_ok(lse, ref_lse)
@@ -39,20 +42,26 @@ def test_prefill_tma(case):
 
 
 @pytest.mark.parametrize("page,fp8,tma", [(64, False, True), (128, False, True), (16, False, False),
-                                          (64, True, True), (16, True, False)])
-def test_prefill_default_takes_tma_where_it_can(monkeypatch, page, fp8, tma):
-    """The default prefill runs the TMA kernel on pages holding whole 64-key tiles in bf16, the
-    gather kernel on page 16; an fp8 cache with this many query rows a sequence is converted once
-    (prefill._convert_once) and then takes the same kernels; right either way."""
-    from opmap.kernels.attention import prefill_tma
+                                          (64, True, False), (16, True, False)])
+def test_prefill_selected_backend_runs_its_kernel(monkeypatch, page, fp8, tma):
+    """On this GPU the selector (under CUDA graphs, where no peer serves) gives the TMA kernel's
+    backend for bf16 pages holding whole 64-key tiles and the gather kernel's (triton) elsewhere: an
+    fp8 cache, with this many query rows a sequence, is converted once (prefill._convert_once) and
+    read by the gather kernel. The chosen entry runs exactly its own kernel, and is right."""
+    from opmap.core import select, specs
+    from opmap.core.hw import local_arch
 
     calls = []
-    real = prefill_tma.launch
-    monkeypatch.setattr(prefill_tma, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    real = T.launch
+    monkeypatch.setattr(T, "launch", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    spec = specs.AttentionSpec(arch=local_arch(), phase="prefill", page_size=page, kv_dtype="fp8" if fp8 else "bf16",
+                               cuda_graph=True)
+    ch = select.select("attention", spec)
+    assert ch.name == ("triton-tma" if tma else "triton"), ch.explain()
     pc = make_paged([700, 65], 8, 128, page, dtype=BF, fp8=fp8, shared=True, poison=True, device=DEV)
     q, cu = make_query([700, 65], 32, 128, dtype=BF, device=DEV)
     kw = dict(scale=128 ** -0.5, causal=True, return_lse=True, **pc.kw)
-    out, lse = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
+    out, lse = ch.backend("prefill", q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
     assert bool(calls) == tma
     ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
     _close(out, ref, scale=2.0 if fp8 else 1.0)

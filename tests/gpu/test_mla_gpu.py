@@ -1,13 +1,18 @@
 """MLA on the GPU (bf16, DeepSeek shapes: R = 512, Dr = 64; 16 and 128 heads) against the fp32
-reference: page sizes 1/16/64 with shuffled pages and lengths at page boundaries, 1 and 32k;
-fp8 cache (cosine >= 0.999 vs bf16); sparse top-k 2048; CUDA-graph replay after re-planning;
-chunked prefill with a cached prefix; append bit-exact vs torch; the SDPA peer."""
+reference, each decode kernel through its backend (mla-triton: the pointer kernel; mla-tma: the TMA
+kernel; mla-gluon-fp8: the Gluon fp8 kernel): page sizes 1/16/64 with shuffled pages and lengths at
+page boundaries, 1 and 32k; fp8 cache (cosine >= 0.999 vs bf16); sparse top-k 2048; CUDA-graph
+replay after re-planning; chunked prefill with a cached prefix; append bit-exact vs torch; the SDPA
+peer."""
 import pytest
 import torch
 
+from opmap.core import registry
 from opmap.core.contract import InputError
 from opmap.kernels.mla import append as ap
 from opmap.kernels.mla import decode as dec
+from opmap.kernels.mla import decode_fp8 as G
+from opmap.kernels.mla import decode_tma as tma
 from opmap.kernels.mla import prefill as pf
 from opmap.ops.mla import reference as ref
 from opmap.harness.fixtures.mla import make_cache, sparse_indices
@@ -37,6 +42,11 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
+def _be(name):
+    """A backend's entries by name: ``_be("mla-tma")("mla_decode", ...)`` runs the TMA kernel."""
+    return registry.get("attention", name)
+
+
 def _cache(lens, page, seed, fp8=False):
     return make_cache(lens, R, DR, page, BF, device="cuda", fp8=fp8,
                       gen=torch.Generator().manual_seed(seed), std=0.5)
@@ -45,56 +55,59 @@ def _cache(lens, page, seed, fp8=False):
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_bf16_pages(H, page):
+    """The pointer kernel at every page size; the TMA kernel too where pages hold whole tiles."""
     lens = [1, page, page + 1, 2 * page - 1, 1000, 0, 4096 + 3]
     pc = _cache(lens, page, page + H)
     qn, qp = _q(len(lens), H, _gen(1))
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
-    _agree(got[0], want[0])
-    assert_close(got[1], want[1], dtype=BF, what="lse")
+    for name in ["mla-triton"] + (["mla-tma"] if page % 64 == 0 else []):
+        got = _be(name)("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+        _agree(got[0], want[0], what=name)
+        assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
+@pytest.mark.parametrize("name", ["mla-triton", "mla-tma"])
 @pytest.mark.parametrize("H", [16, 128])
-def test_decode_long_context_split(H):
+def test_decode_long_context_split(H, name):
     lens = [32768]
     pc = _cache(lens, 64, 5)
     qn, qp = _q(1, H, _gen(2))
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
-    ws = dec.make_workspace(1, H, R, "cuda")
+    ws = _be(name)("make_workspace", 1, H, R, "cuda")
     assert ws.num_splits > 1  # B=1 must split the context to fill the GPU
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
-                         workspace=ws)
+    got = _be(name)("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
+                    workspace=ws)
     _agree(got[0], want[0])
     assert_close(got[1], want[1], dtype=BF, what="lse")
 
 
-TMA16 = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, TMA=1)
-TMA64 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1)
+TMA16 = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3)
+TMA64 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3)
 
 
-T16, T64 = dict(TMA16, GLUON=0), dict(TMA64, GLUON=0)  # the Triton kernels on fp8 caches
-
-
-@pytest.mark.parametrize("H,config", [(16, None), (128, None), (16, T16), (128, T64), (128, T16)])
-def test_decode_fp8_cosine(H, config):
-    """The Gluon kernel (the default) and the Triton ones on an fp8 cache (the TMA kernel's e4m3
-    tiles converted after the copy)."""
+@pytest.mark.parametrize("H,name,config", [(16, "mla-gluon-fp8", None), (128, "mla-gluon-fp8", None),
+                                           (16, "mla-tma", TMA16), (128, "mla-tma", TMA64), (128, "mla-tma", TMA16),
+                                           (16, "mla-triton", None), (128, "mla-triton", None)])
+def test_decode_fp8_cosine(H, name, config):
+    """Each decode kernel on an fp8 cache: the Gluon kernel (the selector's), the TMA kernel (e4m3
+    tiles converted after the copy) and the pointer kernel."""
     lens = [100, 2048, 5000]
     pc = _cache(lens, 64, 6, fp8=True)
     qn, qp = _q(3, H, _gen(3))
     bf = dec.mla_decode(qn, qp, pc.values.to(BF), pc.seq_lens, pc.block_tables, scale=SCALE)
-    q8 = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
-                        config=config)
+    kw = {"config": config} if config else {}
+    q8 = _be(name)("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
+                   **kw)
     assert cosine(q8, bf) >= 0.999
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
     _agree(q8, want)
 
 
-@pytest.mark.parametrize("H,config", [(16, None), (128, None),
-                                      (128, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0, GLUON=0)),
-                                      (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2, TMA=0, GLUON=0)),
-                                      (16, T16), (128, T64)])
-def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
+@pytest.mark.parametrize("H,name,config", [(16, "mla-gluon-fp8", None), (128, "mla-gluon-fp8", None),
+                                           (128, "mla-triton", dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1)),
+                                           (16, "mla-triton", dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=2)),
+                                           (16, "mla-tma", TMA16), (128, "mla-tma", TMA64)])
+def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, name, config):
     """The fp8 cache's fp16 dots (tiles converted by cvt.rn.f16x2.e4m3x2) with bf16 queries up to
     1e6, far past fp16's range (the kernel divides q by a power of two): finite and the reference's
     result, at the same logits as unit queries. 64-head blocks (the pointer kernel's at B >= 64)
@@ -106,7 +119,9 @@ def test_decode_fp8_fp16_dots_with_queries_past_fp16(H, config):
     qn, qp = (qn.float() * big).to(BF), (qp.float() * big).to(BF)
     kw = dict(scale=SCALE / big, kv_scale=pc.kv_scale)
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, config=config, **kw)
+    if config:
+        kw["config"] = config
+    got = _be(name)("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, **kw)
     assert torch.isfinite(got).all()
     _agree(got, want)
 
@@ -127,16 +142,14 @@ def _captured(run):
 
 def _gluon_calls(monkeypatch):
     """Counts launches of the Gluon fp8 kernel (decode_fp8.launch), so a test knows it ran."""
-    from opmap.kernels.mla import decode_fp8
-
     n = [0]
-    real = decode_fp8.launch
+    real = G.launch
 
     def counted(*a, **k):
         n[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(decode_fp8, "launch", counted)
+    monkeypatch.setattr(G, "launch", counted)
     return n
 
 
@@ -158,10 +171,10 @@ def test_decode_fp8_gluon_lengths_pages_and_nan_past_lengths(H, page, monkeypatc
     for ks in (float(pc.kv_scale), pc.kv_scale):
         want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=ks,
                               return_lse=True)
-        for ws in (dec.make_workspace(len(lens), H, R, "cuda", num_splits=1),
-                   dec.make_workspace(len(lens), H, R, "cuda", num_splits=8, split_min=64)):
-            got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=ks,
-                                 return_lse=True, workspace=ws)
+        for ws in (G.make_workspace(len(lens), H, R, "cuda", num_splits=1),
+                   G.make_workspace(len(lens), H, R, "cuda", num_splits=8, split_min=64)):
+            got = _be("mla-gluon-fp8")("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,
+                                       kv_scale=ks, return_lse=True, workspace=ws)
             assert torch.isfinite(got[0]).all()
             _agree(got[0], want[0], what=f"splits={ws.num_splits}")
             assert_close(got[1], want[1], dtype=BF, what="lse")
@@ -175,11 +188,11 @@ def test_decode_fp8_gluon_long_context_and_graph_replay(monkeypatch):
     H = 16
     pc = _cache([32768], 64, 9, fp8=True)
     qn, qp = _q(1, H, _gen(7))
-    ws = dec.make_workspace(1, H, R, "cuda")
+    ws = G.make_workspace(1, H, R, "cuda")
     assert ws.num_splits > 1
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale)
-    got = dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
-                         workspace=ws)
+    got = G.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, kv_scale=pc.kv_scale,
+                       workspace=ws)
     _agree(got, want)
 
     B, page, maxp = 4, 64, 80
@@ -190,8 +203,8 @@ def test_decode_fp8_gluon_long_context_and_graph_replay(monkeypatch):
     qn, qp = _q(B, H, g)
     seq_lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
     tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
-    ws = dec.make_workspace(B, H, R, "cuda")
-    run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, kv_scale=ks, workspace=ws)  # noqa: E731
+    ws = G.make_workspace(B, H, R, "cuda")
+    run = lambda: G.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, kv_scale=ks, workspace=ws)  # noqa: E731
     graph, out = _captured(run)
     for lens, k in (([5, 64, 65, 700], 0.7), ([4096, 1, 0, 5000], 1.3), ([3000, 2999, 64, 128], 0.05)):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -204,7 +217,22 @@ def test_decode_fp8_gluon_long_context_and_graph_replay(monkeypatch):
     assert n[0] >= 2
 
 
-def test_decode_cuda_graph_replay_after_replanning():
+def test_selected_on_this_gpu():
+    """The engine's MLA decode spec (pages of 64, CUDA graphs) on this sm90 GPU: the TMA kernel for a
+    bf16 cache, the Gluon kernel for an fp8 one; each entry runs its own kernel."""
+    from opmap.core import select, specs
+    from opmap.core.hw import local_arch
+
+    spec = specs.AttentionSpec(arch=local_arch(), kind="mla", num_heads=16, num_kv_heads=1, head_dim=R + DR,
+                               head_dim_v=R, page_size=64, cuda_graph=True)
+    assert select.select("attention", spec).name == "mla-tma"
+    assert select.select("attention", spec.replace(kv_dtype="fp8")).name == "mla-gluon-fp8"
+    assert select.select("attention", spec.replace(page_size=16)).name == "mla-triton"
+    assert _be("mla-tma").fn("mla_decode") is tma.mla_decode and _be("mla-gluon-fp8").fn("mla_decode") is G.mla_decode
+
+
+@pytest.mark.parametrize("name", ["mla-triton", "mla-tma"])
+def test_decode_cuda_graph_replay_after_replanning(name):
     H, B, page, maxp = 16, 4, 64, 80
     P = B * maxp + 4
     g = _gen(4)
@@ -212,8 +240,8 @@ def test_decode_cuda_graph_replay_after_replanning():
     qn, qp = _q(B, H, g)
     seq_lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
     tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
-    ws = dec.make_workspace(B, H, R, "cuda")
-    run = lambda: dec.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE, workspace=ws)  # noqa: E731
+    ws = _be(name)("make_workspace", B, H, R, "cuda")
+    run = lambda: _be(name)("mla_decode", qn, qp, cache, seq_lens, tables, scale=SCALE, workspace=ws)  # noqa: E731
     graph, out = _captured(run)
     for lens in ([5, 64, 65, 700], [4096, 1, 0, 5000], [3000, 2999, 64, 128]):
         seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
@@ -351,28 +379,32 @@ def test_sparse_decode_cuda_graph_replay_new_indices():
         _agree(out, want, what=f"sparse replay lens={lens}")
 
 
+@pytest.mark.parametrize("name", ["mla-tma", "mla-triton"])
 @pytest.mark.parametrize("H,lens", [(16, [32768]), (128, [1, 4099, 0, 1000]), (16, [300] * 64)])
-def test_split_merge_against_reference(H, lens):
+def test_split_merge_against_reference(H, lens, name):
     """The merge launch (all LSEs at once, tiles of splits, R in blocks of 128) at the plans the
     engine makes: 128 splits at B=1 / 32768, a mixed batch with an empty sequence, B=64. Equal to
     the reference and deterministic over three launches."""
     pc = _cache(lens, 64, 11)
     qn, qp = _q(len(lens), H, _gen(3))
-    ws = dec.make_workspace(len(lens), H, R, "cuda")
-    runs = [dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
-                           workspace=ws) for _ in range(3)]
+    ws = _be(name)("make_workspace", len(lens), H, R, "cuda")
+    runs = [_be(name)("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True,
+                      workspace=ws) for _ in range(3)]
     torch.cuda.synchronize()
     assert all(torch.equal(r[0], runs[0][0]) and torch.equal(r[1], runs[0][1]) for r in runs)
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE)
     _agree(runs[0][0], want, what=f"H={H} lens={lens[:4]}")
 
 
-@pytest.mark.parametrize("H,cfg", [(16, None), (128, None), (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=1)), (16, dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1)),
-                                   (128, dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=1)), (16, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, TMA=1)), (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=3, TMA=1))],
+@pytest.mark.parametrize("H,cfg", [(16, None), (128, None), (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)),
+                                   (16, dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=2)),
+                                   (128, dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)),
+                                   (16, dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)),
+                                   (16, dict(BLOCK_H=16, BLOCK_N=32, num_warps=8, num_stages=3))],
                          ids=["h16-default", "h128-default", "h16-s2", "h16-bn64", "h128-keys-rows", "h16-heads-rows",
                               "h16-w8"])
 def test_tma_decode_bf16(H, cfg):
-    """The TMA kernel at real shapes, in both dot layouts: lengths around the 64-token tiles and
+    """The TMA kernel (mla-tma) at real shapes, in both dot layouts: lengths around the 64-token tiles and
     pages, a 32k context, an empty sequence; NaN in every row past a length (the tail tile must not
     read them); then a CUDA-graph replay after re-planning."""
     lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
@@ -381,8 +413,8 @@ def test_tma_decode_bf16(H, cfg):
         if n % 64:
             pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
     qn, qp = _q(len(lens), H, _gen(41))
-    ws = dec.make_workspace(len(lens), H, R, "cuda", config=cfg)
-    run = lambda: dec.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
+    ws = tma.make_workspace(len(lens), H, R, "cuda", config=cfg)
+    run = lambda: tma.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
                                  return_lse=True, workspace=ws, config=cfg)
     got = run()
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
