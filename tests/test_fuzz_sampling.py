@@ -69,6 +69,12 @@ def test_fuzz_sampling_params():
 
 # ---- sample -------------------------------------------------------------------------------------
 
+# Per-row values outside the contract (ops/sampling/reference.py): (argument, value).
+BAD_VALUES = {"temp_neg": ("temperature", -1.0), "temp_nan": ("temperature", math.nan),
+              "temp_inf": ("temperature", math.inf), "topk_neg": ("top_k", -5), "topp_big": ("top_p", 5.0),
+              "topp_nan": ("top_p", math.nan), "topp_zero": ("top_p", 0.0), "minp_neg": ("min_p", -2.0),
+              "minp_nan": ("min_p", math.nan)}
+
 @st.composite
 def sample_cases(draw):
     seed = draw(st.integers(0, 2**31 - 1))
@@ -81,9 +87,16 @@ def sample_cases(draw):
     minp = [draw(st.sampled_from([0.0, 0.1, 1.0])) for _ in range(B)]
     brk = draw(st.sampled_from(("none",) * 6 + ("rows", "lastdim", "logits_1d", "logits_int", "temp_fp16",
                                                   "topk_float", "seeds_int32", "pos_len", "minp_len",
-                                                  "seeds_device")))
-    if brk in ("temp_fp16", "topk_float", "seeds_int32", "pos_len", "minp_len", "lastdim", "seeds_device") and B == 0:
+                                                  "seeds_device") + tuple(BAD_VALUES)))
+    if brk in ("temp_fp16", "topk_float", "seeds_int32", "pos_len", "minp_len", "lastdim", "seeds_device",
+               *BAD_VALUES) and B == 0:
         B, rows, temps, topk, topp, minp = 1, ["ok"], [1.0], [0], [1.0], [0.0]
+    if brk in BAD_VALUES:  # one row's value out of its range (NaN included)
+        at = draw(st.integers(0, B - 1))
+        which, bad = BAD_VALUES[brk]
+        lists = dict(temperature=temps, top_k=topk, top_p=topp, min_p=minp)
+        lists[which] = lists[which][:at] + [bad] + lists[which][at + 1:]
+        temps, topk, topp, minp = lists["temperature"], lists["top_k"], lists["top_p"], lists["min_p"]
 
     def build():
         g = gen(seed)
@@ -114,7 +127,7 @@ def sample_cases(draw):
 
     arg = {"lastdim": "logits", "logits_1d": "logits", "logits_int": "logits", "temp_fp16": "temperature",
            "topk_float": "top_k", "seeds_int32": "seeds", "pos_len": "positions", "minp_len": "min_p",
-           "seeds_device": "seeds"}
+           "seeds_device": "seeds", **{k: v[0] for k, v in BAD_VALUES.items()}}
     broken = frozenset({arg[brk]}) if brk in arg and not (brk == "lastdim" and V == 1) else frozenset()
     return Case(build, broken,
                 what=f"{brk} B={B} V={V} {dtype} rows={rows} t={temps} k={topk} p={topp} min_p={minp}")
@@ -150,8 +163,9 @@ def penalty_cases(draw):
     B, V = draw(st.integers(0, 4)), draw(st.integers(1, 200))
     dtype = draw(st.sampled_from(F))
     brk = draw(st.sampled_from(("none",) * 5 + ("rows", "mask_u8", "counts_float", "counts_shape", "rep_len",
-                                                  "freq_fp64", "logits_int")))
-    if brk in ("rep_len", "freq_fp64", "counts_shape") and B == 0:
+                                                  "freq_fp64", "logits_int", "rep_zero", "rep_nan", "freq_inf",
+                                                  "pres_nan")))
+    if brk in ("rep_len", "freq_fp64", "counts_shape", "rep_zero", "rep_nan", "freq_inf", "pres_nan") and B == 0:
         B = 2
 
     def build():
@@ -164,11 +178,16 @@ def penalty_cases(draw):
         rep = torch.rand(B + (1 if brk == "rep_len" else 0), generator=g) + 0.5
         freq = torch.rand(B, generator=g, dtype=torch.float64 if brk == "freq_fp64" else torch.float32) - 0.5
         pres = torch.rand(B, generator=g) - 0.5
+        bad = {"rep_zero": (rep, 0.0), "rep_nan": (rep, math.nan), "freq_inf": (freq, math.inf),
+               "pres_nan": (pres, math.nan)}
+        if brk in bad:  # the last row's value out of its range
+            bad[brk][0][-1] = bad[brk][1]
         return (x, mask.to(torch.uint8) if brk == "mask_u8" else mask,
                 counts.float() if brk == "counts_float" else counts, rep, freq, pres), {}
 
     arg = {"mask_u8": "prompt_mask", "counts_float": "output_counts", "counts_shape": "output_counts",
-           "rep_len": "repetition", "freq_fp64": "frequency", "logits_int": "logits"}
+           "rep_len": "repetition", "freq_fp64": "frequency", "logits_int": "logits", "rep_zero": "repetition",
+           "rep_nan": "repetition", "freq_inf": "frequency", "pres_nan": "presence"}
     return Case(build, frozenset({arg[brk]}) if brk in arg else frozenset(), what=f"{brk} B={B} V={V} {dtype}")
 
 

@@ -61,6 +61,42 @@ def test_support_and_tokens_match_reference(seed, V, scale, ties, chunk):
     assert torch.equal(ids, rids) and not invalid.any() and not rinv.any()
 
 
+# Every valid edge value of each parameter, with the same tokens from the kernel and the reference:
+# temperature 0, denormal (its fp32 reciprocal overflows: greedy), tiny, 1, huge, the largest fp32;
+# top_k off (0, V, beyond V, the int32 maximum), 1 (greedy), 2, V - 1; top_p the smallest fp32, 0.3,
+# 1 (off); min_p 0 (off), the smallest fp32, 0.2, 1 (the maximum only); seeds of any int64 bits.
+EDGE_T = (0.0, 1e-45, 1e-40, 1e-30, 0.5, 1.0, 1e30, 3.4e38)
+EDGE_FILTERS = ((0, 1.0, 0.0), (1, 0.3, 0.2), (299, 0.3, 1e-45), (301, 1e-45, 0.0), (2**31 - 1, 1.0, 1.0),
+                (2, 1.0, 0.2), (0, 0.3, 0.0), (300, 1.0, 1e-45))
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_every_valid_edge_value_gives_the_reference_token(chunk):
+    V = 300
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, V, generator=g) * 3
+    x[0, 10] = x[0, 20] = x.max() + 0.5  # a tie at the maximum
+    rows = [(t, *f) for t in EDGE_T for f in EDGE_FILTERS]
+    B = len(rows)
+    T = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    k = torch.tensor([r[1] for r in rows], dtype=torch.int64)
+    p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    mp = torch.tensor([r[3] for r in rows], dtype=torch.float32)
+    seeds = torch.arange(B, dtype=torch.int64) * 7919 - 2**62  # negative bits too
+    pos = torch.arange(B, dtype=torch.int64) % 13
+    X = x.expand(B, V).contiguous()
+    ids, invalid = sampler.sample(X, T, k, p, mp, seeds, pos, chunk=chunk)
+    rids, rinvalid = R.sample(X, T, k, p, mp, seeds, pos)
+    assert not invalid.any() and not rinvalid.any()
+    bad = (ids != rids).nonzero().flatten().tolist()
+    assert not bad, [(rows[b], int(ids[b]), int(rids[b])) for b in bad[:8]]
+    greedy = R.greedy_rows(T, k)
+    assert greedy.tolist() == [r[0] in (0.0, 1e-45, 1e-40) or r[1] == 1 for r in rows]
+    assert set(ids[greedy].tolist()) == {10}  # the lowest id of the tie
+    probs = R.filtered_probs(X, T, k, p, mp)
+    assert (probs[torch.arange(B), ids] > 0).all()
+
+
 def test_no_op_filters_change_nothing():
     V = 300
     x = torch.randn(4, V) * 2

@@ -38,9 +38,10 @@ def apply_temperature(logits, temperature, *, backend: Optional[str] = None, pha
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions, *, backend: Optional[str] = None,
            phase: str = "decode"):
     """One token per row -> (ids[B] int64, invalid[B] bool: a row with no finite logit).
-    temperature[B] fp32 (0 = greedy), top_k[B] int32 (0 = off), top_p[B] fp32 (1 = off),
-    min_p[B] fp32 (0 = off), seeds[B] int64 and positions[B] int64 key the random stream, so a
-    seeded row draws the same token alone or in any batch."""
+    temperature[B] fp32 finite >= 0 (0 = greedy), top_k[B] int32 >= 0 (0 = off), top_p[B] fp32 in
+    (0, 1] (1 = off), min_p[B] fp32 in [0, 1] (0 = off); a value out of range or NaN is an
+    InputError naming the argument. seeds[B] int64 and positions[B] int64 key the random stream,
+    so a seeded row draws the same token alone or in any batch."""
     spec = _vocab_spec(SamplingSpec, logits, phase, top_k=True, top_p=True, min_p=True)
     return call("sampling", spec, "sample", backend, logits, temperature, top_k, top_p, min_p, seeds, positions)
 

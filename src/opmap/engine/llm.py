@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from opmap.core.contract import InputError
+from opmap.core.contract import InputError, trusted_values
 from opmap.engine.params import SamplingParams
 from opmap.engine.block_manager import BlockManager
 from opmap.model.hf import resolve_model
@@ -187,7 +187,9 @@ class LLM:
         try:
             if isinstance(params, dict):
                 params = SamplingParams(**params)
-            if not isinstance(params, SamplingParams):
+            elif isinstance(params, SamplingParams):
+                params = params.checked()  # fields may have changed since construction
+            else:
                 raise InputError("params", type(params).__name__, "a SamplingParams or a dict of its fields")
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
@@ -447,7 +449,8 @@ class LLM:
             rows = self._bitmask.fill(grammars)
             mask = self._bitmask.upload(len(sampled), rows) if rows else None
             t = self._tick("grammar", t)
-        ids, invalid, lps = self.sampler.launch(logits, sampled, mask)
+        with trusted_values():  # each row's parameters were checked when its request was made (_make)
+            ids, invalid, lps = self.sampler.launch(logits, sampled, mask)
         p = _Pending(sampled, grammars, ids, invalid, lps, self._readback)
         self._tick("sample", t)
         if self.ecfg.async_decode and batch.is_decode:

@@ -1,7 +1,10 @@
 """User-facing sampling parameters of one request: ``SamplingParams``.
 
 Every field is validated on construction; a value out of range raises
-``opmap.core.contract.InputError`` naming the field (``InputError`` is a ``ValueError``). The engine
+``opmap.core.contract.InputError`` naming the field (``InputError`` is a ``ValueError``). Fields may
+be changed afterwards, so the engine checks them again when a request is made (``checked``: a
+validated copy that the request keeps, so a later change reaches no queued request); a bad value
+then ends that request with ``finish_reason="error"`` and the message. The engine
 turns a list of these into per-row tensors with ``opmap.engine.sampling_tensors.SamplingTensors``.
 
 Semantics (the order in which they act on a row of logits; DESIGN: processors -> grammar
@@ -15,7 +18,7 @@ bitmask -> sample -> stop):
 2. grammar bitmask (``grammar_mask`` op) when ``json_schema`` / ``json_object`` / ``grammar`` /
    ``regex`` is given (at most one of them).
 3. sampling (``sampling`` op, ``sample``): ``temperature`` 0 = greedy (argmax, lowest id wins a
-   tie); otherwise z = l / temperature and the support is the longest prefix of the tokens in
+   tie), as is a temperature so small that its fp32 reciprocal overflows; otherwise z = l / temperature and the support is the longest prefix of the tokens in
    the order (z descending, id ascending) that satisfies all of: at most ``top_k`` tokens
    (0 = off), z >= max(z) + log(``min_p``) (0 = off), and top-p: a token is kept while the
    probability mass of the tokens ranked before it, renormalised over the top-k/min-p support,
@@ -34,6 +37,7 @@ also refuses n above the model's vocabulary, for that request only.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -75,6 +79,15 @@ class SamplingParams:
     extra: dict = field(default_factory=dict)  # free-form, not interpreted by opmap
 
     def __post_init__(self):
+        self.validate()
+
+    def checked(self) -> "SamplingParams":
+        """A validated copy (``InputError`` naming the first bad field): what a request keeps."""
+        return dataclasses.replace(self)
+
+    def validate(self) -> None:
+        """Check every field (``InputError`` naming the first bad one); ``stop`` and
+        ``stop_token_ids`` become lists."""
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InputError("max_tokens", repr(self.max_tokens), "an int >= 1")
         t = self.temperature
@@ -99,14 +112,14 @@ class SamplingParams:
             raise InputError("seed", repr(self.seed), "None or an int in [0, 2**63)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not (self.stop is None or isinstance(self.stop, (list, tuple))
+                and all(isinstance(s, str) and s for s in self.stop)):
+            raise InputError("stop", repr(self.stop), "a non-empty string or a list of them")
         self.stop = list(self.stop or [])
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InputError("stop", repr(self.stop), "a non-empty string or a list of them")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))
+                and all(_is_int(s) and s >= 0 for s in self.stop_token_ids)):
+            raise InputError("stop_token_ids", repr(self.stop_token_ids), "a list of ints >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for s in self.stop_token_ids:
-            if not _is_int(s) or s < 0:
-                raise InputError("stop_token_ids", repr(self.stop_token_ids), "a list of ints >= 0")
         if self.json_schema is not None and not isinstance(self.json_schema, (str, dict)):
             raise InputError("json_schema", type(self.json_schema).__name__, "a JSON string or a dict")
         for name in ("grammar", "regex"):

@@ -67,9 +67,11 @@ def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
     k = tl.minimum(tl.load(topk_ptr + row).to(tl.int64), V).to(tl.int32)
     p = tl.load(topp_ptr + row)
     mp = tl.load(minp_ptr + row)
-    greedy = (T <= 0.0) | (k == 1)
     # div_rn: the IEEE-rounded reciprocal, so that z matches PyTorch's bit for bit on the GPU too.
     inv_t = tl.where(T > 0.0, tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(T > 0.0, T, 1.0)), 1.0)
+    # A temperature whose reciprocal overflows fp32 is greedy (the limit T -> 0; its z would be NaN
+    # at the max), as in the reference (``greedy_rows``).
+    greedy = (T <= 0.0) | (k == 1) | (inv_t == float("inf"))
     use_k = (k > 1) & (k < V)
     use_p = p < 1.0
     use_mp = mp > 0.0

@@ -2,8 +2,13 @@
 
 Contract (shared by every backend of the ``logits`` and ``sampling`` ops; parameter meaning in
 ``opmap.engine.params``). Per-row parameters are tensors of shape [B] on the logits' device:
-``temperature`` fp32 (0 = greedy), ``top_k`` int32/int64 (0 or >= V = off), ``top_p`` fp32
-(>= 1 = off), ``min_p`` fp32 (0 = off), ``seeds`` int64, ``positions`` int64.
+``temperature`` fp32, finite and >= 0 (0 = greedy, as is a temperature whose fp32 reciprocal
+overflows: ``greedy_rows``), ``top_k`` int32/int64 >= 0 (0 or >= V = off), ``top_p`` fp32 in (0, 1]
+(1 = off), ``min_p`` fp32 in [0, 1] (0 = off), ``seeds`` int64, ``positions`` int64 (any values:
+their bits key the random stream); penalties: ``repetition`` finite > 0, ``frequency`` and
+``presence`` finite. A value outside its range (NaN included) is an InputError naming the
+argument (``validate.check_row_params``: read on the host, so skipped inside a CUDA-graph
+capture, for a trusted caller and with OPMAP_CHECK_VALUES=0).
 
 logits op:
 - ``apply_penalties(logits[B, V], prompt_mask[B, V] bool, output_counts[B, V] int32,
@@ -34,7 +39,7 @@ from opmap.ops.sampling.philox import gumbel
 from opmap.ops.sampling.validate import INTS, check_logits, check_penalty_args, check_row_params, check_sample_args
 
 __all__ = ["apply_penalties", "apply_temperature", "apply_filters", "logprobs", "filtered_probs",
-           "support_mask", "invalid_rows", "sample", "race", "kernel_z", "greedy_ids"]
+           "support_mask", "invalid_rows", "sample", "race", "kernel_z", "greedy_ids", "greedy_rows"]
 
 
 def apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence) -> None:
@@ -98,13 +103,20 @@ def greedy_ids(logits) -> torch.Tensor:
     return torch.argmax(torch.nan_to_num(logits.float(), nan=-math.inf), dim=-1)
 
 
+def greedy_rows(temperature, top_k) -> torch.Tensor:
+    """Bool [B]: the rows drawn greedily: temperature 0, top_k 1, or a temperature so small that
+    its fp32 reciprocal overflows (the limit T -> 0: z = (x - max) / T would be NaN at the max)."""
+    t = temperature.float()
+    return (t == 0) | (top_k.to(torch.int64) == 1) | torch.isinf(1.0 / t)
+
+
 def filtered_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """The exact distribution (fp64 [B, V]) a sampler must draw each row from. Greedy rows
-    (temperature 0 or top_k 1) are one-hot at the greedy id; invalid rows are all zero."""
+    (``greedy_rows``) are one-hot at the greedy id; invalid rows are all zero."""
     l = logits.double()
     B, V = l.shape
     t = temperature.double()[:, None]
-    greedy = (t[:, 0] == 0) | (top_k.to(torch.int64) == 1)
+    greedy = greedy_rows(temperature, top_k)
     z = l / torch.where(t > 0, t, 1.0)
     keep = support_mask(z, top_k, top_p, min_p)
     zmax = torch.where(keep, z, -math.inf).amax(-1, keepdim=True)
@@ -140,7 +152,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     ``philox.py``: no host loop, no host sync; draws the same tokens as the Triton sampler."""
     check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
     invalid = invalid_rows(logits)
-    greedy = (temperature == 0) | (top_k.to(torch.int64) == 1)
+    greedy = greedy_rows(temperature, top_k)
     l = logits.double()
     t = temperature.double()[:, None]
     keep = support_mask(l / torch.where(t > 0, t, 1.0), top_k, top_p, min_p)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from opmap.core.contract import expect_same_device, expect_tensor, expect_writable
+from opmap.core.contract import (InputError, expect_same_device, expect_tensor, expect_writable, value_check_passed,
+                                 value_check_seen, values_wanted)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 INTS = (torch.int32, torch.int64)
@@ -18,13 +19,52 @@ def check_logits(logits, arg="logits", written: bool = False):
     return logits.shape
 
 
+# The values each per-row parameter may take (the contract of ``reference``'s docstring), as a test
+# on the tensor and the words of the error. ``seeds`` and ``positions`` take any int64: their bits
+# key the random stream.
+VALUE_RANGES = {
+    "temperature": (lambda t: torch.isfinite(t) & (t >= 0), "finite values >= 0 (0 = greedy)"),
+    "top_k": (lambda t: t >= 0, "values >= 0 (0 = off; >= the vocabulary = off)"),
+    "top_p": (lambda t: (t > 0) & (t <= 1), "values in (0, 1] (1 = off)"),
+    "min_p": (lambda t: (t >= 0) & (t <= 1), "values in [0, 1] (0 = off)"),
+    "repetition": (lambda t: torch.isfinite(t) & (t > 0), "finite values > 0 (1 = off)"),
+    "frequency": (lambda t: torch.isfinite(t), "finite values (0 = off)"),
+    "presence": (lambda t: torch.isfinite(t), "finite values (0 = off)"),
+}
+
+
 def check_row_params(B, device, **params):
-    """Per-row parameter tensors: shape [B] on the logits' device. Values are not read (that
-    would synchronise with the host); SamplingParams validated them when they were built."""
+    """Per-row parameter tensors: shape [B] on the logits' device, values in ``VALUE_RANGES``
+    (NaN refused). Reading the values of a CUDA tensor is a host synchronisation, so, as for
+    attention's step metadata (``opmap.core.contract.values_wanted``), the value checks are
+    skipped inside a CUDA-graph capture, for a trusted caller (the engine, whose requests were
+    validated when they were made) and with ``OPMAP_CHECK_VALUES=0``, and done once per
+    (tensor, version)."""
     for name, (t, dtypes) in params.items():
         # contiguous: the kernels read element b at b (a stride-0 or strided view would be read wrong)
         expect_tensor(name, t, dtype=dtypes, shape=(B,), contiguous=True)
         expect_same_device(logits=torch.empty(0, device=device), **{name: t})
+    check_row_values(**{name: t for name, (t, _) in params.items() if name in VALUE_RANGES})
+
+
+def check_row_values(**rows) -> None:
+    """Every value of each named [B] tensor within its ``VALUE_RANGES`` entry; else an InputError
+    naming the argument and the first row out of range."""
+    tensors = list(rows.values())
+    if not tensors or tensors[0].numel() == 0 or not values_wanted(*tensors):
+        return
+    # Inference tensors keep no version counter, which the memo's key needs: checked every time.
+    memo = None if any(t.is_inference() for t in tensors) else ("sampling-rows", *rows, *tensors)
+    if memo is not None and value_check_seen(*memo):
+        return
+    bad = torch.stack([~VALUE_RANGES[name][0](t) for name, t in rows.items()]).cpu()  # one read back
+    if bad.any():
+        i, b = (int(v) for v in bad.nonzero()[0])
+        name = list(rows)[i]
+        value = rows[name][b].item()
+        raise InputError(name, f"{name}[{b}]={value!r}", VALUE_RANGES[name][1])
+    if memo is not None and tensors[0].is_cuda:
+        value_check_passed(*memo)
 
 
 def check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions):
