@@ -319,3 +319,21 @@ def test_no_false_lines_on_the_third_party_traces():
         res = analyze.analyze(trace.load(str(f)))
         for d in res["diagnosis"]:
             assert not any(w in d for w in ("fell back", "sorts the logits", "KV layout", "sampler fallback")), (f, d)
+
+
+def test_the_compute_path_rule_needs_attention_and_gemm_to_dominate_prefill():
+    fires = analyze.analyze(trace.load(str(DATA / "hf-llama-compile.json.gz")))
+    assert any(d.startswith("prefill: attention + GEMM take") and "[evidence: attention by" in d
+               for d in fires["diagnosis"])
+    moe = analyze.analyze(trace.load(str(DATA / "hf-mixtral-sdpa.json.gz")))  # MoE-bound prefill
+    assert not any("the compute path" in d for d in moe["diagnosis"])
+
+
+@ext
+def test_tensor_parallel_decode_whose_collectives_are_small_is_not_told_to_change_its_layout():
+    """vLLM TP 4: each decode step's custom all-reduces are a small share of its time; its GPU is
+    busy between the graph replays (no idle line either)."""
+    res = analyze.analyze(trace.load(str(EXT / "traceMap__1_h100_1000isl_10osl_32con.pt.trace.json.gz")))
+    dec = res["phases"]["decode"]
+    assert dec["comm_ms"] > 0 and dec["categories"]["communication"] > 0
+    assert not any(d.startswith("decode:") and ("communication" in d or "idle" in d) for d in res["diagnosis"])
