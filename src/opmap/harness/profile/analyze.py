@@ -43,7 +43,8 @@ def _new_phase() -> dict:
     return {"steps": 0, "gpu_ms": 0.0, "wall_ms": 0.0, "idle_ms": 0.0, "categories": Counter(),
             "evidence": defaultdict(Counter), "libraries": defaultdict(Counter), "kernels": Counter(),
             "launches": Counter(), "confidence": Counter(), "opmap": Counter(), "graph_ms": 0.0,
-            "sampler_sorts": Counter(), "random_steps": 0, "fallbacks": [], "lowp_steps": 0, "kv_copy_ms": 0.0,
+            "sampler_sorts": Counter(), "random_steps": 0, "fallbacks": [], "fallback_count": 0, "lowp_steps": 0,
+            "kv_copy_ms": 0.0,
             "moe_gemms": Counter(), "comm_ms": 0.0, "comm_exposed_ms": 0.0}
 
 
@@ -64,7 +65,9 @@ def _step_facts(p: dict, ks: list, attrs: list) -> None:
         if not lowp and symbols.dequantiser(k.name):
             nxt = next((j for j in gemm if j > i), None)
             if nxt is not None and nxt - i <= 3 and _same_layer(k, ks[nxt]):
-                p["fallbacks"].append((k.name[:60], ks[nxt].name[:60]))
+                p["fallback_count"] += 1
+                if len(p["fallbacks"]) < 5:  # examples for the rule's line
+                    p["fallbacks"].append((k.name[:60], ks[nxt].name[:60]))
     for i in gemm:
         if attrs[i].category == "MoE":
             lc = (ks[i].launcher or "").replace("aten::", "")
@@ -174,7 +177,7 @@ def _phase_out(p: dict, top: int) -> dict:
             "launches": dict(p["launches"]), "label_confidence": dict(p["confidence"]),
             "opmap_backends": r4(p["opmap"]), "graph_ms": round(p["graph_ms"], 4),
             "kv_copy_ms": round(p["kv_copy_ms"], 4), "sampler_sorts": dict(p["sampler_sorts"]),
-            "random_steps": p["random_steps"], "lowp_steps": p["lowp_steps"], "fallbacks": p["fallbacks"][:5],
+            "random_steps": p["random_steps"], "lowp_steps": p["lowp_steps"], "fallbacks": p["fallbacks"], "fallback_count": p["fallback_count"],
             "moe_gemms": dict(p["moe_gemms"]), "comm_ms": round(p["comm_ms"], 4),
             "comm_exposed_ms": round(p["comm_exposed_ms"], 4)}
 

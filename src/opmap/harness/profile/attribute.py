@@ -105,7 +105,8 @@ def _ambiguous(kernels: list, attrs: list) -> None:
 
 
 def _token(k, a: Attr) -> str:
-    if a.final and a.evidence != "launcher":
+    """A kernel in a motif's text: its launching op, or @<category> once evidence named it for good."""
+    if a.final:
         return "@" + a.category.replace(" ", "_")
     return (k.launcher or "?").replace("aten::", "")
 
@@ -113,14 +114,16 @@ def _token(k, a: Attr) -> str:
 def _spelled(kernels: list, attrs: list) -> None:
     """The motifs of symbols.json: runs of launching ops that spell an operator; each names the
     kernels of its run that no stronger evidence named (and the GEMMs / copies it claims)."""
-    idx, text, starts = [], "", []
+    idx, toks, starts, pos = [], [], [], 0
     for i, (k, a) in enumerate(zip(kernels, attrs)):
         tok = _token(k, a)
         if tok in _COPY_OPS:
             continue
         idx.append(i)
-        starts.append(len(text))
-        text += tok + " "
+        toks.append(tok)
+        starts.append(pos)
+        pos += len(tok) + 1
+    text = " ".join(toks) + " "
     for cat, rx, claims in symbols.motifs():
         for m in rx.finditer(text):
             lo = idx[bisect.bisect_left(starts, m.start())]

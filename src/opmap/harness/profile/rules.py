@@ -111,8 +111,10 @@ def _quant_fallback(ph: str, p: dict) -> list:
     if not fb:
         return []
     deq, gemm = fb[0]
-    return [f"{ph}: the quantised path fell back to a dequantise kernel and a bf16 GEMM ({deq} feeds {gemm}, and no "
-            "fp8 / fp4 / int8 GEMM ran in those steps) [evidence: a dequantise kernel before a dense GEMM of its layer]"]
+    n = p.get("fallback_count", len(fb))
+    return [f"{ph}: the quantised path fell back to a dequantise kernel and a bf16 GEMM ({n} times, e.g. {deq} feeds "
+            f"{gemm}, and no fp8 / fp4 / int8 GEMM ran in those steps) [evidence: a dequantise kernel before a dense "
+            "GEMM of its layer]"]
 
 
 def _moe_loop(ph: str, p: dict) -> list:
