@@ -337,3 +337,15 @@ def test_tensor_parallel_decode_whose_collectives_are_small_is_not_told_to_chang
     dec = res["phases"]["decode"]
     assert dec["comm_ms"] > 0 and dec["categories"]["communication"] > 0
     assert not any(d.startswith("decode:") and ("communication" in d or "idle" in d) for d in res["diagnosis"])
+
+
+def test_compiled_unfused_attention_chain(tmp_path):
+    """torch.compile of eager attention: cuBLAS matmuls (aten::bmm) around Inductor's fused softmax
+    (launched under its own name) are attention's."""
+    sm = "triton_per_fused__softmax_add_mul_0"
+    b = Builder()
+    for _ in range(2):
+        b.step([K(RMS, 3, "_C::rms_norm"), K(NVJET, 30, "aten::mm"), K(NVJET, 6, "aten::bmm"), K(sm, 4, sm),
+                K(NVJET, 6, "aten::bmm"), K(NVJET, 20, "aten::mm")] + _tail())
+    p = next(iter(b.analyze(tmp_path)["phases"].values()))
+    assert p["categories"]["attention"] == pytest.approx(2 * 16 / 1e3)
