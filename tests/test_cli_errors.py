@@ -160,8 +160,9 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert len(out) <= 40 and out[0] == "opmap report: llama3-8b (llama, 32 layers) planned for sm90"
     assert out[-1].startswith("wrote ") and "report.md" in out[-1]
-    # the engine's padded prefill steps (CUDA graphs) run the capturable attention backend
-    assert "    prefill steps of up to 2048 tokens, replayed from CUDA graphs: `triton` (opmap-triton)" in out
+    # the engine's padded prefill steps (CUDA graphs) run the capturable attention backend: on sm90's
+    # 64-token pages the TMA prefill's
+    assert "    prefill steps of up to 2048 tokens, replayed from CUDA graphs: `triton-tma` (opmap-triton)" in out
     doc = json.loads((tmp_path / "p" / "report.json").read_text())
     assert doc["planned"] and doc["arch"] == "sm90" and doc["baseline_gpu"] == "h200"
     dec = {r["label"]: r for r in doc["operators"]["decode"]}
@@ -182,7 +183,7 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     assert html.count("data:image/png;base64,") == 2 and "<table>" in html and "planned for sm90" in html
     assert "roofline.png" in out[-1] and "report.html" in out[-1]
     if pre["attention (paged)"]["backend"] == "flashinfer":
-        assert pre["attention (paged)"]["without_optional"] == "triton" and "else `triton`" in md
+        assert pre["attention (paged)"]["without_optional"] == "triton-tma" and "else `triton-tma`" in md
     assert cli.main(["report", "--model", "llama3-8b", "--arch", "sm80", "--out", str(tmp_path / "q")]) == 0
     md80 = (tmp_path / "q" / "report.md").read_text()
     assert "no baseline for sm80" in md80 and "not drawn: no benchmark ran" in md80
