@@ -3,6 +3,7 @@ and third-party traces of other engines (../shared/traces/ext, read from there: 
 to redistribute; see its index.md). On each: at least 95% of the GPU time attributed, attention in
 every phase of a model with attention, MoE in every phase of a MoE model, communication where
 NCCL / DeepEP / an all-reduce kernel runs, and no diagnosis line without its evidence."""
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ THEIRS = {"traceMap__1_h100_1000isl_10osl_32con.pt.trace": (True, False, True),
           "deepseek-profile-data__train": (True, True, True)}
 
 
+@functools.lru_cache(maxsize=None)  # each trace read once for all the tests that look at it (read-only)
 def _res(path: Path) -> dict:
     return analyze.analyze(trace.load(str(path)))
 
