@@ -6,7 +6,9 @@ exercise the real checkpoint-loading path.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -304,7 +306,7 @@ def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
     that differs from the embedding loads that tensor as the LM head (transformers then unties
     them, with a warning); true with an equal one stays tied. False without an ``lm_head.weight``
     is refused: transformers would draw that LM head at random on every load."""
-    from opmap.core.contract import InputError
+    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
 
     where = _tensor_files(folder)
     if where is None:  # no readable safetensors: the weight loader names what is wrong
@@ -313,8 +315,6 @@ def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
         raise InputError(f"{path} tie_word_embeddings", f"false, and the checkpoint has no {HEAD} tensor",
                          f"true (the embedding is the LM head), or a checkpoint with {HEAD}")
     if cfg.tie_embeddings and HEAD in where and not _same_tensor(where, HEAD, EMBED):
-        import logging
-
         logging.getLogger("opmap.model").warning(
             "%s: tie_word_embeddings is true, but the checkpoint's %s differs from %s: it is loaded as the LM "
             "head, as transformers does", path, HEAD, EMBED)
@@ -325,8 +325,6 @@ def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
 def _tensor_files(folder: str) -> Optional[dict]:
     """{tensor name: safetensors file} of a checkpoint folder (the index's weight map, else the
     files' own headers), or None when they cannot be read."""
-    import glob
-
     root = os.path.realpath(folder)
     index = os.path.join(folder, "model.safetensors.index.json")
     try:
@@ -335,7 +333,7 @@ def _tensor_files(folder: str) -> Optional[dict]:
                 wm = json.load(f)["weight_map"]
             out = {str(k): os.path.realpath(os.path.join(folder, str(v))) for k, v in wm.items()}
         else:
-            from safetensors import safe_open
+            from safetensors import safe_open  # heavy: only for a checkpoint without an index
 
             out = {}
             for fn in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
@@ -355,6 +353,7 @@ def _tensor_files(folder: str) -> Optional[dict]:
 def _same_tensor(where: dict, a: str, b: str) -> bool:
     """Whether tensors ``a`` and ``b`` of the checkpoint hold the same values (False when one is
     missing or unreadable)."""
+    # heavy, and only for a checkpoint that has both tensors
     import torch
     from safetensors import safe_open
 
