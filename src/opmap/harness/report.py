@@ -246,7 +246,7 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
     arch = arch or here
     planned = arch != here
     on_gpu = detect().kind == "cuda" and not planned
-    from opmap.engine.opset import planned_maps
+    from opmap.engine.opset import planned_maps  # the engine's modules load when a report is built
 
     # The engine's op sets with its defaults on this arch: the rows printed are the calls it makes.
     maps = planned_maps(cfg, arch)

@@ -227,6 +227,7 @@ def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = 
 
     model_ops, mla, formats, model_specs = None, None, None, {}
     if model:
+        # the engine's op sets and the model resolver load only when a model is asked about
         from opmap.engine.opset import planned_maps
         from opmap.model.hf import resolve_model
 

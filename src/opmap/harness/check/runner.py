@@ -77,6 +77,7 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     """The model's step maps as the engine resolves them on ``arch`` with its defaults
     (``opmap.engine.opset.planned_maps``: bf16 with CUDA-graph decode on a GPU, fp32 and eager on
     the CPU): the rows the engine calls, each with its choice or the reason none serves."""
+    # the engine's op sets and the model resolver load only when a model is asked about
     from opmap.core.hw import local_arch
     from opmap.engine.opset import planned_maps
     from opmap.model.hf import resolve_model
