@@ -462,7 +462,7 @@ MLA_SPEC = dict(arch="sm90", kind="mla", num_kv_heads=1, dtype="fp16", cuda_grap
 
 
 @pytest.mark.parametrize("h", [16, 64])
-def test_selection_keeps_each_kernel_where_it_was_the_default(h):
+def test_selection_gives_each_kernel_its_specs(h):
     """On sm90 the selector names the kernel that runs: the TMA kernel (mla-tma) on pages of 64 for a
     16-bit cache, and for an fp8 one from 64 heads only; the Gluon kernel (mla-gluon-fp8) for fp8 at
     DeepSeek's dims; the pointer kernel (mla-triton) on other pages, for sparse decode, for fp8 below

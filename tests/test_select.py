@@ -187,8 +187,8 @@ def test_spec_sizes_refused_below_their_least_value(make, field, least):
     assert S.GemmSpec(m=None).m is None  # an optional size may be left unknown
 
 
-# One kernel, one backend: on the real registry the selector names the kernel that runs, and the
-# spec each kernel served as the default before it was its own backend still gets it.
+# One kernel, one backend: on the real registry the selector names the kernel that runs, and each
+# spec gets the kernel measured fastest for it (docs/attention.md, docs/mla.md: Decisions).
 GQA = dict(arch="sm90", num_heads=32, num_kv_heads=8, head_dim=128, dtype="bf16", kv_dtype="bf16", page_size=16)
 MLA = dict(arch="sm90", kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64,
            dtype="bf16", kv_dtype="bf16", cuda_graph=True)

@@ -1,7 +1,8 @@
 """The tile configuration schema the attention and MLA kernels share: a dict of launch
-parameters (``BLOCK_M`` or ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and the
-family's switches such as ``PREFETCH`` or ``TMA``). Each launcher owns its defaults; a caller's
-``config=`` replaces some of them, for tuning, and can only name keys the defaults have."""
+parameters (``BLOCK_M`` or ``BLOCK_H``, ``BLOCK_N``, ``num_warps``, ``num_stages`` and a kernel's
+own pipeline switches such as ``PREFETCH``). Each launcher owns its defaults; a caller's ``config=``
+replaces some of them, for tuning its own kernel (never choosing another: that is another backend),
+and can only name keys the defaults have."""
 from __future__ import annotations
 
 from opmap.core.contract import expect

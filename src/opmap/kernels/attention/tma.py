@@ -1,5 +1,6 @@
-"""What the TMA attention kernels (decode_tma.py, prefill_tma.py) share: the cache checks a tensor
-descriptor needs and the descriptors themselves, one box = ``rows`` rows of one kv head in one page."""
+"""What the TMA kernels read their caches with (prefill_tma.py; MLA's decode_tma.py takes MAX_BOX):
+the cache checks a tensor descriptor needs and the descriptors themselves, one box = ``rows`` rows of
+one kv head in one page."""
 from __future__ import annotations
 
 import torch

@@ -125,9 +125,9 @@ register(Backend(
            "registers; batch_invariant uses a fixed split size in tokens; mixed: both kernels in one step"),
 ))
 
-# Above triton (50) where they serve, below FlashInfer's prefill (55): the kernels the engine ran
-# before they were their own backends (docs/attention.md, Decisions: TMA tiles the prefill default
-# where pages hold whole 64-key tiles; the Gluon kernel over the Triton one for fp8 at head dim 128).
+# Above triton (50) where they serve, below FlashInfer's prefill (55): each measured faster than the
+# Triton kernel of its phase there (docs/attention.md, Decisions: TMA tiles where pages hold whole
+# 64-key tiles; the Gluon kernel over the Triton one for fp8 at head dim 128).
 register(Backend(
     op="attention", name="triton-tma", provider="opmap-triton", version=triton_version,
     priority={"cpu": TRITON_CPU_PRIORITY - 1, "sm90": 52}, available=triton_available,

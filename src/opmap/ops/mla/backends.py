@@ -120,10 +120,10 @@ DENSE = Req("sparse", (False,), "dense decode (sparse top-k: mla-triton's pointe
 Q16 = Req("dtype", ("fp16", "bf16"), "q bf16 / fp16")
 NOT_INVARIANT = Req("batch_invariant", (False,), "split-KV count depends on the batch size")
 
-# Above mla-triton (50) where they serve, below FlashInfer's decode from 64 heads (55): the kernels
-# the engine ran before they were their own backends (docs/mla.md, Decisions: the TMA kernel the
-# default for dense 16-bit caches and, among the Triton kernels, for fp8 from 64 heads; the Gluon
-# kernel for fp8 at R = 512 / Dr = 64, every head count).
+# Above mla-triton (50) where they serve, below FlashInfer's decode from 64 heads (55): each measured
+# faster than the pointer kernel there (docs/mla.md, Decisions: the TMA kernel for dense 16-bit caches
+# and, among the Triton kernels, for fp8 from 64 heads; the Gluon kernel for fp8 at R = 512 / Dr = 64,
+# every head count).
 _TMA_FIRST = registry.Prefer(52, 45, lambda s: s.kv_dtype != "fp8" or s.num_heads >= 64,
                              "a 16-bit cache, or an fp8 one from 64 heads")
 
