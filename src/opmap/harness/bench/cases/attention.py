@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from opmap.core import registry
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.core.specs import AttentionSpec, KVAppendSpec
 
@@ -97,8 +98,6 @@ def _row(backend, extra=""):
 
 def _ours(backend, phase, fixed=False, config=None, min_chunk=None, split_tokens=None):
     def make(inp):
-        from opmap.core import registry
-
         b = registry.get("attention", backend)
         fn = b.fn(phase)
         kw = dict(scale=inp["scale"], k_scale=inp["k_scale"], v_scale=inp["v_scale"])
@@ -201,8 +200,6 @@ def _flashinfer(phase):
 
 
 def _fi_available():
-    from opmap.core import registry
-
     return registry.get("attention", "flashinfer").available()
 
 
@@ -315,8 +312,6 @@ def _append_setup(T, fp8):
 
 def _append(backend):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("kv_append", backend).fn("append")
         return lambda: fn(inp["k"], inp["v"], inp["kc"], inp["vc"], inp["slots"], **inp["sc"])
 
@@ -350,8 +345,6 @@ def _rope_append_setup(T):
 
 def _rope_append(fused):
     def make(inp):
-        from opmap.core import registry
-
         b = registry.get("kv_append", "triton")
         rope, app, both = registry.get("rope", "triton").fn("rope"), b.fn("append"), b.fn("rope_append")
         q, k, v, pos, cs, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "pos", "cs", "kc", "vc", "slots"))

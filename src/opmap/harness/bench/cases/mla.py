@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from opmap.core import registry
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.core.specs import AttentionSpec
 
@@ -76,8 +77,6 @@ def _row(backend: str, config: dict = None, extra: str = "") -> str:
 
 def _ours(backend, entry="mla_decode", config=None, **ws_kw):
     def make(inp):
-        from opmap.core import registry
-
         b = registry.get("attention", backend)
         B, H, _ = inp["qn"].shape
         ws = b.fn("make_workspace")(B, H, R, inp["qn"].device, config=config, **ws_kw)
@@ -127,8 +126,6 @@ def _spec(H, fp8, sparse=False, phase="decode"):
 
 
 def _flashinfer_available():
-    from opmap.core import registry
-
     return registry.get("attention", "mla-flashinfer").available()
 
 
@@ -182,8 +179,6 @@ def _prefill_setup(H, new, prefix):
 
 def _prefill_call(backend, config=None):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("attention", backend).fn("mla_prefill")
         n = int(inp["seq_lens"][0])
         kw = {"config": config} if config else {}
