@@ -41,19 +41,6 @@ def _dev_kw(device, num_pages=64):
     return dict(device=device, dtype="fp32", num_pages=num_pages, page_size=16, warmup=False)
 
 
-def _untuned(fn):
-    """fn with our GEMMs at their default tiles: these cases compare tokens and time nothing, and
-    the engine autotuning each projection shape of a model costs several compiles a shape (the
-    critical path of a GPU check is the model's own parity: docs/harness.md, `opmap check`)."""
-    def run():
-        from opmap.harness.check.cases.gemm import default_tiles
-
-        with default_tiles():
-            return fn()
-
-    return run
-
-
 def _one_thread(fn):
     """Tiny CPU ops: intra-op threads only contend (a 2-core machine is shared), so run single-threaded."""
     def run():
@@ -114,7 +101,7 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
     # Single-threaded for the tiny CPU models only: a preset at its real widths wants every thread
     # (drawing Llama-3-8B's 2 layers, 1.5 B fp32 weights, on the CPU and saving them to disk on one
     # thread made this case the longest of the check).
-    return _untuned(_one_thread(run) if device == "cpu" and not in_memory else run)
+    return _one_thread(run) if device == "cpu" and not in_memory else run
 
 
 def _same_tokens(device, variant: str):
@@ -144,7 +131,7 @@ def _same_tokens(device, variant: str):
             variant != "prefix-cache" or sum(o.num_cached_tokens for o in outs) > 0)
         return Outcome(ok, f"tokens {'equal' if got == ref else 'DIFFER'}; {extra}")
 
-    return _untuned(_one_thread(run))
+    return _one_thread(run)
 
 
 def _graph_vs_eager():
@@ -167,7 +154,7 @@ def _graph_vs_eager():
         return Outcome(ok, f"tokens {'identical' if runs[True] == runs[False] else 'DIFFER'}; decode graphs for "
                            f"batch buckets {captured[0]}, prefill graphs for token buckets {captured[1]}")
 
-    return _untuned(run)
+    return run
 
 
 def _ahead_vs_lockstep(device):
@@ -196,7 +183,7 @@ def _ahead_vs_lockstep(device):
         same = runs[True] == runs[False]
         return Outcome(same and ahead > 0, f"outputs {'identical' if same else 'DIFFER'}; {ahead} decode steps ran ahead")
 
-    return _untuned(_one_thread(run) if device != "cuda" else run)
+    return _one_thread(run) if device != "cuda" else run
 
 
 def _bad_requests(device):
@@ -210,7 +197,7 @@ def _bad_requests(device):
         ok = errs[0] is None and len(outs[0].token_ids) == 4 and all(e for e in errs[1:])
         return Outcome(ok, "; ".join((e or "ok").split(",")[0][:40] for e in errs))
 
-    return _untuned(_one_thread(run))
+    return _one_thread(run)
 
 
 def _tags(name: str) -> tuple:
