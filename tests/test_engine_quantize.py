@@ -425,12 +425,13 @@ def test_quant_lines_name_the_kernel_and_flag_only_fallbacks():
     assert quant_lines(engine("cublas", fmt=None)) == []
 
 
-def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_thread):
-    """Quantised weights: an eager mixed step of MANY_ROWS rows or more runs the op set planned at
-    M = MANY_ROWS (on sm90 the fp8 projections then go to scaled-mm, int8 ones to dequant-cublas; at
-    M unknown, triton-wo, the one weight-only kernel of any M), fewer rows the one planned at M
-    unknown; prefill steps and dense models
-    keep one set. A run whose second prompt prefills beside the first one's decode takes it."""
+def test_mixed_steps_take_the_op_set_planned_at_their_row_count(single_thread):
+    """Quantised weights: an eager mixed step runs the op set planned at the power of two at or above
+    its rows up to MANY_ROWS / 2 (on sm90 fp8 projections at M <= 32 on gluon-wo, at 32 < M <= 64 on
+    gluon-wo-wgmma), the one planned at M = MANY_ROWS from MANY_ROWS rows (scaled-mm for fp8 on sm90,
+    dequant-cublas for int8), the one planned at M unknown in between (triton-wo, the one weight-only
+    kernel of any M); prefill steps and dense models keep one set. A run whose second prompt prefills
+    beside the first one's decode takes them."""
     from opmap.engine import runner as R
     from opmap.core.select import select
     from opmap.core.specs import GemmSpec
@@ -440,11 +441,20 @@ def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_threa
     int8 = dict(fp8, weight_dtype="int8")
     assert select("gemm", GemmSpec(m=R.MANY_ROWS, **int8)).backend.name == "dequant-cublas"
     assert select("gemm", GemmSpec(m=None, **fp8)).backend.name == "triton-wo"
+    assert select("gemm", GemmSpec(m=32, **fp8), runtime=False).backend.name == "gluon-wo"
+    assert select("gemm", GemmSpec(m=64, **fp8), runtime=False).backend.name == "gluon-wo-wgmma"
     llm = LLM("tiny-llama3", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, quantize="fp8")
     run = llm.runner
-    assert run.mixed_many is not None and run.mixed_many.m == R.MANY_ROWS
-    assert run.eager_ops("mixed", R.MANY_ROWS) is run.mixed_many
+    assert sorted(run.mixed_rows) == [1, 2, 4, 8, 16, 32, 64, R.MANY_ROWS]
+    assert all(ops.m == m for m, ops in run.mixed_rows.items())
+    assert run.eager_ops("mixed", R.MANY_ROWS) is run.mixed_rows[R.MANY_ROWS]
+    assert run.eager_ops("mixed", 1000) is run.mixed_rows[R.MANY_ROWS]
     assert run.eager_ops("mixed", R.MANY_ROWS - 1) is run.ops["mixed"]
+    assert run.eager_ops("mixed", 65) is run.ops["mixed"]
+    assert run.eager_ops("mixed", 64) is run.mixed_rows[64]
+    assert run.eager_ops("mixed", 33) is run.mixed_rows[64]
+    assert run.eager_ops("mixed", 17) is run.mixed_rows[32]
+    assert run.eager_ops("mixed", 1) is run.mixed_rows[1]
     assert run.eager_ops("prefill", 1000) is run.ops["prefill"]
     used = []
     real = run.eager_ops
@@ -453,4 +463,4 @@ def test_mixed_steps_of_many_rows_take_the_op_set_planned_at_that_m(single_threa
     out = llm.generate([[5] * 8, [7] * 400], params)  # the second prompt in two chunks
     assert all(o.error is None and len(o.token_ids) == 4 for o in out)
     assert any(p == "mixed" and t >= R.MANY_ROWS for p, t in used), used
-    assert LLM("tiny-llama3", max_num_seqs=2).runner.mixed_many is None
+    assert LLM("tiny-llama3", max_num_seqs=2).runner.mixed_rows == {}

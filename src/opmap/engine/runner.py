@@ -127,11 +127,13 @@ class ModelRunner:
                          ecfg.backends, ecfg.trace_ops, ecfg.fuse_rope_append)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
-        # Quantised weights: an eager mixed step of MANY_ROWS rows or more takes the op set planned
-        # at that M, where the selector puts the quantised projections on the many-row route
-        # (docs/dense.md, Decisions); fewer rows keep the set planned at M unknown (triton-wo).
-        # Dense weights choose the same either way: no second set.
-        self.mixed_many = opset("mixed", False, MANY_ROWS) if self.weight_format else None
+        # Quantised weights: the weight-only GEMM backends are chosen by row count (GemmSpec.m), so
+        # an eager mixed step takes the op set planned at the power of two at or above its rows
+        # below MANY_ROWS / 2 + 1, the one planned at MANY_ROWS from MANY_ROWS rows on (the many-row
+        # route: docs/dense.md, Decisions), and the set planned at M unknown in between. Dense
+        # weights choose the same at any M: no further sets.
+        self.mixed_rows = ({m: opset("mixed", False, m) for m in (*_powers_of_two(MANY_ROWS // 2), MANY_ROWS)}
+                           if self.weight_format else {})
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         self.prefill_graphs_off = None if self.use_graphs else self.graphs_off_reason
         self.padded_ops = self.ops["prefill"]  # the op set of padded prefill steps (graph-capturable)
@@ -153,7 +155,7 @@ class ModelRunner:
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
             self.decode_ops = {b: opset("decode", False, b) for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.padded_ops, self.ops["mixed"],
-                                         *([self.mixed_many] if self.mixed_many else []), *self.decode_ops.values()])
+                                         *self.mixed_rows.values(), *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:
         # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
@@ -365,8 +367,11 @@ class ModelRunner:
         """The op set of an eager (not replayed) step of ``tokens`` rows in ``phase``."""
         if phase == "prefill":
             return self.ops["prefill"]
-        if self.mixed_many is not None and tokens >= MANY_ROWS:
-            return self.mixed_many
+        if self.mixed_rows:
+            if tokens >= MANY_ROWS:
+                return self.mixed_rows[MANY_ROWS]
+            m = 1 << max(0, tokens - 1).bit_length()
+            return self.mixed_rows[m] if m < MANY_ROWS else self.ops["mixed"]
         return self.ops["mixed"]
 
     # ---- padded prefill steps ------------------------------------------------------------------
@@ -534,3 +539,8 @@ class ModelRunner:
         torch.cuda.synchronize()
         if self.prefill_graphs:
             log.info("prefill CUDA graphs captured for token buckets %s", sorted(self.prefill_graphs))
+
+
+def _powers_of_two(top: int) -> list:
+    """1, 2, 4, ... up to ``top``."""
+    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]
