@@ -223,7 +223,8 @@ class Loader:
 
     def unused(self) -> list:
         # Allowed to stay unread: rotary caches (recomputed), lm_head.weight of a model with tied
-        # embeddings (the embedding is the LM head), and the static activation scales of an fp8
+        # embeddings (the embedding is the LM head; a checkpoint whose lm_head.weight differs from
+        # it loads untied: model/hf.py, as transformers does), and the static activation scales of an fp8
         # checkpoint (``input_scale``, transformers' ``activation_scale``: activations stay in the
         # model's dtype, weight-only).
         return sorted(n for n in self.names - self.used if "rotary_emb" not in n and n != "lm_head.weight"
