@@ -196,3 +196,11 @@ def test_a_dict_of_params_is_checked_too(llm):
     outs = llm.generate([[1, 2, 3], [4, 5]], [{"max_tokens": 2, "top_k": -1}, {"max_tokens": 2}])
     assert outs[0].finish_reason == "error" and outs[0].error.startswith("top_k: got -1")
     assert outs[1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field,value", [("stop", 5), ("stop", [""]), ("stop", ["a", 3]), ("stop_token_ids", 7),
+                                         ("stop_token_ids", [1, -2])])
+def test_stop_fields_of_the_wrong_kind_are_named_at_construction(field, value):
+    from opmap.engine.params import SamplingParams
+
+    _named(field, SamplingParams, **{field: value})  # was a TypeError from list() for a bare int
