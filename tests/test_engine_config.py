@@ -78,7 +78,7 @@ def test_loader_errors_name_the_tensor(tmp_path):
     with pytest.raises(InputError, match="no tensor 'c'"):
         L.copy(dst, "c")
     fused = torch.empty(6)
-    with pytest.raises(InputError, match="matching sizes"):
+    with pytest.raises(InputError, match="checkpoint tensor b: got 4 rows, expected 6 as config.json's sizes"):
         L.cat(fused, ["b"])
     L2 = Loader(StateDictSource({"x": torch.arange(6.0).view(2, 3)}), "cpu", torch.float32)
     out = torch.empty(2, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Optional
 
@@ -127,9 +128,53 @@ def spec_from_args(op: str, args, arch: str) -> S.Spec:
         for name, value in MLA_DEFAULTS.items():
             kw.setdefault(name, value)
     try:
-        return S.spec_for(op, arch=arch, phase=args.phase, **kw)
+        spec = S.spec_for(op, arch=arch, phase=args.phase, **kw)
     except (TypeError, ValueError) as e:
         raise CLIError(f"bad {op} spec: {e}") from None
+    heads, kv = getattr(spec, "num_heads", None), getattr(spec, "num_kv_heads", None)
+    if heads and kv and heads % kv:
+        raise CLIError(f"--kv-heads {kv}: expected a divisor of --heads {heads} (each KV head serves a whole group "
+                       "of query heads)")
+    return spec
+
+
+def arch_name(s: str) -> str:
+    """An argparse type: a GPU arch as the selector names it (``smNN``) or ``cpu``."""
+    if s == "cpu" or (s.startswith("sm") and s[2:].isdigit()):
+        return s
+    raise argparse.ArgumentTypeError(f"{s!r}: expected cpu or a GPU arch such as sm80, sm89, sm90, sm100")
+
+
+def seconds(s: str) -> float:
+    """An argparse type: a time limit in seconds, positive and at most a day."""
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected a number of seconds") from None
+    if not 0 < v <= DAY:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"{s!r}: expected seconds in (0, {DAY}]")
+    return v
+
+
+DAY = 86400
+
+
+def jsonl_file(s: str) -> str:
+    """An argparse type: a JSON-lines file to append to (its folder exists; not a folder itself)."""
+    if os.path.isdir(s):
+        raise argparse.ArgumentTypeError(f"{s!r} is a folder: expected a JSON-lines file, e.g. check/state/M.jsonl")
+    folder = os.path.dirname(os.path.abspath(s))
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{s!r}: the folder {folder} does not exist")
+    return s
+
+
+def existing_file(s: str) -> str:
+    """An argparse type: a file that exists."""
+    if not os.path.isfile(s):
+        raise argparse.ArgumentTypeError(f"{s!r}: expected an existing file" + (" (it is a folder)" if
+                                                                                 os.path.isdir(s) else ""))
+    return s
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -272,14 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
                        allow_abbrev=False)  # --head must not silently mean --head-dim
     s.add_argument("op", help=f"one of {', '.join(S.OP_SPECS)}")
     s.add_argument("--phase", default="decode", choices=S.PHASES)
-    s.add_argument("--arch", help="GPU arch such as sm90 or sm80, or cpu (default: this device)")
+    s.add_argument("--arch", type=arch_name, help="GPU arch such as sm90 or sm80, or cpu (default: this device)")
     s.add_argument("--backend", help="force a backend by name (error if it cannot serve the spec)")
     s.add_argument("--fields", action="store_true", help="list the spec fields of the op")
     add_spec_flags(s)
     s.set_defaults(func=cmd_select)
 
     m = sub.add_parser("matrix", help="capability matrix generated from the registry")
-    m.add_argument("--arch", help="GPU arch to show (default: this device)")
+    m.add_argument("--arch", type=arch_name, help="GPU arch to show (default: this device)")
     m.add_argument("--op", action="append", help="only these ops (repeatable)")
     m.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
     m.set_defaults(func=cmd_matrix)
@@ -295,20 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", metavar="DIR", help="write <gpu>[-<model>].json and .md there")
     c.add_argument("--sanitizer", action="store_true",
                    help="also run each GPU case in its own process under compute-sanitizer")
-    c.add_argument("--timeout", type=float, default=300.0, help="seconds per sanitizer case")
+    c.add_argument("--timeout", type=seconds, default=300.0, help="seconds per sanitizer case")
 
     c.add_argument("--workers", type=positive, metavar="N",
                    help="on a GPU, processes that run the cases at once (default: 8 or the CPU cores, fewer; "
                         "1: all in this process)")
     c.add_argument("--jobs", type=positive, default=4, help="sanitizer cases run at once")
-    c.add_argument("--batch", type=int, default=6,
+    c.add_argument("--batch", type=positive, default=6,
                    help="sanitizer cases per child process (1: each alone; what is left of a run cut "
                         "off by a time limit is the slow cases, which then run side by side)")
-    c.add_argument("--resume", metavar="FILE",
+    c.add_argument("--resume", metavar="FILE", type=jsonl_file,
                    help="sanitizer verdicts as JSON lines: each is appended as it finishes, and "
                         "those already there are reused (continue a run that was cut off) while their "
                         "family's sources and OPMAP_* settings are unchanged; time-outs are not kept")
-    c.add_argument("--reuse", metavar="FILE", action="append", default=[],
+    c.add_argument("--reuse", metavar="FILE", action="append", default=[], type=existing_file,
                    help="another run's sanitizer verdicts (JSON lines, as --resume writes) to reuse where "
                         "the case is the same (same key), e.g. another preset's: its GPU cases of families "
                         "that do not depend on the model are the same; repeatable; copied into --resume's file; "

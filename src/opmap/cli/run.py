@@ -10,6 +10,8 @@ import os
 import random
 import sys
 
+from opmap.engine.config import SEED_LIMIT, machine_memory
+
 
 def _range(s: str) -> tuple:
     a, _, b = s.partition(":")
@@ -51,6 +53,19 @@ def _int_at_least(lo: int, what: str):
     return parse
 
 
+def _int_in(lo: int, hi: int, what: str):
+    """An argparse type: an integer in [``lo``, ``hi``]."""
+    at_least = _int_at_least(lo, what)
+
+    def parse(s: str) -> int:
+        v = at_least(s)
+        if v > hi:
+            raise argparse.ArgumentTypeError(f"{s!r}: expected {what}")
+        return v
+
+    return parse
+
+
 positive = _int_at_least(1, "a positive integer")
 _non_negative = _int_at_least(0, "an integer >= 0")
 
@@ -84,7 +99,8 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],
                    help="fp8: the KV cache in e4m3 with a scale of 1 per KV head (GQA models; values beyond "
                         "+-448 saturate); default: the model's dtype")
-    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-num-seqs", type=positive, default=None,
+                   help="sequences per step (default: 64, or --max-num-batched-tokens where that is smaller)")
     p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--page-size", type=positive, default=None,
@@ -106,7 +122,8 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--backend", type=_backend, action="append", default=[], metavar="OP=NAME",
                    help="force a backend for an op (repeatable)")
-    p.add_argument("--seed", type=int, default=0, help="seed of random weights and of the synthetic workload")
+    p.add_argument("--seed", type=_int_in(0, SEED_LIMIT - 1, "an integer in [0, 2**63)"), default=0,
+                   help="seed of random weights and of the synthetic workload")
     p.add_argument("--num-requests", type=positive, default=None, help="synthetic workload: number of requests")
     p.add_argument("--input-len", type=_range, default=(128, 128), help="synthetic prompt length N or LO:HI")
     p.add_argument("--output-len", type=_range, default=(64, 64), help="synthetic output length N or LO:HI")
@@ -150,12 +167,12 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--json", type=_out_file, default=None, help="with --trace: write the analysis as JSON")
     p.add_argument("--steps", type=positive, default=40, help="engine steps to profile")
     p.add_argument("--save-trace", type=_out_file, default=None, help="write the engine's Chrome trace here")
-    p.add_argument("--kernels", type=int, default=0, metavar="N",
+    p.add_argument("--kernels", type=_non_negative, default=0, metavar="N",
                    help="also list the N kernels with the most GPU time per phase (launches and us per step)")
-    p.add_argument("--host-ops", type=int, default=0, metavar="N",
+    p.add_argument("--host-ops", type=_non_negative, default=0, metavar="N",
                    help="also list the N operators with the most host time per phase (checks, launch, Python "
                         "inside their ranges): where an eager step's host time goes")
-    p.add_argument("--python", type=int, default=0, metavar="N",
+    p.add_argument("--python", type=_non_negative, default=0, metavar="N",
                    help="then run the workload once more (fresh prompts) under cProfile and list the N Python "
                         "functions with the most own host time")
     p.add_argument("--compare", type=_backend, default=None, metavar="OP=NAME",
@@ -194,8 +211,33 @@ def workload(llm, args) -> tuple:
         il = min(rng.randint(*args.input_len), cap - 1)
         ol = max(1, min(rng.randint(*args.output_len), cap - il))
         prompts.append([rng.randrange(llm.cfg.vocab) for _ in range(il)])
-        params.append(SamplingParams(max_tokens=ol, ignore_eos=True, seed=args.seed + i, **base))
+        params.append(SamplingParams(max_tokens=ol, ignore_eos=True, seed=(args.seed + i) % SEED_LIMIT, **base))
     return prompts, params
+
+
+def _check_workload(args) -> None:
+    """A synthetic workload the host can hold, before the engine is built: every request's tokens
+    and its state live in host memory until the run ends (an InputError naming --num-requests
+    otherwise)."""
+    # the model's config (transformers behind it) loads for a synthetic workload only
+    from opmap.core.contract import InputError
+    from opmap.model.hf import resolve_model
+
+    if not args.num_requests:
+        return
+    n = args.num_requests
+    have, what = machine_memory("cpu")
+    length = args.max_model_len or resolve_model(args.model)[0].max_position
+    tokens = min(args.input_len[1] + args.output_len[1], length)
+    need = n * (REQUEST_BYTES + TOKEN_BYTES * tokens)
+    if need > have:
+        raise InputError("--num-requests", n, f"at most {have // (REQUEST_BYTES + TOKEN_BYTES * tokens)} requests "
+                         f"of up to {tokens} tokens: each request's state must fit {what}")
+
+
+# Host memory of one request in flight: its Sequence, SamplingParams, output and stop checker, and
+# each of its tokens as a Python int in two lists (prompt and output, token times and logprobs).
+REQUEST_BYTES, TOKEN_BYTES = 4096, 96
 
 
 def _check_sampling(args) -> None:
@@ -244,6 +286,7 @@ def cli_run(args) -> int:
     if args.system and not args.chat:
         raise InputError("--system", "without --chat", "--chat (the system message goes through the chat template)")
     extra = _constraint(args)  # a bad schema fails before the model loads
+    _check_workload(args)
     llm = _build(args)
     prompts, params = workload(llm, args)
     if extra:
@@ -261,7 +304,7 @@ def cli_run(args) -> int:
     if args.quiet:
         for o in outs:
             print(o.text if o.error is None else f"error: {o.error}")
-        return 0 if all(o.error is None for o in outs) else 1
+        return _failed(outs)
     if args.prompt and not args.num_requests:
         if llm.path is None:
             print(f"({args.model}: random weights, so the text below is meaningless; a checkpoint directory "
@@ -282,7 +325,18 @@ def cli_run(args) -> int:
                             "tpot": o.tpot} for o in outs]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-    return 0 if all(o.error is None for o in outs) else 1
+    return _failed(outs)
+
+
+def _failed(outs: list) -> int:
+    """Exit status of a run: 1 when a request ended in an error, which one line on stderr names
+    (the first of them, and how many there were); 0 otherwise."""
+    bad = [o for o in outs if o.error is not None]
+    if not bad:
+        return 0
+    more = f" ({len(bad)} of {len(outs)} requests failed)" if len(bad) > 1 else ""
+    print(f"opmap run: error: request {bad[0].index}: {bad[0].error}{more}", file=sys.stderr)
+    return 1
 
 
 def cli_trace(args) -> int:
@@ -360,6 +414,7 @@ def cli_profile(args) -> int:
         raise InputError("profile", "neither --model nor --trace", "--model MODEL (run the engine) or --trace FILE")
     _setup_logging(args)
     _check_sampling(args)
+    _check_workload(args)
     llm = _build(args, trace_ops=True)
     prompts, params = workload(llm, args)
     llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up

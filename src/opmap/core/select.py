@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from opmap.core import registry
+from opmap.core.contract import InputError
 from opmap.core.registry import Backend
-from opmap.core.specs import Spec
+from opmap.core.specs import OP_SPECS, PHASES, Spec
 
 
 class BackendError(RuntimeError):
@@ -92,7 +93,38 @@ def local_arch() -> str:
     return la()
 
 
+_ENV_CHECKED = [-1]  # len(os.environ) when the forcing variables were last found well-formed
+
+
+def check_env() -> None:
+    """Every ``OPMAP_..._BACKEND`` variable names an op (and a phase) in upper case, as
+    ``OPMAP_<OP>_BACKEND`` or ``OPMAP_<OP>_<PHASE>_BACKEND``: a variable that forces nothing is
+    an InputError naming it, since the user set it to force a kernel. Re-read only when the
+    environment's size changed (each selection calls this)."""
+    if len(os.environ) == _ENV_CHECKED[0]:
+        return
+    ops = {op.upper(): op for op in OP_SPECS}
+    for var in os.environ:
+        up = var.upper()
+        if not (up.startswith("OPMAP_") and up.endswith("_BACKEND")):
+            continue
+        form = "OPMAP_<OP>_BACKEND or OPMAP_<OP>_<PHASE>_BACKEND"
+        if var != up:
+            raise InputError(f"environment variable {var}", "a name in lower case", f"upper case: {up}")
+        middle = up[len("OPMAP_"):-len("_BACKEND")]
+        head, _, tail = middle.rpartition("_")
+        if middle in ops or (head in ops and tail.lower() in PHASES):
+            continue
+        if head in ops:
+            raise InputError(f"environment variable {var}", f"no phase {tail!r}",
+                             f"{form} with a phase of {', '.join(p.upper() for p in PHASES)}")
+        raise InputError(f"environment variable {var}", f"no op {middle!r}",
+                         f"{form} with an op of {', '.join(ops)}")
+    _ENV_CHECKED[0] = len(os.environ)
+
+
 def _env_force(op: str, phase: str) -> tuple[Optional[str], Optional[str]]:
+    check_env()
     for var in (f"OPMAP_{op.upper()}_{phase.upper()}_BACKEND", f"OPMAP_{op.upper()}_BACKEND"):
         v = os.environ.get(var)
         if v:

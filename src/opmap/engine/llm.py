@@ -9,6 +9,7 @@ preempts (free and recompute); it never fails a request that fits the cache alon
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import time
@@ -19,9 +20,10 @@ from opmap.core.contract import InputError, trusted_values
 from opmap.engine.params import SamplingParams
 from opmap.engine.block_manager import BlockManager
 from opmap.model.hf import resolve_model
-from opmap.engine.config import EngineConfig
+from opmap.engine.config import EngineConfig, check_sizes, machine_memory
 from opmap.engine.metrics import HOST_PARTS, GcTimer, StepStats, summarize
-from opmap.engine.runner import ModelRunner, device_arch
+from opmap.engine.opset import engine_dtype
+from opmap.engine.runner import CPU_PAGES, ModelRunner, device_arch
 from opmap.engine.sampler import Sampler
 from opmap.engine.scheduler import Scheduler
 from opmap.engine.sequence import Sequence
@@ -63,12 +65,15 @@ class LLM:
         if source is None and path is not None:
             source = SafetensorsSource(path)
         self.cfg, self.path = cfg, path
-        self.ecfg.for_model(cfg, device_arch(self.ecfg.device)[1])
+        device, arch = device_arch(self.ecfg.device)
+        check_sizes(self.ecfg, cfg, machine_memory(device), _elem_bytes(self.ecfg, cfg, arch),
+                    None if device.type == "cuda" else CPU_PAGES)
+        self.ecfg.for_model(cfg, arch)
         # The checkpoint's small files first: a bad tokenizer.json fails before the model is built.
         if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
             tokenizer = HFTokenizer(tokenizer)  # a tokenizers.Tokenizer
         self.tokenizer = tokenizer or make_tokenizer(path, cfg.vocab)
-        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path)
+        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(path, cfg.vocab)
         self.runner = ModelRunner(cfg, self.ecfg, source)
         self.max_model_len = self.runner.max_model_len
         self._new_scheduling()
@@ -272,16 +277,54 @@ class LLM:
                                                    for m in conv)):
                 raise InputError(f"conversations[{i}]", type(conv).__name__,
                                  'a list of {"role": ..., "content": ...} messages')
-            ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            try:
+                ids = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            except Exception as e:  # noqa: BLE001 - Jinja's SecurityError (the sandbox) and TemplateErrors
+                from jinja2 import TemplateError  # transformers renders with Jinja, so it is installed
+
+                if not isinstance(e, TemplateError):
+                    raise
+                why = ("that the Jinja sandbox stops" if type(e).__name__ == "SecurityError" else
+                       "that Jinja cannot render")
+                raise InputError(self._template_file(chat_template), f"a chat template {why} ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]})", "a template that only formats the messages"
+                                 ) from None
             prompts.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
         return prompts
+
+    def _template_file(self, chat_template: Optional[str]) -> str:
+        """Where the chat template in use comes from (for an error that names it)."""
+        if chat_template is not None or self.path is None:
+            return "chat_template"
+        for fn in ("chat_template.jinja", "chat_template.json"):
+            if os.path.isfile(os.path.join(self.path, fn)):
+                return os.path.join(self.path, fn)
+        return os.path.join(self.path, "tokenizer_config.json") + " chat_template"
 
     def _chat_tokenizer(self, chat_template: Optional[str]):
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-        has_config = self.path is not None and os.path.isfile(os.path.join(self.path, "tokenizer_config.json"))
-        tok = (AutoTokenizer.from_pretrained(self.path) if has_config
-               else PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tok))
+        fn = os.path.join(self.path, "tokenizer_config.json") if self.path is not None else None
+        if fn is not None and os.path.isfile(fn):
+            try:
+                with open(fn) as f:
+                    tc = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise InputError(fn, "a file that is not JSON", f"a tokenizer_config.json ({e})") from None
+            if not isinstance(tc, dict):
+                raise InputError(fn, type(tc).__name__, "a JSON object")
+            if tc.get("auto_map"):
+                raise InputError(f"{fn} auto_map", repr(tc["auto_map"])[:120], "no auto_map: the tokenizer needs the "
+                                 "checkpoint's own Python code, which opmap never runs (trust_remote_code is off)")
+            try:
+                # trust_remote_code=False: refused, never asked for on stdin
+                tok = AutoTokenizer.from_pretrained(self.path, trust_remote_code=False)
+            except Exception as e:  # noqa: BLE001 - transformers raises many classes for a tokenizer it cannot build
+                raise InputError(fn, f"a tokenizer transformers cannot load ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]})", "a tokenizer_config.json of a fast tokenizer"
+                                 ) from None
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.tok)
         if chat_template is not None:
             tok.chat_template = chat_template
         if not getattr(tok, "chat_template", None):
@@ -384,23 +427,28 @@ class LLM:
             batch.items = [it for it in batch.items if not it.seq.is_finished]  # stopped at the token just read
         self.stats.preemptions += len(batch.preempted)
         for s in batch.failed:
-            s.error = (f"the sequence needs {self.bm.blocks_for(s.num_tokens)} KV pages, the cache has "
-                       f"{self.bm.num_blocks}")
+            if not sch.chunked and s.num_tokens > sch.budget:
+                s.error = (f"prompt: got {s.num_tokens} tokens, expected at most max_num_batched_tokens "
+                           f"({sch.budget}) without chunked prefill")
+            else:
+                s.error = (f"the sequence needs {self.bm.blocks_for(s.num_tokens)} KV pages, the cache has "
+                           f"{self.bm.num_blocks}")
             sch.finish(s, "error")
             done.append(s)
         if not batch.items:
             return done
         t0 = time.perf_counter()
+        phase = counted_phase(batch)
         if self.ecfg.trace_ops:
             import torch
 
-            with torch.profiler.record_function(f"opmap::step::{batch.phase}"):
+            with torch.profiler.record_function(f"opmap::step::{phase}"):
                 done += self._execute(batch, pend)
         else:
             done += self._execute(batch, pend)
-        kv = sum(it.start + it.num_tokens for it in batch.items) if batch.is_decode else 0
-        self.stats.add(batch.phase, time.perf_counter() - t0, kv, len(batch.items))
-        self.stats.add_host(batch.phase, self._parts)
+        kv = sum(it.start + it.num_tokens for it in batch.items) if phase == "decode" else 0
+        self.stats.add(phase, time.perf_counter() - t0, kv, len(batch.items))
+        self.stats.add_host(phase, self._parts)
         return done
 
     def _tick(self, part: str, since: float) -> float:
@@ -500,6 +548,17 @@ class LLM:
         return done
 
 
+def counted_phase(batch) -> str:
+    """The phase a step counts as in the run's summary and the profile: decode when every row
+    decodes (one token past its prompt), prefill when none does, mixed otherwise. A budget of a
+    few tokens cuts a prompt into one-token chunks that the runner serves on the decode path
+    (``Batch.is_decode``), yet they are prefill work."""
+    decoding = [it.num_tokens == 1 and it.start >= it.seq.num_prompt_tokens for it in batch.items]
+    if all(decoding):
+        return "decode"
+    return "mixed" if any(decoding) else "prefill"
+
+
 # A token sampled on the device whose value the host has not read yet (token ids are >= 0).
 PLACEHOLDER = -1
 
@@ -545,6 +604,13 @@ class _Pending:
             self.event.synchronize()
         ids, bad = self.host.tolist()
         return ids, [bool(v) for v in bad]
+
+
+def _elem_bytes(ecfg: EngineConfig, cfg, arch: str) -> int:
+    """Bytes of one KV cache element of an engine: fp8 (GQA models), else the model's dtype."""
+    if ecfg.kv_cache_dtype == "fp8" and not cfg.is_mla:
+        return 1
+    return 4 if engine_dtype(ecfg, arch) == "fp32" else 2
 
 
 def free_device_memory() -> None:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Iterable, Optional
 
 import torch
 
 from opmap.core.contract import InputError
+from opmap.model.hf import inside
+
+log = logging.getLogger("opmap.engine")
 
 
 class SafetensorsSource:
@@ -32,19 +36,22 @@ class SafetensorsSource:
                     wm = json.load(f)["weight_map"]
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
                 raise InputError(index, "an unreadable index", f"JSON with a weight_map ({e})") from None
-            root = os.path.realpath(path)
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise InputError(f"{index} weight_map", type(wm).__name__ if not isinstance(wm, dict) else
+                                 "a file name that is not a string", "an object of tensor name -> file name")
             self.where = {}
             for k, v in wm.items():
-                fn = os.path.realpath(os.path.join(path, str(v)))
-                if os.path.commonpath([root, fn]) != root:
-                    raise InputError(index, f"{k} in {v!r}", "files inside the checkpoint directory")
-                self.where[k] = fn
+                try:
+                    self.where[k] = os.path.realpath(inside(path, v))
+                except InputError as e:
+                    raise InputError(index, f"{k} in {v!r} ({e.given})", "files inside the checkpoint directory") from None
         else:
             files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
             if not files:
                 raise InputError("model", repr(path), "a directory with *.safetensors files")
             self.where = {}
             for fn in files:
+                fn = os.path.realpath(inside(path, os.path.basename(fn)))
                 with _opened(fn) as f:
                     for k in f.keys():
                         self.where[k] = fn
@@ -112,9 +119,20 @@ class Loader:
         return name in self.names
 
     def _raw(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as stored: a floating-point dtype (an integer or bool tensor for a
+        weight would be cast to numbers it never held), every value finite (a NaN or inf weight
+        turns every logit NaN): an InputError naming the tensor otherwise."""
         if name not in self.names:
             raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this architecture")
         t = self.src.get(name, self.device, None)
+        if not t.dtype.is_floating_point:
+            raise InputError(f"checkpoint tensor {name}", f"dtype {t.dtype}", "a floating-point dtype")
+        if t.dtype == FP8:  # e4m3fn has no inf; NaN is every exponent and mantissa bit set
+            bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+        else:
+            bad = not bool(torch.isfinite(t).all())
+        if bad:
+            raise InputError(f"checkpoint tensor {name}", "NaN or inf values", "finite weights")
         self.used.add(name)
         return t
 
@@ -187,6 +205,7 @@ class Loader:
     @torch.no_grad()
     def cat(self, dst: torch.Tensor, names: Iterable[str]) -> None:
         """dst = cat(names, dim 0), each part copied into its slice (no temporary of the whole)."""
+        names = list(names)
         o = 0
         scale = self.scales.get(id(dst))
         for n in names:
@@ -206,7 +225,10 @@ class Loader:
             o += t.shape[0]
             del t
         if o != dst.shape[0]:
-            raise InputError("checkpoint", f"{o} rows for a fused tensor of {dst.shape[0]}", "matching sizes")
+            what = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1].rsplit('.', 2)[-2]}"
+            raise InputError(f"checkpoint tensor{'s' * (len(names) > 1)} {what}", f"{o} rows",
+                             f"{dst.shape[0]} as config.json's sizes give (num_attention_heads, num_key_value_heads, "
+                             "head_dim, intermediate_size)")
 
     @torch.no_grad()
     def experts(self, w13: torch.Tensor, w2: torch.Tensor, prefix: str, legacy: tuple) -> None:
@@ -239,7 +261,7 @@ def open_source(path: str) -> SafetensorsSource:
 def fill_random(params: dict, seed: int = 0, std: float = 0.02) -> None:
     """Random weights on the device, in place: norms around 1, everything else N(0, std)."""
     for i, (name, t) in enumerate(sorted(params.items())):
-        g = torch.Generator(device=t.device).manual_seed(seed * 100003 + i)
+        g = torch.Generator(device=t.device).manual_seed((seed * 100003 + i) % 2**64)  # a generator takes 64 bits
         if t.dtype.is_floating_point and t.element_size() >= 2:
             t.normal_(0.0, std, generator=g)
             if "norm" in name:
@@ -259,11 +281,16 @@ def _opened(fn: str, device: str = "cpu"):
 
 
 def load_tokenizer(path: Optional[str]):
-    """A ``tokenizers.Tokenizer`` from path/tokenizer.json, or None when there is none."""
+    """A ``tokenizers.Tokenizer`` from path/tokenizer.json, or None when there is none (a
+    warning says so: text is then encoded by the built-in byte tokenizer, not the model's)."""
     if path is None:
         return None
-    fn = os.path.join(path, "tokenizer.json")
+    fn = inside(path, "tokenizer.json")
+    if os.path.exists(fn) and not os.path.isfile(fn):
+        raise InputError(fn, "not a file", "a tokenizer.json file (or none: the built-in byte tokenizer)")
     if not os.path.isfile(fn):
+        log.warning("%s: no tokenizer.json: text prompts and outputs go through opmap's byte tokenizer (ids "
+                    "0..255 are bytes), not this model's", path)
         return None
     from tokenizers import Tokenizer
 
@@ -273,18 +300,31 @@ def load_tokenizer(path: Optional[str]):
         raise InputError(fn, "a file the tokenizers library cannot read", f"a tokenizer.json ({e})") from None
 
 
-def eos_token_ids(path: Optional[str]) -> list:
-    """EOS ids from generation_config.json / config.json of a checkpoint ([] when none)."""
-    ids: list = []
+def eos_token_ids(path: Optional[str], vocab: Optional[int] = None) -> list:
+    """EOS ids from generation_config.json / config.json of a checkpoint ([] when none); a file
+    that is not a JSON object, or an eos_token_id that is not an id (or a list of ids) of the
+    vocabulary, is an InputError naming the file and the field."""
     for fn in ("generation_config.json", "config.json"):
-        p = os.path.join(path, fn) if path else None
-        if p and os.path.isfile(p):
+        p = inside(path, fn) if path else None
+        if not (p and os.path.isfile(p)):
+            continue
+        try:
             with open(p) as f:
-                v = json.load(f).get("eos_token_id")
-            if v is not None:
-                ids = v if isinstance(v, list) else [v]
-                break
-    return [int(i) for i in ids]
+                d = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise InputError(p, "a file that is not JSON", f"a JSON object ({e})") from None
+        if not isinstance(d, dict):
+            raise InputError(p, type(d).__name__, "a JSON object")
+        v = d.get("eos_token_id")
+        if v is None:
+            continue
+        ids = v if isinstance(v, list) else [v]
+        top = f"[0, {vocab})" if vocab else "[0, vocab)"
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0 or (vocab is not None and i >= vocab):
+                raise InputError(f"{p} eos_token_id", repr(v), f"a token id in {top} or a list of them")
+        return list(ids)
+    return []
 
 
 # A layer's KV cache scales in the checkpoint, by name: (k, v) under self_attn. The first is the

@@ -9,6 +9,7 @@ import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -267,6 +268,58 @@ def weight_quant(d: dict) -> Optional[dict]:
             "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
 
 
+# config.json fields by the value they must hold: sizes (ints >= 1; None allowed for the optional
+# ones), and positive finite floats. Checked before transformers reads the file, so that a bad
+# value is refused naming its field instead of surfacing as a tensor of a wrong size.
+REQUIRED_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "num_experts",
+                  "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
+                  "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")
+POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps", "rope_local_base_freq")
+
+
+def check_fields(d: dict, path: str) -> None:
+    """The common config.json fields hold values a model can have: each size an int >= 1, each
+    float positive and finite, the heads a whole number of KV-head groups, the hidden size whole
+    heads where no head_dim is given (an InputError naming the field otherwise)."""
+    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
+
+    def size(f: str, v) -> None:
+        lo = 2 if f == "max_position_embeddings" else 1  # a prompt token and a generated one
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise InputError(f"{path} {f}", repr(v), f"an integer >= {lo}")
+
+    for f in REQUIRED_SIZES:
+        if f not in d:  # transformers would take its class default: a checkpoint of another size
+            raise InputError(path, f"no field {f!r}", "every field the architecture needs")
+        size(f, d[f])
+    for f in OPTIONAL_SIZES:
+        if d.get(f) is not None:
+            size(f, d[f])
+    floats = [(f, d[f]) for f in POSITIVE_FLOATS if d.get(f) is not None]
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict):  # one dict, or one per layer type (Gemma-3)
+        for key, sub in ([("rope_parameters", rp)] if "rope_theta" in rp or "rope_type" in rp else
+                         [(f"rope_parameters.{k}", v) for k, v in rp.items() if isinstance(v, dict)]):
+            if sub.get("rope_theta") is not None:
+                floats.append((f"{key}.rope_theta", sub["rope_theta"]))
+    for f, v in floats:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise InputError(f"{path} {f}", repr(v), "a positive finite number")
+    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if heads % kv:
+        raise InputError(f"{path} num_key_value_heads", kv, f"a divisor of num_attention_heads ({heads}): "
+                         "each KV head serves a whole group of query heads")
+    if d.get("head_dim") is None and d["hidden_size"] % heads and d.get("model_type") not in ("deepseek_v2",
+                                                                                            "deepseek_v3"):
+        raise InputError(f"{path} hidden_size", d["hidden_size"], f"a multiple of num_attention_heads ({heads}), "
+                         "or a head_dim field")
+    k, e = d.get("num_experts_per_tok"), d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts")
+    if k is not None and e is not None and k > e:
+        raise InputError(f"{path} num_experts_per_tok", k, f"at most the {e} experts")
+
+
 def resolve_model(model: str) -> tuple:
     """A preset name, a local checkpoint directory or a config.json -> (config, checkpoint dir or
     None). The one resolver of every command: a config.json alone gives the architecture with
@@ -277,6 +330,8 @@ def resolve_model(model: str) -> tuple:
         return get_preset(model), None
     if os.path.isdir(model) or (os.path.isfile(model) and os.path.basename(model).endswith(".json")):
         path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        if os.path.isdir(model):
+            inside(model, "config.json")
         if not os.path.isfile(path):
             raise InputError("model", repr(model), "a directory with a config.json")
         try:
@@ -285,8 +340,11 @@ def resolve_model(model: str) -> tuple:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise InputError(path, "a file that is not JSON", f"a config.json ({e})") from None
         expect(isinstance(d, dict), path, type(d).__name__, "a JSON object")
+        check_fields(d, path)
         d = _through_autoconfig(d, path)
         folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
+        if os.path.isdir(model):
+            check_folder(model)
         try:
             cfg = from_hf_config(d, name=os.path.basename(os.path.normpath(folder)))
         except KeyError as e:
@@ -296,6 +354,54 @@ def resolve_model(model: str) -> tuple:
         return cfg, (model if os.path.isdir(model) else None)
     raise InputError("model", repr(model), "a preset (" + ", ".join(PRESETS) + "), a checkpoint directory "
                      "or a config.json")
+
+
+# ---- the files of a checkpoint folder ---------------------------------------------------------------
+
+# Weights in Python's pickle format (PyTorch's .bin / .pt, ...): unpickling runs code, so opmap
+# never opens them and loads safetensors only.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def _roots(folder: str) -> list:
+    """Where a checkpoint's files may live: the folder (links resolved), and for a Hugging Face
+    cache snapshot (``<repo>/snapshots/<rev>``, whose files link to ``<repo>/blobs``) those blobs."""
+    root = os.path.realpath(folder)
+    out = [root]
+    if os.path.basename(os.path.dirname(root)) == "snapshots":
+        out.append(os.path.join(os.path.dirname(os.path.dirname(root)), "blobs"))
+    return out
+
+
+def inside(folder: str, name: str) -> str:
+    """``folder/name``, checked by the one path rule of a checkpoint load: the file, links and
+    ``..`` resolved, lies inside the folder (or a cache snapshot's blobs); an InputError naming the
+    file otherwise. Every file a load opens goes through it (``check_folder`` for the whole folder,
+    the weight loader for each file of the index)."""
+    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
+
+    path = os.path.join(folder, name)
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([r, real]) == r for r in _roots(folder)):
+        how = "a link to" if os.path.islink(path) else "a path to"
+        raise InputError(path, f"{how} {real}, outside the checkpoint directory",
+                         "files inside the checkpoint directory")
+    return path
+
+
+def check_folder(folder: str) -> None:
+    """Every entry of a checkpoint folder by the path rule (``inside``): transformers' tokenizer
+    loading opens files by its own list, so the whole folder is checked before anything is read;
+    and a folder whose weights are pickle files only is refused naming one (safetensors only)."""
+    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
+
+    names = sorted(os.listdir(folder))
+    for n in names:
+        inside(folder, n)
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES) and os.path.isfile(os.path.join(folder, n))]
+    if pickles and not any(n.endswith(".safetensors") for n in names):
+        raise InputError(os.path.join(folder, pickles[0]), "weights in a pickle file (unpickling runs code)",
+                         "*.safetensors weights (convert the checkpoint, e.g. save_pretrained(safe_serialization=True))")
 
 
 HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"
@@ -325,27 +431,22 @@ def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
 def _tensor_files(folder: str) -> Optional[dict]:
     """{tensor name: safetensors file} of a checkpoint folder (the index's weight map, else the
     files' own headers), or None when they cannot be read."""
-    root = os.path.realpath(folder)
     index = os.path.join(folder, "model.safetensors.index.json")
     try:
+        # A file outside the folder (``inside``) is never opened here: the weight loader refuses it.
         if os.path.isfile(index):
             with open(index) as f:
                 wm = json.load(f)["weight_map"]
-            out = {str(k): os.path.realpath(os.path.join(folder, str(v))) for k, v in wm.items()}
+            out = {str(k): os.path.realpath(inside(folder, str(v))) for k, v in wm.items()}
         else:
             from safetensors import safe_open  # heavy: only for a checkpoint without an index
 
             out = {}
             for fn in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-                fn = os.path.realpath(fn)
-                if os.path.commonpath([root, fn]) != root:
-                    return None
+                fn = os.path.realpath(inside(folder, os.path.basename(fn)))
                 with safe_open(fn, framework="pt") as f:
                     out.update(dict.fromkeys(f.keys(), fn))
-        # A file outside the folder is never opened here (the weight loader refuses it).
-        if not out or any(os.path.commonpath([root, fn]) != root for fn in out.values()):
-            return None
-        return out
+        return out or None
     except Exception:  # noqa: BLE001 - unreadable (JSON, a damaged file): the weight loader refuses it, naming it
         return None
 
@@ -376,16 +477,14 @@ def _through_autoconfig(d: dict, path: str) -> dict:
     mt = d.get("model_type")
     if mt not in HF_TYPES:
         raise InputError(f"{path} model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
-    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if f not in d:  # transformers would take its class default: a checkpoint of another size
-            raise InputError(path, f"no field {f!r}", "every field the architecture needs")
     from transformers import AutoConfig
 
     rest = {k: v for k, v in d.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(mt, **rest).to_dict()
-    except (ValueError, TypeError, KeyError) as e:
-        raise InputError(path, f"a config transformers refuses ({type(e).__name__}: {str(e)[:200]})",
+    except Exception as e:  # noqa: BLE001 - transformers' validators raise their own error classes
+        msg = " ".join(str(e).split())
+        raise InputError(path, f"a config transformers refuses ({type(e).__name__}: {msg[:300]})",
                          f"a valid {mt} config") from None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import re
 import sqlite3
 from bisect import bisect_right
@@ -127,6 +128,8 @@ def from_chrome(doc, source: str) -> Trace:
     if not isinstance(evs, list):
         raise InputError("trace", Path(source).name, "a Chrome trace with traceEvents")
     xs = [e for e in evs if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+    for e in xs:
+        _times(e, source)
     kernels, host, launches = [], {}, {}
     for e in xs:
         cat = e.get("cat", "")
@@ -161,6 +164,22 @@ def from_chrome(doc, source: str) -> Trace:
     ranges = [(e["name"], float(e["ts"]), float(e["dur"])) for evs_ in host.values() for e in evs_
               if e.get("cat") in _HOST_RANGE_CATS]
     return Trace(out, sorted(ranges, key=lambda r: r[1]), source, kind)
+
+
+def _times(e: dict, source: str) -> None:
+    """An event's ``ts`` and ``dur`` as floats, in place: finite numbers (a numeric string is read
+    as one), the duration >= 0; an InputError naming the file and the event otherwise (a negative
+    or unreadable time would be summed into every share of the analysis)."""
+    for key in ("ts", "dur"):
+        v = e[key]
+        try:
+            x = float(v) if not isinstance(v, bool) else math.nan
+        except (TypeError, ValueError):
+            x = math.nan
+        if not math.isfinite(x) or (key == "dur" and x < 0):
+            raise InputError(f"trace {Path(source).name}", f"event {str(e.get('name', ''))[:60]!r} with {key} {v!r}",
+                             "finite times in microseconds" + (", durations >= 0" if key == "dur" else ""))
+        e[key] = x
 
 
 def _sweep(evs: list):
@@ -281,6 +300,9 @@ def _nsys(p: Path) -> Trace:
     out = []
     for start, end, nm, corr, stream in rows:
         name = strings.get(nm, str(nm)) if isinstance(nm, int) else str(nm)
+        if not (isinstance(start, int) and isinstance(end, int)) or end < start:
+            raise InputError(f"trace {p.name}", f"kernel {name[:60]!r} from {start!r} to {end!r}",
+                             "integer start and end times (ns), end >= start")
         open_, t = (), None
         if corr in launches:
             t, tid = launches[corr]

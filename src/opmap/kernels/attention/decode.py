@@ -87,9 +87,12 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
             s = s * qk_scale
         m_i, alpha, p, l_i = softmax_step(tl.where(mj[None, :], s, float("-inf")), m_i, l_i, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee" if IEEE else None)
-    # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0).
-    inv = tl.where(l_i > 0, v_mul / tl.where(l_i > 0, l_i, 1.0), 0.0)
-    lse2 = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+    # Every visited tile holds >= 1 visible key, so l_i > 0 unless the range was empty (L == 0:
+    # zeros, LSE -inf) or a NaN reached the scores: l_i is then NaN, and so are out and the LSE,
+    # as in the reference (a test against every backend keeps it).
+    empty = l_i == 0
+    inv = tl.where(empty, 0.0, v_mul / tl.where(empty, 1.0, l_i))
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
     out = acc * inv[:, None]
     o_off = head[:, None] * s_oh + dv[None, :]
     po_off = head[:, None] * s_poh + dv[None, :]

@@ -283,9 +283,11 @@ def _fp8_decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl
     m_ref = gl.where(m == float("-inf"), 0.0, m)
     f = gl.exp2(m_i - m_ref[None, :])
     l = gl.sum(l_i * f, 0)
-    pos = l > 0
-    inv = gl.where(pos, v_mul / gl.where(pos, l, 1.0), 0.0)
-    lse2 = gl.where(pos, m + gl.log2(gl.where(pos, l, 1.0)), float("-inf"))
+    # l == 0: an empty range (zeros, LSE -inf); a NaN in the scores leaves l NaN, and the output
+    # and LSE NaN with it, as in the reference and the Triton decode
+    empty = l == 0
+    inv = gl.where(empty, 0.0, v_mul / gl.where(empty, 1.0, l))
+    lse2 = gl.where(empty, float("-inf"), m + gl.log2(gl.where(empty, 1.0, l)))
     o = gl.sum(acc * (f * inv[None, :])[:, None, :], 0)
     OUT: gl.constexpr = gl.SliceLayout(0, MMA)
     col = row_col(gl.arange(0, HD, layout=gl.SliceLayout(1, OUT)))
