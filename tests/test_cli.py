@@ -8,6 +8,7 @@ import time
 import pytest
 
 from opmap.cli import main as cli
+from opmap.harness import matrix as M
 
 from opmap.core import registry
 
@@ -120,11 +121,17 @@ def test_matrix_terminal_and_markdown(tmp_path, capsys):
     md = tmp_path / "m.md"
     assert cli.main(["matrix", "--arch", "sm90", "--op", "rmsnorm", "--op", "attention", "--markdown", str(md)]) == 0
     out = capsys.readouterr().out
-    assert "rmsnorm (sm90)" in out and "attention (sm90)" in out
+    assert "rmsnorm (sm90)" in out and "attention (sm90, part 1 of 2)" in out
+    # 120 columns off a terminal, no header cut short: a wide table comes in parts of whole columns
+    assert max(len(ln) for ln in out.splitlines()) <= 120 and "…" not in out
+    for field in ("num_kv_heads", "sliding_window", "batch_invariant"):
+        assert f" {field} " in out
     text = md.read_text()
     assert text.startswith("# Capability matrix (sm90)") and "## rmsnorm" in text and "## attention" in text
     for b in registry.backends("rmsnorm"):
         assert f"| {b.name} | {b.provider} |" in text
+    assert cli.main(["matrix", "--arch", "sm90", "--op", "rmsnorm", "--md"]) == 0
+    assert capsys.readouterr().out == M.to_markdown(M.build("sm90", ["rmsnorm"]))
     assert cli.main(["matrix", "--op", "nope"]) == 2
     assert "unknown op 'nope'" in capsys.readouterr().err
 

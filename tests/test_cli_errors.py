@@ -173,7 +173,18 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     pre = {r["label"]: r for r in doc["operators"]["prefill"]}
     assert pre["QKV proj"]["backend"] == "cublas" and pre["QKV proj"]["expected"]["provider"] == "cublas"
     md = (tmp_path / "p" / "report.md").read_text()
-    assert "planned for sm90" in md and "expected on H200 (its baseline)" in md and "h200/gemm.json" in md
+    assert "planned for sm90" in md and "expected on H200 (its baseline, at this model's shape)" in md
+    assert "h200/gemm.json" in md
+    # each expected time at the model's shape, scaled from its case by the roofline, or none, with the
+    # reason; the target's library versions are not this machine's; rejections in their own section
+    assert dec["QKV proj"]["scaled"]["how"] == "measured at this shape"
+    assert pre["gate/up proj"]["scaled"]["us"] == pre["gate/up proj"]["expected"]["median_us"]
+    assert pre["RMSNorm"]["scaled"]["us"] is None and "too far to scale" in pre["RMSNorm"]["scaled"]["why"]
+    assert att["scaled"]["us"] is None and "counts no bytes" in att["scaled"]["why"]
+    assert all(r["version"] is None for rows in doc["operators"].values() for r in rows if r["backend"])
+    assert "2.13.0+cpu" not in md.split("## Rejected backends")[0].split("## Operator map")[1]
+    assert max(len(ln) for ln in md.split("## Rejected backends")[0].splitlines()) < 700
+    assert "## Rejected backends" in md and "    - reference at " in md
     assert md.index("## Summary") < md.index("## Operator map, prefill")
     # the pictures: the roofline of the baseline cases behind the expected times, the expected time
     # of each operator call; the HTML carries both inline; a planned prefill on FlashInfer says what

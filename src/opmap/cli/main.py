@@ -269,7 +269,10 @@ def cmd_matrix(args) -> int:
         mats = M.build(arch, args.op or None)
     except ValueError as e:
         raise CLIError(str(e)) from None
-    M.print_rich(mats)
+    if args.md:
+        print(M.to_markdown(mats), end="")
+    else:
+        M.print_rich(mats)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(M.to_markdown(mats))
@@ -327,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--arch", type=arch_name, help="GPU arch to show (default: this device)")
     m.add_argument("--op", action="append", help="only these ops (repeatable)")
     m.add_argument("--markdown", metavar="FILE", help="also write the matrix as Markdown")
+    m.add_argument("--md", action="store_true", help="print the matrix as Markdown (every condition in its cell) "
+                                                     "instead of the terminal tables")
     m.set_defaults(func=cmd_matrix)
 
     c = sub.add_parser("check", help="correctness checklist against the references")

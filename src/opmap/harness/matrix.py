@@ -126,14 +126,19 @@ def to_markdown(mats: list[OpMatrix]) -> str:
     return "\n".join(out) + "\n"
 
 
+WIDTH = 120  # columns of the terminal matrix off a terminal (a terminal gives its own width)
+
+
 def print_rich(mats: list[OpMatrix], console=None) -> None:
     """Terminal: marks in the cells, conditions as numbered footnotes under each table (the
-    conditions would make a row of 18 columns unreadable)."""
+    conditions would make a row of 18 columns unreadable). A table wider than the console is
+    cut into parts of whole columns, each with the backend column, so that no header is
+    truncated; ``opmap matrix --md`` prints the same matrix as Markdown with the conditions."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    # Off a terminal rich assumes 80 columns; a matrix needs more to stay one row per backend.
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
     for m in mats:
         if not m.rows:
             console.print(f"[bold]{m.op}[/bold] ({m.arch}): no backend registered")
@@ -146,21 +151,34 @@ def print_rich(mats: list[OpMatrix], console=None) -> None:
             n = notes.setdefault(cell.condition, len(notes) + 1)
             return f"{cell.mark}{n}"
 
-        t = Table(title=f"{m.op} ({m.arch})", show_lines=False, title_justify="left")
-        t.add_column("backend", no_wrap=True)
-        t.add_column("provider / version")
-        t.add_column("prio")
-        for c in m.columns:
-            if c != "arch":
-                t.add_column(c.replace("_", " "), justify="center")
-        t.add_column("other", justify="center")
-        for r in m.rows:
-            prio = str(r.priority) if r.priority is not None else NONE
-            t.add_row(r.backend, f"{r.provider} {r.version}", prio,
-                      *[mark(r.cells[c]) for c in m.columns if c != "arch"], mark(r.other))
-        console.print(t)
+        fields = [c for c in m.columns if c != "arch"]
+        marks = {r.backend: {**{c: mark(r.cells[c]) for c in fields}, "other": mark(r.other)} for r in m.rows}
+
+        def table(part: list, title: str):
+            t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), pad_edge=False)
+            t.add_column("backend", no_wrap=True)
+            t.add_column("prio", no_wrap=True)
+            for c in part:
+                t.add_column(c, justify="center", no_wrap=True)
+            for r in m.rows:
+                prio = str(r.priority) if r.priority is not None else NONE
+                t.add_row(r.backend, prio, *[marks[r.backend][c] for c in part])
+            return t
+
+        parts: list = [[]]
+        for c in [*fields, "other"]:
+            wide = console.options.update(max_width=10 ** 4)  # the table's natural width, unclipped
+            if parts[-1] and console.measure(table(parts[-1] + [c], ""), options=wide).maximum > console.width:
+                parts.append([])
+            parts[-1].append(c)
+        for i, part in enumerate(parts):
+            more = f", part {i + 1} of {len(parts)}" if len(parts) > 1 else ""
+            console.print(table(part, f"{m.op} ({m.arch}{more})"))
+        console.print(f"  {FULL} supported, {COND}n conditional (note n), {NONE} not applicable", highlight=False)
         for cond, n in notes.items():
-            console.print(f"  [{n}] {cond}", highlight=False, markup=False)
+            console.print(f"  [{n}] {cond}", highlight=False, markup=False, overflow="fold")
+        console.print("  providers: " + "; ".join(f"{r.backend} {r.provider} {r.version}" for r in m.rows),
+                      highlight=False, markup=False, overflow="fold")
         unserved = [r.backend for r in m.rows if r.priority is None]
         if unserved:
             console.print(f"  {NONE} in prio: not served on {m.arch}: {', '.join(unserved)}")

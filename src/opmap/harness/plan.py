@@ -25,7 +25,9 @@ def load_rows(arch: str, root: Path = BASELINES) -> tuple[Optional[str], list]:
         doc = json.loads(f.read_text())
         env = doc.get("environment") or {}
         for r in doc.get("results", []):
-            rows.append({**r, "gpu": env.get("gpu") or gpu, "commit": env.get("commit"), "file": f"{gpu}/{f.name}"})
+            rows.append({**r, "gpu": env.get("gpu") or gpu, "commit": env.get("commit"), "file": f"{gpu}/{f.name}",
+                         "ceilings": env.get("ceilings"),
+                         "versions": {k: env.get(k) for k in ("torch", "triton", "cuda") if env.get(k)}})
     return gpu, rows
 
 
@@ -94,7 +96,58 @@ def expected(op: str, spec, backend: str, rows: list, tokens: int = 1) -> Option
     return best if distance(best) < math.inf else None
 
 
-def describe(r: Optional[dict]) -> str:
+def work(op: str, spec, rows: int) -> Optional[tuple]:
+    """(FLOPs, bytes) of one call of ``op`` at the model's shape and ``rows`` rows, counted as the
+    bench counts its cases (harness/bench/cases); None for an op without such a count here."""
+    if op == "gemm":
+        M, N, K = spec.m or rows, spec.n, spec.k
+        quant = spec.weight_dtype in ("fp8", "int8")
+        return 2.0 * M * N * K, float(N * K * (1 if quant else 2) + (N * 4 if quant else 0) + M * K * 2 + M * N * 2)
+    if op == "rmsnorm":
+        R, H = rows, spec.hidden
+        return float((5 if spec.fused_add else 4) * R * H), float((4 if spec.fused_add else 2) * R * H * 2 + H * 2)
+    if op == "activation":
+        return float(6 * rows * spec.hidden), float(3 * rows * spec.hidden * 2)
+    return None
+
+
+# How far the roofline time of a call may be from that of the baseline case it is scaled from:
+# within this factor the case's achieved fraction of the ceilings is taken to carry over; beyond it
+# (a launch-bound call against a bandwidth-bound case, say) no time is claimed.
+SCALE_LIMIT = 8.0
+
+
+def scaled(op: str, spec, r: Optional[dict], rows: int) -> dict:
+    """The expected time of one call at the model's shape from the baseline row ``r``:
+    {"us": ..., "how": ...}, the case's time times the ratio of the two roofline times (bytes over
+    the read ceiling, FLOPs over the GEMM ceiling, the larger), or {"us": None, "why": ...}
+    where that cannot be claimed (no row, no count of the op's work, a case too far from the call)."""
+    if r is None:
+        return {"us": None, "why": "no baseline row for this backend"}
+    w, c = work(op, spec, rows), r.get("ceilings")
+    if w is None or not c or not r.get("bytes"):
+        return {"us": None, "why": "the nearest case is another shape, and opmap counts no bytes / FLOPs of one "
+                                  f"{op} call to scale it"}
+
+    def roof(flops, nbytes):
+        return max(nbytes / (c["read_tbps"] * 1e6), flops / (c["bf16_tflops"] * 1e6))  # us
+
+    ratio = roof(*w) / roof(r.get("flops") or 0.0, r["bytes"])
+    if not 1 / SCALE_LIMIT <= ratio <= SCALE_LIMIT:
+        return {"us": None, "why": f"the nearest case's roofline time is {1 / ratio:.3g}x this call's: too far to "
+                                  "scale"}
+    us = r["median_us"] * ratio
+    how = "measured at this shape" if abs(ratio - 1) < 1e-9 else f"scaled by {ratio:.3g}x from {r['median_us']:.1f} us"
+    return {"us": us, "how": how}
+
+
+def describe(r: Optional[dict], s: Optional[dict] = None) -> str:
+    """A baseline row (and its scaled time ``s``, from ``scaled``) in words."""
     if r is None:
         return "no baseline row for this backend"
-    return (f"{r['median_us']:.1f} us at `{r['case']}` ({r['provider']}; {r['file']}, commit {r['commit']})")
+    where = f"`{r['case']}` ({r['provider']}; {r['file']}, commit {r['commit']})"
+    if s is None:
+        return f"{r['median_us']:.1f} us at {where}"
+    if s["us"] is None:
+        return f"not estimated: {s['why']} ({r['median_us']:.1f} us at {where})"
+    return f"{s['us']:.1f} us ({s['how']} at {where})"

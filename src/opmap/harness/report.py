@@ -262,8 +262,14 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
         # expected times at the end-to-end case's prompt
         tokens = next((r.spec.m for r in m if r.op == "gemm" and r.spec.m), E2E_PROMPT)
         for row, r in zip(doc["operators"][ph], m):
-            row["expected"] = (plan.expected(r.op, r.spec, row["backend"], rows, tokens)
+            # the LM head runs on the rows that sample: one per sequence of the end-to-end case
+            n = 1 if r.key == "lm_head" else tokens
+            row["expected"] = (plan.expected(r.op, r.spec, row["backend"], rows, n)
                                if row["backend"] and rows else None)
+            if row["backend"] and rows:
+                row["scaled"] = plan.scaled(r.op, r.spec, row["expected"], n)
+            if planned and row["backend"]:
+                row["version"] = None  # the target's library, not this machine's: unknown here
     if planned:
         why = f"planned for {arch} on this {here} machine: nothing runs here"
         doc["engine"] = {"status": "skipped", "why": why}
@@ -326,28 +332,36 @@ def to_markdown(doc: dict) -> str:
         out += [f"Ceilings: read {c['read_tbps']} TB/s, copy {c['copy_tbps']} TB/s, bf16 GEMM "
                 f"{c['bf16_tflops']} TFLOP/s.", ""]
     gpu = doc.get("baseline_gpu")
-    exp_head = f"expected on {gpu.upper()} (its baseline)" if gpu else "expected"
+    exp_head = f"expected on {gpu.upper()} (its baseline, at this model's shape)" if gpu else "expected"
+    if doc.get("planned"):
+        seen = next((r["expected"]["versions"] for rows in doc["operators"].values() for r in rows
+                     if (r.get("expected") or {}).get("versions")), None)
+        out += [f"Library versions: those installed on the {doc['arch']} machine, unknown here"
+                + (f" (its baseline ran {', '.join(f'{k} {v}' for k, v in seen.items())})" if seen else "") + ".", ""]
     for ph, rows in doc["operators"].items():
-        out += [f"## Operator map, {ph}", "", f"| # | operator | op | backend | why | rejected | {exp_head} |",
-                "|---|---|---|---|---|---|---|"]
+        out += [f"## Operator map, {ph}", "", f"| # | operator | op | backend | why | {exp_head} |",
+                "|---|---|---|---|---|---|"]
         for i, r in enumerate(rows, 1):
             if r["backend"] is None:
-                out.append(f"| {i} | {r['label']} | {r['op']} | **none** | no backend can serve | "
-                           f"{_md(short_error(r['error']))} | |")
+                out.append(f"| {i} | {r['label']} | {r['op']} | **none** | no backend can serve "
+                           f"({_md(short_error(r['error']))}) | |")
                 continue
-            rej = "; ".join(f"{x['name']} ({x['level']}: {'; '.join(x['reasons'])})" for x in r["rejected"])
-            exp = plan.describe(r.get("expected")) if gpu else f"no baseline for {doc.get('arch')}"
+            exp = plan.describe(r.get("expected"), r.get("scaled")) if gpu else f"no baseline for {doc.get('arch')}"
             alt = f"; if installed there, else `{r['without_optional']}`" if r.get("without_optional") else ""
             why = r["why"] + (f"; one launch for {', '.join(r['one_launch_for'])}" if r.get("one_launch_for") else "")
-            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']} {r['version']}{alt}) | "
-                       f"{_md(why)} | {_md(rej)} | {_md(exp)} |")
+            version = f" {r['version']}" if r.get("version") else ""
+            out.append(f"| {i} | {r['label']} | {r['op']} | `{r['backend']}` ({r['provider']}{version}{alt}) | "
+                       f"{_md(why)} | {_md(exp)} |")
         out.append("")
+    out += _rejections(doc)
     figs = doc.get("figures") or {}
     if figs:
         cap = {"roofline": "Roofline of the benchmark cases" + (" (the baseline cases behind the expected times)"
                                                                  if doc.get("planned") or "bench" not in doc
                                                                  or "results" not in doc.get("bench", {}) else ""),
-               "phases": "Time per operator and phase"}
+               "phases": "Time per operator and phase" + ("" if (doc.get("engine") or {}).get("profile") else
+                                                          " (expected, at this model's shapes; a call without an "
+                                                          "estimate has no bar: the operator map says why)")}
         out += ["## Pictures", ""]
         for name, f in figs.items():
             out += [f"![{cap[name]}]({f})", ""] if f.endswith(".png") else [f"- {cap[name]}: {f}", ""]
@@ -384,6 +398,22 @@ def to_markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _rejections(doc: dict) -> list:
+    """The details the operator maps leave out: per phase and operator, each backend the selector
+    rejected and its reasons."""
+    out = ["## Rejected backends", "", "Per operator of each map above, the backends that cannot serve it and why.", ""]
+    for ph, rows in doc["operators"].items():
+        out += [f"### {ph}", ""]
+        for i, r in enumerate(rows, 1):
+            rej = r.get("rejected") or []
+            if not rej:
+                continue
+            out.append(f"- {i}. {r['label']} ({r['op']}):")
+            out += [f"    - {x['name']} at {x['level']}: {_md('; '.join(x['reasons']))}" for x in rej]
+        out.append("")
+    return out
+
+
 def summary_lines(doc: dict) -> list:
     """One screen: the four answers, the largest expected share per phase, correctness, diagnosis."""
     cfg = doc["config"]
@@ -393,10 +423,11 @@ def summary_lines(doc: dict) -> list:
         out.append(f"- {q['question']}")
         out += [f"    {a}" for a in q["answer"][:3]]
     gpu = doc.get("baseline_gpu")
-    n = sum(1 for rows in doc["operators"].values() for r in rows if r.get("expected"))
-    out.append(f"- expected times: {n} operators with the nearest measured case of their backend in the {gpu.upper()} "
-               "baseline (the operator map below; the case's shape, not this model's)" if gpu and n else
-               f"- expected times: no baseline for {doc.get('arch')}")
+    calls = [r for rows in doc["operators"].values() for r in rows if r.get("backend")]
+    n = sum(1 for r in calls if (r.get("scaled") or {}).get("us") is not None)
+    out.append(f"- expected times: {n} of {len(calls)} operator calls, each scaled to this model's shape from the "
+               f"nearest measured case of its backend in the {gpu.upper()} baseline; the others say why not (the "
+               "operator map below)" if gpu else f"- expected times: no baseline for {doc.get('arch')}")
     if "check" in doc:
         s = doc["check"]["summary"]
         out.append(f"- correctness: {s['passed']} of {s['total']} checks pass" + (f", {s['failed']} fail" if s["failed"] else ""))

@@ -69,8 +69,10 @@ def phases(doc: dict, path: Path) -> Optional[str]:
         ax.set_title("engine profile: GPU time per operator category and phase")
         ax.legend(fontsize=7)
     else:
-        items = [(ph, r["label"], r["expected"]["median_us"]) for ph, rs in doc["operators"].items() for r in rs
-                 if r.get("expected")]
+        # the expected time of each call at the model's shape (plan.scaled); a call without one
+        # has no bar, and the operator map says why
+        items = [(ph, r["label"], r["scaled"]["us"]) for ph, rs in doc["operators"].items() for r in rs
+                 if (r.get("scaled") or {}).get("us") is not None]
         if not items:
             return "the engine did not run here and no operator has an expected time"
         fig, ax = plt.subplots(figsize=(8, 0.25 * len(items) + 1.2))
@@ -78,7 +80,8 @@ def phases(doc: dict, path: Path) -> Optional[str]:
         ax.barh(labels, [us for _, _, us in items], color=[PHASE_COLOURS.get(ph, "C3") for ph, _, _ in items])
         ax.invert_yaxis()
         ax.set_xscale("log")
-        ax.set_xlabel(f"expected us per call (nearest {doc['baseline_gpu'].upper()} baseline case)")
+        ax.set_xlabel(f"expected us per call ({doc['baseline_gpu'].upper()} baseline cases scaled to this model's "
+                      "shapes; calls without an estimate left out)")
         ax.set_title("expected time of each operator call, per phase")
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()

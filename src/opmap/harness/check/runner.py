@@ -8,6 +8,7 @@ fails to import is a failure too (it would otherwise silently shrink the checkli
 from __future__ import annotations
 
 import importlib
+import logging
 import time
 import traceback
 from dataclasses import asdict, dataclass
@@ -284,6 +285,21 @@ def selection(model, backends, ops, sections, quick: bool, device: str) -> tuple
     return selected, errors, notes, targets
 
 
+class OnceFilter(logging.Filter):
+    """Lets each distinct log message through once."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.levelno, record.getMessage())
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
 def check(model=None, backends=None, ops=None, sections=None, quick=True, device=None, progress=True,
           sanitizer=False, timeout=300.0, console=None, jobs=4, resume=None, batch=6,
           reuse=(), workers: Optional[int] = None) -> tuple[list[Result], dict]:
@@ -301,7 +317,13 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
         ran = run_parallel(selected, n, dict(model=model, backends=backends, ops=ops, sections=sections,
                                              quick=quick, device=device), progress)
     else:
-        ran = run(selected, progress)
+        once = OnceFilter()  # the engines the cases build say the same thing (their page-capped length) each time
+        engine_log = logging.getLogger("opmap.engine")
+        engine_log.addFilter(once)
+        try:
+            ran = run(selected, progress)
+        finally:
+            engine_log.removeFilter(once)
     results = list(errors) + ran
     if targets is not None:
         for phase, op, label, ch, err in targets.choices:

@@ -75,7 +75,11 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
             if checkpoint is not None:
                 from transformers import AutoModelForCausalLM
 
-                hf, model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval(), checkpoint
+                # safetensors only: a pickle file (pytorch_model.bin) is never unpickled (resolve_model refuses
+                # a folder that holds no other weights)
+                hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, use_safetensors=True,
+                                                          trust_remote_code=False).eval()
+                model = checkpoint
             elif in_memory:
                 hf, model = make_hf_model(c, seed=3, device=device), c
                 source = StateDictSource(hf.state_dict())
