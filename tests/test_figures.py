@@ -48,6 +48,11 @@ _FIGURE = re.compile(
     re.I)
 
 
+def figures(text: str) -> list:
+    """Every measured figure quoted in a text."""
+    return [m.group(0) for m in _FIGURE.finditer(text)]
+
+
 def commit_hashes(text: str) -> list:
     """(line number, word) of every commit-like word of a Markdown text."""
     out = []
@@ -83,7 +88,7 @@ def measured_figures(path: Path) -> list:
     """(line number, figure) of every measured figure quoted in a comment or docstring of a file."""
     text = path.read_text()
     notes = _python_notes(text) if path.suffix == ".py" else _shell_notes(text)
-    return sorted(((n, m.group(0)) for n, note in notes for m in _FIGURE.finditer(note)), key=lambda hit: hit[0])
+    return sorted(((n, f) for n, note in notes for f in figures(note)), key=lambda hit: hit[0])
 
 
 def _rel(paths) -> list:

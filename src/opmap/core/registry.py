@@ -5,9 +5,12 @@ declarations of what it serves. ``validate(spec)`` is *derived* from those decla
 the capability matrix (``opmap matrix``) and the selector can never disagree.
 
 Declarations:
-- ``priority``: arch -> priority, or arch -> ``Prefer(value, otherwise, when, condition)`` where
-  the measured order depends on the spec (the phase, the head count). An arch absent from it is
-  not served.
+- ``priority``: arch -> priority, or arch -> ``Prefer(value, otherwise, when, condition, basis)``
+  where the measured order depends on the spec (the phase, the head count). An arch absent from it
+  is not served.
+- ``basis``: arch -> ``Basis(reason, evidence)``: why a fixed priority ranks the backend where it
+  does against the backends that serve the same specs (a ``Prefer`` carries its own): the lesson in
+  words and, where it is a measurement, the baseline rows (``Evidence``) it rests on.
 - ``reqs``: ``Req(field, allowed, condition)``: the spec field must take one of ``allowed``
   (or satisfy ``allowed`` when it is a callable); ``condition`` is the human text shown in the
   matrix as a conditional cell.
@@ -57,13 +60,57 @@ class Check:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """A baseline row a priority rests on: in ``bench/baselines/<baseline>.json`` (``baseline`` is
+    "<gpu>/<family>", e.g. "h200/attention"), the result of ``case`` and ``provider`` as the file
+    names them. ``kernel``: the backend whose kernel the row measured, where the provider name does
+    not say it (a file made before that kernel got its own backend names the provider of then)."""
+    baseline: str
+    case: str
+    provider: str
+    kernel: str = ""
+
+    def cite(self) -> str:
+        return f"{self.provider} ({self.kernel})" if self.kernel else self.provider
+
+
+# What a reason without evidence may rest on, the first word(s) of its text: what a backend can serve
+# ("capability"), how it rounds ("numerics"), a rule of the registry ("convention"), or a peer that
+# the baseline run could not time because its package was missing there ("not timed"; the family
+# doc's Decisions keep the lesson in words).
+NOT_MEASURED = ("capability", "numerics", "convention", "not timed")
+
+
+@dataclass(frozen=True)
+class Basis:
+    """Why a priority ranks a backend where it does against the backends that serve the same specs:
+    ``reason`` in words, and ``evidence``, the baseline rows it rests on where it is a measurement.
+    A reason that is not a measurement has no evidence and begins with its kind (``NOT_MEASURED``),
+    e.g. "capability: the only kernel here that serves fp8 KV"."""
+    reason: str
+    evidence: tuple = ()
+
+    def cite(self) -> str:
+        """The reason, then the rows of its first cited case (and how many rows more): one line."""
+        if not self.evidence:
+            return self.reason
+        first = self.evidence[0]
+        same = [e.cite() for e in self.evidence if (e.baseline, e.case) == (first.baseline, first.case)]
+        more = len(self.evidence) - len(same)
+        return (f"{self.reason} [{first.baseline} `{first.case}`: {', '.join(same)}"
+                f"{f'; +{more} rows' if more else ''}]")
+
+
+@dataclass(frozen=True)
 class Prefer:
     """A priority that depends on the spec: ``value`` where ``when(spec)`` holds, else
-    ``otherwise``; ``condition`` says when, in the selector's trace and the matrix."""
+    ``otherwise``; ``condition`` says when, in the selector's trace and the matrix; ``basis`` says
+    why (a rule that ranks by the spec rests on a measurement or a stated reason)."""
     value: int
     otherwise: int
     when: Callable[[Spec], bool]
     condition: str
+    basis: Optional[Basis] = None
 
     def of(self, spec: Spec) -> int:
         return self.value if self.when(spec) else self.otherwise
@@ -81,6 +128,7 @@ class Backend:
     checks: Sequence[Check] = ()
     available: Optional[Callable[[], Optional[str]]] = None
     notes: str = ""
+    basis: dict = field(default_factory=dict)  # arch -> Basis of a fixed priority
     _fns: dict = field(default_factory=dict, repr=False)
 
     def provider_version(self) -> str:
@@ -100,6 +148,14 @@ class Backend:
         """The highest priority on ``arch`` over all specs (the matrix orders its rows by it)."""
         p = self.priority.get(arch)
         return max(p.value, p.otherwise) if isinstance(p, Prefer) else p
+
+    def basis_for(self, arch: str) -> Optional[Basis]:
+        """Why the priority on ``arch`` ranks this backend where it does: the ``Prefer`` rule's
+        basis, else the one declared for the arch, else None."""
+        p = self.priority.get(arch)
+        if isinstance(p, Prefer) and p.basis is not None:
+            return p.basis
+        return self.basis.get(arch)
 
     def describe_priority(self, arch: str) -> str:
         p = self.priority[arch]
@@ -272,8 +328,13 @@ def all_of(*fns: Callable[[], Optional[str]]) -> Callable[[], Optional[str]]:
     return available
 
 
-# Priority conventions: on GPUs our Triton kernels and the best peer get high numbers that
-# follow measured results (see bench/baselines); the reference is always last on a GPU. On the
-# CPU the reference comes first (the Triton interpreter is for testing, not for speed).
+# Priority conventions. On an arch that a baseline measured (bench/baselines/<gpu>/, sm90), where two
+# backends serve the same spec, their order rests on a Basis of one of them: baseline rows, or a
+# stated reason that is not a measurement (tests/test_priority_evidence.py). On the arches no
+# baseline measured, the order is a convention, not a measurement: mostly sm90's, opmap's kernels
+# above the peers. The reference is last on every GPU; on the CPU it comes first (the Triton
+# interpreter is for testing, not for speed).
 REFERENCE_PRIORITY = {"cpu": 100, "sm80": 1, "sm89": 1, "sm90": 1, "sm100": 1}
+REFERENCE_BASIS = {arch: Basis("convention: the fp32 oracle, last on every GPU and first on the CPU")
+                   for arch in REFERENCE_PRIORITY}
 TRITON_CPU_PRIORITY = 10

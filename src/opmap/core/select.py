@@ -72,6 +72,9 @@ class Choice:
         lines = [f"{self.op} [{self.spec.phase}] -> {self.backend.name} "
                  f"({self.backend.provider} {self.backend.provider_version()}): {self.why()}"
                  f"{self._rule(self.backend.name)}"]
+        basis = self.backend.basis_for(self.spec.arch)
+        if basis is not None and not self.forced_by and any(c.valid for c in self.trace[1:]):
+            lines.append(f"  basis: {basis.cite()}")
         if not self.runtime:
             lines.append("  (planned for another device: runtime availability not checked)")
         for c in self.trace[1:]:

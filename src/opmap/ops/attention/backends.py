@@ -9,15 +9,35 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from opmap.core.registry import (REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Check, Prefer, Req, needs_cuda,
-                         package_available, package_version, register, torch_version, triton_available,
-                         triton_version)
+from opmap.core.registry import (REFERENCE_BASIS, REFERENCE_PRIORITY, TRITON_CPU_PRIORITY, Backend, Basis, Check,
+                                 Evidence, Prefer, Req, needs_cuda, package_available, package_version, register,
+                                 torch_version, triton_available, triton_version)
 
 NOT_MLA = Req("kind", ("mha", "gqa", "mqa"), "kind in {mha, gqa, mqa} (MLA: opmap.ops.mla)")
 TRITON_PRIORITY = {"cpu": TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50}
 TRITON_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 TMA_BLOCK_N = 64  # the TMA prefill's key tile on a GPU (kernels/attention/common._default_config)
+
+# Baseline rows the priorities rest on (bench/baselines/h200/attention.md). That file predates the
+# backend per kernel: its `opmap-triton` row is the kernel its case selected then, so each row that
+# names no kernel by itself says which backend's kernel it measured.
+H200 = "h200/attention"
+PREFILL_MHA_64 = "B=1,S=8192,h=32/32,d=128,page=64,causal,dtype=bf16"
+PREFILL_GQA_64 = "B=4,S=4096,h=32/8,d=128,page=64,causal,dtype=bf16"
+PREFILL_MHA_16 = "B=1,S=8192,h=32/32,d=128,page=16,causal,dtype=bf16"
+DECODE_64 = "B=64,kv=4096,h=32/8,d=128,page=16,dtype={}"
+DECODE_128 = "B=128,kv=2048,h=32/8,d=128,page=16,dtype={}"
+DECODE_1 = "B=1,kv=32768,h=32/8,d=128,page=16,dtype={}"
+
+
+def _rows(case: str, *providers) -> tuple:
+    """Rows of one case; a provider is a name, or (name, the backend whose kernel it measured)."""
+    return tuple(Evidence(H200, case, *((p,) if isinstance(p, str) else p)) for p in providers)
+
+
+TMA_VS_GATHER = (("opmap-triton", "triton-tma"), ("opmap-triton[tma=0]", "triton"))
+GLUON_VS_TRITON = (("opmap-triton", "gluon-fp8"), ("opmap-triton[gl=0]", "triton"))
 
 
 def _kv_same_or_fp8(spec):
@@ -46,7 +66,7 @@ DV_SAME = Check("head_dim_v == head_dim", _dv_same, "head_dim_v")
 
 register(Backend(
     op="kv_append", name="reference", provider="torch", version=torch_version,
-    priority=dict(REFERENCE_PRIORITY),
+    priority=dict(REFERENCE_PRIORITY), basis=REFERENCE_BASIS,
     impl={"append": "opmap.ops.attention.reference:append", "rope_append": "opmap.ops.attention.reference:rope_append"},
     reqs=(Req("kind", ("gqa",), "kind gqa (K and V pages; MLA: opmap.ops.mla)"),
           Req("cuda_graph", (False,), "no CUDA-graph capture (index_put on a boolean selection syncs)")),
@@ -70,7 +90,7 @@ register(Backend(
 
 register(Backend(
     op="attention", name="reference", provider="torch", version=torch_version,
-    priority=dict(REFERENCE_PRIORITY),
+    priority=dict(REFERENCE_PRIORITY), basis=REFERENCE_BASIS,
     impl={"prefill": "opmap.ops.attention.reference:prefill", "decode": "opmap.ops.attention.reference:decode",
           "mixed": "opmap.ops.attention.reference:mixed"},
     reqs=(NOT_MLA, Req("sparse", (False,), "dense attention only"),
@@ -125,12 +145,13 @@ register(Backend(
            "registers; batch_invariant uses a fixed split size in tokens; mixed: both kernels in one step"),
 ))
 
-# Above triton (50) where they serve, below FlashInfer's prefill (55): each measured faster than the
-# Triton kernel of its phase there (docs/attention.md, Decisions: TMA tiles where pages hold whole
-# 64-key tiles; the Gluon kernel over the Triton one for fp8 at head dim 128).
+# triton-tma and gluon-fp8 rank above triton (50) where they serve, below FlashInfer's prefill (55):
+# each is the faster kernel of its phase there (docs/attention.md, Decisions).
 register(Backend(
     op="attention", name="triton-tma", provider="opmap-triton", version=triton_version,
     priority={"cpu": TRITON_CPU_PRIORITY - 1, "sm90": 52}, available=triton_available,
+    basis={"sm90": Basis("the TMA prefill faster than the gather one on pages of whole 64-key tiles",
+                         _rows(PREFILL_MHA_64, *TMA_VS_GATHER) + _rows(PREFILL_GQA_64, *TMA_VS_GATHER))},
     impl={"prefill": "opmap.kernels.attention.prefill_tma:prefill"},
     reqs=(*TRITON_COMMON,
           Req("phase", ("prefill",), "prefill (mixed steps: the gather kernel's, triton)"),
@@ -147,6 +168,10 @@ register(Backend(
 register(Backend(
     op="attention", name="gluon-fp8", provider="opmap-triton", version=triton_version,
     priority={"sm90": 52}, available=_gluon_available,
+    basis={"sm90": Basis("the Gluon decode faster than the Triton one on fp8 caches at head dim 128, at every batch",
+                         _rows(DECODE_64.format("fp8"), *GLUON_VS_TRITON)
+                         + _rows(DECODE_128.format("fp8"), *GLUON_VS_TRITON)
+                         + _rows(DECODE_1.format("fp8"), *GLUON_VS_TRITON))},
     impl={"decode": "opmap.kernels.attention.decode_fp8:decode", "mixed": "opmap.kernels.attention.mixed:mixed_fp8",
           "make_workspace": "opmap.kernels.attention.splitkv:make_workspace"},
     reqs=(*TRITON_COMMON,
@@ -165,22 +190,27 @@ register(Backend(
 ))
 
 _SDPA = (
-    # name, provider, SDPBackend member, priority, dtypes, head-dim condition
-    # cuDNN outruns our Triton kernels where it can serve (contiguous KV) on the H200:
-    # prefill S=8192 540 vs 303 TFLOP/s, decode B=64/4096 4.22 vs 3.67 TB/s
-    # (bench/baselines/h200/attention.md), so it ranks above triton (50) there.
+    # name, provider, SDPBackend member, priority, basis, dtypes, head-dim condition. The SDPA kernels
+    # serve contiguous KV only, so they never meet the paged Triton kernels; among themselves and Flex
+    # the order is the one measured (docs/attention.md, Decisions).
     ("sdpa_cudnn", "cudnn-sdpa", "CUDNN_ATTENTION", {"sm90": 60},
+     {"sm90": Basis("the fastest kernel on contiguous KV: ahead of FlashAttention-2, the memory-efficient "
+                    "kernel and Flex in every row where they ran",
+                    _rows(PREFILL_MHA_16, "cudnn-sdpa", "torch-sdpa-flash", "torch-sdpa-efficient", "torch-flex")
+                    + _rows(DECODE_64.format("bf16"), "cudnn-sdpa", "torch-sdpa-flash"))},
      ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 128, "head_dim <= 128, multiple of 8")),
     ("sdpa_flash", "torch-sdpa-flash", "FLASH_ATTENTION", {"sm80": 30, "sm90": 30},
+     {"sm90": Basis("ahead of the memory-efficient kernel and Flex on contiguous KV in every row where they ran",
+                    _rows(PREFILL_MHA_16, "torch-sdpa-flash", "torch-sdpa-efficient", "torch-flex"))},
      ("fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 256, "head_dim <= 256, multiple of 8")),
-    ("sdpa_efficient", "torch-sdpa-efficient", "EFFICIENT_ATTENTION", {"sm80": 20, "sm90": 20},
+    ("sdpa_efficient", "torch-sdpa-efficient", "EFFICIENT_ATTENTION", {"sm80": 20, "sm90": 20}, {},
      ("fp32", "fp16", "bf16"), (lambda d: d % 8 == 0 and d <= 256, "head_dim <= 256, multiple of 8")),
 )
 CUDNN_PHASES = Req("phase", ("prefill", "decode"),
                    "prefill of whole prompts or decode (no bottom-right causal mask: no chunk over a cached prefix)")
-for name, provider, member, prio, dts, (dfn, dtext) in _SDPA:
+for name, provider, member, prio, basis, dts, (dfn, dtext) in _SDPA:
     register(Backend(
-        op="attention", name=name, provider=provider, version=torch_version, priority=prio,
+        op="attention", name=name, provider=provider, version=torch_version, priority=prio, basis=basis,
         available=needs_cuda,
         impl={e: f"opmap.peers.attention.sdpa:{name}_{e}" for e in ("prefill", "decode", "mixed")},
         reqs=(NOT_MLA, *((CUDNN_PHASES,) if name == "sdpa_cudnn" else ()),
@@ -200,6 +230,10 @@ for name, provider, member, prio, dts, (dfn, dtext) in _SDPA:
 register(Backend(
     op="attention", name="flex", provider="torch-flex", version=torch_version,
     priority={"cpu": 5, "sm80": 15, "sm90": 15},
+    basis={"sm90": Basis("below every other kernel it meets: the slowest in every row where it ran",
+                         _rows(DECODE_1.format("bf16"), "torch-flex", ("opmap-triton", "triton"), "cudnn-sdpa",
+                               "torch-sdpa-flash")
+                         + _rows(PREFILL_MHA_16, "torch-flex", ("opmap-triton", "triton"), "torch-sdpa-efficient"))},
     available=package_available("torch.nn.attention.flex_attention"),
     impl={e: f"opmap.peers.attention.flex:{e}" for e in ("prefill", "decode", "mixed")},
     reqs=(NOT_MLA, Req("dtype", ("fp32", "fp16", "bf16")), Req("head_dim", (64, 128, 256)),
@@ -213,11 +247,11 @@ register(Backend(
 
 register(Backend(
     op="attention", name="flashinfer", provider="flashinfer", version=package_version("flashinfer-python"),
-    # Prefill first on sm90: its FA3-template kernel took 1051 / 1126 us against our 1560 / 1238 us
-    # (B=4 S=4096 GQA page 16 / B=1 S=8192 page 64; docs/attention.md, Decisions),
-    # plan() and its host synchronisation included. Decode stays ours (254 against 258 us at
-    # B=64 / 4096, 52 against 54 at B=1 / 32k); mixed batches were not timed.
-    priority={"sm80": 40, "sm90": Prefer(55, 40, lambda s: s.phase == "prefill", "phase = prefill")},
+    # Prefill first on sm90: its FA3-template kernel led ours (plan() and its host synchronisation
+    # included), its decode did not, mixed batches were not timed (docs/attention.md, Decisions).
+    priority={"sm80": 40, "sm90": Prefer(55, 40, lambda s: s.phase == "prefill", "phase = prefill", Basis(
+        "not timed: FlashInfer was missing from the baseline run; in a run with it its prefill led the "
+        "Triton kernels and its decode did not (docs/attention.md, Decisions)"))},
     available=package_available("flashinfer"),
     impl={"prefill": "opmap.peers.attention.flashinfer:prefill", "decode": "opmap.peers.attention.flashinfer:decode",
           "mixed": "opmap.peers.attention.flashinfer:prefill"},
@@ -236,7 +270,7 @@ register(Backend(
 
 register(Backend(
     op="attention_merge", name="reference", provider="torch", version=torch_version,
-    priority=dict(REFERENCE_PRIORITY), impl={"merge": "opmap.ops.attention.reference:merge"},
+    priority=dict(REFERENCE_PRIORITY), basis=REFERENCE_BASIS, impl={"merge": "opmap.ops.attention.reference:merge"},
 ))
 
 register(Backend(

@@ -7,9 +7,24 @@ steps per batch bucket, so each bucket's M is known)."""
 import os
 
 from opmap.core import registry
-from opmap.core.registry import Backend, Check, Prefer, Req
+from opmap.core.registry import Backend, Basis, Check, Evidence, Prefer, Req
 
 _FLOAT = ("fp32", "fp16", "bf16")
+
+# Baseline rows the priorities rest on (bench/baselines/h200/gemm.md). That file predates the backend
+# per kernel: on quantised weights its `opmap-triton` row is the kernel the case's M selected then
+# (gluon-wo at M <= 32, gluon-wo-wgmma at M = 64, triton-wo from M = 256) and `[gl=0]` is triton-wo,
+# so each row that names no kernel by itself says which backend's kernel it measured.
+H200 = "h200/gemm"
+CASE = "M={m},N={n},K={k},w={w},dtype=bf16"
+GATE_UP, QKV, O, DOWN = (28672, 4096), (6144, 4096), (4096, 4096), (4096, 14336)
+WGMMA_VS_TRITON = (("opmap-triton", "gluon-wo-wgmma"), ("opmap-triton[gl=0]", "triton-wo"))
+
+
+def _rows(m: int, shape: tuple, w: str, *providers) -> tuple:
+    """Rows of one case; a provider is a name, or (name, the backend whose kernel it measured)."""
+    case = CASE.format(m=m, n=shape[0], k=shape[1], w=w)
+    return tuple(Evidence(H200, case, *((p,) if isinstance(p, str) else p)) for p in providers)
 MANY_ROWS = 128  # rows from which one weight pass serves many rows (dequant-cublas, scaled-mm); engine/runner.py
 
 
@@ -44,7 +59,7 @@ def _fp8_cast_arch(spec):
 
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"linear": "opmap.ops.gemm.reference:linear"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))],
     checks=[_SAME_ACT],
@@ -62,11 +77,14 @@ registry.register(Backend(
 
 registry.register(Backend(
     op="gemm", name="triton-decode", provider="opmap-triton", version=registry.triton_version,
-    # sm90, bf16: level with cuBLAS at M <= 32 and ahead on the wide N (gate/up, LM head) at M = 64,
-    # behind it at M = 64 on QKV, O and down (bench/baselines/h200/gemm.md, rows opmap-triton and
-    # cublas, w=bf16; docs/dense.md, Decisions).
+    # sm90, bf16: above cuBLAS where it is level or ahead (docs/dense.md, Decisions).
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50,
-              "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384")},
+              "sm90": Prefer(50, 30, lambda s: s.m is None or s.m <= 32 or s.n >= 16384, "M <= 32 or N >= 16384",
+                             Basis("level with cuBLAS at M <= 32 and ahead on the wide N (gate/up, LM head) at "
+                                   "M = 64; behind it at M = 64 on QKV, O and down",
+                                   _rows(64, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")
+                                   + _rows(64, GATE_UP, "bf16", ("opmap-triton", "triton-decode"), "cublas")
+                                   + _rows(32, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")))},
     impl={"linear": "opmap.kernels.gemm.triton_gemm:linear"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
@@ -105,10 +123,12 @@ _GLUON_CHECKS = [_SAME_ACT, Check("K a multiple of 16", _k16, "k")]
 
 registry.register(Backend(
     op="gemm", name="gluon-wo", provider="opmap-triton", version=registry.triton_version,
-    # Above triton-wo (50) where it serves: faster on every shape at M <= 32, fp8 and int8
-    # (bench/baselines/h200/gemm.md, rows opmap-triton and opmap-triton[gl=0] at M <= 32, w=fp8 / int8;
-    # docs/dense.md, Decisions).
+    # Above triton-wo (50) where it serves (docs/dense.md, Decisions).
     priority={"sm89": 52, "sm90": 52},
+    basis={"sm90": Basis("faster than triton-wo on every shape at M <= 32, fp8 and int8",
+                         _rows(1, GATE_UP, "fp8", ("opmap-triton", "gluon-wo"), ("opmap-triton[gl=0]", "triton-wo"))
+                         + _rows(32, QKV, "fp8", ("opmap-triton", "gluon-wo"), ("opmap-triton[gl=0]", "triton-wo"))
+                         + _rows(1, DOWN, "int8", ("opmap-triton", "gluon-wo"), ("opmap-triton[gl=0]", "triton-wo")))},
     impl={"linear": "opmap.kernels.gemm.wo_gluon:linear"},
     reqs=_GLUON_REQS + [Req("m", lambda m: m is not None and m <= 32,
                             "M known and <= 32 (mma.sync: above it each warp re-reads the whole x tile)")],
@@ -121,9 +141,12 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="gluon-wo-wgmma", provider="opmap-triton", version=registry.triton_version,
     # Above triton-wo (50) at 32 < M <= 64 on sm90, where the mma.sync kernel lost to the Triton one
-    # (bench/baselines/h200/gemm.md, rows opmap-triton and opmap-triton[gl=0] at M = 64, w=fp8;
-    # docs/dense.md, Decisions).
+    # (docs/dense.md, Decisions).
     priority={"sm90": 52},
+    basis={"sm90": Basis("faster than triton-wo at M = 64 in fp8 on every shape; in int8 ahead on QKV and the wide "
+                         "N, behind on O and down",
+                         _rows(64, GATE_UP, "fp8", *WGMMA_VS_TRITON) + _rows(64, O, "fp8", *WGMMA_VS_TRITON)
+                         + _rows(64, GATE_UP, "int8", *WGMMA_VS_TRITON) + _rows(64, DOWN, "int8", *WGMMA_VS_TRITON))},
     impl={"linear": "opmap.kernels.gemm.wo_wgmma:linear"},
     reqs=_GLUON_REQS + [Req("m", lambda m: m is not None and 32 < m <= 64,
                             "M known, 32 < M <= 64 (one 64-token warpgroup MMA; gluon-wo below)")],
@@ -137,13 +160,17 @@ registry.register(Backend(
     op="gemm", name="dequant-cublas", provider="opmap-triton", version=registry.triton_version,
     # Above the weight-only kernels where M >= 128 is known (a decode bucket) or the phase is prefill
     # (on a GPU an engine's prefill step has >= 128 rows: padded to a 128-token bucket, or above the
-    # graphs' limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill): faster than
-    # triton-wo at M = 256 and 1024 on every Llama-3-8B / Qwen3-8B shape, fp8 and int8
-    # (bench/baselines/h200/gemm.md, rows opmap-dequant-cublas and opmap-triton; docs/dense.md,
-    # Decisions). The engine plans its mixed steps of >= 128 rows at M = 128 (MANY_ROWS) and the
-    # others at M unknown, which only triton-wo serves among the weight-only kernels.
+    # graphs' limit; not with prefill_graph_tokens=0, nor MLA's unpadded prefill): the faster kernel
+    # there (docs/dense.md, Decisions). The engine plans its mixed steps of >= 128 rows at M = 128
+    # (MANY_ROWS) and the others at M unknown, which only triton-wo serves among the weight-only kernels.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
-              **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step") for a in ("sm80", "sm89", "sm90")}},
+              **{a: Prefer(55, 45, _many_rows, "M >= 128, or a prefill step",
+                           Basis(f"convention: sm90's rule, not measured on {a}")) for a in ("sm80", "sm89")},
+              "sm90": Prefer(55, 45, _many_rows, "M >= 128, or a prefill step", Basis(
+                  "faster than triton-wo at M = 256 and 1024 on every Llama-3-8B / Qwen3-8B shape, fp8 and int8",
+                  _rows(256, GATE_UP, "fp8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))
+                  + _rows(1024, O, "fp8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))
+                  + _rows(256, DOWN, "int8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))))},
     impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
@@ -165,10 +192,13 @@ registry.register(Backend(
     op="gemm", name="scaled-mm", provider="cublaslt-fp8", version=registry.torch_version,
     # Above dequant-cublas (55) for fp8 weights where M >= 128 is known or the phase is prefill, on
     # sm90: the activations are quantised per token (W8A8 dynamic, how vLLM runs fp8 checkpoints)
-    # and the GEMM runs on fp8 tensor cores, faster than dequant-cublas at every Llama-3-8B shape
-    # from M = 128 (graph-timed; docs/dense.md, Decisions, the many-rows row); activations given as
-    # fp8 (act_dtype="fp8") take it at any M.
-    priority={"sm89": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step"), "sm100": 45},
+    # and the GEMM runs on fp8 tensor cores (docs/dense.md, Decisions, the many-rows row);
+    # activations given as fp8 (act_dtype="fp8") take it at any M.
+    priority={"sm89": 45, "sm100": 45, "sm90": Prefer(60, 45, _many_rows, "M >= 128, or a prefill step", Basis(
+        "fp8 weights on fp8 tensor cores, faster than dequant-cublas at M = 256 and 1024 on every Llama-3-8B shape",
+        _rows(256, GATE_UP, "fp8", "scaled-mm-fp8-act", "opmap-dequant-cublas")
+        + _rows(1024, GATE_UP, "fp8", "scaled-mm-fp8-act", "opmap-dequant-cublas")
+        + _rows(256, O, "fp8", "scaled-mm-fp8-act", "opmap-dequant-cublas")))},
     impl={"linear": "opmap.kernels.gemm.scaled_mm:linear"},
     reqs=[Req("dtype", ("bf16", "fp16")), Req("weight_dtype", ("fp8",))],
     checks=[Check("act_dtype fp8, or M >= 128 / a prefill step", _act_fp8_or_many_rows, "act_dtype"),

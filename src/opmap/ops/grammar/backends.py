@@ -7,11 +7,11 @@ is ``opmap.engine.structured``. Importing this module imports no kernel and no p
 from __future__ import annotations
 
 from opmap.core import registry
-from opmap.core.registry import Backend
+from opmap.core.registry import Backend, Basis
 
 registry.register(Backend(
     op="grammar_mask", name="reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"apply_bitmask": "opmap.ops.grammar.reference:apply_bitmask"},
     notes="unpacks the bits to a bool mask, then masked_fill (-inf where the bit is clear)",
 ))
@@ -27,6 +27,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="grammar_mask", name="xgrammar", provider="xgrammar", version=registry.package_version("xgrammar"),
     priority={"cpu": 50, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
+    basis={"sm90": Basis("not timed: xgrammar was missing from the baseline run; below ours, which writes only the "
+                         "masked entries and never reads the logits")},
     impl={"apply_bitmask": "opmap.peers.grammar.xgrammar_apply:apply_bitmask"},
     available=registry.package_available("xgrammar"),
     notes="xgrammar.apply_token_bitmask_inplace (its CUDA/Triton kernel on a GPU, its C++ on a CPU)",

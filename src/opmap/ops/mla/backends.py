@@ -13,8 +13,23 @@ from __future__ import annotations
 import os
 
 from opmap.core import registry
-from opmap.core.registry import Backend, Check, Req
+from opmap.core.registry import Backend, Basis, Check, Evidence, Req
 
+# Baseline rows the priorities rest on (bench/baselines/h200/mla.md). That file predates the backend
+# per kernel: its `opmap-triton` rows are the kernels their cases selected then, so each row that names
+# no kernel by itself says which backend's kernel it measured (on fp8, `[gl=0]` is the pointer kernel
+# at 16 heads and the TMA kernel at 128).
+H200 = "h200/mla"
+DECODE = "B={b},kv={kv},h={h},R=512,Dr=64,page=64,kv_dtype={dt}"
+
+
+def _rows(case: str, *providers) -> tuple:
+    """Rows of one case; a provider is a name, or (name, the backend whose kernel it measured)."""
+    return tuple(Evidence(H200, case, *((p,) if isinstance(p, str) else p)) for p in providers)
+
+
+def _decode(b: int, h: int, dt: str, *providers: str) -> tuple:
+    return _rows(DECODE.format(b=b, kv=4096 if b == 64 else 32768, h=h, dt=dt), *providers)
 
 
 def _impl(mod: str, names) -> dict:
@@ -65,7 +80,7 @@ ENTRIES = ("mla_decode", "mla_prefill", "mla_sparse_decode")
 
 registry.register(Backend(
     op="attention", name="mla-reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl=_impl("ops.mla.reference", ENTRIES),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("cuda_graph", (False,), "eager only (host loop over sequences)")),
@@ -120,16 +135,26 @@ DENSE = Req("sparse", (False,), "dense decode (sparse top-k: mla-triton's pointe
 Q16 = Req("dtype", ("fp16", "bf16"), "q bf16 / fp16")
 NOT_INVARIANT = Req("batch_invariant", (False,), "split-KV count depends on the batch size")
 
-# Above mla-triton (50) where they serve, below FlashInfer's decode from 64 heads (55): each measured
-# faster than the pointer kernel there (docs/mla.md, Decisions: the TMA kernel for dense 16-bit caches
-# and, among the Triton kernels, for fp8 from 64 heads; the Gluon kernel for fp8 at R = 512 / Dr = 64,
-# every head count).
-_TMA_FIRST = registry.Prefer(52, 45, lambda s: s.kv_dtype != "fp8" or s.num_heads >= 64,
-                             "a 16-bit cache, or an fp8 one from 64 heads")
+# mla-tma and mla-gluon-fp8 rank above mla-triton (50) where they serve, mla-tma below FlashInfer's
+# decode from 64 heads (55): each is the faster kernel there (docs/mla.md, Decisions).
+def _tma_first(basis: Basis) -> registry.Prefer:
+    return registry.Prefer(52, 45, lambda s: s.kv_dtype != "fp8" or s.num_heads >= 64,
+                           "a 16-bit cache, or an fp8 one from 64 heads", basis)
+
 
 registry.register(Backend(
     op="attention", name="mla-tma", provider="opmap-triton", version=registry.triton_version,
-    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1, "sm80": _TMA_FIRST, "sm90": _TMA_FIRST},
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
+              "sm80": _tma_first(Basis("convention: sm90's rule, not measured on sm80")),
+              "sm90": _tma_first(Basis(
+                  "the TMA kernel faster than the pointer kernel on 16-bit caches and on fp8 ones from 64 heads; "
+                  "on fp8 at 16 heads the pointer kernel led",
+                  _decode(64, 16, "bf16", ("opmap-triton", "mla-tma"), ("opmap-triton[tma=0,s=2]", "mla-triton"))
+                  + _decode(64, 128, "bf16", ("opmap-triton", "mla-tma"), ("opmap-triton[tma=0,s=1]", "mla-triton"))
+                  + _decode(64, 128, "fp8", ("opmap-triton[gl=0]", "mla-tma"),
+                            ("opmap-triton[gl=0,bh=64,w=8,s=1,tma=0]", "mla-triton"))
+                  + _decode(64, 16, "fp8", ("opmap-triton[gl=0,tma=1]", "mla-tma"),
+                            ("opmap-triton[gl=0]", "mla-triton"))))},
     impl=_impl("kernels.mla.decode_tma", ("mla_decode", "make_workspace")),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP, DECODE_ONLY, DENSE, Q16,
           Req("page_size", lambda p: p % 64 == 0, "pages of 64 or more holding whole key tiles (multiples of 64)"),
@@ -155,6 +180,13 @@ def _gluon_available():
 registry.register(Backend(
     op="attention", name="mla-gluon-fp8", provider="opmap-triton", version=registry.triton_version,
     priority={"sm90": 53},
+    basis={"sm90": Basis(
+        "the Gluon kernel faster than the Triton kernels on fp8 caches at R = 512 / Dr = 64, but for 16 heads "
+        "at B=1 / 32k, where the pointer kernel led",
+        _decode(64, 16, "fp8", ("opmap-triton", "mla-gluon-fp8"), ("opmap-triton[gl=0]", "mla-triton"))
+        + _decode(64, 128, "fp8", ("opmap-triton", "mla-gluon-fp8"), ("opmap-triton[gl=0]", "mla-tma"))
+        + _decode(1, 128, "fp8", ("opmap-triton", "mla-gluon-fp8"), ("opmap-triton[gl=0]", "mla-tma"))
+        + _decode(1, 16, "fp8", ("opmap-triton", "mla-gluon-fp8"), ("opmap-triton[gl=0]", "mla-triton")))},
     impl=_impl("kernels.mla.decode_fp8", ("mla_decode", "make_workspace")),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP, DECODE_ONLY, DENSE, Q16, NOT_INVARIANT),
     checks=(Check("an fp8 (e4m3) cache + scale", _kv_fp8, "kv_dtype"),
@@ -168,6 +200,13 @@ registry.register(Backend(
 registry.register(Backend(
     op="attention", name="mla-sdpa", provider="torch-sdpa", version=registry.torch_version,
     priority={"cpu": 5, "sm80": 20, "sm90": 20},
+    basis={"sm90": Basis(
+        "below the Triton kernels: slower in every row, though given the latent already contiguous",
+        _decode(64, 16, "bf16", "torch-sdpa (contiguous latent)", ("opmap-triton", "mla-tma"))
+        + _decode(64, 128, "bf16", "torch-sdpa (contiguous latent)", ("opmap-triton", "mla-tma"))
+        + _rows("B=1,kv=32768,topk=2048,h=128,page=64,kv_dtype=bf16", "torch-gather+sdpa",
+                ("opmap-triton", "mla-triton"))
+        + _rows("new=4096,prefix=0,h=16,Dqk=192,Dv=128,page=64", "torch-sdpa", ("opmap-triton", "mla-triton")))},
     impl=_impl("peers.mla.sdpa", ENTRIES),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("cuda_graph", (False,), "eager only (gathers pages on the host side)"),
@@ -188,10 +227,10 @@ registry.register(Backend(
     op="attention", name="mla-flashinfer", provider="flashinfer",
     version=registry.package_version("flashinfer-python"),
     # First from 64 heads on sm90, where the decode is compute-bound and its FlashMLA-style kernel
-    # (two warpgroups ping-ponging softmax and value dots) leads: B=64 / 4096 143.7 against our
-    # 323.6 us, B=1 / 32k 44.3 against 61.5 (128 heads). At 16 heads ours: 30.1 against 53.1 us at
-    # B=1 / 32k, 94.7 against 91.6 at B=64 (docs/mla.md, Decisions).
-    priority={"sm80": 40, "sm90": registry.Prefer(55, 40, lambda s: s.num_heads >= 64, "num_heads >= 64")},
+    # (two warpgroups ping-ponging softmax and value dots) leads; at 16 heads ours (docs/mla.md, Decisions).
+    priority={"sm80": 40, "sm90": registry.Prefer(55, 40, lambda s: s.num_heads >= 64, "num_heads >= 64", Basis(
+        "not timed: FlashInfer was missing from the baseline run; in a run with it its decode led ours from "
+        "64 heads; at 16 it trailed at B=1 / 32k and was about level at B=64 (docs/mla.md, Decisions)"))},
     impl=_impl("peers.mla.flashinfer", ("mla_decode",)),
     reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP,
           Req("phase", ("decode",), "decode only (our prefill entry is the non-absorbed form)"),
@@ -210,7 +249,7 @@ _APPEND_KIND = Req("kind", ("mla",), "kind = mla")
 
 registry.register(Backend(
     op="kv_append", name="mla-reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl=_impl("ops.mla.reference", ("append_mla",)),
     reqs=(_APPEND_KIND, ONE_KV, Req("cuda_graph", (False,), "eager only (boolean indexing)")),
     notes="index_put of [ckv, kpe] rows; fp8 stores value / scale clamped to +-448",

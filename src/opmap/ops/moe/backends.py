@@ -13,11 +13,22 @@ from __future__ import annotations
 from typing import Optional
 
 from opmap.core import registry
-from opmap.core.registry import Backend, Check, Req
+from opmap.core.registry import Backend, Basis, Check, Evidence, Req
 
 _ROUTE = "opmap.ops.moe.routing:route"
 _FLOAT = ("fp32", "fp16", "bf16")
 _ROUTERS = ("softmax", "sigmoid", "sigmoid_grouped")
+
+# Baseline cases the priorities rest on (bench/baselines/h200/moe.md): decode and prefill sizes of
+# Mixtral-8x7B and Qwen3-30B-A3B.
+MIXTRAL = "model=mixtral-8x7b,T={},E=8,k=2,H=4096,I=14336,hit={},dtype=bf16"
+QWEN3 = "model=qwen3-30b-a3b,T={},E=128,k=8,H=2048,I=768,hit={},dtype=bf16"
+CASES = {"mixtral T=1": MIXTRAL.format(1, 2), "mixtral T=4096": MIXTRAL.format(4096, 8),
+         "qwen3 T=64": QWEN3.format(64, 126), "qwen3 T=4096": QWEN3.format(4096, 128)}
+
+
+def _rows(cases, *providers) -> tuple:
+    return tuple(Evidence("h200/moe", CASES[c], p) for c in cases for p in providers)
 
 
 def _top_k_le_experts(spec):
@@ -72,7 +83,7 @@ def _grouped_mm_available() -> Optional[str]:
 
 registry.register(Backend(
     op="moe", name="reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"moe": "opmap.ops.moe.reference:moe", "route": _ROUTE},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
     notes="fp32 per-expert loop (gather, gate/up, SiLU*up, down, weighted scatter-add); the oracle",
@@ -90,6 +101,8 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="torch-grouped-mm", provider="torch", version=registry.torch_version,
     priority={"cpu": 40, "sm80": 30, "sm90": 40, "sm100": 40},
+    basis={"sm90": Basis("ahead of the per-expert loop in every row but Mixtral's 4096-token prefill",
+                         _rows(("mixtral T=1", "qwen3 T=64", "mixtral T=4096"), "torch-grouped-mm", "torch-loop"))},
     impl={"moe": "opmap.peers.moe.torch_grouped:moe", "route": _ROUTE},
     reqs=_COMMON_REQS,
     checks=_COMMON_CHECKS + (
@@ -103,6 +116,9 @@ registry.register(Backend(
 registry.register(Backend(
     op="moe", name="triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
+    basis={"sm90": Basis("ahead of torch's grouped GEMM and expert loop at decode sizes of both models and at "
+                         "Qwen3-30B-A3B's prefill; behind both at Mixtral's 4096-token prefill",
+                         _rows(tuple(CASES), "opmap-triton", "torch-grouped-mm", "torch-loop"))},
     impl={"moe": "opmap.kernels.moe.triton_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
           "warm_up": "opmap.kernels.moe.triton_moe:warm_up"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS,

@@ -10,7 +10,7 @@ _FLOAT = ("fp32", "fp16", "bf16")
 
 registry.register(Backend(
     op="rope", name="reference", provider="torch", version=registry.torch_version,
-    priority=dict(registry.REFERENCE_PRIORITY),
+    priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"rope": "opmap.ops.rope.reference:rope"},
     reqs=[Req("dtype", _FLOAT), Req("style", ("neox", "gptj")), Req("scaling", ("none", "linear", "llama3", "yarn")),
           Req("rotary_dim", lambda r: r is not None and r > 0 and r % 2 == 0, "rotary_dim even")],
