@@ -99,8 +99,8 @@ class ModelConfig:
     def default_page_size(self, arch: str = "cpu") -> int:
         """Tokens per KV page when none is asked for: 64 for MLA models (the MLA decode's TMA kernel
         tiles 64 keys of one page; docs/mla.md) and on sm90 (the TMA prefill reads whole 64-key
-        tiles of one page: Llama-3-8B's 1024-token prefill step took 26.8 ms against 32.3 on
-        16-token pages, decode steps the same), 16 otherwise."""
+        tiles of one page, faster than the gather prefill on 16-token pages, decode steps the same:
+        docs/engine.md, Decisions, KV pages of 64 tokens), 16 otherwise."""
         return 64 if self.is_mla or arch == "sm90" else 16
 
     def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0, quantised: bool = False,

@@ -1,8 +1,8 @@
 """RoPE and the paged KV append in one launch: the entry ``rope_append`` of the kv_append op.
 
 The engine's attention step ran ``rope(q, k)`` then ``append(k, v)``: two launches per layer
-whose work at decode is a few KB, so each costs its launch latency (on the H200, Llama-3-8B at
-batch 1: RoPE 2.3 us and append 1.5 us per layer, ~0.12 ms per step). This kernel does both for
+whose work at decode is a few KB, so each costs its launch latency, once per layer and step
+(docs/attention.md, Decisions: RoPE + KV append in one launch). This kernel does both for
 one token per program: q and k rotated in place (exactly as ``rope``: fp32 math, one rounding to
 the tensor's dtype), the rotated k row and the v row written to slot ``slot_mapping[t]`` of the
 NHD caches (exactly as ``append``: -1 skips, fp8 caches store value / scale saturated to +-448).

@@ -113,7 +113,7 @@ def _page_id(TABLES, b, s_tb, n0, MAXP, PAGE: tl.constexpr):
     """The block-table entry of the tile at n0 (the table's last column past its width: _step
     checks the id). The loops load it one tile ahead and carry it: with the load in the tile's own
     iteration, the sm90 build issued it, waited for it, and only then the tile's TMA copies, at the
-    end of the iteration before, so no copy overlapped a tile's dots (16 heads: ~3 us a tile)."""
+    end of the iteration before, so no copy overlapped a tile's dots."""
     return tl.load(TABLES + b * s_tb + tl.minimum(n0 // PAGE, MAXP - 1))
 
 

@@ -224,12 +224,13 @@ def _decode_case(B, L, fp8, quick):
         if B * HK * (L // 256) < 132:
             # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
             # picks one of them by B x Hk: splitkv.auto_min_chunk): at B=1, kv=1152 the engine's
-            # decode ran 40 programs of 256 keys, 10.7 us per layer against a ~1.1 us floor.
+            # decode ran 40 programs of 256 keys, far above the time its bytes need (docs/attention.md,
+            # Decisions: the 64-key minimum split).
             provs.append(Provider(_row(default, "chunk=64"), _ours(default, "decode", min_chunk=64), backend=("attention", default)))
             provs.append(Provider(_row(default, "chunk=256"), _ours(default, "decode", min_chunk=256), backend=("attention", default)))
     if B == 1 and L >= 16384:
-        # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, at 0.59 of the
-        # read ceiling (53 us at kv 32768; every tile variant 53-56 us). More splits put more
+        # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, well below the
+        # read ceiling whatever the tiles (docs/attention.md, What limits speed). More splits put more
         # programs, hence more loads, in flight per SM: fixed split lengths of 512 and 256 keys
         # (64 and 128 splits) against 2048 (16), in the quick grid too.
         provs += [Provider(_row(default, f"split_tokens={n}"), _ours(default, "decode", split_tokens=n),
@@ -388,9 +389,9 @@ def cases(quick: bool) -> list[BenchCase]:
     out += [_prefill_case(4, 4096, HK, quick, page=p, fp8=True) for p in (PAGE, 64)]
     if not quick:
         # The engine's own prefill shapes (Llama-3-8B, one prompt: the e2e TTFT case is S=1024).
-        # At S=512 with 32 heads the default tile took 200 us against 113 us for BLOCK_N=32 / 4
-        # warps (160 programs, fewer than the GPU holds), and lost at S=2048 (544 programs): these
-        # rows say whether a small-grid rule holds for GQA too before it becomes the default.
+        # At S=512 with 32 heads a smaller tile (BLOCK_N=32, 4 warps) beat the default, whose 160
+        # programs are fewer than the GPU holds, and lost to it at S=2048 (544 programs): these rows
+        # say whether a small-grid rule holds for GQA too before it becomes the default.
         out += [_prefill_case(1, S, HK, quick) for S in (512, 1024)]
         out.append(_mixed_case())
     out += [_append_case(T, fp8) for T in ((64, 8192) if not quick else (64,)) for fp8 in (False, True)]

@@ -8,9 +8,9 @@ cached prefix).
 Bytes (the minimum a decode must move): the cache rows attended to, read once (B x L x 576 x
 element size; sparse: B x k rows plus the indices), plus q read and out written. FLOPs: per head
 and token 2 x 576 (scores) + 2 x 512 (value). A case is "compute" bound when its FLOPs per byte
-exceed the H200's ridge (~760 TFLOP/s / 4.2 TB/s = 181): 128 heads with a bf16 cache
-are (242 FLOP/B), so those report TFLOP/s against the bf16 GEMM ceiling; 16 heads are memory
-bound and report the fraction of the read ceiling.
+exceed the H200's ridge (``RIDGE``: the FLOP per byte where its bf16 GEMM ceiling meets its read
+ceiling): 128 heads with a bf16 cache are (242 FLOP/B), so those report TFLOP/s against the bf16
+GEMM ceiling; 16 heads are memory bound and report the fraction of the read ceiling.
 
 Providers, same inputs, same run: ours, one row per backend whose kernel can serve the case
 (``opmap-triton``: the pointer kernel, mla-triton; ``opmap-tma``: the TMA kernel, mla-tma;
