@@ -15,25 +15,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Files still to be converted: they are being rewritten elsewhere (the attention, MLA, GEMM and MoE
-# families, the profiler, the presets and the step map) and join the cases below once they pass.
-SCOPE_PENDING = frozenset({
-    "docs/attention.md",
-    "docs/mla.md",
-    "src/opmap/engine/opset.py",
-    "src/opmap/harness/bench/cases/attention.py",
-    "src/opmap/harness/bench/cases/mla.py",
-    "src/opmap/harness/profile/engine.py",
-    "src/opmap/kernels/attention/decode.py",
-    "src/opmap/kernels/attention/rope_append.py",
-    "src/opmap/kernels/mla/decode.py",
-    "src/opmap/kernels/mla/decode_tma.py",
-    "src/opmap/model/presets.py",
-    "src/opmap/model/step.py",
-    "src/opmap/ops/attention/backends.py",
-    "src/opmap/ops/mla/backends.py",
-})
-
 # A commit-like word: 7 to 40 hex digits, bare or in backticks, holding at least one digit and one
 # letter (so neither a plain number nor a word such as "defaced"). Hex inside a longer token (a kernel
 # symbol, "0x...", a path, a case name) is not a word of its own and does not count.
@@ -99,21 +80,16 @@ DOCS = _rel([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 CODE = _rel([*(ROOT / "src").rglob("*.py"), *(ROOT / "scripts").rglob("*.py"), *(ROOT / "scripts").rglob("*.sh")])
 
 
-@pytest.mark.parametrize("rel", [p for p in DOCS if p not in SCOPE_PENDING])
+@pytest.mark.parametrize("rel", DOCS)
 def test_doc_cites_no_commit(rel):
     hits = commit_hashes((ROOT / rel).read_text())
     assert not hits, f"{rel}: cite the baseline row (bench/baselines/<gpu>/<family>.md, case, provider), not a commit: {hits}"
 
 
-@pytest.mark.parametrize("rel", [p for p in CODE if p not in SCOPE_PENDING])
+@pytest.mark.parametrize("rel", CODE)
 def test_comments_quote_no_measured_figure(rel):
     hits = measured_figures(ROOT / rel)
     assert not hits, f"{rel}: say why in words and cite the family doc's Decisions row: {hits}"
-
-
-def test_scope_pending_names_existing_files():
-    missing = sorted(p for p in SCOPE_PENDING if not (ROOT / p).is_file())
-    assert not missing, missing
 
 
 def test_the_detectors(tmp_path):
