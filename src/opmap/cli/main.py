@@ -227,8 +227,8 @@ def cmd_select(args) -> int:
                        "(families register theirs in opmap.ops.<family>.backends)")
     try:
         choice = select(args.op, spec, backend=args.backend)
-    except BackendError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except BackendError as e:  # a usage error here: the spec asked for is one no backend serves
+        print(f"opmap select: error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(choice.explain())
     return 0

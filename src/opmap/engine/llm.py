@@ -213,6 +213,9 @@ class LLM:
                                  f"fewer than max_model_len={self.max_model_len} (room for one new token)")
             if params.logprobs is not None and params.logprobs > self.cfg.vocab:
                 raise InputError("logprobs", params.logprobs, f"at most the vocabulary ({self.cfg.vocab})")
+            beyond = [t for t in params.stop_token_ids or () if not 0 <= t < self.cfg.vocab]
+            if beyond:  # such an id is never sampled: the stop would never fire
+                raise InputError("stop_token_ids", f"id {beyond[0]}", f"ids in [0, {self.cfg.vocab})")
             seq = Sequence(ids, params, prompt=text, index=i)
             if params.structured is not None:
                 seq.state["grammar"] = self._grammar_state(params)  # compiles in the background

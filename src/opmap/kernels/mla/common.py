@@ -124,10 +124,10 @@ def _mla_merge_kernel(SEQ_LENS, PO, PLSE, O, LSE, H, R, K_SPARSE, SPLIT_MIN,
     mr = offs_r < R
     acc, m, l = split_sum(PLSE + b * s_plb + h * s_plh, PO + b * s_pob + h * s_poh, s_pos, used, offs_r, mr,
                           S_P, BLOCK_S, False)
-    l_safe = tl.where(l > 0, l, 1.0)
+    l_safe = tl.where(l != 0, l, 1.0)  # a NaN partial leaves l NaN: the output and the LSE NaN
     tl.store(O + b * s_ob + h * s_oh + offs_r, (acc / l_safe).to(O.dtype.element_ty), mask=mr)
     if rb == 0:
-        tl.store(LSE + b * H + h, tl.where(l > 0, m + tl.log(l_safe), float("-inf")))
+        tl.store(LSE + b * H + h, tl.where(l != 0, m + tl.log(l_safe), float("-inf")))
 
 
 def merge_block_r(B: int, H: int, R: int, device) -> int:

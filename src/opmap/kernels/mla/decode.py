@@ -139,9 +139,10 @@ def _mla_decode_kernel(QN, QP, CACHE, SEQ_LENS, TABLES, INDICES, SCALE_PTR, O, L
         m_i, alpha, p, l_i = softmax_step(tl.where(valid[None, :], s * qk_scale, float("-inf")), m_i, l_i, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee" if IEEE else None)
 
-    # natural-log LSE of the scores (sm_scale * q.k); -inf where nothing was attended
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    # natural-log LSE of the scores (sm_scale * q.k); -inf where nothing was attended; a NaN in the
+    # scores leaves l_i NaN (!= 0), so the output and the LSE are NaN, as in the reference
+    l_safe = tl.where(l_i != 0, l_i, 1.0)
+    lse = tl.where(l_i != 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     acc = acc * (ks / l_safe)[:, None]
     if NUM_SPLITS == 1:
         tl.store(O + b * s_ob + offs_h[:, None] * s_oh + offs_r[None, :], acc.to(O.dtype.element_ty),

@@ -319,7 +319,7 @@ def _mla_fp8_kernel(qn_ptr, qp_ptr, c_ptr, sl_ptr, bt_ptr, ks_ptr, o_ptr, lse_pt
     cp.wait_group(0)
 
     l_i = gl.sum(l_i, 0)
-    pos = l_i > 0
+    pos = l_i != 0  # 0: nothing attended; NaN (a NaN score) stays NaN in the output and the LSE
     inv = gl.where(pos, ks / gl.where(pos, l_i, 1.0), 0.0)
     lse = gl.where(pos, (m_i + gl.log2(gl.where(pos, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o = acc * gl.expand_dims(gl.expand_dims(inv, 0), 0)

@@ -280,8 +280,9 @@ def _mla_decode_tma_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, SCALE_PTR
                                      m_i, l_i, acc0, acc1, BLOCK_RH, R_CHUNKS, BLOCK_DR, BLOCK_N, PAGE, KEYS_ROWS, 1,
                                      FP8, ASM)
 
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    # l_i == 0: nothing attended (-inf); NaN (a NaN score) stays NaN in the output and the LSE
+    l_safe = tl.where(l_i != 0, l_i, 1.0)
+    lse = tl.where(l_i != 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
     if FP8:
         l_safe = l_safe / ks
     if KEYS_ROWS:  # [latent, heads]

@@ -66,6 +66,7 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
 
         from opmap.model.hf import make_hf_model, save_checkpoint
         from opmap.engine.llm import LLM
+        from opmap.engine.tokenizer import byte_tokenizer
         from opmap.engine.weights import StateDictSource
         from opmap.model.presets import PRESETS
 
@@ -86,7 +87,10 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
             else:
                 hf = save_checkpoint(c, d, seed=3)
             prompts = _prompts(c.vocab, (3, 21, 60), seed=7)
-            with LLM(model, source=source, max_num_batched_tokens=48, max_num_seqs=4, **_dev_kw(device)) as llm:
+            # token-id prompts: the byte tokenizer, so a checkpoint saved without one is not reported as such
+            tok = byte_tokenizer(c.vocab) if checkpoint is None else None
+            with LLM(model, source=source, tokenizer=tok, max_num_batched_tokens=48, max_num_seqs=4,
+                     **_dev_kw(device)) as llm:
                 outs = llm.generate(prompts, _greedy())
             if device == "cuda":
                 hf = hf.to("cuda")
