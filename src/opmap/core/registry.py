@@ -271,20 +271,20 @@ def ops() -> list[str]:
 # ---- helpers shared by the families' declarations -------------------------------------------
 
 def triton_version() -> str:
-    import triton
+    import triton  # heavy: importing the registry imports no framework
 
     return triton.__version__
 
 
 def torch_version() -> str:
-    import torch
+    import torch  # heavy: importing the registry imports no framework
 
     return torch.__version__
 
 
 def package_version(name: str) -> Callable[[], str]:
     def version() -> str:
-        from importlib.metadata import version as v
+        from importlib.metadata import version as v  # read when a version is shown, not at registration
 
         return v(name)
 
@@ -292,14 +292,14 @@ def package_version(name: str) -> Callable[[], str]:
 
 
 def needs_cuda() -> Optional[str]:
-    import torch
+    import torch  # heavy: importing the registry imports no framework
 
     return None if torch.cuda.is_available() else "no CUDA device in this process"
 
 
 def triton_available() -> Optional[str]:
     """Triton kernels run on a CUDA GPU, or on the CPU through the interpreter."""
-    import torch
+    import torch  # heavy: importing the registry imports no framework
 
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return None
@@ -308,7 +308,7 @@ def triton_available() -> Optional[str]:
 
 def package_available(name: str) -> Callable[[], Optional[str]]:
     def available() -> Optional[str]:
-        import importlib.util
+        import importlib.util  # consulted only when selecting for this process
 
         if importlib.util.find_spec(name) is None:
             return f"package {name!r} is not installed"

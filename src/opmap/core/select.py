@@ -91,7 +91,7 @@ class Choice:
 
 
 def local_arch() -> str:
-    from opmap.core.hw import local_arch as la
+    from opmap.core.hw import local_arch as la  # heavy: hw imports torch, which importing the selector does not
 
     return la()
 
