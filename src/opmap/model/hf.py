@@ -277,6 +277,9 @@ OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "max_position_embeddings", 
                   "shared_expert_intermediate_size", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
                   "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group")
 POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps", "rope_local_base_freq")
+# optional sizes where 0 means "not set", as from_hf_config reads them (the default takes over)
+ZERO_IS_UNSET = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank", "n_group", "topk_group",
+                 "num_experts", "num_local_experts", "n_routed_experts", "shared_expert_intermediate_size")
 
 
 def check_fields(d: dict, path: str) -> None:
@@ -286,7 +289,8 @@ def check_fields(d: dict, path: str) -> None:
     from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
 
     def size(f: str, v) -> None:
-        lo = 2 if f == "max_position_embeddings" else 1  # a prompt token and a generated one
+        # max_position_embeddings: a prompt token and a generated one
+        lo = 2 if f == "max_position_embeddings" else 0 if f in ZERO_IS_UNSET else 1
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise InputError(f"{path} {f}", repr(v), f"an integer >= {lo}")
 
