@@ -15,16 +15,14 @@ to the cache; dims at or above the rotary dim (partial rotary) are copied to the
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from opmap.kernels import pdl
 from opmap.kernels.pdl import enter
-from opmap.kernels.norm.triton_norm import _norm_rows
-from opmap.kernels.rope.triton_rope import _pair_index, _rotate_heads, _rotate_pairs
+from opmap.kernels.norm.triton_norm import norm_rows
+from opmap.kernels.rope.triton_rope import pair_index, rotate_heads, rotate_pairs
 from opmap.ops.rope.validate import check_rope
-from opmap.core.contract import expect, expect_tensor
 from opmap.kernels.attention import kv_append as A
 from opmap.ops.attention import validate as V
 
@@ -50,12 +48,12 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
             mq = (hq < HQ) & (dn < D)
             pq = q_ptr + t * stride_qt + hq.to(tl.int64) * stride_qh + dn
             vq = tl.load(pq, mask=mq, other=0.0).to(tl.float32)
-            tl.store(pq, _norm_rows(vq, wq, D, eps, dt).to(dt), mask=mq)
+            tl.store(pq, norm_rows(vq, wq, D, eps, dt).to(dt), mask=mq)
         hk = tl.arange(0, BLOCK_HK)[:, None]
         mk = (hk < HK) & (dn < D)
         pk = k_ptr + t * stride_kt + hk * D + dn
         vk = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
-        tl.store(pk, _norm_rows(vk, wk, D, eps, dt).to(dt), mask=mk)
+        tl.store(pk, norm_rows(vk, wk, D, eps, dt).to(dt), mask=mk)
         tl.debug_barrier()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cs_row = cs_ptr + pos * (2 * HALF)
@@ -64,17 +62,17 @@ def _rope_kv_append_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, kc_ptr, vc_ptr,
     c = tl.load(cs_row + dh, mask=dh < HALF, other=0.0)[None, :]
     s = tl.load(cs_row + HALF + dh, mask=dh < HALF, other=0.0)[None, :]
     for h0 in range(0, HQ, BLOCK_QH):
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
     # k: its rotary pairs in place with the same helper (so the bits match rope's) and, from the
     # same registers, into the cache row; dims at or above the rotary dim are copied unrotated.
     # Each thread stores only values it loaded itself: an earlier version loaded each element's
     # partner through a second, permuted load and raced with the in-place store of another warp
     # (caught on the H200 by the bitwise GPU test, not by the interpreter, which runs one thread).
     h = tl.arange(0, BLOCK_HK)[:, None]
-    i1, i2 = _pair_index(dh[None, :], HALF, IS_NEOX)
+    i1, i2 = pair_index(dh[None, :], HALF, IS_NEOX)
     okr = (h < HK) & (dh[None, :] < HALF)
     kp = k_ptr + t * stride_kt + h * D
-    y1, y2 = _rotate_pairs(kp, i1, i2, okr, c, s)
+    y1, y2 = rotate_pairs(kp, i1, i2, okr, c, s)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         crow = kc_ptr + slot * (HK * D) + h * D
@@ -99,27 +97,13 @@ def _store_row(ptr, x, scale_ptr, h, HK, mask, FP8: tl.constexpr):
     tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-def check_qk_norm_arg(qk_norm, q):
-    """``qk_norm``: None or (w_q [D], w_k [D], eps), Qwen3's per-head norms of q and k."""
-    if qk_norm is None:
-        return None
-    expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
-           "None or a tuple (w_q, w_k, eps)")
-    w_q, w_k, eps = qk_norm
-    D = q.shape[2]
-    for name, w in (("w_q", w_q), ("w_k", w_k)):
-        expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
-    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
-    return w_q, w_k, float(eps)
-
-
 def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
                 v_scale=None, qk_norm=None) -> None:
     """``rope(q, k, positions, cos_sin, style)`` then ``append(k, v, k_cache, v_cache, slot_mapping,
     k_scale, v_scale)`` in one launch, with both entries' checks and results. ``qk_norm=(w_q, w_k,
     eps)``: Qwen3's per-head RMSNorm of q and k first (``qk_rmsnorm``), in the same launch."""
     r = check_rope(q, k, positions, cos_sin, style)
-    norm = check_qk_norm_arg(qk_norm, q)
+    norm = V.check_qk_norm_arg(qk_norm, q)
     _, _, hk, d, dv = A.check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T, HQ, _ = q.shape
     if T == 0:

@@ -27,7 +27,7 @@ CHUNK = 4096
 
 
 @triton.jit
-def _norm_rows(v, w, H, eps, dt: tl.constexpr):
+def norm_rows(v, w, H, eps, dt: tl.constexpr):
     """HF numerics on fp32 rows v[ROWS, BLOCK]: x * rsqrt(mean(x^2) + eps) rounded to dt, then
     times the fp32 weight w (broadcast to v's shape); the caller rounds once more on the store."""
     rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / H + eps)
@@ -55,7 +55,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R,
             tl.store(rp, s, mask=mask)
             v = s.to(tl.float32)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
-        y = _norm_rows(v, w[None, :], H, eps, dt)
+        y = norm_rows(v, w[None, :], H, eps, dt)
         tl.store(o_ptr + rows[:, None] * stride_o + offs[None, :], y.to(dt), mask=mask)
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -101,7 +101,7 @@ def _qk_norm_kernel(x_ptr, wq_ptr, wk_ptr, stride_t, stride_h, R, NH, HQ, D, eps
     v = tl.load(p, mask=mask, other=0.0).to(tl.float32)
     wq = tl.load(wq_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
     wk = tl.load(wk_ptr + offs, mask=offs < D, other=0.0).to(tl.float32)
-    y = _norm_rows(v, tl.where((h < HQ)[:, None], wq[None, :], wk[None, :]), D, eps, dt)
+    y = norm_rows(v, tl.where((h < HQ)[:, None], wq[None, :], wk[None, :]), D, eps, dt)
     tl.store(p, y.to(dt), mask=mask)
 
 

@@ -19,7 +19,7 @@ from opmap.ops.rope.validate import check_rope
 
 
 @triton.jit
-def _rotate_pairs(p, i1, i2, mask, c, s):
+def rotate_pairs(p, i1, i2, mask, c, s):
     """Rotates the pairs (p[i1], p[i2]) in place and returns them: fp32 math, one rounding to the
     tensor's dtype. Each thread loads both elements of the pairs it stores, so rotating in place
     needs no barrier (a thread never reads a value another thread writes)."""
@@ -35,7 +35,7 @@ def _rotate_pairs(p, i1, i2, mask, c, s):
 
 
 @triton.jit
-def _pair_index(d, HALF, IS_NEOX: tl.constexpr):
+def pair_index(d, HALF, IS_NEOX: tl.constexpr):
     """The two dims of pair d: NeoX (d, d + R/2), GPT-J (2d, 2d + 1)."""
     if IS_NEOX:
         return d, d + HALF
@@ -44,14 +44,14 @@ def _pair_index(d, HALF, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, h0, nheads, c, s, HALF, IS_NEOX: tl.constexpr,
+def rotate_heads(base, stride_h, h0, nheads, c, s, HALF, IS_NEOX: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = h0 + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < nheads) & (d[None, :] < HALF)
-    i1, i2 = _pair_index(d, HALF, IS_NEOX)
+    i1, i2 = pair_index(d, HALF, IS_NEOX)
     p = base + heads[:, None].to(tl.int64) * stride_h
-    _rotate_pairs(p, i1[None, :], i2[None, :], mask, c, s)
+    rotate_pairs(p, i1[None, :], i2[None, :], mask, c, s)
 
 
 @triton.jit
@@ -67,9 +67,9 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cs_ptr, stride_qt, stride_qh, stride_kt,
     c = tl.load(cs_row + d, mask=d < HALF, other=0.0)[None, :]
     s = tl.load(cs_row + HALF + d, mask=d < HALF, other=0.0)[None, :]
     if h0 < HQ:
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
+        rotate_heads(q_ptr + t * stride_qt, stride_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
     if h0 < HK:
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, h0, HK, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
+        rotate_heads(k_ptr + t * stride_kt, stride_kh, h0, HK, c, s, HALF, IS_NEOX, BLOCK_H, BLOCK_D)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,

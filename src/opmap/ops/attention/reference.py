@@ -49,14 +49,13 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
                 v_scale=None, qk_norm=None) -> None:
     """(Qwen3's q/k RMSNorm when ``qk_norm=(w_q, w_k, eps)``,) RoPE on q and k in place, then
     append: the fused entry's definition."""
-    from opmap.ops.norm.reference import _rmsnorm
+    from opmap.ops.norm.reference import rmsnorm_rows
     from opmap.ops.rope import reference as rope_ref
-    from opmap.kernels.attention.rope_append import check_qk_norm_arg
 
-    norm = check_qk_norm_arg(qk_norm, q)
+    norm = V.check_qk_norm_arg(qk_norm, q)
     if norm is not None:
-        q.copy_(_rmsnorm(q, norm[0], norm[2]))
-        k.copy_(_rmsnorm(k, norm[1], norm[2]))
+        q.copy_(rmsnorm_rows(q, norm[0], norm[2]))
+        k.copy_(rmsnorm_rows(k, norm[1], norm[2]))
     rope_ref.rope(q, k, positions, cos_sin, style)
     append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 

@@ -134,3 +134,17 @@ def check_slots(slot_mapping, num_tokens: int, num_slots: int) -> None:
         raise InputError("slot_mapping", f"slot_mapping[{i}]={int(s[i])}",
                          f"-1 (skip) or a slot in [0, {num_slots}) (num_pages * page_size)")
     value_check_passed("slots", slot_mapping, num_slots)
+
+
+def check_qk_norm_arg(qk_norm, q):
+    """``qk_norm``: None or (w_q [D], w_k [D], eps), Qwen3's per-head norms of q and k."""
+    if qk_norm is None:
+        return None
+    expect(isinstance(qk_norm, tuple) and len(qk_norm) == 3, "qk_norm", type(qk_norm).__name__,
+           "None or a tuple (w_q, w_k, eps)")
+    w_q, w_k, eps = qk_norm
+    D = q.shape[2]
+    for name, w in (("w_q", w_q), ("w_k", w_k)):
+        expect_tensor(name, w, dtype=(q.dtype, torch.float32), ndim=1, shape=(D,), device=q.device)
+    expect(isinstance(eps, (float, int)) and eps >= 0, "eps", repr(eps), "a float >= 0")
+    return w_q, w_k, float(eps)

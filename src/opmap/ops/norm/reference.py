@@ -12,7 +12,7 @@ import torch
 from opmap.ops.norm.validate import check_norm, check_qk_norm
 
 
-def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     y = (xf * torch.rsqrt(var + eps)).to(x.dtype)
@@ -21,7 +21,7 @@ def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out=None) -> torch.Tensor:
     check_norm(x, weight, eps, out=out)
-    y = _rmsnorm(x, weight, eps)
+    y = rmsnorm_rows(x, weight, eps)
     if out is not None:
         out.copy_(y)
         return out
@@ -41,6 +41,6 @@ def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_hea
     """Per-head RMSNorm of q and k in place (Qwen3's q_norm / k_norm): ``qk`` is [T, Hq + Hk, D]
     (a view of the fused qkv projection), heads < num_q_heads use ``w_q``, the rest ``w_k``."""
     check_qk_norm(qk, w_q, w_k, num_q_heads, eps)
-    qk[:, :num_q_heads] = _rmsnorm(qk[:, :num_q_heads], w_q, eps)
-    qk[:, num_q_heads:] = _rmsnorm(qk[:, num_q_heads:], w_k, eps)
+    qk[:, :num_q_heads] = rmsnorm_rows(qk[:, :num_q_heads], w_q, eps)
+    qk[:, num_q_heads:] = rmsnorm_rows(qk[:, num_q_heads:], w_k, eps)
     return qk

@@ -23,7 +23,7 @@ LN2 = 0.6931471805599453
 
 
 @functools.lru_cache(maxsize=None)
-def _workspace(device: str, kind: str) -> torch.Tensor:
+def plan_workspace(device: str, kind: str) -> torch.Tensor:
     """One per device and wrapper kind: a planned wrapper keeps its schedule in its workspace, so
     the prefill and decode plans held by ``_planned`` must not share one."""
     return torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
@@ -48,7 +48,7 @@ def _planned(kind: str, tensors: tuple, args: tuple, make):
     return w
 
 
-def _paged_meta(seq_lens, block_tables, page: int):
+def paged_meta(seq_lens, block_tables, page: int):
     n_pages = (seq_lens.long() + page - 1) // page
     indptr = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
     indptr[1:] = torch.cumsum(n_pages, 0)
@@ -77,8 +77,8 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale,
     V.check_values(seq_lens, block_tables, P, page, cu_seqlens_q, q.shape[0])
 
     def make():
-        indptr, indices, last = _paged_meta(seq_lens, block_tables, page)
-        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(str(q.device), "prefill"), kv_layout="NHD")
+        indptr, indices, last = paged_meta(seq_lens, block_tables, page)
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(plan_workspace(str(q.device), "prefill"), kv_layout="NHD")
         w.plan(cu_seqlens_q, indptr, indices, last, q.shape[1], hk, d, page, causal=causal, pos_encoding_mode="NONE",
                window_left=(window - 1) if window else -1, logits_soft_cap=soft_cap, sm_scale=float(scale),
                q_data_type=q.dtype, kv_data_type=k_cache.dtype)
@@ -99,8 +99,8 @@ def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale, window=None, s
     V.check_values(seq_lens, block_tables, P, page)
 
     def make():
-        indptr, indices, last = _paged_meta(seq_lens, block_tables, page)
-        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(str(q.device), "decode"), kv_layout="NHD",
+        indptr, indices, last = paged_meta(seq_lens, block_tables, page)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(plan_workspace(str(q.device), "decode"), kv_layout="NHD",
                                                           use_tensor_cores=True)
         w.plan(indptr, indices, last, q.shape[1], hk, d, page, pos_encoding_mode="NONE",
                window_left=(window - 1) if window else -1, logits_soft_cap=soft_cap, q_data_type=q.dtype,

@@ -19,7 +19,7 @@ from opmap.ops.sampling.validate import check_sample_args
 __all__ = ["sample", "sample_joint"]
 
 
-def _probs(logits, temperature, top_k):
+def filtered_probs(logits, temperature, top_k):
     x, z, invalid, greedy = _prepare(logits, temperature, top_k)
     return x, torch.softmax(z, -1).contiguous(), invalid, greedy
 
@@ -28,7 +28,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
     import flashinfer.sampling as fs
 
     check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
-    x, probs, invalid, greedy = _probs(logits, temperature, top_k)
+    x, probs, invalid, greedy = filtered_probs(logits, temperature, top_k)
     V = probs.shape[-1]
     k = torch.where((top_k <= 0) | (top_k > V), V, top_k).to(torch.int32)
     use_k, use_p, use_mp = bool((k < V).any()), bool((top_p < 1).any()), bool((min_p > 0).any())
@@ -51,6 +51,6 @@ def sample_joint(logits, temperature, top_k, top_p, min_p, seeds, positions):
     """top-k + top-p with FlashInfer's joint order (benchmark line "flashinfer-joint")."""
     import flashinfer.sampling as fs
 
-    x, probs, invalid, greedy = _probs(logits, temperature, top_k)
+    x, probs, invalid, greedy = filtered_probs(logits, temperature, top_k)
     ids = fs.top_k_top_p_sampling_from_probs(probs, top_k.to(torch.int32), top_p, filter_apply_order="joint")
     return _finish(x, ids.to(torch.int64), invalid, greedy)

@@ -181,17 +181,17 @@ def _flashinfer(phase):
     def make(inp):
         import flashinfer
 
-        from opmap.peers.attention.flashinfer import _paged_meta, _workspace
+        from opmap.peers.attention.flashinfer import paged_meta, plan_workspace
 
         q, kc = inp["q"], inp["kc"]
-        indptr, indices, last = _paged_meta(inp["seq_lens"], inp["bt"], inp["page"])
+        indptr, indices, last = paged_meta(inp["seq_lens"], inp["bt"], inp["page"])
         if phase == "decode":
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_workspace(str(q.device), "decode"), kv_layout="NHD",
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(plan_workspace(str(q.device), "decode"), kv_layout="NHD",
                                                               use_tensor_cores=True)
             w.plan(indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], pos_encoding_mode="NONE",
                    q_data_type=q.dtype, kv_data_type=kc.dtype, sm_scale=inp["scale"])
         else:
-            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_workspace(str(q.device), "prefill"), kv_layout="NHD")
+            w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(plan_workspace(str(q.device), "prefill"), kv_layout="NHD")
             w.plan(inp["cu"], indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], causal=True,
                    pos_encoding_mode="NONE", sm_scale=inp["scale"], q_data_type=q.dtype, kv_data_type=kc.dtype)
         return lambda: w.run(q, (kc, inp["vc"]))

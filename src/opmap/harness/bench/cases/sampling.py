@@ -78,9 +78,9 @@ def _flashinfer_from_probs(inp):
     bound, not a like-for-like engine step."""
     import flashinfer.sampling as fs
 
-    from opmap.peers.sampling.flashinfer_peer import _probs
+    from opmap.peers.sampling.flashinfer_peer import filtered_probs
 
-    _, probs, _, _ = _probs(inp["x"], inp["T"], inp["k"])
+    _, probs, _, _ = filtered_probs(inp["x"], inp["T"], inp["k"])
     k, p = inp["k"].to(torch.int32), inp["p"]
     return lambda: fs.top_k_top_p_sampling_from_probs(probs, k, p, filter_apply_order="joint")
 
