@@ -9,6 +9,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_configure(config):
+    # Triton's interpreter (3.6) turns a one-element array into an index with int(array), which
+    # NumPy deprecates: one warning per kernel argument read that way, in every interpreted test.
+    # Its own code, not ours: filtered where it is raised, so that any other warning stands out.
+    config.addinivalue_line("filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:"
+                                              "DeprecationWarning:triton.runtime.interpreter")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -350,3 +350,31 @@ def test_a_trace_with_bad_durations(tmp_path, dur, words, capsys):
     f = tmp_path / "t.json"
     f.write_text(json.dumps({"traceEvents": ev}))
     _one_line(capsys, ["profile", "--trace", str(f)], 1, "trace t.json", "ampere_sgemm_128x64_tn", *words)
+
+
+def test_an_nsys_export_with_a_kernel_ending_before_it_starts(tmp_path, capsys):
+    import sqlite3
+
+    f = tmp_path / "run.sqlite"
+    db = sqlite3.connect(f)
+    db.execute("CREATE TABLE StringIds (id INTEGER, value TEXT)")
+    db.execute("INSERT INTO StringIds VALUES (1, 'ampere_sgemm_128x64_tn')")
+    db.execute("CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER, end INTEGER, demangledName INTEGER, "
+               "correlationId INTEGER, streamId INTEGER)")
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 1, ?, 7)", [(1000, 2000, 1), (5000, 4000, 2)])
+    db.commit()
+    db.close()
+    _one_line(capsys, ["profile", "--trace", str(f)], 1, "trace run.sqlite", "ampere_sgemm_128x64_tn",
+              "from 5000 to 4000", "end >= start")
+
+
+def test_the_check_says_each_engine_line_once(caplog):
+    """The check's engine cases build engines over the same small cache, each of which said
+    "max_model_len 1024, below the model's 2048 positions": `opmap report` printed it six times."""
+    from opmap.harness.check import runner
+
+    with caplog.at_level("WARNING", logger="opmap.engine"):
+        results, _ = runner.check(ops=["e2e"], sections=["boundaries"], quick=True, progress=False)
+    assert results and all(r.passed for r in results), [(r.case, r.figure) for r in results if not r.passed]
+    said = [r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert said and len(said) == len(set(said)), said

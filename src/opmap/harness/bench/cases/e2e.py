@@ -87,7 +87,7 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_g
     base, quant, kv = split_model(model)
     cfg = get_preset(base)
     llm = LLM(base, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
-              max_num_batched_tokens=step_budget(cases_of_model), max_model_len=4096,
+              max_num_batched_tokens=step_budget(cases_of_model), max_model_len=min(4096, cfg.max_position),
               gpu_memory_fraction=0.9,  # HF runs after, alone
               async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv,
               **({} if prefill_graph_tokens is None else {"prefill_graph_tokens": prefill_graph_tokens}))
