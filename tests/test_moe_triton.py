@@ -61,6 +61,8 @@ CASES = [
 
 @pytest.mark.parametrize("T,H,I,E,k,dtype,kw", CASES, ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-E{c[3]}-k{c[4]}-"
                                                            f"{str(c[5])[6:]}" for c in CASES])
+# SiLU of a large negative fp16 input: exp(-x) overflows to inf, and x / (1 + inf) is the right 0
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_triton_matches_reference(T, H, I, E, k, dtype, kw):
     kw = dict(kw)
     if kw.pop("bias", False):

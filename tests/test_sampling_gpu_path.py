@@ -13,6 +13,10 @@ from test_sampling_kernel import (  # noqa: F401
     test_min_p_one_keeps_only_the_maximum, test_no_op_filters_change_nothing, test_seeded_rows_do_not_depend_on_the_batch,
     test_single_finite_logit_always_chosen, test_support_and_tokens_match_reference)
 
+# As in test_sampling_kernel: rows of NaN / inf logits on purpose, and the interpreter's NumPy
+# warning on the masked lanes (-inf - -inf) and on casting them.
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")]
+
 
 @pytest.fixture(autouse=True)
 def gpu_chunking(monkeypatch):
