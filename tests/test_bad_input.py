@@ -137,6 +137,17 @@ def test_temperature_processor_refuses_a_negative_temperature():
                backend=backend)
 
 
+def test_temperature_processor_leaves_greedy_rows_alone():
+    """A temperature below the smallest normal fp32 (0 included) is greedy: its row is left as it is
+    by both backends (the GPU flushes a subnormal one to 0)."""
+    x = torch.randn(B, V)
+    t = torch.tensor([0.0, 1e-40, 0.5])
+    for backend in ("reference", "triton"):
+        y = x.clone()
+        opmap.apply_temperature(y, t, backend=backend)
+        assert torch.equal(y[:2], x[:2]) and torch.allclose(y[2], x[2] / 0.5)
+
+
 def test_value_checks_can_be_turned_off(monkeypatch):
     """OPMAP_CHECK_VALUES=0 skips the data-dependent checks (as for attention's metadata): a
     trusted caller's own tensors are not read back."""
@@ -150,7 +161,9 @@ def test_value_checks_can_be_turned_off(monkeypatch):
 
 MUTATIONS = [("top_p", math.nan), ("max_tokens", 0), ("max_tokens", -3), ("temperature", math.nan),
              ("temperature", -1.0), ("top_k", -7), ("seed", -5), ("stop", [""]), ("repetition_penalty", 0.0),
-             ("logprobs", -1), ("stop", 5), ("stop_token_ids", [-1])]
+             ("logprobs", -1), ("stop", 5), ("stop_token_ids", [-1]),
+             # valid as Python floats, not as the fp32 tensors the sampler reads
+             ("temperature", 1e39), ("top_p", 1e-300), ("repetition_penalty", 1e-40), ("presence_penalty", -1e39)]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,8 @@ bitmask -> sample -> stop):
 2. grammar bitmask (``grammar_mask`` op) when ``json_schema`` / ``json_object`` / ``grammar`` /
    ``regex`` is given (at most one of them).
 3. sampling (``sampling`` op, ``sample``): ``temperature`` 0 = greedy (argmax, lowest id wins a
-   tie), as is a temperature so small that its fp32 reciprocal overflows; otherwise z = l / temperature and the support is the longest prefix of the tokens in
+   tie), as is any temperature below the smallest normal fp32 (2**-126); otherwise
+   z = l / temperature and the support is the longest prefix of the tokens in
    the order (z descending, id ascending) that satisfies all of: at most ``top_k`` tokens
    (0 = off), z >= max(z) + log(``min_p``) (0 = off), and top-p: a token is kept while the
    probability mass of the tokens ranked before it, renormalised over the top-k/min-p support,
@@ -37,11 +38,13 @@ also refuses n above the model's vocabulary, for that request only.
 from __future__ import annotations
 
 import math
+import struct
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from opmap.core.contract import InputError
+from opmap.ops.sampling.validate import FLT_MIN
 
 __all__ = ["SamplingParams"]
 
@@ -55,6 +58,15 @@ def _is_int(v) -> bool:
 
 def _is_real(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _f32(v: float) -> float:
+    """``v`` as the fp32 value of the per-row tensors the ops read (inf beyond fp32's range): a
+    value must be valid there too, not only as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
 
 
 @dataclass
@@ -91,23 +103,23 @@ class SamplingParams:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InputError("max_tokens", repr(self.max_tokens), "an int >= 1")
         t = self.temperature
-        if not _is_real(t) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise InputError("temperature", repr(t), "a finite number >= 0 (0 = greedy)")
+        if not _is_real(t) or math.isnan(t) or t < 0 or math.isinf(_f32(t)):
+            raise InputError("temperature", repr(t), "a number >= 0, finite in fp32 (0 = greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise InputError("top_k", repr(self.top_k), "an int >= 0 (0 = off)")
         p = self.top_p
-        if not _is_real(p) or math.isnan(p) or not (0 < p <= 1):
-            raise InputError("top_p", repr(p), "a number in (0, 1] (1 = off)")
+        if not _is_real(p) or math.isnan(p) or not (0 < p <= 1) or _f32(p) == 0:
+            raise InputError("top_p", repr(p), "a number in (0, 1] that fp32 does not round to 0 (1 = off)")
         m = self.min_p
         if not _is_real(m) or math.isnan(m) or not (0 <= m <= 1):
             raise InputError("min_p", repr(m), "a number in [0, 1] (0 = off)")
         r = self.repetition_penalty
-        if not _is_real(r) or not math.isfinite(r) or r <= 0:
-            raise InputError("repetition_penalty", repr(r), "a finite number > 0 (1 = off)")
+        if not _is_real(r) or not math.isfinite(_f32(r)) or _f32(r) < FLT_MIN:
+            raise InputError("repetition_penalty", repr(r), "a number >= 2**-126, finite in fp32 (1 = off)")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if not _is_real(v) or not math.isfinite(v):
-                raise InputError(name, repr(v), "a finite number (0 = off)")
+            if not _is_real(v) or not math.isfinite(_f32(v)):
+                raise InputError(name, repr(v), "a number finite in fp32 (0 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not (0 <= self.seed < 2**63)):
             raise InputError("seed", repr(self.seed), "None or an int in [0, 2**63)")
         if isinstance(self.stop, str):
@@ -139,7 +151,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return _f32(self.temperature) < FLT_MIN or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

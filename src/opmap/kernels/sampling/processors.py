@@ -10,9 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.ops.sampling.validate import check_logits, check_penalty_args, check_row_params
+from opmap.ops.sampling.validate import FLT_MIN as FLT_MIN_F32, check_logits, check_penalty_args, check_row_params
 
 __all__ = ["apply_penalties", "apply_temperature"]
+
+FLT_MIN = tl.constexpr(FLT_MIN_F32)  # the smallest normal fp32 (validate.FLT_MIN)
 
 
 @triton.jit
@@ -42,8 +44,9 @@ def _temperature_kernel(logits_ptr, stride_l, temp_ptr, V, BLOCK: tl.constexpr):
     lp = logits_ptr + row * stride_l + offs
     inb = offs < V
     x = tl.load(lp, mask=inb, other=0.0).to(tl.float32)
-    # temperature 0 (greedy) rows are divided by 1: left as they are
-    tl.store(lp, x / tl.where(t > 0, t, 1.0), mask=inb)
+    # greedy rows (a temperature below FLT_MIN, 0 included: the reference's greedy_rows) are
+    # divided by 1: left as they are
+    tl.store(lp, x / tl.where(t >= FLT_MIN, t, 1.0), mask=inb)
 
 
 def _block(t: torch.Tensor) -> int:

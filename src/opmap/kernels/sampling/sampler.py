@@ -46,7 +46,7 @@ from opmap.kernels.pdl import enter
 from opmap.kernels.sampling.sampler_jit import (HIST_NB, INT_MAX, KEY_NEG_INF, NB2, PART, _combine_parts, _fine_bin,  # noqa: F401
                           _fine_bracket, _gumbel, _hist_bins, _hist_bracket, _key, _load_z, _parts_max, _pass_a,
                           _put_candidates, _race_block, _race_lanes, _search, _unkey)
-from opmap.ops.sampling.validate import check_sample_args
+from opmap.ops.sampling.validate import FLT_MIN as FLT_MIN_F32, check_sample_args
 
 __all__ = ["sample", "support_from_boundary"]
 
@@ -54,6 +54,7 @@ __all__ = ["sample", "support_from_boundary"]
 # then the fine bracket of a top-p-alone row with more than CAND values above lo: state (0 none,
 # 1 refined by _sample_refine_kernel, 2 its fine bracket gathered), lo2, hi2 (_sample_gather_kernel).
 BR = tl.constexpr(8)
+FLT_MIN = tl.constexpr(FLT_MIN_F32)  # the smallest normal fp32 value: see _row_flags
 
 
 @triton.jit
@@ -65,16 +66,16 @@ def not_(x):
 def _row_flags(temp_ptr, topk_ptr, topp_ptr, minp_ptr, row, V):
     T = tl.load(temp_ptr + row)
     k = tl.minimum(tl.load(topk_ptr + row).to(tl.int64), V).to(tl.int32)
-    p = tl.load(topp_ptr + row)
+    # Subnormal parameters: the GPU build flushes them to zero, the interpreter does not; each has
+    # the one meaning validate.FLT_MIN gives it (the reference's too).
+    p = tl.maximum(tl.load(topp_ptr + row), FLT_MIN)
     mp = tl.load(minp_ptr + row)
     # div_rn: the IEEE-rounded reciprocal, so that z matches PyTorch's bit for bit on the GPU too.
     inv_t = tl.where(T > 0.0, tl.math.div_rn(tl.full([], 1.0, tl.float32), tl.where(T > 0.0, T, 1.0)), 1.0)
-    # A temperature whose reciprocal overflows fp32 is greedy (the limit T -> 0; its z would be NaN
-    # at the max), as in the reference (``greedy_rows``).
-    greedy = (T <= 0.0) | (k == 1) | (inv_t == float("inf"))
+    greedy = (T < FLT_MIN) | (k == 1)
     use_k = (k > 1) & (k < V)
     use_p = p < 1.0
-    use_mp = mp > 0.0
+    use_mp = mp >= FLT_MIN
     unfiltered = (not_(use_k | use_p | use_mp)) & not_(greedy)
     need_s = use_p & not_(use_mp) & not_(greedy)
     return k, p, mp, greedy, inv_t, use_k, use_p, use_mp, unfiltered, need_s

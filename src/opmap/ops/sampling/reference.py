@@ -2,18 +2,19 @@
 
 Contract (shared by every backend of the ``logits`` and ``sampling`` ops; parameter meaning in
 ``opmap.engine.params``). Per-row parameters are tensors of shape [B] on the logits' device:
-``temperature`` fp32, finite and >= 0 (0 = greedy, as is a temperature whose fp32 reciprocal
-overflows: ``greedy_rows``), ``top_k`` int32/int64 >= 0 (0 or >= V = off), ``top_p`` fp32 in (0, 1]
-(1 = off), ``min_p`` fp32 in [0, 1] (0 = off), ``seeds`` int64, ``positions`` int64 (any values:
-their bits key the random stream); penalties: ``repetition`` finite > 0, ``frequency`` and
-``presence`` finite. A value outside its range (NaN included) is an InputError naming the
-argument (``validate.check_row_params``: read on the host, so skipped inside a CUDA-graph
-capture, for a trusted caller and with OPMAP_CHECK_VALUES=0).
+``temperature`` fp32, finite and >= 0 (0 = greedy, as is any temperature below the smallest normal
+fp32, ``validate.FLT_MIN``), ``top_k`` int32/int64 >= 0 (0 or >= V = off), ``top_p`` fp32 in (0, 1]
+(1 = off), ``min_p`` fp32 in [0, 1] (0 = off, as is any min_p below FLT_MIN), ``seeds`` int64,
+``positions`` int64 (any values: their bits key the random stream); penalties: ``repetition`` finite
+>= FLT_MIN, ``frequency`` and ``presence`` finite. A value outside its range (NaN included) is an
+InputError naming the argument (``validate.check_row_params``: read on the host, so skipped inside a
+CUDA-graph capture, for a trusted caller and with OPMAP_CHECK_VALUES=0).
 
 logits op:
 - ``apply_penalties(logits[B, V], prompt_mask[B, V] bool, output_counts[B, V] int32,
   repetition[B], frequency[B], presence[B]) -> None`` in place.
-- ``apply_temperature(logits, temperature) -> None`` in place; rows with temperature 0 untouched.
+- ``apply_temperature(logits, temperature) -> None`` in place; greedy rows (temperature below
+  ``FLT_MIN``, 0 included) untouched.
 - ``apply_filters(logits, top_k, top_p, min_p) -> Tensor``: a copy with -inf outside the support
   (the support is computed on the logits as given, i.e. after temperature).
 - ``logprobs(logits, token_ids[B], n) -> (chosen[B] fp32, top_values[B, n] fp32, top_ids[B, n] int64)``:
@@ -36,7 +37,8 @@ import torch
 
 from opmap.core.contract import expect, expect_tensor
 from opmap.ops.sampling.philox import gumbel
-from opmap.ops.sampling.validate import INTS, check_logits, check_penalty_args, check_row_params, check_sample_args
+from opmap.ops.sampling.validate import (FLT_MIN, INTS, check_logits, check_penalty_args, check_row_params,
+                                         check_sample_args)
 
 __all__ = ["apply_penalties", "apply_temperature", "apply_filters", "logprobs", "filtered_probs",
            "support_mask", "invalid_rows", "sample", "race", "kernel_z", "greedy_ids", "greedy_rows"]
@@ -58,7 +60,8 @@ def apply_temperature(logits, temperature) -> None:
     check_row_params(B, logits.device, temperature=(temperature, torch.float32))
     t = temperature.float()[:, None]
     l = logits.float()
-    logits.copy_(torch.where(t > 0, l / torch.where(t > 0, t, 1.0), l).to(logits.dtype))
+    greedy = t < FLT_MIN  # left as they are (greedy_rows)
+    logits.copy_(torch.where(greedy, l, l / torch.where(greedy, 1.0, t)).to(logits.dtype))
 
 
 def invalid_rows(logits) -> torch.Tensor:
@@ -78,7 +81,7 @@ def support_mask(z, top_k, top_p, min_p) -> torch.Tensor:
     k = torch.where((k <= 0) | (k > V), V, k)
     zmax = zs[:, :1]
     mp = min_p.double()[:, None]
-    cut = torch.where(mp > 0, zmax + torch.log(mp.clamp_min(1e-300)), torch.full_like(mp, -math.inf))
+    cut = torch.where(mp >= FLT_MIN, zmax + torch.log(mp.clamp_min(FLT_MIN)), torch.full_like(mp, -math.inf))
     keep = (rank < k) & (zs >= cut) & torch.isfinite(zs)
     w = torch.where(keep, torch.exp(zs - zmax), 0.0)
     w = w / w.sum(-1, keepdim=True)
@@ -104,10 +107,8 @@ def greedy_ids(logits) -> torch.Tensor:
 
 
 def greedy_rows(temperature, top_k) -> torch.Tensor:
-    """Bool [B]: the rows drawn greedily: temperature 0, top_k 1, or a temperature so small that
-    its fp32 reciprocal overflows (the limit T -> 0: z = (x - max) / T would be NaN at the max)."""
-    t = temperature.float()
-    return (t == 0) | (top_k.to(torch.int64) == 1) | torch.isinf(1.0 / t)
+    """Bool [B]: the rows drawn greedily: temperature below FLT_MIN (0 included) or top_k 1."""
+    return (temperature.float() < FLT_MIN) | (top_k.to(torch.int64) == 1)
 
 
 def filtered_probs(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:

@@ -8,6 +8,11 @@ from opmap.core.contract import (InputError, expect_same_device, expect_tensor, 
                                  value_check_seen, values_wanted)
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+# The smallest normal fp32 value. A GPU kernel flushes subnormal parameters to zero, so they get one
+# meaning in every backend (reference.py: ``greedy_rows``, ``support_mask``): a temperature below it
+# is greedy (the limit T -> 0; its reciprocal may overflow), a min_p below it is off, a top_p below
+# it keeps the first token (as FLT_MIN does), and a repetition penalty below it is refused.
+FLT_MIN = 2.0 ** -126
 INTS = (torch.int32, torch.int64)
 
 
@@ -27,7 +32,7 @@ VALUE_RANGES = {
     "top_k": (lambda t: t >= 0, "values >= 0 (0 = off; >= the vocabulary = off)"),
     "top_p": (lambda t: (t > 0) & (t <= 1), "values in (0, 1] (1 = off)"),
     "min_p": (lambda t: (t >= 0) & (t <= 1), "values in [0, 1] (0 = off)"),
-    "repetition": (lambda t: torch.isfinite(t) & (t > 0), "finite values > 0 (1 = off)"),
+    "repetition": (lambda t: torch.isfinite(t) & (t >= FLT_MIN), "finite values >= 2**-126 (1 = off)"),
     "frequency": (lambda t: torch.isfinite(t), "finite values (0 = off)"),
     "presence": (lambda t: torch.isfinite(t), "finite values (0 = off)"),
 }
