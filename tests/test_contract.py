@@ -95,3 +95,25 @@ def test_flashinfer_plans_once_per_metadata():
     assert len(_PLANS["decode"]) == 1
     for memo in _PLANS.values():
         memo.clear()
+
+
+def test_inference_tensors_are_checked_every_time_not_remembered():
+    """torch.inference_mode tensors keep no version counter: the memo remembers nothing about them
+    (an in-place write would go unseen), and an op's value checks still run on them."""
+    import opmap
+    from opmap.core.contract import TensorMemo
+    from opmap.harness.fixtures.attention import make_paged, make_query
+
+    memo = TensorMemo(4)
+    with torch.inference_mode():
+        t = torch.zeros(3)
+        memo.put(("tag", t), True)
+        assert memo.get(("tag", t), False) is False and len(memo) == 0
+        pc = make_paged([5, 9], 2, 16, 4, dtype=torch.float32)
+        q, _ = make_query([1, 1], 4, 16, dtype=torch.float32)
+        out = opmap.attention_decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, 0.25)
+        assert torch.isfinite(out).all()
+        bad = pc.block_tables.clone()
+        bad[0, 0] = 10 ** 6
+        with pytest.raises(InputError, match="block_tables"):
+            opmap.attention_decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, bad, 0.25)

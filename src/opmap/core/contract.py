@@ -140,12 +140,16 @@ class TensorMemo:
         self._held: "OrderedDict[tuple, tuple]" = OrderedDict()  # key -> (weak refs, value)
 
     @staticmethod
-    def _key(items) -> tuple:
+    def _key(items) -> Optional[tuple]:
+        """None when an item is an inference tensor (``torch.inference_mode``): those keep no
+        version counter, so an in-place write would go unseen and nothing about them is remembered."""
+        if any(isinstance(t, torch.Tensor) and t.is_inference() for t in items):
+            return None
         return tuple((id(t), t._version, tuple(t.shape)) if isinstance(t, torch.Tensor) else t for t in items)
 
     def get(self, items, default=None):
         key = self._key(items)
-        held = self._held.get(key)
+        held = None if key is None else self._held.get(key)
         if held is None or not all(r() is t for r, t in zip(held[0], [t for t in items if isinstance(t, torch.Tensor)])):
             return default
         self._held.move_to_end(key)
@@ -158,7 +162,10 @@ class TensorMemo:
         self._held.clear()
 
     def put(self, items, value) -> None:
-        self._held[self._key(items)] = ([weakref.ref(t) for t in items if isinstance(t, torch.Tensor)], value)
+        key = self._key(items)
+        if key is None:
+            return
+        self._held[key] = ([weakref.ref(t) for t in items if isinstance(t, torch.Tensor)], value)
         while len(self._held) > self.size:
             self._held.popitem(last=False)
 
