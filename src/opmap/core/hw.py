@@ -1,6 +1,7 @@
 """What device this is, and the measured ceilings of its GPU (cached per GPU and driver)."""
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import os
@@ -56,6 +57,7 @@ def _driver_version() -> Optional[str]:
 @functools.lru_cache(maxsize=1)
 def detect() -> DeviceInfo:
     try:
+        # heavy: triton, for its version only (importing hw, as the CLI does at start, loads none of it)
         import triton
 
         tv = triton.__version__
@@ -128,8 +130,6 @@ def median_ms(fn, reps: int = 20, before=None) -> float:
 
 def measure_ceilings() -> Ceilings:
     """Measure the three ceilings on GPU 0 (a few seconds)."""
-    import datetime
-
     info = detect()
     if info.kind != "cuda":
         raise RuntimeError("ceilings are measured on a GPU; this machine has none")
