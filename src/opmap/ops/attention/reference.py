@@ -19,6 +19,8 @@ import torch
 
 from opmap.core.contract import expect, expect_same_device, expect_tensor
 from opmap.ops.attention import validate as V
+from opmap.ops.norm.reference import rmsnorm_rows
+from opmap.ops.rope import reference as rope_ref
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,9 +51,6 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
                 v_scale=None, qk_norm=None) -> None:
     """(Qwen3's q/k RMSNorm when ``qk_norm=(w_q, w_k, eps)``,) RoPE on q and k in place, then
     append: the fused entry's definition."""
-    from opmap.ops.norm.reference import rmsnorm_rows
-    from opmap.ops.rope import reference as rope_ref
-
     norm = V.check_qk_norm_arg(qk_norm, q)
     if norm is not None:
         q.copy_(rmsnorm_rows(q, norm[0], norm[2]))

@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from opmap.ops.grammar.validate import check_bitmask_args
+
 __all__ = ["apply_bitmask", "unpack_bitmask", "pack_bitmask"]
 
 
@@ -33,8 +35,6 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows=None) -> None:
-    from opmap.ops.grammar.validate import check_bitmask_args
-
     check_bitmask_args(logits, bitmask, rows)
     V = logits.shape[1]
     allowed = unpack_bitmask(bitmask, V)
