@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opmap.core.contract import InputError
 from opmap.kernels import pdl
 from opmap.kernels.pdl import enter
 from opmap.ops.activation.validate import check_act
@@ -44,8 +45,6 @@ def _launch(x: torch.Tensor, out, gelu: bool) -> torch.Tensor:
     try:
         o2 = out.view(-1, H)
     except RuntimeError:
-        from opmap.core.contract import InputError
-
         raise InputError("out", f"strides {out.stride()}", "leading dims that flatten to one row stride") from None
     R = x2.shape[0]
     if R == 0 or H == 0:

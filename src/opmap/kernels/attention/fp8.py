@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from opmap.kernels.attention.common import interpreted
+
 
 @triton.jit
 def e4m3_to_f16(x):
@@ -55,8 +57,6 @@ def dot_flags(cache_dtype, q: torch.Tensor, enabled: bool = True) -> dict:
     ``e4m3_to_f16`` on a GPU and by a cast in the interpreter, which runs no PTX. ``enabled``
     False keeps Triton's cast and dots in q's dtype (the MLA decode's 64-head blocks, where that
     measured faster)."""
-    from opmap.kernels.attention.common import interpreted
-
     f16 = fp16_dots(cache_dtype, q.dtype, enabled)
     return dict(F16=f16, ASM=f16 and not interpreted(q.device))
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from opmap.kernels import pdl
-from opmap.core.contract import expect
+from opmap.core.contract import InputError, expect
 from opmap.kernels.pdl import enter
 from opmap.ops.norm.validate import check_norm, check_qk_norm
 
@@ -139,8 +139,6 @@ def _rows(t: torch.Tensor, arg: str, may_copy: bool) -> torch.Tensor:
     except RuntimeError:
         if may_copy:
             return t.reshape(-1, H).contiguous()
-        from opmap.core.contract import InputError
-
         raise InputError(arg, f"strides {t.stride()}", "leading dims that flatten to one row stride") from None
 
 
