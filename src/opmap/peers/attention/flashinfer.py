@@ -69,6 +69,7 @@ def _common(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, causal=True, window=None,
             soft_cap=None, k_scale=None, v_scale=None, return_lse=False):
+    # optional: flashinfer
     import flashinfer
 
     P, page, hk, d = _common(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale)
@@ -92,6 +93,7 @@ def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale,
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale, window=None, soft_cap=None, k_scale=None,
            v_scale=None, return_lse=False, workspace=None):
+    # optional: flashinfer
     import flashinfer
 
     P, page, hk, d = _common(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from opmap.core.contract import InputError, expect
 from opmap.ops.attention import validate as V
@@ -20,9 +21,8 @@ from opmap.ops.attention import validate as V
 
 @functools.lru_cache(maxsize=None)
 def _flex_fn(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
-
     if device_type == "cuda":
+        # heavy: dynamo (it loads sympy and Triton), on the compiled CUDA path only
         import torch._dynamo.config as dc
 
         # Each call brings its own block mask (a new mask_mod closure over that step's tables) and
@@ -67,8 +67,6 @@ def _check_distinct_pages(seq_lens, block_tables, page: int):
 
 def _run(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale, causal, window, soft_cap,
          k_scale, v_scale, return_lse):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     P, page, hk, d, dv = V.check_cache(k_cache, v_cache)
     V.check_q(q, k_cache, hk, d)
     expect(k_cache.dtype != V.FP8, "k_cache", "fp8", "the query's dtype (the flex adapter takes no fp8 KV)")

@@ -16,6 +16,7 @@ __all__ = ["apply_bitmask"]
 
 
 def apply_bitmask(logits, bitmask, rows=None) -> None:
+    # optional: xgrammar
     import xgrammar
 
     check_bitmask_args(logits, bitmask, rows)

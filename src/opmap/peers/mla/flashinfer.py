@@ -24,6 +24,7 @@ _WORKSPACE_BYTES = 128 * 2**20
 
 @functools.lru_cache(maxsize=4)
 def _wrapper(device: str):
+    # optional: flashinfer
     import flashinfer
 
     ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)

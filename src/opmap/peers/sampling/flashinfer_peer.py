@@ -25,6 +25,7 @@ def filtered_probs(logits, temperature, top_k):
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
+    # optional: flashinfer
     import flashinfer.sampling as fs
 
     check_sample_args(logits, temperature, top_k, top_p, min_p, seeds, positions)
@@ -49,6 +50,7 @@ def sample(logits, temperature, top_k, top_p, min_p, seeds, positions):
 
 def sample_joint(logits, temperature, top_k, top_p, min_p, seeds, positions):
     """top-k + top-p with FlashInfer's joint order (benchmark line "flashinfer-joint")."""
+    # optional: flashinfer
     import flashinfer.sampling as fs
 
     x, probs, invalid, greedy = filtered_probs(logits, temperature, top_k)
