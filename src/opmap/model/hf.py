@@ -14,7 +14,11 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
+from opmap.core.contract import InputError, expect
 from opmap.model.presets import PRESETS, ModelConfig, get_preset
+from opmap.ops.rope.reference import ROPE_SCALINGS
 
 # HF model_type -> our arch name (the presets use the same names).
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "mixtral",
@@ -73,9 +77,6 @@ def _rope(d: dict) -> tuple[float, Optional[dict]]:
     # max_model_len never exceeds: below it HF's dynamic RoPE is the default one
     if kind in ("default", None, "dynamic"):
         return theta, None
-    from opmap.core.contract import InputError
-    from opmap.ops.rope.reference import ROPE_SCALINGS
-
     if kind not in ROPE_SCALINGS:
         raise InputError("config.json rope_scaling", repr(kind), "one of " + ", ".join(ROPE_SCALINGS))
     return theta, scaling
@@ -83,8 +84,6 @@ def _rope(d: dict) -> tuple[float, Optional[dict]]:
 
 def _local_rope(d: dict) -> Optional[float]:
     """The RoPE base of Gemma-3's sliding layers (plain RoPE: another kind there is refused)."""
-    from opmap.core.contract import InputError
-
     rp = (d.get("rope_parameters") or {}).get("sliding_attention")
     if rp is None:
         return float(d["rope_local_base_freq"]) if d.get("rope_local_base_freq") else None
@@ -95,8 +94,6 @@ def _local_rope(d: dict) -> Optional[float]:
 
 def from_hf_config(d: dict, name: str = "checkpoint") -> ModelConfig:
     """Our ModelConfig from the dict of an HF config.json."""
-    from opmap.core.contract import InputError
-
     mt = d.get("model_type")
     if mt not in HF_TYPES:
         raise InputError("config.json model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
@@ -212,8 +209,6 @@ def weight_quant(d: dict) -> Optional[dict]:
     Block-wise fp8 (``weight_block_size``, DeepSeek-V3's and Qwen3's FP8 releases) -> {"format": None,
     "block": [rows, cols], ...}: dequantised at load. Any other quantisation is refused, naming the
     field (it would load as wrong numbers)."""
-    from opmap.core.contract import InputError
-
     q = d.get("quantization_config")
     if not q:
         return None
@@ -328,8 +323,6 @@ def resolve_model(model: str) -> tuple:
     """A preset name, a local checkpoint directory or a config.json -> (config, checkpoint dir or
     None). The one resolver of every command: a config.json alone gives the architecture with
     random weights."""
-    from opmap.core.contract import InputError, expect
-
     if model in PRESETS:
         return get_preset(model), None
     if os.path.isdir(model) or (os.path.isfile(model) and os.path.basename(model).endswith(".json")):
@@ -476,11 +469,10 @@ def _through_autoconfig(d: dict, path: str) -> dict:
     """The config.json as transformers reads it (``AutoConfig.for_model``: the defaults of the
     architecture filled in, ``rope_scaling`` and ``rope_parameters`` in the form of this
     transformers); an architecture opmap does not serve is refused first, naming the supported ones."""
-    from opmap.core.contract import InputError
-
     mt = d.get("model_type")
     if mt not in HF_TYPES:
         raise InputError(f"{path} model_type", repr(mt), "one of " + ", ".join(HF_TYPES))
+    # heavy: transformers, for a config.json only
     from transformers import AutoConfig
 
     rest = {k: v for k, v in d.items() if k != "model_type"}
@@ -503,6 +495,7 @@ def _rope_parameters(cfg: ModelConfig) -> dict:
 
 def to_hf_config(cfg: ModelConfig, **overrides):
     """The transformers config of the same model (transformers 5.x classes)."""
+    # heavy: transformers, for the HF peer and parity paths only
     import transformers as T
 
     common = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
@@ -579,7 +572,7 @@ def to_hf_config(cfg: ModelConfig, **overrides):
 def make_hf_model(cfg: ModelConfig, seed: int = 0, dtype=None, device="cpu", std: float = 0.05):
     """A random-weight HF model of ``cfg``. Every parameter is drawn (biases included: HF inits
     them to zero, which would leave the bias path untested); norm weights are drawn around 1."""
-    import torch
+    # heavy: transformers, for the HF peer and parity paths only
     from transformers import AutoModelForCausalLM
 
     dtype = dtype or torch.float32
