@@ -17,6 +17,8 @@ import collections
 import warnings
 from typing import Optional
 
+import torch
+
 _SYNC_WARNING = "synchronizing"  # torch's sync debug warning: "called a synchronizing CUDA operation"
 # Synchronisations a step is allowed, by where they happen: FlashInfer's plan reads the page-table
 # offsets on the host by design (its API: plan on the host, then run), and opmap's adapters build
@@ -36,7 +38,7 @@ class StepAudit:
         self._saved = {}
 
     def __enter__(self) -> "StepAudit":
-        import torch
+        # heavy: triton, loaded when an audit opens (importing the engine loads none of it)
         import triton
 
         llm, audit = self.llm, self
@@ -75,7 +77,7 @@ class StepAudit:
         return self
 
     def __exit__(self, *exc) -> None:
-        import torch
+        # heavy: triton, as in __enter__
         import triton
 
         self.llm._execute = self._saved["execute"]
@@ -110,6 +112,7 @@ def _declared(event) -> bool:
 
 def _dynamo_graphs() -> int:
     try:
+        # heavy and optional: dynamo
         from torch._dynamo.utils import counters
     except ImportError:  # a torch without Dynamo compiles nothing
         return 0

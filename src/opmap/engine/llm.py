@@ -12,9 +12,12 @@ import gc
 import json
 import logging
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
+
+import torch
 
 from opmap.core.contract import InputError, trusted_values
 from opmap.engine.params import SamplingParams
@@ -30,6 +33,7 @@ from opmap.engine.sequence import Sequence
 from opmap.engine.stop import check_stop, make_checker
 from opmap.engine.tokenizer import HFTokenizer, make_tokenizer
 from opmap.engine.weights import SafetensorsSource, eos_token_ids
+from opmap.engine.structured import BitmaskBuffer, StructuredOutput
 
 log = logging.getLogger("opmap.engine")
 
@@ -91,8 +95,6 @@ class LLM:
         self._pending: Optional[_Pending] = None  # the last decode step's tokens, not read back yet
         self._readback = None  # (pinned [2 * max_num_seqs] int64, CUDA event): see _Pending
         if self.runner.device.type == "cuda":
-            import torch
-
             self._readback = (torch.empty(2 * self.ecfg.max_num_seqs, dtype=torch.int64, pin_memory=True),
                               torch.cuda.Event())
         self.ahead_steps = 0  # decode steps launched before the previous step's tokens were read
@@ -127,8 +129,6 @@ class LLM:
         first prefill and mixed steps of a run carry the JIT compiles, several times a warm step
         (docs/engine.md, Decisions: the start-up warm-up). The prefix cache and the counters
         start empty after it. Seconds taken."""
-        import random
-
         t0 = time.perf_counter()
         g = random.Random(0)
         long = max(4, min(self.ecfg.max_num_batched_tokens + 8, self.max_model_len - 4))
@@ -230,8 +230,6 @@ class LLM:
         if self._structured is not None:
             return
         try:
-            from opmap.engine.structured import BitmaskBuffer, StructuredOutput
-
             ends = self.eos_ids or getattr(self.tokenizer, "grammar_end", None)
             self._structured = StructuredOutput(self.tokenizer.tok, vocab_size=self.cfg.vocab,
                                                 stop_token_ids=ends or None)
@@ -305,6 +303,7 @@ class LLM:
         return os.path.join(self.path, "tokenizer_config.json") + " chat_template"
 
     def _chat_tokenizer(self, chat_template: Optional[str]):
+        # heavy: transformers, for a chat template only
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         fn = os.path.join(self.path, "tokenizer_config.json") if self.path is not None else None
@@ -443,8 +442,6 @@ class LLM:
         t0 = time.perf_counter()
         phase = counted_phase(batch)
         if self.ecfg.trace_ops:
-            import torch
-
             with torch.profiler.record_function(f"opmap::step::{phase}"):
                 done += self._execute(batch, pend)
         else:
@@ -490,8 +487,6 @@ class LLM:
         mask = None
         if any(g is not None for g in grammars):
             if not self.ecfg.overlap_grammar and self.runner.device.type == "cuda":
-                import torch
-
                 torch.cuda.synchronize(self.runner.device)  # serial: the forward first, then the fill
                 t = self._tick("wait", t)
             for g in grammars:
@@ -590,8 +585,6 @@ class _Pending:
     is contiguous, did not show it (tests/test_engine_async.py keeps the slice contiguous)."""
 
     def __init__(self, seqs: list, grammars: list, ids, invalid, lps: list, readback=None):
-        import torch
-
         self.seqs, self.grammars, self.lps, self.ids = seqs, grammars, lps, ids
         both = torch.stack((ids.to(torch.int64), invalid.to(torch.int64)))
         if readback is not None:
@@ -618,8 +611,6 @@ def _elem_bytes(ecfg: EngineConfig, cfg, arch: str) -> int:
 
 def free_device_memory() -> None:
     """Collect garbage (engines hold reference cycles) and return cached CUDA blocks to the device."""
-    import torch
-
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -627,6 +618,7 @@ def free_device_memory() -> None:
 
 def _progress(total: int):
     try:
+        # optional: tqdm
         from tqdm import tqdm
 
         return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

@@ -7,6 +7,7 @@ sampled tokens reaching the host, so launch and sampling overheads are included)
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 
@@ -53,8 +54,6 @@ class GcTimer:
     (a full collection of a large heap lands inside whichever engine step triggered it)."""
 
     def __init__(self):
-        import time
-
         self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
         self._t0 = None
         self._clock = time.perf_counter  # bound now: the hook also runs during interpreter shutdown

@@ -15,6 +15,7 @@ import torch
 
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
+from opmap.ops.gemm.quant import quantize_weight
 
 
 @dataclass
@@ -128,8 +129,6 @@ class DecoderModel:
         each weight of ``quant_names`` becomes its quantised tensor, its scale ``<name>.scale``
         (fp32); ``lm_head``: the LM head too where it is not the embedding table (a tied one is
         read by the embedding lookup). Returns the names quantised."""
-        from opmap.ops.gemm.quant import quantize_weight
-
         names = self.quant_names() + (["lm_head"] if lm_head and "lm_head" in self.params else [])
         for n in names:
             wq, scale = quantize_weight(self.params[n], fmt)

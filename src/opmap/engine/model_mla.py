@@ -15,6 +15,8 @@ import torch
 from opmap.engine.model import DecoderModel, Step
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader
+from opmap.core.contract import InputError
+from opmap.engine.model_gemma import GemmaModel
 
 
 def _yarn_mscale(scale: float, m: float) -> float:
@@ -99,8 +101,6 @@ class MLAModel(DecoderModel):
 
     def set_kv_dtype(self, kv) -> None:
         if kv is not None:
-            from opmap.core.contract import InputError
-
             raise InputError("kv_cache_dtype", kv, "None for MLA models (the engine's latent cache stays in the "
                              "model's dtype)")
 
@@ -124,7 +124,5 @@ def build_model(cfg: ModelConfig, device, dtype):
     if cfg.is_mla:
         return MLAModel(cfg, device, dtype)
     if cfg.sandwich_norms:
-        from opmap.engine.model_gemma import GemmaModel
-
         return GemmaModel(cfg, device, dtype)
     return DecoderModel(cfg, device, dtype)

@@ -15,6 +15,8 @@ import dataclasses
 import logging
 from typing import Optional
 
+import torch
+
 from opmap.api.dispatch import entry_of
 from opmap.engine.config import EngineConfig
 from opmap.model.presets import ModelConfig
@@ -109,8 +111,6 @@ def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = Non
 
 def _ranged(fn, name: str):
     """fn inside a torch.profiler range and an NVTX range (for Nsight), both named ``name``."""
-    import torch
-
     def wrapped(*args, **kw):
         nvtx = torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
         if nvtx:

@@ -37,6 +37,8 @@ from typing import Optional
 
 import torch
 
+from opmap.engine.params import SamplingParams
+
 
 def generate_with_logits(llm, prompt: list, params) -> tuple:
     """(RequestOutput, fp32 logits [new tokens, vocab]) of one prompt: the rows the engine
@@ -63,8 +65,6 @@ def compare(llm, hf_low, hf32, prompt: list, n_new: int, hf_tokens: Optional[lis
     """Figures of one prompt (see the module docstring). ``hf_low`` and ``hf32`` are HF models
     with the same weights in the engine's dtype and in fp32; ``hf_tokens``: HF's own greedy
     tokens, to report where they first differ from the engine's."""
-    from opmap.engine.params import SamplingParams
-
     out, ours = generate_with_logits(llm, prompt, SamplingParams(max_tokens=n_new, temperature=0.0,
                                                                  ignore_eos=True))
     toks = out.token_ids

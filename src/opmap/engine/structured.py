@@ -33,6 +33,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from opmap.core.select import select
+from opmap.core.specs import spec_for
+
 log = logging.getLogger("opmap.grammar")
 
 __all__ = ["StructuredOutput", "GrammarState", "BitmaskBuffer", "apply_bitmask", "tokenizer_info",
@@ -46,9 +49,11 @@ class GrammarError(RuntimeError):
 def tokenizer_info(tokenizer, vocab_size: Optional[int] = None, stop_token_ids: Optional[Sequence[int]] = None):
     """xgrammar TokenizerInfo from a ``tokenizers.Tokenizer`` (local tokenizer.json) or an HF
     tokenizer. ``vocab_size`` is the *model's* vocabulary (the logits' width, padding included)."""
+    # optional: xgrammar
     import xgrammar
 
     try:
+        # heavy: transformers, to wrap a tokenizers.Tokenizer only
         from transformers import PreTrainedTokenizerFast
     except ImportError:  # pragma: no cover - transformers comes with xgrammar
         PreTrainedTokenizerFast = None
@@ -77,6 +82,7 @@ class StructuredOutput:
 
     def __init__(self, tokenizer, vocab_size: Optional[int] = None, stop_token_ids: Optional[Sequence[int]] = None,
                  max_workers: int = 2, compile_threads: int = 4):
+        # optional: xgrammar
         import xgrammar
 
         self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
@@ -147,6 +153,7 @@ class GrammarState:
         if exc is not None:
             self.error = f"grammar compile failed ({self.kind}): {type(exc).__name__}: {exc}"
             return False
+        # optional: xgrammar
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(self.future.result())
@@ -237,9 +244,6 @@ _logged: set = set()
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Optional[torch.Tensor] = None) -> str:
     """Apply through the selected ``grammar_mask`` backend; returns its name. A fall back from the
     fast path (our Triton kernel) to a slower one is logged once per backend name."""
-    from opmap.core.select import select
-    from opmap.core.specs import spec_for
-
     arch = "cpu" if logits.device.type != "cuda" else _arch(logits.device)
     dtype = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(logits.dtype, "fp32")
     choice = select("grammar_mask", spec_for("grammar_mask", arch=arch, vocab=logits.shape[1], dtype=dtype))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import functools
 
+from opmap.engine.weights import load_tokenizer
+
 END = "<|endoftext|>"
 
 
@@ -38,6 +40,7 @@ def _bytes_to_unicode() -> list:
 
 @functools.lru_cache(maxsize=8)
 def byte_tokenizer(vocab: int):
+    # tokenizers: loaded when a tokenizer is built, not with the engine
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     chars = _bytes_to_unicode()
@@ -52,8 +55,6 @@ def byte_tokenizer(vocab: int):
 
 
 def make_tokenizer(path, vocab: int) -> HFTokenizer:
-    from opmap.engine.weights import load_tokenizer
-
     t = load_tokenizer(path)
     out = HFTokenizer(t if t is not None else byte_tokenizer(vocab))
     out.grammar_end = None if t is not None else [vocab - 1]

@@ -20,6 +20,7 @@ import torch
 
 from opmap.core.contract import InputError
 from opmap.model.hf import inside
+from opmap.ops.gemm.quant import quantize_weight
 
 log = logging.getLogger("opmap.engine")
 
@@ -186,8 +187,6 @@ class Loader:
     def _quantised(self, name: str) -> tuple:
         """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter; a tensor stored
         unquantised (a layer the checkpoint's ignore list kept) is quantised per row here."""
-        from opmap.ops.gemm.quant import quantize_weight
-
         t = self._raw(name)
         key = self._scale_name(name) if t.dtype == FP8 else None
         if key:
@@ -272,6 +271,7 @@ def fill_random(params: dict, seed: int = 0, std: float = 0.02) -> None:
 
 def _opened(fn: str, device: str = "cpu"):
     """``safe_open`` of a checkpoint file; a missing, truncated or damaged file is an InputError."""
+    # safetensors: for checkpoint files only (random weights need none)
     from safetensors import safe_open
 
     try:
@@ -292,6 +292,7 @@ def load_tokenizer(path: Optional[str]):
         log.warning("%s: no tokenizer.json: text prompts and outputs go through opmap's byte tokenizer (ids "
                     "0..255 are bytes), not this model's", path)
         return None
+    # tokenizers: for a checkpoint's tokenizer.json only
     from tokenizers import Tokenizer
 
     try:
