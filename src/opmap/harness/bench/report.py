@@ -47,9 +47,11 @@ def roofline_png(doc: dict, path: Path) -> Optional[str]:
     if not c:
         return "no ceilings (no GPU)"
     try:
+        # heavy and optional: matplotlib, for the roofline only
         import matplotlib
 
         matplotlib.use("Agg")
+        # pyplot after the backend is chosen
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install matplotlib)"

@@ -6,18 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import sys
 import threading
 import time
 from typing import Callable, Optional
 
 import torch
+from rich.table import Table
+from rich.text import Text
 
-from opmap.core import registry
-from opmap.harness.names import closest
+from opmap.core import hw, registry
+from opmap.core.select import BackendError, select
+from opmap.harness.bench import report, timing
 from opmap.harness.bench.base import BenchCase, Provider
-from opmap.harness.bench.report import family_of
 from opmap.harness.bench.cases import FAMILIES
+from opmap.harness.bench.report import family_of
+from opmap.harness.names import closest
+from opmap.harness.output import environment, wide_console
+from opmap.harness.workpool import child_cmd, default_workers, run_queue
 
 
 def collect(quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]]:
@@ -117,9 +125,7 @@ def why_not(p: Provider, case: BenchCase) -> Optional[str]:
 
 def _local(spec):
     """The case's spec on this device's arch (cases are written for sm90)."""
-    from opmap.core.hw import local_arch
-
-    return spec.replace(arch=local_arch()) if hasattr(spec, "arch") else spec
+    return spec.replace(arch=hw.local_arch()) if hasattr(spec, "arch") else spec
 
 
 def selected_backend(case: BenchCase) -> Optional[str]:
@@ -128,8 +134,6 @@ def selected_backend(case: BenchCase) -> Optional[str]:
     ops = {p.backend[0] for p in case.providers if p.backend}
     if len(ops) != 1:
         return None
-    from opmap.core.select import BackendError, select
-
     try:
         return select(ops.pop(), _local(case.spec)).name
     except BackendError:
@@ -137,8 +141,6 @@ def selected_backend(case: BenchCase) -> Optional[str]:
 
 
 def run_case(case: BenchCase, ceil, device, quick: bool) -> tuple[list[dict], list[dict]]:
-    from opmap.harness.bench import timing
-
     recs, skipped = [], []
     runnable = []
     for p in case.providers:
@@ -223,8 +225,6 @@ def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = 
                  variants: bool = False) -> tuple:
     """(cases, load errors) that ``bench`` times with these arguments, in its order (the compile
     warm-up's workers rebuild the list from the same arguments)."""
-    from opmap.core import hw
-
     model_ops, mla, formats, model_specs = None, None, None, {}
     if model:
         # the engine's op sets and the model resolver load only when a model is asked about
@@ -259,10 +259,6 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     (on disk) before the one-by-one timing (default ``workpool.default_workers``; 1: none).
     ``warmed``: a warm-up already under way (``warm_in_background`` with the same arguments):
     waited for instead of running one."""
-    from opmap.core import hw
-    from opmap.harness.output import environment
-    from opmap.harness.workpool import default_workers
-
     ceil = hw.ceilings(measure=True)
     cases, errors = select_cases(ops, model, quick, providers, variants)
     n = default_workers() if warm_workers is None else warm_workers
@@ -288,8 +284,6 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
         results += r
         skipped += s
         if partial:
-            import json
-
             with open(partial, "w") as f:
                 json.dump(doc(partial=f"{i + 1} of {len(cases)} cases"), f, indent=1, default=str)
     return doc()
@@ -303,8 +297,6 @@ def warm_in_background(ops=None, model=None, quick=False, warm_workers: Optional
     """Start the compile warm-up of ``bench(ops, model, quick)``'s cases in a thread and return
     the function that waits for it (pass it to ``bench`` as ``warmed``). ``opmap report`` runs it
     beside the GPU check: neither times anything, and both are mostly compiling."""
-    from opmap.harness.workpool import default_workers
-
     cases, _ = select_cases(ops, model, quick)
     n = default_workers() if warm_workers is None else warm_workers
     return _start_warm(cases, n, dict(ops=ops, model=model, quick=quick, providers=None, variants=False), progress)
@@ -331,8 +323,6 @@ def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
     (our kernels, ``torch.compile`` and flex-attention peers, autotuning configs) is most of a cold
     run's time and uses one CPU core a process. Nothing is timed here; a provider that fails is
     left to the timing pass, which reports it. Returns what the warm-up did, for the result file."""
-    from opmap.harness.workpool import child_cmd, run_queue
-
     t0, done = time.perf_counter(), {"ran": 0, "failed": 0, "workers_lost": 0}
     cmd = child_cmd("opmap.harness.bench.warm_child", args, len(cases))
     if progress:
@@ -354,11 +344,6 @@ def _warm_compiles(cases: list, n: int, args: dict, progress: bool) -> dict:
 
 
 def print_table(doc: dict, console=None) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    from opmap.harness.output import wide_console
-
     console = console or wide_console()
     t = Table(title="opmap bench", title_justify="left")
     for h in ("op", "case", "provider", "median us", "TB/s", "TFLOP/s", "of ceiling"):
@@ -379,9 +364,6 @@ def print_table(doc: dict, console=None) -> None:
 
 
 def main(args) -> int:
-    from opmap.core import hw
-    from opmap.harness.bench import report
-
     info = hw.detect()
     cases, errors = collect(args.quick)
     unknown = [o for o in args.op or [] if not any(keep(c, [o], None) for c in cases)]
@@ -403,8 +385,6 @@ def main(args) -> int:
         for e in errors:
             print(f"note: bench cases of {e['family']} failed to load: {e['error']}")
         return 0
-    import os
-
     os.makedirs(args.out, exist_ok=True)
     partial = os.path.join(args.out, "bench-partial.json")
     try:

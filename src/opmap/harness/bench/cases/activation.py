@@ -5,9 +5,11 @@ Minimal bytes: read 2H, write H per row (x 2 bytes)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import ActivationSpec
+from opmap.harness.bench.base import BenchCase, Provider
 
 SHAPES = [(1, 14336), (64, 14336), (4096, 14336), (4096, 768)]
 
@@ -21,8 +23,6 @@ def _setup(R, H):
 
 def _ours(entry):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("activation", "triton").fn(entry)
         return lambda: fn(inp["x"])
 
@@ -30,8 +30,6 @@ def _ours(entry):
 
 
 def _torch(entry, compiled):
-    import torch.nn.functional as F
-
     def f(x):
         g, u = x.chunk(2, dim=-1)
         a = F.silu(g) if entry == "silu_mul" else F.gelu(g, approximate="tanh")
@@ -45,9 +43,7 @@ def _torch(entry, compiled):
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for entry in ("silu_mul", "gelu_tanh_mul"):
         for R, H in SHAPES:

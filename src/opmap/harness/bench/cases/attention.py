@@ -21,10 +21,17 @@ built outside the timing; FlashInfer when importable (plan outside the timing).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask
 
 from opmap.core import registry
-from opmap.harness.bench.base import BenchCase, Provider
 from opmap.core.specs import AttentionSpec, KVAppendSpec
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.ops.attention.reference import quantize_fp8
+from opmap.ops.rope.reference import cos_sin_cache
+from opmap.peers.attention import flex
+from opmap.peers.attention.flashinfer import paged_meta, plan_workspace
 
 HQ, HK, D, PAGE = 32, 8, 128, 16
 SDPA = (("cudnn-sdpa", "CUDNN_ATTENTION"), ("torch-sdpa-flash", "FLASH_ATTENTION"),
@@ -41,8 +48,6 @@ def _paged(B, L, hk, q_lens, hq, fp8, device, dt=torch.bfloat16, page=PAGE):
                seq_lens=torch.full((B,), L, dtype=torch.int32, device=device), scale=D ** -0.5, L=L, hq=hq, hk=hk,
                k_scale=None, v_scale=None)
     if fp8:
-        from opmap.ops.attention.reference import quantize_fp8
-
         ks = kc.float().abs().amax(dim=(0, 1, 3)) / 448.0
         vs = vc.float().abs().amax(dim=(0, 1, 3)) / 448.0
         kc = quantize_fp8(kc.view(-1, hk, D), ks).view(kc.shape)
@@ -129,9 +134,6 @@ def _public_decode(custom_op: bool):
 
 def _sdpa(member, repeat=False, causal=False):
     def make(inp):
-        import torch.nn.functional as F
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         k, v = _contiguous(inp, repeat)
         B = inp["bt"].shape[0]
         q = inp["q"].view(B, -1, inp["hq"], D).transpose(1, 2).contiguous()  # [B, Hq, S_q, D]
@@ -148,10 +150,6 @@ def _sdpa(member, repeat=False, causal=False):
 
 
 def _flex(inp):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    from opmap.peers.attention import flex
-
     kc, vc, bt, sl, cu, q = inp["kc"], inp["vc"], inp["bt"], inp["seq_lens"], inp["cu"], inp["q"]
     T, hq, _ = q.shape
     P = kc.shape[0]
@@ -179,9 +177,8 @@ def _flex(inp):
 
 def _flashinfer(phase):
     def make(inp):
+        # optional: flashinfer
         import flashinfer
-
-        from opmap.peers.attention.flashinfer import paged_meta, plan_workspace
 
         q, kc = inp["q"], inp["kc"]
         indptr, indices, last = paged_meta(inp["seq_lens"], inp["bt"], inp["page"])
@@ -333,8 +330,6 @@ def _append_case(T, fp8):
 
 def _rope_append_setup(T):
     def setup(dev):
-        from opmap.ops.rope.reference import cos_sin_cache
-
         inp = _append_setup(T, False)(dev)
         qkv = torch.randn(T, HQ + 2 * HK, D, device=dev, dtype=torch.bfloat16)
         inp.update(q=qkv[:, :HQ], k=qkv[:, HQ:HQ + HK], v=qkv[:, HQ + HK:],

@@ -18,12 +18,25 @@ import argparse
 import functools
 import gc
 import json
+import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import torch
+
+from opmap.core import hw
+from opmap.engine.config import EngineConfig
+from opmap.engine.metrics import format_host
+from opmap.harness.bench.cases.hf_static import StaticGreedy
+from opmap.harness.bench.report import write
+from opmap.harness.output import baseline_dir, environment
+from opmap.model.hf import to_hf_config
+from opmap.model.presets import get_preset
 
 # "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize),
 # "+fp8kv" with an fp8 KV cache too (EngineConfig.kv_cache_dtype); the floors count those bytes at
@@ -50,8 +63,6 @@ def kv_bytes_per_step(cfg, batch: int, prompt: int, new: int, bytes_per_elt: flo
 
 
 def _prompts(vocab, n, length, seed=0):
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
@@ -69,10 +80,6 @@ def _record(model, case, provider, ttft_ms, tpot_ms, tok_s, floor_ms, wbytes, ce
 def _engine_name(llm) -> str:
     """opmap-engine, tagged with what differs from the defaults (lockstep decode; PDL off; the
     prefill graphs' token limit). The record's environment.settings lists every OPMAP_* switch."""
-    import os
-
-    from opmap.engine.config import EngineConfig
-
     tags = ["lockstep"] if not llm.ecfg.async_decode else []
     tags += ["no-pdl"] if os.environ.get("OPMAP_PDL", "1") == "0" else []
     graphs = llm.ecfg.prefill_graph_tokens
@@ -81,9 +88,8 @@ def _engine_name(llm) -> str:
 
 
 def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None):
+    # the whole engine, for its rows only (importing this module loads none of it)
     from opmap.engine.llm import LLM
-    from opmap.model.presets import get_preset
-
     base, quant, kv = split_model(model)
     cfg = get_preset(base)
     llm = LLM(base, max_num_seqs=max([32] + [b for _, b, _, _ in cases_of_model if isinstance(b, int)]),
@@ -138,8 +144,6 @@ def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
     _run(llm, _prompts(cfg.vocab, 2, warm, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
     for _, b, plen, new in cases_of_model:
         if b == "workload":
-            import random
-
             rng = random.Random(0)
             ps = [[rng.randrange(cfg.vocab) for _ in range(rng.randint(100, 1024))] for _ in range(256)]
             sps = [SamplingParams(max_tokens=rng.randint(100, 1024), **greedy) for _ in range(256)]
@@ -241,10 +245,8 @@ def _with_diagnostics(rec: dict, d: dict) -> dict:
 
 def _hf_model(cfg, attn: str):
     """The preset's HF model on the GPU in bf16, random weights (seed 0)."""
-    import torch
+    # heavy: transformers, for the HF rows only
     from transformers import AutoModelForCausalLM
-
-    from opmap.model.hf import to_hf_config
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -259,10 +261,6 @@ def _experts_note(cfg, hf) -> str:
 
 
 def _hf(model, cases_of_model, ceil, out, skipped):
-    import torch
-
-    from opmap.model.presets import get_preset
-
     if not _unquantised(model):
         for _, b, plen, new in cases_of_model:
             skipped.append({"op": "e2e", "case": f"model={model},B={b},prompt={plen},new={new},bf16",
@@ -300,12 +298,6 @@ def _hf(model, cases_of_model, ceil, out, skipped):
 def _hf_static(model, cases_of_model, ceil, out, skipped):
     """HF transformers with a static cache and the decode forward under torch.compile
     (``hf_static.StaticGreedy``, the gpt-fast recipe): the strongest offline peer on this machine."""
-    import torch
-
-    from opmap.model.presets import get_preset
-
-    from opmap.harness.bench.cases.hf_static import StaticGreedy
-
     if not _unquantised(model):
         return  # the unquantised model's rows stand for it (see _hf)
     cfg = get_preset(model)
@@ -348,10 +340,6 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
     field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``: the engine's
     (None: its default). ``isolate``: each model in a child process of its own (``in_children``),
     so that no model's engine starts in what an earlier model's runs left in the process."""
-    import torch
-
-    from opmap.core import hw
-
     if not torch.cuda.is_available():
         return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
     todo = [c for c in (QUICK if quick else FULL)
@@ -410,8 +398,6 @@ def in_children(models: list, argv: list, done=None) -> tuple:
 def kept_rows(out_dir: str, env: dict, recs: list) -> list:
     """The rows of out_dir's e2e baseline for this GPU whose (case, provider) ``recs`` do not hold,
     each noted with the commit that measured it (rows kept before keep their first note)."""
-    from opmap.harness.output import baseline_dir
-
     path = baseline_dir(out_dir, env.get("gpu") or "cpu") / "e2e.json"
     if not path.exists():
         return []
@@ -431,10 +417,6 @@ def kept_rows(out_dir: str, env: dict, recs: list) -> list:
 
 
 def main(argv=None) -> int:
-    from opmap.core import hw
-    from opmap.harness.bench.report import write
-    from opmap.harness.output import environment
-
     ap = argparse.ArgumentParser(description="opmap end-to-end benchmark (engine vs HF transformers, eager and compiled)")
     ap.add_argument("--quick", action="store_true", help="Llama-3-8B shapes at batch 1 and 32 only")
     ap.add_argument("--out", default="bench/baselines", help="writes DIR/<gpu>/e2e.{json,md}, replacing them")
@@ -482,8 +464,6 @@ def main(argv=None) -> int:
               + (f" (+KV {r['step_floor_ms']:.2f} ms)" if r.get("step_floor_ms") else "")
               + (f"  step ms {r['step_ms']}" if r.get("step_ms") else ""))
         if r.get("host_ms"):
-            from opmap.engine.metrics import format_host
-
             print("    " + "\n    ".join(format_host(r["host_ms"])))
         if r.get("gc"):
             print(f"    longest step ms {r.get('step_ms_max')}; garbage collections {r['gc']}")

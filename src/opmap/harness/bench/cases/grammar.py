@@ -16,12 +16,17 @@
 from __future__ import annotations
 
 import importlib.util
+import tempfile
 
 import torch
 
-from opmap.core import registry
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import GrammarMaskSpec
+from opmap.engine.params import SamplingParams
+from opmap.engine.structured import BitmaskBuffer, StructuredOutput, apply_bitmask
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
+from opmap.ops.grammar.reference import pack_bitmask
 
 BATCHES = (1, 8, 64, 256)
 VOCABS = (32000, 128256, 151936)
@@ -50,8 +55,6 @@ def _have(*mods):
 
 def _apply_setup(B, V):
     def setup(device):
-        from opmap.ops.grammar.reference import pack_bitmask
-
         return dict(x=torch.randn(B, V, device=device), bm=pack_bitmask(torch.rand(B, V, device=device) < ALLOWED))
 
     return setup
@@ -71,11 +74,6 @@ _SO = {}
 def _structured(V):
     """One StructuredOutput per vocabulary size in this process (GPT-2 tokens, padded to V)."""
     if V not in _SO:
-        import tempfile
-
-        from opmap.engine.structured import StructuredOutput
-        from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
-
         tok = load_tokenizer(gpt2_tokenizer_json(tempfile.mkdtemp()))
         _SO[V] = (tok, StructuredOutput(tok, vocab_size=V, stop_token_ids=[GPT2_EOS]))
     return _SO[V]
@@ -83,8 +81,6 @@ def _structured(V):
 
 def _matchers(n, V):
     """n grammar states advanced through the prefixes (round robin) of SCHEMA."""
-    from opmap.engine.params import SamplingParams
-
     tok, so = _structured(V)
     states = []
     for i in range(n):
@@ -124,7 +120,7 @@ def _step_setup(device):
 def _step(mode):
     """mode: "none" (no grammar), "serial" (fill after the forward), "overlap" (fill during it)."""
     def make(inp):
-        from opmap.engine.structured import BitmaskBuffer, apply_bitmask
+        # loads the Triton kernels (collecting the cases loads none)
         from opmap.kernels.sampling.sampler import sample
 
         dev = inp["x"].device
@@ -161,9 +157,7 @@ def _step(mode):
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for V in VOCABS:
         for B in BATCHES:

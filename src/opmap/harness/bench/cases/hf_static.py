@@ -15,6 +15,7 @@ def static_cache(hf, batch: int, max_len: int):
     """A StaticCache of ``max_len`` tokens, its tensors made now (not inside the compiled graph);
     for MLA models (keys of qk_nope + qk_rope dims, values of v_head_dim) at the eager prefill's
     first update instead, which sizes keys and values apart."""
+    # heavy: transformers
     from transformers import StaticCache
 
     cache = StaticCache(config=hf.config, max_cache_len=max_len)

@@ -26,8 +26,10 @@ from __future__ import annotations
 import torch
 
 from opmap.core import registry
-from opmap.harness.bench.base import BenchCase, Provider
 from opmap.core.specs import AttentionSpec
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.peers.mla import flashinfer as fi
+from opmap.peers.mla.sdpa import mqa_latent
 
 R, DR, PAGE = 512, 64, 64
 RIDGE = 181.0  # FLOP per byte where the H200's bf16 GEMM ceiling meets its read ceiling
@@ -96,8 +98,6 @@ def _rows_of(inp, positions):
 
 
 def _sdpa_contiguous(inp):
-    from opmap.peers.mla.sdpa import mqa_latent
-
     B, ctx = inp["seq_lens"].shape[0], int(inp["seq_lens"][0])
     pos = torch.arange(ctx, device=inp["cache"].device).expand(B, ctx)
     lat = inp["cache"].view(-1, R + DR)[_rows_of(inp, pos)]  # gathered once, outside the timing
@@ -105,16 +105,12 @@ def _sdpa_contiguous(inp):
 
 
 def _sdpa_sparse(inp):
-    from opmap.peers.mla.sdpa import mqa_latent
-
     rows = _rows_of(inp, inp["indices"])
     flat = inp["cache"].view(-1, R + DR)
     return lambda: mqa_latent(inp["qn"], inp["qp"], flat[rows], inp["scale"])
 
 
 def _flashinfer(inp):
-    from opmap.peers.mla import flashinfer as fi
-
     w = fi.plan(inp["qn"], inp["qp"], inp["cache"], inp["seq_lens"], inp["tables"], scale=inp["scale"])
     return lambda: fi.run(w, inp["qn"], inp["qp"], inp["cache"])
 

@@ -9,9 +9,11 @@ replay: they are launch-bound, and the target is stated in microseconds.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import NormSpec
+from opmap.harness.bench.base import BenchCase, Provider
 
 SHAPES = [(8192, 8192), (1, 4096), (1, 8192), (64, 4096), (64, 8192)]
 EPS = 1e-6
@@ -30,8 +32,6 @@ def _setup(R, H, fused):
 
 def _ours(fused):
     def make(inp):
-        from opmap.core import registry
-
         b = registry.get("rmsnorm", "triton")
         if fused:
             fn = b.fn("add_rmsnorm")
@@ -43,8 +43,6 @@ def _ours(fused):
 
 
 def _torch_fn(fused):
-    import torch.nn.functional as F
-
     if fused:
         def f(x, res, w):
             res.add_(x)
@@ -68,9 +66,7 @@ def _torch(fused, compiled):
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for fused in (False, True):
         for R, H in SHAPES:

@@ -7,10 +7,14 @@ Minimal bytes: the rotary part of q and k read and written once, plus positions 
 row (fp32) per token."""
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import RopeSpec
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.ops.rope.reference import cos_sin_cache
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
@@ -26,8 +30,6 @@ CASES = [  # (T, Hq, Hk, D, r, style)
 
 def _setup(T, Hq, Hk, D, r):
     def setup(device):
-        from opmap.ops.rope.reference import cos_sin_cache
-
         qkv = torch.randn(T, (Hq + 2 * Hk) * D, device=device, dtype=torch.bfloat16)
         pos = torch.randint(0, MAX_POS, (T,), device=device)
         cs = cos_sin_cache(r, MAX_POS, 500000.0, LLAMA3, device=device)
@@ -41,8 +43,6 @@ def _setup(T, Hq, Hk, D, r):
 
 def _ours(style):
     def make(inp):
-        from opmap.core import registry
-
         fn = registry.get("rope", "triton").fn("rope")
         return lambda: fn(inp["q"], inp["k"], inp["pos"], inp["cs"], style)
 
@@ -50,21 +50,18 @@ def _ours(style):
 
 
 def _hf(inp):
+    # heavy: transformers, for the HF row only
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     return lambda: apply_rotary_pos_emb(inp["q"], inp["k"], inp["hf_cos"], inp["hf_sin"], unsqueeze_dim=1)
 
 
 def _hf_available():
-    import importlib.util
-
     return None if importlib.util.find_spec("transformers") else "transformers is not installed"
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for T, Hq, Hk, D, r, style in CASES:
         decode = T <= 64

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from opmap.core import registry
-from opmap.harness.bench.base import BenchCase, Provider
+from opmap.core import hw, registry
 from opmap.core.specs import LogitsSpec, SamplingSpec
+from opmap.harness.bench.base import BenchCase, Provider
+from opmap.peers.sampling.flashinfer_peer import filtered_probs
 
 BATCHES = (1, 8, 64, 256)
 VOCABS = (32000, 128256, 151936)
@@ -63,6 +64,7 @@ def _race_unfiltered(inp):
 
 def _ours_config(block=None, warps=None, bracket=True, ahead=True):
     def make(inp):
+        # loads the Triton kernels (collecting the cases loads none)
         from opmap.kernels.sampling.sampler import sample
 
         cfg = (block, warps) if block else None
@@ -76,9 +78,8 @@ def _flashinfer_from_probs(inp):
     call: what FlashInfer's own figures time. Every other row here starts
     from logits (temperature, softmax and the checks included), so this row is the kernel's lower
     bound, not a like-for-like engine step."""
+    # optional: flashinfer
     import flashinfer.sampling as fs
-
-    from opmap.peers.sampling.flashinfer_peer import filtered_probs
 
     _, probs, _, _ = filtered_probs(inp["x"], inp["T"], inp["k"])
     k, p = inp["k"].to(torch.int32), inp["p"]
@@ -107,9 +108,7 @@ def _pen(name):
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    from opmap.core.hw import local_arch
-
-    arch = local_arch()
+    arch = hw.local_arch()
     out = []
     for V in VOCABS:
         for B in BATCHES:
