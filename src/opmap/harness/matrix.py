@@ -16,6 +16,10 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
 from opmap.core import registry
 from opmap.core.specs import OP_SPECS, TREE
 
@@ -134,10 +138,6 @@ def print_rich(mats: list[OpMatrix], console=None) -> None:
     conditions would make a row of 18 columns unreadable). A table wider than the console is
     cut into parts of whole columns, each with the backend column, so that no header is
     truncated; ``opmap matrix --md`` prints the same matrix as Markdown with the conditions."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
     for m in mats:
         if not m.rows:

@@ -4,20 +4,23 @@ and a selector error in one line. One module that all three import, so none impo
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional
+
+from rich.console import Console
+
+from opmap.core import hw
+from opmap.harness.check.fingerprint import code_settings
 
 
 def wide_console():
     """Off a terminal (CI logs, files) rich assumes 80 columns, which wraps every figure."""
-
-
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
@@ -52,10 +55,7 @@ def _git_head() -> Optional[str]:
 
 
 def environment(ceilings=None) -> dict:
-    from opmap.harness.check.fingerprint import code_settings
-    from opmap.core.hw import detect
-
-    info = detect()
+    info = hw.detect()
     return {
         "gpu": info.name if info.kind == "cuda" else None,
         "device": info.name,
@@ -102,9 +102,6 @@ OPTIONAL = (("flashinfer", "flashinfer-python"), ("xgrammar", "xgrammar"), ("tra
 def optional_packages() -> dict:
     """{module: version, "installed" (no distribution metadata) or None (not importable)}, found
     without importing them."""
-    import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
-
     out = {}
     for mod, dist in OPTIONAL:
         try:

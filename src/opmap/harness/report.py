@@ -13,12 +13,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from opmap.model import presets
+import torch
+from rich.console import Console
 
-from opmap.core import registry
-from opmap.harness.output import short_error
+from opmap.core import hw, registry
 from opmap.core.select import BackendError, Choice, select
 from opmap.core.specs import AttentionSpec
+from opmap.harness import plan, report_figures
+from opmap.harness.bench import runner as bench_runner
+from opmap.harness.bench.report import to_markdown as bench_md
+from opmap.harness.check import runner
+from opmap.harness.check.result import Result
+from opmap.harness.check.runner import to_markdown as check_md
+from opmap.harness.output import environment, short_error
+from opmap.model import presets
+from opmap.model.hf import resolve_model
 
 
 def _row_dict(phase: str, r) -> dict:
@@ -170,8 +179,6 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
         from opmap.engine import llm as _  # noqa: F401  (importable, else the section says why)
     except Exception as e:
         return {"status": "unavailable", "why": f"the engine cannot be imported ({type(e).__name__}: {e})"[:400]}
-    from rich.console import Console
-
     status = Console(stderr=True).status(f"engine: loading {model}")  # tens of seconds: say what runs
     status.start()
     try:
@@ -189,8 +196,7 @@ def _engine_section(model: str, on_gpu: bool) -> dict:
 
 
 def _engine_run(model: str, status) -> dict:
-    import torch
-
+    # the engine, for this section only (importing the report loads none of it)
     from opmap.engine.llm import LLM
     from opmap.engine.metrics import format_summary
     from opmap.engine.params import SamplingParams
@@ -233,26 +239,20 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
           progress: bool = True, arch: Optional[str] = None) -> dict:
     """``arch``: plan for that GPU arch instead of this device's (the selection for it and, per
     operator, the expected time from that GPU's committed baselines; nothing runs)."""
-    from opmap.harness import plan
-    from opmap.harness.output import environment
-    from opmap.core.hw import ceilings, detect, local_arch
-
     t0 = time.perf_counter()
-    from opmap.model.hf import resolve_model
-
     cfg = resolve_model(model)[0]
     registry.load_all()
-    here = local_arch()
+    here = hw.local_arch()
     arch = arch or here
     planned = arch != here
-    on_gpu = detect().kind == "cuda" and not planned
+    on_gpu = hw.detect().kind == "cuda" and not planned
     from opmap.engine.opset import planned_maps  # the engine's modules load when a report is built
 
     # The engine's op sets with its defaults on this arch: the rows printed are the calls it makes.
     maps = planned_maps(cfg, arch)
     doc = {"model": model, "arch": arch, "planned": planned,
            "config": {k: v for k, v in vars(cfg).items() if k != "extra"},
-           "environment": environment(ceilings(measure=True) if on_gpu else None),
+           "environment": environment(hw.ceilings(measure=True) if on_gpu else None),
            "operators": {ph: [_row_dict(ph, r) for r in m] for ph, m in maps.items()},
            "questions": questions(cfg, arch, maps)}
     gpu, rows = plan.load_rows(arch)
@@ -283,14 +283,10 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
             print(f"report: {part} took {parts[part]} s", file=sys.stderr, flush=True)
     warmed = None
     if run_bench and on_gpu:
-        from opmap.harness.bench import runner as bench_runner
-
         # The bench's compile warm-up runs beside the check (neither times anything; both mostly
         # compile), so the bench part is its timing pass alone.
         warmed = bench_runner.warm_in_background(model=model, quick=not full, progress=False)
     if run_check:
-        from opmap.harness.check import runner
-
         t = time.perf_counter()
         results, extra = runner.check(model=model, quick=not full, progress=progress)
         doc["check"] = {"summary": runner.summary(results), "notes": extra["notes"],
@@ -312,11 +308,6 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
 
 
 def to_markdown(doc: dict) -> str:
-    from opmap.harness.check.result import Result
-    from opmap.harness.check.runner import to_markdown as check_md
-
-    from opmap.harness import plan
-
     env, cfg = doc["environment"], doc["config"]
     where = (f"planned for {doc['arch']} (on {env['device']})" if doc.get("planned")
              else f"on {env['device']} ({env['arch']})")
@@ -379,8 +370,6 @@ def to_markdown(doc: dict) -> str:
         if "results" in b:
             out += ["The cases of this model's operators in the formats it runs (bf16, and a quantised "
                     "checkpoint's own); other weight and KV formats: `opmap bench --op gemm` / `--op attention`.", ""]
-            from opmap.harness.bench.report import to_markdown as bench_md
-
             out.append(bench_md(b).split("\n", 2)[2])
         else:
             out += [f"Not run: {b['why']}.", ""]
@@ -459,18 +448,12 @@ def _md(s: str) -> str:
 
 
 def main(args) -> int:
-    from opmap.core.hw import local_arch
-
-    from opmap.model.hf import resolve_model
-
     cfg = resolve_model(args.model)[0]  # a bad --model is an InputError: one line, exit 1
-    arch = args.arch or local_arch()
+    arch = args.arch or hw.local_arch()
     out = Path(args.out or f"reports/{cfg.name}-{arch}")
     doc = build(args.model, run_check=not args.no_check, run_bench=not args.no_bench, full=args.full,
                 arch=arch)
     out.mkdir(parents=True, exist_ok=True)
-    from opmap.harness import report_figures
-
     doc["figures"] = report_figures.write(doc, out)
     (out / "report.json").write_text(json.dumps(doc, indent=1, default=str))
     md = to_markdown(doc)

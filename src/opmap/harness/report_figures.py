@@ -10,13 +10,16 @@ import re
 from pathlib import Path
 from typing import Optional
 
+from opmap.harness.bench.report import roofline_png
 from opmap.harness.plan import BASELINES, GPU_OF_ARCH
 
 
 def _plt():
+    # heavy: matplotlib, for the pictures only
     import matplotlib
 
     matplotlib.use("Agg")
+    # pyplot after the backend is chosen
     import matplotlib.pyplot as plt
 
     return plt
@@ -34,8 +37,6 @@ def _baseline_ceilings(arch: str) -> Optional[dict]:
 
 def roofline(doc: dict, path: Path) -> Optional[str]:
     """None when written, else why not."""
-    from opmap.harness.bench.report import roofline_png
-
     b = doc.get("bench") or {}
     if b.get("results"):
         return roofline_png(b, path)
@@ -105,6 +106,7 @@ def write(doc: dict, out: Path) -> dict:
 
 def to_html(md: str, out: Path, title: str) -> str:
     """The Markdown as one self-contained HTML page (the PNGs it links inline, as data URIs)."""
+    # markdown: for report.html only
     import markdown
 
     body = markdown.markdown(md, extensions=["tables", "fenced_code"])
