@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from opmap.core import hw
+from opmap.core.contract import InputError
+
 SECTIONS = {
     "parity": "Reference parity",
     "sampling": "Sampling statistics",
@@ -46,8 +49,6 @@ class CheckCase:
 def probe_errors(probes: dict) -> Outcome:
     """Run each bad-input probe; each must raise InputError naming its argument. A probe is
     `argument -> call`, or `what -> (argument, call)` where several probes blame one argument."""
-    from opmap.core.contract import InputError
-
     missed = []
     for what, probe in probes.items():
         arg, call = probe if isinstance(probe, tuple) else (what, probe)
@@ -64,9 +65,7 @@ def arch_of(device: str) -> str:
     """The arch a check case asks the selector about: "cpu", or this GPU's (e.g. "sm90")."""
     if device == "cpu":
         return "cpu"
-    from opmap.core.hw import local_arch
-
-    return local_arch()
+    return hw.local_arch()
 
 
 def racecheck_child() -> bool:

@@ -16,6 +16,10 @@ import importlib.util
 import os
 from pathlib import Path
 
+import torch
+
+import opmap
+
 # Settings that name the run, not what runs.
 _NOT_CODE = frozenset({"OPMAP_COMMIT"})
 
@@ -65,8 +69,6 @@ def _imports(path: Path, roots: tuple) -> set:
 
 def files_of(family: str) -> list:
     """The source files a family's cases can run, sorted."""
-    import opmap
-
     root = Path(opmap.__file__).resolve().parent
     start_mod = family if "." in family else f"opmap.harness.check.cases.{family}"
     first = _origin(start_mod)
@@ -107,7 +109,7 @@ def code_settings() -> dict:
 
 
 def _settings() -> list:
-    import torch
+    # heavy: triton, for its version only (harness.output, which the CLI loads at start, imports this module)
     import triton
 
     return [("torch", torch.__version__), ("triton", triton.__version__)] + list(code_settings().items())

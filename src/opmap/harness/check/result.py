@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 
 @dataclass
 class Result:
@@ -26,7 +28,5 @@ class Result:
 
 def progress_bar():
     """The check's progress bar (cases done of all, elapsed time, the last case's title)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     return Progress(TextColumn("[bold]check"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("{task.description}"), transient=True)

@@ -8,21 +8,31 @@ fails to import is a failure too (it would otherwise silently shrink the checkli
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import logging
+import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+from rich.table import Table
 
-from opmap.model import presets
-
-from opmap.core import registry
-from opmap.harness.output import wide_console
+from opmap.core import hw, registry
+from opmap.harness.check import sanitizer as san
 from opmap.harness.check.base import SECTIONS, CheckCase
-from opmap.harness.check.result import Result
 from opmap.harness.check.cases import FAMILIES
+from opmap.harness.check.cases.engine import own_parity
+from opmap.harness.check.cases.model_shapes import cases as shape_cases
+from opmap.harness.check.fingerprint import fingerprint
+from opmap.harness.check.result import Result, progress_bar
+from opmap.harness.check.workers import run_parallel
+from opmap.harness.names import closest
+from opmap.harness.output import environment, gpu_slug, result_stem, short_error, wide_console
+from opmap.harness.workpool import default_workers as gpu_workers
+from opmap.model import presets
 
 
 def local_device() -> str:
@@ -54,8 +64,6 @@ def collect(device: str, quick: bool, families=FAMILIES) -> tuple[list, list]:
 
 
 def missing_families(families=FAMILIES) -> list[str]:
-    import importlib.util
-
     return [f for f in families if importlib.util.find_spec(f"opmap.harness.check.cases.{f}") is None]
 
 
@@ -101,8 +109,6 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
 def _known(found, **given) -> None:
     """A --op / --backend / --section value no case on this device has is a ValueError naming the
     closest ones (a misspelt filter used to check nothing and say only that nothing matched)."""
-    from opmap.harness.names import closest
-
     if not found:  # nothing collected at all (the load errors say why): no name to check against
         return
     for what, values in given.items():
@@ -162,8 +168,6 @@ def run(selected: list, progress: bool = True) -> list[Result]:
     results = []
     if not progress:
         return [run_case(f, c) for f, c in selected]
-    from opmap.harness.check.result import progress_bar
-
     with progress_bar() as prog:
         task = prog.add_task("", total=len(selected))
         for fam, c in selected:
@@ -176,8 +180,6 @@ def run(selected: list, progress: bool = True) -> list[Result]:
 # ---- output ---------------------------------------------------------------------------------
 
 def print_tables(results: list[Result], console=None) -> None:
-    from rich.table import Table
-
     console = console or wide_console()
     for sec, title in SECTIONS.items():
         rows = [r for r in results if r.section == sec]
@@ -224,8 +226,6 @@ def summary(results: list[Result]) -> dict:
 
 
 def as_json(results: list[Result], extra: Optional[dict] = None) -> dict:
-    from opmap.harness.output import environment
-
     d = {"environment": environment(), **(extra or {}), "summary": summary(results),
          "results": [asdict(r) for r in results]}
     return d
@@ -252,8 +252,6 @@ def default_workers(device: str) -> int:
     """Worker processes for a GPU check: most of a GPU case's time is compiling its Triton kernels
     on one CPU core (a cold cache), so cases run side by side, one process each, up to 8 or the
     cores there are. On a CPU one process (the cases are single-threaded and the cores shared)."""
-    from opmap.harness.workpool import default_workers as gpu_workers
-
     return gpu_workers() if device == "cuda" else 1
 
 
@@ -266,16 +264,12 @@ def selection(model, backends, ops, sections, quick: bool, device: str) -> tuple
     selected = [(f, c) for f, c in found if keep(c, targets, backends, ops, sections)]
     notes = []
     if model and (sections is None or "parity" in sections) and (ops is None or "e2e" in ops):
-        from opmap.harness.check.cases.engine import own_parity
-
         case, note = own_parity(model, device)
         if case is not None:
             selected.insert(0, ("engine", case))
         if note:
             notes.append(note)
     if targets is not None and (sections is None or "parity" in sections):
-        from opmap.harness.check.cases.model_shapes import cases as shape_cases
-
         made = [(c.op, c) for c in shape_cases(targets.cfg, targets.choices, device)
                 if keep(c, None, backends, ops, sections)]
         selected += made
@@ -305,15 +299,11 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
           reuse=(), workers: Optional[int] = None) -> tuple[list[Result], dict]:
     """Run the checklist; returns the results and facts for the JSON (selection, notes).
     ``workers``: processes that run the cases at once on a GPU (default ``default_workers``)."""
-    from opmap.harness.output import short_error
-
     device = device or local_device()
     selected, errors, notes, targets = selection(model, backends, ops, sections, quick, device)
     sources = None
     n = default_workers(device) if workers is None else workers
     if device == "cuda" and n > 1 and len(selected) > 1:
-        from opmap.harness.check.workers import run_parallel
-
         ran = run_parallel(selected, n, dict(model=model, backends=backends, ops=ops, sections=sections,
                                              quick=quick, device=device), progress)
     else:
@@ -331,15 +321,11 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
                 results.append(Result("parity", op, "-", f"select {label} [{phase}]", False,
                                       "no backend: " + short_error(err), family="select"))
     if sanitizer:
-        from opmap.harness.check import sanitizer as san
-
         if device != "cuda":
             notes.append("--sanitizer: compute-sanitizer needs a GPU; no case was run under it")
         else:
             gpu = [(f, c) for f, c in selected if san.wants_sanitizer(c)]
             results += san.run_all(gpu, quick, timeout, progress, jobs, batch=batch, state=resume, reuse=reuse)
-            from opmap.harness.check.fingerprint import fingerprint
-
             # What the verdicts (run now or resumed) were computed from: resumed ones count only
             # at these fingerprints, so every sanitizer line of the report is of this code.
             sources = {f: fingerprint(f) for f in sorted({f for f, _ in gpu})}
@@ -357,9 +343,6 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
 
 
 def main(args) -> int:
-    import json
-    import sys
-
     console = wide_console()
     try:
         results, extra = check(args.model, args.backend, args.op, args.section, args.quick,
@@ -384,10 +367,7 @@ def main(args) -> int:
             f.write("# opmap check\n\n" + sources_line(extra) + to_markdown(results))
         console.print(f"wrote {args.markdown}")
     if args.out:
-        from opmap.core.hw import detect
-        from opmap.harness.output import gpu_slug, result_stem
-
-        stem = result_stem(args.out, gpu_slug(detect().name) + (f"-{args.model}" if args.model else ""))
+        stem = result_stem(args.out, gpu_slug(hw.detect().name) + (f"-{args.model}" if args.model else ""))
         extra["command"] = " ".join(sys.argv)
         stem.with_suffix(".json").write_text(json.dumps(as_json(results, extra), indent=1))
         stem.with_suffix(".md").write_text(f"# opmap check{' --model ' + args.model if args.model else ''}\n\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import re
@@ -20,10 +21,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Optional
+
+import torch
 
 from opmap.core import registry
 from opmap.harness.check.base import CheckCase
+from opmap.harness.check.fingerprint import fingerprint
+from opmap.harness.check.result import Result
 
 MARK = "opmap-sanitizer-outcome: "
 SEP = "::"  # between a case's section and title on the child's command line
@@ -233,8 +240,6 @@ def _verdict(tool: str, c: CheckCase, count: int, kernels: list, first: list, ou
 
 def run_one(fam: str, c: CheckCase, quick: bool, tool: str, timeout: float, exe: str):
     """One case alone in its own process under the tool."""
-    from opmap.harness.check.result import Result
-
     t0 = time.perf_counter()
     case = f"{c.case} [{tool}]"
     p, outcomes = _launch(exe, tool, fam, [c], quick, timeout)
@@ -253,8 +258,6 @@ def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe
     When the run is clean, or its errors are all in library kernels, each case gets its own
     verdict from its outcome line. Otherwise (an error in one of our kernels, a crash, a timeout)
     every case of the batch runs again alone, so each error is pinned to its case."""
-    from opmap.harness.check.result import Result
-
     if len(cases) == 1:
         return [run_one(fam, cases[0], quick, tool, timeout, exe)]
     t0 = time.perf_counter()
@@ -275,8 +278,6 @@ def run_batch(fam: str, cases: list, quick: bool, tool: str, timeout: float, exe
             return out
     # Side by side (within the --jobs limit of _SLOTS): a batch that timed out holds the slow
     # cases, and one after another they cost the sum of their timeouts.
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=len(cases)) as pool:
         return list(pool.map(lambda c: run_one(fam, c, quick, tool, timeout, exe), cases))
 
@@ -308,9 +309,6 @@ def stale_count(path: Optional[str]) -> int:
 
 
 def _load(path: Optional[str], current: bool) -> tuple:
-    from opmap.harness.check.fingerprint import fingerprint
-    from opmap.harness.check.result import Result
-
     done, stale = {}, 0
     if path and os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -326,10 +324,6 @@ def _load(path: Optional[str], current: bool) -> tuple:
 
 
 def _line(fam: str, c: CheckCase, tool: str, r) -> str:
-    from dataclasses import asdict
-
-    from opmap.harness.check.fingerprint import fingerprint
-
     return json.dumps({"key": _key(fam, c, tool), "source": fingerprint(fam), **asdict(r)}) + "\n"
 
 
@@ -342,8 +336,6 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     are the same cases. Those verdicts are copied into ``state``. Either way only verdicts whose
     family's source fingerprint is today's count (check.fingerprint)."""
     global _SLOTS
-    from opmap.harness.check.result import Result
-
     exe = find_sanitizer()
     if exe is None:
         return [Result("sanitizer", "-", "-", "(all GPU cases)", False,
@@ -383,8 +375,6 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
     # Longest first, so that a run cut off by a device call's time limit has finished them: the
     # racecheck runs take several times a memcheck one, and the MoE ones the longest.
     chunks.sort(key=lambda ks: (jobs[ks[0]][2] != "racecheck", jobs[ks[0]][0] != "moe"))
-    from concurrent.futures import ThreadPoolExecutor
-
     done = [sum(r is not None for r in results)]
 
     def one(ks):
@@ -427,10 +417,6 @@ def run_all(pairs: list, quick: bool, timeout: float, progress: bool = True, job
 
 
 def _child(argv=None) -> int:
-    import importlib
-
-    import torch
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", required=True)
     ap.add_argument("--case", action="append", default=[], help=f"SECTION{SEP}TITLE (repeatable)")

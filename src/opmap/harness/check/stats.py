@@ -6,6 +6,7 @@ import torch
 
 def chi2_tv(counts, probs, n):
     """(p-value with tails pooled to expected >= 5, TV, TV bound, draws outside the support)."""
+    # heavy: scipy, for this test only
     from scipy import stats
 
     counts, probs = counts.double().cpu(), probs.double().cpu()

@@ -10,6 +10,8 @@ The child side is ``opmap.harness.check.worker_child`` (``python -m opmap.harnes
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from opmap.harness.workpool import child_cmd, run_queue
 from opmap.harness.check.result import Result, progress_bar
 
@@ -26,8 +28,6 @@ def _failed(fam: str, c, why: str) -> Result:
 def run_parallel(selected: list, n: int, args: dict, progress: bool = True) -> list:
     """Results of ``selected`` in its order, run by ``n`` worker processes; ``args`` are the
     selection's arguments (``runner.selection``), which each worker rebuilds the list from."""
-    from contextlib import nullcontext
-
     order = sorted(range(len(selected)), key=lambda k: _rank(selected[k][1]))
     results: list = [None] * len(selected)
     with (progress_bar() if progress else nullcontext()) as prog:

@@ -3,11 +3,13 @@ backend against the reference (SiLU and GELU-tanh, odd widths, saturating inputs
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.core.specs import ActivationSpec
 from opmap.core.tolerance import compare
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
+from opmap.ops.activation import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ENTRIES = ("silu_mul", "gelu_tanh_mul")
@@ -23,8 +25,6 @@ def _x(device, rows, H, dtype, seed, extreme=False):
 
 def _parity(backend, entry, device, rows, H, dtype, extreme=False):
     def run():
-        from opmap.ops.activation import reference
-
         x = _x(device, rows, H, dtype, rows + H, extreme)
         out = registry.get("activation", backend)(entry, x)
         want = getattr(reference, entry)(x)
@@ -37,10 +37,6 @@ def _parity(backend, entry, device, rows, H, dtype, extreme=False):
 
 def _vs_functional(entry, device):
     def run():
-        import torch.nn.functional as F
-
-        from opmap.ops.activation import reference
-
         x = _x(device, 4, 1000, torch.float32, 1)
         g, u = x.double().chunk(2, -1)
         a = F.silu(g) if entry == "silu_mul" else F.gelu(g, approximate="tanh")

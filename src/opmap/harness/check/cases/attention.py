@@ -9,11 +9,16 @@ from __future__ import annotations
 
 
 import torch
+import torch.nn.functional as F
 
-from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
+from opmap.core import hw, registry
 from opmap.core.specs import AttentionSpec, KVAppendSpec, MergeSpec
 from opmap.core.tolerance import compare, cosine
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.ops.attention import reference as R
+from opmap.ops.attention.reference import quantize_fp8
+from opmap.ops.rope import reference as RR
 
 DT = {"cpu": (torch.float32, "fp32"), "cuda": (torch.bfloat16, "bf16")}
 
@@ -43,8 +48,6 @@ def _vs(out, want, dt, scale=1.0) -> Outcome:
 
 
 def _inputs(device, seed, lens, qlens, fp8=False, page=None, dtype=None):
-    from opmap.harness.fixtures.attention import make_paged, make_query
-
     s = _shape(device)
     dt = dtype or DT[device][0]
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +80,6 @@ def _call(name, entry, paged, q, pc, cu, **kw):
 def _decode(device, name, paged, page=None, feats=False, fp8=False):
     """``fp8``: an e4m3 cache (NaN in its unused slots) against the reference on the same cache."""
     def run():
-        from opmap.ops.attention import reference as R
-
         s = _shape(device)
         s, pc, q, _ = _inputs(device, 11, s["lens"], [1] * len(s["lens"]), page=page, fp8=fp8)
         kw = dict(scale=s["d"] ** -0.5, window=(40 if feats else None), soft_cap=(30.0 if feats else None))
@@ -91,8 +92,6 @@ def _decode(device, name, paged, page=None, feats=False, fp8=False):
 
 def _prefill(device, name, paged, entry="prefill", feats=False, fp8=False, page=None):
     def run():
-        from opmap.ops.attention import reference as R
-
         s = _shape(device)
         # cuDNN SDPA takes whole prompts only (no bottom-right mask, declared); the rest get chunks
         # over cached prefixes, a zero-token sequence and decode tokens in one varlen batch. Pages of
@@ -111,10 +110,6 @@ def _prefill(device, name, paged, entry="prefill", feats=False, fp8=False, page=
 
 def _ref_vs_sdpa(device):
     def run():
-        import torch.nn.functional as F
-
-        from opmap.ops.attention import reference as R
-
         s, pc, q, cu = _inputs(device, 13, [40, 17], [9, 17], dtype=torch.float32)
         out = R.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, scale=0.1, acc=torch.float64)
         worst = 0.0
@@ -134,9 +129,6 @@ def _ref_vs_sdpa(device):
 def _fp8_quality(device, name, entry):
     """The backend on the fp8 copy of a cache against the fp32 reference on the 16-bit cache."""
     def run():
-        from opmap.ops.attention import reference as R
-        from opmap.ops.attention.reference import quantize_fp8
-
         s = _shape(device)
         lens = [70, 300] if device == "cpu" else ([300, 1000] if _RACECHECK else [1000, 5000])
         s, pc, q, cu = _inputs(device, 14, lens, [1, 1] if entry == "decode" else [20, 64])
@@ -161,8 +153,6 @@ def _graph_replay(name, fp8=False):
     """The backend's decode captured once with its workspace, replayed after lengths and block tables
     are rewritten in place (fp8: an e4m3 cache with per-kv-head scales)."""
     def run():
-        from opmap.ops.attention import reference as R
-
         b = registry.get("attention", name)
         B, hq, hk, d, page, maxp, P = 4, 32, 8, 128, 16, 300, 2000
         g = torch.Generator().manual_seed(15)
@@ -241,8 +231,6 @@ def _bad_input(device, name):
 
 def _append(device, name, fp8):
     def run():
-        from opmap.ops.attention import reference as R
-
         s = _shape(device)
         g = torch.Generator().manual_seed(18)
         dt = DT[device][0]
@@ -268,9 +256,6 @@ def _rope_append(device, name, qk_norm=False):
     first, within the dtype's rounding: the norms' row sums may reduce in another order) and the
     fp32-math reference composition (tolerance)."""
     def run():
-        from opmap.ops.attention import reference as R
-        from opmap.ops.rope import reference as RR
-
         s = _shape(device)
         g = torch.Generator().manual_seed(20)
         dt = DT[device][0]
@@ -315,8 +300,6 @@ def _rope_append(device, name, qk_norm=False):
 
 def _merge(device, name):
     def run():
-        from opmap.ops.attention import reference as R
-
         dt = DT[device][0]
         g = torch.Generator().manual_seed(19)
         oa, ob = (torch.randn(17, 8, 64, generator=g).to(device, dt) for _ in range(2))
@@ -336,10 +319,8 @@ def _runnable(op, spec, skip=("reference",)):
 
 
 def cases(device: str, quick: bool) -> list[CheckCase]:
-    from opmap.core.hw import local_arch
-
     s = _shape(device)
-    arch = "cpu" if device == "cpu" else local_arch()
+    arch = "cpu" if device == "cpu" else hw.local_arch()
     dts = DT[device][1]
     base = AttentionSpec(arch=arch, num_heads=s["hq"], num_kv_heads=s["hk"], head_dim=s["d"], page_size=s["page"],
                          dtype=dts, kv_dtype=dts)

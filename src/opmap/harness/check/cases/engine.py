@@ -9,7 +9,14 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 
+import torch
+
+from opmap.engine.params import SamplingParams
+from opmap.engine.tokenizer import byte_tokenizer
+from opmap.engine.weights import StateDictSource
 from opmap.harness.check.base import CheckCase, Outcome
+from opmap.model.hf import make_hf_model, resolve_model, save_checkpoint
+from opmap.model.presets import PRESETS
 
 PARITY = ("tiny-llama3", "tiny-mistral", "tiny-phi3", "tiny-gemma2", "tiny-gemma3", "tiny-qwen2", "tiny-qwen3",
           "tiny-mixtral", "tiny-qwen2moe", "tiny-qwen3moe", "tiny-deepseek", "tiny-deepseek-v3")
@@ -19,15 +26,11 @@ OWN_LAYERS = 2  # a preset's own parity case runs its real widths with this many
 
 
 def _prompts(vocab, lengths, seed=0):
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def _greedy(n=10):
-    from opmap.engine.params import SamplingParams
-
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
@@ -44,8 +47,6 @@ def _dev_kw(device, num_pages=64):
 def _one_thread(fn):
     """Tiny CPU ops: intra-op threads only contend (a 2-core machine is shared), so run single-threaded."""
     def run():
-        import torch
-
         n = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -62,18 +63,13 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
     on the device and handed over as a state dict, or a checkpoint directory's own weights (HF
     loads the same directory)."""
     def run():
-        import torch
-
-        from opmap.model.hf import make_hf_model, save_checkpoint
+        # the engine's runner and models, loaded when the case runs (check.runner imports this module)
         from opmap.engine.llm import LLM
-        from opmap.engine.tokenizer import byte_tokenizer
-        from opmap.engine.weights import StateDictSource
-        from opmap.model.presets import PRESETS
-
         c = cfg or PRESETS[name]
         with tempfile.TemporaryDirectory() as d:
             source, model = None, d
             if checkpoint is not None:
+                # heavy: transformers, for a checkpoint's own parity only
                 from transformers import AutoModelForCausalLM
 
                 # safetensors only: a pickle file (pytorch_model.bin) is never unpickled (resolve_model refuses
@@ -114,9 +110,8 @@ def _parity(name, device, cfg=None, checkpoint=None, in_memory=False):
 
 def _same_tokens(device, variant: str):
     def run():
+        # the engine's runner and models, loaded when the case runs (check.runner imports this module)
         from opmap.engine.llm import LLM
-        from opmap.model.presets import PRESETS
-
         cfg = PRESETS["tiny-llama3"]
         prompts = _prompts(cfg.vocab, (5, 40, 77, 16, 33), seed=1)
         with LLM("tiny-llama3", max_num_batched_tokens=512, max_num_seqs=8, prefix_caching=False,
@@ -144,9 +139,8 @@ def _same_tokens(device, variant: str):
 
 def _graph_vs_eager():
     def run():
+        # the engine's runner and models, loaded when the case runs (check.runner imports this module)
         from opmap.engine.llm import LLM
-        from opmap.model.presets import PRESETS
-
         # Real head_dim (the Triton attention serves 64/128/256), few layers: fast and capturable.
         cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2)
         prompts = _prompts(cfg.vocab, (7, 100, 33, 1), seed=2)
@@ -167,10 +161,8 @@ def _graph_vs_eager():
 
 def _ahead_vs_lockstep(device):
     def run():
+        # the engine's runner and models, loaded when the case runs (check.runner imports this module)
         from opmap.engine.llm import LLM
-        from opmap.engine.params import SamplingParams
-        from opmap.model.presets import PRESETS
-
         # On a GPU the real widths with decode graphs (where the device-to-device id copy and the
         # late read-back matter); on a CPU the tiny preset.
         cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=2) if device == "cuda" else PRESETS["tiny-llama3"]
@@ -196,6 +188,7 @@ def _ahead_vs_lockstep(device):
 
 def _bad_requests(device):
     def run():
+        # the engine's runner and models, loaded when the case runs (check.runner imports this module)
         from opmap.engine.llm import LLM
 
         with LLM("tiny-llama3", max_num_seqs=4, max_model_len=64, **_dev_kw(device)) as llm:
@@ -209,8 +202,6 @@ def _bad_requests(device):
 
 
 def _tags(name: str) -> tuple:
-    from opmap.model.presets import PRESETS
-
     cfg = PRESETS[name]
     return ("engine",) + (("moe",) if cfg.is_moe else ()) + (("mla",) if cfg.is_mla else ())
 
@@ -219,8 +210,6 @@ def own_parity(model: str, device: str):
     """(CheckCase or None, note): HF greedy parity of the model asked for itself (a checkpoint's own
     weights; a preset's real widths with OWN_LAYERS layers of random weights), where the fp32
     weights of both fit OWN_BUDGET on this device; else a note saying why it did not run."""
-    from opmap.model.hf import resolve_model
-
     cfg, path = resolve_model(model)
     what = f"model={model}"
     if path is None:

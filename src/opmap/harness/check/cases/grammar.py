@@ -7,18 +7,21 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import tempfile
 
 import torch
 
 from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.core.specs import GrammarMaskSpec
+from opmap.engine.params import SamplingParams
+from opmap.engine.structured import BitmaskBuffer, StructuredOutput, apply_bitmask
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
+from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
+from opmap.ops.grammar.reference import pack_bitmask
 
 
 def _parity(name, device, V, dtype, rows):
     def run():
-        from opmap.ops.grammar.reference import pack_bitmask
-
         B = 8
         g = torch.Generator().manual_seed(V)
         wide = torch.randn(B, V + 13, generator=g).to(device, dtype)
@@ -60,13 +63,8 @@ SCHEMA = {"type": "object", "properties": {
 
 def _structured(device, n):
     def run():
-        import tempfile
-
+        # optional: jsonschema (a test dependency), for this case only
         import jsonschema
-
-        from opmap.engine.structured import BitmaskBuffer, StructuredOutput, apply_bitmask
-        from opmap.harness.fixtures.vocab import GPT2_EOS, gpt2_tokenizer_json, load_tokenizer
-        from opmap.engine.params import SamplingParams
 
         V = 50304
         tok = load_tokenizer(gpt2_tokenizer_json(tempfile.mkdtemp()))

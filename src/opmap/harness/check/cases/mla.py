@@ -5,11 +5,14 @@ re-planning for each decode backend with a workspace, and sparse index errors. C
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors
+from opmap.core import hw, registry
 from opmap.core.specs import AttentionSpec, KVAppendSpec
 from opmap.core.tolerance import compare, cosine
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors
+from opmap.harness.fixtures.mla import make_cache, sparse_indices
+from opmap.ops.mla import reference as ref
 
 TAGS = ("mla",)
 
@@ -21,8 +24,6 @@ def _shape(device):
 
 
 def _problem(device, s, seed, lens=None, page=None, fp8=False, H=None):
-    from opmap.harness.fixtures.mla import make_cache
-
     lens = lens or s["lens"]
     g = torch.Generator().manual_seed(seed)
     pc = make_cache(lens, s["R"], s["Dr"], page or s["page"], s["dt"], device=device, fp8=fp8, gen=g, std=0.5)
@@ -43,8 +44,6 @@ def _vs(out, want, dt, scale=1.0) -> Outcome:
 def _decode(device, name, page, H=None, fp8=False):
     """``fp8``: an e4m3 cache against the reference on the same cache."""
     def run():
-        from opmap.ops.mla import reference as ref
-
         s = _shape(device)
         pc, qn, qp = _problem(device, s, page, page=page, H=H, fp8=fp8)
         sc = (s["R"] + s["Dr"]) ** -0.5
@@ -58,9 +57,6 @@ def _decode(device, name, page, H=None, fp8=False):
 
 def _sparse(device, name):
     def run():
-        from opmap.ops.mla import reference as ref
-        from opmap.harness.fixtures.mla import sparse_indices
-
         s = _shape(device)
         lens = [3, 200, 3000] if device == "cuda" else [3, 40, 90]
         k = 2048 if device == "cuda" else 24
@@ -75,8 +71,6 @@ def _sparse(device, name):
 
 def _prefill(device, name):
     def run():
-        from opmap.ops.mla import reference as ref
-
         s = _shape(device)
         Dn, Dv = (128, 128) if device == "cuda" else (16, 8)
         lens, qlens = ([1500, 300, 1], [700, 300, 1]) if device == "cuda" else ([40, 7, 1], [19, 7, 1])
@@ -98,10 +92,6 @@ def _prefill(device, name):
 
 def _ref_vs_sdpa(device):
     def run():
-        import torch.nn.functional as F
-
-        from opmap.ops.mla import reference as ref
-
         s = _shape(device)
         pc, qn, qp = _problem(device, s, 41, lens=[1, 17, 40])
         out = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=0.1)
@@ -121,8 +111,6 @@ def _ref_vs_sdpa(device):
 def _fp8_quality(device, name):
     """The backend on an fp8 cache against the fp32 reference on the 16-bit values it quantises."""
     def run():
-        from opmap.ops.mla import reference as ref
-
         s = _shape(device)
         pc, qn, qp = _problem(device, s, 51, lens=[70, 300] if device == "cpu" else [1000, 5000], fp8=True)
         sc = (s["R"] + s["Dr"]) ** -0.5
@@ -137,8 +125,6 @@ def _fp8_quality(device, name):
 
 def _graph_replay(name, fp8=False):
     def run():
-        from opmap.ops.mla import reference as ref
-
         b = registry.get("attention", name)
         s = _shape("cuda")
         B, page, maxp = 4, 64, 40
@@ -187,8 +173,6 @@ def _bad_indices(device, name):
 
 def _append(device, name, fp8):
     def run():
-        from opmap.ops.mla import reference as ref
-
         s = _shape(device)
         dt = torch.float8_e4m3fn if fp8 else s["dt"]
         g = torch.Generator().manual_seed(81)
@@ -218,9 +202,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     s = _shape(device)
     arch = "cpu" if device == "cpu" else None
     if arch is None:
-        from opmap.core.hw import local_arch
-
-        arch = local_arch()
+        arch = hw.local_arch()
     dts = {torch.float32: "fp32", torch.bfloat16: "bf16"}[s["dt"]]
     spec = AttentionSpec(kind="mla", num_heads=s["H"], num_kv_heads=1, head_dim=s["R"] + s["Dr"],
                          head_dim_v=s["R"], page_size=s["page"], dtype=dts, kv_dtype=dts, arch=arch)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 
 from opmap.core import registry
+from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome
 from opmap.harness.check.cases.gemm import DEFAULT_TILES
-from opmap.core.tolerance import compare
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.ops.rope.reference import cos_sin_cache
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ROWS = {"decode": 5, "prefill": 37, "mixed": 37}  # rows of a step (tokens), odd on purpose
@@ -43,16 +45,12 @@ def _inputs(op, spec, cfg, dev, phase):
         return "linear", lambda: dict(x=_t((m, spec.k), dt, dev, 5), w=_t((spec.n, spec.k), dt, dev, 6, spec.k ** -0.5),
                                       bias=_t((spec.n,), dt, dev, 7) if spec.bias else None)
     if op == "rope":
-        from opmap.ops.rope.reference import cos_sin_cache
-
         D, heads, kv = spec.head_dim, cfg.heads, (1 if cfg.is_mla else cfg.kv_heads)
         return "rope", lambda: dict(q=_t((R, heads, D), dt, dev, 8), k=_t((R, kv, D), dt, dev, 9),
                                     positions=torch.randint(0, 4000, (R,), generator=_gen(10)).to(dev),
                                     cos_sin=cos_sin_cache(spec.rotary_dim or D, 4096, cfg.rope_theta, cfg.rope_scaling,
                                                           device=dev), style=spec.style)
     if op == "attention" and spec.kind != "mla" and phase in ("decode", "prefill"):
-        from opmap.harness.fixtures.attention import make_paged, make_query
-
         lens = [37, 300, 1] if phase == "decode" else [40, 85]
         q_lens = [1] * len(lens) if phase == "decode" else [40, 17]
         win = cfg.window_of(0) if spec.sliding_window else None

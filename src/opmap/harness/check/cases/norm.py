@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.core.specs import NormSpec
 from opmap.core.tolerance import compare
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
+from opmap.ops.norm import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("triton", "torch-rms_norm")
@@ -23,8 +24,6 @@ def _data(device, rows, H, dtype, seed, row_stride=None):
 
 def _parity(backend, device, rows, H, dtype, fused, row_stride=None):
     def run():
-        from opmap.ops.norm import reference
-
         x, w, r = _data(device, rows, H, dtype, seed=rows * 7 + H, row_stride=row_stride)
         b = registry.get("rmsnorm", backend)
         if fused:
@@ -48,8 +47,6 @@ def _qk_parity(backend, device, T, hq, hk, d, dtype):
     """qk_rmsnorm in place on the [T, hq + hk, d] view of a qkv row against two reference norms;
     the v columns (NaN here) must be neither read into q/k nor written."""
     def run():
-        from opmap.ops.norm import reference
-
         g = torch.Generator().manual_seed(T * 13 + hq)
         qkv = (torch.randn(T, (hq + 2 * hk) * d, generator=g) * 2 + 0.3).to(device, dtype)
         qkv[:, (hq + hk) * d:] = float("nan")
@@ -66,9 +63,8 @@ def _qk_parity(backend, device, T, hq, hk, d, dtype):
 
 def _vs_hf(device):
     def run():
+        # heavy: transformers, for the HF parity case only
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        from opmap.ops.norm import reference
 
         x, w, _ = _data(device, 9, 5120, torch.bfloat16, 11)
         m = LlamaRMSNorm(5120, eps=1e-5).to(device)

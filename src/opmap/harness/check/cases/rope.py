@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from opmap.core import registry
-from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.core.specs import RopeSpec
 from opmap.core.tolerance import compare
+from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
+from opmap.ops.rope import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SCALINGS = {
@@ -23,8 +24,6 @@ SCALINGS = {
 
 def _parity(backend, device, T, Hq, Hk, D, r, dtype, style, scaling, max_pos=65536, last_pos=False):
     def run():
-        from opmap.ops.rope import reference
-
         g = torch.Generator().manual_seed(T + D + r)
         cs = reference.cos_sin_cache(r, max_pos, 500000.0, SCALINGS[scaling], device=device)
         qkv = torch.randn(T, (Hq + 2 * Hk) * D, generator=g).to(device, dtype)
@@ -46,9 +45,8 @@ def _parity(backend, device, T, Hq, Hk, D, r, dtype, style, scaling, max_pos=655
 
 def _vs_hf_apply(device):
     def run():
+        # heavy: transformers, for the HF parity cases only
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-        from opmap.ops.rope import reference
 
         T, H, D = 11, 4, 128
         g = torch.Generator().manual_seed(3)
@@ -66,10 +64,9 @@ def _vs_hf_apply(device):
 
 def _vs_hf_init(scaling):
     def run():
+        # heavy: transformers, for the HF parity cases only
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        from opmap.ops.rope import reference
 
         s = SCALINGS[scaling]
         cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, head_dim=128, max_position_embeddings=163840,
@@ -86,8 +83,6 @@ def _vs_hf_init(scaling):
 
 def _bad_input(backend, device):
     def run():
-        from opmap.ops.rope import reference
-
         fn = registry.get("rope", backend).fn("rope")
         cs = reference.cos_sin_cache(64, 32, device=device)
         q, k = torch.randn(4, 2, 64, device=device), torch.randn(4, 1, 64, device=device)

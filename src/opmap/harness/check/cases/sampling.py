@@ -9,9 +9,12 @@ import math
 import torch
 
 from opmap.core import registry
+from opmap.core.specs import LogitsSpec, SamplingSpec
+from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome, arch_of, probe_errors, racecheck_child
 from opmap.harness.check.stats import chi2_tv
-from opmap.core.specs import LogitsSpec, SamplingSpec
+from opmap.ops.sampling import reference as R
+from opmap.ops.sampling.philox import gumbel
 
 ALPHA = 1e-3
 
@@ -26,8 +29,6 @@ def _rows(device, B, T=1.0, k=0, p=1.0, mp=0.0, seed=0):
 
 def _parity(name, device, V, dtype):
     def run():
-        from opmap.ops.sampling import reference as R
-
         g = torch.Generator().manual_seed(V)
         B = 8
         x = (torch.randn(B, V, generator=g) * 2).to(device, dtype)
@@ -55,9 +56,6 @@ RACE_ROWS = 512  # rows a statistics case samples under racecheck
 
 def _statistics(name, device, V, n, f):
     def run():
-        from opmap.ops.sampling import reference as R
-        from opmap.ops.sampling.philox import gumbel
-
         g = torch.Generator().manual_seed(V)
         x = (torch.randn(1, V, generator=g) * (1.0 if V < 1000 else 4.0)).to(device)
         if racecheck_child() and name != "reference":
@@ -150,9 +148,6 @@ def _graph(name):
 
 def _processors(name, device, dtype):
     def run():
-        from opmap.ops.sampling import reference as R
-        from opmap.core.tolerance import compare
-
         B, V = 5, 3001
         x = torch.randn(B, V, device=device).to(dtype)
         pm = torch.rand(B, V, device=device) < 0.1
