@@ -10,7 +10,12 @@ import os
 import random
 import sys
 
-from opmap.engine.config import SEED_LIMIT, machine_memory
+from opmap.core import registry
+from opmap.core.contract import InputError
+from opmap.engine.config import EngineConfig, SEED_LIMIT, machine_memory
+from opmap.engine.metrics import format_summary
+from opmap.engine.params import SamplingParams
+from opmap.harness.names import closest
 
 
 def _range(s: str) -> tuple:
@@ -25,9 +30,6 @@ def _backend(s: str) -> tuple:
     op, _, name = s.partition("=")
     if not name:
         raise argparse.ArgumentTypeError(f"{s!r}: expected OP=BACKEND, e.g. attention=triton")
-    from opmap.core import registry
-    from opmap.harness.names import closest
-
     registry.load_all()
     ops = sorted(registry.ops())
     if op not in ops:
@@ -108,8 +110,6 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--gpu-memory-fraction", type=_fraction, default=0.85)
     p.add_argument("--num-pages", type=positive, default=None, help="force the KV page count")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (decode and prefill steps run eagerly)")
-    from opmap.engine.config import EngineConfig
-
     p.add_argument("--prefill-graph-tokens", type=_non_negative, default=EngineConfig.prefill_graph_tokens,
                    help="on a GPU, prefill steps of at most this many tokens are padded to 128-token buckets and "
                         "replayed from CUDA graphs captured at start-up (0: eager, unpadded prefill)")
@@ -182,6 +182,7 @@ def add_profile_parser(sub) -> argparse.ArgumentParser:
 
 
 def _build(args, **extra):
+    # the engine, for these commands only: `opmap --help` and `opmap select` load none of it
     from opmap.engine.llm import LLM
 
     return LLM(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
@@ -198,8 +199,6 @@ def _build(args, **extra):
 
 def workload(llm, args) -> tuple:
     """(prompts, params): the given prompts, or random token prompts for --num-requests."""
-    from opmap.engine.params import SamplingParams
-
     base = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.prompt and not args.num_requests:
         return list(args.prompt), SamplingParams(max_tokens=args.max_tokens, **base)
@@ -242,8 +241,6 @@ REQUEST_BYTES, TOKEN_BYTES = 4096, 96
 
 def _check_sampling(args) -> None:
     """The sampling flags, as SamplingParams checks them, before an engine is built (an InputError)."""
-    from opmap.engine.params import SamplingParams
-
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
@@ -255,8 +252,6 @@ def _setup_logging(args=None) -> None:
 
 def _constraint(args) -> dict:
     """SamplingParams fields of --json-schema / --regex (a schema file is read; its errors are InputErrors)."""
-    from opmap.core.contract import InputError
-
     if args.regex is not None:
         return {"regex": args.regex}
     if args.json_schema is None:
@@ -272,10 +267,6 @@ def _constraint(args) -> dict:
 
 
 def cli_run(args) -> int:
-    from opmap.core.contract import InputError
-    from opmap.engine.params import SamplingParams
-    from opmap.engine.metrics import format_summary
-
     if args.quiet:
         args.no_progress = True
     else:
