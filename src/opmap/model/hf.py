@@ -281,8 +281,6 @@ def check_fields(d: dict, path: str) -> None:
     """The common config.json fields hold values a model can have: each size an int >= 1, each
     float positive and finite, the heads a whole number of KV-head groups, the hidden size whole
     heads where no head_dim is given (an InputError naming the field otherwise)."""
-    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
-
     def size(f: str, v) -> None:
         # max_position_embeddings: a prompt token and a generated one
         lo = 2 if f == "max_position_embeddings" else 0 if f in ZERO_IS_UNSET else 1
@@ -375,8 +373,6 @@ def inside(folder: str, name: str) -> str:
     ``..`` resolved, lies inside the folder (or a cache snapshot's blobs); an InputError naming the
     file otherwise. Every file a load opens goes through it (``check_folder`` for the whole folder,
     the weight loader for each file of the index)."""
-    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
-
     path = os.path.join(folder, name)
     real = os.path.realpath(path)
     if not any(os.path.commonpath([r, real]) == r for r in _roots(folder)):
@@ -390,8 +386,6 @@ def check_folder(folder: str) -> None:
     """Every entry of a checkpoint folder by the path rule (``inside``): transformers' tokenizer
     loading opens files by its own list, so the whole folder is checked before anything is read;
     and a folder whose weights are pickle files only is refused naming one (safetensors only)."""
-    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
-
     names = sorted(os.listdir(folder))
     for n in names:
         inside(folder, n)
@@ -409,8 +403,6 @@ def _tied_as_loaded(cfg: ModelConfig, folder: str, path: str) -> ModelConfig:
     that differs from the embedding loads that tensor as the LM head (transformers then unties
     them, with a warning); true with an equal one stays tied. False without an ``lm_head.weight``
     is refused: transformers would draw that LM head at random on every load."""
-    from opmap.core.contract import InputError  # it imports torch, which reading a config needs not
-
     where = _tensor_files(folder)
     if where is None:  # no readable safetensors: the weight loader names what is wrong
         return cfg
@@ -451,8 +443,7 @@ def _tensor_files(folder: str) -> Optional[dict]:
 def _same_tensor(where: dict, a: str, b: str) -> bool:
     """Whether tensors ``a`` and ``b`` of the checkpoint hold the same values (False when one is
     missing or unreadable)."""
-    # heavy, and only for a checkpoint that has both tensors
-    import torch
+    # safetensors: only for a checkpoint that has both tensors
     from safetensors import safe_open
 
     try:
