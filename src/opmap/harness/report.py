@@ -19,6 +19,7 @@ from rich.console import Console
 from opmap.core import hw, registry
 from opmap.core.select import BackendError, Choice, select
 from opmap.core.specs import AttentionSpec
+from opmap.engine.config import EngineConfig
 from opmap.harness import plan, report_figures
 from opmap.harness.bench import runner as bench_runner
 from opmap.harness.bench.report import to_markdown as bench_md
@@ -87,8 +88,6 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
     contiguous, ce = _try("attention", ds.replace(paged=False))
     lines = [f"prefill ({pl}): {_name(pc, pe)}"]
     if arch != "cpu" and not ps.cuda_graph:  # the engine's padded prefill steps replay CUDA graphs
-        from opmap.engine.config import EngineConfig
-
         gc, ge = _try("attention", ps.replace(cuda_graph=True))
         lines.append(f"prefill steps of up to {EngineConfig.prefill_graph_tokens} tokens"
                      f"{' (one sequence)' if cfg.is_mla else ''}, replayed from CUDA graphs: {_name(gc, ge)}")

@@ -33,6 +33,7 @@ from opmap.harness.names import closest
 from opmap.harness.output import environment, gpu_slug, result_stem, short_error, wide_console
 from opmap.harness.workpool import default_workers as gpu_workers
 from opmap.model import presets
+from opmap.model.hf import resolve_model
 
 
 def local_device() -> str:
@@ -86,13 +87,11 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
     """The model's step maps as the engine resolves them on ``arch`` with its defaults
     (``opmap.engine.opset.planned_maps``: bf16 with CUDA-graph decode on a GPU, fp32 and eager on
     the CPU): the rows the engine calls, each with its choice or the reason none serves."""
-    # the engine's op sets and the model resolver load only when a model is asked about
-    from opmap.core.hw import local_arch
+    # the engine's op sets load only when a model is asked about
     from opmap.engine.opset import planned_maps
-    from opmap.model.hf import resolve_model
 
     cfg = resolve_model(model)[0]
-    arch = arch or local_arch()
+    arch = arch or hw.local_arch()
     pairs, ops, choices = set(), set(), []
     for phase, rows in planned_maps(cfg, arch).items():
         for r in rows:

@@ -32,6 +32,7 @@ import torch
 from opmap.core import hw
 from opmap.engine.config import EngineConfig
 from opmap.engine.metrics import format_host
+from opmap.engine.params import SamplingParams
 from opmap.harness.bench.cases.hf_static import StaticGreedy
 from opmap.harness.bench.report import write
 from opmap.harness.output import baseline_dir, environment
@@ -137,8 +138,6 @@ def _run(llm, prompts, params) -> None:
 
 def _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped):
     weight_bytes = llm.runner.decode_weight_bytes  # as stored: --quantize or the checkpoint's format
-    from opmap.engine.params import SamplingParams
-
     greedy = dict(temperature=0.0, ignore_eos=True)
     warm = min(600, llm.max_model_len - 8)  # prompt + 8 new tokens within the model length
     _run(llm, _prompts(cfg.vocab, 2, warm, 9), SamplingParams(max_tokens=8, **greedy))  # compile, warm caches
