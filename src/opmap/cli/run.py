@@ -219,7 +219,6 @@ def _check_workload(args) -> None:
     and its state live in host memory until the run ends (an InputError naming --num-requests
     otherwise)."""
     # the model's config (transformers behind it) loads for a synthetic workload only
-    from opmap.core.contract import InputError
     from opmap.model.hf import resolve_model
 
     if not args.num_requests:
@@ -340,8 +339,6 @@ def cli_trace(args) -> int:
 
     files = ranks.trace_files(args.trace)
     if not files:
-        from opmap.core.contract import InputError  # only on this error path
-
         raise InputError("--trace", repr(args.trace), "trace files, or a folder holding them")
     if args.baseline:
         return _trace_diff(args, files)
@@ -373,7 +370,6 @@ def cli_trace(args) -> int:
 def _trace_diff(args, files: list) -> int:
     """`opmap profile --trace AFTER --baseline BEFORE`: which operator moved between two traces."""
     # the profiler view loads for this command only
-    from opmap.core.contract import InputError
     from opmap.harness.profile import analyze
     from opmap.harness.profile import diff
     from opmap.harness.profile import trace
@@ -396,8 +392,6 @@ def _trace_diff(args, files: list) -> int:
 def cli_profile(args) -> int:
     # the profiler and the engine load for this command only
     from opmap.harness import profile as P
-    from opmap.core.contract import InputError
-    from opmap.engine.params import SamplingParams
 
     if args.trace:
         return cli_trace(args)
