@@ -13,8 +13,6 @@ import sys
 from opmap.core import registry
 from opmap.core.contract import InputError
 from opmap.engine.config import EngineConfig, SEED_LIMIT, machine_memory
-from opmap.engine.metrics import format_summary
-from opmap.engine.params import SamplingParams
 from opmap.harness.names import closest
 
 
@@ -199,6 +197,9 @@ def _build(args, **extra):
 
 def workload(llm, args) -> tuple:
     """(prompts, params): the given prompts, or random token prompts for --num-requests."""
+    # the engine's modules load for these commands only: the CLI's start loads engine.config alone
+    from opmap.engine.params import SamplingParams
+
     base = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.prompt and not args.num_requests:
         return list(args.prompt), SamplingParams(max_tokens=args.max_tokens, **base)
@@ -240,6 +241,9 @@ REQUEST_BYTES, TOKEN_BYTES = 4096, 96
 
 def _check_sampling(args) -> None:
     """The sampling flags, as SamplingParams checks them, before an engine is built (an InputError)."""
+    # the engine's modules load for these commands only: the CLI's start loads engine.config alone
+    from opmap.engine.params import SamplingParams
+
     SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
@@ -266,6 +270,10 @@ def _constraint(args) -> dict:
 
 
 def cli_run(args) -> int:
+    # the engine's modules load for these commands only: the CLI's start loads engine.config alone
+    from opmap.engine.metrics import format_summary
+    from opmap.engine.params import SamplingParams
+
     if args.quiet:
         args.no_progress = True
     else:
@@ -392,6 +400,7 @@ def _trace_diff(args, files: list) -> int:
 def cli_profile(args) -> int:
     # the profiler and the engine load for this command only
     from opmap.harness import profile as P
+    from opmap.engine.params import SamplingParams
 
     if args.trace:
         return cli_trace(args)
