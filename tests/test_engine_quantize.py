@@ -432,24 +432,25 @@ def test_mixed_steps_take_the_op_set_planned_at_their_row_count(single_thread):
     dequant-cublas for int8), the one planned at M unknown in between (triton-wo, the one weight-only
     kernel of any M); prefill steps and dense models keep one set. A run whose second prompt prefills
     beside the first one's decode takes them."""
-    from opmap.engine import runner as R
     from opmap.core.select import select
     from opmap.core.specs import GemmSpec
+    from opmap.model.step import QUANTISED_MIXED_ROWS
+    from opmap.ops.gemm.backends import MANY_ROWS
 
     fp8 = dict(arch="sm90", phase="mixed", n=6144, k=4096, dtype="bf16", weight_dtype="fp8")
-    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **fp8), runtime=False).backend.name == "scaled-mm"
+    assert select("gemm", GemmSpec(m=MANY_ROWS, **fp8), runtime=False).backend.name == "scaled-mm"
     int8 = dict(fp8, weight_dtype="int8")
-    assert select("gemm", GemmSpec(m=R.MANY_ROWS, **int8)).backend.name == "dequant-cublas"
+    assert select("gemm", GemmSpec(m=MANY_ROWS, **int8)).backend.name == "dequant-cublas"
     assert select("gemm", GemmSpec(m=None, **fp8)).backend.name == "triton-wo"
     assert select("gemm", GemmSpec(m=32, **fp8), runtime=False).backend.name == "gluon-wo"
     assert select("gemm", GemmSpec(m=64, **fp8), runtime=False).backend.name == "gluon-wo-wgmma"
     llm = LLM("tiny-llama3", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, quantize="fp8")
     run = llm.runner
-    assert sorted(run.mixed_rows) == [1, 2, 4, 8, 16, 32, 64, R.MANY_ROWS]
+    assert sorted(run.mixed_rows) == [1, 2, 4, 8, 16, 32, 64, MANY_ROWS] == list(QUANTISED_MIXED_ROWS)
     assert all(ops.m == m for m, ops in run.mixed_rows.items())
-    assert run.eager_ops("mixed", R.MANY_ROWS) is run.mixed_rows[R.MANY_ROWS]
-    assert run.eager_ops("mixed", 1000) is run.mixed_rows[R.MANY_ROWS]
-    assert run.eager_ops("mixed", R.MANY_ROWS - 1) is run.ops["mixed"]
+    assert run.eager_ops("mixed", MANY_ROWS) is run.mixed_rows[MANY_ROWS]
+    assert run.eager_ops("mixed", 1000) is run.mixed_rows[MANY_ROWS]
+    assert run.eager_ops("mixed", MANY_ROWS - 1) is run.ops["mixed"]
     assert run.eager_ops("mixed", 65) is run.ops["mixed"]
     assert run.eager_ops("mixed", 64) is run.mixed_rows[64]
     assert run.eager_ops("mixed", 33) is run.mixed_rows[64]
@@ -462,5 +463,28 @@ def test_mixed_steps_take_the_op_set_planned_at_their_row_count(single_thread):
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     out = llm.generate([[5] * 8, [7] * 400], params)  # the second prompt in two chunks
     assert all(o.error is None and len(o.token_ids) == 4 for o in out)
-    assert any(p == "mixed" and t >= R.MANY_ROWS for p, t in used), used
+    assert any(p == "mixed" and t >= MANY_ROWS for p, t in used), used
     assert LLM("tiny-llama3", max_num_seqs=2).runner.mixed_rows == {}
+
+
+def test_report_names_the_mixed_step_kernel_of_every_row_count():
+    """The report's mixed-step line of a quantised GEMM names, for every row count, the backend the
+    engine's op set for that count (model.step.mixed_rows_of) selects."""
+    import re
+
+    from opmap.core.select import select
+    from opmap.core.specs import GemmSpec
+    from opmap.harness.report import _by_rows
+    from opmap.model.step import mixed_rows_of
+
+    for wd in ("fp8", "int8"):
+        g = GemmSpec(arch="sm90", phase="mixed", m=None, n=6144, k=4096, dtype="bf16", weight_dtype=wd)
+        line = _by_rows(g)
+        spans = [(int(lo or at_least), int(hi) if hi else None, name)
+                 for lo, hi, at_least, name in re.findall(r"(?:(\d+)-(\d+)|>= (\d+)): `([\w-]+)`", line)]
+        assert spans[0][0] == 1 and spans[-1][1] is None, line
+        for rows in range(1, 300):
+            said = next(n for lo, hi, n in spans if lo <= rows and (hi is None or rows <= hi))
+            runs = select("gemm", g.replace(m=mixed_rows_of(rows)), runtime=False).backend.name
+            assert said == runs, (wd, rows, line)
+        assert "gluon-wo" in line and "triton-wo" in line

@@ -28,7 +28,7 @@ import torch
 
 from opmap.core.contract import InputError, dtype_name, trusted_values
 from opmap.core.hw import local_arch
-from opmap.ops.gemm.backends import MANY_ROWS  # rows from which a quantised GEMM takes the many-row route
+from opmap.model.step import QUANTISED_MIXED_ROWS, mixed_rows_of
 from opmap.ops.rope.reference import cos_sin_cache
 from opmap.core.select import BackendError
 from opmap.engine.capture import Capture
@@ -127,12 +127,9 @@ class ModelRunner:
                          ecfg.backends, ecfg.trace_ops, ecfg.fuse_rope_append)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
-        # Quantised weights: the weight-only GEMM backends are chosen by row count (GemmSpec.m), so
-        # an eager mixed step takes the op set planned at the power of two at or above its rows
-        # below MANY_ROWS / 2 + 1, the one planned at MANY_ROWS from MANY_ROWS rows on (the many-row
-        # route: docs/dense.md, Decisions), and the set planned at M unknown in between. Dense
-        # weights choose the same at any M: no further sets.
-        self.mixed_rows = ({m: opset("mixed", False, m) for m in (*_powers_of_two(MANY_ROWS // 2), MANY_ROWS)}
+        # Quantised weights: eager mixed steps also take op sets planned at their row count
+        # (model.step.mixed_rows_of); dense weights choose the same at any M: no further sets.
+        self.mixed_rows = ({m: opset("mixed", False, m) for m in QUANTISED_MIXED_ROWS}
                            if self.weight_format else {})
         self.graphs_off_reason = None if self.use_graphs else ("enforce_eager" if on_gpu else "CPU")
         self.prefill_graphs_off = None if self.use_graphs else self.graphs_off_reason
@@ -367,12 +364,8 @@ class ModelRunner:
         """The op set of an eager (not replayed) step of ``tokens`` rows in ``phase``."""
         if phase == "prefill":
             return self.ops["prefill"]
-        if self.mixed_rows:
-            if tokens >= MANY_ROWS:
-                return self.mixed_rows[MANY_ROWS]
-            m = 1 << max(0, tokens - 1).bit_length()
-            return self.mixed_rows[m] if m < MANY_ROWS else self.ops["mixed"]
-        return self.ops["mixed"]
+        m = mixed_rows_of(tokens) if self.mixed_rows else None
+        return self.ops["mixed"] if m is None else self.mixed_rows[m]
 
     # ---- padded prefill steps ------------------------------------------------------------------
     def prefill_bucket(self, batch: Batch) -> Optional[int]:
@@ -539,8 +532,3 @@ class ModelRunner:
         torch.cuda.synchronize()
         if self.prefill_graphs:
             log.info("prefill CUDA graphs captured for token buckets %s", sorted(self.prefill_graphs))
-
-
-def _powers_of_two(top: int) -> list:
-    """1, 2, 4, ... up to ``top``."""
-    return [1 << i for i in range(top.bit_length()) if 1 << i <= top]

@@ -29,6 +29,7 @@ from opmap.harness.check.runner import to_markdown as check_md
 from opmap.harness.output import environment, short_error
 from opmap.model import presets
 from opmap.model.hf import resolve_model
+from opmap.model.step import QUANTISED_MIXED_ROWS
 
 
 def _row_dict(phase: str, r) -> dict:
@@ -142,12 +143,36 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
         for wd in ("fp8", "int8"):
             ch, err = _try("gemm", g.replace(weight_dtype=wd))
             lines.append(f"{phase} {lb} (m={g.m or 'any'}) with {wd} weights: {_name(ch, err)}")
+    if "mixed" in maps:
+        lb, g = find("mixed", "gemm")[0]
+        for wd in ("fp8", "int8"):
+            lines.append(f"mixed {lb} with {wd} weights, by the step's rows: {_by_rows(g.replace(weight_dtype=wd))}")
     kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
     lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
     lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
                  "GPU profile: `opmap profile` on a GPU")
     qs.append({"question": "With quantised weights or KV, which kernels run?", "answer": lines})
     return qs
+
+
+def _by_rows(g) -> str:
+    """The backend of a quantised GEMM in each span of rows at which the engine plans its mixed steps
+    (model.step.QUANTISED_MIXED_ROWS; M unknown between MANY_ROWS / 2 and MANY_ROWS), equal
+    neighbours merged: "1-32: `gluon-wo` ...; 33-64: ...; >= 128: ..."."""
+    *small, many = QUANTISED_MIXED_ROWS
+    spans, lo = [], 1
+    for m in small:
+        spans.append((lo, m, m))
+        lo = m + 1
+    spans += [(lo, many - 1, None), (many, None, many)]
+    out: list = []
+    for lo, hi, m in spans:
+        name = _name(*_try("gemm", g.replace(m=m)))
+        if out and out[-1][2] == name:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi, name])
+    return "; ".join(f"{lo}-{hi}: {name}" if hi else f">= {lo}: {name}" for lo, hi, name in out)
 
 
 def _stop_line() -> str:

@@ -26,6 +26,7 @@ from opmap.core import specs as S
 from opmap.core.registry import Backend
 from opmap.core.select import BackendError, Choice, select
 from opmap.model.presets import ModelConfig
+from opmap.ops.gemm.backends import MANY_ROWS
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,21 @@ def sampler_slots(vocab: int, arch: str) -> list[Slot]:
 def step_map(cfg: ModelConfig, phase: str, st: StepSettings) -> list[Slot]:
     """A step as the report lists it: the forward pass, and at decode the sampler stage."""
     return step_slots(cfg, phase, st) + (sampler_slots(cfg.vocab, st.arch) if phase == "decode" else [])
+
+
+# Quantised weights: the weight-only GEMM backends are chosen by row count (GemmSpec.m), so an engine
+# plans its eager mixed steps at these row counts as well as at M unknown (docs/dense.md, Decisions).
+QUANTISED_MIXED_ROWS = (*(1 << i for i in range((MANY_ROWS // 2).bit_length())), MANY_ROWS)
+
+
+def mixed_rows_of(tokens: int) -> Optional[int]:
+    """The row count (of QUANTISED_MIXED_ROWS) whose plan a quantised engine's eager mixed step of
+    ``tokens`` rows runs: the power of two at or above it up to MANY_ROWS / 2, MANY_ROWS from there on,
+    None (the plan at M unknown) in between."""
+    if tokens >= MANY_ROWS:
+        return MANY_ROWS
+    m = 1 << max(0, tokens - 1).bit_length()
+    return m if m < MANY_ROWS else None
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,
