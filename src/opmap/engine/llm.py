@@ -9,7 +9,6 @@ preempts (free and recompute); it never fails a request that fits the cache alon
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import random
@@ -22,7 +21,7 @@ import torch
 from opmap.core.contract import InputError, trusted_values
 from opmap.engine.params import SamplingParams
 from opmap.engine.block_manager import BlockManager
-from opmap.model.hf import resolve_model
+from opmap.model.hf import read_json_object, resolve_model
 from opmap.engine.config import EngineConfig, check_sizes, machine_memory
 from opmap.engine.metrics import HOST_PARTS, GcTimer, StepStats, summarize
 from opmap.engine.opset import engine_dtype
@@ -308,13 +307,7 @@ class LLM:
 
         fn = os.path.join(self.path, "tokenizer_config.json") if self.path is not None else None
         if fn is not None and os.path.isfile(fn):
-            try:
-                with open(fn) as f:
-                    tc = json.load(f)
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise InputError(fn, "a file that is not JSON", f"a tokenizer_config.json ({e})") from None
-            if not isinstance(tc, dict):
-                raise InputError(fn, type(tc).__name__, "a JSON object")
+            tc = read_json_object(fn, "a tokenizer_config.json")
             if tc.get("auto_map"):
                 raise InputError(f"{fn} auto_map", repr(tc["auto_map"])[:120], "no auto_map: the tokenizer needs the "
                                  "checkpoint's own Python code, which opmap never runs (trust_remote_code is off)")

@@ -11,7 +11,6 @@ of transformers 5.x (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 from typing import Iterable, Optional
@@ -19,7 +18,7 @@ from typing import Iterable, Optional
 import torch
 
 from opmap.core.contract import InputError
-from opmap.model.hf import inside
+from opmap.model.hf import inside, read_json_object
 from opmap.ops.gemm.quant import quantize_weight
 
 log = logging.getLogger("opmap.engine")
@@ -32,11 +31,7 @@ class SafetensorsSource:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            try:
-                with open(index) as f:
-                    wm = json.load(f)["weight_map"]
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-                raise InputError(index, "an unreadable index", f"JSON with a weight_map ({e})") from None
+            wm = read_json_object(index, "JSON with a weight_map").get("weight_map")
             if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
                 raise InputError(f"{index} weight_map", type(wm).__name__ if not isinstance(wm, dict) else
                                  "a file name that is not a string", "an object of tensor name -> file name")
@@ -309,13 +304,7 @@ def eos_token_ids(path: Optional[str], vocab: Optional[int] = None) -> list:
         p = inside(path, fn) if path else None
         if not (p and os.path.isfile(p)):
             continue
-        try:
-            with open(p) as f:
-                d = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(p, "a file that is not JSON", f"a JSON object ({e})") from None
-        if not isinstance(d, dict):
-            raise InputError(p, type(d).__name__, "a JSON object")
+        d = read_json_object(p, "a JSON object")
         v = d.get("eos_token_id")
         if v is None:
             continue

@@ -11,12 +11,11 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from opmap.core.contract import InputError, expect
+from opmap.core.contract import InputError
 from opmap.model.presets import PRESETS, ModelConfig, get_preset
 from opmap.ops.rope.reference import ROPE_SCALINGS
 
@@ -329,12 +328,7 @@ def resolve_model(model: str) -> tuple:
             inside(model, "config.json")
         if not os.path.isfile(path):
             raise InputError("model", repr(model), "a directory with a config.json")
-        try:
-            with open(path) as f:
-                d = json.load(f)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise InputError(path, "a file that is not JSON", f"a config.json ({e})") from None
-        expect(isinstance(d, dict), path, type(d).__name__, "a JSON object")
+        d = read_json_object(path, "a config.json")
         check_fields(d, path)
         d = _through_autoconfig(d, path)
         folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model))
@@ -380,6 +374,19 @@ def inside(folder: str, name: str) -> str:
         raise InputError(path, f"{how} {real}, outside the checkpoint directory",
                          "files inside the checkpoint directory")
     return path
+
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in a checkpoint file (``what`` names the file's kind in the error): a file that
+    cannot be read as JSON, or holds something else than an object, is an InputError naming it."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(path, "a file that is not JSON", f"{what} ({e})") from None
+    if not isinstance(d, dict):
+        raise InputError(path, type(d).__name__, "a JSON object")
+    return d
 
 
 def check_folder(folder: str) -> None:
