@@ -13,7 +13,7 @@ from opmap.core.select import select
 from opmap.core.specs import GemmSpec
 from opmap.kernels.gemm import splitk
 from opmap.kernels.gemm import triton_gemm as tri
-from opmap.kernels.gemm import wo_gluon, wo_wgmma
+from opmap.kernels.gemm import wo_common, wo_gluon, wo_wgmma
 from opmap.core.tolerance import assert_close
 
 
@@ -254,7 +254,7 @@ def test_gluon_launchers_check_their_contract_before_any_launch():
             lin(x, wq, None, s)
         assert "Triton interpreter" in str(e.value)
     with pytest.raises(InputError, match="config"):
-        wo_gluon.config_of({"GLUON": 0})  # a config never picks another kernel: that is a backend
+        wo_common.config_of({"GLUON": 0})  # a config never picks another kernel: that is a backend
 
 
 def test_cublas_peer_rejects_quantised_weight():
@@ -411,7 +411,7 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     W = wo_gluon
 
     def p(M, N, K, cfg=None):
-        return W.plan(M, N, K, 132, 228 * 1024, W.config_of(cfg))
+        return W.plan(M, N, K, 132, 228 * 1024, wo_common.config_of(cfg))
 
     assert p(1, 28672, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=2, SPLIT=1)  # 448 programs
     assert p(1, 6144, 4096) == dict(BLOCK_M=8, BLOCK_N=64, BLOCK_K=256, STAGES=3, SPLIT=4)  # 384 fit 3 an SM
@@ -422,7 +422,7 @@ def test_weight_only_gluon_plan_takes_the_deepest_pipeline_that_fits_one_wave():
     assert p(1, 28672, 4096, {"BLOCK_K": 256, "STAGES": 3})["STAGES"] == 3  # fixed: two waves, as asked
     for bad in ({"STAGES": 1}, {"BLOCK_K": 512}, {"BLOCK_N": 32}, {"TILE": 3}, {"GLUON": 0}):
         with pytest.raises(InputError):
-            W.config_of(bad)
+            wo_common.config_of(bad)
 
 
 def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads():
@@ -431,7 +431,7 @@ def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads(
     V = wo_wgmma
 
     def p(M, N, K, cfg=None):
-        return V.plan(M, N, K, 132, 228 * 1024, V.config_of(cfg))
+        return V.plan(M, N, K, 132, 228 * 1024, wo_common.config_of(cfg))
 
     assert p(64, 6144, 4096) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=5)
     assert p(33, 4096, 14336) == dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, STAGES=2, SPLIT=8)

@@ -30,10 +30,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from opmap.kernels import pdl
-from opmap.kernels.gemm.wo_common import (check_inputs, config_of, finish, geometry, issue, nothing_to_multiply,
-                                          operand, pipeline)
-from opmap.kernels.gluon_util import enter, sm89_or_newer, sm_figures
+from opmap.kernels.gemm import wo_common as common
+from opmap.kernels.gemm.wo_common import finish, issue, operand, pipeline
+from opmap.kernels.gluon_util import enter, sm89_or_newer
 
 NUM_WARPS = 4
 NW = gl.constexpr(NUM_WARPS)
@@ -113,22 +112,10 @@ def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config
 
 
 def describe(M: int, N: int, K: int, device, config=None) -> str:
-    p = plan(M, N, K, *sm_figures(torch.device(device)), config=config_of(config))
-    return (f"Gluon mma.sync: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, "
-            f"{p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
+    return common.describe("Gluon mma.sync", plan, M, N, K, device, config)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
-    M, N, K = check_inputs(x, w, bias, w_scale, MAX_M, "an sm89+ GPU", sm89_or_newer)
-    cfg = config_of(config)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if nothing_to_multiply(M, N, K, bias, out):
-        return out
-    p = plan(M, N, K, *sm_figures(x.device), config=cfg)
-    k_per_split, split, grid, ws, cnt = geometry(M, N, K, p, out)
-    _wo_kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0),
-                     w.stride(0), out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=True,
-                     HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"],
-                     BLOCK_K=p["BLOCK_K"], STAGES=p["STAGES"], num_warps=NUM_WARPS, **pdl.launch(x.device))
-    return out
+    return common.launch(_wo_kernel, plan, lambda p: NUM_WARPS, x, w, bias, w_scale, config, MAX_M,
+                         "an sm89+ GPU", sm89_or_newer)

@@ -25,9 +25,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from opmap.kernels import pdl
-from opmap.kernels.gemm.wo_common import check_inputs, config_of, finish, geometry, issue, nothing_to_multiply, pipeline
-from opmap.kernels.gluon_util import enter, hopper, sm_figures
+from opmap.kernels.gemm import wo_common as common
+from opmap.kernels.gemm.wo_common import finish, issue, pipeline
+from opmap.kernels.gluon_util import enter, hopper
 
 
 def _pair_asm(head: str, pack: str) -> gl.constexpr:
@@ -139,23 +139,10 @@ def plan(M: int, N: int, K: int, sms: int, smem_per_sm: int = 228 * 1024, config
 
 
 def describe(M: int, N: int, K: int, device, config=None) -> str:
-    p = plan(M, N, K, *sm_figures(torch.device(device)), config=config_of(config))
-    return (f"Gluon wgmma: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, "
-            f"{p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
+    return common.describe("Gluon wgmma", plan, M, N, K, device, config)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
-    M, N, K = check_inputs(x, w, bias, w_scale, MAX_M, "an sm90 GPU (warpgroup MMAs)", hopper)
-    cfg = config_of(config)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if nothing_to_multiply(M, N, K, bias, out):
-        return out
-    p = plan(M, N, K, *sm_figures(x.device), config=cfg)
-    k_per_split, split, grid, ws, cnt = geometry(M, N, K, p, out)
-    _wo_wgmma_kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0),
-                           w.stride(0), out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=True,
-                           HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"],
-                           BLOCK_K=p["BLOCK_K"], STAGES=p["STAGES"], num_warps=p["BLOCK_N"] // 16,
-                           **pdl.launch(x.device))
-    return out
+    return common.launch(_wo_wgmma_kernel, plan, lambda p: p["BLOCK_N"] // 16, x, w, bias, w_scale, config, MAX_M,
+                         "an sm90 GPU (warpgroup MMAs)", hopper)
