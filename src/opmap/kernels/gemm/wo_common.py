@@ -14,7 +14,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from opmap.core.contract import dtype_name, expect
 from opmap.core.tiles import tile_config
-from opmap.kernels import pdl
 from opmap.kernels.gemm.splitk import counters
 from opmap.kernels.gluon_util import e4m3_to_f16, sm_figures
 from opmap.ops.gemm.validate import check_linear
@@ -187,19 +186,21 @@ def describe(name: str, plan, M: int, N: int, K: int, device, config=None) -> st
             f"{p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
 
 
-def launch(kernel, plan, num_warps, x, w, bias, w_scale, config, max_m: int, gpu: str, gpu_ok) -> torch.Tensor:
-    """One weight-only Gluon kernel's call: the contract (``check_inputs``), the plan of its own
-    ``plan`` function, the split-K geometry and the launch with ``num_warps(plan)`` warps. Both
-    kernels take the same arguments; each module passes its own kernel, plan and bounds."""
+def prepare(plan, x, w, bias, w_scale, config, max_m: int, gpu: str, gpu_ok) -> tuple:
+    """What both weight-only Gluon kernels' calls share before their launch: the contract
+    (``check_inputs``), the output, the plan of the kernel's own ``plan`` function and the split-K
+    geometry. Returns (out, grid, args, constexprs, plan); grid None when there is nothing to multiply
+    (``out`` is then filled). Each kernel module launches its own kernel with them, so that every
+    launch names its kernel (the PDL tests read the launch sites)."""
     M, N, K = check_inputs(x, w, bias, w_scale, max_m, gpu, gpu_ok)
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if nothing_to_multiply(M, N, K, bias, out):
-        return out
+        return out, None, (), {}, None
     p = plan(M, N, K, *sm_figures(x.device), config=cfg)
     k_per_split, split, grid, ws, cnt = geometry(M, N, K, p, out)
-    kernel[grid](x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0),
-                 w.stride(0), out.stride(0), k_per_split, W_INT8=w.dtype == torch.int8, HAS_SCALE=True,
-                 HAS_BIAS=bias is not None, SPLIT=split, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"],
-                 BLOCK_K=p["BLOCK_K"], STAGES=p["STAGES"], num_warps=num_warps(p), **pdl.launch(x.device))
-    return out
+    args = (x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
+            out.stride(0), k_per_split)
+    consts = dict(W_INT8=w.dtype == torch.int8, HAS_SCALE=True, HAS_BIAS=bias is not None, SPLIT=split,
+                  BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], STAGES=p["STAGES"])
+    return out, grid, args, consts, p

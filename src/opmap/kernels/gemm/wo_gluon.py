@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from opmap.kernels import pdl
 from opmap.kernels.gemm import wo_common as common
 from opmap.kernels.gemm.wo_common import finish, issue, operand, pipeline
 from opmap.kernels.gluon_util import enter, sm89_or_newer
@@ -117,5 +118,7 @@ def describe(M: int, N: int, K: int, device, config=None) -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
-    return common.launch(_wo_kernel, plan, lambda p: NUM_WARPS, x, w, bias, w_scale, config, MAX_M,
-                         "an sm89+ GPU", sm89_or_newer)
+    out, grid, args, consts, p = common.prepare(plan, x, w, bias, w_scale, config, MAX_M, "an sm89+ GPU", sm89_or_newer)
+    if grid is not None:
+        _wo_kernel[grid](*args, **consts, num_warps=NUM_WARPS, **pdl.launch(x.device))
+    return out

@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
+from opmap.kernels import pdl
 from opmap.kernels.gemm import wo_common as common
 from opmap.kernels.gemm.wo_common import finish, issue, pipeline
 from opmap.kernels.gluon_util import enter, hopper
@@ -144,5 +145,8 @@ def describe(M: int, N: int, K: int, device, config=None) -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
-    return common.launch(_wo_wgmma_kernel, plan, lambda p: p["BLOCK_N"] // 16, x, w, bias, w_scale, config, MAX_M,
-                         "an sm90 GPU (warpgroup MMAs)", hopper)
+    out, grid, args, consts, p = common.prepare(plan, x, w, bias, w_scale, config, MAX_M,
+                                                "an sm90 GPU (warpgroup MMAs)", hopper)
+    if grid is not None:
+        _wo_wgmma_kernel[grid](*args, **consts, num_warps=p["BLOCK_N"] // 16, **pdl.launch(x.device))
+    return out
