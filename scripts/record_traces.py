@@ -1,8 +1,10 @@
 """Record the profiler traces under tests/data/traces (run on a GPU machine, offline):
-HF transformers generate with SDPA and eager attention (Llama-3-8B layer shapes cut to 2 layers;
-with and without with_stack=True, which adds the nn.Module frames, and with record_shapes), HF
-Mixtral- and Qwen3-MoE-shaped models, an HF
-Mixtral MoE, an HF Llama forward under torch.compile, opmap's own engine (dense and MLA), and,
+HF transformers generate with eager, SDPA and FlexAttention (Llama-3-8B layer shapes cut to 2
+layers; with and without with_stack=True, which adds the nn.Module frames, and with
+record_shapes), HF Mixtral-, Qwen3-MoE- and DeepSeek-V2-Lite-shaped models (MoE; MLA), batch 4 with
+sampled decoding, an HF Llama forward under torch.compile and generate with its forward compiled
+with mode="reduce-overhead" (CUDA graphs), a FlashInfer decode loop, opmap's own engine (dense and
+MLA), and,
 where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
 is a test fixture of ``opmap profile --trace``.
 
@@ -50,6 +52,18 @@ def _qwen3_moe():
                                  num_key_value_heads=4, head_dim=128, vocab_size=151936), "sdpa")
 
 
+def _deepseek_v2(attn: str):
+    from transformers import DeepseekV2Config
+
+    # DeepSeek-V2-Lite: MLA without a q LoRA (kv_lora_rank 512, rope 64 + nope 128), the first
+    # layer dense, then 64 routed experts (6 active) with 2 shared ones.
+    return _build(DeepseekV2Config(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                                   num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=16,
+                                   kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                   v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6,
+                                   first_k_dense_replace=1, vocab_size=102400, topk_method="greedy"), attn)
+
+
 def _build(cfg, attn: str):
     from transformers import AutoModelForCausalLM
 
@@ -89,11 +103,18 @@ def _profiled(fn, path: str, stack: bool = False, shapes: bool = False) -> None:
     _save(path[:-3], path)
 
 
-def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool = False, shapes: bool = False) -> None:
-    ids = torch.randint(0, 32000, (1, prompt), device="cuda")
+def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool = False, shapes: bool = False,
+                batch: int = 1, sample: bool = False, **gen) -> None:
+    """``generate`` of ``batch`` prompts of ``prompt`` tokens, ``new`` tokens each; greedy, or
+    sampled with top-k / top-p (HF's sort-based warpers) where ``sample``."""
+    ids = torch.randint(0, 32000, (batch, prompt), device="cuda")
+    if sample:
+        gen.update(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+    else:
+        gen.update(do_sample=False)
     with torch.no_grad():
-        _profiled(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False), path, stack,
-                  shapes)
+        _profiled(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                         min_new_tokens=new, **gen), path, stack, shapes)
     del model
     torch.cuda.empty_cache()
 
@@ -104,6 +125,17 @@ def hf_compile(path: str) -> None:
     ids = torch.randint(0, 32000, (1, 128), device="cuda")
     with torch.no_grad():
         _profiled(lambda: fwd(input_ids=ids, use_cache=False), path)
+
+
+def hf_compile_generate(path: str) -> None:
+    """``generate`` with a static cache and the forward compiled with mode="reduce-overhead": the
+    decode steps replay CUDA graphs."""
+    model = _llama("sdpa")
+    model.forward = torch.compile(model.forward, mode="reduce-overhead")
+    ids = torch.randint(0, 32000, (1, 128), device="cuda")
+    with torch.no_grad():
+        _profiled(lambda: model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                         cache_implementation="static"), path)
 
 
 def opmap_engine(model: str, path: str) -> None:
@@ -166,6 +198,12 @@ RECORDERS = {
     "hf-mixtral-sdpa-stack": lambda p: hf_generate(_mixtral(), p, stack=True),
     "hf-qwen3moe-sdpa-stack": lambda p: hf_generate(_qwen3_moe(), p, stack=True),
     "hf-llama-compile": hf_compile,
+    "hf-llama-compile-graphs": hf_compile_generate,
+    "hf-llama-flex": lambda p: hf_generate(_llama("flex_attention"), p),
+    "hf-llama-sdpa-b4-sampled": lambda p: hf_generate(_llama("sdpa"), p, batch=4, sample=True),
+    "hf-mixtral-sdpa-b4-sampled": lambda p: hf_generate(_mixtral(), p, batch=4, sample=True),
+    "hf-deepseekv2-eager-stack": lambda p: hf_generate(_deepseek_v2("eager"), p, stack=True),
+    "hf-deepseekv2-sdpa": lambda p: hf_generate(_deepseek_v2("sdpa"), p),
     "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
     "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),
 }
