@@ -21,7 +21,12 @@ OURS = {"flashinfer-decode": (True, False, False), "hf-llama-compile": (True, Fa
         "hf-llama-sdpa-stack": (True, False, False), "hf-llama-sdpa": (True, False, False),
         "hf-mixtral-sdpa-stack": (True, True, False), "hf-mixtral-sdpa": (True, True, False),
         "hf-qwen3moe-sdpa-stack": (True, True, False), "opmap-deepseek": (True, True, False),
-        "opmap-llama": (True, False, False)}
+        "opmap-llama": (True, False, False), "hf-llama-flex": (True, False, False),
+        "hf-llama-compile-static": (True, False, False), "hf-llama-sdpa-b4-sampled": (True, False, False),
+        "hf-mixtral-sdpa-b4-sampled": (True, True, False), "hf-deepseekv2-eager-stack": (True, True, False),
+        "hf-deepseekv2-sdpa": (True, True, False)}
+# HF generate runs: one prefill step (the prompt) and the decode steps after it
+HF_GENERATE = sorted(n for n in OURS if n.startswith("hf-") and n != "hf-llama-compile")
 THEIRS = {"traceMap__1_h100_1000isl_10osl_32con.pt.trace": (True, False, True),
           "TraceLens__eager_trace": (True, True, True),
           "TraceLens__Qwen_Qwen1.5-0.5B-Chat__1016005": (True, False, False),
@@ -118,3 +123,77 @@ def test_hf_qwen2_forward_with_frames():
     assert list(p["libraries"]["attention"])[0] == "PyTorch"  # pytorch_flash::flash_fwd_kernel
     assert {"GEMM", "norm", "RoPE", "attention", "activation"} <= set(p["categories"])
     assert p["evidence"]["GEMM"].get("range", 0) > 0.5 * p["categories"]["GEMM"]
+
+
+@pytest.mark.parametrize("name", HF_GENERATE)
+def test_hf_generate_has_one_prefill_then_decode(name):
+    """The prompt's step is prefill and the five after it decode, on every HF generate recording:
+    FlexAttention and the MoE decode paths included, whose prefill costs about what a decode step
+    does (the LM head runs on the last token only), so the step's busy time cannot tell it; the
+    grids of its per-layer kernels can (blocks over the prompt's rows)."""
+    res = _res(DATA / f"{name}.json.gz")
+    assert {ph: p["steps"] for ph, p in res["phases"].items()} == {"prefill": 1, "decode": 5}
+
+
+def test_flex_attention_named_in_both_phases():
+    """FlexAttention's Inductor template kernels (triton_tem_fused_flex_attention_*) are attention
+    in prefill and decode, and its block-mask construction (a sort) is no sampler: greedy run."""
+    res = _res(DATA / "hf-llama-flex.json.gz")
+    for ph in ("prefill", "decode"):
+        assert res["phases"][ph]["categories"]["attention"] > 0
+    flex = [c for k, c in _categories(DATA / "hf-llama-flex.json.gz") if "flex_attention" in k.name]
+    assert flex and set(flex) == {"attention"}, set(flex)
+    assert not any("sorts the logits" in d for d in res["diagnosis"])
+
+
+def test_sampled_decoding_sorts_are_the_sampler():
+    """Batch 4 with top-k / top-p (HF's sort-based warpers): the sampler-sort rule fires in every
+    phase of the Llama and Mixtral runs, with its evidence; it stays silent on their greedy runs."""
+    for name in ("hf-llama-sdpa-b4-sampled", "hf-mixtral-sdpa-b4-sampled"):
+        res = _res(DATA / f"{name}.json.gz")
+        for ph in ("prefill", "decode"):
+            assert any(d.startswith(f"{ph}: sampling sorts the logits") and "[evidence: " in d
+                       for d in res["diagnosis"]), (name, ph, res["diagnosis"])
+    for name in ("hf-llama-sdpa", "hf-mixtral-sdpa", "hf-qwen3moe-sdpa-stack"):
+        assert not any("sorts the logits" in d for d in _res(DATA / f"{name}.json.gz")["diagnosis"]), name
+
+
+def test_hf_deepseek_v2_mla_and_moe():
+    """DeepSeek-V2-Lite shapes in HF (eager MLA, 64 routed experts + 2 shared): MoE and attention
+    in both phases, the eager attention's matmul -> softmax -> matmul found by its module frames
+    (with_stack) and by its motif (SDPA run), the expert weights' gathers of the decode MoE path
+    not taken for memory copies."""
+    for name, evidence in (("hf-deepseekv2-eager-stack", "range"), ("hf-deepseekv2-sdpa", "motif")):
+        res = _res(DATA / f"{name}.json.gz")
+        for ph in ("prefill", "decode"):
+            p = res["phases"][ph]
+            assert p["categories"]["MoE"] > 0 and p["categories"]["attention"] > 0, (name, ph)
+
+        assert res["phases"]["decode"]["evidence"]["MoE"].get(evidence, 0) > 0, name
+        # the experts' weight gathers; the embedding lookup's one small gather is a memory copy
+        gathers = [(k.dur, c) for k, c in _categories(DATA / f"{name}.json.gz") if "vectorized_gather" in k.name]
+        moe = sum(d for d, c in gathers if c == "MoE")
+        assert moe > 0.9 * sum(d for d, _ in gathers), (name, gathers)
+
+
+def _categories(path: Path) -> list:
+    """(kernel, category) of every kernel of the trace's steps."""
+    from opmap.harness.profile import attribute
+    from opmap.harness.profile.steps import steps_of
+
+    out = []
+    for st in steps_of(trace.load(str(path))):
+        ks = sorted(st["kernels"], key=lambda k: k.ts)
+        out += [(k, a.category) for k, a in zip(ks, attribute.step(ks))]
+    return out
+
+
+def test_compiled_generate_without_graphs_is_said():
+    """generate with a static cache compiles the decode forward (reduce-overhead asked), but
+    Inductor skipped its CUDA graphs on this run: the decode kernels are Inductor's, none replayed
+    by cudaGraphLaunch, and the idle-GPU line says graphs were not captured. The vLLM trace above,
+    whose pieces do replay, gets no such line."""
+    res = _res(DATA / "hf-llama-compile-static.json.gz")
+    dec = res["phases"]["decode"]
+    assert dec["graph_ms"] == 0 and "Inductor" in dec["libraries"]["norm"]
+    assert any(d.startswith("decode: the GPU is idle") and "CUDA graphs not captured" in d for d in res["diagnosis"])

@@ -349,3 +349,31 @@ def test_compiled_unfused_attention_chain(tmp_path):
                 K(NVJET, 6, "aten::bmm"), K(NVJET, 20, "aten::mm")] + _tail())
     p = next(iter(b.analyze(tmp_path)["phases"].values()))
     assert p["categories"]["attention"] == pytest.approx(2 * 16 / 1e3)
+
+
+def _grid_step(grids: dict, copies: int = 1) -> dict:
+    from opmap.harness.profile.trace import Kernel
+
+    ks = [Kernel(name, float(i), 1.0, grid=g) for i, (name, g) in enumerate(list(grids.items()) * copies)]
+    return {"name": None, "kernels": ks}
+
+
+@pytest.mark.parametrize("prompt_growth, batch_growth, prefill", [(128, 1, True), (16, 1, True), (1, 1, False),
+                                                                   (1, 4, False), (4, 1, False)])
+def test_the_grid_rule_labels_the_prompt_step_and_not_a_grown_batch(prompt_growth, batch_growth, prefill):
+    """Steps of one run with no range name and no phase-specific attention kernel: the step whose
+    per-layer kernels (norm, RoPE, activation, copy) launch many times the blocks they launch in
+    the other steps is a prefill (medium confidence); the sampler's and LM head's kernels (the
+    last token only) stay as they were. A decode batch a few times larger, or a short prompt's
+    few-fold growth below GRID_PREFILL, is no prefill by grids."""
+    from opmap.harness.profile.steps import grid_medians, label
+
+    per_layer = {"rmsnorm": 4, "rope": 8, "silu_mul": 14, "copy": 4, "add": 4}
+    tail = {"lm_head_softmax": 251, "argmax": 251, "scalar": 1}
+    decode = [_grid_step({**per_layer, **tail}, copies=2) for _ in range(5)]
+    first = _grid_step({**{n: g * prompt_growth * batch_growth for n, g in per_layer.items()},
+                        **{n: g * batch_growth if n != "scalar" else 1 for n, g in tail.items()}}, copies=2)
+    steps = [first] + decode
+    phase, conf = label(first, median_busy_us=1e9, medians=grid_medians(steps))
+    assert (phase, conf) == (("prefill", "medium") if prefill else ("decode", "low"))
+    assert all(label(s, 1e9, grid_medians(steps)) == ("decode", "low") for s in decode)

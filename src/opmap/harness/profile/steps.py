@@ -8,6 +8,7 @@ import bisect
 import functools
 import re
 import statistics
+from typing import Optional
 
 from opmap.harness.profile import attribute
 from opmap.harness.profile.trace import Trace
@@ -134,10 +135,49 @@ def _launch_step(k, want: str, of_name: dict) -> tuple:
     return rs[i] if i >= 0 else (want, k.ts, 0.0)
 
 
-def label(step: dict, median_busy_us: float) -> tuple[str, str]:
+# A kernel that launches this many times the blocks it launches in the run's median step works on
+# that many times the rows: a prompt, not one token per sequence. Above the few-fold growth of a
+# decode batch as requests join, far below a prompt's length.
+GRID_PREFILL = 8.0
+
+
+def _grids(step: dict) -> dict:
+    """Kernel name -> the median grid (blocks) of its launches in the step, where recorded."""
+    seen: dict = {}
+    for k in step["kernels"]:
+        if k.grid:
+            seen.setdefault(k.name, []).append(k.grid)
+    return {n: statistics.median(v) for n, v in seen.items()}
+
+
+def grid_medians(steps: list) -> dict:
+    """Kernel name -> the median over the steps that ran it of its grid there, for the kernels
+    that ran in at least two steps over more than one block (a one-block kernel is a scalar's,
+    the same in every phase)."""
+    seen: dict = {}
+    for s in steps:
+        for n, g in _grids(s).items():
+            seen.setdefault(n, []).append(g)
+    out = {n: statistics.median(v) for n, v in seen.items() if len(v) >= 2}
+    return {n: g for n, g in out.items() if g >= 2}
+
+
+def grown(step: dict, medians: dict) -> tuple[int, float]:
+    """(kernels, their share of the step's kernels that other steps ran too) whose grid here is at
+    least GRID_PREFILL times their run median: per-layer work (norms, RoPE, activations, copies)
+    grows with a prompt's rows; the LM head's and the sampler's do not (the last token only)."""
+    g = _grids(step)
+    common = [n for n in g if n in medians]
+    big = sum(g[n] >= GRID_PREFILL * medians[n] for n in common)
+    return big, big / len(common) if common else 0.0
+
+
+def label(step: dict, median_busy_us: float, medians: Optional[dict] = None) -> tuple[str, str]:
     """(phase, confidence) of a step: from its range name (high), from the attention kernels it
-    ran (medium), else from its GPU busy time against the run's median step (low: a prefill
-    step computes over the prompt, a decode step over one token per sequence)."""
+    ran (medium), from its kernels' grids against the same kernels' in the other steps (medium:
+    ``medians`` from grid_medians; a prefill step's elementwise, norm and GEMM launches cover
+    the prompt's rows), else from its GPU busy time against the run's median step (low: a
+    prefill step computes over the prompt, a decode step over one token per sequence)."""
     name = step["name"] or ""
     m = re.match(r"^opmap::step::(\w+)$", name)
     if m:
@@ -151,6 +191,9 @@ def label(step: dict, median_busy_us: float) -> tuple[str, str]:
     pre = any(_PREFILL.search(n) and not _DECODE.search(n) for n in att)
     if dec or pre:
         return ("mixed" if dec and pre else "decode" if dec else "prefill"), "medium"
+    big, share = grown(step, medians) if medians else (0, 0.0)
+    if big >= 3 and share >= 0.1:
+        return "prefill", "medium"
     return ("prefill" if busy(step["kernels"]) >= 1.15 * median_busy_us else "decode"), "low"
 
 

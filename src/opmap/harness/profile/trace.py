@@ -32,6 +32,7 @@ class Kernel:
     shapes: tuple = ()  # the launching op's input shapes, where recorded
     graph: bool = False  # replayed by cudaGraphLaunch
     launched: Optional[float] = None  # when the host launched it, us
+    grid: int = 0  # thread blocks launched (0: the trace does not say)
 
 
 @dataclass
@@ -40,6 +41,16 @@ class Trace:
     ranges: list = field(default_factory=list)  # (name, ts, dur) host ranges
     source: str = ""
     kind: str = ""  # "chrome" or "nsys"
+
+
+def _blocks(grid) -> int:
+    """Thread blocks of a Chrome trace kernel's ``grid`` argument ([x, y, z]); 0 when absent."""
+    if isinstance(grid, (list, tuple)) and grid and all(isinstance(g, int) and g > 0 for g in grid):
+        n = 1
+        for g in grid:
+            n *= g
+        return n
+    return 0
 
 
 def load(path: str, progress: bool = False) -> Trace:
@@ -152,7 +163,8 @@ def from_chrome(doc, source: str) -> Trace:
             name = "Memset " + name
         graph = launch is not None and launch.get("name", "").startswith("cudaGraphLaunch")
         out.append(Kernel(name, float(k["ts"]), float(k["dur"]), op, ranges, (k.get("args") or {}).get("stream"),
-                          shapes, graph, float(launch["ts"]) if launch is not None else None))
+                          shapes, graph, float(launch["ts"]) if launch is not None else None,
+                          _blocks((k.get("args") or {}).get("grid"))))
         if graph:
             replays.setdefault(corr, (launch["ts"], []))[1].append(out[-1])
     if captures and replays:
@@ -278,7 +290,10 @@ def _nsys(p: Path) -> Trace:
         raise InputError("trace", p.name, "an Nsight Systems export with CUDA kernels (CUPTI_ACTIVITY_KIND_KERNEL)")
     strings = dict(db.execute("SELECT id, value FROM StringIds")) if "StringIds" in tables else {}
     name_col = "demangledName" if "demangledName" in _cols(db, "CUPTI_ACTIVITY_KIND_KERNEL") else "shortName"
-    rows = db.execute(f"SELECT start, end, {name_col}, correlationId, streamId FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchall()
+    kcols = _cols(db, "CUPTI_ACTIVITY_KIND_KERNEL")
+    grid = "gridX * gridY * gridZ" if {"gridX", "gridY", "gridZ"} <= set(kcols) else "0"
+    rows = db.execute(f"SELECT start, end, {name_col}, correlationId, streamId, {grid} "
+                      "FROM CUPTI_ACTIVITY_KIND_KERNEL").fetchall()
     launches = {}
     if "CUPTI_ACTIVITY_KIND_RUNTIME" in tables:
         for start, end, corr, tid in db.execute(
@@ -298,7 +313,7 @@ def _nsys(p: Path) -> Trace:
     for v in nvtx.values():
         v.sort()
     out = []
-    for start, end, nm, corr, stream in rows:
+    for start, end, nm, corr, stream, blocks in rows:
         name = strings.get(nm, str(nm)) if isinstance(nm, int) else str(nm)
         if not (isinstance(start, int) and isinstance(end, int)) or end < start:
             raise InputError(f"trace {p.name}", f"kernel {name[:60]!r} from {start!r} to {end!r}",
@@ -310,7 +325,7 @@ def _nsys(p: Path) -> Trace:
             i = bisect_right(spans, (t, float("inf"), ""))
             open_ = tuple(n for s, e, n in spans[:i] if s <= t <= e)
         out.append(Kernel(name, start / 1e3, (end - start) / 1e3, None, open_, stream,
-                          launched=t / 1e3 if t is not None else None))
+                          launched=t / 1e3 if t is not None else None, grid=blocks if isinstance(blocks, int) else 0))
     for table_, label in (("CUPTI_ACTIVITY_KIND_MEMCPY", "Memcpy"), ("CUPTI_ACTIVITY_KIND_MEMSET", "Memset")):
         if table_ in tables:
             for start, end in db.execute(f"SELECT start, end FROM {table_}"):
