@@ -30,7 +30,7 @@ def _main(argv) -> int:
 
 @pytest.mark.parametrize("extra,code,words", [
     (["--max-tokens", "0"], 2, "--max-tokens"),
-    (["--quantize", "int4"], 2, "--quantize"),
+    (["--quantize", "int2"], 2, "--quantize"),
     (["--temperature", "nan"], 1, "temperature"),
     (["--top-p", "0"], 1, "top_p"),
     (["--backend", "attention=nope"], 2, "no backend 'nope'"),

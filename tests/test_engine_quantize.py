@@ -68,7 +68,7 @@ def test_quantised_engine_matches_hf_on_the_dequantised_weights(name, fmt, want,
 
 def test_quantize_refuses_an_unknown_format():
     with pytest.raises(InputError, match="quantize"):
-        LLM("tiny-llama3", quantize="int4")
+        LLM("tiny-llama3", quantize="int2")
 
 
 # quantization_config of each fp8 layout (_to_fp8_checkpoint): the scale tensors' suffix, and the
@@ -254,7 +254,8 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
 @pytest.mark.parametrize("qc,words", [
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "e4m3"),
-    ({"quant_method": "awq", "bits": 4}, "quant_method"),
+    ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "weights"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {

@@ -74,8 +74,9 @@ def gelu_tanh_mul(x: Tensor, backend: Str = None) -> Tensor:
 
 
 @_op("linear")
-def linear(x: Tensor, w: Tensor, bias: Opt = None, w_scale: Opt = None, backend: Str = None) -> Tensor:
-    return D.linear(x, w, bias, w_scale, backend=backend)
+def linear(x: Tensor, w: Tensor, bias: Opt = None, w_scale: Opt = None, w_zero: Opt = None,
+           backend: Str = None) -> Tensor:
+    return D.linear(x, w, bias, w_scale, w_zero, backend=backend)
 
 
 @_op("moe_route")
@@ -193,7 +194,8 @@ for _o, _f in ((rmsnorm, _like), (add_rmsnorm, _like), (silu_mul, _half), (gelu_
 for _o in (qk_rmsnorm, rope, paged_kv_append, rope_append, append_mla, apply_penalties, apply_temperature,
            apply_bitmask):
     _o.register_fake(_none)
-linear.register_fake(lambda x, w, bias=None, w_scale=None, backend=None: x.new_empty((x.shape[0], w.shape[0])))
+linear.register_fake(lambda x, w, bias=None, w_scale=None, w_zero=None, backend=None:
+                     x.new_empty((x.shape[0], w.shape[0])))
 moe.register_fake(lambda x, *a, **k: torch.empty_like(x))
 moe_route.register_fake(lambda logits, top_k, *a, **k: (logits.new_empty((logits.shape[0], top_k), dtype=torch.float32),
                                                         logits.new_empty((logits.shape[0], top_k), dtype=torch.int32)))

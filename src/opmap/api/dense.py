@@ -14,7 +14,7 @@ import torch
 from opmap.core.contract import expect, expect_tensor
 from opmap.core.specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, NormSpec, RopeSpec
 from opmap.api.dispatch import arch_of, call, dt, tensor
-from opmap.ops.gemm.validate import ACT_DTYPES, QUANT_DTYPES
+from opmap.ops.gemm.validate import ACT_DTYPES, INT4_PACKED, QUANT_DTYPES
 from opmap.ops.moe.routing import check_top_k
 
 
@@ -126,16 +126,25 @@ def gelu_tanh_mul(x: torch.Tensor, *, backend: Optional[str] = None, phase: str 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           w_scale: Optional[torch.Tensor] = None, *, backend: Optional[str] = None,
-           phase: Optional[str] = None) -> torch.Tensor:
+           w_scale: Optional[torch.Tensor] = None, w_zero: Optional[torch.Tensor] = None, *,
+           backend: Optional[str] = None, phase: Optional[str] = None) -> torch.Tensor:
     """x[M, K] @ w[N, K].T (+ bias[N]) -> [M, N] in x.dtype. Weight-only fp8-e4m3 or int8 ``w`` take
-    per-output-channel w_scale[N] fp32 (``opmap.ops.gemm.quant.quantize_weight``). The phase
-    defaults to decode for M <= 64 rows, else prefill."""
+    per-output-channel w_scale[N] fp32 (``opmap.ops.gemm.quant.quantize_weight``); int4 ``w`` is
+    int32 [N, K / 8] (eight 4-bit codes a word) with w_scale[N, K / group_size] and, for an
+    asymmetric format, w_zero uint8 codes of that shape (``opmap.ops.gemm.quant.quantize_int4``).
+    The phase defaults to decode for M <= 64 rows, else prefill."""
     _floats("x", x, 2)
-    _floats("w", w, 2, ACT_DTYPES + QUANT_DTYPES)
+    _floats("w", w, 2, ACT_DTYPES + QUANT_DTYPES + (INT4_PACKED,))
     m = x.shape[0]
+    int4 = w.dtype == INT4_PACKED
+    k = x.shape[1] if int4 else w.shape[1]  # int4: check_linear names a w whose words do not match x
+    group = None
+    if int4 and torch.is_tensor(w_scale) and w_scale.dim() == 2 and w_scale.shape[1] and k % w_scale.shape[1] == 0:
+        group = k // w_scale.shape[1]  # else check_linear names the bad scale
     spec = GemmSpec(arch=arch_of(x), phase=phase or ("decode" if m <= 64 else "prefill"), m=m, n=w.shape[0],
-                      k=w.shape[1], dtype=dt(x), weight_dtype=dt(w), bias=bias is not None)
+                    k=k, dtype=dt(x), weight_dtype="int4" if int4 else dt(w), bias=bias is not None, group_size=group)
+    if w_zero is not None:
+        return call("gemm", spec, "linear", backend, x, w, bias, w_scale, w_zero)
     return call("gemm", spec, "linear", backend, x, w, bias, w_scale)
 
 

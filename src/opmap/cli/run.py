@@ -91,9 +91,10 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--model", required=model_required,
                    help="a preset (e.g. llama3-8b, tiny-llama3), an HF checkpoint directory or a config.json")
     p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--quantize", default=None, choices=["fp8", "int8"],
-                   help="quantise at load, one scale per output channel, the attention and dense MLP projections "
-                        "and an LM head of its own (router, MoE experts and embedding keep --dtype); decode runs "
+    p.add_argument("--quantize", default=None, choices=["fp8", "int8", "int4"],
+                   help="quantise at load the attention and dense MLP projections, fp8 / int8 with one scale per "
+                        "output channel (and an LM head of its own), int4 with one per 128 input channels "
+                        "(round to nearest, symmetric); router, MoE experts and embedding keep --dtype; decode runs "
                         "weight-only kernels; with fp8 on sm90 steps of >= 128 rows (prefill) also quantise the "
                         "activations per token for fp8 tensor cores")
     p.add_argument("--kv-cache-dtype", default=None, choices=["fp8"],

@@ -124,13 +124,14 @@ class GemmSpec(Spec):
     n: int = 4096
     k: int = 4096
     dtype: str = "bf16"  # activation and output dtype
-    weight_dtype: str = "bf16"  # bf16 / fp16 / fp8 (weight-only, e4m3) / int8 (weight-only)
+    weight_dtype: str = "bf16"  # bf16 / fp16 / fp8 (weight-only, e4m3) / int8 (weight-only) / int4 (weight-only)
     act_dtype: Optional[str] = None  # "fp8": fp8 activations x fp8 weights
     bias: bool = False
+    group_size: Optional[int] = None  # int4: input channels a scale covers (None: k, one per channel)
 
     def __post_init__(self):
         super().__post_init__()
-        _check_choice(self, "weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))
+        _check_choice(self, "weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4"))
         if self.act_dtype is None:
             object.__setattr__(self, "act_dtype", self.dtype)
 

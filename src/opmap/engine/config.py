@@ -106,8 +106,9 @@ class EngineConfig:
             raise InputError("gpu_memory_fraction", self.gpu_memory_fraction, "in [0.05, 0.99]")
         if self.kv_cache_dtype not in (None, "fp8"):
             raise InputError("kv_cache_dtype", self.kv_cache_dtype, "fp8 or None (the model's dtype)")
-        if self.quantize not in (None, "fp8", "int8"):
-            raise InputError("quantize", self.quantize, "fp8, int8 or None (weight-only, per output channel)")
+        if self.quantize not in (None, "fp8", "int8", "int4"):
+            raise InputError("quantize", self.quantize, "fp8, int8 (weight-only, per output channel), int4 (weight-only, "
+                             "a scale per 128 input channels) or None")
 
 
 def _is_int(v) -> bool:

@@ -15,7 +15,7 @@ import torch
 
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
-from opmap.ops.gemm.quant import quantize_weight
+from opmap.ops.gemm.quant import int4_group, quantize_int4, quantize_weight
 
 
 @dataclass
@@ -123,25 +123,58 @@ class DecoderModel:
             out[id(w)] = self.params[f"{n}.scale"] = torch.empty(w.shape[0], dtype=torch.float32, device=self.device)
         return out
 
+    def _int4_params(self) -> dict:
+        """The projections of ``quant_names`` as placeholders the Loader replaces by packed int4
+        parameters; returns {id(placeholder): (params, name)}."""
+        out = {}
+        for n in self.quant_names():
+            w = self.params[n] = torch.empty(self.params[n].shape, device="meta")
+            out[id(w)] = (self.params, n)
+        return out
+
     @torch.no_grad()
-    def quantize_(self, fmt: str, lm_head: bool = False) -> list:
-        """Weight-only ``fmt`` ("fp8" e4m3 / "int8") with one scale per output channel, in place:
-        each weight of ``quant_names`` becomes its quantised tensor, its scale ``<name>.scale``
-        (fp32); ``lm_head``: the LM head too where it is not the embedding table (a tied one is
-        read by the embedding lookup). Returns the names quantised."""
-        names = self.quant_names() + (["lm_head"] if lm_head and "lm_head" in self.params else [])
+    def quantize_(self, fmt: str, lm_head: bool = False, group_size: Optional[int] = None,
+                  zero_point: bool = False) -> list:
+        """Weight-only ``fmt`` in place: "fp8" e4m3 / "int8" with one scale per output channel,
+        "int4" with one per ``group_size`` input channels (int4_group: one a row where it does not
+        divide the input size), symmetric or with ``zero_point``s. Each weight of ``quant_names`` becomes its
+        quantised tensor, its scale ``<name>.scale`` (fp32), int4's zero codes ``<name>.zero``;
+        ``lm_head``: the LM head too where it is not the embedding table (a tied one is read by
+        the embedding lookup; not int4). Returns the names quantised."""
+        names = self.quant_names() + (["lm_head"] if lm_head and "lm_head" in self.params and fmt != "int4" else [])
         for n in names:
-            wq, scale = quantize_weight(self.params[n], fmt)
+            if fmt == "int4":
+                k = self.params[n].shape[1]
+                wq, scale, zero = quantize_int4(self.params[n], int4_group(k, group_size), zero_point)
+                if zero is not None:
+                    self.params[f"{n}.zero"] = zero
+            else:
+                wq, scale = quantize_weight(self.params[n], fmt)
             self.params[n] = wq
             self.params[f"{n}.scale"] = scale
         return names
+
+    def linear(self, ops, key: str, name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
+        """``ops.gemm[key]`` on weight ``name`` with what its format keeps beside it: a scale,
+        int4 zero codes, and an act-order checkpoint's channel order (x's columns permuted into the
+        weight's group order)."""
+        P = self.params
+        perm = P.get(f"{name}.perm")
+        if perm is not None:
+            x = x[:, perm]
+        zero = P.get(f"{name}.zero")
+        if zero is not None:
+            return ops.gemm[key](x, P[name], bias, P[f"{name}.scale"], zero)
+        return ops.gemm[key](x, P[name], bias, P.get(f"{name}.scale"))
 
     def load(self, source) -> list:
         """Fill every parameter from an HF-named source; returns source names left unused. An fp8
         checkpoint (``cfg.extra["weight_quant"]``) keeps the projections of ``quant_names`` in fp8
         with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
         wq = self.cfg.extra.get("weight_quant") or {}
-        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") else None, wq.get("block"))
+        int4 = wq.get("format") == "int4"
+        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") == "fp8" else None,
+                   wq.get("block"), int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
         self.dequantised = L.dequantised
         self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params
@@ -235,7 +268,7 @@ class DecoderModel:
     def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
         T, d = h.shape[0], c.head_dim
-        qkv = ops.gemm["qkv"](h, P[f"{i}.qkv"], P.get(f"{i}.qkv_bias"), P.get(f"{i}.qkv.scale"))
+        qkv = self.linear(ops, "qkv", f"{i}.qkv", h, P.get(f"{i}.qkv_bias"))
         qd, kd = c.heads * d, c.kv_heads * d
         if c.qk_norm and not ops.qk_norm_in_rope_append:
             # q and k heads side by side in the qkv row: one in-place launch normalises both.
@@ -260,7 +293,7 @@ class DecoderModel:
         else:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale, **win)
-        return ops.gemm["o"](o.reshape(T, qd), P[f"{i}.o"], P.get(f"{i}.o_bias"), P.get(f"{i}.o.scale"))
+        return self.linear(ops, "o", f"{i}.o", o.reshape(T, qd), P.get(f"{i}.o_bias"))
 
     def cos_sin_of(self, i: int) -> torch.Tensor:
         """The RoPE cache of layer i: Gemma-3's sliding layers have their own base."""
@@ -288,8 +321,8 @@ class DecoderModel:
                     s = torch.sigmoid(ops.gemm["shared_gate"](h, P[f"{i}.shared_gate"])) * s
                 out = out + s
             return out
-        gu = ops.gemm["gate_up"](h, P[f"{i}.gate_up"], P.get(f"{i}.gate_up_bias"), P.get(f"{i}.gate_up.scale"))
-        return ops.gemm["down"](ops.act(gu), P[f"{i}.down"], P.get(f"{i}.down_bias"), P.get(f"{i}.down.scale"))
+        gu = self.linear(ops, "gate_up", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias"))
+        return self.linear(ops, "down", f"{i}.down", ops.act(gu), P.get(f"{i}.down_bias"))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def set_kv_dtype(self, kv: Optional[str]) -> None:

@@ -97,7 +97,7 @@ class MLAModel(DecoderModel):
             o = ops.attention(q_nope, q_pe, cache, P[f"{i}.w_kc"], P[f"{i}.w_vc"], st.cu_seqlens_q,
                               st.seq_lens, st.block_tables, scale=self.scale, max_q_len=st.max_q_len,
                               max_seq_len=st.max_seq_len)
-        return ops.gemm["o"](o.reshape(T, H * c.v_head_dim), P[f"{i}.o"], None, P.get(f"{i}.o.scale"))
+        return self.linear(ops, "o", f"{i}.o", o.reshape(T, H * c.v_head_dim))
 
     def set_kv_dtype(self, kv) -> None:
         if kv is not None:

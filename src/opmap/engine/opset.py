@@ -21,6 +21,7 @@ from opmap.api.dispatch import entry_of
 from opmap.engine.config import EngineConfig
 from opmap.model.presets import ModelConfig
 from opmap.model.step import StepSettings, resolve, step_map, step_slots
+from opmap.ops.gemm.quant import INT4_GROUP
 
 log = logging.getLogger("opmap.engine")
 
@@ -74,9 +75,13 @@ def engine_settings(cfg: ModelConfig, ecfg: EngineConfig, arch: str, weight_form
     """The step settings of an engine with ``ecfg`` on ``arch`` (no row count, no CUDA graph: each
     op set sets its own). ``weight_format``: the projections' quantised format (``--quantize`` or
     the checkpoint's); ``lm_head_quantised``: the LM head's too."""
+    group = None
+    if weight_format == "int4":  # the checkpoint's groups, or --quantize int4's
+        stored = cfg.extra.get("weight_quant") or {}
+        group = stored.get("group_size") if stored.get("format") == "int4" else INT4_GROUP
     return StepSettings(arch=arch, dtype=engine_dtype(ecfg, arch), page_size=ecfg.page_size or
                         cfg.default_page_size(arch), kv_dtype=ecfg.kv_cache_dtype, weight_quant=weight_format,
-                        quant_lm_head=lm_head_quantised)
+                        group_size=group, quant_lm_head=lm_head_quantised)
 
 
 def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = None,
@@ -91,7 +96,7 @@ def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = Non
     ecfg = ecfg or EngineConfig()
     stored = (cfg.extra.get("weight_quant") or {}).get("format")
     fmt = ecfg.quantize or stored
-    base = engine_settings(cfg, ecfg, arch, fmt, bool(ecfg.quantize) and not cfg.tie_embeddings)
+    base = engine_settings(cfg, ecfg, arch, fmt, ecfg.quantize in ("fp8", "int8") and not cfg.tie_embeddings)
 
     def rows(phase, graph, m):
         return resolve(step_map(cfg, phase, dataclasses.replace(base, cuda_graph=graph, m=m)), ecfg.backends,

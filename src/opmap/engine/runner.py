@@ -36,6 +36,7 @@ from opmap.engine.config import EngineConfig
 from opmap.engine.kv_plan import MemFigures, plan_pages
 from opmap.engine.model import Step
 from opmap.engine.model_mla import build_model
+from opmap.ops.gemm.quant import INT4_GROUP
 from opmap.engine.opset import OpSet, engine_dtype, engine_settings, log_choices
 from opmap.engine.scheduler import Batch
 
@@ -97,11 +98,15 @@ class ModelRunner:
         # a quantised checkpoint's config.json alone (random weights): its format, as a load would give
         fmt = ecfg.quantize or (stored if source is None else None)
         # --quantize takes an LM head of its own too; a checkpoint's format is what it stores
-        self.quantised = self.model.quantize_(fmt, lm_head=bool(ecfg.quantize)) if fmt else []
+        wq = cfg.extra.get("weight_quant") or {}
+        group = wq.get("group_size") if stored == "int4" else INT4_GROUP
+        self.quantised = self.model.quantize_(fmt, lm_head=bool(ecfg.quantize), group_size=group,
+                                              zero_point=bool(stored == "int4" and wq.get("zero_point"))) if fmt else []
         self.lm_head_quantised = "lm_head" in self.quantised
         if self.quantised:
-            log.info("weight-only %s: %d projection weights quantised per output channel%s (router, experts "
+            log.info("weight-only %s: %d projection weights quantised per %s%s (router, experts "
                      "and embedding keep %s)", fmt, len(self.quantised),
+                     f"group of {group or 'K'} input channels" if fmt == "int4" else "output channel",
                      ", the LM head among them" if self.lm_head_quantised else "", dtype_name(self.dtype))
         deq = self.model.dequantised
         if deq and (cfg.extra.get("weight_quant") or {}).get("block"):
@@ -109,9 +114,10 @@ class ModelRunner:
                         "per block): %s's weight bytes and speed; --quantize fp8 re-quantises them per output channel",
                         len(deq), dtype_name(self.dtype), dtype_name(self.dtype))
         if stored:
-            log.info("fp8 checkpoint: the attention and dense MLP projections stay fp8 (a scale per output channel)%s",
+            log.info("%s checkpoint: the attention and dense MLP projections stay %s (%s)%s", stored, stored,
+                     "packed, a scale per group" if stored == "int4" else "a scale per output channel",
                      f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "
-                     f"(no fp8 kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
+                     f"(no {stored} kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
         self.weight_format = ecfg.quantize or stored
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs

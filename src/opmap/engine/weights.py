@@ -19,7 +19,8 @@ import torch
 
 from opmap.core.contract import InputError
 from opmap.model.hf import inside, read_json_object
-from opmap.ops.gemm.quant import quantize_weight
+from opmap.engine import int4_formats
+from opmap.ops.gemm.quant import pack_int4, quantize_weight
 
 log = logging.getLogger("opmap.engine")
 
@@ -101,14 +102,24 @@ class Loader:
     per row) takes the fp8 bits as they are and the scale of each part expanded to its rows (exact);
     a quantised tensor read into a parameter of the model's dtype is dequantised (``dequantised``
     names them: the fallback the log reports). ``block`` (rows, columns): the checkpoint's weights
-    have one scale per block of that size (block-wise fp8), dequantised at load."""
+    have one scale per block of that size (block-wise fp8), dequantised at load.
 
-    def __init__(self, source, device, dtype, scales: Optional[dict] = None, block: Optional[tuple] = None):
+    int4 checkpoints (``int4``: model.hf's weight_quant of a GPTQ / AWQ / compressed-tensors W4A16
+    checkpoint): a parameter registered in ``int4_params`` (a placeholder of the dense shape,
+    id -> (the model's params, its name)) is written as the kernels' packed layout (``<name>``
+    int32, ``<name>.scale`` as stored, ``<name>.zero`` uint8, ``<name>.perm`` for act order), read by
+    int4_formats without a dense copy; any other int4 tensor (experts, MLA's projections) is
+    dequantised (``dequantised``)."""
+
+    def __init__(self, source, device, dtype, scales: Optional[dict] = None, block: Optional[tuple] = None,
+                 int4: Optional[dict] = None, int4_params: Optional[dict] = None):
         self.src, self.device, self.dtype = source, device, dtype
         self.names = source.names()
         self.used: set = set()
         self.scales = scales or {}  # id(fp8 parameter) -> its per-row fp32 scale parameter
         self.block = tuple(block) if block else None
+        self.int4 = int4
+        self.int4_params = int4_params or {}
         self.dequantised: list = []
 
     def has(self, name: str) -> bool:
@@ -131,6 +142,66 @@ class Loader:
             raise InputError(f"checkpoint tensor {name}", "NaN or inf values", "finite weights")
         self.used.add(name)
         return t
+
+    def _packed(self, name: str, optional: bool = False) -> Optional[torch.Tensor]:
+        """Tensor ``name`` as stored, of any dtype (packed codes, scales, group indices)."""
+        if name not in self.names:
+            if optional:
+                return None
+            raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this int4 format")
+        self.used.add(name)
+        return self.src.get(name, self.device, None)
+
+    def is_int4(self, name: str) -> bool:
+        """Weight ``name`` (``<linear>.weight``) is stored as int4 codes here."""
+        return (self.int4 is not None and name.endswith(".weight")
+                and int4_formats.names(name[:-len(".weight")], self.int4["layout"]) in self.names)
+
+    def int4_weight(self, name: str, k: int):
+        return int4_formats.read(self._packed, name[:-len(".weight")], k, self.int4)
+
+    @torch.no_grad()
+    def _int4_cat(self, dst: torch.Tensor, names: list) -> None:
+        """The int4 parts ``names`` stacked along the output rows into ``dst``'s packed parameters.
+        Act-order parts (GPTQ desc_act) must share one channel order (q, k and v read the same
+        input): their channels are permuted into group order, and ``<name>.perm`` permutes the
+        activations the same way at run time."""
+        params, pname = self.int4_params[id(dst)]
+        N, K = dst.shape
+        if not any(self.is_int4(n) for n in names):  # a module the format's ignore list kept dense
+            params[pname] = dense = torch.empty(N, K, dtype=self.dtype, device=self.device)
+            del self.int4_params[id(dst)]
+            return self.cat(dense, names)
+        parts = []
+        for n in names:
+            if not self.is_int4(n):
+                raise InputError(f"checkpoint tensor {n}", "stored unquantised beside int4 parts" if n in self.names
+                                 else "missing", f"int4 codes ({int4_formats.names(n[:-7], self.int4['layout'])})")
+            parts.append(self.int4_weight(n, K))
+        codes = torch.cat([p.codes for p in parts])
+        if codes.shape != (N, K):
+            raise InputError(f"checkpoint tensors {names[0]} ..", f"{codes.shape[0]} x {codes.shape[1]}",
+                             f"{N} x {K} as config.json's sizes give")
+        # the checkpoint's scale dtype (fp16 / bf16) where the parts agree: the kernels read it as stored
+        sd = parts[0].scale.dtype if all(p.scale.dtype == parts[0].scale.dtype for p in parts) else torch.float32
+        scale = torch.cat([p.scale.to(sd) for p in parts])
+        zero = torch.cat([p.zero for p in parts]) if self.int4.get("zero_point") else None
+        orders = [p.g_idx for p in parts]
+        if any(o is not None for o in orders):
+            if not all(o is not None and torch.equal(o, orders[0]) for o in orders):
+                raise InputError(f"checkpoint tensors {', '.join(names)}", "different act-order group indices",
+                                 "one g_idx for the parts of a fused projection (they read the same input)")
+            G = K // scale.shape[1]
+            perm = torch.argsort(orders[0], stable=True)
+            if not torch.equal(orders[0][perm], torch.arange(K, device=perm.device) // G):
+                raise InputError(f"checkpoint tensor {names[0][:-7]}.g_idx", "groups of unequal sizes",
+                                 f"{G} input channels in each group")
+            codes = codes[:, perm]
+            params[f"{pname}.perm"] = perm.to(self.device)
+        params[pname] = pack_int4(codes).to(self.device)
+        params[f"{pname}.scale"] = scale.to(self.device)
+        if zero is not None:
+            params[f"{pname}.zero"] = zero.to(self.device)
 
     def _scale_name(self, name: str) -> Optional[str]:
         """The checkpoint's dequantising factor of weight ``name``: ``<name>_scale``, or
@@ -167,8 +238,17 @@ class Loader:
             w[..., full * bk:].mul_(s[..., full:])
         return w.to(self.dtype)
 
-    def _get(self, name: str, shape=None) -> torch.Tensor:
-        t = self._raw(name)
+    def _get(self, name: str, shape=None, k: Optional[int] = None) -> torch.Tensor:
+        """Tensor ``name`` in the model's dtype (``shape``: the one it must have; ``k``: the input
+        size of a weight whose rows are checked by the caller)."""
+        if name not in self.names and self.is_int4(name):  # no kernel reads it packed here
+            k = shape[-1] if shape is not None else k
+            if k is None:
+                raise InputError(f"checkpoint tensor {name}", "int4 codes", "a weight of a known input size")
+            t = self.int4_weight(name, k).dequantise(self.dtype)
+            self.dequantised.append(name)
+        else:
+            t = self._raw(name)
         key = self._scale_name(name) if t.dtype == FP8 else None
         if key:
             t = self._dequantise(name, key, t)
@@ -192,7 +272,7 @@ class Loader:
 
     @torch.no_grad()
     def copy(self, dst: torch.Tensor, name: str) -> None:
-        if id(dst) in self.scales:
+        if id(dst) in self.scales or id(dst) in self.int4_params:
             return self.cat(dst, [name])
         dst.copy_(self._get(name, dst.shape))
 
@@ -200,11 +280,13 @@ class Loader:
     def cat(self, dst: torch.Tensor, names: Iterable[str]) -> None:
         """dst = cat(names, dim 0), each part copied into its slice (no temporary of the whole)."""
         names = list(names)
+        if id(dst) in self.int4_params:
+            return self._int4_cat(dst, names)
         o = 0
         scale = self.scales.get(id(dst))
         for n in names:
             if scale is None:
-                t = self._get(n)
+                t = self._get(n, k=dst.shape[-1] if dst.dim() == 2 else None)
             else:
                 t, s = self._quantised(n)
             if tuple(t.shape[1:]) != tuple(dst.shape[1:]) or t.dim() != dst.dim():

@@ -30,7 +30,8 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
                  "intermediate_size, vocab_size, max_position_embeddings, rope_theta / rope_parameters "
                  "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
                  "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
-                 "fp8, fbgemm_fp8; block-wise fp8 dequantised at load)")
+                 "fp8, fbgemm_fp8; int4 weight-only: gptq, awq (GEMM), compressed-tensors pack-quantized W4A16; "
+                 "block-wise fp8 dequantised at load)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
@@ -228,14 +229,20 @@ def weight_quant(d: dict) -> Optional[dict]:
         return {"format": "fp8", "strategy": "tensor",
                 "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
                 "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}
+    if method in ("gptq", "awq"):
+        return _int4_quant(q, method, where)
     if method == "fbgemm_fp8":
         return {"format": "fp8", "strategy": "channel", "ignore": list(q.get("modules_to_not_convert") or []),
                 "static_activation_scales": False, "kv_scales": False}
     if method != "compressed-tensors":
         raise InputError(f"{where}.quant_method", repr(method),
                          "'compressed-tensors', 'fp8' or 'fbgemm_fp8' with fp8 weights (one scale per tensor or per "
-                         "output channel); other formats are not loaded (opmap run --quantize fp8|int8 quantises an "
-                         "unquantised checkpoint)")
+                         "output channel), 'gptq' or 'awq' (int4) or compressed-tensors pack-quantized W4A16; other "
+                         "formats are not loaded (opmap run --quantize fp8|int8|int4 quantises an unquantised "
+                         "checkpoint)")
+    groups = q.get("config_groups") or {}
+    if len(groups) == 1 and q.get("format") == "pack-quantized":
+        return _compressed_int4(q, next(iter(groups.values())), where)
     kv = q.get("kv_cache_scheme")
     if kv is not None and not (kv.get("num_bits") == 8 and kv.get("type") == "float"
                                and kv.get("strategy", "tensor") == "tensor" and not kv.get("dynamic", False)):
@@ -260,6 +267,67 @@ def weight_quant(d: dict) -> Optional[dict]:
         raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
     return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
             "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
+
+
+def _group_of(v, where: str, field: str) -> Optional[int]:
+    """A format's group size: None for one group a row (-1, None, 0), else a multiple of 16."""
+    if v in (None, -1, 0):
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 16 or v % 16:
+        raise InputError(f"{where}.{field}", repr(v), "-1 (one scale a row) or a multiple of 16")
+    return v
+
+
+def _int4_quant(q: dict, method: str, where: str) -> dict:
+    """GPTQ and AWQ checkpoints: 4-bit codes, a scale per group (engine/int4_formats.py reads
+    their tensors)."""
+    bits = q.get("bits", q.get("w_bit"))
+    if bits != 4:
+        raise InputError(f"{where}.bits", repr(bits), f"4 (int4 {method}; other widths are not loaded)")
+    group = _group_of(q.get("group_size", q.get("q_group_size")), where, "group_size")
+    ignore = list(q.get("modules_to_not_convert") or [])
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise InputError(f"{where}.version", repr(q.get("version")), "'gemm' (AutoAWQ's GEMM layout)")
+        if q.get("zero_point", True) is not True:
+            raise InputError(f"{where}.zero_point", repr(q.get("zero_point")), "true (AWQ's GEMM layout)")
+        return {"format": "int4", "layout": "awq", "group_size": group, "zero_point": True, "ignore": ignore,
+                "kv_scales": False}
+    fmt = q.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise InputError(f"{where}.checkpoint_format", repr(fmt), "'gptq' or 'gptq_v2'")
+    if q.get("dynamic"):
+        raise InputError(f"{where}.dynamic", "per-module overrides", "none (one scheme for every Linear)")
+    if q.get("lm_head"):
+        raise InputError(f"{where}.lm_head", "true", "false (a quantised LM head is not loaded)")
+    return {"format": "int4", "layout": "gptq", "group_size": group, "zero_point": True, "ignore": ignore,
+            "gptq_v1": fmt == "gptq", "kv_scales": False}
+
+
+def _compressed_int4(q: dict, g: dict, where: str) -> dict:
+    """compressed-tensors ``pack-quantized`` W4A16 (llm-compressor): int4 weights, a scale per
+    group or per output channel, symmetric or with zero points; activations unquantised."""
+    w = g.get("weights") or {}
+    wg = f"{where}.config_groups weights"
+    ok = w.get("num_bits") == 4 and w.get("type") == "int" and not w.get("dynamic", False)
+    if not ok or w.get("strategy") not in ("group", "channel"):
+        got = {k: w.get(k) for k in ("num_bits", "type", "strategy", "dynamic") if k in w}
+        raise InputError(wg, repr(got), "4-bit int weights, static, with a 'group' or 'channel' strategy (W4A16)")
+    if g.get("input_activations") is not None:
+        raise InputError(f"{where}.config_groups input_activations", repr(g["input_activations"]),
+                         "null (weight-only: activations stay 16-bit)")
+    if (g.get("targets") or ["Linear"]) != ["Linear"]:
+        raise InputError(f"{where} targets", repr(g.get("targets")), "['Linear']")
+    if w.get("actorder") not in (None, "group", "weight", "static", False):
+        raise InputError(f"{wg}.actorder", repr(w.get("actorder")), "null, 'group' or 'weight'")
+    group = _group_of(w.get("group_size"), wg, "group_size") if w["strategy"] == "group" else None
+    if w["strategy"] == "group" and group is None:
+        raise InputError(f"{wg}.group_size", repr(w.get("group_size")), "a multiple of 16 with the 'group' strategy")
+    if q.get("kv_cache_scheme") is not None:
+        raise InputError(f"{where}.kv_cache_scheme", repr(q["kv_cache_scheme"]), "null with int4 weights")
+    return {"format": "int4", "layout": "compressed", "group_size": group, "zero_point": not w.get("symmetric", True),
+            "ignore": list(q.get("ignore") or []), "kv_scales": False}
 
 
 # config.json fields by the value they must hold: sizes (ints >= 1; None allowed for the optional

@@ -27,6 +27,7 @@ from opmap.core.registry import Backend
 from opmap.core.select import BackendError, Choice, select
 from opmap.model.presets import ModelConfig
 from opmap.ops.gemm.backends import MANY_ROWS
+from opmap.ops.gemm.quant import int4_group
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ class StepSettings:
     dtype: str = "bf16"  # activations and the dense weights
     page_size: Optional[int] = None  # None: ModelConfig.default_page_size(arch)
     kv_dtype: Optional[str] = None  # "fp8": the fp8 KV cache of GQA models; None: dtype
-    weight_quant: Optional[str] = None  # weight-only "fp8" / "int8" of the projections DecoderModel.quant_names
+    weight_quant: Optional[str] = None  # weight-only "fp8" / "int8" / "int4" of the projections DecoderModel.quant_names
+    group_size: Optional[int] = None  # int4: input channels a scale covers (None: one scale a row)
     quant_lm_head: bool = False  # the LM head quantised too
     cuda_graph: bool = False  # the step is captured in a CUDA graph
     m: Optional[int] = None  # rows of the step (a decode batch bucket); None: any (eager prefill and mixed)
@@ -88,8 +90,9 @@ def step_slots(cfg: ModelConfig, phase: str, st: StepSettings) -> list[Slot]:
 
     def gemm(key, label, n, k, bias=False, quantised=False):
         wd = st.weight_quant if quantised and st.weight_quant else dtype
-        add(key, label, "gemm", S.GemmSpec(m=st.m, n=n, k=k, dtype=dtype, weight_dtype=wd, bias=bias, **base),
-            "linear")
+        group = int4_group(k, st.group_size) if wd == "int4" else None
+        add(key, label, "gemm", S.GemmSpec(m=st.m, n=n, k=k, dtype=dtype, weight_dtype=wd, bias=bias, group_size=group,
+                                           **base), "linear")
 
     def rope(head_dim):
         add("rope", "RoPE", "rope", S.RopeSpec(head_dim=head_dim, style=cfg.rope_style, scaling=_scaling(cfg),

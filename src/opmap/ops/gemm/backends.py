@@ -1,8 +1,8 @@
-"""Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32 or
-weight-only fp8-e4m3 / int8 with per-output-channel scales). One kernel, one backend: the
-weight-only kernels are triton-wo (Triton, any M), gluon-wo (Gluon mma.sync, M <= 32, sm89+),
-gluon-wo-wgmma (Gluon warpgroup MMAs, 32 < M <= 64, sm90) and, for many rows, dequant-cublas and
-scaled-mm; the selector picks among them by the spec's M (GemmSpec.m: the engine plans its decode
+"""Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32, weight-only
+fp8-e4m3 / int8 with per-output-channel scales, or int4 with group scales). One kernel, one
+backend: the weight-only kernels are triton-wo (Triton, any M), gluon-wo (Gluon mma.sync, M <= 32,
+sm89+), gluon-wo-wgmma (Gluon warpgroup MMAs, 32 < M <= 64, sm90), triton-w4a16 (int4, any M) and,
+for many rows, dequant-cublas and scaled-mm; the selector picks among them by the spec's M (GemmSpec.m: the engine plans its decode
 steps per batch bucket, so each bucket's M is known)."""
 import os
 
@@ -61,7 +61,7 @@ registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"linear": "opmap.ops.gemm.reference:linear"},
-    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8"))],
+    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
 ))
@@ -103,6 +103,25 @@ registry.register(Backend(
     notes="weight-only fp8/int8 in Triton (_gemm_kernel), any M: the weight tile is converted in registers, "
           "the per-channel scale applied in the epilogue; no dequantised copy. Below the Gluon kernels where "
           "they serve; the route of sm80, fp32 activations, K not a multiple of 16 and steps of unknown M",
+))
+
+
+def _group16(spec):
+    g = spec.group_size or spec.k
+    return f"group_size={g} not a multiple of 16 (a K tile inside one group)" if g % 16 else None
+
+
+registry.register(Backend(
+    op="gemm", name="triton-w4a16", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50, "sm100": 50},
+    impl={"linear": "opmap.kernels.gemm.w4a16:linear"},
+    reqs=[Req("dtype", _FLOAT),
+          Req("weight_dtype", ("int4",), "int4 weight-only (W4A16: GPTQ, AWQ, compressed-tensors pack-quantized)")],
+    checks=[_SAME_ACT, Check("group size a multiple of 16", _group16, "group_size")],
+    available=registry.triton_available,
+    notes="int4 weight-only in Triton (_w4a16_kernel), any M: the packed words of a tile read once and split "
+          "into nibbles in registers, the MMA on (code - zero) in x's dtype, the group scale applied to each "
+          "K tile's fp32 product; split K at decode M; no dequantised copy",
 ))
 
 
@@ -172,11 +191,12 @@ registry.register(Backend(
                   + _rows(1024, O, "fp8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))
                   + _rows(256, DOWN, "int8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))))},
     impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
-    reqs=[Req("dtype", ("bf16", "fp16", "fp32")), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8"),
+    reqs=[Req("dtype", ("bf16", "fp16", "fp32")),
+          Req("weight_dtype", ("fp8", "int8", "int4"), "weight-only fp8-e4m3 / int8 / int4"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
     checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
     available=registry.triton_available,
-    notes="weight-only fp8/int8 for many rows: one Triton pass dequantises the weight into a reused "
+    notes="weight-only fp8/int8/int4 for many rows: one Triton pass dequantises the weight into a reused "
           "bf16 scratch buffer, then cuBLAS",
 ))
 

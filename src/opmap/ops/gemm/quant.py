@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from opmap.core.contract import expect_in, expect_tensor
+from opmap.core.contract import InputError, expect_in, expect_tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -40,3 +40,73 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+# ---- int4 weight-only (W4A16) -------------------------------------------------------------
+# The one layout every int4 checkpoint format (GPTQ, AWQ, compressed-tensors pack-quantized) is
+# repacked into at load: ``w[N, K // 8]`` int32, nibble i of word j (bits 4i..4i+3) holding the
+# unsigned code u of input channel 8j + i; ``w_scale[N, K // G]`` (fp16 / bf16 / fp32) and, where
+# the format is asymmetric, ``w_zero[N, K // G]`` uint8 codes (symmetric: zero = 8). The value is
+# ``(u - zero) * scale`` of the channel's group; G = K / w_scale.shape[1] (G = K: one per channel).
+INT4_SYM_ZERO = 8
+INT4_GROUP = 128  # --quantize int4's group: that of most int4 checkpoints (GPTQ, AWQ, W4A16)
+
+
+def int4_group(k: int, group) -> int:
+    """The group size a weight of input size ``k`` has under a format's ``group`` (None: one
+    group a row; a group that does not divide k: one a row too)."""
+    return group if group and k % group == 0 else k
+
+
+def pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [N, K] in [0, 15] (K a multiple of 8) -> int32 [N, K // 8], nibble i of word
+    j = code of column 8j + i."""
+    expect_tensor("u", u, dtype=(torch.uint8,), ndim=2)
+    N, K = u.shape
+    if K % 8:
+        raise InputError("u", f"shape {tuple(u.shape)}", "K a multiple of 8 (eight 4-bit codes a word)")
+    v = u.view(N, K // 8, 8).to(torch.int64) << (4 * torch.arange(8, device=u.device, dtype=torch.int64))
+    return _to_int32(v.sum(-1))
+
+
+def _to_int32(v: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values held in int64 -> the int32 with the same bits."""
+    return torch.where(v >= 2**31, v - 2**32, v).to(torch.int32).contiguous()
+
+
+def unpack_int4(w: torch.Tensor) -> torch.Tensor:
+    """int32 [N, K // 8] -> uint8 codes [N, K]."""
+    shifts = 4 * torch.arange(8, device=w.device, dtype=torch.int32)
+    return ((w[..., None] >> shifts) & 0xF).to(torch.uint8).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, zero_point: bool = False):
+    """bf16/fp16/fp32 [N, K] -> (packed int32 [N, K // 8], scale fp32 [N, K // G], zero uint8
+    [N, K // G] or None): round to nearest; symmetric codes u = round(w / s) + 8 with s =
+    max|w| / 7 per group, or asymmetric (``zero_point``) over the group's [min, max] range."""
+    expect_tensor("w", w, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    N, K = w.shape
+    if group_size <= 0 or K % group_size or group_size % 8:
+        raise InputError("group_size", group_size, f"a multiple of 8 that divides K={K}")
+    g = w.float().view(N, K // group_size, group_size)
+    if zero_point:
+        lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((hi - lo) / 15).clamp_min(MIN_SCALE)
+        zero = (-lo / scale).round().clamp(0, 15)
+        u = (g / scale[..., None] + zero[..., None]).round().clamp(0, 15)
+        zq = zero.to(torch.uint8).contiguous()
+    else:
+        scale = (g.abs().amax(-1) / 7).clamp_min(MIN_SCALE)
+        u = (g / scale[..., None]).round().clamp(-8, 7) + INT4_SYM_ZERO
+        zq = None
+    return pack_int4(u.to(torch.uint8).view(N, K)), scale.contiguous(), zq
+
+
+def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero=None) -> torch.Tensor:
+    """fp32 [N, K] of the int4 layout above (for references and loaders' checks; kernels never
+    materialise it)."""
+    u = unpack_int4(w).float()
+    N, K = u.shape
+    G = K // scale.shape[1]
+    z = zero.float() if zero is not None else torch.full_like(scale, INT4_SYM_ZERO, dtype=torch.float32)
+    return ((u.view(N, -1, G) - z[..., None]) * scale.float()[..., None]).view(N, K)

@@ -1,18 +1,23 @@
 """Plain-PyTorch linear, the oracle of the family: ``x[M, K] @ w[N, K]^T (+ bias)`` in fp32,
 returned in x.dtype. fp8-e4m3 / int8 weights are dequantised with their per-output-channel
-fp32 scale (``w_scale[N]``) first."""
+fp32 scale (``w_scale[N]``) first; int4 weights (opmap.ops.gemm.quant's packed layout) with their
+group scales and zero codes."""
 from __future__ import annotations
 
 import torch
 
-from opmap.ops.gemm.validate import check_linear
+from opmap.ops.gemm.quant import dequantize_int4
+from opmap.ops.gemm.validate import INT4_PACKED, check_linear
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale)
-    wf = w.float()
-    if w_scale is not None:
-        wf = wf * w_scale[:, None]
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
+    check_linear(x, w, bias, w_scale, w_zero)
+    if w.dtype == INT4_PACKED:
+        wf = dequantize_int4(w, w_scale, w_zero)
+    else:
+        wf = w.float()
+        if w_scale is not None:
+            wf = wf * w_scale[:, None]
     y = x.float() @ wf.t()
     if bias is not None:
         y = y + bias.float()

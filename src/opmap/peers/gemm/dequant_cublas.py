@@ -1,6 +1,7 @@
-"""Weight-only fp8 / int8 linear for many rows (prefill): the weight dequantised by one Triton
-pass into a bf16 scratch buffer (its fp8 / int8 bytes read once, the bf16 bytes written once,
-the per-output-channel scale applied there), then cuBLAS on it. The scratch is one buffer per
+"""Weight-only fp8 / int8 / int4 linear for many rows (prefill): the weight dequantised by one
+Triton pass into a bf16 scratch buffer (its fp8 / int8 / packed int4 bytes read once, the bf16
+bytes written once, the per-output-channel or per-group scale and zero applied there), then
+cuBLAS on it. The scratch is one buffer per
 device, dtype and stream, grown to the largest weight and reused by every layer (stream order
 keeps a layer's GEMM before the next layer's dequantisation): the model keeps its weights
 quantised, at the cost of one weight's bf16 copy.
@@ -16,7 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from opmap.ops.gemm.validate import QUANT_DTYPES, check_linear
+from opmap.ops.gemm.quant import INT4_SYM_ZERO
+from opmap.ops.gemm.validate import INT4_PACKED, QUANT_DTYPES, check_linear
 from opmap.core.contract import expect
 
 BLOCK_N, BLOCK_K = 16, 256
@@ -30,6 +32,25 @@ def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, 
     w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask).to(tl.float32)  # masked lanes are not stored
     s = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
     tl.store(o_ptr + rn[:, None] * K + rk[None, :], (w * s[:, None]).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, G, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed int4 [N, K / 8] -> (code - zero) * scale [N, K], BLOCK_K (a multiple of 8) columns a program."""
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    words = tl.load(w_ptr + rn[:, None] * (K // 8) + rk[None, :] // 8, mask=mask, other=0)
+    u = (words >> ((rk[None, :] % 8) * 4).to(tl.int32)) & 0xF
+    groups = K // G
+    g = rn[:, None] * groups + rk[None, :] // G
+    s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.int32)
+    else:
+        z = SYM_ZERO
+    tl.store(o_ptr + rn[:, None] * K + rk[None, :], ((u - z).to(tl.float32) * s).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 _SCRATCH: dict = {}  # (device, dtype, stream) -> flat buffer
@@ -55,7 +76,21 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale)
-    expect(w.dtype in QUANT_DTYPES, "w", f"dtype {w.dtype}", "fp8-e4m3 or int8 weights (dense ones go to cublas)")
-    return F.linear(x, dequantize(w, w_scale, x.dtype), None if bias is None else bias.to(x.dtype))
+def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dtype) -> torch.Tensor:
+    """int4 ``w`` [N, K / 8] with its group scales and zero codes as [N, K] ``dtype`` in the shared
+    scratch buffer (the next call on this stream overwrites it)."""
+    N, K = w.shape[0], w.shape[1] * 8
+    out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
+    if N and K:
+        _dequant_int4_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
+            w, scale, zero if zero is not None else scale, out, N, K, K // scale.shape[1], HAS_ZERO=zero is not None,
+            SYM_ZERO=INT4_SYM_ZERO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
+    check_linear(x, w, bias, w_scale, w_zero)
+    expect(w.dtype in QUANT_DTYPES + (INT4_PACKED,), "w", f"dtype {w.dtype}",
+           "fp8-e4m3, int8 or packed int4 weights (dense ones go to cublas)")
+    wd = dequantize_int4(w, w_scale, w_zero, x.dtype) if w.dtype == INT4_PACKED else dequantize(w, w_scale, x.dtype)
+    return F.linear(x, wd, None if bias is None else bias.to(x.dtype))

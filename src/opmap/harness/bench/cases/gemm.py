@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from opmap.core import hw, registry
 from opmap.core.specs import GemmSpec
 from opmap.harness.bench.base import BenchCase, Provider
-from opmap.kernels.gemm import act_quant, scaled_mm, triton_gemm, wo_gluon, wo_wgmma
+from opmap.kernels.gemm import act_quant, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
 from opmap.ops.gemm import quant
 from opmap.ops.gemm.quant import quantize_weight
 
@@ -44,12 +44,18 @@ MS_FULL = MS + (1024,)  # a prefill chunk: where a quantised path that dequantis
 RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
 
 
+INT4_GROUP = quant.INT4_GROUP
+
+
 def _setup(M, N, K, fmt):
     def setup(device):
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16)
         w = torch.randn(N, K, device=device, dtype=torch.bfloat16) / K ** 0.5
         d = dict(x=x, w=w)  # quantised cases keep the bf16 weight for the cuBLAS-bf16 baseline
-        if fmt:
+        if fmt == "int4":  # symmetric, fp16 group scales: what GPTQ / AWQ / W4A16 checkpoints carry
+            d["wq"], s, _ = quant.quantize_int4(w, INT4_GROUP)
+            d["s"] = s.half()
+        elif fmt:
             d["wq"], d["s"] = quantize_weight(w, fmt)
         return d
 
@@ -134,6 +140,31 @@ def _act_quant_cases(arch) -> list[BenchCase]:
     return out
 
 
+def _int4_case(arch, M, N, K) -> BenchCase:
+    """W4A16 (int4 codes, an fp16 scale per 128 input channels): our Triton kernel at every M, the
+    dequantise-once route from M = 128, cuBLAS on the same weights in bf16 and a bf16 copy made per
+    call (the fallback's cost)."""
+    nbytes = N * K // 2 + N * (K // INT4_GROUP) * 2 + M * K * 2 + M * N * 2
+    flops = 2.0 * M * N * K
+    provs = [Provider("opmap-triton-w4a16", _ours("triton-w4a16", True), backend=("gemm", "triton-w4a16"),
+                      describe=_described(w4a16.describe, M, N, K, G=INT4_GROUP)),
+             Provider("cublas-bf16-weights", _cublas),
+             Provider("dequant+cublas", _dequant_int4)]
+    if M >= 128:
+        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
+    return BenchCase(
+        op="gemm.w4a16", case=f"M={M},N={N},K={K},w=int4-g{INT4_GROUP},dtype=bf16", flops=flops, bytes=float(nbytes),
+        setup=_setup(M, N, K, "int4"), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
+        graph=True, tags=("gemm",),
+        spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K, dtype="bf16",
+                      weight_dtype="int4", group_size=INT4_GROUP))
+
+
+def _dequant_int4(inp):
+    wq, s, x = inp["wq"], inp["s"], inp["x"]
+    return lambda: F.linear(x, quant.dequantize_int4(wq, s).to(x.dtype))
+
+
 def _sm89():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         return "torch._scaled_mm fp8 needs an sm89+ GPU"
@@ -143,9 +174,12 @@ def _sm89():
 def cases(quick: bool) -> list[BenchCase]:
     arch = hw.local_arch()
     out = []
-    for fmt in (None, "fp8", "int8"):
+    for fmt in (None, "fp8", "int8", "int4"):
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
             for M in (MS if quick else MS_FULL):
+                if fmt == "int4":
+                    out.append(_int4_case(arch, M, N, K))
+                    continue
                 wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
                 nbytes = wbytes + M * K * 2 + M * N * 2
                 flops = 2.0 * M * N * K

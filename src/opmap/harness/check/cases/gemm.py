@@ -1,5 +1,5 @@
 """GEMM (linear) check cases: every runnable backend against the fp32 reference (dense and
-weight-only fp8 / int8, decode M and a prefill M, vocab-sized odd N, K not a multiple of the
+weight-only fp8 / int8 / int4 (group scales, with and without zero points), decode M and a prefill M, vocab-sized odd N, K not a multiple of the
 tile, split K; each weight-only kernel through its own backend: triton-wo, gluon-wo at M <= 32,
 gluon-wo-wgmma at 32 < M <= 64, dequant-cublas); quantisation gates (section "quant": output cosine >= 0.999 fp8 / >= 0.998
 int8 against the fp32 reference on the unquantised weights, and the mean KL divergence of the
@@ -16,13 +16,15 @@ from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.harness.fixtures import gemm_quality as quality
 from opmap.ops.gemm import reference
-from opmap.ops.gemm.quant import quantize_weight
+from opmap.ops.gemm.quant import quantize_int4, quantize_weight
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998}
+COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998, "int4": 0.99}
 # Limits for the stack's mean KL (nats). Seen on CPU (fp32 reference stack, 4 layers, vocab
-# 1000): bf16 ~3e-4, int8 ~1e-3, fp8 ~1e-2; the limits leave ~4x headroom.
-KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2}
+# 1000): bf16 ~3e-4, int8 ~1e-3, fp8 ~1e-2; the limits leave ~4x headroom. int4 is the format's
+# own loss (round to nearest, a scale per 128 channels, on Gaussian random weights: ~0.2-0.3
+# nats, cosine ~0.993 on CPU and GPU dims): its limits catch a broken kernel, not the format.
+KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2, "int4": 1.0}
 
 
 def _inputs(device, M, N, K, dtype, fmt, bias, seed):
@@ -93,6 +95,60 @@ def _bad_input(backend, device):
     return run
 
 
+def _int4_parity(backend, device, M, N, K, G, zp, dtype):
+    def run():
+        g = torch.Generator().manual_seed(M + N + K + G)
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        wq, s, z = quantize_int4((torch.randn(N, K, generator=g) / K ** 0.5).to(device), G, zp)
+        b = torch.randn(N, generator=g).to(device, dtype)
+        s = s.half() if dtype != torch.float32 else s
+        out = registry.get("gemm", backend).fn("linear")(x, wq, b, s, z)
+        e = compare(out, reference.linear(x, wq, b, s, z), dtype, scale=4.0)
+        return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
+
+    return run
+
+
+def _int4_bad_input(backend, device):
+    def run():
+        fn = registry.get("gemm", backend).fn("linear")
+        x = torch.randn(4, 64, device=device)
+        wq, s, z = quantize_int4(torch.randn(32, 64, device=device), 32, True)
+        probes = {"w": lambda: fn(x, wq[:, :-1], None, s, z), "w_scale": lambda: fn(x, wq, None, torch.cat([s, s[:, :1]], 1), z),
+                  "w_zero": lambda: fn(x, wq, None, s, z.int())}
+        return probe_errors(probes)
+
+    return run
+
+
+def _int4_cases(arch, device, cpu) -> list:
+    dt, dn = (torch.float16, "fp16") if cpu else (torch.bfloat16, "bf16")
+    shapes = [(1, 96, 256, 64), (3, 50, 512, 128), (64, 40, 256, 32), (129, 1001, 256, 128)] if cpu else \
+        [(1, 28672, 4096, 128), (16, 4096, 14336, 128), (64, 6144, 4096, 128), (1, 32001, 4096, 128),
+         (1024, 4096, 4096, 128), (3, 4096, 4096, 32)]
+    out = []
+    for name in ("triton-w4a16", "dequant-cublas"):
+        for M, N, K, G in shapes:
+            for zp in (False, True):
+                if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=G):
+                    out.append(CheckCase("parity", "gemm", name, f"M={M},N={N},K={K},w=int4-g{G}{'-zp' * zp},dtype={dn}",
+                                         _int4_parity(name, device, M, N, K, G, zp, dt), quick=M in (1, 129, 1024)))
+        if _ok(name, arch, m=4 if name != "dequant-cublas" else 128, n=32, k=64, dtype="fp32", weight_dtype="int4",
+               group_size=32):
+            out.append(CheckCase("input", "gemm", name, "int4: words for another K, scale groups, zero dtype",
+                                 _int4_bad_input(name, device)))
+    M, N, K = (3, 64, 1024) if cpu else (16, 4096, 4096)
+    dims = dict(tokens=8, hidden=128, inter=128, vocab=512, layers=2) if cpu else \
+        dict(tokens=64, hidden=1024, inter=2048, vocab=32000, layers=4)
+    dim_s = ",".join(f"{k}={v}" for k, v in dims.items())
+    if _ok("triton-w4a16", arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=128):
+        out.append(CheckCase("quant", "gemm", "triton-w4a16", f"output cosine vs fp32,int4-g128,M={M},N={N},K={K},dtype={dn}",
+                             _cosine("triton-w4a16", device, "int4", M, N, K, dt)))
+        out.append(CheckCase("quant", "gemm", "triton-w4a16", f"stack next-token KL,int4-g128,{dim_s},dtype={dn}",
+                             _kl("triton-w4a16", device, "int4", dt, dims)))
+    return out
+
+
 def _ok(name, arch, **spec):
     return not registry.get("gemm", name).validate(GemmSpec(arch=arch, **spec), runtime=True)
 
@@ -157,4 +213,4 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
             continue  # a Gluon kernel runs compiled on its GPUs only
         out.append(CheckCase("input", "gemm", name, "K mismatch, wrong dtype, scale shape, bias shape",
                              _bad_input(name, device)))
-    return out
+    return out + _int4_cases(arch, device, cpu)

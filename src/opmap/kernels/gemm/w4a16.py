@@ -1,0 +1,177 @@
+"""Linear with int4 weight-only weights (W4A16) in Triton, any M: the kernel of the backend
+``triton-w4a16``.
+
+``linear(x[M, K], w[N, K // 8] int32, bias=None, w_scale[N, K // G], w_zero=None, *, config=None)``
+-> [M, N] in x.dtype, the weight in the layout of ``opmap.ops.gemm.quant`` (eight 4-bit codes a
+word along K, a scale per group of G input channels, uint8 zero codes or the symmetric 8).
+
+Design (at decode M the packed weight is the traffic: a quarter of bf16's bytes):
+- Swap AB as in triton_gemm.py: each program computes a ``[BLOCK_N, BLOCK_M]`` tile of
+  out^T = w @ x^T, x padded to 16 columns for the MMA; many narrow N tiles, split K (the family's
+  split-K counters, partials summed in split order: deterministic) when the N tiles leave SMs idle.
+- A K tile never straddles a group (BLOCK_K divides G), so the tile's codes minus its zero are
+  small integers, exact in x's dtype: the MMA runs on them and the group scale multiplies the
+  tile's fp32 product before it joins the accumulator. No dequantised weight exists, and the
+  rounding of ``(u - zero) * scale`` to 16 bits that a dequantise-then-GEMM route makes never
+  happens.
+- The packed words of a tile are read once ([BLOCK_N, BLOCK_K // 8] int32) and split into their
+  eight nibbles in registers.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from opmap.core.contract import expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.gemm.splitk import counters, sm_count
+from opmap.ops.gemm.quant import INT4_SYM_ZERO
+from opmap.ops.gemm.validate import check_linear
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, G, stride_xm, stride_wn,
+                  stride_sn, stride_om, K_PER_SPLIT, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    shifts = 4 * tl.arange(0, 8)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k0 = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k0 + K_PER_SPLIT, K)
+    rows = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
+    xdt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        # K is a multiple of BLOCK_K (the launcher's tile divides the group, the group divides K)
+        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
+        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        u = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        u = tl.reshape(u, [BLOCK_N, BLOCK_K])
+        g = k // G
+        s = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.int32)
+        else:
+            z = tl.full([BLOCK_N], SYM_ZERO, tl.int32)
+        wv = (u - z[:, None]).to(xdt)  # in [-15, 15]: exact in fp16 / bf16
+        part = tl.dot(wv, xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
+        acc += part * s[:, None]
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT == 1:
+        _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS)
+    else:
+        # Partials [SPLIT, M, N] fp32; the program that finishes a tile last sums them in split
+        # order (splitk.py), then adds the bias once and resets the tile's counter.
+        part_ptr = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        mn = M.to(tl.int64) * N
+        tl.store(part_ptr + pid_k * mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sp in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
+                acc += tl.load(part_ptr + sp * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS)
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+# config= keys: the tile (0: the plan's choice). BLOCK_K is capped by the group size.
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
+
+
+def config_of(config) -> dict:
+    if config is None:
+        return CONFIG
+    cfg = tile_config(CONFIG, config)
+    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
+           "16, 32, 64, 128 or 256")
+    expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
+    expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
+    return cfg
+
+
+def plan(M: int, N: int, K: int, G: int, sms: int, interp: bool = _INTERP) -> dict:
+    """The tile, K split, warps and stages of a call. BLOCK_K: the largest of 256 / 128 / 64 /
+    32 / 16 that divides the group (the interpreter: at most 64); K is split while the N tiles
+    number fewer than two an SM (each split keeps >= 4 K tiles)."""
+    bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
+    bn = 64 if bm <= 32 else 128
+    top = 64 if interp else 256
+    bk = next(b for b in (256, 128, 64, 32, 16) if b <= top and G % b == 0)
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = 1
+    if M <= 64 and tiles < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4,
+            "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
+
+
+def describe(M: int, N: int, K: int, device, G: int, config=None) -> str:
+    p = _planned(M, N, K, G, torch.device(device), config_of(config))
+    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
+            f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
+
+
+def _planned(M, N, K, G, device, cfg) -> dict:
+    p = plan(M, N, K, G, sm_count(device))
+    for key in ("BLOCK_N", "num_warps", "num_stages", "SPLIT"):
+        p[key] = cfg[key] or p[key]
+    if cfg["BLOCK_K"]:
+        expect(G % cfg["BLOCK_K"] == 0, "config", f"BLOCK_K={cfg['BLOCK_K']}", f"a divisor of the group size {G}")
+        p["BLOCK_K"] = cfg["BLOCK_K"]
+    # K_PER_SPLIT a whole number of tiles; rounding it up can leave the last splits empty
+    per = triton.cdiv(triton.cdiv(K, p["BLOCK_K"]), p["SPLIT"]) * p["BLOCK_K"]
+    p["K_PER_SPLIT"], p["SPLIT"] = per, triton.cdiv(K, per)
+    return p
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
+    """``config``: the tile of this kernel (CONFIG's keys; 0 keeps the plan's)."""
+    M, N, K = check_linear(x, w, bias, w_scale, w_zero)
+    expect(w.dtype == torch.int32, "w", f"dtype {w.dtype}", "int32 words of eight 4-bit codes (W4A16)")
+    cfg = config_of(config)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    G = K // w_scale.shape[1]
+    expect(G % 16 == 0, "w_scale", f"shape {tuple(w_scale.shape)} (group size {G})",
+           "a group size that is a multiple of 16 (the MMA's K)")
+    p = _planned(M, N, K, G, x.device, cfg)
+    split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
+    if split > 1:
+        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
+    else:
+        ws = cnt = out  # never read with one split
+    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
+    _w4a16_kernel[grid](x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out,
+                        out, ws, cnt, M, N, K, G, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+                        p["K_PER_SPLIT"], HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=split,
+                        SYM_ZERO=INT4_SYM_ZERO, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=p["BLOCK_K"],
+                        num_warps=p["num_warps"], num_stages=p["num_stages"])
+    return out

@@ -1,0 +1,126 @@
+"""int4 weight-only linear (W4A16): the packed layout (ops/gemm/quant.py), the Triton kernel
+(triton-w4a16) and the many-row route (dequant-cublas) against the fp32 reference on fresh random
+inputs: group sizes 16 / 32 / 128 / one a row, symmetric and with zero points, odd N (vocab
+32001), M at 0, 1, tile edges and the split-K path, fp16 and fp32 activations, bias, config
+overrides, the public API and torch.ops.opmap; bad inputs are InputErrors naming the argument."""
+import pytest
+import torch
+
+import opmap
+from opmap.core.contract import InputError
+from opmap.core.tolerance import assert_close
+from opmap.kernels.gemm import w4a16
+from opmap.ops.gemm.quant import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from opmap.peers.gemm import dequant_cublas
+
+
+def _case(M, N, K, G, zp, dt=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    p, s, z = quantize_int4(w, G, zp)
+    x = torch.randn(M, K, generator=g).to(dt)
+    return x, p, s, z
+
+
+def _ref(x, p, s, z, bias=None):
+    y = x.float() @ dequantize_int4(p, s, z).t()
+    return (y + bias.float() if bias is not None else y).to(x.dtype)
+
+
+def test_pack_roundtrip_and_nibble_order():
+    u = torch.randint(0, 16, (5, 24), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(u)), u)
+    one = torch.zeros(1, 8, dtype=torch.uint8)
+    one[0, 3] = 0xF  # column 3 of a word: bits 12..15
+    assert int(pack_int4(one)[0, 0]) == 0xF << 12
+    one[0, 7] = 0x8  # the top nibble: a negative int32
+    assert int(pack_int4(one)[0, 0]) == (0xF << 12) + (0x8 << 28) - 2**32
+
+
+@pytest.mark.parametrize("zp", [False, True])
+def test_quantize_int4_error_is_half_a_step(zp):
+    w = torch.randn(16, 256)
+    p, s, z = quantize_int4(w, 32, zp)
+    err = (dequantize_int4(p, s, z) - w).abs().view(16, 8, 32)
+    assert bool((err <= 0.5 * s[..., None] + 1e-6).all())
+
+
+@pytest.mark.parametrize("M,N,K,G,zp", [(1, 96, 256, 64, False), (3, 50, 512, 128, True), (17, 64, 128, 128, False),
+                                        (70, 40, 256, 32, True), (1, 64, 2048, 2048, False), (2, 33, 1024, 16, True),
+                                        (16, 32001 // 64, 256, 128, False), (33, 129, 512, 256, True)])
+@pytest.mark.parametrize("dt", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_kernel_matches_reference(M, N, K, G, zp, dt):
+    x, p, s, z = _case(M, N, K, G, zp, dt, seed=M * N + K)
+    bias = torch.randn(N).to(dt)
+    y = w4a16.linear(x, p, bias, s, z)
+    assert_close(y, _ref(x, p, s, z, bias), dt, scale=4.0, what=f"M={M} N={N} K={K} G={G}")
+
+
+@pytest.mark.parametrize("split", [1, 2, 5])
+def test_k_splits_sum_in_order(split):
+    """The split-K partials (summed in split order by the last program of a tile) give the
+    unsplit result, whatever the split count; a split count beyond the tiles leaves none empty."""
+    x, p, s, z = _case(3, 64, 1024, 64, True, seed=split)
+    y1 = w4a16.linear(x, p, None, s, z, config={"SPLIT": 1})
+    y = w4a16.linear(x, p, None, s, z, config={"SPLIT": split})
+    assert_close(y, y1, torch.float16, scale=1.0, what=f"split {split}")
+    assert_close(y, _ref(x, p, s, z), torch.float16, scale=2.0, what="reference")
+
+
+def test_scale_dtypes_and_vocab_rows():
+    """Scales stored as the checkpoint has them (fp16 / bf16 / fp32) are read as they are; N = 32001."""
+    x, p, s, z = _case(2, 32001, 128, 32, False, seed=4)
+    for sd in (torch.float16, torch.bfloat16, torch.float32):
+        y = w4a16.linear(x, p, None, s.to(sd), z)
+        assert_close(y, _ref(x, p, s.to(sd).float(), z), torch.float16, scale=2.0, what=str(sd))
+
+
+def test_empty_and_config():
+    x, p, s, z = _case(0, 64, 128, 32, False)
+    assert w4a16.linear(x, p, None, s, z).shape == (0, 64)
+    x, p, s, z = _case(5, 64, 256, 64, False)
+    y = w4a16.linear(x, p, None, s, z, config={"BLOCK_K": 32, "BLOCK_N": 32})
+    assert_close(y, _ref(x, p, s, z), torch.float16, scale=2.0, what="config tile")
+    with pytest.raises(InputError, match="BLOCK_K"):
+        w4a16.linear(x, p, None, s, z, config={"BLOCK_K": 128})  # does not divide the group of 64
+    with pytest.raises(InputError, match="config"):
+        w4a16.linear(x, p, None, s, z, config={"TILE": 3})
+    assert "BLOCK_K 64" in w4a16.describe(5, 64, 256, "cpu", 64)
+
+
+def test_dequant_cublas_route():
+    for zp in (False, True):
+        x, p, s, z = _case(130, 48, 256, 32, zp, torch.float32, seed=9)
+        assert_close(dequant_cublas.linear(x, p, None, s, z), _ref(x, p, s, z), torch.float32, scale=2.0, what="dq")
+
+
+def test_public_api_and_custom_op():
+    x, p, s, z = _case(4, 64, 256, 128, True, seed=3)
+    want = _ref(x, p, s, z)
+    assert_close(opmap.linear(x, p, None, s, z), want, torch.float16, scale=2.0, what="opmap.linear")
+    assert_close(torch.ops.opmap.linear(x, p, None, s, z), want, torch.float16, scale=2.0, what="torch.ops")
+    sym = _case(4, 64, 256, 128, False, seed=3)
+    assert_close(opmap.linear(*sym[:2], None, sym[2]), _ref(*sym), torch.float16, scale=2.0, what="symmetric")
+
+
+@pytest.mark.parametrize("bad,words", [
+    (lambda x, p, s, z: (x, p[:, :-1], None, s, z), "w"),  # K / 8 words does not match x
+    (lambda x, p, s, z: (x, p, None, None, z), "w_scale"),
+    (lambda x, p, s, z: (x, p, None, s[:, :3], z), "w_scale"),  # 3 groups do not divide K = 256
+    (lambda x, p, s, z: (x, p, None, s, z.int()), "w_zero"),
+    (lambda x, p, s, z: (x, p, None, s, z[:, :1].contiguous()), "w_zero"),
+    (lambda x, p, s, z: (x.to(torch.int8), p, None, s, z), "x"),
+])
+def test_bad_inputs_are_named(bad, words):
+    x, p, s, z = _case(2, 32, 256, 64, True)
+    args = bad(x, p, s, z)
+    with pytest.raises(InputError, match=words):
+        opmap.linear(*args, backend="triton-w4a16")
+
+
+def test_group_not_a_multiple_of_16_is_refused():
+    x, p, s, z = _case(2, 32, 64, 8, False)
+    with pytest.raises(InputError, match="group"):
+        w4a16.linear(x, p, None, s, z)
+    with pytest.raises(InputError, match="group_size"):
+        quantize_int4(torch.randn(4, 60), 12)
