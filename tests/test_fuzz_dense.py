@@ -225,12 +225,16 @@ def test_fuzz_rope(name):
 
 @st.composite
 def linear_cases(draw):
-    from opmap.ops.gemm.quant import quantize_weight
+    from opmap.ops.gemm.quant import quantize_int4, quantize_weight
 
     seed = draw(st.integers(0, 2**31 - 1))
     M, N, K = draw(st.integers(1, 6)), draw(st.integers(1, 40)), draw(st.integers(1, 48))
     dtype = draw(st.sampled_from(F))
-    wfmt = draw(st.sampled_from(["dense", "dense", "fp8", "int8"]))
+    wfmt = draw(st.sampled_from(["dense", "dense", "fp8", "int8", "int4"]))
+    group, zp = None, False
+    if wfmt == "int4":  # whole groups of 16 (the kernel's MMA K), one or several a row, zero points or not
+        K = 16 * draw(st.integers(1, 3))
+        group, zp = draw(st.sampled_from([16, K])), draw(st.booleans())
     bias = draw(st.sampled_from([None, "same", "fp32"]))
     brk = draw(st.sampled_from(("none",) * 5 + ("x_rows", "w_k", "x_3d", "scale_missing", "scale_extra",
                                 "scale_len", "bias_len", "w_dtype", "x_int", "w_device")))
@@ -242,23 +246,26 @@ def linear_cases(draw):
             x = x[None]
         if brk == "x_int":
             x = x.to(torch.int32)
-        w = randn((N, K + (1 if brk == "w_k" else 0)), dtype, g, scale=0.2)
-        scale = None
-        if wfmt != "dense":
+        w = randn((N, K + (1 if brk == "w_k" and wfmt != "int4" else 0)), dtype, g, scale=0.2)
+        scale = zero = None
+        if wfmt == "int4":
+            w, scale, zero = quantize_int4(w, group, zp)
+            w = w[:, :-1].contiguous() if brk == "w_k" else w  # words for another K
+        elif wfmt != "dense":
             w, scale = quantize_weight(w, wfmt)
         if brk == "scale_missing":
             scale = None
         if brk == "scale_extra" and scale is None:
             scale = torch.ones(N)
         if brk == "scale_len" and scale is not None:
-            scale = torch.ones(N + 1)
+            scale = torch.ones(N + 1) if wfmt != "int4" else torch.ones(N + 1, scale.shape[1])
         if brk == "w_dtype":
             w = w.to(torch.float64)
         if brk == "w_device":  # the only other device a CPU machine has: a tensor without data
             w = w.to("meta")
         b = None if bias is None else randn((N + (1 if brk == "bias_len" else 0),),
                                             dtype if bias == "same" else torch.float32, g)
-        return (x, w, b, scale), {}
+        return ((x, w, b, scale) + ((zero,) if zero is not None else ())), {}
 
     arg = {"w_k": {"w"}, "x_3d": {"x"}, "x_int": {"x"}, "w_dtype": {"w"}, "bias_len": {"bias"}, "w_device": {"w"},
            "scale_missing": {"w_scale"}, "scale_extra": {"w_scale"}, "scale_len": {"w_scale"}}
@@ -267,7 +274,8 @@ def linear_cases(draw):
             or (brk == "bias_len" and bias is None) or (brk == "scale_extra" and wfmt != "dense"):
         broken = frozenset()  # the break did not apply to this draw
     spec = dict(m=M, n=N, k=K, dtype={torch.float32: "fp32", torch.float16: "fp16"}[dtype],
-                weight_dtype={"dense": None, "fp8": "fp8", "int8": "int8"}[wfmt], bias=bias is not None)
+                weight_dtype={"dense": None, "fp8": "fp8", "int8": "int8", "int4": "int4"}[wfmt], bias=bias is not None,
+                group_size=group)
     spec["weight_dtype"] = spec["weight_dtype"] or spec["dtype"]
     return Case(build, broken, what=f"{brk} M={M} N={N} K={K} {wfmt} bias={bias} {dtype}", spec=spec)
 

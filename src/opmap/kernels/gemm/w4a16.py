@@ -152,7 +152,7 @@ def _planned(M, N, K, G, device, cfg) -> dict:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
     """``config``: the tile of this kernel (CONFIG's keys; 0 keeps the plan's)."""
-    M, N, K = check_linear(x, w, bias, w_scale, w_zero)
+    M, N, K = check_linear(x, w, bias, w_scale, w_zero, int4=True)
     expect(w.dtype == torch.int32, "w", f"dtype {w.dtype}", "int32 words of eight 4-bit codes (W4A16)")
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)

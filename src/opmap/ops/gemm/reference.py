@@ -11,7 +11,7 @@ from opmap.ops.gemm.validate import INT4_PACKED, check_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale, w_zero)
+    check_linear(x, w, bias, w_scale, w_zero, int4=True)
     if w.dtype == INT4_PACKED:
         wf = dequantize_int4(w, w_scale, w_zero)
     else:

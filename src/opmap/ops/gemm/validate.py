@@ -11,17 +11,19 @@ INT4_PACKED = torch.int32  # eight 4-bit codes a word along K (opmap.ops.gemm.qu
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_linear(x, w, bias=None, w_scale=None, w_zero=None) -> tuple[int, int, int]:
+def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False) -> tuple[int, int, int]:
     """Validate linear's arguments; returns (M, N, K).
 
     Dense weights have x's dtype and no scale; fp8-e4m3 / int8 weights need ``w_scale[N]`` fp32;
     int4 weights (int32 ``w[N, K // 8]``, the layout of opmap.ops.gemm.quant) need
     ``w_scale[N, K // G]`` (a scale per group of G input channels, G dividing K) and take
-    ``w_zero`` uint8 codes of the same shape where the format is asymmetric.
+    ``w_zero`` uint8 codes of the same shape where the format is asymmetric; only where the
+    caller reads int4 (``int4``: the reference, triton-w4a16, dequant-cublas).
     """
     expect_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
     M, K = x.shape
-    expect_tensor("w", w, dtype=(x.dtype, *QUANT_DTYPES, INT4_PACKED), ndim=2, last_dim_contiguous=True)
+    expect_tensor("w", w, dtype=(x.dtype, *QUANT_DTYPES) + ((INT4_PACKED,) if int4 else ()), ndim=2,
+                  last_dim_contiguous=True)
     N = w.shape[0]
     if w.dtype == INT4_PACKED:
         expect(w.shape[1] * 8 == K, "w", f"shape {tuple(w.shape)} (int32 words of eight 4-bit codes)",

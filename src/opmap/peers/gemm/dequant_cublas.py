@@ -89,7 +89,7 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale, w_zero)
+    check_linear(x, w, bias, w_scale, w_zero, int4=True)
     expect(w.dtype in QUANT_DTYPES + (INT4_PACKED,), "w", f"dtype {w.dtype}",
            "fp8-e4m3, int8 or packed int4 weights (dense ones go to cublas)")
     wd = dequantize_int4(w, w_scale, w_zero, x.dtype) if w.dtype == INT4_PACKED else dequantize(w, w_scale, x.dtype)
