@@ -30,6 +30,7 @@ from opmap.harness.output import environment, short_error
 from opmap.model import presets
 from opmap.model.hf import resolve_model
 from opmap.model.step import QUANTISED_MIXED_ROWS
+from opmap.ops.gemm.quant import INT4_GROUP, int4_group
 
 
 def _row_dict(phase: str, r) -> dict:
@@ -138,21 +139,38 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
     qs.append({"question": "Is MoE a grouped GEMM or a loop of per-expert GEMMs?", "answer": lines})
     # 4. Quantised paths, asked of the selector with the model's own decode / prefill GEMM shapes.
     lines = []
+    own = find("decode", "gemm")[0][1].weight_dtype
+    own = own if own in QUANT_FORMATS else None  # the checkpoint's own format first, named as such
+
+    def as_format(g, wd):
+        return g if wd == g.weight_dtype else g.replace(
+            weight_dtype=wd, group_size=int4_group(g.k, INT4_GROUP) if wd == "int4" else None)
+
+    formats = ([own] if own else []) + [f for f in QUANT_FORMATS if f != own]
     for phase in ("decode", "prefill"):
         lb, g = find(phase, "gemm")[0]
-        for wd in ("fp8", "int8"):
-            ch, err = _try("gemm", g.replace(weight_dtype=wd))
-            lines.append(f"{phase} {lb} (m={g.m or 'any'}) with {wd} weights: {_name(ch, err)}")
+        for wd in formats:
+            ch, err = _try("gemm", as_format(g, wd))
+            line = (f"{phase} {lb} (m={g.m or 'any'}) with {wd} weights{' (this checkpoint)' * (wd == own)}: "
+                    f"{_name(ch, err)}")
+            if ch is not None and ch.name == "dequant-cublas":
+                line += (f" -> dequantise then {g.dtype} GEMM: one pass writes the weight in {g.dtype} per call, "
+                         "then cuBLAS")
+            lines.append(line)
     if "mixed" in maps:
         lb, g = find("mixed", "gemm")[0]
-        for wd in ("fp8", "int8"):
-            lines.append(f"mixed {lb} with {wd} weights, by the step's rows: {_by_rows(g.replace(weight_dtype=wd))}")
+        for wd in formats:
+            lines.append(f"mixed {lb} with {wd} weights{' (this checkpoint)' * (wd == own)}, by the step's rows: "
+                         f"{_by_rows(as_format(g, wd))}")
     kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
     lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
     lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
                  "GPU profile: `opmap profile` on a GPU")
     qs.append({"question": "With quantised weights or KV, which kernels run?", "answer": lines})
     return qs
+
+
+QUANT_FORMATS = ("fp8", "int8", "int4")  # the weight-only formats the report asks the selector about
 
 
 def _by_rows(g) -> str:
