@@ -265,6 +265,9 @@ def test_awq_packing_is_autoawqs():
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "strategy"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "channel"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
         "input_activations": {"num_bits": 8, "type": "int"}}}}, "input_activations"),
 ])
@@ -310,3 +313,44 @@ def test_quantize_int4_plans_the_int4_kernel_and_runs():
             assert c.spec.weight_dtype == "int4" and c.spec.group_size == 64
     outs = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))
     assert outs[0].error is None and len(outs[0].token_ids) == 4
+
+
+def test_compressed_tensors_w8a16_loads_int8_and_matches_transformers(tmp_path, single_thread):
+    """compressed-tensors pack-quantized W8A16 (symmetric, a scale per output channel; packed by
+    compressed-tensors): the projections load as int8 with their scales for the int8 weight-only
+    kernels, and greedy tokens equal transformers' own load of the checkpoint."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    out = {}
+    for k, v in hf.state_dict().items():
+        if not (k.endswith("_proj.weight") and k.startswith("model.layers.")):
+            out[k] = v.contiguous()
+            continue
+        s = (v.abs().amax(1, keepdim=True) / 127).clamp_min(1e-8)
+        q = (v / s).round().clamp(-128, 127).to(torch.int8)
+        base = k[:-len(".weight")]
+        out[f"{base}.weight_packed"] = pack_to_int32(q, 8)
+        out[f"{base}.weight_scale"], out[f"{base}.weight_shape"] = s, torch.tensor(list(v.shape))
+    for f in glob.glob(os.path.join(tmp_path, "model*.safetensors*")):
+        os.remove(f)
+    save_file(out, os.path.join(tmp_path, "model.safetensors"))
+    c = json.loads((tmp_path / "config.json").read_text())
+    c["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}}}}
+    (tmp_path / "config.json").write_text(json.dumps(c))
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, quantization_config=
+                                                  CompressedTensorsConfig(run_compressed=False)).eval()
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    P = llm.runner.model.params
+    assert llm.runner.weight_format == "int8" and llm.runner.unused == []
+    assert P["0.qkv"].dtype == torch.int8 and P["0.qkv.scale"].shape == (P["0.qkv"].shape[0],)
+    prompts = random_prompts(cfg.vocab, (5, 30), seed=9)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.token_ids == hf_greedy(theirs, p, 8)

@@ -162,3 +162,21 @@ def compressed(get, prefix: str, k: int, group: int, symmetric: bool) -> Int4Wei
         if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
             g_idx = None
     return Int4Weight(unpack_int4(wp), s.contiguous(), zero, g_idx)
+
+
+def int8_channel(get, prefix: str) -> tuple:
+    """compressed-tensors W8A16 (symmetric, a scale per output channel): ``weight_packed`` int32
+    [N, K / 4], four codes a word along K (code = value + 128, byte i = column 4j + i) -> (int8
+    [N, K], fp32 scale [N])."""
+    wp = _int32(f"{prefix}.weight_packed", get(f"{prefix}.weight_packed"))
+    s = get(f"{prefix}.weight_scale")
+    n = wp.shape[0]
+    if s.numel() != n:
+        raise InputError(f"checkpoint tensor {prefix}.weight_scale", f"shape {tuple(s.shape)}", f"({n}, 1)")
+    shape = get(f"{prefix}.weight_shape", optional=True)
+    k = int(shape.reshape(-1)[1]) if shape is not None else wp.shape[1] * 4
+    if k > wp.shape[1] * 4 or k <= (wp.shape[1] - 1) * 4:
+        raise InputError(f"checkpoint tensor {prefix}.weight_packed", f"shape {tuple(wp.shape)}", f"({n}, {-(-k // 4)})")
+    shifts = 8 * torch.arange(4, device=wp.device, dtype=torch.int32)
+    codes = ((wp[..., None] >> shifts) & 0xFF).flatten(-2)[:, :k]
+    return (codes - 128).to(torch.int8).contiguous(), s.float().reshape(n).contiguous()

@@ -114,12 +114,12 @@ class DecoderModel:
             out += [n for n in (f"{i}.qkv", f"{i}.o", f"{i}.gate_up", f"{i}.down") if n in self.params]
         return out
 
-    def _fp8_params(self) -> dict:
-        """The projections of ``quant_names`` as fp8 parameters with an fp32 scale per row; returns
-        {id(weight): scale} for the Loader."""
+    def _fp8_params(self, dtype=torch.float8_e4m3fn) -> dict:
+        """The projections of ``quant_names`` as fp8 (or int8) parameters with an fp32 scale per row;
+        returns {id(weight): scale} for the Loader."""
         out = {}
         for n in self.quant_names():
-            w = self.params[n] = torch.empty(self.params[n].shape, dtype=torch.float8_e4m3fn, device=self.device)
+            w = self.params[n] = torch.empty(self.params[n].shape, dtype=dtype, device=self.device)
             out[id(w)] = self.params[f"{n}.scale"] = torch.empty(w.shape[0], dtype=torch.float32, device=self.device)
         return out
 
@@ -173,8 +173,9 @@ class DecoderModel:
         with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
         wq = self.cfg.extra.get("weight_quant") or {}
         int4 = wq.get("format") == "int4"
-        L = Loader(source, self.device, self.dtype, self._fp8_params() if wq.get("format") == "fp8" else None,
-                   wq.get("block"), int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
+        scales = {"fp8": lambda: self._fp8_params(), "int8": lambda: self._fp8_params(torch.int8)}.get(wq.get("format"))
+        L = Loader(source, self.device, self.dtype, scales() if scales else None, wq.get("block"),
+                   int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
         self.dequantised = L.dequantised
         self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params

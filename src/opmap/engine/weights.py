@@ -259,9 +259,15 @@ class Loader:
             raise InputError(f"checkpoint tensor {name}", f"shape {tuple(t.shape)}", f"shape {tuple(shape)}")
         return t
 
-    def _quantised(self, name: str) -> tuple:
-        """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter; a tensor stored
+    def _quantised(self, name: str, fmt: str = "fp8") -> tuple:
+        """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter, (int8 values, scale) for
+        an int8 one (compressed-tensors W8A16: four values + 128 a word along K); a tensor stored
         unquantised (a layer the checkpoint's ignore list kept) is quantised per row here."""
+        packed = f"{name[:-len('.weight')]}.weight_packed" if name.endswith(".weight") else None
+        if fmt == "int8" and name not in self.names and packed in self.names:
+            return int4_formats.int8_channel(self._packed, name[:-len(".weight")])
+        if fmt == "int8":
+            return quantize_weight(self._get(name).float(), "int8")
         t = self._raw(name)
         key = self._scale_name(name) if t.dtype == FP8 else None
         if key:
@@ -288,7 +294,7 @@ class Loader:
             if scale is None:
                 t = self._get(n, k=dst.shape[-1] if dst.dim() == 2 else None)
             else:
-                t, s = self._quantised(n)
+                t, s = self._quantised(n, "int8" if dst.dtype == torch.int8 else "fp8")
             if tuple(t.shape[1:]) != tuple(dst.shape[1:]) or t.dim() != dst.dim():
                 raise InputError(f"checkpoint tensor {n}", f"shape {tuple(t.shape)}",
                                  f"shape (rows, {', '.join(map(str, dst.shape[1:]))})" if dst.dim() > 1 else "1 dim")

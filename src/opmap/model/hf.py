@@ -310,6 +310,16 @@ def _compressed_int4(q: dict, g: dict, where: str) -> dict:
     group or per output channel, symmetric or with zero points; activations unquantised."""
     w = g.get("weights") or {}
     wg = f"{where}.config_groups weights"
+    if w.get("num_bits") == 8 and w.get("type") == "int":  # W8A16: the int8 weight-only kernels
+        if w.get("strategy") != "channel" or not w.get("symmetric", True) or w.get("dynamic", False):
+            got = {k: w.get(k) for k in ("strategy", "symmetric", "dynamic", "group_size") if k in w}
+            raise InputError(wg, repr(got), "8-bit int weights: symmetric, static, 'channel' strategy (one scale "
+                             "per output channel; groups and zero points are int4's)")
+        if g.get("input_activations") is not None:
+            raise InputError(f"{where}.config_groups input_activations", repr(g["input_activations"]),
+                             "null (weight-only: activations stay 16-bit)")
+        return {"format": "int8", "layout": "compressed", "strategy": "channel", "ignore": list(q.get("ignore") or []),
+                "static_activation_scales": False, "kv_scales": False}
     ok = w.get("num_bits") == 4 and w.get("type") == "int" and not w.get("dynamic", False)
     if not ok or w.get("strategy") not in ("group", "channel"):
         got = {k: w.get(k) for k in ("num_bits", "type", "strategy", "dynamic") if k in w}
