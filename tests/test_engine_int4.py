@@ -300,6 +300,13 @@ def test_damaged_int4_tensors_are_named(tmp_path):
         save_file({**state, name: bad}, f)
         with pytest.raises(InputError, match=words):
             LLM(str(tmp_path))
+    # a projection left unquantised beside int4 ones (an ignore list): named, not run on int4 kernels
+    o = "model.layers.1.self_attn.o_proj"
+    dense = {k: v for k, v in state.items() if not k.startswith(o + ".")}
+    dense[o + ".weight"] = torch.randn(cfg.hidden, cfg.heads * cfg.head_dim)
+    save_file(dense, f)
+    with pytest.raises(InputError, match="stored unquantised"):
+        LLM(str(tmp_path))
 
 
 def test_quantize_int4_plans_the_int4_kernel_and_runs():

@@ -94,6 +94,24 @@ def test_dequant_cublas_route():
         assert_close(dequant_cublas.linear(x, p, None, s, z), _ref(x, p, s, z), torch.float32, scale=2.0, what="dq")
 
 
+def test_dequant_cublas_reads_a_row_strided_weight():
+    """A weight whose rows are a view of wider ones (row stride above K / 8) is read at its stride."""
+    x, p, s, z = _case(130, 24, 256, 64, True, torch.float32, seed=5)
+    wide = torch.zeros(24, 40, dtype=torch.int32)
+    wide[:, :32] = p
+    view = wide[:, :32]
+    assert view.stride(0) == 40
+    assert_close(dequant_cublas.linear(x, view, None, s, z), _ref(x, p, s, z), torch.float32, scale=2.0, what="dq")
+    assert_close(w4a16.linear(x.half(), view, None, s, z), _ref(x.half(), p, s, z), torch.float16, scale=4.0,
+                 what="w4a16")
+
+
+def test_zero_points_with_a_dense_weight_are_named():
+    x = torch.randn(2, 64)
+    with pytest.raises(InputError, match="w_zero"):
+        opmap.linear(x, torch.randn(8, 64), None, None, torch.zeros(8, 2, dtype=torch.uint8), backend="cublas")
+
+
 def test_public_api_and_custom_op():
     x, p, s, z = _case(4, 64, 256, 128, True, seed=3)
     want = _ref(x, p, s, z)

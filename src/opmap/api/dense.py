@@ -137,6 +137,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     _floats("w", w, 2, ACT_DTYPES + QUANT_DTYPES + (INT4_PACKED,))
     m = x.shape[0]
     int4 = w.dtype == INT4_PACKED
+    expect(w_zero is None or int4, "w_zero", "a tensor", f"None for {dt(w)} weights (zero points are int4's)")
     k = x.shape[1] if int4 else w.shape[1]  # int4: check_linear names a w whose words do not match x
     group = None
     if int4 and torch.is_tensor(w_scale) and w_scale.dim() == 2 and w_scale.shape[1] and k % w_scale.shape[1] == 0:

@@ -108,8 +108,8 @@ def gptq(get, prefix: str, k: int, group: int, v1: bool) -> Int4Weight:
     _shape(f"{prefix}.scales", s, (k // group, n))
     codes = unpack_int4(qw.t().contiguous())  # [n, k // 8] words along k -> [n, k]
     zero = _unpack_along_n(qz).t().contiguous()  # [n, k / g]
-    if v1:  # stored as zero - 1 (8 as 7, 0 wrapped to 15)
-        zero = ((zero.to(torch.int16) + 1) & 0xF).to(torch.uint8)
+    if v1:  # stored as zero - 1 (8 as 7); a stored 15 reads 16, as AutoGPTQ's and exllama's kernels read it
+        zero = zero + 1
     g_idx = get(f"{prefix}.g_idx", optional=True)
     if g_idx is not None:
         _shape(f"{prefix}.g_idx", g_idx, (k,))
@@ -124,7 +124,7 @@ def gptq(get, prefix: str, k: int, group: int, v1: bool) -> Int4Weight:
 
 def awq(get, prefix: str, k: int, group: int) -> Int4Weight:
     n = _rows(get, f"{prefix}.scales", 1)
-    if k % group or n % 8:
+    if k % group or n % 8 or k % 8:
         raise InputError(f"checkpoint tensor {prefix}", f"{n} x {k} with group size {group}",
                          "the output size a multiple of 8 and the group dividing the input size")
     qw = _int32(f"{prefix}.qweight", get(f"{prefix}.qweight"))
@@ -159,6 +159,9 @@ def compressed(get, prefix: str, k: int, group: int, symmetric: bool) -> Int4Wei
     if g_idx is not None:
         _shape(f"{prefix}.weight_g_idx", g_idx, (k,))
         g_idx = g_idx.to(torch.long)
+        if bool((g_idx < 0).any()) or bool((g_idx >= k // group).any()):
+            raise InputError(f"checkpoint tensor {prefix}.weight_g_idx", "a group index out of range",
+                             f"groups in [0, {k // group})")
         if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
             g_idx = None
     return Int4Weight(unpack_int4(wp), s.contiguous(), zero, g_idx)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from opmap.core.contract import InputError
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
 from opmap.ops.gemm.quant import int4_group, quantize_int4, quantize_weight
@@ -125,11 +126,12 @@ class DecoderModel:
 
     def _int4_params(self) -> dict:
         """The projections of ``quant_names`` as placeholders the Loader replaces by packed int4
-        parameters; returns {id(placeholder): (params, name)}."""
+        parameters; returns {id(placeholder): (placeholder, params, name)} (the entry holds the
+        placeholder, so that its id is not reused while the entry lives)."""
         out = {}
         for n in self.quant_names():
             w = self.params[n] = torch.empty(self.params[n].shape, device="meta")
-            out[id(w)] = (self.params, n)
+            out[id(w)] = (w, self.params, n)
         return out
 
     @torch.no_grad()
@@ -185,6 +187,9 @@ class DecoderModel:
         L.copy(P["norm"], "model.norm.weight")
         if "lm_head" in P:
             L.copy(P["lm_head"], "lm_head.weight")
+        if L.int4_params:  # a projection placeholder no checkpoint tensor filled
+            left = sorted(n for _, _, n in L.int4_params.values())
+            raise InputError("checkpoint", f"no int4 tensors for {', '.join(left[:4])}", "every projection")
         source.close()
         return L.unused()
 

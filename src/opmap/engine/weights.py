@@ -144,13 +144,17 @@ class Loader:
         return t
 
     def _packed(self, name: str, optional: bool = False) -> Optional[torch.Tensor]:
-        """Tensor ``name`` as stored, of any dtype (packed codes, scales, group indices)."""
+        """Tensor ``name`` as stored, of any dtype (packed codes, scales, group indices); a floating
+        one (a scale) finite."""
         if name not in self.names:
             if optional:
                 return None
-            raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this int4 format")
+            raise InputError("checkpoint", f"no tensor {name!r}", "the tensors of this quantised format")
         self.used.add(name)
-        return self.src.get(name, self.device, None)
+        t = self.src.get(name, self.device, None)
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            raise InputError(f"checkpoint tensor {name}", "NaN or inf values", "finite scales")
+        return t
 
     def is_int4(self, name: str) -> bool:
         """Weight ``name`` (``<linear>.weight``) is stored as int4 codes here."""
@@ -166,17 +170,14 @@ class Loader:
         Act-order parts (GPTQ desc_act) must share one channel order (q, k and v read the same
         input): their channels are permuted into group order, and ``<name>.perm`` permutes the
         activations the same way at run time."""
-        params, pname = self.int4_params[id(dst)]
+        _, params, pname = self.int4_params.pop(id(dst))  # used once: a later tensor may take its id
         N, K = dst.shape
-        if not any(self.is_int4(n) for n in names):  # a module the format's ignore list kept dense
-            params[pname] = dense = torch.empty(N, K, dtype=self.dtype, device=self.device)
-            del self.int4_params[id(dst)]
-            return self.cat(dense, names)
         parts = []
         for n in names:
-            if not self.is_int4(n):
-                raise InputError(f"checkpoint tensor {n}", "stored unquantised beside int4 parts" if n in self.names
-                                 else "missing", f"int4 codes ({int4_formats.names(n[:-7], self.int4['layout'])})")
+            if not self.is_int4(n):  # the step map plans int4 kernels for every projection of quant_names
+                raise InputError(f"checkpoint tensor {n}", "stored unquantised (the format's ignore list)" if n in
+                                 self.names else "missing", f"int4 codes ({int4_formats.names(n[:-7], self.int4['layout'])}"
+                                 "): the attention and dense MLP projections of an int4 checkpoint all in int4")
             parts.append(self.int4_weight(n, K))
         codes = torch.cat([p.codes for p in parts])
         if codes.shape != (N, K):
@@ -241,11 +242,16 @@ class Loader:
     def _get(self, name: str, shape=None, k: Optional[int] = None) -> torch.Tensor:
         """Tensor ``name`` in the model's dtype (``shape``: the one it must have; ``k``: the input
         size of a weight whose rows are checked by the caller)."""
+        packed8 = f"{name[:-len('.weight')]}.weight_packed"
         if name not in self.names and self.is_int4(name):  # no kernel reads it packed here
             k = shape[-1] if shape is not None else k
             if k is None:
                 raise InputError(f"checkpoint tensor {name}", "int4 codes", "a weight of a known input size")
             t = self.int4_weight(name, k).dequantise(self.dtype)
+            self.dequantised.append(name)
+        elif name not in self.names and name.endswith(".weight") and packed8 in self.names:  # W8A16, no kernel here
+            q, s = int4_formats.int8_channel(self._packed, name[:-len(".weight")])
+            t = (q.float() * s[:, None]).to(self.dtype)
             self.dequantised.append(name)
         else:
             t = self._raw(name)

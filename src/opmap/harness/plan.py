@@ -101,8 +101,12 @@ def work(op: str, spec, rows: int) -> Optional[tuple]:
     bench counts its cases (harness/bench/cases); None for an op without such a count here."""
     if op == "gemm":
         M, N, K = spec.m or rows, spec.n, spec.k
-        quant = spec.weight_dtype in ("fp8", "int8")
-        return 2.0 * M * N * K, float(N * K * (1 if quant else 2) + (N * 4 if quant else 0) + M * K * 2 + M * N * 2)
+        if spec.weight_dtype == "int4":  # half a byte a weight, an fp16 scale a group (bench/cases/gemm.py)
+            wbytes = N * K // 2 + N * (K // (spec.group_size or K)) * 2
+        else:
+            quant = spec.weight_dtype in ("fp8", "int8")
+            wbytes = N * K * (1 if quant else 2) + (N * 4 if quant else 0)
+        return 2.0 * M * N * K, float(wbytes + M * K * 2 + M * N * 2)
     if op == "rmsnorm":
         R, H = rows, spec.hidden
         return float((5 if spec.fused_add else 4) * R * H), float((4 if spec.fused_add else 2) * R * H * 2 + H * 2)

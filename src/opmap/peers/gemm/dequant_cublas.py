@@ -35,13 +35,13 @@ def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, G, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, G, stride_w, HAS_ZERO: tl.constexpr,
+                         SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed int4 [N, K / 8] -> (code - zero) * scale [N, K], BLOCK_K (a multiple of 8) columns a program."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
-    words = tl.load(w_ptr + rn[:, None] * (K // 8) + rk[None, :] // 8, mask=mask, other=0)
+    words = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :] // 8, mask=mask, other=0)
     u = (words >> ((rk[None, :] % 8) * 4).to(tl.int32)) & 0xF
     groups = K // G
     g = rn[:, None] * groups + rk[None, :] // G
@@ -83,7 +83,8 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
     if N and K:
         _dequant_int4_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
-            w, scale, zero if zero is not None else scale, out, N, K, K // scale.shape[1], HAS_ZERO=zero is not None,
+            w, scale, zero if zero is not None else scale, out, N, K, K // scale.shape[1], w.stride(0),
+            HAS_ZERO=zero is not None,
             SYM_ZERO=INT4_SYM_ZERO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
