@@ -489,3 +489,30 @@ def test_report_names_the_mixed_step_kernel_of_every_row_count():
             runs = select("gemm", g.replace(m=mixed_rows_of(rows)), runtime=False).backend.name
             assert said == runs, (wd, rows, line)
         assert "gluon-wo" in line and "triton-wo" in line
+
+
+def test_block_wise_fp8_with_square_blocks_stays_fp8(tmp_path, single_thread):
+    """Block-wise fp8 with square power-of-two blocks (DeepSeek-V3's and Qwen3-FP8's 128 x 128;
+    16 x 16 here): the projections stay e4m3 with their scale per block for triton-fp8-block (the
+    selector asked for fp8-block with that edge), nothing dequantised at load, and the greedy
+    tokens equal HF's on the dequantised weights; a fused part whose rows end inside a block is
+    refused naming it."""
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16))
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format == "fp8-block" and r.unused == [] and r.model.dequantised == []
+    P = r.model.params
+    assert P["0.qkv"].dtype == torch.float8_e4m3fn and P["0.qkv.scale"].shape == (P["0.qkv"].shape[0] // 16, 4)
+    for ops in [*r.ops.values(), *r.decode_ops.values()]:
+        for label, _, c in ops.choices:
+            if c.op == "gemm" and label != "LM head":
+                assert c.spec.weight_dtype == "fp8-block" and c.spec.group_size == 16, (label, c.spec)
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
+    hf2 = save_checkpoint(cfg, str(tmp_path / "b32"), seed=5)
+    _to_block_fp8_checkpoint(hf2, str(tmp_path / "b32"), (64, 64))  # k_proj's 32 rows end inside a block
+    with pytest.raises(InputError, match="whole 64-row blocks"):
+        LLM(str(tmp_path / "b32"))

@@ -225,12 +225,12 @@ def test_fuzz_rope(name):
 
 @st.composite
 def linear_cases(draw):
-    from opmap.ops.gemm.quant import quantize_int4, quantize_weight
+    from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4, quantize_weight
 
     seed = draw(st.integers(0, 2**31 - 1))
     M, N, K = draw(st.integers(1, 6)), draw(st.integers(1, 40)), draw(st.integers(1, 48))
     dtype = draw(st.sampled_from(F))
-    wfmt = draw(st.sampled_from(["dense", "dense", "fp8", "int8", "int4"]))
+    wfmt = draw(st.sampled_from(["dense", "dense", "fp8", "int8", "int4", "fp8-block"]))
     group, zp = None, False
     if wfmt == "int4":  # whole groups of 16 (the kernel's MMA K), one or several a row, zero points or not
         K = 16 * draw(st.integers(1, 3))
@@ -251,6 +251,8 @@ def linear_cases(draw):
         if wfmt == "int4":
             w, scale, zero = quantize_int4(w, group, zp)
             w = w[:, :-1].contiguous() if brk == "w_k" else w  # words for another K
+        elif wfmt == "fp8-block":  # 16 x 16 blocks, partial at the edges
+            w, scale = quantize_fp8_block(w, 16)
         elif wfmt != "dense":
             w, scale = quantize_weight(w, wfmt)
         if brk == "scale_missing":
@@ -258,7 +260,7 @@ def linear_cases(draw):
         if brk == "scale_extra" and scale is None:
             scale = torch.ones(N)
         if brk == "scale_len" and scale is not None:
-            scale = torch.ones(N + 1) if wfmt != "int4" else torch.ones(N + 1, scale.shape[1])
+            scale = torch.ones(N + 1) if scale.dim() == 1 else torch.ones(N + 1, scale.shape[1])
         if brk == "w_dtype":
             w = w.to(torch.float64)
         if brk == "w_device":  # the only other device a CPU machine has: a tensor without data
@@ -274,8 +276,8 @@ def linear_cases(draw):
             or (brk == "bias_len" and bias is None) or (brk == "scale_extra" and wfmt != "dense"):
         broken = frozenset()  # the break did not apply to this draw
     spec = dict(m=M, n=N, k=K, dtype={torch.float32: "fp32", torch.float16: "fp16"}[dtype],
-                weight_dtype={"dense": None, "fp8": "fp8", "int8": "int8", "int4": "int4"}[wfmt], bias=bias is not None,
-                group_size=group)
+                weight_dtype={"dense": None, "fp8": "fp8", "int8": "int8", "int4": "int4", "fp8-block": "fp8-block"}[wfmt],
+                bias=bias is not None, group_size=16 if wfmt == "fp8-block" else group)
     spec["weight_dtype"] = spec["weight_dtype"] or spec["dtype"]
     return Case(build, broken, what=f"{brk} M={M} N={N} K={K} {wfmt} bias={bias} {dtype}", spec=spec)
 

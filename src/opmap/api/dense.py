@@ -14,6 +14,7 @@ import torch
 from opmap.core.contract import expect, expect_tensor
 from opmap.core.specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, NormSpec, RopeSpec
 from opmap.api.dispatch import arch_of, call, dt, tensor
+from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import ACT_DTYPES, INT4_PACKED, QUANT_DTYPES
 from opmap.ops.moe.routing import check_top_k
 
@@ -139,11 +140,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     int4 = w.dtype == INT4_PACKED
     expect(w_zero is None or int4, "w_zero", "a tensor", f"None for {dt(w)} weights (zero points are int4's)")
     k = x.shape[1] if int4 else w.shape[1]  # int4: check_linear names a w whose words do not match x
-    group = None
+    group, wd = None, "int4" if int4 else dt(w)
     if int4 and torch.is_tensor(w_scale) and w_scale.dim() == 2 and w_scale.shape[1] and k % w_scale.shape[1] == 0:
         group = k // w_scale.shape[1]  # else check_linear names the bad scale
+    if wd == "fp8" and torch.is_tensor(w_scale) and w_scale.dim() == 2:  # a scale per block
+        wd, group = "fp8-block", block_of(w.shape[0], k, w_scale)
+        expect(group > 0, "w_scale", f"shape {tuple(w_scale.shape)}",
+               f"one scale per b x b block of ({w.shape[0]}, {k}), b a power of two >= 16")
     spec = GemmSpec(arch=arch_of(x), phase=phase or ("decode" if m <= 64 else "prefill"), m=m, n=w.shape[0],
-                    k=k, dtype=dt(x), weight_dtype="int4" if int4 else dt(w), bias=bias is not None, group_size=group)
+                    k=k, dtype=dt(x), weight_dtype=wd, bias=bias is not None, group_size=group)
     if w_zero is not None:
         return call("gemm", spec, "linear", backend, x, w, bias, w_scale, w_zero)
     return call("gemm", spec, "linear", backend, x, w, bias, w_scale)

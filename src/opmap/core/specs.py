@@ -124,14 +124,16 @@ class GemmSpec(Spec):
     n: int = 4096
     k: int = 4096
     dtype: str = "bf16"  # activation and output dtype
-    weight_dtype: str = "bf16"  # bf16 / fp16 / fp8 (weight-only, e4m3) / int8 (weight-only) / int4 (weight-only)
+    # bf16 / fp16 / fp8 (weight-only, e4m3, a scale per output channel) / int8 (weight-only) / int4
+    # (weight-only) / fp8-block (weight-only e4m3, a scale per group_size x group_size block)
+    weight_dtype: str = "bf16"
     act_dtype: Optional[str] = None  # "fp8": fp8 activations x fp8 weights
     bias: bool = False
-    group_size: Optional[int] = None  # int4: input channels a scale covers (None: k, one per channel)
+    group_size: Optional[int] = None  # int4: input channels a scale covers; fp8-block: the block edge
 
     def __post_init__(self):
         super().__post_init__()
-        _check_choice(self, "weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4"))
+        _check_choice(self, "weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "fp8-block"))
         if self.act_dtype is None:
             object.__setattr__(self, "act_dtype", self.dtype)
 

@@ -16,7 +16,7 @@ import torch
 from opmap.core.contract import InputError
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
-from opmap.ops.gemm.quant import int4_group, quantize_int4, quantize_weight
+from opmap.ops.gemm.quant import int4_group, quantize_fp8_block, quantize_int4, quantize_weight
 
 
 @dataclass
@@ -124,6 +124,16 @@ class DecoderModel:
             out[id(w)] = self.params[f"{n}.scale"] = torch.empty(w.shape[0], dtype=torch.float32, device=self.device)
         return out
 
+    def _block_params(self, b: int) -> dict:
+        """The projections of ``quant_names`` as fp8 parameters with an fp32 scale per b x b block;
+        returns {id(weight): scale} for the Loader."""
+        out = {}
+        for n in self.quant_names():
+            N, K = self.params[n].shape
+            w = self.params[n] = torch.empty(N, K, dtype=torch.float8_e4m3fn, device=self.device)
+            out[id(w)] = self.params[f"{n}.scale"] = torch.empty(-(-N // b), -(-K // b), device=self.device)
+        return out
+
     def _int4_params(self) -> dict:
         """The projections of ``quant_names`` as placeholders the Loader replaces by packed int4
         parameters; returns {id(placeholder): (placeholder, params, name)} (the entry holds the
@@ -150,6 +160,8 @@ class DecoderModel:
                 wq, scale, zero = quantize_int4(self.params[n], int4_group(k, group_size), zero_point)
                 if zero is not None:
                     self.params[f"{n}.zero"] = zero
+            elif fmt == "fp8-block":
+                wq, scale = quantize_fp8_block(self.params[n], group_size)
             else:
                 wq, scale = quantize_weight(self.params[n], fmt)
             self.params[n] = wq
@@ -175,7 +187,8 @@ class DecoderModel:
         with a scale per row; its other quantised tensors are dequantised (``self.dequantised``)."""
         wq = self.cfg.extra.get("weight_quant") or {}
         int4 = wq.get("format") == "int4"
-        scales = {"fp8": lambda: self._fp8_params(), "int8": lambda: self._fp8_params(torch.int8)}.get(wq.get("format"))
+        scales = {"fp8": lambda: self._fp8_params(), "int8": lambda: self._fp8_params(torch.int8),
+                  "fp8-block": lambda: self._block_params(wq["group_size"])}.get(wq.get("format"))
         L = Loader(source, self.device, self.dtype, scales() if scales else None, wq.get("block"),
                    int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
         self.dequantised = L.dequantised

@@ -76,9 +76,11 @@ def engine_settings(cfg: ModelConfig, ecfg: EngineConfig, arch: str, weight_form
     op set sets its own). ``weight_format``: the projections' quantised format (``--quantize`` or
     the checkpoint's); ``lm_head_quantised``: the LM head's too."""
     group = None
+    stored = cfg.extra.get("weight_quant") or {}
     if weight_format == "int4":  # the checkpoint's groups, or --quantize int4's
-        stored = cfg.extra.get("weight_quant") or {}
         group = stored.get("group_size") if stored.get("format") == "int4" else INT4_GROUP
+    elif weight_format == "fp8-block":  # the checkpoint's block edge
+        group = stored.get("group_size")
     return StepSettings(arch=arch, dtype=engine_dtype(ecfg, arch), page_size=ecfg.page_size or
                         cfg.default_page_size(arch), kv_dtype=ecfg.kv_cache_dtype, weight_quant=weight_format,
                         group_size=group, quant_lm_head=lm_head_quantised)

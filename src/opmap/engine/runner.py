@@ -99,7 +99,7 @@ class ModelRunner:
         fmt = ecfg.quantize or (stored if source is None else None)
         # --quantize takes an LM head of its own too; a checkpoint's format is what it stores
         wq = cfg.extra.get("weight_quant") or {}
-        group = wq.get("group_size") if stored == "int4" else INT4_GROUP
+        group = wq.get("group_size") if stored in ("int4", "fp8-block") else INT4_GROUP
         self.quantised = self.model.quantize_(fmt, lm_head=bool(ecfg.quantize), group_size=group,
                                               zero_point=bool(stored == "int4" and wq.get("zero_point"))) if fmt else []
         self.lm_head_quantised = "lm_head" in self.quantised
@@ -109,13 +109,14 @@ class ModelRunner:
                      f"group of {group or 'K'} input channels" if fmt == "int4" else "output channel",
                      ", the LM head among them" if self.lm_head_quantised else "", dtype_name(self.dtype))
         deq = self.model.dequantised
-        if deq and (cfg.extra.get("weight_quant") or {}).get("block"):
+        if deq and wq.get("block") and stored != "fp8-block":
             log.warning("block-wise fp8 checkpoint: %d weights dequantised to %s at load (no kernel takes one scale "
                         "per block): %s's weight bytes and speed; --quantize fp8 re-quantises them per output channel",
                         len(deq), dtype_name(self.dtype), dtype_name(self.dtype))
         if stored:
             log.info("%s checkpoint: the attention and dense MLP projections stay %s (%s)%s", stored, stored,
-                     "packed, a scale per group" if stored == "int4" else "a scale per output channel",
+                     {"int4": "packed, a scale per group", "fp8-block": f"a scale per {group} x {group} block"}.get(
+                         stored, "a scale per output channel"),
                      f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "
                      f"(no {stored} kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
         self.weight_format = ecfg.quantize or stored

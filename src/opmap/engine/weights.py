@@ -275,6 +275,12 @@ class Loader:
         if fmt == "int8":
             return quantize_weight(self._get(name).float(), "int8")
         t = self._raw(name)
+        if fmt == "fp8-block":  # the checkpoint's scale per block, as stored
+            key = self._scale_name(name) if t.dtype == FP8 else None
+            if key is None:
+                raise InputError(f"checkpoint tensor {name}", f"dtype {t.dtype} without a block scale",
+                                 "e4m3 beside its weight_scale_inv (one scale per block)")
+            return t, self._raw(key).float()
         key = self._scale_name(name) if t.dtype == FP8 else None
         if key:
             return t, self._scale_of(key, t)
@@ -300,7 +306,8 @@ class Loader:
             if scale is None:
                 t = self._get(n, k=dst.shape[-1] if dst.dim() == 2 else None)
             else:
-                t, s = self._quantised(n, "int8" if dst.dtype == torch.int8 else "fp8")
+                fmt = "int8" if dst.dtype == torch.int8 else "fp8-block" if scale.dim() == 2 else "fp8"
+                t, s = self._quantised(n, fmt)
             if tuple(t.shape[1:]) != tuple(dst.shape[1:]) or t.dim() != dst.dim():
                 raise InputError(f"checkpoint tensor {n}", f"shape {tuple(t.shape)}",
                                  f"shape (rows, {', '.join(map(str, dst.shape[1:]))})" if dst.dim() > 1 else "1 dim")
@@ -308,7 +315,14 @@ class Loader:
                 o += t.shape[0]
                 continue
             dst[o:o + t.shape[0]].copy_(t)
-            if scale is not None:
+            if scale is not None and scale.dim() == 2:  # a scale per block: the part's rows of blocks
+                b = self.block[0]
+                if o % b or (s.dim() != 2 or tuple(s.shape) != (-(-t.shape[0] // b), scale.shape[1])):
+                    raise InputError(f"checkpoint tensor {n}", f"{t.shape[0]} rows at row {o}, scales "
+                                     f"{tuple(s.shape)}", f"whole {b}-row blocks before the last part, a scale per "
+                                     f"{b} x {b} block")
+                scale[o // b:o // b + s.shape[0]].copy_(s)
+            elif scale is not None:
                 scale[o:o + t.shape[0]].copy_(s)
             o += t.shape[0]
             del t

@@ -140,7 +140,7 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
     # 4. Quantised paths, asked of the selector with the model's own decode / prefill GEMM shapes.
     lines = []
     own = find("decode", "gemm")[0][1].weight_dtype
-    own = own if own in QUANT_FORMATS else None  # the checkpoint's own format first, named as such
+    own = own if own in QUANT_FORMATS + ("fp8-block",) else None  # the checkpoint's own format first
 
     def as_format(g, wd):
         return g if wd == g.weight_dtype else g.replace(

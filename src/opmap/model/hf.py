@@ -224,7 +224,11 @@ def weight_quant(d: dict) -> Optional[dict]:
             if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
                                                                                  for b in block)):
                 raise InputError(f"{where}.weight_block_size", repr(block), "two positive ints (rows, columns)")
-            # No kernel takes block scales: the weights are dequantised at load (named as a
+            b = block[0]
+            if block[0] == block[1] and b >= 16 and b & (b - 1) == 0:  # triton-fp8-block's square blocks
+                return {"format": "fp8-block", "block": list(block), "group_size": b, "kv_scales": "if-present",
+                        "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])}
+            # Other blocks: no kernel takes them; the weights are dequantised at load (named as a
             # fallback; --quantize fp8 then re-quantises them per output channel).
             return {"format": None, "block": list(block), "kv_scales": "if-present"}
         return {"format": "fp8", "strategy": "tensor",

@@ -90,7 +90,7 @@ def step_slots(cfg: ModelConfig, phase: str, st: StepSettings) -> list[Slot]:
 
     def gemm(key, label, n, k, bias=False, quantised=False):
         wd = st.weight_quant if quantised and st.weight_quant else dtype
-        group = int4_group(k, st.group_size) if wd == "int4" else None
+        group = int4_group(k, st.group_size) if wd == "int4" else st.group_size if wd == "fp8-block" else None
         add(key, label, "gemm", S.GemmSpec(m=st.m, n=n, k=k, dtype=dtype, weight_dtype=wd, bias=bias, group_size=group,
                                            **base), "linear")
 

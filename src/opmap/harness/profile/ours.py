@@ -127,9 +127,9 @@ def _weight_dtypes(b) -> tuple:
 @functools.lru_cache(maxsize=None)
 def quantised_gemms() -> frozenset:
     """Names of the gemm backends that serve quantised weights only (their declared weight dtypes
-    hold no floating-point one): their kernels read fp8 / int8 weights."""
+    hold no 16- or 32-bit one): their kernels read fp8 / int8 / int4 / block-fp8 weights."""
     return frozenset(b.name for b in registry.backends("gemm")
-                     if _weight_dtypes(b) and not any(d.startswith(("fp", "bf")) and d != "fp8" for d in _weight_dtypes(b)))
+                     if _weight_dtypes(b) and not any(d in ("fp32", "fp16", "bf16") for d in _weight_dtypes(b)))
 
 
 def quantised_only(symbol: str) -> bool:

@@ -18,8 +18,8 @@ from opmap.ops.gemm.quant import FP8
 from opmap.ops.gemm.validate import check_linear
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
-    M, N, K = check_linear(x, w, bias, w_scale)
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
+    M, N, K = check_linear(x, w, bias, w_scale, w_zero)
     expect(x.dtype in (torch.bfloat16, torch.float16), "x", f"dtype {x.dtype}", "bf16 or fp16 (scaled-mm)")
     expect(w.dtype == FP8, "w", f"dtype {w.dtype}", "float8_e4m3fn weights (scaled-mm)")
     expect(N % 16 == 0 and K % 16 == 0, "w", f"shape {tuple(w.shape)}", "N and K multiples of 16 (cuBLASLt fp8)")

@@ -7,6 +7,8 @@ buffer whichever kernel each of their GEMMs runs (they replay in stream order)."
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 _COUNTERS: dict = {}  # (device, stream) -> int32 tile counters of eager calls, zero between calls
 _GRAPH_COUNTERS: dict = {}  # device -> the tile counters of calls captured in CUDA graphs
@@ -56,3 +58,33 @@ def counters(tiles: int, device: torch.device) -> torch.Tensor:
             _RETIRED.append(graph)
         _GRAPH_COUNTERS[device] = torch.zeros(buf.numel(), dtype=torch.int32, device=device)
     return buf
+
+
+@triton.jit
+def finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k,
+           HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The end of a swap-AB tile (acc: [BLOCK_N, BLOCK_M] fp32 of out^T, already scaled): with one
+    split, bias and store; with several, the partial to the workspace [SPLIT, M, N], and the program
+    that finishes the tile last (its counter) sums the partials in split order, adds the bias,
+    stores and resets the counter for the next call."""
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_m < M)[None, :]
+    if SPLIT > 1:
+        part = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        mn = M.to(tl.int64) * N
+        tl.store(part + pid_k * mn, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        tile = cnt_ptr + pid_m * tl.num_programs(0) + tl.program_id(0)
+        last = tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sp in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
+                acc += tl.load(part + sp * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
+    else:
+        last = True
+    if last:
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)

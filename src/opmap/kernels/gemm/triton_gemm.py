@@ -241,12 +241,12 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     return d
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None,
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None,
            _plan: dict | None = None) -> torch.Tensor:
     """``config``: the tile of this kernel (CONFIG's keys); none autotunes BLOCK_K / warps / stages
     on a GPU. ``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or
-    {"W_KIND": W_FP8_BITS} (tests and benchmarks)."""
-    M, N, K = check_linear(x, w, bias, w_scale)
+    {"W_KIND": W_FP8_BITS} (tests and benchmarks). ``w_zero``: linear's contract; int4 only, named here."""
+    M, N, K = check_linear(x, w, bias, w_scale, w_zero)
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
-from opmap.kernels.gemm.splitk import counters, sm_count
+from opmap.kernels.gemm.splitk import counters, finish, sm_count
 from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
 
@@ -73,31 +73,8 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
         acc += part * s[:, None]
         w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K
-    mask = n_mask[:, None] & m_mask[None, :]
-    if SPLIT == 1:
-        _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS)
-    else:
-        # Partials [SPLIT, M, N] fp32; the program that finishes a tile last sums them in split
-        # order (splitk.py), then adds the bias once and resets the tile's counter.
-        part_ptr = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-        mn = M.to(tl.int64) * N
-        tl.store(part_ptr + pid_k * mn, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for sp in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
-                acc += tl.load(part_ptr + sp * mn, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS)
-            tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _epilogue(acc, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_BIAS: tl.constexpr):
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+    finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k, HAS_BIAS, SPLIT,
+           BLOCK_N, BLOCK_M)
 
 
 # config= keys: the tile (0: the plan's choice). BLOCK_K is capped by the group size.

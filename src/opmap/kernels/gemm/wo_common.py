@@ -116,11 +116,11 @@ def config_of(config) -> dict:
     return {k: v for k, v in cfg.items() if v}
 
 
-def check_inputs(x, w, bias, w_scale, max_m: int, gpu: str, gpu_ok) -> tuple:
+def check_inputs(x, w, bias, w_scale, max_m: int, gpu: str, gpu_ok, w_zero=None) -> tuple:
     """linear's contract (validate.check_linear) and what the Gluon kernels add: fp8 / int8
     weights, bf16 / fp16 activations, at most ``max_m`` rows, 16-byte aligned rows, a compiled
     run on a GPU that ``gpu_ok(device)`` accepts (``gpu`` names it). Returns (M, N, K)."""
-    M, N, K = check_linear(x, w, bias, w_scale)
+    M, N, K = check_linear(x, w, bias, w_scale, w_zero)
     expect(w.dtype in (torch.float8_e4m3fn, torch.int8), "w", f"dtype {dtype_name(w.dtype)}",
            "fp8 or int8 (weight-only; dense weights go to cublas or triton-decode)")
     expect(x.dtype in (torch.bfloat16, torch.float16), "x", f"dtype {dtype_name(x.dtype)}", "bf16 or fp16")
@@ -186,13 +186,13 @@ def describe(name: str, plan, M: int, N: int, K: int, device, config=None) -> st
             f"{p['STAGES']} stages, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}")
 
 
-def prepare(plan, x, w, bias, w_scale, config, max_m: int, gpu: str, gpu_ok) -> tuple:
+def prepare(plan, x, w, bias, w_scale, config, max_m: int, gpu: str, gpu_ok, w_zero=None) -> tuple:
     """What both weight-only Gluon kernels' calls share before their launch: the contract
     (``check_inputs``), the output, the plan of the kernel's own ``plan`` function and the split-K
     geometry. Returns (out, grid, args, constexprs, plan); grid None when there is nothing to multiply
     (``out`` is then filled). Each kernel module launches its own kernel with them, so that every
     launch names its kernel (the PDL tests read the launch sites)."""
-    M, N, K = check_inputs(x, w, bias, w_scale, max_m, gpu, gpu_ok)
+    M, N, K = check_inputs(x, w, bias, w_scale, max_m, gpu, gpu_ok, w_zero)
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if nothing_to_multiply(M, N, K, bias, out):

@@ -116,9 +116,10 @@ def describe(M: int, N: int, K: int, device, config=None) -> str:
     return common.describe("Gluon mma.sync", plan, M, N, K, device, config)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
-    out, grid, args, consts, p = common.prepare(plan, x, w, bias, w_scale, config, MAX_M, "an sm89+ GPU", sm89_or_newer)
+    out, grid, args, consts, p = common.prepare(plan, x, w, bias, w_scale, config, MAX_M, "an sm89+ GPU", sm89_or_newer,
+                                                w_zero)
     if grid is not None:
         _wo_kernel[grid](*args, **consts, num_warps=NUM_WARPS, **pdl.launch(x.device))
     return out

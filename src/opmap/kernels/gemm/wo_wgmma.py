@@ -143,10 +143,10 @@ def describe(M: int, N: int, K: int, device, config=None) -> str:
     return common.describe("Gluon wgmma", plan, M, N, K, device, config)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, *, config=None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm, BLOCK_K, STAGES (wo_common.CONFIG) fix those of the plan."""
     out, grid, args, consts, p = common.prepare(plan, x, w, bias, w_scale, config, MAX_M,
-                                                "an sm90 GPU (warpgroup MMAs)", hopper)
+                                                "an sm90 GPU (warpgroup MMAs)", hopper, w_zero)
     if grid is not None:
         _wo_wgmma_kernel[grid](*args, **consts, num_warps=p["BLOCK_N"] // 16, **pdl.launch(x.device))
     return out

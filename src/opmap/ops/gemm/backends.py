@@ -53,7 +53,7 @@ _SAME_ACT = Check("act_dtype == dtype", _act_is_dtype, "act_dtype")
 
 
 def _fp8_cast_arch(spec):
-    if spec.weight_dtype == "fp8" and spec.arch == "sm80":
+    if spec.weight_dtype in ("fp8", "fp8-block") and spec.arch == "sm80":
         return "fp8 weights on sm80 (the dequantisation casts fp8 natively: sm89+)"
     return None
 
@@ -61,7 +61,7 @@ registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"linear": "opmap.ops.gemm.reference:linear"},
-    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4"))],
+    reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "fp8-block"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
 ))
@@ -122,6 +122,24 @@ registry.register(Backend(
     notes="int4 weight-only in Triton (_w4a16_kernel), any M: the packed words of a tile read once and split "
           "into nibbles in registers, the MMA on (code - zero) in x's dtype, the group scale applied to each "
           "K tile's fp32 product; split K at decode M; no dequantised copy",
+))
+
+
+def _block_pow2(spec):
+    b = spec.group_size or 0
+    return None if b >= 16 and b & (b - 1) == 0 else f"block edge {b} (a power of two from 16: whole tiles in a block)"
+
+
+registry.register(Backend(
+    op="gemm", name="triton-fp8-block", provider="opmap-triton", version=registry.triton_version,
+    priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm89": 50, "sm90": 50, "sm100": 50},
+    impl={"linear": "opmap.kernels.gemm.fp8_block:linear"},
+    reqs=[Req("dtype", _FLOAT),
+          Req("weight_dtype", ("fp8-block",), "block-wise fp8 weight-only (DeepSeek-V3, Qwen3-FP8: a scale per block)")],
+    checks=[_SAME_ACT, Check("block edge a power of two >= 16", _block_pow2, "group_size")],
+    available=registry.triton_available,
+    notes="block-wise fp8 weight-only in Triton (_fp8_block_kernel), any M: a weight tile inside one block, "
+          "converted exactly to x's dtype, the block's scale on the tile's fp32 product; split K at decode M",
 ))
 
 
@@ -192,7 +210,7 @@ registry.register(Backend(
                   + _rows(256, DOWN, "int8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))))},
     impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")),
-          Req("weight_dtype", ("fp8", "int8", "int4"), "weight-only fp8-e4m3 / int8 / int4"),
+          Req("weight_dtype", ("fp8", "int8", "int4", "fp8-block"), "weight-only fp8-e4m3 / int8 / int4 / block fp8"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
     checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
     available=registry.triton_available,

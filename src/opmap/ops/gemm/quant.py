@@ -110,3 +110,36 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero=None) -> torch.Te
     G = K // scale.shape[1]
     z = zero.float() if zero is not None else torch.full_like(scale, INT4_SYM_ZERO, dtype=torch.float32)
     return ((u.view(N, -1, G) - z[..., None]) * scale.float()[..., None]).view(N, K)
+
+
+# ---- block-wise fp8 (DeepSeek-V3, Qwen3-FP8) ------------------------------------------------
+# e4m3 weights [N, K] with one fp32 scale per b x b block: ``w_scale[ceil(N / b), ceil(K / b)]``
+# (partial blocks at the edges), the value ``wq * scale[n // b, k // b]``.
+
+def quantize_fp8_block(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    expect_tensor("w", w, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2)
+    if block <= 0:
+        raise InputError("block", block, "a positive block edge")
+    N, K = w.shape
+    nb, kb = -(-N // block), -(-K // block)
+    pad = torch.zeros(nb * block, kb * block, dtype=torch.float32, device=w.device)
+    pad[:N, :K] = w.float()
+    scale = (pad.abs().reshape(nb, block, kb, block).amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)
+    full = scale.repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
+    return (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(FP8).contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_block(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] of block-scaled fp8 (the block edge from the scale's shape: ceil(N / b) rows)."""
+    N, K = wq.shape
+    b = block_of(N, K, scale)
+    return wq.float() * scale.float().repeat_interleave(b, 0)[:N].repeat_interleave(b, 1)[:, :K]
+
+
+def block_of(N: int, K: int, scale: torch.Tensor) -> int:
+    """The block edge b of a block scale [ceil(N / b), ceil(K / b)]: the smallest power of two from
+    16 that gives that shape (0 where none does)."""
+    for b in (16, 32, 64, 128, 256, 512):
+        if tuple(scale.shape) == (-(-N // b), -(-K // b)):
+            return b
+    return 0

@@ -1,19 +1,21 @@
 """Plain-PyTorch linear, the oracle of the family: ``x[M, K] @ w[N, K]^T (+ bias)`` in fp32,
 returned in x.dtype. fp8-e4m3 / int8 weights are dequantised with their per-output-channel
 fp32 scale (``w_scale[N]``) first; int4 weights (opmap.ops.gemm.quant's packed layout) with their
-group scales and zero codes."""
+group scales and zero codes; block-wise fp8 with its scale per block."""
 from __future__ import annotations
 
 import torch
 
-from opmap.ops.gemm.quant import dequantize_int4
+from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4
 from opmap.ops.gemm.validate import INT4_PACKED, check_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale, w_zero, int4=True)
+    check_linear(x, w, bias, w_scale, w_zero, int4=True, block=True)
     if w.dtype == INT4_PACKED:
         wf = dequantize_int4(w, w_scale, w_zero)
+    elif w_scale is not None and w_scale.dim() == 2:
+        wf = dequantize_fp8_block(w, w_scale)
     else:
         wf = w.float()
         if w_scale is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from opmap.core.contract import expect, expect_same_device, expect_tensor, dtype_name
+from opmap.ops.gemm.quant import block_of
 
 ACT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -11,14 +12,17 @@ INT4_PACKED = torch.int32  # eight 4-bit codes a word along K (opmap.ops.gemm.qu
 SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False) -> tuple[int, int, int]:
+def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False,
+                 block: bool = False) -> tuple[int, int, int]:
     """Validate linear's arguments; returns (M, N, K).
 
     Dense weights have x's dtype and no scale; fp8-e4m3 / int8 weights need ``w_scale[N]`` fp32;
     int4 weights (int32 ``w[N, K // 8]``, the layout of opmap.ops.gemm.quant) need
     ``w_scale[N, K // G]`` (a scale per group of G input channels, G dividing K) and take
     ``w_zero`` uint8 codes of the same shape where the format is asymmetric; only where the
-    caller reads int4 (``int4``: the reference, triton-w4a16, dequant-cublas).
+    caller reads int4 (``int4``: the reference, triton-w4a16, dequant-cublas). fp8 weights with a
+    scale per b x b block (``w_scale[ceil(N / b), ceil(K / b)]``, b a power of two from 16) where the
+    caller reads block scales (``block``: the reference, triton-fp8-block, dequant-cublas).
     """
     expect_tensor("x", x, dtype=ACT_DTYPES, ndim=2, last_dim_contiguous=True)
     M, K = x.shape
@@ -38,7 +42,11 @@ def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False)
     else:
         expect(w.shape[1] == K, "w", f"shape {tuple(w.shape)}", f"shape (N, {K}) (K = x.shape[1])")
         expect(w_zero is None, "w_zero", "a tensor", "None (zero points are for int4 weights)")
-        if w.dtype in QUANT_DTYPES:
+        if block and w.dtype == torch.float8_e4m3fn and w_scale is not None and w_scale.dim() == 2:
+            expect_tensor("w_scale", w_scale, dtype=torch.float32, ndim=2, contiguous=True)
+            expect(block_of(N, K, w_scale) > 0, "w_scale", f"shape {tuple(w_scale.shape)}",
+                   f"one scale per b x b block of ({N}, {K}): (ceil({N} / b), ceil({K} / b)), b a power of two >= 16")
+        elif w.dtype in QUANT_DTYPES:
             expect(w_scale is not None, "w_scale", "None",
                    f"an fp32 tensor of shape ({N},) for {dtype_name(w.dtype)} weights")
             expect_tensor("w_scale", w_scale, dtype=torch.float32, shape=(N,), contiguous=True)

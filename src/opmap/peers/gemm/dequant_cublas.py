@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from opmap.ops.gemm.quant import INT4_SYM_ZERO
+from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
 from opmap.ops.gemm.validate import INT4_PACKED, QUANT_DTYPES, check_linear
 from opmap.core.contract import expect
 
@@ -51,6 +51,18 @@ def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, G, stride_w, HAS_ZERO
     else:
         z = SYM_ZERO
     tl.store(o_ptr + rn[:, None] * K + rk[None, :], ((u - z).to(tl.float32) * s).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_block_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, stride_s, B: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Block-wise fp8 [N, K] -> w * scale[n // B, k // B] [N, K]."""
+    rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=mask).to(tl.float32)
+    s = tl.load(s_ptr + (rn[:, None] // B) * stride_s + rk[None, :] // B, mask=mask, other=0.0)
+    tl.store(o_ptr + rn[:, None] * K + rk[None, :], (w * s).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 _SCRATCH: dict = {}  # (device, dtype, stream) -> flat buffer
@@ -89,9 +101,25 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     return out
 
 
+def dequantize_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block-wise fp8 ``w`` [N, K] times its scale per block as [N, K] ``dtype`` in the shared scratch."""
+    N, K = w.shape
+    out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
+    if N and K:
+        _dequant_block_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
+            w, scale, out, N, K, w.stride(0), scale.stride(0), B=block_of(N, K, scale), BLOCK_N=BLOCK_N,
+            BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale, w_zero, int4=True)
+    check_linear(x, w, bias, w_scale, w_zero, int4=True, block=True)
     expect(w.dtype in QUANT_DTYPES + (INT4_PACKED,), "w", f"dtype {w.dtype}",
            "fp8-e4m3, int8 or packed int4 weights (dense ones go to cublas)")
-    wd = dequantize_int4(w, w_scale, w_zero, x.dtype) if w.dtype == INT4_PACKED else dequantize(w, w_scale, x.dtype)
+    if w.dtype == INT4_PACKED:
+        wd = dequantize_int4(w, w_scale, w_zero, x.dtype)
+    elif w_scale.dim() == 2:
+        wd = dequantize_block(w, w_scale, x.dtype)
+    else:
+        wd = dequantize(w, w_scale, x.dtype)
     return F.linear(x, wd, None if bias is None else bias.to(x.dtype))

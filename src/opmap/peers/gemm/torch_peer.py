@@ -9,8 +9,8 @@ from opmap.core.contract import expect
 from opmap.ops.gemm.validate import QUANT_DTYPES, check_linear
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None) -> torch.Tensor:
-    check_linear(x, w, bias, w_scale)
+def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
+    check_linear(x, w, bias, w_scale, w_zero)
     expect(w.dtype not in QUANT_DTYPES, "w", f"dtype {w.dtype}",
            "dense weights in x.dtype (the cublas backend does not dequantise; the weight-only backends "
            "triton-wo, gluon-wo, gluon-wo-wgmma and dequant-cublas take fp8 / int8)")

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from opmap.core import hw, registry
 from opmap.core.specs import GemmSpec
 from opmap.harness.bench.base import BenchCase, Provider
-from opmap.kernels.gemm import act_quant, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
+from opmap.kernels.gemm import act_quant, fp8_block, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
 from opmap.ops.gemm import quant
 from opmap.ops.gemm.quant import quantize_weight
 
@@ -55,6 +55,8 @@ def _setup(M, N, K, fmt):
         if fmt == "int4":  # symmetric, fp16 group scales: what GPTQ / AWQ / W4A16 checkpoints carry
             d["wq"], s, _ = quant.quantize_int4(w, INT4_GROUP)
             d["s"] = s.half()
+        elif fmt == "fp8-block":
+            d["wq"], d["s"] = quant.quantize_fp8_block(w, 128)
         elif fmt:
             d["wq"], d["s"] = quantize_weight(w, fmt)
         return d
@@ -160,6 +162,24 @@ def _int4_case(arch, M, N, K) -> BenchCase:
                       weight_dtype="int4", group_size=INT4_GROUP))
 
 
+def _block_case(arch, M, N, K) -> BenchCase:
+    """Block-wise fp8 (e4m3, an fp32 scale per 128 x 128 block: DeepSeek-V3, Qwen3-FP8): our Triton
+    kernel at every M, the dequantise-once route from M = 128, cuBLAS on the weights in bf16."""
+    nbytes = N * K + (-(-N // 128)) * (-(-K // 128)) * 4 + M * K * 2 + M * N * 2
+    flops = 2.0 * M * N * K
+    provs = [Provider("opmap-triton-fp8-block", _ours("triton-fp8-block", True), backend=("gemm", "triton-fp8-block"),
+                      describe=_described(fp8_block.describe, M, N, K, b=128)),
+             Provider("cublas-bf16-weights", _cublas)]
+    if M >= 128:
+        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
+    return BenchCase(
+        op="gemm.fp8_block", case=f"M={M},N={N},K={K},w=fp8-block128,dtype=bf16", flops=flops, bytes=float(nbytes),
+        setup=_setup(M, N, K, "fp8-block"), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
+        graph=True, tags=("gemm",),
+        spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K, dtype="bf16",
+                      weight_dtype="fp8-block", group_size=128))
+
+
 def _dequant_int4(inp):
     wq, s, x = inp["wq"], inp["s"], inp["x"]
     return lambda: F.linear(x, quant.dequantize_int4(wq, s).to(x.dtype))
@@ -178,7 +198,7 @@ def cases(quick: bool) -> list[BenchCase]:
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
             for M in (MS if quick else MS_FULL):
                 if fmt == "int4":
-                    out.append(_int4_case(arch, M, N, K))
+                    out += [_int4_case(arch, M, N, K), _block_case(arch, M, N, K)]
                     continue
                 wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
                 nbytes = wbytes + M * K * 2 + M * N * 2

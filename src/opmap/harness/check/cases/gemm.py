@@ -16,7 +16,7 @@ from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome, probe_errors, arch_of
 from opmap.harness.fixtures import gemm_quality as quality
 from opmap.ops.gemm import reference
-from opmap.ops.gemm.quant import quantize_int4, quantize_weight
+from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4, quantize_weight
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998, "int4": 0.99}
@@ -149,6 +149,33 @@ def _int4_cases(arch, device, cpu) -> list:
     return out
 
 
+def _block_parity(backend, device, M, N, K, b, dtype):
+    def run():
+        g = torch.Generator().manual_seed(M + N + K + b)
+        x = torch.randn(M, K, generator=g).to(device, dtype)
+        wq, s = quantize_fp8_block((torch.randn(N, K, generator=g) / K ** 0.5).to(device), b)
+        bias = torch.randn(N, generator=g).to(device, dtype)
+        out = registry.get("gemm", backend).fn("linear")(x, wq, bias, s)
+        e = compare(out, reference.linear(x, wq, bias, s), dtype, scale=4.0)
+        return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
+
+    return run
+
+
+def _block_cases(arch, device, cpu) -> list:
+    dt, dn = (torch.float16, "fp16") if cpu else (torch.bfloat16, "bf16")
+    shapes = [(1, 96, 256, 64), (3, 50, 200, 32), (64, 130, 96, 16), (129, 100, 160, 32)] if cpu else \
+        [(1, 24576, 7168, 128), (16, 7168, 18432, 128), (64, 4096, 4096, 128), (1, 32001, 4096, 128),
+         (1024, 4096, 4096, 128), (3, 576, 7168, 128)]
+    out = []
+    for name in ("triton-fp8-block", "dequant-cublas"):
+        for M, N, K, b in shapes:
+            if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="fp8-block", group_size=b):
+                out.append(CheckCase("parity", "gemm", name, f"M={M},N={N},K={K},w=fp8-block{b},dtype={dn}",
+                                     _block_parity(name, device, M, N, K, b, dt), quick=M in (1, 129, 1024)))
+    return out
+
+
 def _ok(name, arch, **spec):
     return not registry.get("gemm", name).validate(GemmSpec(arch=arch, **spec), runtime=True)
 
@@ -213,4 +240,4 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
             continue  # a Gluon kernel runs compiled on its GPUs only
         out.append(CheckCase("input", "gemm", name, "K mismatch, wrong dtype, scale shape, bias shape",
                              _bad_input(name, device)))
-    return out + _int4_cases(arch, device, cpu)
+    return out + _int4_cases(arch, device, cpu) + _block_cases(arch, device, cpu)

@@ -1,0 +1,61 @@
+"""Block-wise fp8 weight-only linear on the GPU, bf16: triton-fp8-block at decode and prefill M on
+DeepSeek-V3's and Llama-3-8B's projection shapes (128 x 128 blocks, partial ones at N = 576 and
+32001), its split-K path in a CUDA graph, and dequant-cublas at many rows, against the fp32
+reference; the selector's choice on this GPU."""
+import pytest
+import torch
+
+import opmap
+from opmap.core.hw import local_arch
+from opmap.core.select import select
+from opmap.core.specs import GemmSpec
+from opmap.core.tolerance import assert_close
+from opmap.kernels.gemm import fp8_block
+from opmap.ops.gemm.quant import dequantize_fp8_block, quantize_fp8_block
+from opmap.peers.gemm import dequant_cublas
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _case(M, N, K, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    wq, s = quantize_fp8_block(torch.randn(N, K, device="cuda", generator=g) / K ** 0.5, 128)
+    return torch.randn(M, K, device="cuda", generator=g).to(BF16), wq, s
+
+
+def _ref(x, wq, s):
+    return (x.float() @ dequantize_fp8_block(wq, s).t()).to(x.dtype)
+
+
+@pytest.mark.parametrize("M", [1, 7, 32, 64, 65, 1024])
+@pytest.mark.parametrize("N,K", [(24576, 7168), (7168, 18432), (576, 7168), (32001, 4096), (4096, 14336)])
+def test_triton_fp8_block_bf16(M, N, K):
+    x, wq, s = _case(M, N, K, seed=M + N)
+    assert_close(fp8_block.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
+
+
+def test_split_k_graph_replay():
+    x, wq, s = _case(1, 576, 7168)
+    fp8_block.linear(x, wq, None, s)  # the eager call makes the graph counters
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fp8_block.linear(x, wq, None, s)
+    for i in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(out, _ref(x, wq, s), BF16, scale=2.0, what=f"replay {i}")
+
+
+@pytest.mark.parametrize("M", [128, 2048])
+def test_dequant_cublas_block(M):
+    x, wq, s = _case(M, 7168, 2048, seed=M)
+    assert_close(dequant_cublas.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what=f"M={M}")
+
+
+def test_selection_on_this_gpu():
+    spec = GemmSpec(arch=local_arch(), phase="decode", m=1, n=7168, k=2048, weight_dtype="fp8-block", group_size=128)
+    assert select("gemm", spec).backend.name == "triton-fp8-block"
+    x, wq, s = _case(1, 7168, 2048)
+    assert_close(opmap.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what="opmap.linear")
