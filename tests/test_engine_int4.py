@@ -257,32 +257,6 @@ def test_awq_packing_is_autoawqs():
     assert torch.equal((iw & 0xF).t().to(torch.uint8), codes) and torch.equal((iz & 0xF).t().to(torch.uint8), zeros)
 
 
-@pytest.mark.parametrize("qc,words", [
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*mlp.*": {}}}, "dynamic"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "strategy"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}},
-     "channel"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
-        "input_activations": {"num_bits": 8, "type": "int"}}}}, "input_activations"),
-])
-def test_int4_variants_not_loaded_are_refused_naming_the_field(qc, words, tmp_path):
-    from opmap.model.hf import resolve_model
-
-    cfg = PRESETS["tiny-llama3"]
-    save_checkpoint(cfg, str(tmp_path), seed=3)
-    c = json.loads((tmp_path / "config.json").read_text())
-    c["quantization_config"] = qc
-    (tmp_path / "config.json").write_text(json.dumps(c))
-    with pytest.raises(InputError, match=words):
-        resolve_model(str(tmp_path))
-
-
 def test_damaged_int4_tensors_are_named(tmp_path):
     """A qweight of the wrong shape, or stored as float, and q / k / v with different act orders
     (their fused GEMM reads one permuted input), are InputErrors naming the tensors."""

@@ -255,6 +255,19 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "e4m3"),
     ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "version"),
+    # int4 / int8 variants not loaded (tests/test_engine_int4.py loads the others)
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, "group_size"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {"-:.*mlp.*": {}}}, "dynamic"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}}, "strategy"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}},
+     "channel"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+        "input_activations": {"num_bits": 8, "type": "int"}}}}, "input_activations"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "weights"),

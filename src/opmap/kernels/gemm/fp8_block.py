@@ -13,19 +13,15 @@ the block's scale multiplies the tile's fp32 product; no dequantised weight exis
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from opmap.core.contract import expect
-from opmap.core.tiles import tile_config
-from opmap.kernels.gemm.splitk import counters, finish, sm_count
+from opmap.kernels.gemm import scaled_tiles
+from opmap.kernels.gemm.splitk import finish
 from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import check_linear
-
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -63,77 +59,34 @@ def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, 
            BLOCK_N, BLOCK_M)
 
 
-# config= keys: the tile (0: the plan's choice); BLOCK_N and BLOCK_K must divide the block edge.
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
+CONFIG = scaled_tiles.CONFIG  # config= keys (scaled_tiles.config_of); BLOCK_N and BLOCK_K divide the block edge
 
 
-def config_of(config) -> dict:
-    if config is None:
-        return CONFIG
-    cfg = tile_config(CONFIG, config)
-    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
-           "16, 32, 64, 128 or 256")
-    expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
-    expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
-    return cfg
-
-
-def plan(M: int, N: int, K: int, b: int, sms: int, interp: bool = _INTERP) -> dict:
-    """Tile, K split, warps and stages: BLOCK_N 64 (128 from M = 33) and BLOCK_K 128 (64 in the
-    interpreter), each capped by the block edge b; K split while the N tiles number fewer than two
-    an SM (each split keeps >= 4 K tiles)."""
-    bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
-    bn = min(64 if bm <= 32 else 128, b)
-    bk = min(64 if interp else 128, b)
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = 1
-    if M <= 64 and tiles < 2 * sms:
-        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4,
-            "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
-
-
-def _planned(M, N, K, b, device, cfg) -> dict:
-    p = plan(M, N, K, b, sm_count(device))
-    for key in ("num_warps", "num_stages", "SPLIT"):
-        p[key] = cfg[key] or p[key]
-    for key in ("BLOCK_N", "BLOCK_K"):
-        if cfg[key]:
-            expect(b % cfg[key] == 0, "config", f"{key}={cfg[key]}", f"a divisor of the block edge {b}")
-            p[key] = cfg[key]
-    per = triton.cdiv(triton.cdiv(K, p["BLOCK_K"]), p["SPLIT"]) * p["BLOCK_K"]
-    p["K_PER_SPLIT"], p["SPLIT"] = per, triton.cdiv(K, per)
-    return p
+def _planned(M, N, K, b, device, config) -> dict:
+    return scaled_tiles.planned(M, N, K, b, device, scaled_tiles.config_of(config), 128, True, "the block edge")
 
 
 def describe(M: int, N: int, K: int, device, b: int, config=None) -> str:
-    p = _planned(M, N, K, b, torch.device(device), config_of(config))
-    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
-            f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
+    return scaled_tiles.text(_planned(M, N, K, b, torch.device(device), config))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
-    """``config``: the tile of this kernel (CONFIG's keys; 0 keeps the plan's)."""
+    """``config``: the tile of this kernel (scaled_tiles.CONFIG's keys; 0 keeps the plan's)."""
     M, N, K = check_linear(x, w, bias, w_scale, w_zero, block=True)
     expect(w.dtype == torch.float8_e4m3fn and w_scale is not None and w_scale.dim() == 2, "w_scale",
            "a scale per output channel" if w_scale is not None else "None", "a scale per block (block-wise fp8)")
-    cfg = config_of(config)
+    scaled_tiles.config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(M, N))
     b = block_of(N, K, w_scale)
-    p = _planned(M, N, K, b, x.device, cfg)
-    split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
-    else:
-        ws = cnt = out  # never read with one split
-    _fp8_block_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm), split)](
+    p = _planned(M, N, K, b, x.device, config)
+    ws, cnt = scaled_tiles.workspace(p, M, N, out)
+    _fp8_block_kernel[scaled_tiles.grid(p, M, N)](
         x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
-        w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], BLOCK=b, HAS_BIAS=bias is not None, SPLIT=split,
-        EVEN_K=K % p["BLOCK_K"] == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"],
-        num_stages=p["num_stages"])
+        w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], BLOCK=b, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"],
+        EVEN_K=K % p["BLOCK_K"] == 0, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+        num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out

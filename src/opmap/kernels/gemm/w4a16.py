@@ -19,19 +19,15 @@ Design (at decode M the packed weight is the traffic: a quarter of bf16's bytes)
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from opmap.core.contract import expect
-from opmap.core.tiles import tile_config
-from opmap.kernels.gemm.splitk import counters, finish, sm_count
+from opmap.kernels.gemm import scaled_tiles
+from opmap.kernels.gemm.splitk import finish
 from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
-
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -77,78 +73,34 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
            BLOCK_N, BLOCK_M)
 
 
-# config= keys: the tile (0: the plan's choice). BLOCK_K is capped by the group size.
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
+CONFIG = scaled_tiles.CONFIG  # config= keys (scaled_tiles.config_of); BLOCK_K divides the group
 
 
-def config_of(config) -> dict:
-    if config is None:
-        return CONFIG
-    cfg = tile_config(CONFIG, config)
-    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
-           "16, 32, 64, 128 or 256")
-    expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
-    expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
-    return cfg
-
-
-def plan(M: int, N: int, K: int, G: int, sms: int, interp: bool = _INTERP) -> dict:
-    """The tile, K split, warps and stages of a call. BLOCK_K: the largest of 256 / 128 / 64 /
-    32 / 16 that divides the group (the interpreter: at most 64); K is split while the N tiles
-    number fewer than two an SM (each split keeps >= 4 K tiles)."""
-    bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
-    bn = 64 if bm <= 32 else 128
-    top = 64 if interp else 256
-    bk = next(b for b in (256, 128, 64, 32, 16) if b <= top and G % b == 0)
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = 1
-    if M <= 64 and tiles < 2 * sms:
-        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4,
-            "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
+def _planned(M, N, K, G, device, config) -> dict:
+    return scaled_tiles.planned(M, N, K, G, device, scaled_tiles.config_of(config), 256, False, "the group size")
 
 
 def describe(M: int, N: int, K: int, device, G: int, config=None) -> str:
-    p = _planned(M, N, K, G, torch.device(device), config_of(config))
-    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
-            f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
-
-
-def _planned(M, N, K, G, device, cfg) -> dict:
-    p = plan(M, N, K, G, sm_count(device))
-    for key in ("BLOCK_N", "num_warps", "num_stages", "SPLIT"):
-        p[key] = cfg[key] or p[key]
-    if cfg["BLOCK_K"]:
-        expect(G % cfg["BLOCK_K"] == 0, "config", f"BLOCK_K={cfg['BLOCK_K']}", f"a divisor of the group size {G}")
-        p["BLOCK_K"] = cfg["BLOCK_K"]
-    # K_PER_SPLIT a whole number of tiles; rounding it up can leave the last splits empty
-    per = triton.cdiv(triton.cdiv(K, p["BLOCK_K"]), p["SPLIT"]) * p["BLOCK_K"]
-    p["K_PER_SPLIT"], p["SPLIT"] = per, triton.cdiv(K, per)
-    return p
+    return scaled_tiles.text(_planned(M, N, K, G, torch.device(device), config))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
-    """``config``: the tile of this kernel (CONFIG's keys; 0 keeps the plan's)."""
+    """``config``: the tile of this kernel (scaled_tiles.CONFIG's keys; 0 keeps the plan's)."""
     M, N, K = check_linear(x, w, bias, w_scale, w_zero, int4=True)
     expect(w.dtype == torch.int32, "w", f"dtype {w.dtype}", "int32 words of eight 4-bit codes (W4A16)")
-    cfg = config_of(config)
+    scaled_tiles.config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
     G = K // w_scale.shape[1]
     expect(G % 16 == 0, "w_scale", f"shape {tuple(w_scale.shape)} (group size {G})",
            "a group size that is a multiple of 16 (the MMA's K)")
-    p = _planned(M, N, K, G, x.device, cfg)
-    split, bm, bn = p["SPLIT"], p["BLOCK_M"], p["BLOCK_N"]
-    if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
-        cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
-    else:
-        ws = cnt = out  # never read with one split
-    grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    _w4a16_kernel[grid](x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out,
-                        out, ws, cnt, M, N, K, G, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-                        p["K_PER_SPLIT"], HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=split,
-                        SYM_ZERO=INT4_SYM_ZERO, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=p["BLOCK_K"],
-                        num_warps=p["num_warps"], num_stages=p["num_stages"])
+    p = _planned(M, N, K, G, x.device, config)
+    ws, cnt = scaled_tiles.workspace(p, M, N, out)
+    _w4a16_kernel[scaled_tiles.grid(p, M, N)](
+        x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
+        M, N, K, G, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"],
+        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO,
+        BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"],
+        num_stages=p["num_stages"])
     return out

@@ -1,0 +1,82 @@
+"""The tile plan, tuning keys and split-K workspace that the weight-only kernels whose scale changes
+along K share (w4a16.py: a scale per group of input channels; fp8_block.py: a scale per block). Both
+keep a K tile inside one scale's span (``span``: the group or the block edge), so BLOCK_K divides it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from opmap.core.contract import expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.gemm.splitk import counters, sm_count
+
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+# config= keys: the tile (0: the plan's choice); BLOCK_K (and, where the kernel says so, BLOCK_N)
+# must divide the scale's span.
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
+
+
+def config_of(config) -> dict:
+    if config is None:
+        return CONFIG
+    cfg = tile_config(CONFIG, config)
+    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
+           "16, 32, 64, 128 or 256")
+    expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
+    expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
+    return cfg
+
+
+def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: bool, interp: bool = _INTERP) -> dict:
+    """The tile, K split, warps and stages of a call: BLOCK_N 64 (128 from M = 33; capped by the span
+    where ``bn_in_span``), BLOCK_K the largest power of two up to ``bk_top`` (64 in the interpreter)
+    that divides the span; K split while the N tiles number fewer than two an SM (each split keeps
+    >= 4 K tiles)."""
+    bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
+    bn = 64 if bm <= 32 else 128
+    if bn_in_span:
+        bn = min(bn, span)
+    top = 64 if interp else bk_top
+    bk = next(b for b in (256, 128, 64, 32, 16) if b <= top and span % b == 0)
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    split = 1
+    if M <= 64 and tiles < 2 * sms:
+        split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4,
+            "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
+
+
+def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str) -> dict:
+    """``plan`` with ``cfg``'s overrides (BLOCK_K, and BLOCK_N where ``bn_in_span``, must divide the
+    span: ``what`` names it) and K_PER_SPLIT, a whole number of K tiles (rounding it up can leave
+    the last splits empty: SPLIT is recounted)."""
+    p = plan(M, N, K, span, sm_count(device), bk_top, bn_in_span)
+    for key in ("num_warps", "num_stages", "SPLIT") + (() if bn_in_span else ("BLOCK_N",)):
+        p[key] = cfg[key] or p[key]
+    for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
+        if cfg[key]:
+            expect(span % cfg[key] == 0, "config", f"{key}={cfg[key]}", f"a divisor of {what} {span}")
+            p[key] = cfg[key]
+    per = triton.cdiv(triton.cdiv(K, p["BLOCK_K"]), p["SPLIT"]) * p["BLOCK_K"]
+    p["K_PER_SPLIT"], p["SPLIT"] = per, triton.cdiv(K, per)
+    return p
+
+
+def text(p: dict) -> str:
+    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
+            f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
+
+
+def workspace(p: dict, M: int, N: int, out: torch.Tensor) -> tuple:
+    """(partials [SPLIT, M, N] fp32, tile counters) of a split call; ``out`` twice (never read) with one split."""
+    if p["SPLIT"] == 1:
+        return out, out
+    ws = torch.empty((p["SPLIT"], M, N), dtype=torch.float32, device=out.device)
+    return ws, counters(triton.cdiv(N, p["BLOCK_N"]) * triton.cdiv(M, p["BLOCK_M"]), out.device)
+
+
+def grid(p: dict, M: int, N: int) -> tuple:
+    return triton.cdiv(N, p["BLOCK_N"]), triton.cdiv(M, p["BLOCK_M"]), p["SPLIT"]
