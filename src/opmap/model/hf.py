@@ -31,8 +31,8 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
                  "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
                  "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
                  "fp8, fbgemm_fp8; int4 weight-only: gptq, awq (GEMM), compressed-tensors pack-quantized W4A16; int8 "
-                 "weight-only: compressed-tensors pack-quantized W8A16 per channel; "
-                 "block-wise fp8 dequantised at load)")
+                 "weight-only: compressed-tensors pack-quantized W8A16 per channel; block-wise fp8 with square "
+                 "power-of-two blocks kept in fp8, other blocks dequantised at load)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
