@@ -64,7 +64,7 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
 
 def test_quantised_engine_cases_and_floor(single_thread):
     """A "<preset>:fp8" case runs the engine with weight-only fp8 (its floor counts the quantised
-    projections at one byte a weight); HF says it runs only the unquantised model."""
+    projections as stored: a byte a weight and its scales); HF says it runs only the unquantised model."""
     from opmap.engine.llm import LLM
     from opmap.model.presets import get_preset
 
@@ -81,8 +81,11 @@ def test_quantised_engine_cases_and_floor(single_thread):
         out, skipped = [], []
         e2e._engine_cases(llm, model, get_preset("tiny-llama3"), [(model, 1, 20, 6)], _Ceil(), out, skipped)
     t = get_preset("tiny-llama3")
-    # --quantize took the (untied) LM head too
-    assert out[0]["weight_floor_ms"] == t.decode_weight_bytes(1, quantised=True, lm_head=True) / 4e12 * 1e3
+    # --quantize took the (untied) LM head too; the int8 weights and their fp32 scale per row as stored
+    per = llm.runner.quantised_bytes
+    assert per == pytest.approx(1 + 4 / 64, rel=0.05)  # K = 64 or 128: one scale a row
+    assert out[0]["weight_floor_ms"] == t.decode_weight_bytes(1, quantised=True, lm_head=True,
+                                                              bytes_per_quantised=per) / 4e12 * 1e3
     skipped = []
     e2e._hf(model, [(model, 1, 20, 6)], _Ceil(), [], skipped)
     assert skipped and "unquantised" in skipped[0]["reason"]

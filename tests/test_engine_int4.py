@@ -335,3 +335,13 @@ def test_compressed_tensors_w8a16_loads_int8_and_matches_transformers(tmp_path, 
     prompts = random_prompts(cfg.vocab, (5, 30), seed=9)
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
         assert o.token_ids == hf_greedy(theirs, p, 8)
+
+
+def test_weight_floor_counts_int4_bytes_as_stored():
+    """The decode floor of an int4 engine counts its projections at half a byte and their group
+    scales (fp32 under --quantize int4), not at fp8's byte."""
+    llm = LLM("tiny-llama3", quantize="int4", max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    cfg = PRESETS["tiny-llama3"]
+    assert 0.5 < r.quantised_bytes < 0.5 + 4 / 16 + 1e-9  # groups of 64 / 128 input channels here
+    assert r.decode_weight_bytes(1) < cfg.decode_weight_bytes(1, 4.0, quantised=True)

@@ -168,6 +168,18 @@ class DecoderModel:
             self.params[f"{n}.scale"] = scale
         return names
 
+    def quantised_bytes_per_param(self) -> float:
+        """Bytes a parameter of the quantised projections (``quant_names``, and the LM head where
+        quantised) takes as stored: the weights', scales' and zero codes' bytes over the dense
+        parameter count."""
+        nbytes = params = 0
+        for n in self.quant_names() + (["lm_head"] if "lm_head.scale" in self.params else []):
+            w = self.params[n]
+            params += w.numel() * (8 if w.dtype == torch.int32 else 1)  # int4: eight codes a word
+            nbytes += sum(self.params[k].numel() * self.params[k].element_size()
+                          for k in (n, f"{n}.scale", f"{n}.zero") if k in self.params)
+        return nbytes / params if params else 1.0
+
     def linear(self, ops, key: str, name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
         """``ops.gemm[key]`` on weight ``name`` with what its format keeps beside it: a scale,
         int4 zero codes, and an act-order checkpoint's channel order (x's columns permuted into the

@@ -120,6 +120,7 @@ class ModelRunner:
                      f"; {len(deq)} other quantised tensors dequantised to {dtype_name(self.dtype)} at load "
                      f"(no {stored} kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
         self.weight_format = ecfg.quantize or stored
+        self.quantised_bytes = self.model.quantised_bytes_per_param() if self.weight_format else 1.0
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)
@@ -312,7 +313,7 @@ class ModelRunner:
     def decode_weight_bytes(self, rows: float) -> float:
         """Weight bytes one decode step of ``rows`` sequences reads, as this engine stores them."""
         return self.cfg.decode_weight_bytes(rows, self.dtype.itemsize, quantised=bool(self.weight_format),
-                                            lm_head=self.lm_head_quantised)
+                                            lm_head=self.lm_head_quantised, bytes_per_quantised=self.quantised_bytes)
 
     def bucket_for(self, b: int) -> int:
         for x in self.buckets:

@@ -104,12 +104,13 @@ class ModelConfig:
         return 64 if self.is_mla or arch == "sm90" else 16
 
     def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0, quantised: bool = False,
-                            lm_head: bool = False) -> float:
+                            lm_head: bool = False, bytes_per_quantised: float = 1.0) -> float:
         """Bytes of the weights one decode step of ``rows`` sequences reads: every dense weight and
         the LM head, not the embedding table (``rows`` rows of it; unless tied to the LM head), and
         of each MoE layer's routed experts the expected number of distinct ones that rows x top_k
         uniform picks hit, E (1 - (1 - k/E)^rows). ``quantised``: the projections of weight-only
-        quantisation (``quantised_params``) at one byte each; ``lm_head``: the LM head too (``opmap
+        quantisation (``quantised_params``) at ``bytes_per_quantised`` each (fp8 / int8: one byte;
+        int4: half a byte and its share of the group scales); ``lm_head``: the LM head too (``opmap
         run --quantize`` quantises an LM head of its own)."""
         total = self.num_params() - (0 if self.tie_embeddings else self.vocab * self.hidden)
         if self.is_moe:
@@ -119,7 +120,7 @@ class ModelConfig:
         q = self.quantised_params() if quantised else 0
         if quantised and lm_head and not self.tie_embeddings:
             q += self.vocab * self.hidden
-        return (total - q) * bytes_per_param + q * 1.0
+        return (total - q) * bytes_per_param + q * bytes_per_quantised
 
     def quantised_params(self) -> int:
         """Parameters of the projections weight-only quantisation applies to (the engine's

@@ -199,7 +199,7 @@ def diagnose(res: dict, llm, phase_backends: dict) -> list:
 
 def _weight_floor_ms(llm):
     """Read time of one decode step's weights at the measured ceiling; quantised projections count
-    one byte a parameter (ModelRunner.decode_weight_bytes)."""
+    their bytes as stored (ModelRunner.decode_weight_bytes)."""
     c = hw.ceilings(measure=False)
     r = llm.runner
     wb = r.decode_weight_bytes(r.max_seqs)

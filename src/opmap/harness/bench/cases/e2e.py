@@ -39,11 +39,11 @@ from opmap.harness.output import baseline_dir, environment
 from opmap.model.hf import to_hf_config
 from opmap.model.presets import get_preset
 
-# "<preset>:fp8" / ":int8": the engine with weight-only quantisation at load (EngineConfig.quantize),
-# "+fp8kv" with an fp8 KV cache too (EngineConfig.kv_cache_dtype); the floors count those bytes at
-# one byte an element. HF runs only the unquantised model.
+# "<preset>:fp8" / ":int8" / ":int4": the engine with weight-only quantisation at load
+# (EngineConfig.quantize), "+fp8kv" with an fp8 KV cache too (EngineConfig.kv_cache_dtype); the floors
+# count the bytes as stored (int4: half a byte and the group scales). HF runs only the unquantised model.
 QUICK = [("llama3-8b", 1, 1024, 128), ("llama3-8b", 32, 512, 128), ("llama3-8b:fp8", 1, 1024, 128),
-         ("llama3-8b:fp8", 32, 512, 128), ("llama3-8b:fp8+fp8kv", 32, 512, 128)]
+         ("llama3-8b:fp8", 32, 512, 128), ("llama3-8b:fp8+fp8kv", 32, 512, 128), ("llama3-8b:int4", 1, 1024, 128)]
 FULL = QUICK + [("llama3-8b", 64, 512, 128), ("llama3-8b", 128, 512, 128), ("llama3-8b", "workload", None, None),
                 ("mixtral-8x7b", 1, 512, 128), ("mixtral-8x7b", 32, 512, 128),
                 ("qwen3-30b-a3b", 1, 512, 128), ("qwen3-30b-a3b", 32, 512, 128),
@@ -118,7 +118,7 @@ def split_model(model: str) -> tuple:
     base, _, rest = model.partition(":")
     parts = rest.split("+") if rest else []
     kv = "fp8" if "fp8kv" in parts else None
-    quant = next((p for p in parts if p in ("fp8", "int8")), None)
+    quant = next((p for p in parts if p in ("fp8", "int8", "int4")), None)
     return base, quant, kv
 
 
