@@ -508,8 +508,7 @@ def test_block_wise_fp8_with_square_blocks_stays_fp8(tmp_path, single_thread):
     """Block-wise fp8 with square power-of-two blocks (DeepSeek-V3's and Qwen3-FP8's 128 x 128;
     16 x 16 here): the projections stay e4m3 with their scale per block for triton-fp8-block (the
     selector asked for fp8-block with that edge), nothing dequantised at load, and the greedy
-    tokens equal HF's on the dequantised weights; a fused part whose rows end inside a block is
-    refused naming it."""
+    tokens equal HF's on the dequantised weights."""
     cfg = PRESETS["tiny-llama3"]
     hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
     _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16))
@@ -525,7 +524,42 @@ def test_block_wise_fp8_with_square_blocks_stays_fp8(tmp_path, single_thread):
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
-    hf2 = save_checkpoint(cfg, str(tmp_path / "b32"), seed=5)
-    _to_block_fp8_checkpoint(hf2, str(tmp_path / "b32"), (64, 64))  # k_proj's 32 rows end inside a block
-    with pytest.raises(InputError, match="whole 64-row blocks"):
-        LLM(str(tmp_path / "b32"))
+    # k_proj's 32 rows end inside a 64-row block: the blocks cannot stack into the fused QKV's, so the
+    # checkpoint loads dequantised (the fallback, named), and still matches HF
+    hf2 = save_checkpoint(cfg, str(tmp_path / "b64"), seed=5)
+    _to_block_fp8_checkpoint(hf2, str(tmp_path / "b64"), (64, 64))
+    llm2 = LLM(str(tmp_path / "b64"), max_num_batched_tokens=48, max_num_seqs=4)
+    assert llm2.runner.weight_format is None and llm2.runner.model.dequantised
+    out = llm2.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))
+    assert out[0].token_ids == hf_greedy(hf2, prompts[0], 8)
+
+
+def test_block_wise_fp8_missing_scales_and_unquantised_projections_are_named(tmp_path):
+    """A block-wise fp8 projection stored unquantised (an ignore list) is refused naming it (its
+    re-quantisation would not be HF's numbers), and an fp8 tensor without its scale is refused
+    wherever it loads, a dense parameter (MLA's kv_b) included, instead of read unscaled."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5)
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16))
+    f = os.path.join(tmp_path, "model.safetensors")
+    state = load_file(f)
+    o = "model.layers.0.self_attn.o_proj.weight"
+    save_file({**{k: v for k, v in state.items() if k != o + "_scale_inv"}, o: torch.randn(64, 64)}, f)
+    with pytest.raises(InputError, match="stored unquantised"):
+        LLM(str(tmp_path))
+    save_file({k: v for k, v in state.items() if k != o + "_scale_inv"}, f)
+    with pytest.raises(InputError, match="fp8 without a scale"):
+        LLM(str(tmp_path))
+    ds = PRESETS["tiny-deepseek"]
+    hf = save_checkpoint(ds, str(tmp_path / "ds"), seed=5)
+    _to_block_fp8_checkpoint(hf, str(tmp_path / "ds"), (16, 16))
+    f = os.path.join(tmp_path / "ds", "model.safetensors")
+    state = load_file(f)
+    kvb = next(k for k in state if k.endswith("kv_b_proj.weight_scale_inv"))
+    save_file({k: v for k, v in state.items() if k != kvb}, f)
+    with pytest.raises(InputError, match="fp8 without a scale"):
+        LLM(str(tmp_path / "ds"))

@@ -106,7 +106,8 @@ class ModelRunner:
         if self.quantised:
             log.info("weight-only %s: %d projection weights quantised per %s%s (router, experts "
                      "and embedding keep %s)", fmt, len(self.quantised),
-                     f"group of {group or 'K'} input channels" if fmt == "int4" else "output channel",
+                     {"int4": f"group of {group or 'K'} input channels", "fp8-block": f"{group} x {group} block"}.get(
+                         fmt, "output channel"),
                      ", the LM head among them" if self.lm_head_quantised else "", dtype_name(self.dtype))
         deq = self.model.dequantised
         if deq and wq.get("block") and stored != "fp8-block":

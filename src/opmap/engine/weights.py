@@ -259,6 +259,8 @@ class Loader:
         if key:
             t = self._dequantise(name, key, t)
             self.dequantised.append(name)
+        elif t.dtype == FP8:  # its values mean nothing without the factor
+            raise InputError(f"checkpoint tensor {name}", "fp8 without a scale", f"{name}_scale beside it")
         else:
             t = t.to(self.dtype)
         if shape is not None and tuple(t.shape) != tuple(shape):
@@ -277,10 +279,13 @@ class Loader:
         t = self._raw(name)
         if fmt == "fp8-block":  # the checkpoint's scale per block, as stored
             key = self._scale_name(name) if t.dtype == FP8 else None
-            if key is None:
-                raise InputError(f"checkpoint tensor {name}", f"dtype {t.dtype} without a block scale",
-                                 "e4m3 beside its weight_scale_inv (one scale per block)")
-            return t, self._raw(key).float()
+            if key is not None:
+                return t, self._raw(key).float()
+            # a layer the ignore list kept unquantised: re-quantising it would leave HF's numbers
+            raise InputError(f"checkpoint tensor {name}", "fp8 without a scale" if t.dtype == FP8 else
+                             f"stored unquantised ({t.dtype}) beside block-wise fp8 projections",
+                             f"e4m3 with {name}_scale_inv beside it: every attention and dense MLP projection of a "
+                             "block-wise fp8 checkpoint in fp8")
         key = self._scale_name(name) if t.dtype == FP8 else None
         if key:
             return t, self._scale_of(key, t)

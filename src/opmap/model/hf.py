@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from opmap.ops.gemm.quant import BLOCK_EDGES
 from opmap.core.contract import InputError
 from opmap.model.presets import PRESETS, ModelConfig, get_preset
 from opmap.ops.rope.reference import ROPE_SCALINGS
@@ -225,11 +226,10 @@ def weight_quant(d: dict) -> Optional[dict]:
                                                                                  for b in block)):
                 raise InputError(f"{where}.weight_block_size", repr(block), "two positive ints (rows, columns)")
             b = block[0]
-            if block[0] == block[1] and b >= 16 and b & (b - 1) == 0:  # triton-fp8-block's square blocks
-                return {"format": "fp8-block", "block": list(block), "group_size": b, "kv_scales": "if-present",
-                        "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])}
-            # Other blocks: no kernel takes them; the weights are dequantised at load (named as a
-            # fallback; --quantize fp8 then re-quantises them per output channel).
+            if block[0] == block[1] and b in BLOCK_EDGES and _whole_blocks(d, b):  # triton-fp8-block's blocks
+                return {"format": "fp8-block", "block": list(block), "group_size": b, "kv_scales": "if-present"}
+            # Other blocks, or fused parts that end inside a block: no kernel takes them; the weights
+            # are dequantised at load (named as a fallback; --quantize fp8 then re-quantises them).
             return {"format": None, "block": list(block), "kv_scales": "if-present"}
         return {"format": "fp8", "strategy": "tensor",
                 "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
@@ -272,6 +272,18 @@ def weight_quant(d: dict) -> Optional[dict]:
         raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
     return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
             "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
+
+
+def _whole_blocks(d: dict, b: int) -> bool:
+    """The fused projections' parts before the last end on whole b-row blocks (q and k of the QKV
+    rows, gate of gate/up): their block scales then stack into the fused weight's."""
+    heads, hidden = d.get("num_attention_heads") or 1, d.get("hidden_size") or 0
+    hd = d.get("head_dim") or (hidden // heads if heads else 0)
+    kv = d.get("num_key_value_heads") or heads
+    inter = d.get("intermediate_size") or 0
+    if d.get("kv_lora_rank"):  # MLA: only O and the dense MLP are quantised projections
+        return inter % b == 0
+    return (heads * hd) % b == 0 and (kv * hd) % b == 0 and inter % b == 0
 
 
 def _group_of(v, where: str, field: str) -> Optional[int]:

@@ -92,6 +92,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
         return out
+    if K == 0:
+        return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(M, N))
     G = K // w_scale.shape[1]
     expect(G % 16 == 0, "w_scale", f"shape {tuple(w_scale.shape)} (group size {G})",
            "a group size that is a multiple of 16 (the MMA's K)")

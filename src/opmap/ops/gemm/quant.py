@@ -136,10 +136,13 @@ def dequantize_fp8_block(wq: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return wq.float() * scale.float().repeat_interleave(b, 0)[:N].repeat_interleave(b, 1)[:, :K]
 
 
+BLOCK_EDGES = (16, 32, 64, 128, 256, 512)  # the block edges triton-fp8-block and the loader take
+
+
 def block_of(N: int, K: int, scale: torch.Tensor) -> int:
-    """The block edge b of a block scale [ceil(N / b), ceil(K / b)]: the smallest power of two from
-    16 that gives that shape (0 where none does)."""
-    for b in (16, 32, 64, 128, 256, 512):
+    """The block edge b of a block scale [ceil(N / b), ceil(K / b)]: the smallest of BLOCK_EDGES
+    that gives that shape (0 where none does)."""
+    for b in BLOCK_EDGES:
         if tuple(scale.shape) == (-(-N // b), -(-K // b)):
             return b
     return 0
