@@ -160,6 +160,7 @@ def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
     for q in (None, "fp8"):
         r = R()
         r.weight_format, r.lm_head_quantised = q, q is not None
+        r.quantised_bytes = 1.0  # fp8 bits; their scales are left out here
         llm = SimpleNamespace(runner=r, scheduler=SimpleNamespace(running=[]))
         lines[q] = [x for x in P.diagnose(res, llm, {}) if x.startswith("decode: GEMM")][0]
     bf16_ms = cfg.decode_weight_bytes(1, 2) / 4e12 * 1e3

@@ -20,7 +20,7 @@ import torch
 from opmap.core.contract import InputError
 from opmap.model.hf import inside, read_json_object
 from opmap.engine import int4_formats
-from opmap.ops.gemm.quant import pack_int4, quantize_weight
+from opmap.ops.gemm.quant import pack_int4
 
 log = logging.getLogger("opmap.engine")
 
@@ -268,30 +268,22 @@ class Loader:
         return t
 
     def _quantised(self, name: str, fmt: str = "fp8") -> tuple:
-        """(fp8 bits, per-row fp32 scale) of a weight for an fp8 parameter, (int8 values, scale) for
-        an int8 one (compressed-tensors W8A16: four values + 128 a word along K); a tensor stored
-        unquantised (a layer the checkpoint's ignore list kept) is quantised per row here."""
-        packed = f"{name[:-len('.weight')]}.weight_packed" if name.endswith(".weight") else None
-        if fmt == "int8" and name not in self.names and packed in self.names:
-            return int4_formats.int8_channel(self._packed, name[:-len(".weight")])
-        if fmt == "int8":
-            return quantize_weight(self._get(name).float(), "int8")
+        """(fp8 bits, fp32 scale per row, or per block for ``fmt`` "fp8-block") of a weight for an
+        fp8 parameter, (int8 values, scale per row) for an int8 one (compressed-tensors W8A16: four
+        values + 128 a word along K). A projection the checkpoint stores unquantised (an ignore
+        list) beside quantised ones is refused naming it: the step map plans quantised kernels for
+        every projection, and re-quantising it here would not be HF's numbers."""
+        base = name[:-len(".weight")] if name.endswith(".weight") else name
+        if fmt == "int8" and name not in self.names and f"{base}.weight_packed" in self.names:
+            return int4_formats.int8_channel(self._packed, base)
         t = self._raw(name)
-        if fmt == "fp8-block":  # the checkpoint's scale per block, as stored
-            key = self._scale_name(name) if t.dtype == FP8 else None
-            if key is not None:
-                return t, self._raw(key).float()
-            # a layer the ignore list kept unquantised: re-quantising it would leave HF's numbers
-            raise InputError(f"checkpoint tensor {name}", "fp8 without a scale" if t.dtype == FP8 else
-                             f"stored unquantised ({t.dtype}) beside block-wise fp8 projections",
-                             f"e4m3 with {name}_scale_inv beside it: every attention and dense MLP projection of a "
-                             "block-wise fp8 checkpoint in fp8")
         key = self._scale_name(name) if t.dtype == FP8 else None
-        if key:
-            return t, self._scale_of(key, t)
+        if fmt != "int8" and key is not None:
+            return t, (self._raw(key).float() if fmt == "fp8-block" else self._scale_of(key, t))
         if t.dtype == FP8:
             raise InputError(f"checkpoint tensor {name}", "fp8 without a scale", f"{name}_scale beside it")
-        return quantize_weight(t.float(), "fp8")
+        raise InputError(f"checkpoint tensor {name}", f"stored unquantised ({t.dtype}) beside {fmt} projections",
+                         f"every attention and dense MLP projection of a {fmt} checkpoint in {fmt}, with its scale")
 
     @torch.no_grad()
     def copy(self, dst: torch.Tensor, name: str) -> None:
