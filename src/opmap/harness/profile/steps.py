@@ -142,12 +142,15 @@ GRID_PREFILL = 8.0
 
 
 def _grids(step: dict) -> dict:
-    """Kernel name -> the median grid (blocks) of its launches in the step, where recorded."""
-    seen: dict = {}
-    for k in step["kernels"]:
-        if k.grid:
-            seen.setdefault(k.name, []).append(k.grid)
-    return {n: statistics.median(v) for n, v in seen.items()}
+    """Kernel name -> the median grid (blocks) of its launches in the step, where recorded; kept
+    in the step (``grid_medians`` and ``grown`` both read it)."""
+    if "grids" not in step:
+        seen: dict = {}
+        for k in step["kernels"]:
+            if k.grid:
+                seen.setdefault(k.name, []).append(k.grid)
+        step["grids"] = {n: statistics.median(v) for n, v in seen.items()}
+    return step["grids"]
 
 
 def grid_medians(steps: list) -> dict:
