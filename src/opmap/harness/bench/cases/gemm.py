@@ -142,47 +142,42 @@ def _act_quant_cases(arch) -> list[BenchCase]:
     return out
 
 
-def _int4_case(arch, M, N, K) -> BenchCase:
-    """W4A16 (int4 codes, an fp16 scale per 128 input channels): our Triton kernel at every M, the
-    dequantise-once route from M = 128, cuBLAS on the same weights in bf16 and a bf16 copy made per
-    call (the fallback's cost)."""
-    nbytes = N * K // 2 + N * (K // INT4_GROUP) * 2 + M * K * 2 + M * N * 2
+def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
+    """A SCALED format: our Triton kernel at every M, the dequantise-once route from M = 128, cuBLAS
+    on the same weights in bf16 and, where given, a bf16 copy made per call (the fallback's cost)."""
+    op, backend, describe, tag, wbytes, per_call = SCALED[fmt]
+    nbytes = wbytes(N, K) + M * K * 2 + M * N * 2
     flops = 2.0 * M * N * K
-    provs = [Provider("opmap-triton-w4a16", _ours("triton-w4a16", True), backend=("gemm", "triton-w4a16"),
-                      describe=_described(w4a16.describe, M, N, K, G=INT4_GROUP)),
-             Provider("cublas-bf16-weights", _cublas),
-             Provider("dequant+cublas", _dequant_int4)]
-    if M >= 128:
-        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
-    return BenchCase(
-        op="gemm.w4a16", case=f"M={M},N={N},K={K},w=int4-g{INT4_GROUP},dtype=bf16", flops=flops, bytes=float(nbytes),
-        setup=_setup(M, N, K, "int4"), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
-        graph=True, tags=("gemm",),
-        spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K, dtype="bf16",
-                      weight_dtype="int4", group_size=INT4_GROUP))
-
-
-def _block_case(arch, M, N, K) -> BenchCase:
-    """Block-wise fp8 (e4m3, an fp32 scale per 128 x 128 block: DeepSeek-V3, Qwen3-FP8): our Triton
-    kernel at every M, the dequantise-once route from M = 128, cuBLAS on the weights in bf16."""
-    nbytes = N * K + (-(-N // 128)) * (-(-K // 128)) * 4 + M * K * 2 + M * N * 2
-    flops = 2.0 * M * N * K
-    provs = [Provider("opmap-triton-fp8-block", _ours("triton-fp8-block", True), backend=("gemm", "triton-fp8-block"),
-                      describe=_described(fp8_block.describe, M, N, K, b=128)),
+    provs = [Provider(f"opmap-{backend}", _ours(backend, True), backend=("gemm", backend), describe=describe(M, N, K)),
              Provider("cublas-bf16-weights", _cublas)]
+    if per_call is not None:
+        provs.append(Provider("dequant+cublas", per_call))
     if M >= 128:
         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
     return BenchCase(
-        op="gemm.fp8_block", case=f"M={M},N={N},K={K},w=fp8-block128,dtype=bf16", flops=flops, bytes=float(nbytes),
-        setup=_setup(M, N, K, "fp8-block"), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
+        op=op, case=f"M={M},N={N},K={K},w={tag},dtype=bf16", flops=flops, bytes=float(nbytes),
+        setup=_setup(M, N, K, fmt), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
         graph=True, tags=("gemm",),
         spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K, dtype="bf16",
-                      weight_dtype="fp8-block", group_size=128))
+                      weight_dtype=fmt, group_size=INT4_GROUP if fmt == "int4" else 128))
 
 
 def _dequant_int4(inp):
     wq, s, x = inp["wq"], inp["s"], inp["x"]
     return lambda: F.linear(x, quant.dequantize_int4(wq, s).to(x.dtype))
+
+
+# The weight-only formats whose scale changes along K, by format: (op, backend, its describe and
+# the scale span it takes, case tag, weight bytes (N, K), the per-call dequantise of the fallback
+# row or None). int4: codes at half a byte, an fp16 scale per 128 input channels (what GPTQ / AWQ /
+# W4A16 checkpoints carry); fp8-block: a byte, an fp32 scale per 128 x 128 block (DeepSeek-V3,
+# Qwen3-FP8).
+SCALED = {
+    "int4": ("gemm.w4a16", "triton-w4a16", lambda M, N, K: _described(w4a16.describe, M, N, K, G=INT4_GROUP),
+             f"int4-g{INT4_GROUP}", lambda N, K: N * K // 2 + N * (K // INT4_GROUP) * 2, _dequant_int4),
+    "fp8-block": ("gemm.fp8_block", "triton-fp8-block", lambda M, N, K: _described(fp8_block.describe, M, N, K, b=128),
+                  "fp8-block128", lambda N, K: N * K + (-(-N // 128)) * (-(-K // 128)) * 4, None),
+}
 
 
 def _sm89():
@@ -198,7 +193,7 @@ def cases(quick: bool) -> list[BenchCase]:
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
             for M in (MS if quick else MS_FULL):
                 if fmt == "int4":
-                    out += [_int4_case(arch, M, N, K), _block_case(arch, M, N, K)]
+                    out += [_scaled_case(arch, M, N, K, f) for f in SCALED]
                     continue
                 wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
                 nbytes = wbytes + M * K * 2 + M * N * 2
