@@ -95,15 +95,22 @@ def _bad_input(backend, device):
     return run
 
 
-def _int4_parity(backend, device, M, N, K, G, zp, dtype):
+def _scaled_parity(backend, device, M, N, K, span, fmt, dtype, zp=False):
+    """A weight whose scale changes along K against the reference: int4 (a scale per ``span`` input
+    channels, fp16 as checkpoints store it; zero points where ``zp``) or fp8-block (``span`` x
+    ``span`` blocks)."""
     def run():
-        g = torch.Generator().manual_seed(M + N + K + G)
+        g = torch.Generator().manual_seed(M + N + K + span)
         x = torch.randn(M, K, generator=g).to(device, dtype)
-        wq, s, z = quantize_int4((torch.randn(N, K, generator=g) / K ** 0.5).to(device), G, zp)
+        w = (torch.randn(N, K, generator=g) / K ** 0.5).to(device)
+        if fmt == "int4":
+            wq, s, z = quantize_int4(w, span, zp)
+            s = s.half() if dtype != torch.float32 else s
+        else:
+            (wq, s), z = quantize_fp8_block(w, span), None
         b = torch.randn(N, generator=g).to(device, dtype)
-        s = s.half() if dtype != torch.float32 else s
-        out = registry.get("gemm", backend).fn("linear")(x, wq, b, s, z)
-        e = compare(out, reference.linear(x, wq, b, s, z), dtype, scale=4.0)
+        args = (x, wq, b, s) + ((z,) if z is not None else ())
+        e = compare(registry.get("gemm", backend).fn("linear")(*args), reference.linear(*args), dtype, scale=4.0)
         return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
 
     return run
@@ -132,7 +139,7 @@ def _int4_cases(arch, device, cpu) -> list:
             for zp in (False, True):
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=G):
                     out.append(CheckCase("parity", "gemm", name, f"M={M},N={N},K={K},w=int4-g{G}{'-zp' * zp},dtype={dn}",
-                                         _int4_parity(name, device, M, N, K, G, zp, dt), quick=M in (1, 129, 1024)))
+                                         _scaled_parity(name, device, M, N, K, G, "int4", dt, zp), quick=M in (1, 129, 1024)))
         if _ok(name, arch, m=4 if name != "dequant-cublas" else 128, n=32, k=64, dtype="fp32", weight_dtype="int4",
                group_size=32):
             out.append(CheckCase("input", "gemm", name, "int4: words for another K, scale groups, zero dtype",
@@ -149,19 +156,6 @@ def _int4_cases(arch, device, cpu) -> list:
     return out
 
 
-def _block_parity(backend, device, M, N, K, b, dtype):
-    def run():
-        g = torch.Generator().manual_seed(M + N + K + b)
-        x = torch.randn(M, K, generator=g).to(device, dtype)
-        wq, s = quantize_fp8_block((torch.randn(N, K, generator=g) / K ** 0.5).to(device), b)
-        bias = torch.randn(N, generator=g).to(device, dtype)
-        out = registry.get("gemm", backend).fn("linear")(x, wq, bias, s)
-        e = compare(out, reference.linear(x, wq, bias, s), dtype, scale=4.0)
-        return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
-
-    return run
-
-
 def _block_cases(arch, device, cpu) -> list:
     dt, dn = (torch.float16, "fp16") if cpu else (torch.bfloat16, "bf16")
     shapes = [(1, 96, 256, 64), (3, 50, 200, 32), (64, 130, 96, 16), (129, 100, 160, 32)] if cpu else \
@@ -172,7 +166,8 @@ def _block_cases(arch, device, cpu) -> list:
         for M, N, K, b in shapes:
             if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="fp8-block", group_size=b):
                 out.append(CheckCase("parity", "gemm", name, f"M={M},N={N},K={K},w=fp8-block{b},dtype={dn}",
-                                     _block_parity(name, device, M, N, K, b, dt), quick=M in (1, 129, 1024)))
+                                     _scaled_parity(name, device, M, N, K, b, "fp8-block", dt),
+                                     quick=M in (1, 129, 1024)))
     return out
 
 
