@@ -86,6 +86,19 @@ def _int32(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _groups(get, name: str, k: int, group: int) -> Optional[torch.Tensor]:
+    """The act-order group index ``name`` [k] where the checkpoint has one and it is not k // group
+    (None: the channels are in group order already); an index outside the groups is an InputError."""
+    g_idx = get(name, optional=True)
+    if g_idx is None:
+        return None
+    _shape(name, g_idx, (k,))
+    g_idx = g_idx.to(torch.long)
+    if bool((g_idx < 0).any()) or bool((g_idx >= k // group).any()):
+        raise InputError(f"checkpoint tensor {name}", "a group index out of range", f"groups in [0, {k // group})")
+    return None if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group) else g_idx
+
+
 def _rows(get, name: str, dim: int) -> int:
     t = get(name)
     if t.dim() != 2:
@@ -110,15 +123,7 @@ def gptq(get, prefix: str, k: int, group: int, v1: bool) -> Int4Weight:
     zero = _unpack_along_n(qz).t().contiguous()  # [n, k / g]
     if v1:  # stored as zero - 1 (8 as 7); a stored 15 reads 16, as AutoGPTQ's and exllama's kernels read it
         zero = zero + 1
-    g_idx = get(f"{prefix}.g_idx", optional=True)
-    if g_idx is not None:
-        _shape(f"{prefix}.g_idx", g_idx, (k,))
-        g_idx = g_idx.to(torch.long)
-        if bool((g_idx < 0).any()) or bool((g_idx >= k // group).any()):
-            raise InputError(f"checkpoint tensor {prefix}.g_idx", "a group index out of range",
-                             f"groups in [0, {k // group})")
-        if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
-            g_idx = None  # no act order: the channels are in group order already
+    g_idx = _groups(get, f"{prefix}.g_idx", k, group)
     return Int4Weight(codes, s.t().contiguous(), zero, g_idx)
 
 
@@ -155,15 +160,7 @@ def compressed(get, prefix: str, k: int, group: int, symmetric: bool) -> Int4Wei
         zp = _int32(f"{prefix}.weight_zero_point", get(f"{prefix}.weight_zero_point"))
         _shape(f"{prefix}.weight_zero_point", zp, (-(-n // 8), k // group))
         zero = _unpack_along_n(zp.t().contiguous())[:, :n].t().contiguous()
-    g_idx = get(f"{prefix}.weight_g_idx", optional=True)
-    if g_idx is not None:
-        _shape(f"{prefix}.weight_g_idx", g_idx, (k,))
-        g_idx = g_idx.to(torch.long)
-        if bool((g_idx < 0).any()) or bool((g_idx >= k // group).any()):
-            raise InputError(f"checkpoint tensor {prefix}.weight_g_idx", "a group index out of range",
-                             f"groups in [0, {k // group})")
-        if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group):
-            g_idx = None
+    g_idx = _groups(get, f"{prefix}.weight_g_idx", k, group)
     return Int4Weight(unpack_int4(wp), s.contiguous(), zero, g_idx)
 
 
