@@ -56,3 +56,32 @@ def test_bad_input_is_refused():
         act_quant.quantize_act_fp8(torch.randn(4, 8).t())  # last dim not contiguous
     with pytest.raises(InputError, match="x"):
         act_quant.quantize_act_fp8(torch.randn(2, 3, 4))
+
+
+@pytest.mark.parametrize("M,K,group", [(3, 1024, 128), (1, 128, 128), (2, 4096 + 128, 128), (5, 96, 32), (2, 8192, 128)])
+@pytest.mark.parametrize("dt", [torch.float32, torch.float16])
+def test_group_quant_matches_torch_contract(M, K, group, dt):
+    g = torch.Generator().manual_seed(M * K + group)
+    x = (torch.randn(M, K, generator=g) * 3).to(dt)
+    x[0, K - 1] = 900.0  # an outlier sets the last group's scale of row 0 only
+    if M > 1:
+        x[1, :group] = 0  # a zero group: the floored scale, zeros out
+    q, s = act_quant.quantize_act_fp8_group(x, group)
+    q_ref, s_ref = quant.quantize_act_fp8_group(x, group)
+    assert q.shape == (M, K) and s.shape == (M, K // group)
+    assert s.stride() == (1, M)  # outer-dim-major, as cuBLASLt's 1 x 128 scaling reads it
+    assert torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+    assert _fp8_same(q, q_ref).all()
+    if K // group > 1:
+        assert s[0, -1] > s[0, 0] * 10  # the outlier stayed in its group
+    if M > 1:
+        assert (q[1, :group].float() == 0).all()
+
+
+def test_group_quant_refuses_a_group_that_does_not_divide_k():
+    with pytest.raises(InputError, match="group"):
+        act_quant.quantize_act_fp8_group(torch.randn(2, 200), 128)
+    with pytest.raises(InputError, match="group"):
+        quant.quantize_act_fp8_group(torch.randn(2, 200), 128)
+    q, s = act_quant.quantize_act_fp8_group(torch.zeros(0, 256), 128)
+    assert q.shape == (0, 256) and s.shape == (0, 2)

@@ -59,3 +59,45 @@ def test_selection_on_this_gpu():
     assert select("gemm", spec).backend.name == "triton-fp8-block"
     x, wq, s = _case(1, 7168, 2048)
     assert_close(opmap.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what="opmap.linear")
+
+
+@pytest.mark.parametrize("M,N,K", [(128, 7168, 2048), (1000, 576, 7168), (4096, 4096, 14336)])
+def test_scaled_mm_block_quality_and_selection(M, N, K):
+    """scaled-mm-block quantises x per token and 128-channel group: its output against the fp32
+    product of x and the dequantised weight (the fp8-activation gate of the check suite, cosine >=
+    0.998) and against quantising x by the PyTorch reference then multiplying in fp32 (tight)."""
+    from opmap.kernels.gemm import act_quant, scaled_mm
+    from opmap.ops.gemm.quant import quantize_act_fp8_group
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLASLt's block-scaled fp8 GEMM is sm90's")
+    x, wq, s = _case(M, N, K, seed=M)
+    out = scaled_mm.linear_block(x, wq, None, s)
+    ref = _ref(x, wq, s)
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0)
+    assert cos >= 0.998, cos
+    xq, xs = quantize_act_fp8_group(x, 128)
+    q, qs = act_quant.quantize_act_fp8_group(x, 128)
+    assert torch.equal(q.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(qs, xs)  # bitwise
+    xd = (xq.float().view(M, K // 128, 128) * xs[..., None]).view(M, K)
+    assert_close(out, (xd @ dequantize_fp8_block(wq, s).t()).to(BF16), BF16, scale=2.0, what=f"M={M}")
+    # bias, and the empty batch
+    b = torch.randn(N, device="cuda", dtype=BF16)
+    assert_close(scaled_mm.linear_block(x, wq, b, s), out + b, BF16, scale=2.0, what="bias")
+    assert scaled_mm.linear_block(x[:0], wq, None, s).shape == (0, N)
+
+
+def test_gemlite_peer_matches_the_int4_reference():
+    """The W4A16 peer row of the benchmark computes what our int4 layout holds (else its timing is
+    of a different product)."""
+    from opmap.ops.gemm.quant import dequantize_int4, quantize_int4
+    from opmap.peers.gemm import gemlite_peer
+    why = gemlite_peer.available()
+    if why:
+        pytest.skip(why)
+    for M in (1, 64, 512):
+        w = torch.randn(4096, 4096, device="cuda") / 64
+        wq, sc, _ = quantize_int4(w, 128)
+        x = torch.randn(M, 4096, device="cuda", dtype=BF16)
+        lin = gemlite_peer.int4_linear(wq, sc.half(), None, BF16)
+        ref = (x.float() @ dequantize_int4(wq, sc.half()).t()).to(BF16)
+        assert_close(lin(x), ref, BF16, scale=4.0, what=f"gemlite M={M}")

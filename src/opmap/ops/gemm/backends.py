@@ -245,3 +245,31 @@ registry.register(Backend(
     notes="torch._scaled_mm: x quantised per token to fp8 (one Triton launch), fp8 x fp8 on cuBLASLt "
           "(sm89+); for fp8 weights it serves steps of >= 128 rows (prefill) with bf16 activations too",
 ))
+
+
+def _block128(spec):
+    if spec.group_size != 128:
+        return f"block edge {spec.group_size} (cuBLASLt block scaling takes 128 x 128 blocks only)"
+    if spec.k % 128 or spec.n % 16:
+        return f"k={spec.k}, n={spec.n} (needs K a multiple of 128, N of 16)"
+    return None
+
+
+def _many_rows_block(spec):
+    if _many_rows(spec):
+        return None
+    return f"M={spec.m} ({spec.phase}): activations are quantised per token group here only from M >= {MANY_ROWS} or in a prefill step"
+
+
+registry.register(Backend(
+    op="gemm", name="scaled-mm-block", provider="cublaslt-fp8", version=registry.torch_version,
+    priority={"sm90": 40},
+    basis={"sm90": Basis("convention: below the weight-only routes until a baseline times it")},
+    impl={"linear": "opmap.kernels.gemm.scaled_mm:linear_block"},
+    reqs=[Req("dtype", ("bf16",)), Req("weight_dtype", ("fp8-block",), "block-wise fp8 (128 x 128 blocks)")],
+    checks=[Check("128 x 128 blocks, K a multiple of 128", _block128, "group_size"),
+            Check("M >= 128 or a prefill step", _many_rows_block, "m"), _SAME_ACT],
+    available=registry.needs_cuda,
+    notes="block-wise fp8 on fp8 tensor cores: x quantised per token and 128-channel group (one Triton "
+          "launch), torch._scaled_mm with 1 x 128 and 128 x 128 block scales (cuBLASLt, sm90, CUDA 12.9+)",
+))

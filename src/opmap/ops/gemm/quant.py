@@ -42,6 +42,18 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_act_fp8_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group dynamic fp8 (the activations of block-fp8 checkpoints: DeepSeek-V3 quantises
+    each run of ``group`` input channels of a token on its own): (xq[M, K] fp8, scale[M, K / group]
+    fp32), K a multiple of ``group``."""
+    M, K = x.shape
+    if group <= 0 or K % group:
+        raise InputError("group", group, f"a positive divisor of K={K}")
+    xf = x.float().reshape(M, K // group, group)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(M, K), scale.reshape(M, K // group)
+
+
 # ---- int4 weight-only (W4A16) -------------------------------------------------------------
 # The one layout every int4 checkpoint format (GPTQ, AWQ, compressed-tensors pack-quantized) is
 # repacked into at load: ``w[N, K // 8]`` int32, nibble i of word j (bits 4i..4i+3) holding the

@@ -34,6 +34,7 @@ from opmap.core.specs import GemmSpec
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.kernels.gemm import act_quant, fp8_block, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
 from opmap.ops.gemm import quant
+from opmap.peers.gemm import gemlite_peer
 from opmap.ops.gemm.quant import quantize_weight
 
 SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
@@ -154,6 +155,11 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
         provs.append(Provider("dequant+cublas", per_call))
     if M >= 128:
         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
+    if fmt == "int4":
+        provs.append(Provider("gemlite", _gemlite, available=gemlite_peer.available))
+    elif M >= 128 and K % 128 == 0:
+        provs.append(Provider("opmap-scaled-mm-block", _ours("scaled-mm-block", True), available=_sm90,
+                              backend=("gemm", "scaled-mm-block")))
     return BenchCase(
         op=op, case=f"M={M},N={N},K={K},w={tag},dtype=bf16", flops=flops, bytes=float(nbytes),
         setup=_setup(M, N, K, fmt), providers=provs, bound="compute" if flops / nbytes > RIDGE else "memory",
@@ -178,6 +184,17 @@ SCALED = {
     "fp8-block": ("gemm.fp8_block", "triton-fp8-block", lambda M, N, K: _described(fp8_block.describe, M, N, K, b=128),
                   "fp8-block128", lambda N, K: N * K + (-(-N // 128)) * (-(-K // 128)) * 4, None),
 }
+
+
+def _gemlite(inp):
+    lin = gemlite_peer.int4_linear(inp["wq"], inp["s"], None, inp["x"].dtype)
+    return lambda: lin(inp["x"])
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return "cuBLASLt's block-scaled fp8 GEMM needs an sm90 GPU"
+    return None
 
 
 def _sm89():

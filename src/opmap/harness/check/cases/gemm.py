@@ -19,12 +19,12 @@ from opmap.ops.gemm import reference
 from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4, quantize_weight
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998, "int4": 0.99}
+COSINE_GATE = {"fp8": 0.999, "int8": 0.998, "fp8-act": 0.998, "int4": 0.99, "fp8-block": 0.999, "fp8-block-act": 0.998}
 # Limits for the stack's mean KL (nats). Seen on CPU (fp32 reference stack, 4 layers, vocab
 # 1000): bf16 ~3e-4, int8 ~1e-3, fp8 ~1e-2; the limits leave ~4x headroom. int4 is the format's
 # own loss (round to nearest, a scale per 128 channels, on Gaussian random weights: ~0.2-0.3
 # nats, cosine ~0.993 on CPU and GPU dims): its limits catch a broken kernel, not the format.
-KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2, "int4": 1.0}
+KL_LIMIT = {None: 2e-3, "int8": 5e-3, "fp8": 4e-2, "int4": 1.0, "fp8-block": 4e-2}
 
 
 def _inputs(device, M, N, K, dtype, fmt, bias, seed):
@@ -160,7 +160,7 @@ def _block_cases(arch, device, cpu) -> list:
     dt, dn = (torch.float16, "fp16") if cpu else (torch.bfloat16, "bf16")
     shapes = [(1, 96, 256, 64), (3, 50, 200, 32), (64, 130, 96, 16), (129, 100, 160, 32)] if cpu else \
         [(1, 24576, 7168, 128), (16, 7168, 18432, 128), (64, 4096, 4096, 128), (1, 32001, 4096, 128),
-         (1024, 4096, 4096, 128), (3, 576, 7168, 128)]
+         (1024, 4096, 4096, 128), (3, 576, 7168, 128), (200, 576, 7168, 128)]
     out = []
     for name in ("triton-fp8-block", "dequant-cublas"):
         for M, N, K, b in shapes:
@@ -168,6 +168,22 @@ def _block_cases(arch, device, cpu) -> list:
                 out.append(CheckCase("parity", "gemm", name, f"M={M},N={N},K={K},w=fp8-block{b},dtype={dn}",
                                      _scaled_parity(name, device, M, N, K, b, "fp8-block", dt),
                                      quick=M in (1, 129, 1024)))
+    # Quality gates; scaled-mm-block quantises the activations too (fp8 per 128-channel group), so it
+    # is held to the fp8-activation gate, at the many rows it serves.
+    M, N, K = (3, 64, 1024) if cpu else (16, 4096, 4096)
+    dims = dict(tokens=8, hidden=128, inter=128, vocab=512, layers=2) if cpu else \
+        dict(tokens=64, hidden=1024, inter=2048, vocab=32000, layers=4)
+    for name, gate, rows, tokens in (("triton-fp8-block", "fp8-block", M, dims["tokens"]),
+                                     ("scaled-mm-block", "fp8-block-act", 256, 256)):
+        kd = dict(dims, tokens=tokens)
+        if _ok(name, arch, m=rows, n=N, k=K, dtype=dn, weight_dtype="fp8-block", group_size=128):
+            out.append(CheckCase("quant", "gemm", name, f"output cosine vs fp32,fp8-block128,M={rows},N={N},K={K},dtype={dn}",
+                                 _cosine(name, device, gate, rows, N, K, dt)))
+        if _ok(name, arch, m=kd["tokens"], n=kd["hidden"], k=kd["hidden"], dtype=dn, weight_dtype="fp8-block",
+               group_size=128):
+            kd_s = ",".join(f"{k}={v}" for k, v in kd.items())
+            out.append(CheckCase("quant", "gemm", name, f"stack next-token KL,fp8-block128,{kd_s},dtype={dn}",
+                                 _kl(name, device, "fp8-block", dt, kd)))
     return out
 
 
