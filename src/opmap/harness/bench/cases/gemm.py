@@ -15,6 +15,11 @@ Providers, timed in the same run on the same inputs, each named after the backen
   "dequant+cublas" (a bf16 copy of the weight made per call, then cuBLAS: what a quantised
   path that falls back costs); and for fp8, "scaled-mm" (activations quantised per token to
   fp8, then torch._scaled_mm on cuBLASLt).
+The ops ``gemm.w4a16`` and ``gemm.fp8_block`` time the formats whose scale changes along K (int4 with
+a scale per 128 input channels; fp8 with a scale per 128 x 128 block): our Triton kernel at every M,
+cuBLAS on the weights kept in bf16, from M = 128 dequant-cublas, for int4 gemlite (a Triton low-bit GEMM
+library, on the same codes and scales) and for block fp8 scaled-mm-block (activations quantised per
+128-channel group, cuBLASLt's block-scaled fp8 GEMM).
 The op ``gemm.act_quant`` times the per-token fp8 activation quantisation that scaled-mm runs
 before its GEMM (our Triton kernel against the same thing in PyTorch ops) at prefill row counts.
 Minimal bytes: the weight (N*K*elem) + its scales, x read and the output written once.
