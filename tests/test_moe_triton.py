@@ -251,8 +251,9 @@ def test_tuned_launch_fast_path_passes_what_the_autotuner_passes(monkeypatch):
         n_rows, K = w.shape[1], w.shape[2]
         N = n_rows // 2 if gated else n_rows
         bucket = gg.next_pow2(T * k)
+        # (the scale and zero pointers of quantised experts are ``out`` when there are none)
         key = [N, K, bucket, bm, gated] + [str(t.dtype) for t in (a, w, out, wts if wts is not None else out,
-                                                                  sorted_ids, block_expert, total)]
+                                                                  sorted_ids, block_expert, total, out, out)]
         gg._tuned_kernel.cache[tuple(key)] = gg._DECODE[gated][1]
         for _ in range(2):
             gg.grouped_gemm(a, w, out, sorted_ids, block_expert, total, T * k, div, bm, gated=gated, weights=wts)

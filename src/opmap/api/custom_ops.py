@@ -90,9 +90,11 @@ def moe_route(router_logits: Tensor, top_k: int, router: str = "softmax", renorm
 @_op("moe")
 def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, router: str = "softmax",
         renormalize: bool = True, n_group: int = 1, topk_group: int = 1, routed_scaling: float = 1.0,
-        score_bias: Opt = None, backend: Str = None) -> Tensor:
+        score_bias: Opt = None, backend: Str = None, w13_scale: Opt = None, w2_scale: Opt = None,
+        w13_zero: Opt = None, w2_zero: Opt = None) -> Tensor:
     return D.moe(x, router_logits, w13, w2, top_k, router=router, renormalize=renormalize, n_group=n_group,
-                 topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias, backend=backend)
+                 topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias, backend=backend,
+                 w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
 
 
 # ---- attention ----------------------------------------------------------------------------------

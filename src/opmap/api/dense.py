@@ -16,7 +16,7 @@ from opmap.core.specs import ActivationSpec, GemmSpec, KVAppendSpec, MoESpec, No
 from opmap.api.dispatch import arch_of, call, dt, tensor
 from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import ACT_DTYPES, INT4_PACKED, QUANT_DTYPES
-from opmap.ops.moe.routing import check_top_k
+from opmap.ops.moe.routing import check_top_k, expert_format
 
 
 def _floats(arg: str, t, ndim: Optional[int] = None, dtypes=ACT_DTYPES) -> torch.Tensor:
@@ -154,7 +154,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None
     return call("gemm", spec, "linear", backend, x, w, bias, w_scale)
 
 
-def _moe_spec(router_logits, top_k, router, phase, x=None, w13=None, w2=None):
+def _moe_spec(router_logits, top_k, router, phase, x=None, w13=None, w2=None, w13_scale=None):
     tensor("router_logits", router_logits, 2)
     check_top_k(router_logits, top_k)
     fields = dict(arch=arch_of(router_logits), phase=phase, num_experts=router_logits.shape[1],
@@ -162,22 +162,32 @@ def _moe_spec(router_logits, top_k, router, phase, x=None, w13=None, w2=None):
                   router="sigmoid_grouped" if router in ("sigmoid", "sigmoid_grouped") else "softmax")
     if x is not None:
         _floats("x", x, 2)
-        _floats("w13", w13, 3)
-        fields.update(hidden=x.shape[1], intermediate=w13.shape[1] // 2, dtype=dt(x), weight_dtype=dt(w13))
+        fmt = expert_format(w13)
+        _floats("w13", w13, 3, dtypes=ACT_DTYPES if fmt is None else (w13.dtype,))
+        fields.update(hidden=x.shape[1], intermediate=w13.shape[1] // 2, dtype=dt(x), weight_dtype=fmt or dt(w13))
+        if fmt is not None and torch.is_tensor(w13_scale) and w13_scale.dim() == 3 and w13_scale.shape[2]:
+            k = x.shape[1]  # else check_moe_args names the bad scale
+            fields["group_size"] = k // w13_scale.shape[2] if fmt == "int4" else block_of(w13.shape[1], k, w13_scale[0])
     return MoESpec(**fields)
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
         router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, backend: Optional[str] = None,
-        phase: str = "decode") -> torch.Tensor:
+        phase: str = "decode", w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
+        w13_zero: Optional[torch.Tensor] = None, w2_zero: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Routed experts of x[T, H]: router_logits[T, E] fp32 -> top-k experts (``router`` "softmax"
     or DeepSeek's "sigmoid" with n_group / topk_group / score_bias), w13[E, 2I, H] (gate rows
-    then up rows), w2[E, H, I] -> [T, H] in x.dtype. Shared experts are the caller's dense MLP."""
-    spec = _moe_spec(router_logits, top_k, router, phase, x, w13, w2)
+    then up rows), w2[E, H, I] -> [T, H] in x.dtype. Shared experts are the caller's dense MLP.
+    Quantised experts come with their scales: int4 (w13 int32 [E, 2I, H / 8], w13_scale
+    [E, 2I, H / G], optional uint8 w13_zero; w2 alike) or block fp8 (e4m3 w13 [E, 2I, H],
+    w13_scale [E, ceil(2I / b), ceil(H / b)] fp32; w2 alike)."""
+    spec = _moe_spec(router_logits, top_k, router, phase, x, w13, w2, w13_scale)
+    quant = {k: v for k, v in dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero,
+                                   w2_zero=w2_zero).items() if v is not None}
     return call("moe", spec, "moe", backend, x, router_logits, w13, w2, top_k, router=router,
                 renormalize=renormalize, n_group=n_group, topk_group=topk_group, routed_scaling=routed_scaling,
-                score_bias=score_bias)
+                score_bias=score_bias, **quant)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, *, router: str = "softmax", renormalize: bool = True,

@@ -177,8 +177,9 @@ class MoESpec(Spec):
     router: str = "softmax"  # softmax (top-k, renormalised) / sigmoid_grouped (DeepSeek)
     shared_experts: int = 0
     dtype: str = "bf16"
-    weight_dtype: str = "bf16"
+    weight_dtype: str = "bf16"  # or "int4" / "fp8-block" (quantised experts)
     tokens: Optional[int] = None
+    group_size: Optional[int] = None  # int4: the group; fp8-block: the block edge
 
 
 @dataclass(frozen=True)

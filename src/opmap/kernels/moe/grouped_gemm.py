@@ -11,6 +11,13 @@ The combine sums the k rows of each token in fp32 (deterministic: no atomics).
 Each program owns one BM-row block (all rows of one expert) and one BN column tile; blocks past
 the padded total exit at once. Weights are read as [BK, BN] tiles of the row-major [N, K]
 expert matrix (K contiguous). Offsets into x / w / outputs are int64.
+
+Quantised experts (QUANT) stay quantised in memory, the layouts of ``opmap.ops.gemm.quant``:
+int4 (QUANT=1: packed int32 [E, N, K / 8], a scale per group of SPAN input channels, uint8 zero
+codes or the symmetric 8) and block fp8 (QUANT=2: e4m3 [E, N, K], a scale per SPAN x SPAN block).
+A K tile never straddles a group or block (BK divides SPAN), so the tile's codes (int4: minus the
+zero) are exact in x's dtype: the MMA runs on them and each column's scale multiplies the tile's
+fp32 product, as the dense weight-only kernels do (kernels/gemm/w4a16.py, fp8_block.py).
 """
 from __future__ import annotations
 
@@ -21,15 +28,46 @@ import triton
 import triton.language as tl
 
 from opmap.kernels.moe.common import next_pow2
+from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN: tl.constexpr,
+                 QUANT: tl.constexpr, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+                 ADT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """The [BK, BN] weight tile of columns ``cols`` at K tile ``kk`` in x's dtype (ADT), and the
+    columns' scale ([BN] fp32; ones when unquantised)."""
+    offs_k = kk * BK + tl.arange(0, BK)
+    rows = cols.to(tl.int64)
+    if QUANT == 1:
+        words = tl.load(w_base + rows[None, :] * stride_wn + (kk * (BK // 8) + tl.arange(0, BK // 8))[:, None])
+        u = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 0xF
+        u = tl.reshape(u, [BK, BN])
+        g = (kk * BK) // SPAN
+        s = tl.load(s_base + rows * stride_sn + g).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_base + rows * stride_sn + g).to(tl.int32)
+        else:
+            z = tl.full([BN], SYM_ZERO, tl.int32)
+        return (u - z[None, :]).to(ADT), s
+    if EVEN_K:
+        w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None])
+    else:
+        w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
+    if QUANT == 2:
+        s = tl.load(s_base + (rows // SPAN) * stride_sn + (kk * BK) // SPAN)
+        return w.to(ADT), s
+    return w, tl.full([BN], 1.0, tl.float32)
 
 
 @triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
 def _grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr,
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, block_expert_ptr, total_ptr, s_ptr, z_ptr,
     n_pairs, N, K, a_row_div, rows_bucket,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn,
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    QUANT: tl.constexpr = 0, SPAN: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, SYM_ZERO: tl.constexpr = 8,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -62,24 +100,45 @@ def _grouped_gemm_kernel(
     if GATED:
         u_ptrs = g_ptrs + N * stride_wn
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for kk in range(0, tl.cdiv(K, BK)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-        else:
-            k_ok = offs_k < K - kk * BK
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-        acc = tl.dot(a, g, acc, input_precision=PRECISION)
-        if GATED:
+    if QUANT != 0:
+        # Quantised weights: one [BK, BN] tile at a time, converted exactly, the column scales on
+        # the tile's fp32 product (a separate loop keeps the unquantised one as it was).
+        adt = a_ptr.dtype.element_ty
+        cols = offs_n % N
+        s_base = s_ptr + expert * stride_se
+        z_base = z_ptr + expert * stride_se
+        for kk in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
-                u = tl.load(u_ptrs)
+                a = tl.load(a_ptrs)
             else:
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            u_ptrs += BK
-        a_ptrs += BK
-        g_ptrs += BK
+                a = tl.load(a_ptrs, mask=(offs_k < K - kk * BK)[None, :], other=0.0)
+            g, sg = _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN, QUANT, HAS_ZERO,
+                                 SYM_ZERO, EVEN_K, adt, BK, BN)
+            acc += tl.dot(a, g, input_precision=PRECISION) * sg[None, :]
+            if GATED:
+                u, su = _weight_tile(w_base, s_base, z_base, cols + N, kk, K, stride_wn, stride_sn, SPAN, QUANT,
+                                     HAS_ZERO, SYM_ZERO, EVEN_K, adt, BK, BN)
+                acc_u += tl.dot(a, u, input_precision=PRECISION) * su[None, :]
+            a_ptrs += BK
+    else:
+        for kk in range(0, tl.cdiv(K, BK)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                g = tl.load(g_ptrs)
+            else:
+                k_ok = offs_k < K - kk * BK
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            acc = tl.dot(a, g, acc, input_precision=PRECISION)
+            if GATED:
+                if EVEN_K:
+                    u = tl.load(u_ptrs)
+                else:
+                    u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+                u_ptrs += BK
+            a_ptrs += BK
+            g_ptrs += BK
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u  # SiLU(gate) * up, in fp32
     if WEIGHTED:
@@ -147,12 +206,25 @@ _BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
           False: [_c(128, 64, 8, 3, 8), _c(128, 64, 8, 4, 8)]}
 
 
+def _bk_in_span(bk: int, span: int) -> int:
+    """The largest K tile up to ``bk`` that divides the scale's span (a power of two from 16)."""
+    while bk > 16 and span % bk:
+        bk //= 2
+    return bk
+
+
 def _prune(configs, named_args, **kw):
     bm = kw["BM"]
     table = _DECODE if bm <= 32 else (_BM64 if bm == 64 else _BM128)
     want = table[bool(kw["GATED"])]
     k = named_args["K"]
-    return [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
+    out = [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
+    if kw.get("QUANT", 0):  # a K tile inside one group / block
+        span = kw["SPAN"]
+        out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], c.num_warps, c.num_stages):
+                    triton.Config(dict(c.kwargs, BK=bk), num_warps=c.num_warps, num_stages=c.num_stages)
+                    for c in out}.values())
+    return out
 
 
 def _bench(kernel_call, quantiles):
@@ -164,7 +236,7 @@ def _bench(kernel_call, quantiles):
 
 
 _ALL_CONFIGS = list(dict.fromkeys(c for t in (_DECODE, _BM64, _BM128) for cs in t.values() for c in cs))
-_tuned_kernel = triton.autotune(_ALL_CONFIGS, key=["N", "K", "rows_bucket", "BM", "GATED"],
+_tuned_kernel = triton.autotune(_ALL_CONFIGS, key=["N", "K", "rows_bucket", "BM", "GATED", "QUANT", "SPAN"],
                                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(
     triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_grouped_gemm_kernel))
 
@@ -180,21 +252,39 @@ def token_counts(max_tokens: int, top_k: int, num_experts: int) -> list[int]:
     return sorted(first.values())
 
 
-def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div, bm, *, gated, weights=None):
-    """out[pair] = f(a[pair // a_row_div] @ w[e].T) for every pair of every expert block."""
+def quant_of(w: torch.Tensor, scale) -> tuple[int, int]:
+    """(QUANT, SPAN) of expert weights: (0, 1) unquantised, (1, group) int4, (2, block edge) block fp8."""
+    if scale is None:
+        return 0, 1
+    E, n_rows, kw = w.shape
+    if w.dtype == torch.int32:
+        return 1, kw * 8 // scale.shape[2]
+    return 2, block_of(n_rows, kw, scale[0])
+
+
+def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div, bm, *, gated, weights=None,
+                 scale=None, zero=None):
+    """out[pair] = f(a[pair // a_row_div] @ w[e].T) for every pair of every expert block; ``scale``
+    (and ``zero``) for quantised experts (see the module's docstring)."""
+    quant, span = quant_of(w, scale)
     E, n_rows, K = w.shape
+    K = K * 8 if quant == 1 else K
     N = n_rows // 2 if gated else n_rows
     nblocks = block_expert.numel()
     args = (a, w, out, weights if weights is not None else out, sorted_ids, block_expert, total,
+            scale if scale is not None else out, zero if zero is not None else out,
             n_pairs, N, K, a_row_div, next_pow2(n_pairs),
-            a.stride(0), w.stride(0), w.stride(1), out.stride(0))
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            scale.stride(0) if scale is not None else 0, scale.stride(1) if scale is not None else 0)
     # fp32 inputs: exact fp32 products (tl.dot would otherwise round them to TF32).
     flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
                  PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
+    if quant:
+        flags.update(QUANT=quant, SPAN=span, HAS_ZERO=zero is not None, SYM_ZERO=INT4_SYM_ZERO)
     if _interpreting() or a.dtype == torch.float32:
         # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
-        bn, bk = 32, 32
+        bn, bk = 32, _bk_in_span(32, span) if quant else 32
         _grouped_gemm_kernel[(nblocks * -(-N // bn),)](
             *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, num_warps=4,
             num_stages=1 if _interpreting() else 2)
@@ -204,7 +294,8 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
     # building over ~20 arguments is host time on every launch, measured on the CPU with the
     # launch stubbed; two GEMM launches per MoE call). The key is the autotuner's own: its key
     # arguments plus the dtypes of the tensor arguments (the int32 index tensors never vary).
-    key = (N, K, args[11], bm, gated, a.dtype, w.dtype, out.dtype, None if weights is None else weights.dtype)
+    key = (N, K, args[13], bm, gated, quant, span, a.dtype, w.dtype, out.dtype,
+           None if weights is None else weights.dtype, None if zero is None else zero.dtype)
     cfg = _BEST.get(key)
     if cfg is None:
         # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.

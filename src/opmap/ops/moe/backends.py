@@ -5,7 +5,8 @@ dispatch, gate/up GEMM, SiLU-and-mul, down GEMM, weighted combine) and ``route``
 backends share one fp32 routing function (``routing.route``); ours fuses the same rules into one
 Triton kernel (``route_triton.route``, tested to pick the same experts), and at decode sizes the
 routing and the align by expert into one launch (``route_align.py``: kernels/moe/triton_moe.py).
-None of them serves quantised (fp8 / int8) expert weights.
+Quantised experts (int4 with group scales, block fp8) are served by ``triton`` (the grouped GEMM
+reads them as stored) and the reference; the torch peers take experts in x's dtype only.
 Importing this module imports no kernel module and no peer.
 """
 from __future__ import annotations
@@ -45,8 +46,28 @@ _COMMON_REQS = (
     Req("router", _ROUTERS),
     # fp8 / int8 expert weights are not served; the entry takes the weights in x.dtype
     # (MoESpec's weight_dtype defaults to bf16 whatever dtype says, so only its kind is checked).
-    Req("weight_dtype", _FLOAT, "float expert weights (no fp8 / int8), in x.dtype"),
+    Req("weight_dtype", _FLOAT, "float expert weights in x.dtype (no int4 / block fp8)"),
 )
+
+
+def _quant_act(spec):
+    if spec.weight_dtype in _QUANT and spec.dtype == "fp32":
+        return f"dtype=fp32 with {spec.weight_dtype} experts (bf16 / fp16 activations: the codes convert exactly to them)"
+    return None
+
+
+def _span(spec):
+    g = spec.group_size
+    if spec.weight_dtype in _QUANT and (not g or g % 16 or (spec.weight_dtype == "fp8-block" and g & (g - 1))):
+        return f"group_size={g} (a multiple of 16; for block fp8 a power of two: a K tile inside one span)"
+    return None
+
+
+_QUANT = ("int4", "fp8-block")
+_QUANT_REQS = tuple(r for r in _COMMON_REQS if r.field != "weight_dtype") + (
+    Req("weight_dtype", _FLOAT + _QUANT, "experts in x.dtype, int4 (group scales) or block fp8"),)
+_QUANT_CHECKS = _COMMON_CHECKS + (Check("quantised experts: bf16 / fp16 activations", _quant_act, "dtype"),
+                                  Check("group / block a multiple of 16", _span, "group_size"))
 
 
 def _grouped_mm_cuda_dtype(spec):
@@ -85,7 +106,7 @@ registry.register(Backend(
     op="moe", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"moe": "opmap.ops.moe.reference:moe", "route": _ROUTE},
-    reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
+    reqs=_QUANT_REQS, checks=_QUANT_CHECKS,
     notes="fp32 per-expert loop (gather, gate/up, SiLU*up, down, weighted scatter-add); the oracle",
 ))
 
@@ -121,9 +142,10 @@ registry.register(Backend(
                          _rows(tuple(CASES), "opmap-triton", "torch-grouped-mm", "torch-loop"))},
     impl={"moe": "opmap.kernels.moe.triton_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
           "warm_up": "opmap.kernels.moe.triton_moe:warm_up"},
-    reqs=_COMMON_REQS, checks=_COMMON_CHECKS,
+    reqs=_QUANT_REQS, checks=_QUANT_CHECKS,
     available=registry.triton_available,
     notes="routing and the device-side align by expert padded to the row tile (one launch at decode sizes: "
           "<= 64 tokens, no group-limited routing; two above), grouped GEMM gate/up with fused SiLU*mul, "
-          "grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync",
+          "grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync; int4 / block "
+          "fp8 experts read as stored (codes converted exactly in registers, scales on each K tile's product)",
 ))

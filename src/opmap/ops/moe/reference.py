@@ -3,8 +3,9 @@
 A per-expert loop: for each expert, gather the tokens routed to it, gate/up projection,
 SiLU(gate) * up, down projection, scale by the routing weight, scatter-add into an fp32
 output. Weights are ``w13[E, 2I, H]`` (rows [:I] = gate, [I:] = up, as HF transformers 5.x
-``gate_up_proj``) and ``w2[E, H, I]`` (HF ``down_proj``). Shared experts are a dense MLP that
-the model adds; they are not part of this entry.
+``gate_up_proj``) and ``w2[E, H, I]`` (HF ``down_proj``), or quantised (int4, block fp8: see
+``routing.check_moe_args``), dequantised here to fp32. Shared experts are a dense MLP that the
+model adds; they are not part of this entry.
 """
 from __future__ import annotations
 
@@ -13,17 +14,31 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from opmap.ops.moe.routing import check_moe_args, route
+from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4
+from opmap.ops.moe.routing import check_moe_args, expert_format, route
+
+
+def dequantize_experts(w: torch.Tensor, scale=None, zero=None) -> torch.Tensor:
+    """fp32 [E, N, K] of expert weights in any format ``check_moe_args`` takes."""
+    fmt = expert_format(w)
+    if fmt is None:
+        return w.float()
+    if fmt == "int4":
+        return torch.stack([dequantize_int4(w[e], scale[e], None if zero is None else zero[e]) for e in range(w.shape[0])])
+    return torch.stack([dequantize_fp8_block(w[e], scale[e]) for e in range(w.shape[0])])
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
         router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
-        routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
+        w13_zero=None, w2_zero=None) -> torch.Tensor:
     """-> [T, H] in x.dtype, computed in fp32."""
-    T, H, E, inter = check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias)
+    check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias,
+                   w13_scale, w2_scale, w13_zero, w2_zero)
     weights, ids = route(router_logits, top_k, router=router, renormalize=renormalize, n_group=n_group,
                          topk_group=topk_group, routed_scaling=routed_scaling, score_bias=score_bias)
-    return moe_from_routing(x, weights, ids, w13, w2).to(x.dtype)
+    return moe_from_routing(x, weights, ids, dequantize_experts(w13, w13_scale, w13_zero),
+                            dequantize_experts(w2, w2_scale, w2_zero)).to(x.dtype)
 
 
 def moe_from_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,

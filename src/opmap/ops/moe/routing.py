@@ -56,17 +56,76 @@ def check_route_args(router_logits, top_k, router, n_group, topk_group, score_bi
     return T, E
 
 
-def check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias) -> tuple:
-    """Validate the ``moe`` entry's inputs (shared by every backend); returns (T, H, E, I)."""
+INT4 = torch.int32  # eight 4-bit codes a word along K (opmap.ops.gemm.quant's layout)
+FP8 = torch.float8_e4m3fn
+SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def expert_format(w13) -> Optional[str]:
+    """None (weights in x's dtype), "int4" or "fp8-block", from the expert weights' dtype."""
+    return {INT4: "int4", FP8: "fp8-block"}.get(getattr(w13, "dtype", None))
+
+
+def _check_scales(name, w, rows, k, scale, zero, fmt):
+    """A quantised expert matrix [E, rows, k] (int4: words [E, rows, k / 8]) and its scale; returns the
+    group size (int4) or block edge (fp8-block)."""
+    from opmap.ops.gemm.quant import block_of
+
+    E = w.shape[0]
+    sname = f"{name}_scale"
+    expect(scale is not None, sname, "None", f"the scales of the {fmt} expert weights {name}")
+    if fmt == "int4":
+        expect_tensor(sname, scale, dtype=SCALE_DTYPES, ndim=3, contiguous=True)
+        groups = scale.shape[2]
+        expect(tuple(scale.shape[:2]) == (E, rows) and groups > 0 and k % groups == 0, sname,
+               f"shape {tuple(scale.shape)}", f"({E}, {rows}, {k} / group_size), the group size dividing {k}")
+        g = k // groups
+        expect(g % 16 == 0, sname, f"group size {g}", "a multiple of 16 (a K tile inside one group)")
+        if zero is not None:
+            expect_tensor(f"{name}_zero", zero, dtype=(torch.uint8,), shape=tuple(scale.shape), contiguous=True)
+        return g
+    expect(zero is None, f"{name}_zero", "a tensor", "None (zero points are for int4 experts)")
+    expect_tensor(sname, scale, dtype=(torch.float32,), ndim=3, contiguous=True)
+    b = block_of(rows, k, scale[0]) if scale.shape[0] == E else 0
+    expect(b > 0, sname, f"shape {tuple(scale.shape)}",
+           f"one fp32 scale per b x b block: ({E}, ceil({rows} / b), ceil({k} / b)), b a power of two >= 16")
+    return b
+
+
+def check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias,
+                   w13_scale=None, w2_scale=None, w13_zero=None, w2_zero=None) -> tuple:
+    """Validate the ``moe`` entry's inputs (shared by every backend); returns (T, H, E, I).
+
+    Expert weights are in x's dtype, or quantised with their scales: int4 (``w13`` int32
+    [E, 2I, H / 8], ``w13_scale`` [E, 2I, H / G], optional uint8 ``w13_zero`` of the scale's shape;
+    ``w2`` [E, H, I / 8] likewise) or block fp8 (e4m3 ``w13`` [E, 2I, H] with fp32
+    ``w13_scale`` [E, ceil(2I / b), ceil(H / b)], ``w2`` alike; I a multiple of b, so that no
+    block holds both gate and up rows)."""
     expect_tensor("x", x, dtype=FLOAT_DTYPES, ndim=2, last_dim_contiguous=True)
     T, H = x.shape
-    expect_tensor("w13", w13, dtype=x.dtype, ndim=3)
+    fmt = expert_format(w13)
+    packed = 8 if fmt == "int4" else 1
+    expect_tensor("w13", w13, dtype=(x.dtype, INT4, FP8), ndim=3)
     E, two_i, H13 = w13.shape
-    expect(H13 == H, "w13", f"shape {tuple(w13.shape)}", f"(E, 2I, H) with H={H} (hidden size of x)")
+    expect(H13 * packed == H, "w13", f"shape {tuple(w13.shape)}",
+           f"(E, 2I, {H}{' / 8' if packed > 1 else ''}) (H={H}: hidden size of x)")
     expect(two_i >= 2 and two_i % 2 == 0, "w13", f"shape {tuple(w13.shape)}",
            "an even, non-zero second dimension 2I (gate rows then up rows)")
     inter = two_i // 2
-    expect_tensor("w2", w2, dtype=x.dtype, shape=(E, H, inter))
+    expect(inter % packed == 0, "w13", f"shape {tuple(w13.shape)}", "I a multiple of 8 for int4 experts")
+    expect_tensor("w2", w2, dtype=(w13.dtype,), shape=(E, H, inter // packed))
+    if fmt is None:
+        for name, t in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("w13_zero", w13_zero),
+                        ("w2_zero", w2_zero)):
+            expect(t is None, name, "a tensor", f"None for experts in {x.dtype} (unquantised)")
+    else:
+        expect(x.dtype in (torch.float16, torch.bfloat16), "x", f"dtype {x.dtype}",
+               f"bf16 or fp16 activations for {fmt} experts")
+        span = _check_scales("w13", w13, two_i, H, w13_scale, w13_zero, fmt)
+        _check_scales("w2", w2, H, inter, w2_scale, w2_zero, fmt)
+        expect(fmt == "int4" or inter % span == 0, "w13_scale", f"block edge {span}",
+               f"a divisor of I={inter} (a block holding gate and up rows has no one scale)")
+        expect_same_device(x=x, w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
     expect_tensor("router_logits", router_logits, dtype=FLOAT_DTYPES, shape=(T, E))
     expect_same_device(x=x, router_logits=router_logits, w13=w13, w2=w2)
     check_route_args(router_logits, top_k, router, n_group, topk_group, score_bias)

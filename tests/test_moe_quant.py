@@ -1,0 +1,117 @@
+"""Quantised experts through the grouped GEMM (backend ``triton``) against the fp32 reference on the
+dequantised weights, in the Triton interpreter (fp16; bf16 on the GPU: tests/gpu/test_moe_quant_gpu.py):
+int4 with group scales (symmetric and with zero points, groups 16-128) and block fp8 (blocks 16-64,
+partial blocks at the K edge), decode and prefill row tiles, one expert hit by every token; the
+public op and the selector; bad scales named."""
+import pytest
+import torch
+
+import opmap
+from opmap.core.contract import InputError
+from opmap.core.tolerance import compare
+from opmap.kernels.moe import triton_moe
+from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4
+from opmap.ops.moe import reference
+
+
+def _experts(E, H, I, fmt, span, zp=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    out = {}
+    for name, w in (("w13", w13), ("w2", w2)):
+        if fmt == "int4":
+            q = [quantize_int4(w[e], span, zp) for e in range(E)]
+            out[name] = torch.stack([t[0] for t in q])
+            out[f"{name}_scale"] = torch.stack([t[1] for t in q]).half()
+            if zp:
+                out[f"{name}_zero"] = torch.stack([t[2] for t in q])
+        else:
+            q = [quantize_fp8_block(w[e], span) for e in range(E)]
+            out[name] = torch.stack([t[0] for t in q])
+            out[f"{name}_scale"] = torch.stack([t[1] for t in q])
+    return out
+
+
+CASES = [  # (T, E, k, H, I, fmt, span, zp, bm)
+    (1, 8, 2, 256, 128, "int4", 128, False, None),
+    (5, 4, 2, 128, 64, "int4", 32, True, None),
+    (9, 6, 3, 96, 48, "int4", 16, False, None),
+    (33, 4, 2, 128, 192, "int4", 64, True, 64),  # a prefill row tile
+    (1, 8, 2, 256, 64, "fp8-block", 64, False, None),
+    (7, 4, 2, 160, 64, "fp8-block", 32, False, None),  # K = 160: a partial block at the K edge
+    (33, 4, 2, 128, 64, "fp8-block", 16, False, 64),
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,fmt,span,zp,bm", CASES)
+def test_quantised_experts_match_the_reference(T, E, k, H, I, fmt, span, zp, bm):
+    g = torch.Generator().manual_seed(T * 31 + E)
+    x = torch.randn(T, H, generator=g).half()
+    logits = torch.randn(T, E, generator=g)
+    w = _experts(E, H, I, fmt, span, zp, seed=T)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    ref = reference.moe(x, logits, w["w13"], w["w2"], k, **q)
+    if bm is None:
+        out = triton_moe.moe(x, logits, w["w13"], w["w2"], k, **q)
+    else:
+        from opmap.ops.moe.routing import route
+        wts, ids = route(logits, k)
+        out = triton_moe.experts(x, wts, ids, w["w13"], w["w2"], bm=bm, quant=q)
+    e = compare(out, ref, torch.float16, scale=2.0)
+    assert e.ok, e
+
+
+def test_every_token_on_one_expert_and_the_reference_dequantises():
+    E, H, I, T = 4, 128, 64, 20
+    w = _experts(E, H, I, "int4", 32)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    x = torch.randn(T, H).half()
+    logits = torch.full((T, E), -10.0)
+    logits[:, 2] = 10.0
+    out = triton_moe.moe(x, logits, w["w13"], w["w2"], 1, **q)
+    ref = reference.moe(x, logits, w["w13"], w["w2"], 1, **q)
+    assert compare(out, ref, torch.float16, scale=2.0).ok
+    # the reference on the dequantised experts is the unquantised reference on those weights
+    d13 = reference.dequantize_experts(w["w13"], q["w13_scale"])
+    d2 = reference.dequantize_experts(w["w2"], q["w2_scale"])
+    assert torch.equal(reference.moe(x.float(), logits, d13, d2, 1), ref.float()) or \
+        compare(reference.moe(x.float(), logits, d13, d2, 1).half(), ref, torch.float16).ok
+
+
+def test_public_op_and_selection():
+    E, H, I, T = 4, 128, 64, 3
+    w = _experts(E, H, I, "fp8-block", 32)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    x = torch.randn(T, H).half()
+    logits = torch.randn(T, E)
+    spec = opmap.api.dense._moe_spec(logits, 2, "softmax", "decode", x, w["w13"], w["w2"], q["w13_scale"])
+    assert spec.weight_dtype == "fp8-block" and spec.group_size == 32
+    ref = reference.moe(x, logits, w["w13"], w["w2"], 2, **q)
+    for backend in ("triton", "reference"):
+        out = opmap.moe(x, logits, w["w13"], w["w2"], 2, backend=backend, **q)
+        assert compare(out, ref, torch.float16, scale=2.0).ok
+    with pytest.raises(Exception, match="torch-loop"):
+        opmap.moe(x, logits, w["w13"], w["w2"], 2, backend="torch-loop", **q)
+
+
+def test_bad_quantised_experts_are_named():
+    E, H, I = 4, 128, 64
+    w = _experts(E, H, I, "int4", 32, zp=True)
+    x = torch.randn(2, H).half()
+    logits = torch.randn(2, E)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    bad = [("w13_scale", dict(q, w13_scale=None)),
+           ("w13_scale", dict(q, w13_scale=q["w13_scale"][:, :, :3])),  # 3 groups do not divide 128
+           ("w2_zero", dict(q, w2_zero=q["w2_zero"].int())),
+           ("x", q)]
+    for arg, kw in bad:
+        xx = x.float() if arg == "x" else x
+        with pytest.raises(InputError, match=arg):
+            triton_moe.moe(xx, logits, w["w13"], w["w2"], 2, **kw)
+    with pytest.raises(InputError, match="w13_scale"):  # scales given with experts in x's dtype
+        triton_moe.moe(x, logits, torch.randn(E, 2 * I, H).half(), torch.randn(E, H, I).half(), 2,
+                       w13_scale=q["w13_scale"])
+    f = _experts(E, H, 96, "fp8-block", 64)  # I = 96 is not a whole number of 64-blocks
+    with pytest.raises(InputError, match="w13_scale"):
+        triton_moe.moe(x, logits, f["w13"], f["w2"], 2, w13_scale=f["w13_scale"], w2_scale=f["w2_scale"])
