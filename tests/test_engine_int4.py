@@ -203,22 +203,44 @@ def test_int4_checkpoint_loads_packed_and_matches_hf(layout, group, flag, act_or
     assert not any("at load" in ln for ln in lines), lines
 
 
-@pytest.mark.parametrize("name,packed", [("tiny-qwen3moe", {"qkv", "o"}), ("tiny-deepseek", {"o", "gate_up", "down"})])
+@pytest.mark.parametrize("name,packed", [("tiny-qwen3moe", {"qkv", "o", "w13", "w2"}),
+                                         ("tiny-deepseek", {"o", "gate_up", "down", "w13", "w2"})])
 def test_int4_moe_and_mla_checkpoints(name, packed, tmp_path, single_thread):
     """GPTQ MoE (experts per module, as GPTQ writes them) and MLA checkpoints: the attention and
-    dense MLP projections packed; the experts and MLA's low-rank projections dequantised at load,
-    named as the fallback they are."""
+    dense MLP projections packed, the routed experts packed for the grouped GEMM (the step map's
+    MoE slot int4); the shared experts and MLA's low-rank projections dequantised at load, named as
+    the fallback they are."""
     cfg = PRESETS[name]
     hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
     _to_int4_checkpoint(hf, str(tmp_path), "gptq", 16, True)
     llm = _run_and_compare(tmp_path, hf, cfg, packed)
-    deq = llm.runner.model.dequantised
+    model = llm.runner.model
+    deq = model.dequantised
     low_rank = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-    assert deq and all(".experts." in n or ".shared_expert" in n or (cfg.is_mla and n.split(".")[-2] in low_rank)
-                       for n in deq), deq
+    assert not any(".experts." in n for n in deq), deq
+    assert all(".shared_expert" in n or (cfg.is_mla and n.split(".")[-2] in low_rank) for n in deq), deq
+    layer = next(i for i in range(cfg.layers) if f"{i}.w13" in model.params)
+    P = model.params
+    assert P[f"{layer}.w13"].dtype == torch.int32 and P[f"{layer}.w13_scale"].shape[-1] == cfg.hidden // 16
+    assert model.expert_quant == ("int4", 16)
+    moe = [r for r in llm.runner.ops["prefill"].rows if r.key == "moe"][0]
+    assert moe.spec.weight_dtype == "int4" and moe.backend.name in ("triton", "reference")
     from opmap.harness.profile import quant_lines
 
-    assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in quant_lines(llm))
+    if deq:
+        assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in quant_lines(llm))
+
+
+def test_int4_moe_act_order_experts_dequantised(tmp_path, single_thread):
+    """An act-order GPTQ MoE checkpoint: each expert has its own channel order, which the grouped
+    GEMM does not take, so its experts are dequantised at load (named) and the MoE slot says bf16;
+    greedy tokens still match HF."""
+    cfg = PRESETS["tiny-qwen3moe"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=3, tokenizer=word_tokenizer(cfg.vocab))
+    _to_int4_checkpoint(hf, str(tmp_path), "gptq", 16, True, True)
+    llm = _run_and_compare(tmp_path, hf, cfg, {"qkv", "o"})
+    assert llm.runner.model.expert_quant is None
+    assert any(".experts." in n for n in llm.runner.model.dequantised)
 
 
 @pytest.mark.parametrize("zero_point", [False, True])

@@ -186,11 +186,12 @@ def test_fp8_checkpoint_layouts_of_autofp8_transformers_and_fbgemm(layout, strat
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8), layout
 
 
-def _to_block_fp8_checkpoint(hf, path, block):
+def _to_block_fp8_checkpoint(hf, path, block, experts=False):
     """Rewrite the checkpoint at ``path`` as block-wise fp8 (transformers' FineGrainedFP8 layout, as
     DeepSeek-V3's and Qwen3's FP8 releases): every projection weight in e4m3 beside a
-    ``weight_scale_inv`` of one scale per ``block`` (partial blocks at the edges included). The HF
-    model gets the dequantised weights."""
+    ``weight_scale_inv`` of one scale per ``block`` (partial blocks at the edges included); with
+    ``experts`` the routed experts too, one tensor per expert and projection. The HF model gets the
+    dequantised weights."""
     import glob
     import json
     import os
@@ -198,12 +199,8 @@ def _to_block_fp8_checkpoint(hf, path, block):
     from safetensors.torch import save_file
 
     bn, bk = block
-    out = {}
-    for k, v in hf.state_dict().items():
-        v = v.detach().clone().contiguous()
-        if not (k.endswith("_proj.weight") and ".experts." not in k):
-            out[k] = v
-            continue
+
+    def quantise(v):
         N, K = v.shape
         nb, kb = -(-N // bn), -(-K // bk)
         pad = torch.zeros(nb * bn, kb * bk)
@@ -212,9 +209,37 @@ def _to_block_fp8_checkpoint(hf, path, block):
         s = (amax / 448.0).clamp_min(1e-12)
         full = s.repeat_interleave(bn, 0)[:N].repeat_interleave(bk, 1)[:, :K]
         q = (v / full).clamp(-448, 448).to(torch.float8_e4m3fn)
-        out[k], out[k + "_scale_inv"] = q, s.float()
+        return q, s.float(), q.float() * full
+
+    out = {}
+    for k, v in hf.state_dict().items():
+        v = v.detach().clone().contiguous()
+        if experts and ".experts." in k and k.endswith(("gate_up_proj", "down_proj")):
+            # per expert and projection, as the fp8 releases store them (transformers fuses them)
+            base, proj = k.rsplit(".", 1)
+            with torch.no_grad():
+                for e in range(v.shape[0]):
+                    half = v.shape[1] // 2
+                    parts = ({"gate_proj": v[e, :half], "up_proj": v[e, half:]} if proj == "gate_up_proj"
+                             else {"down_proj": v[e]})
+                    for name, w in parts.items():
+                        q, s, deq = quantise(w)
+                        out[f"{base}.{e}.{name}.weight"], out[f"{base}.{e}.{name}.weight_scale_inv"] = q, s
+                        p = hf.get_parameter(k)
+                        if name == "up_proj":
+                            p[e, half:].copy_(deq)
+                        elif name == "gate_proj":
+                            p[e, :half].copy_(deq)
+                        else:
+                            p[e].copy_(deq)
+            continue
+        if not (k.endswith("_proj.weight") and ".experts." not in k):
+            out[k] = v
+            continue
+        q, s, deq = quantise(v)
+        out[k], out[k + "_scale_inv"] = q, s
         with torch.no_grad():
-            hf.get_parameter(k).copy_(q.float() * full)
+            hf.get_parameter(k).copy_(deq)
     for f in glob.glob(os.path.join(path, "model*.safetensors*")):
         os.remove(f)
     save_file(out, os.path.join(path, "model.safetensors"))
@@ -532,6 +557,29 @@ def test_block_wise_fp8_with_square_blocks_stays_fp8(tmp_path, single_thread):
     assert llm2.runner.weight_format is None and llm2.runner.model.dequantised
     out = llm2.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))
     assert out[0].token_ids == hf_greedy(hf2, prompts[0], 8)
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-deepseek"])
+def test_block_wise_fp8_moe_experts_stay_fp8(name, tmp_path, single_thread):
+    """A block-fp8 MoE checkpoint with its experts quantised (DeepSeek-V3's and Qwen3-30B-A3B-FP8's
+    layout): the routed experts stay e4m3 with their block scales for the grouped GEMM (the MoE
+    slot asks for fp8-block), and the greedy tokens equal HF's on the dequantised weights."""
+    cfg = PRESETS[name]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16), experts=True)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.unused == [] and r.model.expert_quant == ("fp8-block", 16)
+    assert not any(".experts." in n for n in r.model.dequantised)
+    layer = next(i for i in range(cfg.layers) if f"{i}.w13" in r.model.params)
+    P = r.model.params
+    assert P[f"{layer}.w13"].dtype == torch.float8_e4m3fn
+    assert P[f"{layer}.w13_scale"].shape == (cfg.num_experts, 2 * cfg.moe_intermediate // 16, cfg.hidden // 16)
+    moe = next(c for _, _, c in r.ops["prefill"].choices if c.op == "moe")
+    assert moe.spec.weight_dtype == "fp8-block" and moe.spec.group_size == 16
+    prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
 
 
 def test_block_wise_fp8_missing_scales_and_unquantised_projections_are_named(tmp_path):

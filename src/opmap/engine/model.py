@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from opmap.model.hf import quantised_experts
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
 from opmap.ops.gemm.quant import int4_group, quantize_fp8_block, quantize_int4, quantize_weight
@@ -49,6 +50,7 @@ class DecoderModel:
         self.kv_layer_kw: Optional[list] = None  # per layer, where the checkpoint has KV scales
         self.kv_layer_scales: Optional[list] = None  # (k_scale, v_scale) per layer from the checkpoint
         self.dequantised: list = []  # quantised checkpoint tensors loaded into model-dtype parameters
+        self.expert_quant: Optional[tuple] = None  # (format, group / block) of experts kept quantised
         self.params: dict = {}
         h, d = cfg.hidden, cfg.head_dim
         self.scale = d ** -0.5
@@ -144,6 +146,33 @@ class DecoderModel:
         return out
 
     @torch.no_grad()
+    def quantize_experts_(self, fmt: str, group: Optional[int], zero_point: bool = False) -> None:
+        """The routed experts in ``fmt`` ("int4": a scale per ``group`` input channels, int4_group's
+        rule; "fp8-block": per ``group`` x ``group`` block), per expert, as the MoE kernels read them:
+        ``<layer>.w13`` / ``.w2`` and their ``_scale`` (and int4 ``_zero``)."""
+        for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
+            w = self.params[n]
+            k = w.shape[2]
+            qs = [quantize_int4(w[e], int4_group(k, group), zero_point) if fmt == "int4"
+                  else (*quantize_fp8_block(w[e], group), None) for e in range(w.shape[0])]
+            self.params[n] = torch.stack([q[0] for q in qs])
+            self.params[f"{n}_scale"] = torch.stack([q[1] for q in qs])
+            if qs[0][2] is not None:
+                self.params[f"{n}_zero"] = torch.stack([q[2] for q in qs])
+        self.expert_quant = (fmt, group)
+
+    def expert_bytes_per_param(self) -> float:
+        """Bytes a routed-expert parameter takes as stored (codes, scales and zero codes over the
+        dense parameter count); the model's dtype size where the experts are not quantised."""
+        nbytes = params = 0
+        for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
+            w = self.params[n]
+            params += w.numel() * (8 if w.dtype == torch.int32 else 1)
+            nbytes += sum(self.params[k].numel() * self.params[k].element_size()
+                          for k in (n, f"{n}_scale", f"{n}_zero") if k in self.params)
+        return nbytes / params if params else float(self.dtype.itemsize)
+
+    @torch.no_grad()
     def quantize_(self, fmt: str, lm_head: bool = False, group_size: Optional[int] = None,
                   zero_point: bool = False) -> list:
         """Weight-only ``fmt`` in place: "fp8" e4m3 / "int8" with one scale per output channel,
@@ -202,6 +231,10 @@ class DecoderModel:
                   "fp8-block": lambda: self._block_params(wq["group_size"])}.get(wq.get("format"))
         L = Loader(source, self.device, self.dtype, scales() if scales else None, wq.get("block"),
                    int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
+        self.expert_quant = quantised_experts(self.cfg) if self._experts_stored_quantised(L) else None
+        if self.expert_quant:  # filled quantised by load_mlp: no dense copy is allocated
+            for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
+                self.params[n] = torch.empty(self.params[n].shape, device="meta")
         self.dequantised = L.dequantised
         self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params
@@ -233,18 +266,38 @@ class DecoderModel:
             L.copy(P[f"{i}.o_bias"], f"{a}.o_proj.bias")
         self.load_mlp(L, i)
 
+    def _experts_of(self, L: Loader, i: int) -> tuple:
+        """(module prefix, names of gate, up, down in the per-expert layout) of layer i's experts."""
+        pre = f"model.layers.{i}.mlp"
+        if self.cfg.arch == "mixtral" and not L.has(f"{pre}.gate.weight"):
+            return f"model.layers.{i}.block_sparse_moe", ("w1", "w3", "w2")
+        return pre, ("gate_proj", "up_proj", "down_proj")
+
+    def _experts_stored_quantised(self, L: Loader) -> bool:
+        """Whether the checkpoint stores its routed experts in its quantised format (an expert
+        per module, as GPTQ, AWQ, llm-compressor and the fp8 releases write them); a checkpoint that
+        keeps them in 16 bits loads them as stored."""
+        fmt = (quantised_experts(self.cfg) or (None,))[0]
+        i = next((i for i in range(self.cfg.layers) if f"{i}.w13" in self.params), None)
+        if fmt is None or i is None:
+            return False
+        pre, legacy = self._experts_of(L, i)
+        name = f"{pre}.experts.0.{legacy[0]}.weight"
+        return L.is_int4(name) if fmt == "int4" else L.has(name) and L._scale_name(name) is not None
+
     def load_mlp(self, L: Loader, i: int) -> None:
         P, c = self.params, self.cfg
         pre = f"model.layers.{i}.mlp"
         if f"{i}.w13" in P:
-            if c.arch == "mixtral" and not L.has(f"{pre}.gate.weight"):
-                pre, legacy = f"model.layers.{i}.block_sparse_moe", ("w1", "w3", "w2")
-            else:
-                legacy = ("gate_proj", "up_proj", "down_proj")
+            pre, legacy = self._experts_of(L, i)
             L.copy(P[f"{i}.router"], f"{pre}.gate.weight")
             if c.router_bias:
                 L.copy(P[f"{i}.router_bias"], f"{pre}.gate.e_score_correction_bias")
-            L.experts(P[f"{i}.w13"], P[f"{i}.w2"], pre, legacy)
+            if self.expert_quant:
+                P.update({f"{i}.{k}": v for k, v in L.quantised_experts(
+                    pre, legacy, c.num_experts, c.moe_intermediate, c.hidden, self.expert_quant[0]).items()})
+            else:
+                L.experts(P[f"{i}.w13"], P[f"{i}.w2"], pre, legacy)
             if c.shared_experts:
                 s = f"{pre}.shared_expert" if c.shared_gate else f"{pre}.shared_experts"  # Qwen2-MoE: one, gated
                 L.cat(P[f"{i}.shared_gate_up"], [f"{s}.gate_proj.weight", f"{s}.up_proj.weight"])
@@ -331,6 +384,11 @@ class DecoderModel:
         w = self.cfg.window_of(i)
         return {"window": w} if w else {}
 
+    def expert_scales(self, i: int) -> dict:
+        """The scales (and int4 zero codes) of layer i's quantised experts, by ``moe``'s argument names."""
+        P = self.params
+        return {k: P[f"{i}.{k}"] for k in ("w13_scale", "w2_scale", "w13_zero", "w2_zero") if f"{i}.{k}" in P}
+
     def mlp(self, ops, i: int, h: torch.Tensor) -> torch.Tensor:
         P, c = self.params, self.cfg
         if f"{i}.w13" in P:
@@ -340,7 +398,8 @@ class DecoderModel:
             logits = ops.gemm["router"](h, P[f"{i}.router"])
             out = ops.moe(h, logits, P[f"{i}.w13"], P[f"{i}.w2"], c.top_k, router=c.router,
                           renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                          routed_scaling=c.routed_scaling, score_bias=P.get(f"{i}.router_bias"))
+                          routed_scaling=c.routed_scaling, score_bias=P.get(f"{i}.router_bias"),
+                          **self.expert_scales(i))
             if c.shared_experts:
                 s = ops.gemm["shared_down"](ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"])),
                                             P[f"{i}.shared_down"])

@@ -19,6 +19,7 @@ import torch
 
 from opmap.api.dispatch import entry_of
 from opmap.engine.config import EngineConfig
+from opmap.model.hf import quantised_experts
 from opmap.model.presets import ModelConfig
 from opmap.model.step import StepSettings, resolve, step_map, step_slots
 from opmap.ops.gemm.quant import INT4_GROUP
@@ -70,11 +71,24 @@ def engine_dtype(ecfg: EngineConfig, arch: str) -> str:
     return ecfg.dtype if ecfg.dtype != "auto" else ("fp32" if arch == "cpu" else "bf16")
 
 
+def quantised_expert_format(cfg: ModelConfig, ecfg: EngineConfig) -> Optional[tuple]:
+    """(format, group / block) of the routed experts as the engine keeps them: a checkpoint's per
+    model.hf.quantised_experts, ``--quantize int4``'s (the experts too, a scale per INT4_GROUP
+    channels), else None (experts in the model's dtype)."""
+    if not cfg.is_moe:
+        return None
+    if ecfg.quantize:
+        return ("int4", INT4_GROUP) if ecfg.quantize == "int4" else None
+    return quantised_experts(cfg)
+
+
 def engine_settings(cfg: ModelConfig, ecfg: EngineConfig, arch: str, weight_format: Optional[str] = None,
-                    lm_head_quantised: bool = False) -> StepSettings:
+                    lm_head_quantised: bool = False, experts: Optional[tuple] = ()) -> StepSettings:
     """The step settings of an engine with ``ecfg`` on ``arch`` (no row count, no CUDA graph: each
     op set sets its own). ``weight_format``: the projections' quantised format (``--quantize`` or
-    the checkpoint's); ``lm_head_quantised``: the LM head's too."""
+    the checkpoint's); ``lm_head_quantised``: the LM head's too; ``experts``: the routed experts'
+    (format, group) as loaded, None for experts in the model's dtype (default: as
+    ``quantised_expert_format`` plans them)."""
     group = None
     stored = cfg.extra.get("weight_quant") or {}
     if weight_format == "int4":  # the checkpoint's groups, or --quantize int4's
@@ -83,7 +97,9 @@ def engine_settings(cfg: ModelConfig, ecfg: EngineConfig, arch: str, weight_form
         group = stored.get("group_size")
     return StepSettings(arch=arch, dtype=engine_dtype(ecfg, arch), page_size=ecfg.page_size or
                         cfg.default_page_size(arch), kv_dtype=ecfg.kv_cache_dtype, weight_quant=weight_format,
-                        group_size=group, quant_lm_head=lm_head_quantised)
+                        group_size=group, quant_lm_head=lm_head_quantised,
+                        experts=(quantised_expert_format(cfg, ecfg) if weight_format else None) if experts == ()
+                        else experts)
 
 
 def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = None,

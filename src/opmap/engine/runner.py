@@ -37,7 +37,7 @@ from opmap.engine.kv_plan import MemFigures, plan_pages
 from opmap.engine.model import Step
 from opmap.engine.model_mla import build_model
 from opmap.ops.gemm.quant import INT4_GROUP
-from opmap.engine.opset import OpSet, engine_dtype, engine_settings, log_choices
+from opmap.engine.opset import OpSet, engine_dtype, engine_settings, log_choices, quantised_expert_format
 from opmap.engine.scheduler import Batch
 
 log = logging.getLogger("opmap.engine")
@@ -102,13 +102,18 @@ class ModelRunner:
         group = wq.get("group_size") if stored in ("int4", "fp8-block") else INT4_GROUP
         self.quantised = self.model.quantize_(fmt, lm_head=bool(ecfg.quantize), group_size=group,
                                               zero_point=bool(stored == "int4" and wq.get("zero_point"))) if fmt else []
+        experts = quantised_expert_format(cfg, ecfg) if fmt else None
+        if experts and not self.model.expert_quant and (source is None or ecfg.quantize):
+            # random weights of a quantised config (as a load gives them), or --quantize int4: the experts too
+            self.model.quantize_experts_(*experts, zero_point=bool(stored == "int4" and wq.get("zero_point")))
         self.lm_head_quantised = "lm_head" in self.quantised
         if self.quantised:
-            log.info("weight-only %s: %d projection weights quantised per %s%s (router, experts "
-                     "and embedding keep %s)", fmt, len(self.quantised),
+            log.info("weight-only %s: %d projection weights quantised per %s%s (router, %sembedding keep %s)",
+                     fmt, len(self.quantised),
                      {"int4": f"group of {group or 'K'} input channels", "fp8-block": f"{group} x {group} block"}.get(
                          fmt, "output channel"),
-                     ", the LM head among them" if self.lm_head_quantised else "", dtype_name(self.dtype))
+                     ", the LM head among them" if self.lm_head_quantised else "",
+                     "" if self.model.expert_quant else "experts and " if cfg.is_moe else "", dtype_name(self.dtype))
         deq = self.model.dequantised
         if deq and wq.get("block") and stored != "fp8-block":
             log.warning("block-wise fp8 checkpoint: %d weights dequantised to %s at load (no kernel takes one scale "
@@ -122,6 +127,7 @@ class ModelRunner:
                      f"(no {stored} kernel for them: {', '.join(deq[:3])}{' ...' if len(deq) > 3 else ''})" if deq else "")
         self.weight_format = ecfg.quantize or stored
         self.quantised_bytes = self.model.quantised_bytes_per_param() if self.weight_format else 1.0
+        self.expert_bytes = self.model.expert_bytes_per_param() if self.model.expert_quant else None
         self.load_s = time.perf_counter() - t0
         self.max_seqs = ecfg.max_num_seqs
         self.buckets = buckets(self.max_seqs)
@@ -129,7 +135,8 @@ class ModelRunner:
         self.slot_cap = self.max_seqs + 1  # sequence slots: a padded prefill step adds one
         self.use_graphs = on_gpu and not ecfg.enforce_eager
         # Every op set is the model's step map (opmap.model.step) at these settings, resolved.
-        settings = engine_settings(cfg, ecfg, self.arch, self.weight_format, self.lm_head_quantised)
+        settings = engine_settings(cfg, ecfg, self.arch, self.weight_format, self.lm_head_quantised,
+                                   self.model.expert_quant)
 
         def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
             return OpSet(cfg, phase, dataclasses.replace(settings, cuda_graph=graph, m=m),
@@ -314,7 +321,8 @@ class ModelRunner:
     def decode_weight_bytes(self, rows: float) -> float:
         """Weight bytes one decode step of ``rows`` sequences reads, as this engine stores them."""
         return self.cfg.decode_weight_bytes(rows, self.dtype.itemsize, quantised=bool(self.weight_format),
-                                            lm_head=self.lm_head_quantised, bytes_per_quantised=self.quantised_bytes)
+                                            lm_head=self.lm_head_quantised, bytes_per_quantised=self.quantised_bytes,
+                                            bytes_per_expert=self.expert_bytes)
 
     def bucket_for(self, b: int) -> int:
         for x in self.buckets:
@@ -461,9 +469,10 @@ class ModelRunner:
         # the prefill and mixed op sets: one call per distinct backend entry
         for warm_up in {ops.moe_warm_up for ops in self.ops.values()} - {None}:
             with torch.inference_mode():
-                n = warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, router=c.router,
-                            renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                            routed_scaling=c.routed_scaling, score_bias=P.get(f"{layer}.router_bias"))
+                n = warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, dtype=self.dtype,
+                            router=c.router, renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
+                            routed_scaling=c.routed_scaling, score_bias=P.get(f"{layer}.router_bias"),
+                            **self.model.expert_scales(layer))
             torch.cuda.synchronize()
             log.info("MoE kernels tuned for %d token counts up to %d in %.1f s", n, self.max_tokens,
                      time.perf_counter() - t0)

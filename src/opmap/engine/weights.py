@@ -342,6 +342,49 @@ class Loader:
             self.cat(w13[e], [f"{prefix}.experts.{e}.{g}.weight", f"{prefix}.experts.{e}.{u}.weight"])
             self.copy(w2[e], f"{prefix}.experts.{e}.{d}.weight")
 
+    @torch.no_grad()
+    def quantised_experts(self, prefix: str, legacy: tuple, E: int, inter: int, hidden: int, fmt: str) -> dict:
+        """The routed experts of ``prefix`` kept in the checkpoint's ``fmt`` (model.hf.quantised_experts
+        says when), stacked as the MoE kernels read them: {"w13", "w2", "w13_scale", "w2_scale"} and,
+        for int4 with zero points, "w13_zero" / "w2_zero". Per-expert tensors (``legacy`` names of
+        gate, up, down); an expert stored otherwise is refused naming it."""
+        g, u, d = legacy
+        names = [[f"{prefix}.experts.{e}.{n}.weight" for n in (g, u, d)] for e in range(E)]
+        if self.has(f"{prefix}.experts.gate_up_proj") or not (
+                self.is_int4(names[0][0]) if fmt == "int4" else self.has(names[0][0]) and self._scale_name(names[0][0])):
+            raise InputError(f"checkpoint tensor {names[0][0]}", "missing or not stored as the checkpoint's format says",
+                             f"each routed expert's gate, up and down projections in {fmt}, one tensor each "
+                             "(with their scales)")
+        out: dict = {}
+        per = 8 if fmt == "int4" else 1
+        for key, parts in (("w13", [[n[0], n[1]] for n in names]), ("w2", [[n[2]] for n in names])):
+            k = hidden if key == "w13" else inter
+            q = [[self._expert_part(n, k, fmt) for n in ps] for ps in parts]  # [E][part] -> (w, scale, zero)
+            want = (2 * inter, hidden // per) if key == "w13" else (hidden, inter // per)
+            for ps, n in zip(q, parts):
+                got = tuple(torch.cat([p[0] for p in ps]).shape)
+                if got != want:
+                    raise InputError(f"checkpoint tensor{'s' * (len(n) > 1)} {', '.join(n)}", f"{got} stacked",
+                                     f"{want} as config.json's hidden_size and moe_intermediate_size give")
+            out[key] = torch.stack([torch.cat([p[0] for p in ps]) for ps in q]).to(self.device)
+            out[f"{key}_scale"] = torch.stack([torch.cat([p[1].float() for p in ps]) for ps in q]).to(self.device)
+            if q[0][0][2] is not None:
+                out[f"{key}_zero"] = torch.stack([torch.cat([p[2] for p in ps]) for ps in q]).to(self.device)
+        return out
+
+    def _expert_part(self, name: str, k: int, fmt: str) -> tuple:
+        """(weight as the kernels read it, scale, zero codes or None) of one expert projection."""
+        if fmt == "int4":
+            if not self.is_int4(name):
+                raise InputError(f"checkpoint tensor {name}", "not int4", "int4 codes like the other experts")
+            w = self.int4_weight(name, k)
+            if w.g_idx is not None and not torch.equal(w.g_idx, torch.arange(k, device=w.g_idx.device)
+                                                       // (k // w.scale.shape[1])):
+                raise InputError(f"checkpoint tensor {name[:-7]}.g_idx", "act-order groups",
+                                 "groups in channel order (the config says the checkpoint has no act order)")
+            return pack_int4(w.codes), w.scale, w.zero if self.int4.get("zero_point") else None
+        return (*self._quantised(name, "fp8-block"), None)
+
     def unused(self) -> list:
         # Allowed to stay unread: rotary caches (recomputed), lm_head.weight of a model with tied
         # embeddings (the embedding is the LM head; a checkpoint whose lm_head.weight differs from

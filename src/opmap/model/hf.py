@@ -319,7 +319,7 @@ def _int4_quant(q: dict, method: str, where: str) -> dict:
     if q.get("lm_head"):
         raise InputError(f"{where}.lm_head", "true", "false (a quantised LM head is not loaded)")
     return {"format": "int4", "layout": "gptq", "group_size": group, "zero_point": True, "ignore": ignore,
-            "gptq_v1": fmt == "gptq", "kv_scales": False}
+            "gptq_v1": fmt == "gptq", "act_order": bool(q.get("desc_act")), "kv_scales": False}
 
 
 def _compressed_int4(q: dict, g: dict, where: str) -> dict:
@@ -354,7 +354,28 @@ def _compressed_int4(q: dict, g: dict, where: str) -> dict:
     if q.get("kv_cache_scheme") is not None:
         raise InputError(f"{where}.kv_cache_scheme", repr(q["kv_cache_scheme"]), "null with int4 weights")
     return {"format": "int4", "layout": "compressed", "group_size": group, "zero_point": not w.get("symmetric", True),
-            "ignore": list(q.get("ignore") or []), "kv_scales": False}
+            "act_order": w.get("actorder") not in (None, False), "ignore": list(q.get("ignore") or []),
+            "kv_scales": False}
+
+
+def quantised_experts(cfg) -> Optional[tuple]:
+    """(format, group size or block edge) in which a quantised checkpoint's routed experts stay at
+    load, read as stored by the MoE kernels, or None (unquantised, or dequantised at load): int4
+    experts (group G, or None for one scale a row) unless the checkpoint has act order (each
+    expert's own channel order; the grouped GEMM reads one order), block-fp8 experts where the
+    intermediate size is whole blocks (gate and up rows never share a block). The loader and the
+    step map both ask this, so what the report plans is what the engine loads."""
+    wq = cfg.extra.get("weight_quant") or {}
+    if not cfg.is_moe or any("expert" in str(n) for n in wq.get("ignore") or ()):
+        return None
+    g = wq.get("group_size")
+    if wq.get("format") == "int4" and not wq.get("act_order"):
+        sizes = (cfg.hidden, cfg.moe_intermediate)
+        if all(k % 16 == 0 and (g is None or k % g == 0) for k in sizes):
+            return ("int4", g)
+    if wq.get("format") == "fp8-block" and cfg.moe_intermediate % g == 0:
+        return ("fp8-block", g)
+    return None
 
 
 # config.json fields by the value they must hold: sizes (ints >= 1; None allowed for the optional

@@ -104,23 +104,29 @@ class ModelConfig:
         return 64 if self.is_mla or arch == "sm90" else 16
 
     def decode_weight_bytes(self, rows: float, bytes_per_param: float = 2.0, quantised: bool = False,
-                            lm_head: bool = False, bytes_per_quantised: float = 1.0) -> float:
+                            lm_head: bool = False, bytes_per_quantised: float = 1.0,
+                            bytes_per_expert: Optional[float] = None) -> float:
         """Bytes of the weights one decode step of ``rows`` sequences reads: every dense weight and
         the LM head, not the embedding table (``rows`` rows of it; unless tied to the LM head), and
         of each MoE layer's routed experts the expected number of distinct ones that rows x top_k
         uniform picks hit, E (1 - (1 - k/E)^rows). ``quantised``: the projections of weight-only
         quantisation (``quantised_params``) at ``bytes_per_quantised`` each (fp8 / int8: one byte;
         int4: half a byte and its share of the group scales); ``lm_head``: the LM head too (``opmap
-        run --quantize`` quantises an LM head of its own)."""
+        run --quantize`` quantises an LM head of its own); ``bytes_per_expert``: the routed experts'
+        bytes per parameter as stored, where they are quantised."""
         total = self.num_params() - (0 if self.tie_embeddings else self.vocab * self.hidden)
+        active = 0.0
         if self.is_moe:
             E, k = self.num_experts, self.top_k
-            unused = E - E * (1 - (1 - k / E) ** max(rows, 1))
-            total -= (self.layers - self.first_dense_layers) * unused * 3 * self.hidden * self.moe_intermediate
+            hit = E * (1 - (1 - k / E) ** max(rows, 1))
+            per_expert = (self.layers - self.first_dense_layers) * 3 * self.hidden * self.moe_intermediate
+            total -= E * per_expert  # the experts are counted below, those a step reads
+            active = hit * per_expert
         q = self.quantised_params() if quantised else 0
         if quantised and lm_head and not self.tie_embeddings:
             q += self.vocab * self.hidden
-        return (total - q) * bytes_per_param + q * bytes_per_quantised
+        expert = active * (bytes_per_param if bytes_per_expert is None else bytes_per_expert)
+        return (total - q) * bytes_per_param + q * bytes_per_quantised + expert
 
     def quantised_params(self) -> int:
         """Parameters of the projections weight-only quantisation applies to (the engine's

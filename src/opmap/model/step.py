@@ -42,6 +42,7 @@ class StepSettings:
     weight_quant: Optional[str] = None  # weight-only "fp8" / "int8" / "int4" of the projections DecoderModel.quant_names
     group_size: Optional[int] = None  # int4: input channels a scale covers (None: one scale a row)
     quant_lm_head: bool = False  # the LM head quantised too
+    experts: Optional[tuple] = None  # (format, group / block) of routed experts kept quantised (model.hf.quantised_experts)
     cuda_graph: bool = False  # the step is captured in a CUDA graph
     m: Optional[int] = None  # rows of the step (a decode batch bucket); None: any (eager prefill and mixed)
 
@@ -146,10 +147,11 @@ def step_slots(cfg: ModelConfig, phase: str, st: StepSettings) -> list[Slot]:
         gemm("down", "down proj", h, cfg.intermediate, cfg.mlp_bias, quantised=True)
     if cfg.is_moe:
         gemm("router", "router", cfg.num_experts, h)
+        efmt, egroup = st.experts or (dtype, None)
         add("moe", "MoE", "moe", S.MoESpec(
             num_experts=cfg.num_experts, top_k=cfg.top_k, hidden=h, intermediate=cfg.moe_intermediate,
-            router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, weight_dtype=dtype, tokens=st.m,
-            **base), "moe")
+            router=cfg.router, shared_experts=cfg.shared_experts, dtype=dtype, weight_dtype=efmt, tokens=st.m,
+            group_size=int4_group(h, egroup) if efmt == "int4" else egroup, **base), "moe")
         if cfg.shared_experts:
             si = cfg.shared_width
             gemm("shared_gate_up", "shared gate/up proj", 2 * si, h)

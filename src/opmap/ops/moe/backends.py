@@ -50,12 +50,6 @@ _COMMON_REQS = (
 )
 
 
-def _quant_act(spec):
-    if spec.weight_dtype in _QUANT and spec.dtype == "fp32":
-        return f"dtype=fp32 with {spec.weight_dtype} experts (bf16 / fp16 activations: the codes convert exactly to them)"
-    return None
-
-
 def _span(spec):
     g = spec.group_size
     if spec.weight_dtype in _QUANT and (not g or g % 16 or (spec.weight_dtype == "fp8-block" and g & (g - 1))):
@@ -66,8 +60,7 @@ def _span(spec):
 _QUANT = ("int4", "fp8-block")
 _QUANT_REQS = tuple(r for r in _COMMON_REQS if r.field != "weight_dtype") + (
     Req("weight_dtype", _FLOAT + _QUANT, "experts in x.dtype, int4 (group scales) or block fp8"),)
-_QUANT_CHECKS = _COMMON_CHECKS + (Check("quantised experts: bf16 / fp16 activations", _quant_act, "dtype"),
-                                  Check("group / block a multiple of 16", _span, "group_size"))
+_QUANT_CHECKS = _COMMON_CHECKS + (Check("group / block a multiple of 16", _span, "group_size"),)
 
 
 def _grouped_mm_cuda_dtype(spec):
