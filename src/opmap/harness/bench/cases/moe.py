@@ -11,6 +11,11 @@ from a CUDA graph, which removes the launch cost of its ~10 kernels), the per-ex
 cuBLAS calls (eager only: it reads the expert counts on the host, so it cannot be captured), and
 torch._grouped_mm (eager and graph). Prefill cases also time two dense cuBLAS GEMMs with the
 same FLOPs (not an MoE: the dense-GEMM rate the prefill target is a fraction of).
+
+The op ``moe.quant`` times the same cases with the experts quantised (int4 with a scale per 128
+input channels, the layout of GPTQ / AWQ / W4A16 checkpoints; block fp8 with 128 x 128 blocks, as
+DeepSeek-V3's and Qwen3-FP8's): our grouped GEMM reading them as stored (eager and graph) beside
+itself on the same experts in bf16 (graph); bytes count the quantised experts as stored.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import torch
 from opmap.core import hw, registry
 from opmap.core.specs import MoESpec
 from opmap.harness.bench.base import BenchCase, Provider
+from opmap.ops.gemm.quant import INT4_GROUP, quantize_fp8_block, quantize_int4
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -45,18 +51,37 @@ def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
     return setup
 
 
-def _call(backend: str):
+def _call(backend: str, quantised: bool = False):
     def make(inp):
         fn = registry.get("moe", backend).fn("moe")
+        if quantised:
+            return lambda: fn(inp["x"], inp["logits"], inp["q13"], inp["q2"], inp["k"], **inp["scales"])
         return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"])
 
     return make
 
 
-def _graphed(backend: str):
+def _quantised_setup(T, E, k, H, I, seed, fmt):
+    dense = _setup(T, E, k, H, I, seed)
+
+    def setup(device):
+        d = dense(device)
+        scales = {}
+        for name, w in (("13", d["w13"]), ("2", d["w2"])):
+            parts = [quantize_int4(w[e], INT4_GROUP)[:2] if fmt == "int4" else quantize_fp8_block(w[e], 128)
+                     for e in range(E)]
+            d[f"q{name}"] = torch.stack([p[0] for p in parts])
+            scales[f"w{name}_scale"] = torch.stack([p[1] for p in parts])
+        d["scales"] = scales
+        return d
+
+    return setup
+
+
+def _graphed(backend: str, quantised: bool = False):
     """A provider that captures the op in its own CUDA graph and times the replay."""
     def make(inp):
-        call = _call(backend)(inp)
+        call = _call(backend, quantised)(inp)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -116,4 +141,17 @@ def cases(quick: bool) -> list[BenchCase]:
                 spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
                              dtype="bf16", weight_dtype="bf16", tokens=T),
                 tags=("moe",)))
+            for fmt, wbytes in (("int4", 0.5 + 2 / INT4_GROUP), ("fp8-block", 1 + 4 / 128 ** 2)):
+                qbytes = hit * 3 * H * I * wbytes + 2 * T * H * 2 + T * E * 4
+                tag = f"int4-g{INT4_GROUP}" if fmt == "int4" else "fp8-block128"
+                out.append(BenchCase(
+                    op="moe.quant", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},w={tag},dtype=bf16",
+                    flops=flops, bytes=float(qbytes), setup=_quantised_setup(T, E, k, H, I, seed, fmt),
+                    providers=[Provider("opmap-triton", _call("triton", True), backend=("moe", "triton")),
+                               Provider("opmap-triton+graph", _graphed("triton", True), backend=("moe", "triton")),
+                               Provider("opmap-triton-bf16+graph", _graphed("triton"))],
+                    bound="compute" if flops / qbytes > 200 else "memory",
+                    spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
+                                 dtype="bf16", weight_dtype=fmt, tokens=T, group_size=INT4_GROUP if fmt == "int4" else 128),
+                    tags=("moe",)))
     return out

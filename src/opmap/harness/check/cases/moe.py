@@ -1,7 +1,8 @@
 """MoE check cases: every runnable MoE backend against the fp32 reference (and the reference
 against HF transformers' MixtralSparseMoeBlock), boundaries (an expert with no token, every
-token on one expert, one token, top_k == experts, past the one-launch routing of ours), bad
-input, CUDA-graph replay of ours."""
+token on one expert, one token, top_k == experts, past the one-launch routing of ours), quantised
+experts (int4 with and without zero points, block fp8) against the reference on the dequantised
+experts, bad input, CUDA-graph replay of ours."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +13,7 @@ from opmap.core.specs import MoESpec
 from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
 from opmap.kernels.moe.triton_moe import moe as triton_moe
+from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4
 from opmap.ops.moe import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -49,6 +51,27 @@ def _parity(backend, device, T, H, I, E, k, dtype, race_T=None, **kw):
         if t != T:
             o.figure = f"racecheck run at T={t}: {o.figure}"
         return o
+
+    return run
+
+
+def _quantised(backend, device, T, H, I, E, k, dtype, fmt, span, zp=False):
+    """Experts quantised per expert (int4: a scale per ``span`` input channels, zero points where
+    ``zp``; fp8-block: ``span`` x ``span`` blocks) against the reference on them."""
+    def run():
+        x, logits, w13, w2 = _inputs(device, T, H, I, E, torch.float32, seed=T + span)
+        q = {}
+        for name, w in (("w13", w13), ("w2", w2)):
+            parts = [quantize_int4(w[e], span, zp) if fmt == "int4" else (*quantize_fp8_block(w[e], span), None)
+                     for e in range(E)]
+            q[name] = torch.stack([p[0] for p in parts])
+            q[f"{name}_scale"] = torch.stack([p[1] for p in parts])
+            if parts[0][2] is not None:
+                q[f"{name}_zero"] = torch.stack([p[2] for p in parts])
+        w13q, w2q = q.pop("w13"), q.pop("w2")
+        xd = x.to(dtype)
+        out = registry.get("moe", backend)("moe", xd, logits, w13q, w2q, k, **q)
+        return _outcome(out, reference.moe(xd, logits, w13q, w2q, k, **q), dtype)
 
     return run
 
@@ -145,6 +168,21 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                 out.append(CheckCase("boundaries", "moe", name, f"{label},dtype={dt}",
                                      _parity(name, device, dtype=d, **kw), tags=("moe",)))
 
+    # Quantised experts: CPU sizes small, GPU sizes Qwen3-30B-A3B's experts and DeepSeek-V3's blocks
+    qdt, qname = (torch.float16, "fp16") if device == "cpu" else (torch.bfloat16, "bf16")
+    qcases = [("int4", 32, False, dict(T=5, H=128, I=64, E=8, k=2)), ("int4", 16, True, dict(T=33, H=96, I=48, E=4, k=2)),
+              ("fp8-block", 32, False, dict(T=7, H=160, I=64, E=4, k=2))] if device == "cpu" else \
+        [("int4", 128, False, dict(T=64, H=2048, I=768, E=128, k=8)), ("int4", 128, True, dict(T=300, H=2048, I=768, E=128, k=8)),
+         ("fp8-block", 128, False, dict(T=64, H=2048, I=768, E=64, k=6)), ("fp8-block", 128, False, dict(T=1000, H=2048, I=768, E=64, k=6))]
+    for name in ("triton",):
+        for fmt, span, zp, kw in qcases:
+            spec = MoESpec(arch=arch, dtype=qname, weight_dtype=fmt, hidden=kw["H"], intermediate=kw["I"],
+                           num_experts=kw["E"], top_k=kw["k"], group_size=span)
+            if _runnable(name, spec):
+                shape = ",".join(f"{a}={v}" for a, v in kw.items())
+                out.append(CheckCase("parity", "moe", name, f"{fmt} experts{'-zp' * zp},span={span},{shape},dtype={qname}",
+                                     _quantised(name, device, dtype=qdt, fmt=fmt, span=span, zp=zp, **kw),
+                                     quick=kw["T"] < 100, tags=("moe",)))
     # Errors are raised before anything launches, so every registered backend is probed.
     for name in ("reference", "triton", "torch-grouped-mm", "torch-loop"):
         out.append(CheckCase("input", "moe", name, "top_k > E, hidden mismatch, wrong shapes",
