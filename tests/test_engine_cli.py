@@ -152,7 +152,7 @@ def test_diagnose_gemm_floor_counts_quantised_weights(monkeypatch):
 
     class R:
         use_graphs, graphs, buckets, graph_errors, graphs_off_reason = True, {1: 0}, [1], {}, None
-        max_seqs, dtype = 1, torch.bfloat16
+        max_seqs, dtype, expert_bytes = 1, torch.bfloat16, None
         decode_weight_bytes = ModelRunner.decode_weight_bytes
 
     R.cfg = cfg
