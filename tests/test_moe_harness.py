@@ -28,8 +28,18 @@ def test_check_cases_pass_on_cpu():
 
 
 def test_bench_cases_figures():
-    cs = bench_moe.cases(quick=True)
+    all_cases = bench_moe.cases(quick=True)
+    cs = [c for c in all_cases if c.op == "moe"]
     assert len(cs) == 6
+    quant = [c for c in all_cases if c.op == "moe.quant"]
+    assert len(quant) == 12  # each case with int4 and with block-fp8 experts
+    for c in quant:
+        kv = dict(p.split("=") for p in c.case.split(","))
+        T, E, k, H, I, hit = (int(kv[n]) for n in ("T", "E", "k", "H", "I", "hit"))
+        per = 0.5 + 2 / 128 if kv["w"].startswith("int4") else 1 + 4 / 128 ** 2
+        assert c.flops == 2 * T * k * 3 * H * I and c.bytes == hit * 3 * H * I * per + 4 * T * H + 4 * T * E
+        assert c.spec.weight_dtype in ("int4", "fp8-block") and c.spec.group_size == 128
+        assert {p.name for p in c.providers} == {"opmap-triton", "opmap-triton+graph", "opmap-triton-bf16+graph"}
     for c in cs:
         kv = dict(p.split("=") for p in c.case.split(","))
         T, E, k, H, I, hit = (int(kv[n]) for n in ("T", "E", "k", "H", "I", "hit"))
@@ -42,6 +52,15 @@ def test_bench_cases_figures():
     # The hit count is that of the routing the setup draws.
     logits = bench_moe._logits(64, 128, 1064)
     assert bench_moe._experts_hit(logits, 8) == torch.unique(logits.topk(8, -1).indices).numel()
+
+
+def test_quantised_bench_setup_runs_tiny_on_cpu():
+    inp = bench_moe._quantised_setup(5, 4, 2, 128, 128, 1, "int4")("cpu")
+    inp = {**inp, "x": inp["x"].half()}
+    out = bench_moe._call("triton", True)(inp)()
+    from opmap.ops.moe import reference
+    ref = reference.moe(inp["x"], inp["logits"], inp["q13"], inp["q2"], 2, **inp["scales"])
+    assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_bench_providers_run_tiny_on_cpu():

@@ -102,7 +102,7 @@ def test_bad_quantised_experts_are_named():
     logits = torch.randn(2, E)
     q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
     bad = [("w13_scale", dict(q, w13_scale=None)),
-           ("w13_scale", dict(q, w13_scale=q["w13_scale"][:, :, :3])),  # 3 groups do not divide 128
+           ("w13_scale", dict(q, w13_scale=q["w13_scale"][:, :, :3].contiguous())),  # 3 groups do not divide 128
            ("w2_zero", dict(q, w2_zero=q["w2_zero"].int()))]
     for arg, kw in bad:
         with pytest.raises(InputError, match=arg):

@@ -61,7 +61,8 @@ def test_selection_on_this_gpu():
     assert_close(opmap.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what="opmap.linear")
 
 
-@pytest.mark.parametrize("M,N,K", [(128, 7168, 2048), (1000, 576, 7168), (4096, 4096, 14336)])
+@pytest.mark.parametrize("M,N,K", [(128, 7168, 2048), (1000, 576, 7168), (4096, 4096, 14336), (129, 4096, 4096),
+                                   (3, 1024, 2048)])
 def test_scaled_mm_block_quality_and_selection(M, N, K):
     """scaled-mm-block quantises x per token and 128-channel group: its output against the fp32
     product of x and the dequantised weight (the fp8-activation gate of the check suite, cosine >=
@@ -84,6 +85,14 @@ def test_scaled_mm_block_quality_and_selection(M, N, K):
     b = torch.randn(N, device="cuda", dtype=BF16)
     assert_close(scaled_mm.linear_block(x, wq, b, s), out + b, BF16, scale=2.0, what="bias")
     assert scaled_mm.linear_block(x[:0], wq, None, s).shape == (0, N)
+    # through the public op, the backend named (a prefill step)
+    assert_close(opmap.linear(x, wq, None, s, backend="scaled-mm-block", phase="prefill"), out, BF16, scale=1.0,
+                 what="opmap.linear")
+    # K = 1152: nine block scales a row, not a whole number of four: refused, naming w
+    from opmap.core.contract import InputError
+    x9, w9, s9 = _case(128, 256, 1152)
+    with pytest.raises(InputError, match="w"):
+        scaled_mm.linear_block(x9, w9, None, s9)
 
 
 def test_gemlite_peer_matches_the_int4_reference():

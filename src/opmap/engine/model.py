@@ -232,7 +232,7 @@ class DecoderModel:
         L = Loader(source, self.device, self.dtype, scales() if scales else None, wq.get("block"),
                    int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
         self.expert_quant = quantised_experts(self.cfg) if self._experts_stored_quantised(L) else None
-        if self.expert_quant:  # filled quantised by load_mlp: no dense copy is allocated
+        if self.expert_quant:  # filled quantised by load_mlp: the dense experts are dropped before
             for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
                 self.params[n] = torch.empty(self.params[n].shape, device="meta")
         self.dequantised = L.dequantised

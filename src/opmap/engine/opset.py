@@ -77,8 +77,9 @@ def quantised_expert_format(cfg: ModelConfig, ecfg: EngineConfig) -> Optional[tu
     channels), else None (experts in the model's dtype)."""
     if not cfg.is_moe:
         return None
-    if ecfg.quantize:
-        return ("int4", INT4_GROUP) if ecfg.quantize == "int4" else None
+    if ecfg.quantize:  # int4_group: one scale a row where the group does not divide the input size
+        ok = cfg.hidden % 16 == 0 and cfg.moe_intermediate % 16 == 0
+        return ("int4", INT4_GROUP) if ecfg.quantize == "int4" and ok else None
     return quantised_experts(cfg)
 
 

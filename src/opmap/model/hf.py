@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 from typing import Optional
 
 import torch
@@ -354,7 +355,9 @@ def _compressed_int4(q: dict, g: dict, where: str) -> dict:
     if q.get("kv_cache_scheme") is not None:
         raise InputError(f"{where}.kv_cache_scheme", repr(q["kv_cache_scheme"]), "null with int4 weights")
     return {"format": "int4", "layout": "compressed", "group_size": group, "zero_point": not w.get("symmetric", True),
-            "act_order": w.get("actorder") not in (None, False), "ignore": list(q.get("ignore") or []),
+            # "group" (alias "dynamic") reorders the groups and stores g_idx; "weight" / "static"
+            # reorder the columns only while quantising: groups stay contiguous, no g_idx
+            "act_order": w.get("actorder") in ("group", "dynamic"), "ignore": list(q.get("ignore") or []),
             "kv_scales": False}
 
 
@@ -366,7 +369,9 @@ def quantised_experts(cfg) -> Optional[tuple]:
     intermediate size is whole blocks (gate and up rows never share a block). The loader and the
     step map both ask this, so what the report plans is what the engine loads."""
     wq = cfg.extra.get("weight_quant") or {}
-    if not cfg.is_moe or any("expert" in str(n) for n in wq.get("ignore") or ()):
+    # an ignore entry naming the routed experts ("experts", not DeepSeek's "shared_experts" or
+    # Qwen's "shared_expert"): they are stored in 16 bits
+    if not cfg.is_moe or any(re.search(r"(?<!shared_)experts", str(n)) for n in wq.get("ignore") or ()):
         return None
     g = wq.get("group_size")
     if wq.get("format") == "int4" and not wq.get("act_order"):

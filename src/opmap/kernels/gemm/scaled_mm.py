@@ -53,8 +53,10 @@ def linear_block(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_ze
            "a scale per output channel" if w_scale is not None else "None", "a scale per block (block-wise fp8)")
     expect(block_of(N, K, w_scale) == SCALE_BLOCK, "w_scale", f"shape {tuple(w_scale.shape)}",
            f"a scale per {SCALE_BLOCK} x {SCALE_BLOCK} block (cuBLASLt's block scaling)")
-    expect(K % SCALE_BLOCK == 0 and N % 16 == 0, "w", f"shape {tuple(w.shape)}",
-           f"K a multiple of {SCALE_BLOCK}, N of 16 (cuBLASLt block-scaled fp8)")
+    # K in whole groups of four blocks: the weight scale's rows are then as long as the padded
+    # stride (a multiple of four scales) that some torch releases' cuBLASLt path reads
+    expect(K % (4 * SCALE_BLOCK) == 0 and N % 16 == 0, "w", f"shape {tuple(w.shape)}",
+           f"K a multiple of {4 * SCALE_BLOCK}, N of 16 (cuBLASLt block-scaled fp8)")
     expect(x.device.type == "cuda", "x", f"device {x.device}", "a CUDA device (sm90)")
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)

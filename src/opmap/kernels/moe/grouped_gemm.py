@@ -295,7 +295,8 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
     # launch stubbed; two GEMM launches per MoE call). The key is the autotuner's own: its key
     # arguments plus the dtypes of the tensor arguments (the int32 index tensors never vary).
     key = (N, K, args[13], bm, gated, quant, span, a.dtype, w.dtype, out.dtype,
-           None if weights is None else weights.dtype, None if zero is None else zero.dtype)
+           None if weights is None else weights.dtype, None if scale is None else scale.dtype,
+           None if zero is None else zero.dtype)
     cfg = _BEST.get(key)
     if cfg is None:
         # EVEN_K depends on the BK the tuner picks, so a heuristic sets it per config.

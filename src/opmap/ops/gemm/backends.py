@@ -250,8 +250,8 @@ registry.register(Backend(
 def _block128(spec):
     if spec.group_size != 128:
         return f"block edge {spec.group_size} (cuBLASLt block scaling takes 128 x 128 blocks only)"
-    if spec.k % 128 or spec.n % 16:
-        return f"k={spec.k}, n={spec.n} (needs K a multiple of 128, N of 16)"
+    if spec.k % 512 or spec.n % 16:
+        return f"k={spec.k}, n={spec.n} (needs K a multiple of 512: whole rows of four block scales; N of 16)"
     return None
 
 
@@ -267,7 +267,7 @@ registry.register(Backend(
     basis={"sm90": Basis("convention: below the weight-only routes until a baseline times it")},
     impl={"linear": "opmap.kernels.gemm.scaled_mm:linear_block"},
     reqs=[Req("dtype", ("bf16",)), Req("weight_dtype", ("fp8-block",), "block-wise fp8 (128 x 128 blocks)")],
-    checks=[Check("128 x 128 blocks, K a multiple of 128", _block128, "group_size"),
+    checks=[Check("128 x 128 blocks, K a multiple of 512", _block128, "group_size"),
             Check("M >= 128 or a prefill step", _many_rows_block, "m"), _SAME_ACT],
     available=registry.needs_cuda,
     notes="block-wise fp8 on fp8 tensor cores: x quantised per token and 128-channel group (one Triton "

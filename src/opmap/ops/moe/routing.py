@@ -69,7 +69,7 @@ def expert_format(w13) -> Optional[str]:
 def _check_scales(name, w, rows, k, scale, zero, fmt):
     """A quantised expert matrix [E, rows, k] (int4: words [E, rows, k / 8]) and its scale; returns the
     group size (int4) or block edge (fp8-block)."""
-    from opmap.ops.gemm.quant import block_of
+    from opmap.ops.gemm.quant import block_of  # gemm's quant helpers load with the quantised path only
 
     E = w.shape[0]
     sname = f"{name}_scale"

@@ -27,7 +27,7 @@ def available() -> Optional[str]:
 def int4_linear(wq: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], dtype) -> Callable:
     """A callable x -> x @ W^T on gemlite for our int4 layout (packed int32 [N, K / 8], scale [N, K / G],
     zero uint8 or None = symmetric); x of ``dtype`` (bf16 / fp16)."""
-    from gemlite import DType, GemLiteLinear
+    from gemlite import DType, GemLiteLinear  # optional: the peer's package, where installed
 
     N, K = wq.shape[0], wq.shape[1] * 8
     G = K // scale.shape[1]

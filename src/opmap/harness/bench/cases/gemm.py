@@ -162,7 +162,7 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
         provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True), backend=("gemm", "dequant-cublas")))
     if fmt == "int4":
         provs.append(Provider("gemlite", _gemlite, available=gemlite_peer.available))
-    elif M >= 128 and K % 128 == 0:
+    elif M >= 128 and K % 512 == 0:
         provs.append(Provider("opmap-scaled-mm-block", _ours("scaled-mm-block", True), available=_sm90,
                               backend=("gemm", "scaled-mm-block")))
     return BenchCase(
