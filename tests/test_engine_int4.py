@@ -227,8 +227,10 @@ def test_int4_moe_and_mla_checkpoints(name, packed, tmp_path, single_thread):
     assert moe.spec.weight_dtype == "int4" and moe.backend.name in ("triton", "reference")
     from opmap.harness.profile import quant_lines
 
+    lines = quant_lines(llm)
+    assert any(ln.startswith("int4 routed experts, ") and "MoE runs `" in ln for ln in lines), lines
     if deq:
-        assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in quant_lines(llm))
+        assert any("dequantised to fp32 at load" in ln and "fallback" in ln for ln in lines)
 
 
 def test_int4_moe_act_order_experts_dequantised(tmp_path, single_thread):

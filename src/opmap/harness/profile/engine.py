@@ -268,6 +268,18 @@ def quant_lines(llm) -> list:
                 line += (" -> fp8 activations: each row quantised per token to fp8 for fp8 tensor cores (W8A8 "
                          "dynamic; the many-row path on sm90, docs/dense.md)")
             out.append(line)
+    eq = getattr(r.model, "expert_quant", None)
+    if eq:  # routed experts kept quantised: the MoE backend reads them as stored
+        by = {}
+        for _, c in _choices(r):
+            if c.op == "moe":
+                by.setdefault(c.backend.name, []).append(c.spec.phase)
+        for name, phases in by.items():
+            line = (f"{eq[0]} routed experts, {', '.join(dict.fromkeys(phases))}: MoE runs `{name}` on them as "
+                    "stored")
+            if name == "reference":
+                line += " -> fallback: every expert dequantised for an fp32 loop on every call"
+            out.append(line)
     deq = r.model.dequantised
     if deq:
         out.append(f"{len(deq)} quantised checkpoint tensors were dequantised to {dn} at load "
