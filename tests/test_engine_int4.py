@@ -369,3 +369,24 @@ def test_weight_floor_counts_int4_bytes_as_stored():
     cfg = PRESETS["tiny-llama3"]
     assert 0.5 < r.quantised_bytes < 0.5 + 4 / 16 + 1e-9  # groups of 64 / 128 input channels here
     assert r.decode_weight_bytes(1) < cfg.decode_weight_bytes(1, 4.0, quantised=True)
+
+
+def test_experts_declared_quantised_take_no_dense_memory():
+    """A config whose checkpoint keeps its experts int4 declares them without memory (a GPTQ
+    Mixtral's bf16 experts would not fit where its int4 codes do); random weights of that config
+    allocate and quantise them, as a load would leave them."""
+    import dataclasses
+
+    from opmap.engine.model_mla import build_model
+
+    cfg = PRESETS["tiny-qwen3moe"]
+    q = dataclasses.replace(cfg, extra={**cfg.extra, "weight_quant": {"format": "int4", "layout": "gptq",
+                                                                       "group_size": 16, "zero_point": True}})
+    m = build_model(q, "cpu", torch.float32)
+    layer = next(i for i in range(q.layers) if f"{i}.w13" in m.params)
+    assert m.params[f"{layer}.w13"].is_meta and m.params[f"{layer}.w2"].is_meta
+    assert not build_model(cfg, "cpu", torch.float32).params[f"{layer}.w13"].is_meta
+    m.random_(seed=1)
+    m.quantize_experts_("int4", 16)
+    assert m.params[f"{layer}.w13"].dtype == torch.int32 and m.expert_quant == ("int4", 16)
+    assert m.params[f"{layer}.w13_scale"].shape == (q.num_experts, 2 * q.moe_intermediate, q.hidden // 16)

@@ -61,10 +61,19 @@ class DecoderModel:
         if not cfg.tie_embeddings:
             self._p("lm_head", cfg.vocab, h)
 
-    def _p(self, name: str, *shape) -> torch.Tensor:
-        t = torch.empty(shape, device=self.device, dtype=self.dtype)
+    def _p(self, name: str, *shape, meta: bool = False) -> torch.Tensor:
+        """A parameter of the model's dtype on its device, or a placeholder without memory (``meta``:
+        what the loader fills in another layout, or ``dense()`` allocates)."""
+        t = torch.empty(shape, device="meta" if meta else self.device, dtype=self.dtype)
         self.params[name] = t
         return t
+
+    def dense(self) -> None:
+        """Allocate the expert placeholders still without memory (a checkpoint's experts declared
+        quantised but stored in 16 bits, or random weights of a quantised config)."""
+        for n, t in self.params.items():
+            if t.is_meta and n.endswith((".w13", ".w2")):
+                self.params[n] = torch.empty(t.shape, device=self.device, dtype=self.dtype)
 
     def declare_layer(self, i: int) -> None:
         c = self.cfg
@@ -86,8 +95,11 @@ class DecoderModel:
         c = self.cfg
         if c.is_moe and i >= c.first_dense_layers:
             self._p(f"{i}.router", c.num_experts, c.hidden)
-            self._p(f"{i}.w13", c.num_experts, 2 * c.moe_intermediate, c.hidden)
-            self._p(f"{i}.w2", c.num_experts, c.hidden, c.moe_intermediate)
+            # experts a quantised checkpoint keeps quantised take no 16-bit memory (a GPTQ Mixtral's
+            # experts in bf16 would not fit where their int4 codes do); the loader fills them
+            meta = quantised_experts(c) is not None
+            self._p(f"{i}.w13", c.num_experts, 2 * c.moe_intermediate, c.hidden, meta=meta)
+            self._p(f"{i}.w2", c.num_experts, c.hidden, c.moe_intermediate, meta=meta)
             if c.router_bias:  # fp32, as HF keeps e_score_correction_bias
                 self.params[f"{i}.router_bias"] = torch.empty(c.num_experts, device=self.device, dtype=torch.float32)
             if c.shared_experts:
@@ -105,6 +117,7 @@ class DecoderModel:
 
     # ---- weights --------------------------------------------------------------------------
     def random_(self, seed: int = 0, std: float = 0.02) -> None:
+        self.dense()
         fill_random(self.params, seed=seed, std=std)
 
     def quant_names(self) -> list:
@@ -232,9 +245,8 @@ class DecoderModel:
         L = Loader(source, self.device, self.dtype, scales() if scales else None, wq.get("block"),
                    int4=wq if int4 else None, int4_params=self._int4_params() if int4 else None)
         self.expert_quant = quantised_experts(self.cfg) if self._experts_stored_quantised(L) else None
-        if self.expert_quant:  # filled quantised by load_mlp: the dense experts are dropped before
-            for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
-                self.params[n] = torch.empty(self.params[n].shape, device="meta")
+        if not self.expert_quant:  # experts stored in 16 bits: read as they are
+            self.dense()
         self.dequantised = L.dequantised
         self.kv_layer_scales = kv_layer_scales(L, self.cfg.layers, wq.get("kv_scales"))
         P = self.params
