@@ -186,7 +186,24 @@ def test_fp8_checkpoint_layouts_of_autofp8_transformers_and_fbgemm(layout, strat
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8), layout
 
 
-def _to_block_fp8_checkpoint(hf, path, block, experts=False):
+BLOCK_LAYOUTS = {  # (scale suffix, quantization_config of a block) of the block-fp8 layouts
+    # transformers' FineGrainedFP8 (DeepSeek-V3's and Qwen3's FP8 releases)
+    "fp8": ("_scale_inv", lambda block: {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                         "weight_block_size": list(block)}),
+    # llm-compressor's FP8_BLOCK scheme: dynamic fp8 activations per 128-channel group
+    "compressed-tensors": ("_scale", lambda block: {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                                                  "block_structure": list(block), "symmetric": True,
+                                                  "dynamic": False},
+                                      "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                            "group_size": 128, "symmetric": True,
+                                                            "dynamic": True}}}}),
+}
+
+
+def _to_block_fp8_checkpoint(hf, path, block, experts=False, layout="fp8"):
     """Rewrite the checkpoint at ``path`` as block-wise fp8 (transformers' FineGrainedFP8 layout, as
     DeepSeek-V3's and Qwen3's FP8 releases): every projection weight in e4m3 beside a
     ``weight_scale_inv`` of one scale per ``block`` (partial blocks at the edges included); with
@@ -199,6 +216,7 @@ def _to_block_fp8_checkpoint(hf, path, block, experts=False):
     from safetensors.torch import save_file
 
     bn, bk = block
+    suffix, qconfig = BLOCK_LAYOUTS[layout]
 
     def quantise(v):
         N, K = v.shape
@@ -224,7 +242,7 @@ def _to_block_fp8_checkpoint(hf, path, block, experts=False):
                              else {"down_proj": v[e]})
                     for name, w in parts.items():
                         q, s, deq = quantise(w)
-                        out[f"{base}.{e}.{name}.weight"], out[f"{base}.{e}.{name}.weight_scale_inv"] = q, s
+                        out[f"{base}.{e}.{name}.weight"], out[f"{base}.{e}.{name}.weight{suffix}"] = q, s
                         p = hf.get_parameter(k)
                         if name == "up_proj":
                             p[e, half:].copy_(deq)
@@ -237,15 +255,14 @@ def _to_block_fp8_checkpoint(hf, path, block, experts=False):
             out[k] = v
             continue
         q, s, deq = quantise(v)
-        out[k], out[k + "_scale_inv"] = q, s
+        out[k], out[k + suffix] = q, s
         with torch.no_grad():
             hf.get_parameter(k).copy_(deq)
     for f in glob.glob(os.path.join(path, "model*.safetensors*")):
         os.remove(f)
     save_file(out, os.path.join(path, "model.safetensors"))
     c = json.loads(open(os.path.join(path, "config.json")).read())
-    c["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                "weight_block_size": list(block)}
+    c["quantization_config"] = qconfig(block)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(c, f)
 
@@ -297,7 +314,13 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}}}}, "weights"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
-        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}}}}, "weights"),
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "dynamic": True}}}},
+     "weights"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128]}}}}, "block_structure"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}, "input_activations": {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}, "input_activations"),
 ])
 def test_other_quantised_checkpoints_are_refused(qc, words, tmp_path):
     import json
@@ -580,6 +603,31 @@ def test_block_wise_fp8_moe_experts_stay_fp8(name, tmp_path, single_thread):
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
+
+
+def test_compressed_tensors_block_fp8_as_transformers_loads_it(tmp_path, single_thread):
+    """llm-compressor's FP8_BLOCK layout (compressed-tensors float-quantized, block strategy):
+    transformers decompresses it (the compressed-tensors package, run_compressed=False) to the
+    weights this file's writer gives; opmap keeps the projections e4m3 with their block scales and
+    its greedy tokens equal transformers' own load."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    cfg = PRESETS["tiny-llama3"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=6, tokenizer=word_tokenizer(cfg.vocab))
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16), layout="compressed-tensors")
+    theirs = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32, quantization_config=
+                                                  CompressedTensorsConfig(run_compressed=False)).eval()
+    for name, p in hf.named_parameters():
+        if name.endswith("_proj.weight"):
+            assert torch.equal(theirs.get_parameter(name).float(), p.float()), name
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format == "fp8-block" and r.unused == [] and r.model.dequantised == []
+    assert r.model.params["0.o"].dtype == torch.float8_e4m3fn
+    prompts = random_prompts(cfg.vocab, (4, 25), seed=2)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.token_ids == hf_greedy(theirs, p, 8)
 
 
 def test_block_wise_fp8_missing_scales_and_unquantised_projections_are_named(tmp_path):

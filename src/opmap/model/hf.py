@@ -33,8 +33,10 @@ COMMON_FIELDS = ("hidden_size, num_hidden_layers, num_attention_heads, num_key_v
                  "(default, linear, llama3, yarn), rms_norm_eps, tie_word_embeddings, hidden_act (silu), "
                  "quantization_config (fp8 weights with a scale per tensor or per output channel: compressed-tensors, "
                  "fp8, fbgemm_fp8; int4 weight-only: gptq, awq (GEMM), compressed-tensors pack-quantized W4A16; int8 "
-                 "weight-only: compressed-tensors pack-quantized W8A16 per channel; block-wise fp8 with square "
-                 "power-of-two blocks kept in fp8, other blocks dequantised at load)")
+                 "weight-only: compressed-tensors pack-quantized W8A16 per channel; block-wise fp8 (fp8 "
+                 "weight_block_size, compressed-tensors float-quantized block) with square power-of-two blocks kept "
+                 "in fp8, other blocks dequantised at load; MoE experts stay int4 / block fp8 for the grouped GEMM "
+                 "except int4 with act order)")
 HONOURED = {
     "llama": ("attention_bias (q/k/v/o), mlp_bias", "-"),
     "mistral": ("sliding_window (every layer)", "mlp_bias"),
@@ -223,15 +225,9 @@ def weight_quant(d: dict) -> Optional[dict]:
             raise InputError(where, repr(got), "e4m3 weights, a 'dynamic' or 'static' activation scheme")
         block = q.get("weight_block_size")
         if block:
-            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0
-                                                                                 for b in block)):
-                raise InputError(f"{where}.weight_block_size", repr(block), "two positive ints (rows, columns)")
-            b = block[0]
-            if block[0] == block[1] and b in BLOCK_EDGES and _whole_blocks(d, b):  # triton-fp8-block's blocks
-                return {"format": "fp8-block", "block": list(block), "group_size": b, "kv_scales": "if-present"}
-            # Other blocks, or fused parts that end inside a block: no kernel takes them; the weights
-            # are dequantised at load (named as a fallback; --quantize fp8 then re-quantises them).
-            return {"format": None, "block": list(block), "kv_scales": "if-present"}
+            return _fp8_blocks(block, d, f"{where}.weight_block_size", {
+                "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
+                "kv_scales": "if-present"})
         return {"format": "fp8", "strategy": "tensor",
                 "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
                 "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}
@@ -261,6 +257,8 @@ def weight_quant(d: dict) -> Optional[dict]:
         raise InputError(f"{where}.config_groups", f"{len(groups)} groups", "one group (the same scheme for every Linear)")
     g = next(iter(groups.values()))
     w = g.get("weights") or {}
+    if w.get("strategy") == "block":
+        return _compressed_block(q, g, w, kv, d, where)
     ok = (w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
           and w.get("symmetric", True) and not w.get("dynamic", False) and not w.get("group_size"))
     if not ok:
@@ -273,6 +271,41 @@ def weight_quant(d: dict) -> Optional[dict]:
         raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
     return {"format": "fp8", "strategy": w["strategy"], "ignore": list(q.get("ignore") or []),
             "static_activation_scales": g.get("input_activations") is not None, "kv_scales": kv is not None}
+
+
+def _fp8_blocks(block, d: dict, where: str, extra: dict) -> dict:
+    """A block-fp8 format's dict: square power-of-two blocks whose fused parts end on whole blocks
+    stay fp8 for triton-fp8-block / scaled-mm-block; other blocks are dequantised at load."""
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool)
+                                                                         and b > 0 for b in block)):
+        raise InputError(where, repr(block), "two positive ints (rows, columns)")
+    b = block[0]
+    if block[0] == block[1] and b in BLOCK_EDGES and _whole_blocks(d, b):
+        return {"format": "fp8-block", "block": list(block), "group_size": b, **extra}
+    # Other blocks, or fused parts that end inside a block: no kernel takes them; the weights are
+    # dequantised at load (named as a fallback; --quantize fp8 then re-quantises them).
+    return {"format": None, "block": list(block), **extra}
+
+
+def _compressed_block(q: dict, g: dict, w: dict, kv, d: dict, where: str) -> dict:
+    """compressed-tensors ``float-quantized`` with the ``block`` strategy (llm-compressor's FP8_BLOCK:
+    e4m3 weights, ``weight_scale`` [ceil(N / bn), ceil(K / bk)]); its dynamic per-group fp8
+    activations are what scaled-mm-block computes for many rows, and the decode kernels keep them
+    16-bit (weight-only)."""
+    ok = w.get("num_bits") == 8 and w.get("type") == "float" and w.get("symmetric", True) and not w.get("dynamic")
+    if not ok:
+        got = {k: w.get(k) for k in ("num_bits", "type", "symmetric", "dynamic") if k in w}
+        raise InputError(f"{where}.config_groups weights", repr(got), "8-bit float (e4m3), symmetric, static blocks")
+    if (g.get("targets") or ["Linear"]) != ["Linear"]:
+        raise InputError(f"{where} targets", repr(g.get("targets")), "['Linear']")
+    if q.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
+    a = g.get("input_activations")
+    if a is not None and not a.get("dynamic", False):
+        raise InputError(f"{where}.config_groups input_activations", repr(a),
+                         "dynamic (quantised per token or group at run time) or null with block weights")
+    return _fp8_blocks(w.get("block_structure"), d, f"{where}.config_groups weights.block_structure",
+                       {"ignore": list(q.get("ignore") or []), "kv_scales": kv is not None})
 
 
 def _whole_blocks(d: dict, b: int) -> bool:
