@@ -321,6 +321,9 @@ def test_block_wise_fp8_checkpoint_is_dequantised_at_load_and_named(tmp_path, si
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
         "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}, "input_activations": {
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}}, "input_activations"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}, "input_activations": {
+        "num_bits": 4, "type": "int", "dynamic": True}}}}, "input_activations"),
 ])
 def test_other_quantised_checkpoints_are_refused(qc, words, tmp_path):
     import json
@@ -603,6 +606,23 @@ def test_block_wise_fp8_moe_experts_stay_fp8(name, tmp_path, single_thread):
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=9)
     for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
+
+
+def test_block_wise_fp8_moe_with_16_bit_experts_loads_them_as_stored(tmp_path, single_thread):
+    """A block-fp8 MoE checkpoint whose experts are stored in 16 bits (only the projections
+    quantised): the experts load as stored, the MoE slot says the model's dtype, tokens equal HF's."""
+    cfg = PRESETS["tiny-qwen3moe"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
+    _to_block_fp8_checkpoint(hf, str(tmp_path), (16, 16), experts=False, layout="compressed-tensors")
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4)
+    r = llm.runner
+    assert r.weight_format == "fp8-block" and r.model.expert_quant is None and r.unused == []
+    assert r.model.params["1.w13"].dtype == torch.float32
+    moe = next(c for _, _, c in r.ops["prefill"].choices if c.op == "moe")
+    assert moe.spec.weight_dtype == "fp32"
+    prompts = random_prompts(cfg.vocab, (3, 21), seed=4)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.token_ids == hf_greedy(hf, p, 8)
 
 
 def test_compressed_tensors_block_fp8_as_transformers_loads_it(tmp_path, single_thread):

@@ -211,9 +211,11 @@ def weight_quant(d: dict) -> Optional[dict]:
     "kv_scales"}; with a ``kv_cache_scheme`` only, {"format": None, "kv_scales": True}; None when
     unquantised. ``kv_scales`` "if-present": the format names no KV scheme, the per-layer
     ``k_scale`` / ``v_scale`` (or one ``kv_scale``) are read where the checkpoint has them.
-    Block-wise fp8 (``weight_block_size``, DeepSeek-V3's and Qwen3's FP8 releases) -> {"format": None,
-    "block": [rows, cols], ...}: dequantised at load. Any other quantisation is refused, naming the
-    field (it would load as wrong numbers)."""
+    Block-wise fp8 (``weight_block_size``, DeepSeek-V3's and Qwen3's FP8 releases; compressed-tensors'
+    block strategy) -> {"format": "fp8-block", "block": [b, b], "group_size": b, ...} for square
+    power-of-two blocks whose fused parts end on whole blocks, else {"format": None, "block": ...}:
+    dequantised at load. Any other quantisation is refused, naming the field (it would load as wrong
+    numbers)."""
     q = d.get("quantization_config")
     if not q:
         return None
@@ -301,9 +303,11 @@ def _compressed_block(q: dict, g: dict, w: dict, kv, d: dict, where: str) -> dic
     if q.get("format") not in (None, "float-quantized", "naive-quantized"):
         raise InputError(f"{where}.format", repr(q.get("format")), "'float-quantized' (fp8 tensors as stored)")
     a = g.get("input_activations")
-    if a is not None and not a.get("dynamic", False):
+    if a is not None and not (a.get("dynamic", False) and a.get("num_bits") == 8 and a.get("type") == "float"):
         raise InputError(f"{where}.config_groups input_activations", repr(a),
-                         "dynamic (quantised per token or group at run time) or null with block weights")
+                         "dynamic 8-bit float (quantised per token or group at run time) or null with block weights")
+    if q.get("sparsity_config"):
+        raise InputError(f"{where}.sparsity_config", repr(q["sparsity_config"]), "null (dense weights)")
     return _fp8_blocks(w.get("block_structure"), d, f"{where}.config_groups weights.block_structure",
                        {"ignore": list(q.get("ignore") or []), "kv_scales": kv is not None})
 
@@ -399,8 +403,9 @@ def quantised_experts(cfg) -> Optional[tuple]:
     load, read as stored by the MoE kernels, or None (unquantised, or dequantised at load): int4
     experts (group G, or None for one scale a row) unless the checkpoint has act order (each
     expert's own channel order; the grouped GEMM reads one order), block-fp8 experts where the
-    intermediate size is whole blocks (gate and up rows never share a block). The loader and the
-    step map both ask this, so what the report plans is what the engine loads."""
+    intermediate size is whole blocks (gate and up rows never share a block). The step map plans
+    the report's MoE slot from it; the engine also looks at the checkpoint (experts stored in 16 bits
+    despite the config load as stored, and its step map then says so)."""
     wq = cfg.extra.get("weight_quant") or {}
     # an ignore entry naming the routed experts ("experts", not DeepSeek's "shared_experts" or
     # Qwen's "shared_expert"): they are stored in 16 bits
