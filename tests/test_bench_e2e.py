@@ -52,6 +52,7 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
         class ecfg:
             async_decode = True
             prefill_graph_tokens = EngineConfig.prefill_graph_tokens
+            max_prefill_tokens_with_decodes = None
 
     monkeypatch.delenv("OPMAP_PDL", raising=False)
     assert e2e._engine_name(_L) == "opmap-engine"
@@ -60,6 +61,8 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
     monkeypatch.delenv("OPMAP_PDL")
     _L.ecfg.prefill_graph_tokens = 4096  # a non-default prefill graph limit names its rows
     assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096]"
+    _L.ecfg.max_prefill_tokens_with_decodes = 512  # and a cap on prompt tokens beside decodes
+    assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096,prefill-cap=512]"
 
 
 def test_quantised_engine_cases_and_floor(single_thread):

@@ -105,3 +105,21 @@ def test_page_size_defaults_to_64_for_mla_models_and_on_sm90():
     assert pages == {"sm90": {64}, "sm80": {64, 16}}
     kept = planned_maps(ll, "sm90", EngineConfig(page_size=32))["decode"]
     assert {r.spec.page_size for r in kept if getattr(r.spec, "page_size", None)} == {32}
+
+
+def test_prefill_cap_is_checked_and_keeps_the_tokens():
+    """max_prefill_tokens_with_decodes: an int from 1 to the step budget (else an InputError naming
+    it); a run with it gives the greedy tokens of a run without (it moves work between steps only)."""
+    for bad in (0, -3, 4096, 2.5, "8"):
+        with pytest.raises(InputError, match="max_prefill_tokens_with_decodes"):
+            EngineConfig(max_num_batched_tokens=2048, max_prefill_tokens_with_decodes=bad).validate()
+    from opmap.engine.llm import LLM
+    from opmap.engine.params import SamplingParams
+
+    prompts = [list(range(3, 9)), list(range(10, 70)), list(range(5, 45))]
+    outs = {}
+    for cap in (None, 8):
+        llm = LLM("tiny-llama3", max_num_batched_tokens=32, max_num_seqs=4, max_prefill_tokens_with_decodes=cap)
+        outs[cap] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))]
+        llm.close()
+    assert outs[None] == outs[8]

@@ -134,3 +134,36 @@ def test_finish_frees_blocks():
     step(sch)
     sch.finish(s, "length")
     assert bm.num_free_blocks == 8 and s.finish_reason == "length" and not sch.has_unfinished()
+
+
+def test_prefill_cap_applies_only_while_sequences_decode():
+    """max_prefill_tokens_with_decodes: a step with decoding sequences takes at most the cap in
+    prompt tokens (a running chunk and new admissions together) and still runs every decode, also
+    one placed after a capped prompt in the running list; a step without decodes takes the budget."""
+    sch = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=16, prefill_cap=5)
+    long_, short = Sequence(list(range(60))), Sequence([1, 2, 3])
+    sch.add(long_)
+    assert step(sch).num_tokens == 16  # nothing decodes: the whole budget
+    sch2 = Scheduler(BlockManager(256, 4), max_num_seqs=8, max_num_batched_tokens=16, prefill_cap=5)
+    sch2.add(short)
+    step(sch2)  # short's prompt; it decodes from the next step
+    sch2.add(long_ := Sequence(list(range(60))))
+    for _ in range(4):
+        b = step(sch2)
+        assert [it.seq for it in b.items][0] is short and b.items[0].num_tokens == 1
+        assert sum(it.num_tokens for it in b.items[1:]) == 5  # long's chunks, capped
+    late = Sequence(list(range(30)))  # a prompt arriving while short decodes: admitted within the cap
+    sch2.add(late)
+    sch2.running.reverse()  # the capped prompt first in the running list: the decode still runs
+    b = step(sch2)
+    assert short in [it.seq for it in b.items]
+    assert sum(it.num_tokens for it in b.items if it.seq is not short) <= 5
+
+
+def test_prefill_cap_none_is_the_budget():
+    sch = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10, prefill_cap=None)
+    a, c = Sequence([1, 2, 3]), Sequence(list(range(30)))
+    sch.add(a)
+    step(sch)
+    sch.add(c)
+    assert [it.num_tokens for it in step(sch).items] == [1, 9]

@@ -103,6 +103,9 @@ def _engine_args(p, model_required: bool = True) -> None:
     p.add_argument("--max-num-seqs", type=positive, default=None,
                    help="sequences per step (default: 64, or --max-num-batched-tokens where that is smaller)")
     p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--max-prefill-tokens-with-decodes", type=positive, default=None, metavar="N",
+                   help="prompt tokens a step may take while sequences decode (bounds their wait per step, "
+                        "TPOT p99, at the cost of TTFT; default: the whole step budget)")
     p.add_argument("--max-model-len", type=positive, default=None)
     p.add_argument("--page-size", type=positive, default=None,
                    help="tokens per KV page (default: 64 for MLA models and on sm90 GPUs, 16 otherwise)")
@@ -187,6 +190,7 @@ def _build(args, **extra):
     return LLM(args.model, dtype=args.dtype, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
                max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                page_size=args.page_size, gpu_memory_fraction=args.gpu_memory_fraction, num_pages=args.num_pages,
                enforce_eager=args.enforce_eager, prefill_graph_tokens=args.prefill_graph_tokens,
                async_decode=not args.lockstep,

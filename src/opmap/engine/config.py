@@ -29,6 +29,10 @@ class EngineConfig:
     # budget where that is smaller (a step computes at least one token of each of its sequences)
     max_num_seqs: Optional[int] = None
     max_num_batched_tokens: int = 2048  # token budget of one step (chunked prefill splits above it)
+    # Prompt tokens a step may take while sequences of it decode (None: the whole step budget). A
+    # step's time grows with its prompt tokens, and every decoding sequence waits for the step:
+    # this bounds that wait (TPOT p99) at the cost of prompts taking more steps (TTFT).
+    max_prefill_tokens_with_decodes: Optional[int] = None
     max_model_len: Optional[int] = None  # None = the model's max_position
     chunked_prefill: bool = True
     prefix_caching: bool = True
@@ -73,7 +77,7 @@ class EngineConfig:
     def validate(self) -> None:
         """The settings alone (types, ranges, how they bound each other); ``check_sizes`` then holds
         the sizes against the model and the machine. Resolves a max_num_seqs left at None."""
-        for name in ("page_size", "max_num_seqs", "max_model_len", "num_pages"):
+        for name in ("page_size", "max_num_seqs", "max_model_len", "num_pages", "max_prefill_tokens_with_decodes"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
                 raise InputError(name, repr(v), "an int")
@@ -86,6 +90,10 @@ class EngineConfig:
             raise InputError("prefill_graph_tokens", self.prefill_graph_tokens, ">= 0 (0: eager prefill)")
         if self.max_num_batched_tokens <= 0:
             raise InputError("max_num_batched_tokens", self.max_num_batched_tokens, "> 0")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and not 0 < cap <= self.max_num_batched_tokens:
+            raise InputError("max_prefill_tokens_with_decodes", cap,
+                             f"1 to max_num_batched_tokens ({self.max_num_batched_tokens}), or None")
         if self.max_num_seqs is None:
             self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
         if self.max_num_seqs <= 0:

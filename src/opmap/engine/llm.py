@@ -117,7 +117,7 @@ class LLM:
         """An empty page allocator (and prefix cache) and the scheduler over it."""
         self.bm = BlockManager(self.runner.num_pages, self.ecfg.page_size, self.ecfg.prefix_caching)
         self.scheduler = Scheduler(self.bm, self.ecfg.max_num_seqs, self.ecfg.max_num_batched_tokens,
-                                   self.ecfg.chunked_prefill)
+                                   self.ecfg.chunked_prefill, self.ecfg.max_prefill_tokens_with_decodes)
 
     def _warm_up(self) -> float:
         """Requests before the first real one: a 3-token prompt and one a little longer than the

@@ -8,11 +8,17 @@ tokens recomputed later, prefix cache permitting) until it can. Then, if nothing
 in this step, waiting sequences are admitted in arrival order while the budget, the sequence
 limit and the free pages allow (a prompt longer than the budget is cut into chunks when chunked
 prefill is on). Without chunked prefill a prompt is admitted only whole.
+
+``prefill_cap`` (EngineConfig.max_prefill_tokens_with_decodes): while some running sequence decodes,
+the step's prompt tokens (chunks of partly prefilled sequences and new admissions together) stay
+within it; the decoding sequences are scheduled whatever their place in the running list. A step
+with no decoding sequence takes the whole budget.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from opmap.engine.block_manager import BlockManager
 from opmap.engine.sequence import Sequence, SeqStatus
@@ -53,11 +59,12 @@ class Batch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked_prefill: bool = True):
+                 chunked_prefill: bool = True, prefill_cap: Optional[int] = None):
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.chunked = chunked_prefill
+        self.prefill_cap = prefill_cap
         self.waiting: deque = deque()
         self.running: list = []
         self.num_preemptions = 0
@@ -81,10 +88,19 @@ class Scheduler:
     def schedule(self) -> Batch:
         budget = self.budget
         batch = Batch([])
+        decoding = self.prefill_cap is not None and any(s.num_tokens - s.num_computed == 1 and s.num_computed
+                                                         for s in self.running)
+        prompt_left = self.prefill_cap if decoding else budget  # prompt tokens this step may still take
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if n > 1 or not seq.num_computed:  # a prompt chunk
+                n = min(n, prompt_left)
+                if n == 0:  # the cap is spent: this sequence waits a step; decodes after it still run
+                    i += 1
+                    continue
+                prompt_left -= n
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 if victim is seq and len(self.running) == 1:
@@ -105,6 +121,7 @@ class Scheduler:
             i += 1
         if batch.preempted:
             return batch
+        budget = min(budget, prompt_left)  # what admissions may take
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:

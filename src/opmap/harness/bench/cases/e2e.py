@@ -85,10 +85,12 @@ def _engine_name(llm) -> str:
     tags += ["no-pdl"] if os.environ.get("OPMAP_PDL", "1") == "0" else []
     graphs = llm.ecfg.prefill_graph_tokens
     tags += [f"prefill-graphs={graphs}"] if graphs != EngineConfig.prefill_graph_tokens else []
+    cap = llm.ecfg.max_prefill_tokens_with_decodes
+    tags += [f"prefill-cap={cap}"] if cap is not None else []
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
-def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None):
+def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None, prefill_cap=None):
     # the whole engine, for its rows only (importing this module loads none of it)
     from opmap.engine.llm import LLM
     base, quant, kv = split_model(model)
@@ -97,6 +99,7 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_g
               max_num_batched_tokens=step_budget(cases_of_model), max_model_len=min(4096, cfg.max_position),
               gpu_memory_fraction=0.9,  # HF runs after, alone
               async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv,
+              max_prefill_tokens_with_decodes=prefill_cap,
               **({} if prefill_graph_tokens is None else {"prefill_graph_tokens": prefill_graph_tokens}))
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
@@ -335,14 +338,15 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
 
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
-            hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None, isolate: bool = False) -> tuple:
+            hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None, isolate: bool = False,
+            prefill_cap=None) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
     save what is finished before a long run is cut off (a compiled HF peer of an MoE model takes
     minutes to compile per batch size). ``models`` are the cases' model
     names as written: "llama3-8b" is the bf16 rows, "llama3-8b:fp8" those with fp8 weights. ``kinds`` keeps only those cases by their batch
-    field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``: the engine's
-    (None: its default). ``isolate``: each model in a child process of its own (``in_children``),
+    field: "1", "32", "64", "128", "workload", "json32". ``prefill_graph_tokens``, ``prefill_cap``
+    (max_prefill_tokens_with_decodes): the engine's (None: its default). ``isolate``: each model in a child process of its own (``in_children``),
     so that no model's engine starts in what an earlier model's runs left in the process."""
     if not torch.cuda.is_available():
         return [], [{"op": "e2e", "case": "*", "provider": "*", "reason": "needs a CUDA GPU"}]
@@ -353,12 +357,14 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
         argv = (["--quick"] if quick else []) + [x for k in kinds or [] for x in ("--case", str(k))]
         argv += ([] if hf else ["--no-hf"]) + (["--lockstep"] if lockstep else [])
         argv += [] if prefill_graph_tokens is None else ["--prefill-graph-tokens", str(prefill_graph_tokens)]
+        argv += [] if prefill_cap is None else ["--max-prefill-tokens-with-decodes", str(prefill_cap)]
         return in_children(todo_models, argv, done)
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
     for model in todo_models:
         mine = [c for c in todo if c[0] == model]
-        engine = functools.partial(_engine, lockstep=lockstep, prefill_graph_tokens=prefill_graph_tokens)
+        engine = functools.partial(_engine, lockstep=lockstep, prefill_graph_tokens=prefill_graph_tokens,
+                                   prefill_cap=prefill_cap)
         sides = (("opmap-engine", engine), ("hf-transformers-eager", _hf),
                  ("hf-transformers-static-compile", _hf_static))
         for who, fn in sides if hf else sides[:1]:
@@ -434,6 +440,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lockstep", action="store_true", help="engine without one-step-ahead decode")
     ap.add_argument("--prefill-graph-tokens", type=int, default=None, metavar="N",
                     help="the engine's prefill CUDA-graph token limit (default: the engine's; rows tagged when not)")
+    ap.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                    help="the engine's cap on prompt tokens in a step with decodes (rows tagged prefill-cap=N)")
     ap.add_argument("--one-process", action="store_true",
                     help="every model in this process (default: each in a child process of its own)")
     ap.add_argument("--keep-others", action="store_true",
@@ -446,7 +454,8 @@ def main(argv=None) -> int:
             Path(a.child).write_text(json.dumps({"results": recs, "skipped": skipped}, default=str))
 
         write_part(*records(quick=a.quick, models=a.model, done=write_part, kinds=a.case, hf=not a.no_hf,
-                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens))
+                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens,
+                            prefill_cap=a.max_prefill_tokens_with_decodes))
         return 0
 
     def doc_of(recs, skipped):
@@ -460,7 +469,8 @@ def main(argv=None) -> int:
         # the complete files replace the partial one
 
     recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
-                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens, isolate=not a.one_process)
+                            lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens, isolate=not a.one_process,
+                            prefill_cap=a.max_prefill_tokens_with_decodes)
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "
