@@ -386,7 +386,13 @@ def test_experts_declared_quantised_take_no_dense_memory():
     layer = next(i for i in range(q.layers) if f"{i}.w13" in m.params)
     assert m.params[f"{layer}.w13"].is_meta and m.params[f"{layer}.w2"].is_meta
     assert not build_model(cfg, "cpu", torch.float32).params[f"{layer}.w13"].is_meta
-    m.random_(seed=1)
-    m.quantize_experts_("int4", 16)
+    m.random_(seed=1)  # the experts drawn one matrix at a time and quantised at once
     assert m.params[f"{layer}.w13"].dtype == torch.int32 and m.expert_quant == ("int4", 16)
     assert m.params[f"{layer}.w13_scale"].shape == (q.num_experts, 2 * q.moe_intermediate, q.hidden // 16)
+    assert f"{layer}.w13_zero" in m.params  # the config's zero points
+    # the same random values as a model of the unquantised config draws, quantised
+    d = build_model(cfg, "cpu", torch.float32)
+    d.random_(seed=1)
+    d.quantize_experts_("int4", 16, zero_point=True)
+    for k in (f"{layer}.w13", f"{layer}.w2_scale", f"{layer}.w2_zero", f"{layer}.router"):
+        assert torch.equal(m.params[k], d.params[k]), k

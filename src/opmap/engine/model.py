@@ -117,8 +117,20 @@ class DecoderModel:
 
     # ---- weights --------------------------------------------------------------------------
     def random_(self, seed: int = 0, std: float = 0.02) -> None:
-        self.dense()
-        fill_random(self.params, seed=seed, std=std)
+        """Random weights. Experts a quantised config keeps quantised (declared without memory) are
+        drawn one layer's matrix at a time and quantised at once, as a load would leave them: the
+        model never holds its experts in 16 bits."""
+        index = {n: i for i, n in enumerate(sorted(self.params))}
+        meta = [n for n, t in self.params.items() if t.is_meta]
+        fill_random({n: t for n, t in self.params.items() if not t.is_meta}, seed=seed, std=std, index=index)
+        eq = quantised_experts(self.cfg) if meta else None
+        wq = self.cfg.extra.get("weight_quant") or {}
+        for n in meta:
+            w = torch.empty(self.params[n].shape, device=self.device, dtype=self.dtype)
+            fill_random({n: w}, seed=seed, std=std, index=index)
+            self._quantize_expert(n, w, *eq, zero_point=bool(eq[0] == "int4" and wq.get("zero_point")))
+        if meta:
+            self.expert_quant = eq
 
     def quant_names(self) -> list:
         """The linear weights that weight-only quantisation applies to: the attention and dense
@@ -164,15 +176,18 @@ class DecoderModel:
         rule; "fp8-block": per ``group`` x ``group`` block), per expert, as the MoE kernels read them:
         ``<layer>.w13`` / ``.w2`` and their ``_scale`` (and int4 ``_zero``)."""
         for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
-            w = self.params[n]
-            k = w.shape[2]
-            qs = [quantize_int4(w[e], int4_group(k, group), zero_point) if fmt == "int4"
-                  else (*quantize_fp8_block(w[e], group), None) for e in range(w.shape[0])]
-            self.params[n] = torch.stack([q[0] for q in qs])
-            self.params[f"{n}_scale"] = torch.stack([q[1] for q in qs])
-            if qs[0][2] is not None:
-                self.params[f"{n}_zero"] = torch.stack([q[2] for q in qs])
+            self._quantize_expert(n, self.params[n], fmt, group, zero_point)
         self.expert_quant = (fmt, group)
+
+    def _quantize_expert(self, n: str, w: torch.Tensor, fmt: str, group: Optional[int], zero_point: bool) -> None:
+        """Parameter ``n`` (experts [E, rows, K]) from the 16-bit ``w``, quantised per expert."""
+        k = w.shape[2]
+        qs = [quantize_int4(w[e], int4_group(k, group), zero_point) if fmt == "int4"
+              else (*quantize_fp8_block(w[e], group), None) for e in range(w.shape[0])]
+        self.params[n] = torch.stack([q[0] for q in qs])
+        self.params[f"{n}_scale"] = torch.stack([q[1] for q in qs])
+        if qs[0][2] is not None:
+            self.params[f"{n}_zero"] = torch.stack([q[2] for q in qs])
 
     def expert_bytes_per_param(self) -> float:
         """Bytes a routed-expert parameter takes as stored (codes, scales and zero codes over the

@@ -400,9 +400,13 @@ def open_source(path: str) -> SafetensorsSource:
 
 
 @torch.no_grad()
-def fill_random(params: dict, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights on the device, in place: norms around 1, everything else N(0, std)."""
-    for i, (name, t) in enumerate(sorted(params.items())):
+def fill_random(params: dict, seed: int = 0, std: float = 0.02, index: Optional[dict] = None) -> None:
+    """Random weights on the device, in place: norms around 1, everything else N(0, std). Each
+    tensor draws from a generator seeded by its place in the sorted names (``index``: those places,
+    for a part of a model's parameters drawn on its own)."""
+    index = index or {n: i for i, n in enumerate(sorted(params))}
+    for name, t in params.items():
+        i = index[name]
         g = torch.Generator(device=t.device).manual_seed((seed * 100003 + i) % 2**64)  # a generator takes 64 bits
         if t.dtype.is_floating_point and t.element_size() >= 2:
             t.normal_(0.0, std, generator=g)
