@@ -76,11 +76,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     expect(w.dtype == torch.float8_e4m3fn and w_scale is not None and w_scale.dim() == 2, "w_scale",
            "a scale per output channel" if w_scale is not None else "None", "a scale per block (block-wise fp8)")
     scaled_tiles.config_of(config)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
+    out, work = scaled_tiles.output(x, M, N, K, bias)
+    if not work:
         return out
-    if K == 0:
-        return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(M, N))
     b = block_of(N, K, w_scale)
     p = _planned(M, N, K, b, x.device, config)
     ws, cnt = scaled_tiles.workspace(p, M, N, out)

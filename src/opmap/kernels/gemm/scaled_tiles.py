@@ -65,6 +65,17 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
     return p
 
 
+def output(x: torch.Tensor, M: int, N: int, K: int, bias) -> tuple:
+    """(out [M, N] in x's dtype, whether the kernel has work): an empty product is the output as is,
+    K = 0 the bias (or zeros)."""
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out, False
+    if K == 0:
+        return (out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(M, N))), False
+    return out, True
+
+
 def text(p: dict) -> str:
     return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
             f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")

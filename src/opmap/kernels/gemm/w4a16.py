@@ -89,11 +89,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     M, N, K = check_linear(x, w, bias, w_scale, w_zero, int4=True)
     expect(w.dtype == torch.int32, "w", f"dtype {w.dtype}", "int32 words of eight 4-bit codes (W4A16)")
     scaled_tiles.config_of(config)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
+    out, work = scaled_tiles.output(x, M, N, K, bias)
+    if not work:
         return out
-    if K == 0:
-        return out.zero_() if bias is None else out.copy_(bias.to(x.dtype).expand(M, N))
     G = K // w_scale.shape[1]
     expect(G % 16 == 0, "w_scale", f"shape {tuple(w_scale.shape)} (group size {G})",
            "a group size that is a multiple of 16 (the MMA's K)")
