@@ -17,6 +17,7 @@ from opmap.model.hf import quantised_experts
 from opmap.model.presets import ModelConfig
 from opmap.engine.weights import Loader, fill_random, kv_layer_scales
 from opmap.ops.gemm.quant import int4_group, quantize_fp8_block, quantize_int4, quantize_weight
+from opmap.ops.moe.reference import quantize_experts
 
 
 @dataclass
@@ -181,24 +182,26 @@ class DecoderModel:
 
     def _quantize_expert(self, n: str, w: torch.Tensor, fmt: str, group: Optional[int], zero_point: bool) -> None:
         """Parameter ``n`` (experts [E, rows, K]) from the 16-bit ``w``, quantised per expert."""
-        k = w.shape[2]
-        qs = [quantize_int4(w[e], int4_group(k, group), zero_point) if fmt == "int4"
-              else (*quantize_fp8_block(w[e], group), None) for e in range(w.shape[0])]
-        self.params[n] = torch.stack([q[0] for q in qs])
-        self.params[f"{n}_scale"] = torch.stack([q[1] for q in qs])
-        if qs[0][2] is not None:
-            self.params[f"{n}_zero"] = torch.stack([q[2] for q in qs])
+        self.params[n], self.params[f"{n}_scale"], zero = quantize_experts(w, fmt, group, zero_point)
+        if zero is not None:
+            self.params[f"{n}_zero"] = zero
 
     def expert_bytes_per_param(self) -> float:
         """Bytes a routed-expert parameter takes as stored (codes, scales and zero codes over the
         dense parameter count); the model's dtype size where the experts are not quantised."""
+        names = [n for n in self.params if n.endswith((".w13", ".w2"))]
+        return self._bytes_per_param(names, "_") or float(self.dtype.itemsize)
+
+    def _bytes_per_param(self, names: list, sep: str) -> float:
+        """Bytes of weights ``names`` as stored, with their ``<name><sep>scale`` / ``<sep>zero``, over
+        their dense parameter count (int4: eight codes a word); 0.0 for no weights."""
         nbytes = params = 0
-        for n in [n for n in self.params if n.endswith((".w13", ".w2"))]:
+        for n in names:
             w = self.params[n]
             params += w.numel() * (8 if w.dtype == torch.int32 else 1)
             nbytes += sum(self.params[k].numel() * self.params[k].element_size()
-                          for k in (n, f"{n}_scale", f"{n}_zero") if k in self.params)
-        return nbytes / params if params else float(self.dtype.itemsize)
+                          for k in (n, f"{n}{sep}scale", f"{n}{sep}zero") if k in self.params)
+        return nbytes / params if params else 0.0
 
     @torch.no_grad()
     def quantize_(self, fmt: str, lm_head: bool = False, group_size: Optional[int] = None,
@@ -228,13 +231,8 @@ class DecoderModel:
         """Bytes a parameter of the quantised projections (``quant_names``, and the LM head where
         quantised) takes as stored: the weights', scales' and zero codes' bytes over the dense
         parameter count."""
-        nbytes = params = 0
-        for n in self.quant_names() + (["lm_head"] if "lm_head.scale" in self.params else []):
-            w = self.params[n]
-            params += w.numel() * (8 if w.dtype == torch.int32 else 1)  # int4: eight codes a word
-            nbytes += sum(self.params[k].numel() * self.params[k].element_size()
-                          for k in (n, f"{n}.scale", f"{n}.zero") if k in self.params)
-        return nbytes / params if params else 1.0
+        names = self.quant_names() + (["lm_head"] if "lm_head.scale" in self.params else [])
+        return self._bytes_per_param(names, ".") or 1.0
 
     def linear(self, ops, key: str, name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
         """``ops.gemm[key]`` on weight ``name`` with what its format keeps beside it: a scale,

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4
+from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4, int4_group, quantize_fp8_block, quantize_int4
 from opmap.ops.moe.routing import check_moe_args, expert_format, route
 
 
@@ -26,6 +26,17 @@ def dequantize_experts(w: torch.Tensor, scale=None, zero=None) -> torch.Tensor:
     if fmt == "int4":
         return torch.stack([dequantize_int4(w[e], scale[e], None if zero is None else zero[e]) for e in range(w.shape[0])])
     return torch.stack([dequantize_fp8_block(w[e], scale[e]) for e in range(w.shape[0])])
+
+
+def quantize_experts(w: torch.Tensor, fmt: str, span: Optional[int], zero_point: bool = False) -> tuple:
+    """(weights, scale, zero codes or None) of experts w [E, N, K] in ``fmt``, per expert: "int4"
+    with a scale per ``span`` input channels (int4_group's rule: one a row where it does not divide
+    K), symmetric or with ``zero_point``s; "fp8-block" per ``span`` x ``span`` block."""
+    k = w.shape[2]
+    qs = [quantize_int4(w[e], int4_group(k, span), zero_point) if fmt == "int4"
+          else (*quantize_fp8_block(w[e], span), None) for e in range(w.shape[0])]
+    zero = torch.stack([q[2] for q in qs]) if qs[0][2] is not None else None
+    return torch.stack([q[0] for q in qs]), torch.stack([q[1] for q in qs]), zero
 
 
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,

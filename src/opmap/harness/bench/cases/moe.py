@@ -24,7 +24,8 @@ import torch
 from opmap.core import hw, registry
 from opmap.core.specs import MoESpec
 from opmap.harness.bench.base import BenchCase, Provider
-from opmap.ops.gemm.quant import INT4_GROUP, quantize_fp8_block, quantize_int4
+from opmap.ops.gemm.quant import INT4_GROUP
+from opmap.ops.moe.reference import quantize_experts
 
 MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
@@ -68,10 +69,7 @@ def _quantised_setup(T, E, k, H, I, seed, fmt):
         d = dense(device)
         scales = {}
         for name, w in (("13", d["w13"]), ("2", d["w2"])):
-            parts = [quantize_int4(w[e], INT4_GROUP)[:2] if fmt == "int4" else quantize_fp8_block(w[e], 128)
-                     for e in range(E)]
-            d[f"q{name}"] = torch.stack([p[0] for p in parts])
-            scales[f"w{name}_scale"] = torch.stack([p[1] for p in parts])
+            d[f"q{name}"], scales[f"w{name}_scale"], _ = quantize_experts(w, fmt, INT4_GROUP if fmt == "int4" else 128)
         d["scales"] = scales
         return d
 

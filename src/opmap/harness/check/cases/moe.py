@@ -13,7 +13,6 @@ from opmap.core.specs import MoESpec
 from opmap.core.tolerance import compare
 from opmap.harness.check.base import CheckCase, Outcome, probe_errors, racecheck_child
 from opmap.kernels.moe.triton_moe import moe as triton_moe
-from opmap.ops.gemm.quant import quantize_fp8_block, quantize_int4
 from opmap.ops.moe import reference
 
 _DT = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -62,12 +61,9 @@ def _quantised(backend, device, T, H, I, E, k, dtype, fmt, span, zp=False):
         x, logits, w13, w2 = _inputs(device, T, H, I, E, torch.float32, seed=T + span)
         q = {}
         for name, w in (("w13", w13), ("w2", w2)):
-            parts = [quantize_int4(w[e], span, zp) if fmt == "int4" else (*quantize_fp8_block(w[e], span), None)
-                     for e in range(E)]
-            q[name] = torch.stack([p[0] for p in parts])
-            q[f"{name}_scale"] = torch.stack([p[1] for p in parts])
-            if parts[0][2] is not None:
-                q[f"{name}_zero"] = torch.stack([p[2] for p in parts])
+            q[name], q[f"{name}_scale"], zero = reference.quantize_experts(w, fmt, span, zp)
+            if zero is not None:
+                q[f"{name}_zero"] = zero
         w13q, w2q = q.pop("w13"), q.pop("w2")
         xd = x.to(dtype)
         out = registry.get("moe", backend)("moe", xd, logits, w13q, w2q, k, **q)
