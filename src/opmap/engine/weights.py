@@ -359,17 +359,21 @@ class Loader:
         per = 8 if fmt == "int4" else 1
         for key, parts in (("w13", [[n[0], n[1]] for n in names]), ("w2", [[n[2]] for n in names])):
             k = hidden if key == "w13" else inter
-            q = [[self._expert_part(n, k, fmt) for n in ps] for ps in parts]  # [E][part] -> (w, scale, zero)
             want = (2 * inter, hidden // per) if key == "w13" else (hidden, inter // per)
-            for ps, n in zip(q, parts):
-                got = tuple(torch.cat([p[0] for p in ps]).shape)
-                if got != want:
-                    raise InputError(f"checkpoint tensor{'s' * (len(n) > 1)} {', '.join(n)}", f"{got} stacked",
+            ws, ss, zs = [], [], []
+            for n in parts:  # one expert: its parts read and stacked along the rows
+                q = [self._expert_part(x, k, fmt) for x in n]
+                ws.append(torch.cat([p[0] for p in q]))
+                if tuple(ws[-1].shape) != want:
+                    raise InputError(f"checkpoint tensor{'s' * (len(n) > 1)} {', '.join(n)}",
+                                     f"{tuple(ws[-1].shape)} stacked",
                                      f"{want} as config.json's hidden_size and moe_intermediate_size give")
-            out[key] = torch.stack([torch.cat([p[0] for p in ps]) for ps in q]).to(self.device)
-            out[f"{key}_scale"] = torch.stack([torch.cat([p[1].float() for p in ps]) for ps in q]).to(self.device)
-            if q[0][0][2] is not None:
-                out[f"{key}_zero"] = torch.stack([torch.cat([p[2] for p in ps]) for ps in q]).to(self.device)
+                ss.append(torch.cat([p[1].float() for p in q]))
+                if q[0][2] is not None:
+                    zs.append(torch.cat([p[2] for p in q]))
+            out[key], out[f"{key}_scale"] = torch.stack(ws).to(self.device), torch.stack(ss).to(self.device)
+            if zs:
+                out[f"{key}_zero"] = torch.stack(zs).to(self.device)
         return out
 
     def _expert_part(self, name: str, k: int, fmt: str) -> tuple:

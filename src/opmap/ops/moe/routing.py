@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from opmap.core.contract import expect, expect_in, expect_same_device, expect_tensor
+from opmap.ops.gemm.quant import block_of
 
 ROUTERS = ("softmax", "sigmoid", "sigmoid_grouped")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -69,8 +70,6 @@ def expert_format(w13) -> Optional[str]:
 def _check_scales(name, w, rows, k, scale, zero, fmt):
     """A quantised expert matrix [E, rows, k] (int4: words [E, rows, k / 8]) and its scale; returns the
     group size (int4) or block edge (fp8-block)."""
-    from opmap.ops.gemm.quant import block_of  # gemm's quant helpers load with the quantised path only
-
     E = w.shape[0]
     sname = f"{name}_scale"
     expect(scale is not None, sname, "None", f"the scales of the {fmt} expert weights {name}")
