@@ -165,20 +165,25 @@ def test_prefill_row_tiles(bm):
     assert_close(got, want, torch.float16, scale=2)
 
 
+@pytest.mark.parametrize("quantised", [False, True])
 @pytest.mark.parametrize("E,k", [(64, 6), (128, 8), (8, 2), (4, 1)])
-def test_token_counts_cover_every_tuning_key(E, k, monkeypatch):
+def test_token_counts_cover_every_tuning_key(E, k, quantised, monkeypatch):
     """grouped_gemm.token_counts: one count per (rows bucket, BM) key that 1..max tokens can hit
     (with the GPU's row tiles), so the engine's warm-up leaves no key for a step to tune."""
     from opmap.kernels.moe import grouped_gemm as gg
     from opmap.kernels.moe.common import next_pow2
 
     monkeypatch.setattr(gg, "_INTERPRETING", False)  # the GPU's tile choice
-    key = lambda t: (next_pow2(t * k), gg.pick_bm(t * k, E))  # noqa: E731
-    counts = gg.token_counts(2048, k, E)
+    key = lambda t: (next_pow2(t * k), gg.pick_bm(t * k, E, quantised))  # noqa: E731
+    counts = gg.token_counts(2048, k, E, quantised)
     assert counts[0] == 1 and counts == sorted(set(counts)) and counts[-1] <= 2048
     assert len({key(t) for t in counts}) == len(counts)  # one count per key
     assert {key(t) for t in range(1, 2049)} == {key(t) for t in counts}
     assert len(counts) <= 2 * (next_pow2(2048 * k).bit_length())
+    # quantised experts stop at 64-row tiles (the 128-row gated tile spills: test_quant_sm90_compile.py)
+    if quantised:
+        assert max(gg.pick_bm(t * k, E, True) for t in counts) == 64
+        assert gg.pick_bm(4096 * k, 4, False) == 128 and gg.pick_bm(4096 * k, 4, True) == 64
 
 
 def test_warm_up_runs_every_count():

@@ -13,7 +13,7 @@ from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
 from opmap.kernels.gemm.splitk import counters, sm_count
 
-_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # config= keys: the tile (0: the plan's choice); BLOCK_K (and, where the kernel says so, BLOCK_N)
 # must divide the scale's span.
 CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
@@ -30,11 +30,11 @@ def config_of(config) -> dict:
     return cfg
 
 
-def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: bool, interp: bool = _INTERP) -> dict:
+def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: bool, interp: bool = INTERP) -> dict:
     """The tile, K split, warps and stages of a call: BLOCK_N 64 (128 from M = 33; capped by the span
     where ``bn_in_span``), BLOCK_K the largest power of two up to ``bk_top`` (64 in the interpreter)
     that divides the span; K split while the N tiles number fewer than two an SM (each split keeps
-    >= 4 K tiles)."""
+    >= 4 K tiles); 4 warps (8 on 128-channel tiles)."""
     bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     bn = 64 if bm <= 32 else 128
     if bn_in_span:
@@ -45,7 +45,8 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     split = 1
     if M <= 64 and tiles < 2 * sms:
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 4,
+    # 8 warps on 128-channel tiles: with 4 the 128 x 64 accumulator and the converted weight spill
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
             "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
 
 

@@ -14,8 +14,8 @@ Design (at decode M the packed weight is the traffic: a quarter of bf16's bytes)
   tile's fp32 product before it joins the accumulator. No dequantised weight exists, and the
   rounding of ``(u - zero) * scale`` to 16 bits that a dequantise-then-GEMM route makes never
   happens.
-- The packed words of a tile are read once ([BLOCK_N, BLOCK_K // 8] int32) and split into their
-  eight nibbles in registers.
+- The packed words of a tile are read once ([BLOCK_N, BLOCK_K // 8] int32) and turned into their
+  eight 16-bit values in registers (nibbles.py: a few integer instructions a word on the GPU).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from opmap.core.contract import expect
-from opmap.kernels.gemm import scaled_tiles
+from opmap.kernels.gemm import nibbles, scaled_tiles
 from opmap.kernels.gemm.splitk import finish
 from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
@@ -33,8 +33,8 @@ from opmap.ops.gemm.validate import check_linear
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, G, stride_xm, stride_wn,
                   stride_sn, stride_om, K_PER_SPLIT, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -42,7 +42,6 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    shifts = 4 * tl.arange(0, 8)
     n_mask = offs_n < N
     m_mask = offs_m < M
     k0 = pid_k * K_PER_SPLIT
@@ -56,15 +55,13 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
         # K is a multiple of BLOCK_K (the launcher's tile divides the group, the group divides K)
         words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
         xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        u = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        u = tl.reshape(u, [BLOCK_N, BLOCK_K])
         g = k // G
         s = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.int32)
+            z = tl.load(z_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.int32)[:, None]
         else:
-            z = tl.full([BLOCK_N], SYM_ZERO, tl.int32)
-        wv = (u - z[:, None]).to(xdt)  # in [-15, 15]: exact in fp16 / bf16
+            z = tl.full([BLOCK_N, 1], SYM_ZERO, tl.int32)
+        wv = tl.reshape(nibbles.unpack(words, z, xdt, ASM), [BLOCK_N, BLOCK_K])  # in [-15, 15]: exact
         part = tl.dot(wv, xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
         acc += part * s[:, None]
         w_ptrs += BLOCK_K // 8
@@ -101,6 +98,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
         M, N, K, G, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"],
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO,
+        ASM=not scaled_tiles.INTERP,
         BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"],
         num_stages=p["num_stages"])
     return out

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opmap.kernels.gemm import nibbles
 from opmap.kernels.moe.common import next_pow2
 from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
 
@@ -34,30 +35,32 @@ from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
 @triton.jit
 def _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN: tl.constexpr,
                  QUANT: tl.constexpr, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
-                 ADT: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+                 ADT: tl.constexpr, ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
     """The [BK, BN] weight tile of columns ``cols`` at K tile ``kk`` in x's dtype (ADT), and the
     columns' scale ([BN] fp32; ones when unquantised)."""
     offs_k = kk * BK + tl.arange(0, BK)
     rows = cols.to(tl.int64)
     if QUANT == 1:
         words = tl.load(w_base + rows[None, :] * stride_wn + (kk * (BK // 8) + tl.arange(0, BK // 8))[:, None])
-        u = (words[:, None, :] >> (4 * tl.arange(0, 8))[None, :, None]) & 0xF
-        u = tl.reshape(u, [BK, BN])
         g = (kk * BK) // SPAN
         s = tl.load(s_base + rows * stride_sn + g).to(tl.float32)
         if HAS_ZERO:
-            z = tl.load(z_base + rows * stride_sn + g).to(tl.int32)
+            z = tl.load(z_base + rows * stride_sn + g).to(tl.int32)[None, :]
         else:
-            z = tl.full([BN], SYM_ZERO, tl.int32)
-        return (u - z[None, :]).to(ADT), s
-    if EVEN_K:
-        w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None])
-    else:
-        w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
-    if QUANT == 2:
-        s = tl.load(s_base + (rows // SPAN) * stride_sn + (kk * BK) // SPAN)
-        return w.to(ADT), s
-    return w, tl.full([BN], 1.0, tl.float32)
+            z = tl.full([1, BN], SYM_ZERO, tl.int32)
+        v = nibbles.unpack(words, z, ADT, ASM)  # [BK // 8, BN, 8]: code i of word j is row 8j + i
+        w = tl.reshape(tl.permute(v, (0, 2, 1)), [BK, BN])
+    else:  # (one return: Triton types every return statement, the untaken branches' too)
+        if EVEN_K:
+            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None])
+        else:
+            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
+        if QUANT == 2:
+            s = tl.load(s_base + (rows // SPAN) * stride_sn + (kk * BK) // SPAN)
+            w = w.to(ADT)
+        else:
+            s = tl.full([BN], 1.0, tl.float32)
+    return w, s
 
 
 @triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
@@ -68,6 +71,7 @@ def _grouped_gemm_kernel(
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     QUANT: tl.constexpr = 0, SPAN: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, SYM_ZERO: tl.constexpr = 8,
+    ASM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -113,11 +117,11 @@ def _grouped_gemm_kernel(
             else:
                 a = tl.load(a_ptrs, mask=(offs_k < K - kk * BK)[None, :], other=0.0)
             g, sg = _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN, QUANT, HAS_ZERO,
-                                 SYM_ZERO, EVEN_K, adt, BK, BN)
+                                 SYM_ZERO, EVEN_K, adt, ASM, BK, BN)
             acc += tl.dot(a, g, input_precision=PRECISION) * sg[None, :]
             if GATED:
                 u, su = _weight_tile(w_base, s_base, z_base, cols + N, kk, K, stride_wn, stride_sn, SPAN, QUANT,
-                                     HAS_ZERO, SYM_ZERO, EVEN_K, adt, BK, BN)
+                                     HAS_ZERO, SYM_ZERO, EVEN_K, adt, ASM, BK, BN)
                 acc_u += tl.dot(a, u, input_precision=PRECISION) * su[None, :]
             a_ptrs += BK
     else:
@@ -168,13 +172,14 @@ def _interpreting() -> bool:
     return _INTERPRETING
 
 
-def pick_bm(n_pairs: int, num_experts: int) -> int:
+def pick_bm(n_pairs: int, num_experts: int, quantised: bool = False) -> int:
     """Row-block height from the expected rows per expert (known on the host: no sync).
     Decode is weight-streaming: an expert whose rows spill into a second block has its weights
     read twice, so the tile covers the expected rows plus three standard deviations (Mixtral at
     64 tokens: 16 +- 4 rows -> 32). Prefill wants tall tiles to reuse each weight tile across
     rows, but every expert's last block is padded, so the tile stays well below the rows an
-    expert gets (Qwen3-30B-A3B at 4096 tokens: ~256 rows -> 64; Mixtral: ~1000 -> 128)."""
+    expert gets (Qwen3-30B-A3B at 4096 tokens: ~256 rows -> 64; Mixtral: ~1000 -> 128). Quantised
+    experts stop at 64: the 128-row gated tile with the converted weight tile spills on sm90."""
     if _interpreting():
         return 16
     per_expert = n_pairs / num_experts
@@ -183,7 +188,7 @@ def pick_bm(n_pairs: int, num_experts: int) -> int:
         return 16
     if high <= 32:
         return 32
-    if per_expert <= 512:
+    if per_expert <= 512 or quantised:
         return 64
     return 128
 
@@ -219,10 +224,13 @@ def _prune(configs, named_args, **kw):
     want = table[bool(kw["GATED"])]
     k = named_args["K"]
     out = [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
-    if kw.get("QUANT", 0):  # a K tile inside one group / block
+    if kw.get("QUANT", 0):
+        # a K tile inside one group / block; 8 warps on the prefill tiles, where the converted
+        # weight tile beside the accumulators spills with 4 (ptxas, sm90)
         span = kw["SPAN"]
-        out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], c.num_warps, c.num_stages):
-                    triton.Config(dict(c.kwargs, BK=bk), num_warps=c.num_warps, num_stages=c.num_stages)
+        warps = 8 if bm >= 64 else 4
+        out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], max(c.num_warps, warps), c.num_stages):
+                    triton.Config(dict(c.kwargs, BK=bk), num_warps=max(c.num_warps, warps), num_stages=c.num_stages)
                     for c in out}.values())
     return out
 
@@ -241,14 +249,14 @@ _tuned_kernel = triton.autotune(_ALL_CONFIGS, key=["N", "K", "rows_bucket", "BM"
     triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BK"] == 0})(_grouped_gemm_kernel))
 
 
-def token_counts(max_tokens: int, top_k: int, num_experts: int) -> list[int]:
+def token_counts(max_tokens: int, top_k: int, num_experts: int, quantised: bool = False) -> list[int]:
     """One token count per tuning key (rows bucket, BM) that a call of 1..max_tokens tokens can
     hit, the smallest of each: running the MoE once at each tunes every GEMM a step can launch
     (the key's N, K, gating and dtypes are fixed by the weights)."""
     first: dict = {}
     for t in range(1, max_tokens + 1):
         n = t * top_k
-        first.setdefault((next_pow2(n), pick_bm(n, num_experts)), t)
+        first.setdefault((next_pow2(n), pick_bm(n, num_experts, quantised)), t)
     return sorted(first.values())
 
 
@@ -280,7 +288,8 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
     flags = dict(GATED=gated, WEIGHTED=weights is not None, BM=bm,
                  PRECISION="ieee" if a.dtype == torch.float32 else "tf32")
     if quant:
-        flags.update(QUANT=quant, SPAN=span, HAS_ZERO=zero is not None, SYM_ZERO=INT4_SYM_ZERO)
+        flags.update(QUANT=quant, SPAN=span, HAS_ZERO=zero is not None, SYM_ZERO=INT4_SYM_ZERO,
+                     ASM=not _interpreting())  # nibbles.py: no PTX in the interpreter
     if _interpreting() or a.dtype == torch.float32:
         # Interpreter: small tiles keep it fast (speed is not measured there). fp32 on a GPU is a
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).

@@ -31,7 +31,7 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     if T == 0:
         return torch.empty_like(x)
     top_k = topk_ids.shape[1]
-    bm = bm or pick_bm(T * top_k, w13.shape[0])
+    bm = bm or pick_bm(T * top_k, w13.shape[0], (quant or {}).get("w13_scale") is not None)
     return _aligned(x, topk_weights, w13, w2, top_k, bm, *align(topk_ids, w13.shape[0], bm), quant=quant)
 
 
@@ -93,7 +93,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     T = x.shape[0]
     if fusable(T, n_group, w13.shape[0]):
         # Decode: routing and align in one launch (route_align.py).
-        bm = pick_bm(T * top_k, w13.shape[0])
+        bm = pick_bm(T * top_k, w13.shape[0], w13_scale is not None)
         weights, _, *aligned = route_align(router_logits, top_k, router, renormalize, routed_scaling, score_bias,
                                            w13.shape[0], bm)
         return _aligned(x, weights, w13, w2, top_k, bm, *aligned, quant=quant)
@@ -108,7 +108,7 @@ def warm_up(w13: torch.Tensor, w2: torch.Tensor, top_k: int, max_tokens: int, dt
     weights'; the scales of quantised experts among ``routing``): the engine calls it at start-up,
     so that no step tunes while requests wait (a DeepSeek-V2-Lite run at batch 32 had its mixed
     steps wait on tuning). Returns how many counts ran."""
-    counts = token_counts(max_tokens, top_k, w13.shape[0])
+    counts = token_counts(max_tokens, top_k, w13.shape[0], routing.get("w13_scale") is not None)
     g = torch.Generator(device=w13.device).manual_seed(0)
     dtype = dtype or w13.dtype
     hidden = w2.shape[1]
