@@ -76,6 +76,13 @@ def test_group_quant_matches_torch_contract(M, K, group, dt):
         assert s[0, -1] > s[0, 0] * 10  # the outlier stayed in its group
     if M > 1:
         assert (q[1, :group].float() == 0).all()
+    # rows padded to a multiple of 4 (scaled-mm-block's cuBLASLt call): the same rows, then zero
+    # codes with the least scale, the scale's stride the padded row count
+    qp, sp = act_quant.quantize_act_fp8_group(x, group, pad=4)
+    mp = -(-M // 4) * 4
+    assert qp.shape == (mp, K) and sp.shape == (mp, K // group) and sp.stride() == (1, mp)
+    assert _fp8_same(qp[:M], q).all() and torch.equal(sp[:M], s)
+    assert (qp[M:].float() == 0).all() and (sp[M:] == quant.MIN_SCALE).all()
 
 
 def test_group_quant_refuses_a_group_that_does_not_divide_k():

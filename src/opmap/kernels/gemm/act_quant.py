@@ -73,33 +73,36 @@ def quantize_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _act_quant_group_kernel(x_ptr, q_ptr, s_ptr, M, NG, stride_xm, stride_qm, MIN_SCALE: tl.constexpr,
+def _act_quant_group_kernel(x_ptr, q_ptr, s_ptr, M, MP, NG, stride_xm, stride_qm, MIN_SCALE: tl.constexpr,
                             QMAX: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
-    """GROUPS consecutive groups of one row a program; the scale of group g of row m at s[g * M + m]."""
+    """GROUPS consecutive groups of one row a program; the scale of group g of row m at s[g * MP + m]
+    (rows M..MP-1: padding, zero codes and the least scale)."""
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g < NG)[:, None]
-    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=mask & (row < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1) / QMAX, MIN_SCALE)
-    tl.store(s_ptr + g.to(tl.int64) * M + row, scale, mask=g < NG)
+    tl.store(s_ptr + g.to(tl.int64) * MP + row, scale, mask=g < NG)
     _store_codes(q_ptr + row * stride_qm + cols, x, scale[:, None], mask, QMAX)
 
 
-def quantize_act_fp8_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq[M, K] fp8-e4m3, scale[M, K / group] fp32) with a scale per ``group`` input channels of a
+def quantize_act_fp8_group(x: torch.Tensor, group: int, pad: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq[M', K] fp8-e4m3, scale[M', K / group] fp32) with a scale per ``group`` input channels of a
     token: ``quant.quantize_act_fp8_group`` bit for bit on the GPU. The scale is returned
-    outer-dim-major (stride (1, M)), the layout cuBLASLt's 1 x 128 block scaling reads."""
+    outer-dim-major (stride (1, M')), the layout cuBLASLt's 1 x 128 block scaling reads. M' is M
+    rounded up to a multiple of ``pad``; the rows past M are zero codes with the least scale."""
     expect_tensor("x", x, dtype=(torch.float32, torch.float16, torch.bfloat16), ndim=2, last_dim_contiguous=True)
     M, K = x.shape
     expect(group > 0 and group & (group - 1) == 0 and K % group == 0, "group", group,
            f"a power of two dividing K={K}")
     ng = K // group
-    q = torch.empty((M, K), dtype=FP8, device=x.device)
-    s = torch.empty((ng, M), dtype=torch.float32, device=x.device)
-    if M and ng:
+    mp = -(-M // pad) * pad
+    q = torch.empty((mp, K), dtype=FP8, device=x.device)
+    s = torch.empty((ng, mp), dtype=torch.float32, device=x.device)
+    if mp and ng:
         groups = max(1, min(triton.next_power_of_2(ng), 4096 // group))  # up to 4096 columns a program
-        _act_quant_group_kernel[(M, triton.cdiv(ng, groups))](
-            x, q, s, M, ng, x.stride(0), q.stride(0), MIN_SCALE=MIN_SCALE, QMAX=FP8_MAX, GROUP=group, GROUPS=groups,
-            num_warps=max(1, min(8, groups * group // 512)))
+        _act_quant_group_kernel[(mp, triton.cdiv(ng, groups))](
+            x, q, s, M, mp, ng, x.stride(0), q.stride(0), MIN_SCALE=MIN_SCALE, QMAX=FP8_MAX, GROUP=group,
+            GROUPS=groups, num_warps=max(1, min(8, groups * group // 512)))
     return q, s.t()

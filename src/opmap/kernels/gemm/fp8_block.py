@@ -24,10 +24,28 @@ from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import check_linear
 
 
+@triton.jit
+def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: tl.constexpr):
+    """acc + the K tile at input channel k (w_ptrs, x_ptrs) times its block scale ``s`` (tiles at
+    or past k_end: none)."""
+    xdt = x_ptrs.dtype.element_ty
+    live = k < k_end
+    if EVEN_K:
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & live, other=0.0)
+        xt = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
+    else:
+        k_mask = ((k + offs_k) < K) & live
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+    part = tl.dot(w.to(xdt), xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
+    return acc + part * s
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                       stride_om, K_PER_SPLIT, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -41,20 +59,27 @@ def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, 
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
     s_row = s_ptr + ((pid_n * BLOCK_N) // BLOCK).to(tl.int64) * stride_sn  # the tile's row of blocks
-    xdt = x_ptr.dtype.element_ty
+    last = (k_end - 1) // BLOCK
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
-            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        else:
-            k_mask = (k + offs_k) < K
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        part = tl.dot(w.to(xdt), xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
-        acc += part * tl.load(s_row + k // BLOCK)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    # SUB K tiles an iteration, their block scales loaded first: the iteration waits on them once
+    for k in range(k0, k_end, SUB * BLOCK_K):
+        s0 = tl.load(s_row + k // BLOCK)
+        if SUB > 1:
+            s1 = tl.load(s_row + tl.minimum((k + BLOCK_K) // BLOCK, last))
+        if SUB > 2:
+            s2 = tl.load(s_row + tl.minimum((k + 2 * BLOCK_K) // BLOCK, last))
+            s3 = tl.load(s_row + tl.minimum((k + 3 * BLOCK_K) // BLOCK, last))
+        acc = _tile(acc, w_ptrs, x_ptrs, s0, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K)
+        if SUB > 1:
+            acc = _tile(acc, w_ptrs + BLOCK_K, x_ptrs + BLOCK_K, s1, k + BLOCK_K, k_end, K, offs_k, n_mask, m_mask,
+                        EVEN_K)
+        if SUB > 2:
+            acc = _tile(acc, w_ptrs + 2 * BLOCK_K, x_ptrs + 2 * BLOCK_K, s2, k + 2 * BLOCK_K, k_end, K, offs_k, n_mask,
+                        m_mask, EVEN_K)
+            acc = _tile(acc, w_ptrs + 3 * BLOCK_K, x_ptrs + 3 * BLOCK_K, s3, k + 3 * BLOCK_K, k_end, K, offs_k, n_mask,
+                        m_mask, EVEN_K)
+        w_ptrs += SUB * BLOCK_K
+        x_ptrs += SUB * BLOCK_K
     finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k, HAS_BIAS, SPLIT,
            BLOCK_N, BLOCK_M)
 
@@ -85,6 +110,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     _fp8_block_kernel[scaled_tiles.grid(p, M, N)](
         x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
         w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], BLOCK=b, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"],
-        EVEN_K=K % p["BLOCK_K"] == 0, BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+        EVEN_K=K % p["BLOCK_K"] == 0, SUB=p["SUB"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
         num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out

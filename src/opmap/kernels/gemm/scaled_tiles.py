@@ -16,7 +16,10 @@ from opmap.kernels.gemm.splitk import counters, sm_count
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # config= keys: the tile (0: the plan's choice); BLOCK_K (and, where the kernel says so, BLOCK_N)
 # must divide the scale's span.
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0}
+# SUB: K tiles a loop iteration (1, 2 or 4). Each tile's scale is a plain load (a value of 1 to 4
+# bytes a row: no cp.async, so Triton's pipeline leaves it in the loop), and each iteration waits
+# out its latency once: SUB tiles an iteration share that wait.
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0}
 
 
 def config_of(config) -> dict:
@@ -27,6 +30,7 @@ def config_of(config) -> dict:
            "16, 32, 64, 128 or 256")
     expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
     expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
+    expect(cfg["SUB"] in (0, 1, 2, 4), "config", f"SUB={cfg['SUB']}", "1, 2 or 4 K tiles a loop iteration")
     return cfg
 
 
@@ -34,7 +38,8 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     """The tile, K split, warps and stages of a call: BLOCK_N 64 (128 from M = 33; capped by the span
     where ``bn_in_span``), BLOCK_K the largest power of two up to ``bk_top`` (64 in the interpreter)
     that divides the span; K split while the N tiles number fewer than two an SM (each split keeps
-    >= 4 K tiles); 4 warps (8 on 128-channel tiles)."""
+    >= 4 K tiles); 4 warps (8 on 128-channel tiles); SUB K tiles an iteration (1 in the interpreter)
+    and stages that keep about four tiles in flight."""
     bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     bn = 64 if bm <= 32 else 128
     if bn_in_span:
@@ -46,8 +51,18 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     if M <= 64 and tiles < 2 * sms:
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
     # 8 warps on 128-channel tiles: with 4 the 128 x 64 accumulator and the converted weight spill
+    sub = 1 if interp else SUB_DEFAULT
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
-            "num_stages": 1 if interp else (4 if bm <= 32 else 3)}
+            "SUB": sub, "num_stages": 1 if interp else stages(bm, sub)}
+
+
+SUB_DEFAULT = 2
+
+
+def stages(bm: int, sub: int) -> int:
+    """Pipeline stages (each holds SUB K tiles): 4 (3 from 64-row tiles) at SUB 1, then fewer, so
+    that shared memory still holds several programs an SM."""
+    return max(2, (4 if bm <= 32 else 3) - (sub // 2))
 
 
 def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str) -> dict:
@@ -55,7 +70,9 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
     span: ``what`` names it) and K_PER_SPLIT, a whole number of K tiles (rounding it up can leave
     the last splits empty: SPLIT is recounted)."""
     p = plan(M, N, K, span, sm_count(device), bk_top, bn_in_span)
-    for key in ("num_warps", "num_stages", "SPLIT") + (() if bn_in_span else ("BLOCK_N",)):
+    if cfg["SUB"] and not cfg["num_stages"] and not INTERP:
+        p["num_stages"] = stages(p["BLOCK_M"], cfg["SUB"])
+    for key in ("num_warps", "num_stages", "SPLIT", "SUB") + (() if bn_in_span else ("BLOCK_N",)):
         p[key] = cfg[key] or p[key]
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
         if cfg[key]:
@@ -78,8 +95,8 @@ def output(x: torch.Tensor, M: int, N: int, K: int, bias) -> tuple:
 
 
 def text(p: dict) -> str:
-    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K split"
-            f"{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
+    return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']} x {p['SUB']} a step, "
+            f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
 
 
 def workspace(p: dict, M: int, N: int, out: torch.Tensor) -> tuple:

@@ -30,11 +30,36 @@ from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
 
 
+@triton.jit
+def _group_of(s_ptr, z_ptr, rows, stride_sn, k, live, n_mask, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+              SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scale (fp32) and zero code (int32, [BLOCK_N, 1]) of each row's group at input channel k."""
+    m = n_mask & live
+    s = tl.load(s_ptr + rows * stride_sn + k // G, mask=m, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + rows * stride_sn + k // G, mask=m, other=0).to(tl.int32)[:, None]
+    else:
+        z = tl.full([BLOCK_N, 1], SYM_ZERO, tl.int32)
+    return s, z
+
+
+@triton.jit
+def _tile(acc, w_ptrs, x_ptrs, s, z, live, n_mask, m_mask, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr):
+    """acc + the K tile at (w_ptrs, x_ptrs) times its group scales ``s`` (``live``: inside the split)."""
+    xdt = x_ptrs.dtype.element_ty
+    words = tl.load(w_ptrs, mask=n_mask[:, None] & live, other=0)
+    xt = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
+    wv = tl.reshape(nibbles.unpack(words, z, xdt, ASM), [BLOCK_N, BLOCK_K])  # in [-15, 15]: exact
+    part = tl.dot(wv, xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
+    return acc + part * s[:, None]
+
+
 @triton.jit(do_not_specialize=["M"])
-def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, G, stride_xm, stride_wn,
-                  stride_sn, stride_om, K_PER_SPLIT, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                  stride_sn, stride_om, K_PER_SPLIT, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr,
+                  SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -49,23 +74,30 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
     rows = offs_n.to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
-    xdt = x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(k0, k_end, BLOCK_K):
-        # K is a multiple of BLOCK_K (the launcher's tile divides the group, the group divides K)
-        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
-        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        g = k // G
-        s = tl.load(s_ptr + rows * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + rows * stride_sn + g, mask=n_mask, other=0).to(tl.int32)[:, None]
-        else:
-            z = tl.full([BLOCK_N, 1], SYM_ZERO, tl.int32)
-        wv = tl.reshape(nibbles.unpack(words, z, xdt, ASM), [BLOCK_N, BLOCK_K])  # in [-15, 15]: exact
-        part = tl.dot(wv, xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
-        acc += part * s[:, None]
-        w_ptrs += BLOCK_K // 8
-        x_ptrs += BLOCK_K
+    # K is a multiple of BLOCK_K (the launcher's tile divides the group, the group divides K). SUB
+    # K tiles an iteration, their scales loaded first, so that the iteration waits on them once.
+    for k in range(k0, k_end, SUB * BLOCK_K):
+        s0, z0 = _group_of(s_ptr, z_ptr, rows, stride_sn, k, True, n_mask, G, HAS_ZERO, SYM_ZERO, BLOCK_N)
+        if SUB > 1:
+            s1, z1 = _group_of(s_ptr, z_ptr, rows, stride_sn, k + BLOCK_K, k + BLOCK_K < k_end, n_mask, G,
+                               HAS_ZERO, SYM_ZERO, BLOCK_N)
+        if SUB > 2:
+            s2, z2 = _group_of(s_ptr, z_ptr, rows, stride_sn, k + 2 * BLOCK_K, k + 2 * BLOCK_K < k_end, n_mask, G,
+                               HAS_ZERO, SYM_ZERO, BLOCK_N)
+            s3, z3 = _group_of(s_ptr, z_ptr, rows, stride_sn, k + 3 * BLOCK_K, k + 3 * BLOCK_K < k_end, n_mask, G,
+                               HAS_ZERO, SYM_ZERO, BLOCK_N)
+        acc = _tile(acc, w_ptrs, x_ptrs, s0, z0, True, n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+        if SUB > 1:
+            acc = _tile(acc, w_ptrs + BLOCK_K // 8, x_ptrs + BLOCK_K, s1, z1, k + BLOCK_K < k_end, n_mask, m_mask,
+                        ASM, BLOCK_N, BLOCK_K)
+        if SUB > 2:
+            acc = _tile(acc, w_ptrs + 2 * (BLOCK_K // 8), x_ptrs + 2 * BLOCK_K, s2, z2, k + 2 * BLOCK_K < k_end,
+                        n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+            acc = _tile(acc, w_ptrs + 3 * (BLOCK_K // 8), x_ptrs + 3 * BLOCK_K, s3, z3, k + 3 * BLOCK_K < k_end,
+                        n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+        w_ptrs += SUB * (BLOCK_K // 8)
+        x_ptrs += SUB * BLOCK_K
     finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k, HAS_BIAS, SPLIT,
            BLOCK_N, BLOCK_M)
 
@@ -96,9 +128,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     ws, cnt = scaled_tiles.workspace(p, M, N, out)
     _w4a16_kernel[scaled_tiles.grid(p, M, N)](
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
-        M, N, K, G, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"],
+        M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], G=G,
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO,
-        ASM=not scaled_tiles.INTERP,
+        ASM=not scaled_tiles.INTERP, SUB=p["SUB"],
         BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"],
         num_stages=p["num_stages"])
     return out

@@ -17,11 +17,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from opmap.kernels.gemm import nibbles
+from opmap.kernels.gemm.scaled_tiles import INTERP
 from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
 from opmap.ops.gemm.validate import INT4_PACKED, QUANT_DTYPES, check_linear
 from opmap.core.contract import expect
 
 BLOCK_N, BLOCK_K = 16, 256
+INT4_BLOCK_N = 32
 
 
 @triton.jit
@@ -35,22 +38,26 @@ def _dequant_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, G, stride_w, HAS_ZERO: tl.constexpr,
-                         SYM_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed int4 [N, K / 8] -> (code - zero) * scale [N, K], BLOCK_K (a multiple of 8) columns a program."""
+def _dequant_int4_kernel(w_ptr, s_ptr, z_ptr, o_ptr, N, K, stride_w, G: tl.constexpr, HAS_ZERO: tl.constexpr,
+                         SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed int4 [N, K / 8] -> (code - zero) * scale [N, K]: BLOCK_K columns (inside one group) of
+    BLOCK_N rows a program, each word read once and turned into its eight values in registers
+    (kernels/gemm/nibbles.py), rounded once, after the scale."""
     rn = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rn[:, None] < N) & (rk[None, :] < K)
-    words = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :] // 8, mask=mask, other=0)
-    u = (words >> ((rk[None, :] % 8) * 4).to(tl.int32)) & 0xF
-    groups = K // G
-    g = rn[:, None] * groups + rk[None, :] // G
-    s = tl.load(s_ptr + g, mask=mask, other=0.0).to(tl.float32)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = rn < N
+    words = tl.load(w_ptr + rn[:, None] * stride_w + k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :],
+                    mask=n_ok[:, None], other=0)
+    g = rn * (K // G) + k0 // G
+    s = tl.load(s_ptr + g, mask=n_ok, other=0.0).to(tl.float32)
     if HAS_ZERO:
-        z = tl.load(z_ptr + g, mask=mask, other=0).to(tl.int32)
+        z = tl.load(z_ptr + g, mask=n_ok, other=0).to(tl.int32)[:, None]
     else:
-        z = SYM_ZERO
-    tl.store(o_ptr + rn[:, None] * K + rk[None, :], ((u - z).to(tl.float32) * s).to(o_ptr.dtype.element_ty), mask=mask)
+        z = tl.full([BLOCK_N, 1], SYM_ZERO, tl.int32)
+    odt = o_ptr.dtype.element_ty
+    v = tl.reshape(nibbles.unpack(words, z, odt, ASM), [BLOCK_N, BLOCK_K])  # code - zero: exact in odt
+    tl.store(o_ptr + rn[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], (v.to(tl.float32) * s[:, None]).to(odt),
+             mask=n_ok[:, None])
 
 
 @triton.jit
@@ -94,10 +101,11 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     N, K = w.shape[0], w.shape[1] * 8
     out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
     if N and K:
-        _dequant_int4_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
-            w, scale, zero if zero is not None else scale, out, N, K, K // scale.shape[1], w.stride(0),
-            HAS_ZERO=zero is not None,
-            SYM_ZERO=INT4_SYM_ZERO, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        G = K // scale.shape[1]
+        bk = next(b for b in (128, 64, 32, 16, 8) if G % b == 0)  # a K tile inside one group
+        _dequant_int4_kernel[(triton.cdiv(N, INT4_BLOCK_N), K // bk)](
+            w, scale, zero if zero is not None else scale, out, N, K, w.stride(0), G=G, HAS_ZERO=zero is not None,
+            SYM_ZERO=INT4_SYM_ZERO, ASM=not INTERP, BLOCK_N=INT4_BLOCK_N, BLOCK_K=bk, num_warps=4)
     return out
 
 

@@ -101,7 +101,9 @@ def _dequant_cublas(inp):
 # 32 < M <= 64 on sm90), timed with --variants beside their defaults.
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
-_SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm"}
+_SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split"}
+# Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M
+SCALED_VARIANTS = [dict(SUB=1), dict(SUB=4), dict(SPLIT=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
          True: ("opmap-gluon-wo-wgmma", "gluon-wo-wgmma", wo_wgmma.describe, WGMMA_VARIANTS)}
@@ -156,6 +158,9 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     flops = 2.0 * M * N * K
     provs = [Provider(f"opmap-{backend}", _ours(backend, True), backend=("gemm", backend), describe=describe(M, N, K)),
              Provider("cublas-bf16-weights", _cublas)]
+    if M <= 64:
+        provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
+                           describe=describe(M, N, K, config=c)) for c in SCALED_VARIANTS]
     if per_call is not None:
         provs.append(Provider("dequant+cublas", per_call))
     if M >= 128:
@@ -184,9 +189,11 @@ def _dequant_int4(inp):
 # W4A16 checkpoints carry); fp8-block: a byte, an fp32 scale per 128 x 128 block (DeepSeek-V3,
 # Qwen3-FP8).
 SCALED = {
-    "int4": ("gemm.w4a16", "triton-w4a16", lambda M, N, K: _described(w4a16.describe, M, N, K, G=INT4_GROUP),
+    "int4": ("gemm.w4a16", "triton-w4a16",
+             lambda M, N, K, config=None: _described(w4a16.describe, M, N, K, G=INT4_GROUP, config=config),
              f"int4-g{INT4_GROUP}", lambda N, K: N * K // 2 + N * (K // INT4_GROUP) * 2, _dequant_int4),
-    "fp8-block": ("gemm.fp8_block", "triton-fp8-block", lambda M, N, K: _described(fp8_block.describe, M, N, K, b=128),
+    "fp8-block": ("gemm.fp8_block", "triton-fp8-block",
+                  lambda M, N, K, config=None: _described(fp8_block.describe, M, N, K, b=128, config=config),
                   "fp8-block128", lambda N, K: N * K + (-(-N // 128)) * (-(-K // 128)) * 4, None),
 }
 
@@ -213,7 +220,9 @@ def cases(quick: bool) -> list[BenchCase]:
     out = []
     for fmt in (None, "fp8", "int8", "int4"):
         for K, N in SHAPES + ([] if quick else MORE_SHAPES):
-            for M in (MS if quick else MS_FULL):
+            # the formats whose scale changes along K time a prefill chunk in the quick grid too: the
+            # route from M = 128 (their own kernel, dequant-cublas, scaled-mm-block) rests on it
+            for M in (MS_FULL if fmt == "int4" or not quick else MS):
                 if fmt == "int4":
                     out += [_scaled_case(arch, M, N, K, f) for f in SCALED]
                     continue
