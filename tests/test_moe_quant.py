@@ -45,7 +45,10 @@ CASES = [  # (T, E, k, H, I, fmt, span, zp, bm)
 
 
 @pytest.mark.parametrize("T,E,k,H,I,fmt,span,zp,bm", CASES)
-def test_quantised_experts_match_the_reference(T, E, k, H, I, fmt, span, zp, bm):
+def test_quantised_experts_match_the_reference(T, E, k, H, I, fmt, span, zp, bm, monkeypatch):
+    # SUB K tiles a loop iteration: 2 and 4 on cases whose K tile count they do not divide
+    from opmap.kernels.moe import grouped_gemm as gg
+    monkeypatch.setattr(gg, "INTERP_SUB", {1: 4, 5: 2, 7: 4, 9: 4, 33: 2}.get(T, 1))
     g = torch.Generator().manual_seed(T * 31 + E)
     x = torch.randn(T, H, generator=g).half()
     logits = torch.randn(T, E, generator=g)

@@ -52,10 +52,11 @@ gsig = {"a_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*
 for quant, wdt, sdt in [(1, "*i32", "*fp16"), (2, "*fp8e4nv", "*fp32")]:
     for bm in (16, 64):
         kw = dict(BM=bm, GATED=True, QUANT=quant, SPAN=128)
-        for c in G._prune(G._ALL_CONFIGS, {"K": 2048}, **kw)[:2]:
+        for c in G._prune(G._ALL_CONFIGS, {"K": 2048}, **kw):
             ce = dict(GATED=True, WEIGHTED=False, EVEN_K=True, PRECISION="tf32", BM=bm, QUANT=quant,
                       SPAN=128, HAS_ZERO=quant == 1, SYM_ZERO=8, ASM=True, **c.kwargs)
-            build(f"moe-q{quant}-bm{bm}-bn{c.kwargs['BN']}-bk{c.kwargs['BK']}-w{c.num_warps}-s{c.num_stages}", G._grouped_gemm_kernel,
+            build(f"moe-q{quant}-bm{bm}-bn{c.kwargs['BN']}-bk{c.kwargs['BK']}-sub{c.kwargs['SUB']}-w{c.num_warps}"
+                  f"-s{c.num_stages}", G._grouped_gemm_kernel,
                   dict(gsig, w_ptr=wdt, s_ptr=sdt), ce, c.num_warps, c.num_stages)
 print("RESULT " + json.dumps(res))
 '''

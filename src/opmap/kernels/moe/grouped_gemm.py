@@ -33,34 +33,72 @@ from opmap.ops.gemm.quant import INT4_SYM_ZERO, block_of
 
 
 @triton.jit
-def _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN: tl.constexpr,
-                 QUANT: tl.constexpr, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
+def _scales_of(s_base, z_base, cols, kk, live, stride_sn, SPAN: tl.constexpr, QUANT: tl.constexpr,
+               HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """The scales ([BN] fp32) and zero codes ([BN] int32) of columns ``cols`` at K tile ``kk``
+    (``live``: a K tile of the expert; else zeros, never used)."""
+    rows = cols.to(tl.int64)
+    m = (cols >= 0) & live
+    g = (kk * BK) // SPAN
+    if QUANT == 1:
+        s = tl.load(s_base + rows * stride_sn + g, mask=m, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(z_base + rows * stride_sn + g, mask=m, other=0).to(tl.int32)
+        else:
+            z = tl.full([BN], SYM_ZERO, tl.int32)
+    else:
+        s = tl.load(s_base + (rows // SPAN) * stride_sn + g, mask=m, other=0.0).to(tl.float32)
+        z = tl.full([BN], 0, tl.int32)
+    return s, z
+
+
+@triton.jit
+def _weight_tile(w_base, cols, kk, live, K, stride_wn, z, QUANT: tl.constexpr, EVEN_K: tl.constexpr,
                  ADT: tl.constexpr, ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-    """The [BK, BN] weight tile of columns ``cols`` at K tile ``kk`` in x's dtype (ADT), and the
-    columns' scale ([BN] fp32; ones when unquantised)."""
-    offs_k = kk * BK + tl.arange(0, BK)
+    """The [BK, BN] quantised weight tile of columns ``cols`` at K tile ``kk`` in x's dtype (ADT),
+    exactly (int4: code minus the zero ``z``; the scales multiply the tile's product)."""
     rows = cols.to(tl.int64)
     if QUANT == 1:
-        words = tl.load(w_base + rows[None, :] * stride_wn + (kk * (BK // 8) + tl.arange(0, BK // 8))[:, None])
-        g = (kk * BK) // SPAN
-        s = tl.load(s_base + rows * stride_sn + g).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_base + rows * stride_sn + g).to(tl.int32)[None, :]
-        else:
-            z = tl.full([1, BN], SYM_ZERO, tl.int32)
-        v = nibbles.unpack(words, z, ADT, ASM)  # [BK // 8, BN, 8]: code i of word j is row 8j + i
+        words = tl.load(w_base + rows[None, :] * stride_wn + (kk * (BK // 8) + tl.arange(0, BK // 8))[:, None],
+                        mask=live, other=0)
+        v = nibbles.unpack(words, z[None, :], ADT, ASM)  # [BK // 8, BN, 8]: code i of word j is row 8j + i
         w = tl.reshape(tl.permute(v, (0, 2, 1)), [BK, BN])
-    else:  # (one return: Triton types every return statement, the untaken branches' too)
+    else:
+        offs_k = kk * BK + tl.arange(0, BK)
         if EVEN_K:
-            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None])
+            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=live, other=0.0)
         else:
-            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
-        if QUANT == 2:
-            s = tl.load(s_base + (rows // SPAN) * stride_sn + (kk * BK) // SPAN)
-            w = w.to(ADT)
-        else:
-            s = tl.full([BN], 1.0, tl.float32)
-    return w, s
+            w = tl.load(w_base + rows[None, :] * stride_wn + offs_k[:, None], mask=(offs_k < K)[:, None] & live,
+                        other=0.0)
+        w = w.to(ADT)
+    return w
+
+
+@triton.jit
+def _quant_step(acc, acc_u, a_ptrs, w_base, cols, kk, live, K, N, offs_k, stride_wn, sg, zg, su, zu,
+                GATED: tl.constexpr, QUANT: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                ADT: tl.constexpr, ASM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
+    """One K tile of quantised experts: the gate (and up) products, each times its column scales."""
+    a = tl.load(a_ptrs, mask=((offs_k < K - kk * BK) & live)[None, :], other=0.0)
+    g = _weight_tile(w_base, cols, kk, live, K, stride_wn, zg, QUANT, EVEN_K, ADT, ASM, BK, BN)
+    acc += tl.dot(a, g, input_precision=PRECISION) * sg[None, :]
+    if GATED:
+        u = _weight_tile(w_base, cols + N, kk, live, K, stride_wn, zu, QUANT, EVEN_K, ADT, ASM, BK, BN)
+        acc_u += tl.dot(a, u, input_precision=PRECISION) * su[None, :]
+    return acc, acc_u
+
+
+@triton.jit
+def _quant_scales(s_base, z_base, cols, kk, live, N, stride_sn, GATED: tl.constexpr, SPAN: tl.constexpr,
+                  QUANT: tl.constexpr, HAS_ZERO: tl.constexpr, SYM_ZERO: tl.constexpr, BK: tl.constexpr,
+                  BN: tl.constexpr):
+    """The gate's (and up's) scales and zeros at K tile ``kk``."""
+    sg, zg = _scales_of(s_base, z_base, cols, kk, live, stride_sn, SPAN, QUANT, HAS_ZERO, SYM_ZERO, BK, BN)
+    if GATED:
+        su, zu = _scales_of(s_base, z_base, cols + N, kk, live, stride_sn, SPAN, QUANT, HAS_ZERO, SYM_ZERO, BK, BN)
+    else:
+        su, zu = sg, zg
+    return sg, zg, su, zu
 
 
 @triton.jit(do_not_specialize=["n_pairs", "rows_bucket"])  # T varies: one binary for every T
@@ -71,7 +109,7 @@ def _grouped_gemm_kernel(
     GATED: tl.constexpr, WEIGHTED: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     QUANT: tl.constexpr = 0, SPAN: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, SYM_ZERO: tl.constexpr = 8,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, SUB: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BN)
@@ -111,19 +149,36 @@ def _grouped_gemm_kernel(
         cols = offs_n % N
         s_base = s_ptr + expert * stride_se
         z_base = z_ptr + expert * stride_se
-        for kk in range(0, tl.cdiv(K, BK)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < K - kk * BK)[None, :], other=0.0)
-            g, sg = _weight_tile(w_base, s_base, z_base, cols, kk, K, stride_wn, stride_sn, SPAN, QUANT, HAS_ZERO,
-                                 SYM_ZERO, EVEN_K, adt, ASM, BK, BN)
-            acc += tl.dot(a, g, input_precision=PRECISION) * sg[None, :]
-            if GATED:
-                u, su = _weight_tile(w_base, s_base, z_base, cols + N, kk, K, stride_wn, stride_sn, SPAN, QUANT,
-                                     HAS_ZERO, SYM_ZERO, EVEN_K, adt, ASM, BK, BN)
-                acc_u += tl.dot(a, u, input_precision=PRECISION) * su[None, :]
-            a_ptrs += BK
+        if not GATED:
+            acc_u = acc  # (unused)
+        nk = tl.cdiv(K, BK)
+        # SUB K tiles an iteration, their scales loaded first: the scales are plain loads, which
+        # Triton's pipeline leaves in the loop, so each iteration waits on their latency once.
+        for k0 in range(0, nk, SUB):
+            sg0, zg0, su0, zu0 = _quant_scales(s_base, z_base, cols, k0, True, N, stride_sn, GATED, SPAN, QUANT,
+                                               HAS_ZERO, SYM_ZERO, BK, BN)
+            if SUB > 1:
+                sg1, zg1, su1, zu1 = _quant_scales(s_base, z_base, cols, k0 + 1, k0 + 1 < nk, N, stride_sn, GATED,
+                                                   SPAN, QUANT, HAS_ZERO, SYM_ZERO, BK, BN)
+            if SUB > 2:
+                sg2, zg2, su2, zu2 = _quant_scales(s_base, z_base, cols, k0 + 2, k0 + 2 < nk, N, stride_sn, GATED,
+                                                   SPAN, QUANT, HAS_ZERO, SYM_ZERO, BK, BN)
+                sg3, zg3, su3, zu3 = _quant_scales(s_base, z_base, cols, k0 + 3, k0 + 3 < nk, N, stride_sn, GATED,
+                                                   SPAN, QUANT, HAS_ZERO, SYM_ZERO, BK, BN)
+            acc, acc_u = _quant_step(acc, acc_u, a_ptrs, w_base, cols, k0, True, K, N, offs_k, stride_wn, sg0, zg0,
+                                     su0, zu0, GATED, QUANT, EVEN_K, PRECISION, adt, ASM, BK, BN)
+            if SUB > 1:
+                acc, acc_u = _quant_step(acc, acc_u, a_ptrs + BK, w_base, cols, k0 + 1, k0 + 1 < nk, K, N, offs_k,
+                                         stride_wn, sg1, zg1, su1, zu1, GATED, QUANT, EVEN_K, PRECISION, adt, ASM,
+                                         BK, BN)
+            if SUB > 2:
+                acc, acc_u = _quant_step(acc, acc_u, a_ptrs + 2 * BK, w_base, cols, k0 + 2, k0 + 2 < nk, K, N, offs_k,
+                                         stride_wn, sg2, zg2, su2, zu2, GATED, QUANT, EVEN_K, PRECISION, adt, ASM,
+                                         BK, BN)
+                acc, acc_u = _quant_step(acc, acc_u, a_ptrs + 3 * BK, w_base, cols, k0 + 3, k0 + 3 < nk, K, N, offs_k,
+                                         stride_wn, sg3, zg3, su3, zu3, GATED, QUANT, EVEN_K, PRECISION, adt, ASM,
+                                         BK, BN)
+            a_ptrs += SUB * BK
     else:
         for kk in range(0, tl.cdiv(K, BK)):
             if EVEN_K:
@@ -211,6 +266,12 @@ _BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
           False: [_c(128, 64, 8, 3, 8), _c(128, 64, 8, 4, 8)]}
 
 
+# K tiles a loop iteration the tuner tries for quantised experts, by whether the row tile is a
+# prefill one (BM >= 64); INTERP_SUB: the one of the interpreter / fp32 path (tests vary it)
+QUANT_SUB = {False: (1, 4), True: (1, 2)}
+INTERP_SUB = 1
+
+
 def _bk_in_span(bk: int, span: int) -> int:
     """The largest K tile up to ``bk`` that divides the scale's span (a power of two from 16)."""
     while bk > 16 and span % bk:
@@ -226,12 +287,16 @@ def _prune(configs, named_args, **kw):
     out = [c for c in configs if c in want and c.kwargs["BK"] <= max(16, triton.next_power_of_2(k))] or want[:1]
     if kw.get("QUANT", 0):
         # a K tile inside one group / block; 8 warps on the prefill tiles, where the converted
-        # weight tile beside the accumulators spills with 4 (ptxas, sm90)
+        # weight tile beside the accumulators spills with 4 (ptxas, sm90); SUB K tiles an
+        # iteration (QUANT_SUB: the tuner times each; 4 only on 32-column tiles, 64-column ones
+        # spill), with fewer stages as each holds SUB tiles
         span = kw["SPAN"]
         warps = 8 if bm >= 64 else 4
-        out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], max(c.num_warps, warps), c.num_stages):
-                    triton.Config(dict(c.kwargs, BK=bk), num_warps=max(c.num_warps, warps), num_stages=c.num_stages)
-                    for c in out}.values())
+        out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], max(c.num_warps, warps),
+                     st := max(2, c.num_stages - sub // 2), sub):
+                    triton.Config(dict(c.kwargs, BK=bk, SUB=sub), num_warps=max(c.num_warps, warps), num_stages=st)
+                    for c in out for sub in QUANT_SUB[bm >= 64]
+                    if sub <= 2 or c.kwargs["BN"] <= 32}.values())
     return out
 
 
@@ -295,7 +360,7 @@ def grouped_gemm(a, w, out, sorted_ids, block_expert, total, n_pairs, a_row_div,
         # correctness path (exact fp32 dot products spill with the tuned 16-bit tiles).
         bn, bk = 32, _bk_in_span(32, span) if quant else 32
         _grouped_gemm_kernel[(nblocks * -(-N // bn),)](
-            *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, num_warps=4,
+            *args, **flags, EVEN_K=K % bk == 0, BN=bn, BK=bk, GROUP_M=4, SUB=INTERP_SUB if quant else 1, num_warps=4,
             num_stages=1 if _interpreting() else 2)
         return
     # The tuner's decision per key, mirrored here: after the first call of a key the kernel is
