@@ -320,7 +320,7 @@ def test_bench_cases_providers_run_and_agree(monkeypatch):
 def test_dequant_cublas_matches_reference(M, N, K, fmt):
     """Prefill's weight-only path: the weight dequantised once (rounded to x's dtype) into the
     shared scratch, then the dense GEMM; odd N and K around the dequantisation tiles."""
-    from opmap.peers.gemm import dequant_cublas as dq
+    from opmap.kernels.gemm import dequant_cublas as dq
 
     for dtype in (torch.float16, torch.float32):
         x, w, b, s = _inputs(M, N, K, dtype, fmt, bias=M % 2 == 0, seed=M + N + K)

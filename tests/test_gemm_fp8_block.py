@@ -11,7 +11,7 @@ from opmap.core.contract import InputError
 from opmap.core.tolerance import assert_close
 from opmap.kernels.gemm import fp8_block
 from opmap.ops.gemm.quant import block_of, dequantize_fp8_block, quantize_fp8_block
-from opmap.peers.gemm import dequant_cublas
+from opmap.kernels.gemm import dequant_cublas
 
 
 def _case(M, N, K, b, dt=torch.float16, seed=0):

@@ -11,7 +11,7 @@ from opmap.core.contract import InputError
 from opmap.core.tolerance import assert_close
 from opmap.kernels.gemm import w4a16
 from opmap.ops.gemm.quant import dequantize_int4, pack_int4, quantize_int4, unpack_int4
-from opmap.peers.gemm import dequant_cublas
+from opmap.kernels.gemm import dequant_cublas
 
 
 def _case(M, N, K, G, zp, dt=torch.float16, seed=0):

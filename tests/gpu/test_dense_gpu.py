@@ -227,7 +227,7 @@ def test_dequant_cublas_bf16(M, N, K, fmt):
     """Prefill's weight-only path in bf16 at Llama-3-8B shapes and an odd vocab-sized N / odd K:
     the reference's result, the quality gate against the unquantised weight; two layers' weights
     in a row share the scratch (the second overwrites the first, in stream order)."""
-    from opmap.peers.gemm import dequant_cublas
+    from opmap.kernels.gemm import dequant_cublas
 
     x, w, b, s, w_orig = _lin_inputs(M, N, K, fmt, bias=True)
     out = dequant_cublas.linear(x, w, b, s)

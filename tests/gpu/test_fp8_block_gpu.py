@@ -12,7 +12,7 @@ from opmap.core.specs import GemmSpec
 from opmap.core.tolerance import assert_close
 from opmap.kernels.gemm import fp8_block
 from opmap.ops.gemm.quant import dequantize_fp8_block, quantize_fp8_block
-from opmap.peers.gemm import dequant_cublas
+from opmap.kernels.gemm import dequant_cublas
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

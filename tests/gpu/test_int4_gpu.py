@@ -12,7 +12,7 @@ from opmap.core.specs import GemmSpec
 from opmap.core.tolerance import assert_close
 from opmap.kernels.gemm import w4a16
 from opmap.ops.gemm.quant import dequantize_int4, quantize_int4
-from opmap.peers.gemm import dequant_cublas
+from opmap.kernels.gemm import dequant_cublas
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -209,7 +209,7 @@ registry.register(Backend(
                   _rows(256, GATE_UP, "fp8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))
                   + _rows(1024, O, "fp8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))
                   + _rows(256, DOWN, "int8", "opmap-dequant-cublas", ("opmap-triton", "triton-wo"))))},
-    impl={"linear": "opmap.peers.gemm.dequant_cublas:linear"},
+    impl={"linear": "opmap.kernels.gemm.dequant_cublas:linear"},
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")),
           Req("weight_dtype", ("fp8", "int8", "int4", "fp8-block"), "weight-only fp8-e4m3 / int8 / int4 / block fp8"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
