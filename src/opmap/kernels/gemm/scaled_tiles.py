@@ -56,7 +56,7 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
             "SUB": sub, "num_stages": 1 if interp else stages(bm, sub)}
 
 
-SUB_DEFAULT = 2
+SUB_DEFAULT = 1
 
 
 def stages(bm: int, sub: int) -> int:

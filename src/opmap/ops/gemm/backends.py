@@ -267,13 +267,12 @@ registry.register(Backend(
     # above dequant-cublas (55) where its checks hold (M >= 128 or a prefill step): measured faster
     priority={"sm90": 60},
     basis={"sm90": Basis(
-        "block fp8 on fp8 tensor cores, faster than dequant-cublas and triton-fp8-block at M = 256 and 1024 on "
-        "Llama-3-8B's gate/up and down",
+        "block fp8 on fp8 tensor cores, faster than dequant-cublas and triton-fp8-block at M = 256 on Llama-3-8B's "
+        "gate/up and down",
         _rows(256, GATE_UP, "fp8-block128", "opmap-scaled-mm-block", "opmap-dequant-cublas", "opmap-triton-fp8-block",
               base=H100)
         + _rows(256, DOWN, "fp8-block128", "opmap-scaled-mm-block", "opmap-dequant-cublas", "opmap-triton-fp8-block",
-                base=H100)
-        + _rows(1024, GATE_UP, "fp8-block128", "opmap-scaled-mm-block", "opmap-dequant-cublas", base=H100))},
+                base=H100))},
     impl={"linear": "opmap.kernels.gemm.scaled_mm:linear_block"},
     reqs=[Req("dtype", ("bf16",)), Req("weight_dtype", ("fp8-block",), "block-wise fp8 (128 x 128 blocks)")],
     checks=[Check("128 x 128 blocks, K a multiple of 512", _block128, "group_size"),
