@@ -69,3 +69,12 @@ def test_empty_config_and_bad_inputs():
     with pytest.raises(InputError, match="w_scale"):
         fp8_block.linear(x, wq, None, s.half())
     assert "BLOCK_K 32" in fp8_block.describe(3, 64, 128, "cpu", 32)
+
+
+@pytest.mark.parametrize("sub,split", [(2, 1), (4, 1), (4, 2)])
+def test_sub_tiles_an_iteration(sub, split):
+    """config SUB: K tiles a loop iteration, their block scales loaded first; K = 400 ends in a partial
+    block and the iterations in tiles past K."""
+    x, wq, s = _case(5, 48, 400, 32, seed=sub + split)
+    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub, "SPLIT": split})
+    assert_close(out, _ref(x, wq, s), torch.float16, scale=2.0, what=f"SUB={sub} SPLIT={split}")

@@ -142,3 +142,14 @@ def test_group_not_a_multiple_of_16_is_refused():
         w4a16.linear(x, p, None, s, z)
     with pytest.raises(InputError, match="group_size"):
         quantize_int4(torch.randn(4, 60), 12)
+
+
+@pytest.mark.parametrize("sub,split", [(2, 1), (4, 1), (4, 3), (2, 5)])
+def test_sub_tiles_an_iteration(sub, split):
+    """config SUB: K tiles a loop iteration, their group scales (and zeros) loaded first; K ranges of
+    a split that are not a whole number of SUB tiles end in masked tiles (K = 448: 7 tiles of 64)."""
+    x, p, s, z = _case(3, 40, 448, 64, True, seed=sub * 10 + split)
+    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split})
+    assert_close(out, _ref(x, p, s, z), torch.float16, scale=2.0, what=f"SUB={sub} SPLIT={split}")
+    with pytest.raises(InputError, match="config"):
+        w4a16.linear(x, p, None, s, z, config={"SUB": 3})

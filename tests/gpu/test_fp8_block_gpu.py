@@ -35,6 +35,16 @@ def test_triton_fp8_block_bf16(M, N, K):
     assert_close(fp8_block.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
 
 
+@pytest.mark.parametrize("sub", [2, 4])
+@pytest.mark.parametrize("M,N,K", [(1, 24576, 7168), (1, 7168, 18432), (64, 4096, 14336), (5, 576, 4000)])
+def test_sub_tiles_an_iteration(sub, M, N, K):
+    """config SUB: K tiles a loop iteration, their block scales loaded first; K = 4000 ends in a partial
+    block inside the last iteration's tiles."""
+    x, wq, s = _case(M, N, K, seed=M * sub + 1)
+    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub})
+    assert_close(out, _ref(x, wq, s), BF16, scale=2.0, what=f"SUB={sub} M={M} N={N} K={K}")
+
+
 def test_split_k_graph_replay():
     x, wq, s = _case(1, 576, 7168)
     fp8_block.linear(x, wq, None, s)  # the eager call makes the graph counters

@@ -40,6 +40,16 @@ def test_triton_w4a16_bf16(M, N, K, zp):
     assert_close(w4a16.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
 
 
+@pytest.mark.parametrize("sub", [2, 4])
+@pytest.mark.parametrize("M,N,K,split", [(1, 28672, 4096, 0), (1, 4096, 14336, 0), (33, 6144, 4096, 3), (64, 4096, 14336, 0)])
+def test_sub_tiles_an_iteration(sub, M, N, K, split):
+    """config SUB: K tiles a loop iteration (their scales loaded first), with K ranges a whole number
+    of SUB tiles and not (a split of 14336 / 128 = 112 tiles into 3 or the plan's splits)."""
+    x, p, s, z = _case(M, N, K, 128, True, seed=M * sub)
+    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split})
+    assert_close(out, _ref(x, p, s, z), BF16, scale=2.0, what=f"SUB={sub} M={M} N={N} K={K}")
+
+
 @pytest.mark.parametrize("G", [32, 64, 4096])
 def test_group_sizes(G):
     x, p, s, z = _case(3, 4096, 4096, G, True, seed=G)
