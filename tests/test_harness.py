@@ -486,3 +486,23 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
     assert shape_cases(targets.cfg, targets.choices, "cpu") == []
     _, extra = runner.check(model="tiny-qwen3moe", sections=["parity"], ops=["rmsnorm"], progress=False)
     assert any("no case at the model's own shapes" in n for n in extra["notes"])
+
+
+def test_the_commit_of_an_archived_tree(tmp_path, monkeypatch):
+    """A `git archive` of the tree carries its commit in opmap/COMMIT (export-subst): a result file
+    names it even where the copy sits under another repository's .git; OPMAP_COMMIT comes first; in
+    a checkout the file holds the unexpanded placeholder and git's HEAD is read."""
+    from opmap.harness import output
+
+    monkeypatch.delenv("OPMAP_COMMIT", raising=False)
+    assert output.COMMIT_FILE.read_text().strip() == "$Format:%H$"  # the checkout's copy
+    assert output._archived() is None
+    f = tmp_path / "COMMIT"
+    f.write_text("7681b94984491b4aa8d367eca82b3e249f03ec2b\n")
+    monkeypatch.setattr(output, "COMMIT_FILE", f)
+    assert output.git_commit() == "7681b94984491b4aa8d367eca82b3e249f03ec2b"
+    monkeypatch.setenv("OPMAP_COMMIT", "abc1234")
+    assert output.git_commit() == "abc1234"
+    f.write_text("$Format:%H$\n")
+    monkeypatch.delenv("OPMAP_COMMIT")
+    assert output.git_commit() == output._git_head()

@@ -33,11 +33,23 @@ def short_error(msg: str) -> str:
     return lines[0]
 
 
+COMMIT_FILE = Path(__file__).resolve().parents[1] / "COMMIT"  # `git archive` writes the commit into it
+
+
 def git_commit() -> Optional[str]:
-    """The commit named in OPMAP_COMMIT, else HEAD of the checkout this package runs from (+dirty).
-    The variable comes first: a copy of the working tree on another machine may carry a .git
-    whose HEAD is not the code that runs."""
-    return os.environ.get("OPMAP_COMMIT") or _git_head()
+    """The commit named in OPMAP_COMMIT, else the one a `git archive` of the tree wrote into
+    opmap/COMMIT (export-subst), else HEAD of the checkout this package runs from (+dirty). The
+    first two come first: a copy of the tree on another machine may sit under a .git whose HEAD is
+    not the code that runs."""
+    return os.environ.get("OPMAP_COMMIT") or _archived() or _git_head()
+
+
+def _archived() -> Optional[str]:
+    try:
+        text = COMMIT_FILE.read_text().strip()
+    except OSError:
+        return None
+    return text if len(text) == 40 and all(c in "0123456789abcdef" for c in text) else None
 
 
 def _git_head() -> Optional[str]:
