@@ -153,3 +153,10 @@ def test_sub_tiles_an_iteration(sub, split):
     assert_close(out, _ref(x, p, s, z), torch.float16, scale=2.0, what=f"SUB={sub} SPLIT={split}")
     with pytest.raises(InputError, match="config"):
         w4a16.linear(x, p, None, s, z, config={"SUB": 3})
+
+
+def test_dequant_cublas_names_a_group_of_no_whole_words():
+    """K = 64 with 16 groups: 4 channels a group, not whole 8-code words."""
+    x, p, s, z = _case(2, 16, 64, 16, False)
+    with pytest.raises(InputError, match="w_scale"):
+        dequant_cublas.linear(x, p, None, torch.ones(16, 16), None)

@@ -102,6 +102,8 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
     if N and K:
         G = K // scale.shape[1]
+        expect(G % 8 == 0, "w_scale", f"shape {tuple(scale.shape)} (group size {G})",
+               "a group size that is a multiple of 8 (whole packed words a group)")
         bk = next(b for b in (128, 64, 32, 16, 8) if G % b == 0)  # a K tile inside one group
         _dequant_int4_kernel[(triton.cdiv(N, INT4_BLOCK_N), K // bk)](
             w, scale, zero if zero is not None else scale, out, N, K, w.stride(0), G=G, HAS_ZERO=zero is not None,

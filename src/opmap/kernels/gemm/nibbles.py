@@ -1,21 +1,22 @@
 """int4 codes -> 16-bit values in registers, for the kernels that read packed int4 weights
-(w4a16.py, the MoE grouped GEMM): ``unpack(words, zero, DT, ASM)`` turns int32 words (eight 4-bit
-codes each, code i at bits 4i..4i+3, ``opmap.ops.gemm.quant``'s layout) into ``words.shape + [8]``
-values ``code - zero`` in DT, exactly (|code - zero| <= 15).
+(w4a16.py, dequant_cublas.py, the MoE grouped GEMM): ``unpack(words, zero, DT, ASM)`` turns int32
+words (eight 4-bit codes each, code i at bits 4i..4i+3, ``opmap.ops.gemm.quant``'s layout) into
+``words.shape + [8]`` values ``code - zero`` in DT, exactly (small integers).
 
 On the GPU (``ASM``) each word takes a handful of integer instructions: a nibble OR'd into the
 mantissa of 128.0 (bf16) or 1024.0 (fp16), whose unit in the last place is 1, *is* 128 + code (or
 1024 + code), so one LOP3 a pair makes two values (nibbles i and i + 4, from the word's two 16-bit
-halves) and one packed subtract of 128 + zero finishes them; the shift / mask / int-to-float
-conversion per code costs about twice the instructions, which at decode M bound the kernel before
-the weight bytes do. The interpreter, which runs no PTX, takes the shift-and-mask path.
+halves) and one packed subtract of 128 + zero finishes them; a shift, a mask and an int-to-float
+conversion per code cost about twice the instructions (tests/test_quant_sm90_compile.py). The
+interpreter, which runs no PTX, takes the shift-and-mask path. Zeros below 128 are exact (128 +
+zero must be a bf16 integer); every int4 format's zero is 0..16.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-# $8: the word, $9: the zero code (0..15); outputs $0..$7: codes 0..7 minus the zero. MAGIC is the
+# $8: the word, $9: the zero code; outputs $0..$7: codes 0..7 minus the zero. MAGIC is the
 # pair of 16-bit constants whose mantissa the nibbles fill; the subtrahend (MAGIC | zero in both
 # halves) is negated into an FMA for bf16 (a packed bf16 subtract needs sm90; FMA sm80).
 _HEAD = """{ .reg .b32 t0, t1, t2, t3, m, k, one;

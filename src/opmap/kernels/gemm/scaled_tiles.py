@@ -74,6 +74,8 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
         p["num_stages"] = stages(p["BLOCK_M"], cfg["SUB"])
     for key in ("num_warps", "num_stages", "SPLIT", "SUB") + (() if bn_in_span else ("BLOCK_N",)):
         p[key] = cfg[key] or p[key]
+    if cfg["BLOCK_N"] and not cfg["num_warps"]:  # the plan's warps for the tile asked for (see plan)
+        p["num_warps"] = 8 if cfg["BLOCK_N"] == 128 else 4
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
         if cfg[key]:
             expect(span % cfg[key] == 0, "config", f"{key}={cfg[key]}", f"a divisor of {what} {span}")
