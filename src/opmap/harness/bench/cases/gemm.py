@@ -101,9 +101,11 @@ def _dequant_cublas(inp):
 # 32 < M <= 64 on sm90), timed with --variants beside their defaults.
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
-_SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split"}
-# Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M
-SCALED_VARIANTS = [dict(SUB=1), dict(SUB=4), dict(SPLIT=2)]
+_SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
+          "num_stages": "s"}
+# Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
+# iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each)
+SCALED_VARIANTS = [dict(SUB=2), dict(SUB=4), dict(SPLIT=2), dict(SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
          True: ("opmap-gluon-wo-wgmma", "gluon-wo-wgmma", wo_wgmma.describe, WGMMA_VARIANTS)}
