@@ -38,8 +38,8 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     """The tile, K split, warps and stages of a call: BLOCK_N 64 (128 from M = 33; capped by the span
     where ``bn_in_span``), BLOCK_K the largest power of two up to ``bk_top`` (64 in the interpreter)
     that divides the span; K split while the N tiles number fewer than two an SM (each split keeps
-    >= 4 K tiles); 4 warps (8 on 128-channel tiles); SUB K tiles an iteration (1 in the interpreter)
-    and stages that keep about four tiles in flight."""
+    >= 4 K tiles); 4 warps (8 on 128-channel tiles); SUB_DEFAULT K tiles an iteration (1 in the
+    interpreter) and stages that keep about four tiles in flight."""
     bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     bn = 64 if bm <= 32 else 128
     if bn_in_span:
@@ -56,7 +56,7 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
             "SUB": sub, "num_stages": 1 if interp else stages(bm, sub)}
 
 
-SUB_DEFAULT = 1
+SUB_DEFAULT = 1  # one K tile an iteration until a baseline times SUB (docs/dense.md, int4 and block fp8)
 
 
 def stages(bm: int, sub: int) -> int:
