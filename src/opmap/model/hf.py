@@ -225,13 +225,11 @@ def weight_quant(d: dict) -> Optional[dict]:
         if q.get("activation_scheme", "dynamic") not in ("dynamic", "static") or q.get("fmt", "e4m3") != "e4m3":
             got = {k: q[k] for k in ("activation_scheme", "fmt") if k in q}
             raise InputError(where, repr(got), "e4m3 weights, a 'dynamic' or 'static' activation scheme")
+        ignore = list(q.get("ignored_layers") or q.get("modules_to_not_convert") or [])
         block = q.get("weight_block_size")
         if block:
-            return _fp8_blocks(block, d, f"{where}.weight_block_size", {
-                "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
-                "kv_scales": "if-present"})
-        return {"format": "fp8", "strategy": "tensor",
-                "ignore": list(q.get("ignored_layers") or q.get("modules_to_not_convert") or []),
+            return _fp8_blocks(block, d, f"{where}.weight_block_size", {"ignore": ignore, "kv_scales": "if-present"})
+        return {"format": "fp8", "strategy": "tensor", "ignore": ignore,
                 "static_activation_scales": q.get("activation_scheme") == "static", "kv_scales": "if-present"}
     if method in ("gptq", "awq"):
         return _int4_quant(q, method, where)
