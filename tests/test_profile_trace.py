@@ -7,6 +7,7 @@ import json
 import sqlite3
 
 import pytest
+import torch
 
 from opmap.cli import main as cli
 from opmap.core.contract import InputError
@@ -202,3 +203,24 @@ def test_a_dequantise_then_bf16_gemm_is_flagged_and_the_weight_only_gemm_is_not(
     assert any(flag in d for d in res["diagnosis"]) and res["unattributed"] == 0
     res = analyze.analyze(trace.load(_write(tmp_path, _chrome([(None, wo)] * 2), "wo.json.gz")))
     assert not any(flag in d for d in res["diagnosis"]) and res["unattributed"] == 0
+
+
+def test_a_host_only_trace_says_host_not_gpu(tmp_path):
+    """A torch.profiler recording with no GPU activity (a tiny HF generate on the CPU): its ops stand
+    for kernels, and the lines that fire speak of the host's time between operators, never of an
+    idle GPU or of CUDA graphs, which the trace cannot show. The GPU traces above keep the GPU line."""
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512)
+    m = transformers.Qwen2ForCausalLM(cfg).eval()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+        m.generate(torch.randint(0, 512, (2, 16)), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    path = str(tmp_path / "cpu.json")
+    prof.export_chrome_trace(path)
+    t = trace.load(path)
+    assert t.kind == "chrome-cpu"
+    res = analyze.analyze(t)
+    assert res["diagnosis"] and not any("GPU is idle" in d or "CUDA graph" in d for d in res["diagnosis"])
+    assert any(": the host runs no operator" in d for d in res["diagnosis"])  # Python between ops, eager

@@ -30,7 +30,7 @@ def rules(res: dict, trace: Trace) -> list:
     out = []
     dev = "host" if trace.kind == "chrome-cpu" else "GPU"
     for ph, p in res["phases"].items():
-        out += _compute(ph, p, dev) + _kv_layout(ph, p, dev) + _idle(ph, p) + _communication(ph, p, dev)
+        out += _compute(ph, p, dev) + _kv_layout(ph, p, dev) + _idle(ph, p, dev) + _communication(ph, p, dev)
         out += _sort_sampler(ph, p) + _quant_fallback(ph, p) + _moe_loop(ph, p)
     return out + _unattributed(res, trace, dev)
 
@@ -57,19 +57,25 @@ def _kv_layout(ph: str, p: dict, dev: str) -> list:
             f"paged decode kernel ({_libs(p, 'attention')}), or too small a batch [evidence: {_ev(p, 'attention')}]"]
 
 
-def _idle(ph: str, p: dict) -> list:
+def _idle(ph: str, p: dict, dev: str) -> list:
     """A phase whose steps leave the GPU idle: the host. Graphs are named as a cause only where no
     kernel of the phase was replayed by cudaGraphLaunch; a sampler fallback only with the sort
-    rule's evidence."""
+    rule's evidence. A host-only trace (no GPU activity: its outermost ops stand for kernels) has
+    no GPU to be idle and no graphs to capture: its gaps are the host's time between operators."""
     if not p["wall_ms"] or p["idle_ms"] / p["wall_ms"] <= 0.3:
         return []
     per = p["idle_ms"] / max(p["steps"], 1)
+    share = p["idle_ms"] / p["wall_ms"]
+    if dev == "host":
+        return [f"{ph}: the host runs no operator {share:.0%} of the step time ({per:.3f} ms a step) -> Python "
+                f"between operators (this trace holds no GPU activity) [evidence: the steps' wall time against "
+                f"their operators' busy time]"]
     why = ["scheduling / Python on the host"]
     why.append("CUDA graphs not captured (no kernel here replayed by cudaGraphLaunch)" if not p.get("graph_ms")
                else "the host's work between graph replays")
     if _sorts(p):
         why.append("a sampler fallback (sort-based sampling where a sorting-free kernel exists)")
-    return [f"{ph}: the GPU is idle {p['idle_ms'] / p['wall_ms']:.0%} of the step time ({per:.3f} ms a step) "
+    return [f"{ph}: the GPU is idle {share:.0%} of the step time ({per:.3f} ms a step) "
             f"-> the host: {'; '.join(why)} [evidence: the steps' wall time against their kernels' busy time]"]
 
 
@@ -81,7 +87,10 @@ def _communication(ph: str, p: dict, dev: str) -> list:
     if exposed <= 0.2:
         return []
     total = p.get("comm_ms", 0.0) / (p["gpu_ms"] or 1e-9)
-    return [f"{ph}: communication takes {total:.0%} of {dev} time, {exposed:.0%} not overlapped by compute "
+    # the table gives time two streams share to the kernel that began first; this counts it all
+    table = _share(p, "communication")
+    shared = f" with its overlap ({table:.0%} in the table)" if round(total, 2) != round(table, 2) else ""
+    return [f"{ph}: communication takes {total:.0%} of {dev} time{shared}, {exposed:.0%} not overlapped by compute "
             f"({_libs(p, 'communication')}) -> the TP/EP layout, not the attention kernel "
             f"[evidence: {_ev(p, 'communication')}]"]
 
@@ -138,5 +147,6 @@ def _unattributed(res: dict, trace: Trace, dev: str) -> list:
     how = ("add their symbols to opmap/harness/profile/symbols.json" if frames else
            "record with torch.profiler.profile(with_stack=True, record_shapes=True) for the module frames and shapes, "
            "or emit record_function ranges")
-    return [f"{u:.0%} of {dev} time is unattributed (no frame, launching op, symbol or motif names its kernels) "
+    what = "operators" if dev == "host" else "kernels"
+    return [f"{u:.0%} of {dev} time is unattributed (no frame, launching op, symbol or motif names its {what}) "
             f"-> {how}; it feeds no diagnosis line"]
