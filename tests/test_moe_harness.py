@@ -32,14 +32,16 @@ def test_bench_cases_figures():
     cs = [c for c in all_cases if c.op == "moe"]
     assert len(cs) == 6
     quant = [c for c in all_cases if c.op == "moe.quant"]
-    assert len(quant) == 12  # each case with int4 and with block-fp8 experts
+    # each token count of QUANT_TOKENS (512 besides the dense op's) with int4 and with block-fp8 experts
+    assert len(quant) == 16 and {c.spec.tokens for c in quant} == {1, 64, 512, 4096}
     for c in quant:
         kv = dict(p.split("=") for p in c.case.split(","))
         T, E, k, H, I, hit = (int(kv[n]) for n in ("T", "E", "k", "H", "I", "hit"))
         per = 0.5 + 2 / 128 if kv["w"].startswith("int4") else 1 + 4 / 128 ** 2
         assert c.flops == 2 * T * k * 3 * H * I and c.bytes == hit * 3 * H * I * per + 4 * T * H + 4 * T * E
         assert c.spec.weight_dtype in ("int4", "fp8-block") and c.spec.group_size == 128
-        assert {p.name for p in c.providers} == {"opmap-triton", "opmap-triton+graph", "opmap-triton-bf16+graph"}
+        assert {p.name for p in c.providers} == {"opmap-triton", "opmap-triton+graph", "opmap-dequant-triton+graph",
+                                                 "opmap-triton-bf16+graph"}
     for c in cs:
         kv = dict(p.split("=") for p in c.case.split(","))
         T, E, k, H, I, hit = (int(kv[n]) for n in ("T", "E", "k", "H", "I", "hit"))

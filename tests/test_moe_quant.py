@@ -2,7 +2,8 @@
 dequantised weights, in the Triton interpreter (fp16; bf16 on the GPU: tests/gpu/test_moe_quant_gpu.py):
 int4 with group scales (symmetric and with zero points, groups 16-128) and block fp8 (blocks 16-64,
 partial blocks at the K edge), decode and prefill row tiles, one expert hit by every token; the
-public op and the selector; bad scales named."""
+public op and the selector; bad scales named. The many-token route (backend ``dequant-triton``):
+the experts dequantised into its two scratch slots, the same results, its selection by tokens."""
 import pytest
 import torch
 
@@ -116,3 +117,63 @@ def test_bad_quantised_experts_are_named():
     f = _experts(E, H, 96, "fp8-block", 64)  # I = 96 is not a whole number of 64-blocks
     with pytest.raises(InputError, match="w13_scale"):
         triton_moe.moe(x, logits, f["w13"], f["w2"], 2, w13_scale=f["w13_scale"], w2_scale=f["w2_scale"])
+
+
+DEQUANT_CASES = [  # (T, E, k, H, I, fmt, span, zp)
+    (6, 4, 2, 128, 64, "int4", 32, True),
+    (11, 3, 2, 96, 48, "int4", 16, False),
+    (9, 4, 2, 128, 64, "fp8-block", 32, False),
+    (5, 3, 2, 144, 64, "fp8-block", 32, False),  # H = 144: w2's last block row partial, one launch an expert
+]
+
+
+@pytest.mark.parametrize("T,E,k,H,I,fmt,span,zp", DEQUANT_CASES)
+def test_dequant_route_matches_the_reference(T, E, k, H, I, fmt, span, zp):
+    from opmap.kernels.moe import dequant_moe
+    g = torch.Generator().manual_seed(T * 7 + H)
+    x = torch.randn(T, H, generator=g).half()
+    logits = torch.randn(T, E, generator=g)
+    w = _experts(E, H, I, fmt, span, zp, seed=T + 100)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    # each slot holds its experts exactly as the reference dequantises them, rounded once
+    for name, slot in (("w13", 0), ("w2", 1)):
+        d = dequant_moe.dequantize_experts(w[name], q[f"{name}_scale"], q.get(f"{name}_zero"), torch.float16, slot)
+        want = reference.dequantize_experts(w[name], q[f"{name}_scale"], q.get(f"{name}_zero")).half()
+        assert d.shape == want.shape and torch.equal(d, want), name
+    out = dequant_moe.moe(x, logits, w["w13"], w["w2"], k, **q)  # both slots alive at once
+    ref = reference.moe(x, logits, w["w13"], w["w2"], k, **q)
+    e = compare(out, ref, torch.float16, scale=2.0)
+    assert e.ok, e
+    assert torch.equal(opmap.moe(x, logits, w["w13"], w["w2"], k, backend="dequant-triton", **q), out)
+
+
+def test_dequant_route_takes_16_bit_experts_and_warms_up():
+    from opmap.kernels.moe import dequant_moe, triton_moe as tm
+    E, H, I = 4, 64, 32
+    x = torch.randn(3, H).half()
+    logits = torch.randn(3, E)
+    w13, w2 = torch.randn(E, 2 * I, H).half() / 8, torch.randn(E, H, I).half() / 8
+    assert torch.equal(dequant_moe.moe(x, logits, w13, w2, 2), tm.moe(x, logits, w13, w2, 2))
+    w = _experts(E, H, I, "int4", 32)
+    q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
+    assert dequant_moe.warm_up(w["w13"], w["w2"], 2, 4, dtype=torch.float16, **q) >= 1
+    with pytest.raises(InputError, match="w2_scale"):
+        dequant_moe.moe(x, logits, w["w13"], w["w2"], 2, w13_scale=q["w13_scale"])
+
+
+@pytest.mark.parametrize("arch,tokens,phase,wd,want", [
+    ("sm90", None, "prefill", "int4", "dequant-triton"), ("sm90", 4096, "prefill", "fp8-block", "dequant-triton"),
+    ("sm90", 512, "mixed", "int4", "dequant-triton"), ("sm80", None, "prefill", "fp8-block", "dequant-triton"),
+    ("sm90", 511, "mixed", "int4", "triton"), ("sm90", 128, "mixed", "fp8-block", "triton"),
+    ("sm90", None, "mixed", "int4", "triton"), ("sm90", 64, "decode", "int4", "triton"),
+    ("sm90", 1, "decode", "fp8-block", "triton"), ("sm90", None, "prefill", "bf16", "triton"),
+    ("sm90", 4096, "prefill", "bf16", "triton")])
+def test_the_many_token_route_is_selected_where_it_serves(arch, tokens, phase, wd, want):
+    from opmap.core.select import select
+    from opmap.core.specs import MoESpec
+    spec = MoESpec(arch=arch, phase=phase, tokens=tokens, weight_dtype=wd,
+                   group_size=None if wd == "bf16" else 128)
+    assert select("moe", spec, runtime=False).name == want
+    if wd == "bf16":
+        assert any("int4 / block-fp8" in r for r in
+                   opmap.core.registry.get("moe", "dequant-triton").validate(spec))

@@ -72,12 +72,14 @@ def _dequant_block_kernel(w_ptr, s_ptr, o_ptr, N, K, stride_w, stride_s, B: tl.c
     tl.store(o_ptr + rn[:, None] * K + rk[None, :], (w * s).to(o_ptr.dtype.element_ty), mask=mask)
 
 
-_SCRATCH: dict = {}  # (device, dtype, stream) -> flat buffer
+_SCRATCH: dict = {}  # (device, dtype, stream, slot) -> flat buffer
 
 
-def _scratch(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def scratch(n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+    """A flat buffer of at least ``n`` elements, one per device, dtype, stream and ``slot`` (a caller
+    that needs two dequantised weights alive at once takes two slots), grown and kept."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, dtype, stream)
+    key = (device, dtype, stream, slot)
     buf = _SCRATCH.get(key)
     if buf is None or buf.numel() < n:
         buf = _SCRATCH[key] = torch.empty(n, dtype=dtype, device=device)
@@ -88,18 +90,17 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     """``wq * scale[:, None]`` rounded once to ``dtype``, [N, K], in the shared scratch buffer (the
     next call on this stream overwrites it)."""
     N, K = wq.shape
-    out = _scratch(N * K, dtype, wq.device)[:N * K].view(N, K)
+    out = scratch(N * K, dtype, wq.device)[:N * K].view(N, K)
     if N and K:
         _dequant_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
             wq, scale, out, N, K, wq.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
 
-def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dtype) -> torch.Tensor:
-    """int4 ``w`` [N, K / 8] with its group scales and zero codes as [N, K] ``dtype`` in the shared
-    scratch buffer (the next call on this stream overwrites it)."""
-    N, K = w.shape[0], w.shape[1] * 8
-    out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
+def int4_into(w: torch.Tensor, scale: torch.Tensor, zero, out: torch.Tensor) -> torch.Tensor:
+    """int4 ``w`` [N, K / 8] with its group scales [N, K / G] and zero codes as ``out`` [N, K]
+    (contiguous, any 16-bit float dtype)."""
+    N, K = out.shape
     if N and K:
         G = K // scale.shape[1]
         expect(G % 8 == 0, "w_scale", f"shape {tuple(scale.shape)} (group size {G})",
@@ -111,15 +112,27 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     return out
 
 
-def dequantize_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Block-wise fp8 ``w`` [N, K] times its scale per block as [N, K] ``dtype`` in the shared scratch."""
+def block_into(w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Block-wise fp8 ``w`` [N, K] times its scale per block [ceil(N / b), ceil(K / b)] as ``out`` [N, K]."""
     N, K = w.shape
-    out = _scratch(N * K, dtype, w.device)[:N * K].view(N, K)
     if N and K:
         _dequant_block_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
             w, scale, out, N, K, w.stride(0), scale.stride(0), B=block_of(N, K, scale), BLOCK_N=BLOCK_N,
             BLOCK_K=BLOCK_K, num_warps=4)
     return out
+
+
+def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dtype) -> torch.Tensor:
+    """int4 ``w`` [N, K / 8] with its group scales and zero codes as [N, K] ``dtype`` in the shared
+    scratch buffer (the next call on this stream overwrites it)."""
+    N, K = w.shape[0], w.shape[1] * 8
+    return int4_into(w, scale, zero, scratch(N * K, dtype, w.device)[:N * K].view(N, K))
+
+
+def dequantize_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block-wise fp8 ``w`` [N, K] times its scale per block as [N, K] ``dtype`` in the shared scratch."""
+    N, K = w.shape
+    return block_into(w, scale, scratch(N * K, dtype, w.device)[:N * K].view(N, K))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:

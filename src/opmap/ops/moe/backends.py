@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from opmap.core import registry
-from opmap.core.registry import Backend, Basis, Check, Evidence, Req
+from opmap.core.registry import Backend, Basis, Check, Evidence, Prefer, Req
 
 _ROUTE = "opmap.ops.moe.routing:route"
 _FLOAT = ("fp32", "fp16", "bf16")
@@ -141,4 +141,36 @@ registry.register(Backend(
           "<= 64 tokens, no group-limited routing; two above), grouped GEMM gate/up with fused SiLU*mul, "
           "grouped GEMM down with the routing weight in its epilogue, fp32 combine; no host sync; int4 / block "
           "fp8 experts read as stored (codes converted exactly in registers, scales on each K tile's product)",
+))
+
+# Tokens from which the quantised experts are dequantised once per step (dequant-triton) rather than
+# converted tile by tile in the grouped GEMM (docs/moe.md, Decisions: the many-token route).
+MANY_TOKENS = 512
+
+
+def _many_tokens(spec):
+    return (spec.tokens or 0) >= MANY_TOKENS or (spec.tokens is None and spec.phase == "prefill")
+
+
+def _quantised(spec):
+    if spec.weight_dtype not in _QUANT:
+        return f"weight_dtype={spec.weight_dtype} (this route dequantises int4 / block-fp8 experts; " \
+               "16-bit ones go to triton)"
+    return None
+
+
+registry.register(Backend(
+    op="moe", name="dequant-triton", provider="opmap-triton", version=registry.triton_version,
+    # Above triton where a step brings many tokens (a prefill step, or >= MANY_TOKENS known), below it
+    # otherwise; the reference keeps the CPU.
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
+              **{a: Prefer(55, 45, _many_tokens, f"tokens >= {MANY_TOKENS}, or a prefill step",
+                           Basis("convention: the dequantisation pass is a fixed cost that many rows share; "
+                                 "moe.quant rows decide it")) for a in ("sm80", "sm90")}},
+    impl={"moe": "opmap.kernels.moe.dequant_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
+          "warm_up": "opmap.kernels.moe.dequant_moe:warm_up"},
+    reqs=_QUANT_REQS, checks=_QUANT_CHECKS + (Check("int4 or block-fp8 experts", _quantised, "weight_dtype"),),
+    available=registry.triton_available,
+    notes="int4 / block-fp8 experts dequantised by one Triton pass each into reused 16-bit scratch "
+          "(gate/up and down), then the triton backend's routing and grouped GEMMs on them",
 ))

@@ -15,7 +15,9 @@ same FLOPs (not an MoE: the dense-GEMM rate the prefill target is a fraction of)
 The op ``moe.quant`` times the same cases with the experts quantised (int4 with a scale per 128
 input channels, the layout of GPTQ / AWQ / W4A16 checkpoints; block fp8 with 128 x 128 blocks, as
 DeepSeek-V3's and Qwen3-FP8's): our grouped GEMM reading them as stored (eager and graph) beside
-itself on the same experts in bf16 (graph); bytes count the quantised experts as stored.
+the many-token route that dequantises them once per call (graph), and our kernel on the same experts
+in bf16 (graph); bytes count the quantised experts as stored. They add 512 tokens, between the two
+routes' home sizes.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
 TOKENS = (1, 64, 4096)
+QUANT_TOKENS = (1, 64, 512, 4096)  # 512: between the decode and the prefill route of quantised experts
 
 
 def _logits(T: int, E: int, seed: int) -> torch.Tensor:
@@ -126,19 +129,22 @@ def cases(quick: bool) -> list[BenchCase]:
     arch = hw.local_arch()
     out = []
     for model, (E, k, H, I) in MODELS.items():
-        for T in TOKENS:
+        for T in sorted(set(TOKENS) | set(QUANT_TOKENS)):
             seed = 1000 + T
             hit = _experts_hit(_logits(T, E, seed), k)
             flops = 2.0 * T * k * 3 * H * I
             nbytes = hit * 3 * H * I * 2 + 2 * T * H * 2 + T * E * 4
             phase = "prefill" if T > 64 else "decode"
-            out.append(BenchCase(
-                op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
-                flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64),
-                bound="compute" if flops / nbytes > 200 else "memory",
-                spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
-                             dtype="bf16", weight_dtype="bf16", tokens=T),
-                tags=("moe",)))
+            if T in TOKENS:
+                out.append(BenchCase(
+                    op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
+                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64),
+                    bound="compute" if flops / nbytes > 200 else "memory",
+                    spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
+                                 dtype="bf16", weight_dtype="bf16", tokens=T),
+                    tags=("moe",)))
+            if T not in QUANT_TOKENS:
+                continue
             for fmt, wbytes in (("int4", 0.5 + 2 / INT4_GROUP), ("fp8-block", 1 + 4 / 128 ** 2)):
                 qbytes = hit * 3 * H * I * wbytes + 2 * T * H * 2 + T * E * 4
                 tag = f"int4-g{INT4_GROUP}" if fmt == "int4" else "fp8-block128"
@@ -147,6 +153,8 @@ def cases(quick: bool) -> list[BenchCase]:
                     flops=flops, bytes=float(qbytes), setup=_quantised_setup(T, E, k, H, I, seed, fmt),
                     providers=[Provider("opmap-triton", _call("triton", True), backend=("moe", "triton")),
                                Provider("opmap-triton+graph", _graphed("triton", True), backend=("moe", "triton")),
+                               Provider("opmap-dequant-triton+graph", _graphed("dequant-triton", True),
+                                        backend=("moe", "dequant-triton")),
                                Provider("opmap-triton-bf16+graph", _graphed("triton"))],
                     bound="compute" if flops / qbytes > 200 else "memory",
                     spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,

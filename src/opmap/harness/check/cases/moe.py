@@ -170,7 +170,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
               ("fp8-block", 32, False, dict(T=7, H=160, I=64, E=4, k=2))] if device == "cpu" else \
         [("int4", 128, False, dict(T=64, H=2048, I=768, E=128, k=8)), ("int4", 128, True, dict(T=300, H=2048, I=768, E=128, k=8)),
          ("fp8-block", 128, False, dict(T=64, H=2048, I=768, E=64, k=6)), ("fp8-block", 128, False, dict(T=1000, H=2048, I=768, E=64, k=6))]
-    for name in ("triton",):
+    for name in ("triton", "dequant-triton"):
         for fmt, span, zp, kw in qcases:
             spec = MoESpec(arch=arch, dtype=qname, weight_dtype=fmt, hidden=kw["H"], intermediate=kw["I"],
                            num_experts=kw["E"], top_k=kw["k"], group_size=span)
@@ -180,7 +180,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                                      _quantised(name, device, dtype=qdt, fmt=fmt, span=span, zp=zp, **kw),
                                      quick=kw["T"] < 100, tags=("moe",)))
     # Errors are raised before anything launches, so every registered backend is probed.
-    for name in ("reference", "triton", "torch-grouped-mm", "torch-loop"):
+    for name in ("reference", "triton", "dequant-triton", "torch-grouped-mm", "torch-loop"):
         out.append(CheckCase("input", "moe", name, "top_k > E, hidden mismatch, wrong shapes",
                              _bad_input(name, device), tags=("moe",)))
     if device == "cuda" and _runnable("triton", MoESpec(arch=arch)):
