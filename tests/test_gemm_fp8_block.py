@@ -21,8 +21,10 @@ def _case(M, N, K, b, dt=torch.float16, seed=0):
     return torch.randn(M, K, generator=g).to(dt), wq, s
 
 
-def _ref(x, wq, s, bias=None):
-    y = x.float() @ dequantize_fp8_block(wq, s).t()
+def _ref(x, wq, s, bias=None, rounded=False):
+    """``rounded``: the weight rounded to x's dtype first (as the FOLD=1 kernel rounds it)."""
+    w = dequantize_fp8_block(wq, s)
+    y = x.float() @ (w.to(x.dtype).float() if rounded else w).t()
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
@@ -71,10 +73,12 @@ def test_empty_config_and_bad_inputs():
     assert "BLOCK_K 32" in fp8_block.describe(3, 64, 128, "cpu", 32)
 
 
-@pytest.mark.parametrize("sub,split", [(2, 1), (4, 1), (4, 2)])
-def test_sub_tiles_an_iteration(sub, split):
+@pytest.mark.parametrize("sub,split,fold", [(2, 1, 0), (4, 1, 0), (4, 2, 0), (1, 1, 1), (4, 2, 1)])
+def test_sub_tiles_an_iteration(sub, split, fold):
     """config SUB: K tiles a loop iteration, their block scales loaded first; K = 400 ends in a partial
-    block and the iterations in tiles past K."""
-    x, wq, s = _case(5, 48, 400, 32, seed=sub + split)
-    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub, "SPLIT": split})
-    assert_close(out, _ref(x, wq, s), torch.float16, scale=2.0, what=f"SUB={sub} SPLIT={split}")
+    block and the iterations in tiles past K; FOLD: the block scale on the weight before the MMA."""
+    x, wq, s = _case(5, 48, 400, 32, seed=sub + split + fold)
+    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub, "SPLIT": split, "FOLD": fold})
+    assert_close(out, _ref(x, wq, s, rounded=bool(fold)), torch.float16, scale=2.0,
+                 what=f"SUB={sub} SPLIT={split} FOLD={fold}")
+    assert ("scale before the MMA" in fp8_block.describe(5, 48, 400, "cpu", 32, config={"FOLD": fold})) == bool(fold)

@@ -22,8 +22,11 @@ def _case(M, N, K, G, zp, dt=torch.float16, seed=0):
     return x, p, s, z
 
 
-def _ref(x, p, s, z, bias=None):
-    y = x.float() @ dequantize_int4(p, s, z).t()
+def _ref(x, p, s, z, bias=None, rounded=False):
+    """``rounded``: the weight rounded to x's dtype first (the FOLD=1 kernels round it as a dequantised
+    weight is)."""
+    w = dequantize_int4(p, s, z)
+    y = x.float() @ (w.to(x.dtype).float() if rounded else w).t()
     return (y + bias.float() if bias is not None else y).to(x.dtype)
 
 
@@ -144,15 +147,18 @@ def test_group_not_a_multiple_of_16_is_refused():
         quantize_int4(torch.randn(4, 60), 12)
 
 
-@pytest.mark.parametrize("sub,split", [(2, 1), (4, 1), (4, 3), (2, 5)])
-def test_sub_tiles_an_iteration(sub, split):
+@pytest.mark.parametrize("sub,split,fold", [(2, 1, 0), (4, 1, 0), (4, 3, 0), (2, 5, 0), (1, 1, 1), (4, 3, 1)])
+def test_sub_tiles_an_iteration(sub, split, fold):
     """config SUB: K tiles a loop iteration, their group scales (and zeros) loaded first; K ranges of
-    a split that are not a whole number of SUB tiles end in masked tiles (K = 448: 7 tiles of 64)."""
-    x, p, s, z = _case(3, 40, 448, 64, True, seed=sub * 10 + split)
-    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split})
-    assert_close(out, _ref(x, p, s, z), torch.float16, scale=2.0, what=f"SUB={sub} SPLIT={split}")
-    with pytest.raises(InputError, match="config"):
-        w4a16.linear(x, p, None, s, z, config={"SUB": 3})
+    a split that are not a whole number of SUB tiles end in masked tiles (K = 448: 7 tiles of 64);
+    FOLD: the scales on the weight before the MMA."""
+    x, p, s, z = _case(3, 40, 448, 64, True, seed=sub * 10 + split + fold)
+    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split, "FOLD": fold})
+    assert_close(out, _ref(x, p, s, z, rounded=bool(fold)), torch.float16, scale=2.0,
+                 what=f"SUB={sub} SPLIT={split} FOLD={fold}")
+    for bad in ({"SUB": 3}, {"FOLD": 2}):
+        with pytest.raises(InputError, match="config"):
+            w4a16.linear(x, p, None, s, z, config=bad)
 
 
 def test_dequant_cublas_names_a_group_of_no_whole_words():

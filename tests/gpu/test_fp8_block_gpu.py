@@ -24,8 +24,10 @@ def _case(M, N, K, seed=0):
     return torch.randn(M, K, device="cuda", generator=g).to(BF16), wq, s
 
 
-def _ref(x, wq, s):
-    return (x.float() @ dequantize_fp8_block(wq, s).t()).to(x.dtype)
+def _ref(x, wq, s, rounded=False):
+    """``rounded``: the weight rounded to x's dtype first (as the FOLD=1 kernel rounds it)."""
+    w = dequantize_fp8_block(wq, s)
+    return (x.float() @ (w.to(x.dtype).float() if rounded else w).t()).to(x.dtype)
 
 
 @pytest.mark.parametrize("M", [1, 7, 32, 64, 65, 1024])
@@ -35,14 +37,15 @@ def test_triton_fp8_block_bf16(M, N, K):
     assert_close(fp8_block.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
 
 
-@pytest.mark.parametrize("sub", [2, 4])
-@pytest.mark.parametrize("M,N,K", [(1, 24576, 7168), (1, 7168, 18432), (64, 4096, 14336), (5, 576, 4000)])
-def test_sub_tiles_an_iteration(sub, M, N, K):
+@pytest.mark.parametrize("sub,fold", [(2, 0), (4, 0), (1, 1), (2, 1)])
+@pytest.mark.parametrize("M,N,K", [(1, 24576, 7168), (1, 7168, 18432), (64, 4096, 14336), (5, 576, 4000),
+                                   (1024, 4096, 4000)])
+def test_sub_tiles_an_iteration(sub, fold, M, N, K):
     """config SUB: K tiles a loop iteration, their block scales loaded first; K = 4000 ends in a partial
-    block inside the last iteration's tiles."""
-    x, wq, s = _case(M, N, K, seed=M * sub + 1)
-    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub})
-    assert_close(out, _ref(x, wq, s), BF16, scale=2.0, what=f"SUB={sub} M={M} N={N} K={K}")
+    block inside the last iteration's tiles; FOLD: the block scale on the weight before the MMA."""
+    x, wq, s = _case(M, N, K, seed=M * sub + 1 + fold)
+    out = fp8_block.linear(x, wq, None, s, config={"SUB": sub, "FOLD": fold})
+    assert_close(out, _ref(x, wq, s, rounded=bool(fold)), BF16, scale=2.0, what=f"SUB={sub} FOLD={fold} M={M} N={N} K={K}")
 
 
 def test_split_k_graph_replay():

@@ -26,8 +26,10 @@ def _case(M, N, K, G, zp, seed=0):
     return x, p, s.half(), z
 
 
-def _ref(x, p, s, z):
-    return (x.float() @ dequantize_int4(p, s, z).t()).to(x.dtype)
+def _ref(x, p, s, z, rounded=False):
+    """``rounded``: the weight rounded to x's dtype first (as the FOLD=1 kernel rounds it)."""
+    w = dequantize_int4(p, s, z)
+    return (x.float() @ (w.to(x.dtype).float() if rounded else w).t()).to(x.dtype)
 
 
 @pytest.mark.parametrize("M", [1, 7, 32, 64, 65, 256, 1024])
@@ -40,14 +42,16 @@ def test_triton_w4a16_bf16(M, N, K, zp):
     assert_close(w4a16.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
 
 
-@pytest.mark.parametrize("sub", [2, 4])
-@pytest.mark.parametrize("M,N,K,split", [(1, 28672, 4096, 0), (1, 4096, 14336, 0), (33, 6144, 4096, 3), (64, 4096, 14336, 0)])
-def test_sub_tiles_an_iteration(sub, M, N, K, split):
+@pytest.mark.parametrize("sub,fold", [(2, 0), (4, 0), (1, 1), (2, 1)])
+@pytest.mark.parametrize("M,N,K,split", [(1, 28672, 4096, 0), (1, 4096, 14336, 0), (33, 6144, 4096, 3), (64, 4096, 14336, 0),
+                                         (1024, 4096, 4096, 0)])
+def test_sub_tiles_an_iteration(sub, fold, M, N, K, split):
     """config SUB: K tiles a loop iteration (their scales loaded first), with K ranges a whole number
-    of SUB tiles and not (a split of 14336 / 128 = 112 tiles into 3 or the plan's splits)."""
-    x, p, s, z = _case(M, N, K, 128, True, seed=M * sub)
-    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split})
-    assert_close(out, _ref(x, p, s, z), BF16, scale=2.0, what=f"SUB={sub} M={M} N={N} K={K}")
+    of SUB tiles and not (a split of 14336 / 128 = 112 tiles into 3 or the plan's splits); FOLD: the
+    scales on the weight before the MMA."""
+    x, p, s, z = _case(M, N, K, 128, True, seed=M * sub + fold)
+    out = w4a16.linear(x, p, None, s, z, config={"SUB": sub, "SPLIT": split, "FOLD": fold})
+    assert_close(out, _ref(x, p, s, z, rounded=bool(fold)), BF16, scale=2.0, what=f"SUB={sub} FOLD={fold} M={M} N={N} K={K}")
 
 
 @pytest.mark.parametrize("G", [32, 64, 4096])

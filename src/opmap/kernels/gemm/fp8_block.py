@@ -25,9 +25,9 @@ from opmap.ops.gemm.validate import check_linear
 
 
 @triton.jit
-def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: tl.constexpr):
+def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: tl.constexpr, FOLD: tl.constexpr):
     """acc + the K tile at input channel k (w_ptrs, x_ptrs) times its block scale ``s`` (tiles at
-    or past k_end: none)."""
+    or past k_end: none); FOLD: the scale on the weight before the MMA (scaled_tiles.CONFIG)."""
     xdt = x_ptrs.dtype.element_ty
     live = k < k_end
     if EVEN_K:
@@ -37,14 +37,17 @@ def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: t
         k_mask = ((k + offs_k) < K) & live
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-    part = tl.dot(w.to(xdt), xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
+    prec: tl.constexpr = "ieee" if xdt == tl.float32 else "tf32"
+    if FOLD:
+        return tl.dot((w.to(tl.float32) * s).to(xdt), xt, acc, input_precision=prec)
+    part = tl.dot(w.to(xdt), xt, input_precision=prec)
     return acc + part * s
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                       stride_om, K_PER_SPLIT, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                      EVEN_K: tl.constexpr, SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      EVEN_K: tl.constexpr, SUB: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -69,15 +72,15 @@ def _fp8_block_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, 
         if SUB > 2:
             s2 = tl.load(s_row + tl.minimum((k + 2 * BLOCK_K) // BLOCK, last))
             s3 = tl.load(s_row + tl.minimum((k + 3 * BLOCK_K) // BLOCK, last))
-        acc = _tile(acc, w_ptrs, x_ptrs, s0, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K)
+        acc = _tile(acc, w_ptrs, x_ptrs, s0, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K, FOLD)
         if SUB > 1:
             acc = _tile(acc, w_ptrs + BLOCK_K, x_ptrs + BLOCK_K, s1, k + BLOCK_K, k_end, K, offs_k, n_mask, m_mask,
-                        EVEN_K)
+                        EVEN_K, FOLD)
         if SUB > 2:
             acc = _tile(acc, w_ptrs + 2 * BLOCK_K, x_ptrs + 2 * BLOCK_K, s2, k + 2 * BLOCK_K, k_end, K, offs_k, n_mask,
-                        m_mask, EVEN_K)
+                        m_mask, EVEN_K, FOLD)
             acc = _tile(acc, w_ptrs + 3 * BLOCK_K, x_ptrs + 3 * BLOCK_K, s3, k + 3 * BLOCK_K, k_end, K, offs_k, n_mask,
-                        m_mask, EVEN_K)
+                        m_mask, EVEN_K, FOLD)
         w_ptrs += SUB * BLOCK_K
         x_ptrs += SUB * BLOCK_K
     finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k, HAS_BIAS, SPLIT,
@@ -110,6 +113,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     _fp8_block_kernel[scaled_tiles.grid(p, M, N)](
         x, w, w_scale, bias if bias is not None else out, out, ws, cnt, M, N, K, x.stride(0), w.stride(0),
         w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], BLOCK=b, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"],
-        EVEN_K=K % p["BLOCK_K"] == 0, SUB=p["SUB"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
+        EVEN_K=K % p["BLOCK_K"] == 0, SUB=p["SUB"], FOLD=p["FOLD"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"],
         num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out

@@ -19,7 +19,11 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # SUB: K tiles a loop iteration (1, 2 or 4). Each tile's scale is a plain load (a value of 1 to 4
 # bytes a row: no cp.async, so Triton's pipeline leaves it in the loop), and each iteration waits
 # out its latency once: SUB tiles an iteration share that wait.
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0}
+# FOLD: where the scale meets the weight. 0: after the MMA (each K tile's fp32 product times its
+# scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
+# codes times the scale rounded once to x's dtype, as a dequantised weight is, and the MMA
+# accumulates in place across K tiles, so Triton can keep several MMAs and the scale loads in flight).
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1}
 
 
 def config_of(config) -> dict:
@@ -31,6 +35,7 @@ def config_of(config) -> dict:
     expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
     expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
     expect(cfg["SUB"] in (0, 1, 2, 4), "config", f"SUB={cfg['SUB']}", "1, 2 or 4 K tiles a loop iteration")
+    expect(cfg["FOLD"] in (-1, 0, 1), "config", f"FOLD={cfg['FOLD']}", "0 (scale after the MMA) or 1 (before)")
     return cfg
 
 
@@ -53,10 +58,11 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     # 8 warps on 128-channel tiles: with 4 the 128 x 64 accumulator and the converted weight spill
     sub = 1 if interp else SUB_DEFAULT
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
-            "SUB": sub, "num_stages": 1 if interp else stages(bm, sub)}
+            "SUB": sub, "FOLD": FOLD_DEFAULT, "num_stages": 1 if interp else stages(bm, sub)}
 
 
 SUB_DEFAULT = 1  # one K tile an iteration until a baseline times SUB (docs/dense.md, int4 and block fp8)
+FOLD_DEFAULT = 0  # the scale after the MMA until a baseline times FOLD (docs/dense.md, int4 and block fp8)
 
 
 def stages(bm: int, sub: int) -> int:
@@ -74,6 +80,8 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
         p["num_stages"] = stages(p["BLOCK_M"], cfg["SUB"])
     for key in ("num_warps", "num_stages", "SPLIT", "SUB") + (() if bn_in_span else ("BLOCK_N",)):
         p[key] = cfg[key] or p[key]
+    if cfg["FOLD"] >= 0:
+        p["FOLD"] = cfg["FOLD"]
     if cfg["BLOCK_N"] and not cfg["num_warps"]:  # the plan's warps for the tile asked for (see plan)
         p["num_warps"] = 8 if cfg["BLOCK_N"] == 128 else 4
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
@@ -98,6 +106,7 @@ def output(x: torch.Tensor, M: int, N: int, K: int, bias) -> tuple:
 
 def text(p: dict) -> str:
     return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']} x {p['SUB']} a step, "
+            f"scale {'before' if p['FOLD'] else 'after'} the MMA, "
             f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
 
 

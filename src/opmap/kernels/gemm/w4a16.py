@@ -44,14 +44,18 @@ def _group_of(s_ptr, z_ptr, rows, stride_sn, k, live, n_mask, G: tl.constexpr, H
 
 
 @triton.jit
-def _tile(acc, w_ptrs, x_ptrs, s, z, live, n_mask, m_mask, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
-    """acc + the K tile at (w_ptrs, x_ptrs) times its group scales ``s`` (``live``: inside the split)."""
+def _tile(acc, w_ptrs, x_ptrs, s, z, live, n_mask, m_mask, ASM: tl.constexpr, FOLD: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + the K tile at (w_ptrs, x_ptrs) times its group scales ``s`` (``live``: inside the split);
+    FOLD: the scales on the weight before the MMA (scaled_tiles.CONFIG), else on the tile's product."""
     xdt = x_ptrs.dtype.element_ty
+    prec: tl.constexpr = "ieee" if xdt == tl.float32 else "tf32"
     words = tl.load(w_ptrs, mask=n_mask[:, None] & live, other=0)
     xt = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
     wv = tl.reshape(nibbles.unpack(words, z, xdt, ASM), [BLOCK_N, BLOCK_K])  # in [-15, 15]: exact
-    part = tl.dot(wv, xt, input_precision="ieee" if xdt == tl.float32 else "tf32")
+    if FOLD:
+        return tl.dot((wv.to(tl.float32) * s[:, None]).to(xdt), xt, acc, input_precision=prec)
+    part = tl.dot(wv, xt, input_precision=prec)
     return acc + part * s[:, None]
 
 
@@ -59,7 +63,7 @@ def _tile(acc, w_ptrs, x_ptrs, s, z, live, n_mask, m_mask, ASM: tl.constexpr, BL
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
                   stride_sn, stride_om, K_PER_SPLIT, G: tl.constexpr, HAS_ZERO: tl.constexpr,
                   HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr,
-                  SUB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  SUB: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -87,15 +91,15 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
                                HAS_ZERO, SYM_ZERO, BLOCK_N)
             s3, z3 = _group_of(s_ptr, z_ptr, rows, stride_sn, k + 3 * BLOCK_K, k + 3 * BLOCK_K < k_end, n_mask, G,
                                HAS_ZERO, SYM_ZERO, BLOCK_N)
-        acc = _tile(acc, w_ptrs, x_ptrs, s0, z0, True, n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+        acc = _tile(acc, w_ptrs, x_ptrs, s0, z0, True, n_mask, m_mask, ASM, FOLD, BLOCK_N, BLOCK_K)
         if SUB > 1:
             acc = _tile(acc, w_ptrs + BLOCK_K // 8, x_ptrs + BLOCK_K, s1, z1, k + BLOCK_K < k_end, n_mask, m_mask,
-                        ASM, BLOCK_N, BLOCK_K)
+                        ASM, FOLD, BLOCK_N, BLOCK_K)
         if SUB > 2:
             acc = _tile(acc, w_ptrs + 2 * (BLOCK_K // 8), x_ptrs + 2 * BLOCK_K, s2, z2, k + 2 * BLOCK_K < k_end,
-                        n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+                        n_mask, m_mask, ASM, FOLD, BLOCK_N, BLOCK_K)
             acc = _tile(acc, w_ptrs + 3 * (BLOCK_K // 8), x_ptrs + 3 * BLOCK_K, s3, z3, k + 3 * BLOCK_K < k_end,
-                        n_mask, m_mask, ASM, BLOCK_N, BLOCK_K)
+                        n_mask, m_mask, ASM, FOLD, BLOCK_N, BLOCK_K)
         w_ptrs += SUB * (BLOCK_K // 8)
         x_ptrs += SUB * BLOCK_K
     finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, offs_m, M, N, stride_om, pid_m, pid_k, HAS_BIAS, SPLIT,
@@ -130,7 +134,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
         M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], G=G,
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO,
-        ASM=not scaled_tiles.INTERP, SUB=p["SUB"],
+        ASM=not scaled_tiles.INTERP, SUB=p["SUB"], FOLD=p["FOLD"],
         BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"],
         num_stages=p["num_stages"])
     return out

@@ -102,10 +102,13 @@ def _dequant_cublas(inp):
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
-          "num_stages": "s"}
+          "num_stages": "s", "FOLD": "fold"}
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
-# iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each)
-SCALED_VARIANTS = [dict(SUB=2), dict(SUB=4), dict(SPLIT=2), dict(SPLIT=8, num_stages=2)]
+# iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
+# every M, the scale on the weight before the MMA (FOLD)
+SCALED_VARIANTS = [dict(SUB=2), dict(SUB=4), dict(SPLIT=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1),
+                   dict(FOLD=1, SUB=2), dict(FOLD=1, SPLIT=8, num_stages=2)]
+SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
          True: ("opmap-gluon-wo-wgmma", "gluon-wo-wgmma", wo_wgmma.describe, WGMMA_VARIANTS)}
@@ -160,9 +163,9 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     flops = 2.0 * M * N * K
     provs = [Provider(f"opmap-{backend}", _ours(backend, True), backend=("gemm", backend), describe=describe(M, N, K)),
              Provider("cublas-bf16-weights", _cublas)]
-    if M <= 64:
-        provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
-                           describe=describe(M, N, K, config=c)) for c in SCALED_VARIANTS]
+    provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
+                       describe=describe(M, N, K, config=c))
+              for c in (SCALED_VARIANTS if M <= 64 else SCALED_VARIANTS_MANY_ROWS)]
     if per_call is not None:
         provs.append(Provider("dequant+cublas", per_call))
     if M >= 128:
