@@ -29,20 +29,21 @@ fsig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16
         "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
         "stride_om": "i32", "K_PER_SPLIT": "i32"}
 # the planner's tiles (an H200's 132 SMs) at Llama-3-8B's down projection
-for M, xdt, zero, sub in [(1, "bf16", False, 0), (16, "fp16", True, 0), (64, "bf16", True, 0), (1, "bf16", True, 4),
-                          (1, "bf16", False, 2)]:
+for M, xdt, zero, sub, fold in [(1, "bf16", False, 0, 0), (16, "fp16", True, 0, 0), (64, "bf16", True, 0, 0),
+                                (1, "bf16", True, 4, 0), (1, "bf16", False, 2, 0), (1, "bf16", True, 0, 1),
+                                (64, "bf16", False, 0, 1), (1024, "bf16", True, 0, 1), (1024, "bf16", False, 0, 0)]:
     p = T.plan(M, 4096, 14336, 128, 132, 256, False, interp=False)
     if sub:  # the other SUB tunings (config=), at their stages
         p.update(SUB=sub, num_stages=T.stages(p["BLOCK_M"], sub))
-    ce = dict(G=128, HAS_ZERO=zero, HAS_BIAS=True, SPLIT=p["SPLIT"], SYM_ZERO=8, ASM=True, SUB=p["SUB"], BLOCK_M=p["BLOCK_M"],
-              BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"])
-    build(f"w4a16-m{M}-{xdt}" + (f"-sub{sub}" if sub else ""), W._w4a16_kernel, dict(wsig, x_ptr=f"*{xdt}", b_ptr=f"*{xdt}", o_ptr=f"*{xdt}"), ce,
-          p["num_warps"], p["num_stages"])
-for M in (1, 64):
+    ce = dict(G=128, HAS_ZERO=zero, HAS_BIAS=True, SPLIT=p["SPLIT"], SYM_ZERO=8, ASM=True, SUB=p["SUB"], FOLD=fold,
+              BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"])
+    build(f"w4a16-m{M}-{xdt}" + (f"-sub{sub}" if sub else "") + ("-fold" if fold else ""), W._w4a16_kernel,
+          dict(wsig, x_ptr=f"*{xdt}", b_ptr=f"*{xdt}", o_ptr=f"*{xdt}"), ce, p["num_warps"], p["num_stages"])
+for M, fold in [(1, 0), (64, 0), (1, 1), (64, 1), (1024, 0), (1024, 1)]:
     p = T.plan(M, 4096, 14336, 128, 132, 128, True, interp=False)
-    ce = dict(BLOCK=128, HAS_BIAS=False, SPLIT=p["SPLIT"], EVEN_K=True, SUB=p["SUB"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"],
-              BLOCK_K=p["BLOCK_K"])
-    build(f"fp8-block-m{M}", F._fp8_block_kernel, fsig, ce, p["num_warps"], p["num_stages"])
+    ce = dict(BLOCK=128, HAS_BIAS=False, SPLIT=p["SPLIT"], EVEN_K=True, SUB=p["SUB"], FOLD=fold, BLOCK_M=p["BLOCK_M"],
+              BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"])
+    build(f"fp8-block-m{M}" + ("-fold" if fold else ""), F._fp8_block_kernel, fsig, ce, p["num_warps"], p["num_stages"])
 gsig = {"a_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ptr": "*i32",
         "block_expert_ptr": "*i32", "total_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "n_pairs": "i32", "N": "i32",
         "K": "i32", "a_row_div": "i32", "rows_bucket": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
@@ -66,7 +67,9 @@ print("RESULT " + json.dumps(res))
 def test_quantised_weight_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)
     dense = ["w4a16-m1-bf16", "w4a16-m16-fp16", "w4a16-m64-bf16", "w4a16-m1-bf16-sub4", "w4a16-m1-bf16-sub2",
-             "fp8-block-m1", "fp8-block-m64"]
+             "w4a16-m1-bf16-fold", "w4a16-m64-bf16-fold", "w4a16-m1024-bf16-fold", "w4a16-m1024-bf16",
+             "fp8-block-m1", "fp8-block-m64", "fp8-block-m1-fold", "fp8-block-m64-fold", "fp8-block-m1024",
+             "fp8-block-m1024-fold"]
     assert all(n in res for n in dense), sorted(res)
     for q in (1, 2):
         for bm in (16, 64):
