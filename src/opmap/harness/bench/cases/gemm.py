@@ -70,12 +70,14 @@ def _setup(M, N, K, fmt):
     return setup
 
 
-def _ours(backend, quantised, config=None):
+def _ours(backend, quantised, config=None, scale_dtype=None):
+    """``scale_dtype``: the weight's scales converted to it first (outside the timed call)."""
     def make(inp):
         fn = registry.get("gemm", backend).fn("linear")
         kw = {} if config is None else {"config": config}
         if quantised:
-            return lambda: fn(inp["x"], inp["wq"], None, inp["s"], **kw)
+            s = inp["s"] if scale_dtype is None else inp["s"].to(scale_dtype)
+            return lambda: fn(inp["x"], inp["wq"], None, s, **kw)
         return lambda: fn(inp["x"], inp["w"], **kw)
 
     return make
@@ -106,9 +108,10 @@ _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
 # iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
 # every M, the scale on the weight before the MMA (FOLD)
-SCALED_VARIANTS = [dict(SUB=2), dict(SUB=4), dict(SPLIT=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1),
-                   dict(FOLD=1, SUB=2), dict(FOLD=1, SPLIT=8, num_stages=2)]
+SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(FOLD=1, SUB=2),
+                   dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
+SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
          True: ("opmap-gluon-wo-wgmma", "gluon-wo-wgmma", wo_wgmma.describe, WGMMA_VARIANTS)}
@@ -166,6 +169,10 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
                        describe=describe(M, N, K, config=c))
               for c in (SCALED_VARIANTS if M <= 64 else SCALED_VARIANTS_MANY_ROWS)]
+    if fmt == "int4":  # fp32 group scales: 4-byte loads that Triton's pipeline can copy ahead (fp16: not)
+        provs += [Provider(f"opmap-{backend}[{_tag(c)},scale=fp32]", _ours(backend, True, c, torch.float32),
+                           backend=("gemm", backend), describe=describe(M, N, K, config=c))
+                  for c in (SCALED_VARIANTS_FP32_SCALE if M <= 64 else SCALED_VARIANTS_MANY_ROWS)]
     if per_call is not None:
         provs.append(Provider("dequant+cublas", per_call))
     if M >= 128:
