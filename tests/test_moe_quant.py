@@ -161,17 +161,20 @@ def test_dequant_route_takes_16_bit_experts_and_warms_up():
         dequant_moe.moe(x, logits, w["w13"], w["w2"], 2, w13_scale=q["w13_scale"])
 
 
-@pytest.mark.parametrize("arch,tokens,phase,wd,want", [
-    ("sm90", None, "prefill", "int4", "dequant-triton"), ("sm90", 4096, "prefill", "fp8-block", "dequant-triton"),
-    ("sm90", 512, "mixed", "int4", "dequant-triton"), ("sm80", None, "prefill", "fp8-block", "dequant-triton"),
-    ("sm90", 511, "mixed", "int4", "triton"), ("sm90", 128, "mixed", "fp8-block", "triton"),
-    ("sm90", None, "mixed", "int4", "triton"), ("sm90", 64, "decode", "int4", "triton"),
-    ("sm90", 1, "decode", "fp8-block", "triton"), ("sm90", None, "prefill", "bf16", "triton"),
-    ("sm90", 4096, "prefill", "bf16", "triton")])
-def test_the_many_token_route_is_selected_where_it_serves(arch, tokens, phase, wd, want):
+@pytest.mark.parametrize("arch,tokens,E,k,phase,wd,want", [
+    ("sm90", 1024, 8, 2, "prefill", "int4", "dequant-triton"), ("sm90", 4096, 8, 2, "mixed", "fp8-block", "dequant-triton"),
+    ("sm90", 4096, 128, 8, "prefill", "int4", "dequant-triton"), ("sm80", 2048, 8, 2, "prefill", "fp8-block", "dequant-triton"),
+    ("sm90", 1023, 8, 2, "prefill", "int4", "triton"), ("sm90", 4095, 128, 8, "prefill", "fp8-block", "triton"),
+    ("sm90", 512, 128, 8, "prefill", "int4", "triton"), ("sm90", None, 8, 2, "prefill", "int4", "triton"),
+    ("sm90", None, 8, 2, "mixed", "int4", "triton"), ("sm90", 64, 8, 2, "decode", "int4", "triton"),
+    ("sm90", 1, 8, 2, "decode", "fp8-block", "triton"), ("sm90", None, 8, 2, "prefill", "bf16", "triton"),
+    ("sm90", 4096, 8, 2, "prefill", "bf16", "triton")])
+def test_the_many_token_route_is_selected_where_it_serves(arch, tokens, E, k, phase, wd, want):
+    """From MANY_ROWS_AN_EXPERT rows an expert (tokens x top_k / experts) with the token count known;
+    at fewer, with none known (a step planned for any length) and for 16-bit experts, triton."""
     from opmap.core.select import select
     from opmap.core.specs import MoESpec
-    spec = MoESpec(arch=arch, phase=phase, tokens=tokens, weight_dtype=wd,
+    spec = MoESpec(arch=arch, phase=phase, tokens=tokens, num_experts=E, top_k=k, weight_dtype=wd,
                    group_size=None if wd == "bf16" else 128)
     assert select("moe", spec, runtime=False).name == want
     if wd == "bf16":

@@ -34,7 +34,9 @@ def _ref(x, wq, s, rounded=False):
 @pytest.mark.parametrize("N,K", [(24576, 7168), (7168, 18432), (576, 7168), (32001, 4096), (4096, 14336)])
 def test_triton_fp8_block_bf16(M, N, K):
     x, wq, s = _case(M, N, K, seed=M + N)
-    assert_close(fp8_block.linear(x, wq, None, s), _ref(x, wq, s), BF16, scale=2.0, what=f"M={M} N={N} K={K}")
+    # the plan folds the block scale into the weight (rounded to bf16) at every M
+    assert_close(fp8_block.linear(x, wq, None, s), _ref(x, wq, s, rounded=True), BF16, scale=2.0,
+                 what=f"M={M} N={N} K={K}")
 
 
 @pytest.mark.parametrize("sub,fold", [(2, 0), (4, 0), (1, 1), (2, 1)])
@@ -58,7 +60,7 @@ def test_split_k_graph_replay():
         x.copy_(torch.randn_like(x))
         g.replay()
         torch.cuda.synchronize()
-        assert_close(out, _ref(x, wq, s), BF16, scale=2.0, what=f"replay {i}")
+        assert_close(out, _ref(x, wq, s, rounded=True), BF16, scale=2.0, what=f"replay {i}")
 
 
 @pytest.mark.parametrize("M", [128, 2048])
@@ -98,9 +100,14 @@ def test_scaled_mm_block_quality_and_selection(M, N, K):
     b = torch.randn(N, device="cuda", dtype=BF16)
     assert_close(scaled_mm.linear_block(x, wq, b, s), out + b, BF16, scale=2.0, what="bias")
     assert scaled_mm.linear_block(x[:0], wq, None, s).shape == (0, N)
-    # through the public op, the backend named (a prefill step)
-    assert_close(opmap.linear(x, wq, None, s, backend="scaled-mm-block", phase="prefill"), out, BF16, scale=1.0,
-                 what="opmap.linear")
+    # through the public op, the backend named (a prefill step); below MANY_ROWS known rows the
+    # backend refuses the call, naming why (the kernel above runs there: rows padded to 4)
+    if M >= 128:
+        assert_close(opmap.linear(x, wq, None, s, backend="scaled-mm-block", phase="prefill"), out, BF16, scale=1.0,
+                     what="opmap.linear")
+    else:
+        with pytest.raises(Exception, match="quantised per token group here only"):
+            opmap.linear(x, wq, None, s, backend="scaled-mm-block", phase="prefill")
     # K = 1152: nine block scales a row, not a whole number of four: refused, naming w
     from opmap.core.contract import InputError
     x9, w9, s9 = _case(128, 256, 1152)

@@ -21,8 +21,8 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # out its latency once: SUB tiles an iteration share that wait.
 # FOLD: where the scale meets the weight. 0: after the MMA (each K tile's fp32 product times its
 # scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
-# codes times the scale rounded once to x's dtype, as a dequantised weight is, and the MMA
-# accumulates in place across K tiles, so Triton can keep several MMAs and the scale loads in flight).
+# codes times the scale rounded once to x's dtype, as a dequantised weight is; the MMA accumulates
+# in place across K tiles). -1: the plan's.
 CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1}
 
 
@@ -40,11 +40,17 @@ def config_of(config) -> dict:
 
 
 def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: bool, interp: bool = INTERP) -> dict:
-    """The tile, K split, warps and stages of a call: BLOCK_N 64 (128 from M = 33; capped by the span
-    where ``bn_in_span``), BLOCK_K the largest power of two up to ``bk_top`` (64 in the interpreter)
-    that divides the span; K split while the N tiles number fewer than two an SM (each split keeps
-    >= 4 K tiles); 4 warps (8 on 128-channel tiles); SUB_DEFAULT K tiles an iteration (1 in the
-    interpreter) and stages that keep about four tiles in flight."""
+    """The tile, K split, warps, stages, SUB and FOLD of a call. ``bn_in_span`` is the block-fp8
+    kernel's (BLOCK_N inside one block); the int4 kernel's groups run along K only.
+    - BLOCK_N 64 (128 from M = 33; capped by the span where ``bn_in_span``), BLOCK_K the largest
+      power of two up to ``bk_top`` (64 in the interpreter) that divides the span; 4 warps (8 on
+      128-channel tiles: with 4 the 128 x 64 accumulator and the converted weight spill).
+    - K split while the N tiles number fewer than two an SM (each split keeps >= 4 K tiles). int4
+      at M <= 32 with fewer N tiles than half the SMs splits deeper: DEEP_SPLIT splits at two
+      stages (docs/dense.md, Decisions: int4's deep K splits).
+    - FOLD (the scale on the weight before the MMA): block fp8 at every M; int4 from 64-row tiles,
+      with SUB 2 at M <= 64 (docs/dense.md, Decisions: where the scale meets the weight).
+    The interpreter runs SUB 1 at one stage."""
     bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     bn = 64 if bm <= 32 else 128
     if bn_in_span:
@@ -52,17 +58,21 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     top = 64 if interp else bk_top
     bk = next(b for b in (256, 128, 64, 32, 16) if b <= top and span % b == 0)
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-    split = 1
+    split, deep = 1, False
     if M <= 64 and tiles < 2 * sms:
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
-    # 8 warps on 128-channel tiles: with 4 the 128 x 64 accumulator and the converted weight spill
-    sub = 1 if interp else SUB_DEFAULT
+    int4 = not bn_in_span
+    if int4 and bm <= 32 and 2 * tiles < sms and K // (4 * bk) >= DEEP_SPLIT:
+        split, deep = DEEP_SPLIT, True
+    fold = 1 if not int4 or bm == 64 else 0
+    sub = 2 if int4 and bm == 64 and M <= 64 else 1
+    if interp:
+        sub = 1
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
-            "SUB": sub, "FOLD": FOLD_DEFAULT, "num_stages": 1 if interp else stages(bm, sub)}
+            "SUB": sub, "FOLD": fold, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
 
 
-SUB_DEFAULT = 1  # one K tile an iteration until a baseline times SUB (docs/dense.md, int4 and block fp8)
-FOLD_DEFAULT = 0  # the scale after the MMA until a baseline times FOLD (docs/dense.md, int4 and block fp8)
+DEEP_SPLIT = 8  # int4's K splits where few N tiles leave SMs idle at decode M (docs/dense.md, Decisions)
 
 
 def stages(bm: int, sub: int) -> int:

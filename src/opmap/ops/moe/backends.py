@@ -143,13 +143,23 @@ registry.register(Backend(
           "fp8 experts read as stored (codes converted exactly in registers, scales on each K tile's product)",
 ))
 
-# Tokens from which the quantised experts are dequantised once per step (dequant-triton) rather than
-# converted tile by tile in the grouped GEMM (docs/moe.md, Decisions: the many-token route).
-MANY_TOKENS = 512
+# Rows an expert meets (tokens x top_k / experts) from which the quantised experts are dequantised
+# once per call (dequant-triton) rather than converted tile by tile in the grouped GEMM: the pass
+# costs the same whatever the rows, the conversion repeats per row tile (docs/moe.md, Decisions: the
+# many-token route). Counted in rows an expert, not tokens: Mixtral's 8 experts cross over near
+# 1000 tokens, Qwen3-30B-A3B's 128 near 4000. Unknown token counts keep the stored-format kernel.
+MANY_ROWS_AN_EXPERT = 256
+H100_MOE = "h100-80gb-hbm3/moe"
+QUANT_CASE = "model={},T={},E={},k={},H={},I={},hit={},w={},dtype=bf16"
 
 
-def _many_tokens(spec):
-    return (spec.tokens or 0) >= MANY_TOKENS or (spec.tokens is None and spec.phase == "prefill")
+def _many_rows_an_expert(spec):
+    return spec.tokens is not None and spec.tokens * spec.top_k >= MANY_ROWS_AN_EXPERT * spec.num_experts
+
+
+def _quant_rows(*cases) -> tuple:
+    return tuple(Evidence(H100_MOE, QUANT_CASE.format(*c), p) for c in cases
+                 for p in ("opmap-dequant-triton+graph", "opmap-triton+graph"))
 
 
 def _quantised(spec):
@@ -161,12 +171,18 @@ def _quantised(spec):
 
 registry.register(Backend(
     op="moe", name="dequant-triton", provider="opmap-triton", version=registry.triton_version,
-    # Above triton where a step brings many tokens (a prefill step, or >= MANY_TOKENS known), below it
-    # otherwise; the reference keeps the CPU.
+    # Above triton where each expert meets many rows (a known token count), below it otherwise; the
+    # reference keeps the CPU.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 1,
-              **{a: Prefer(55, 45, _many_tokens, f"tokens >= {MANY_TOKENS}, or a prefill step",
-                           Basis("convention: the dequantisation pass is a fixed cost that many rows share; "
-                                 "moe.quant rows decide it")) for a in ("sm80", "sm90")}},
+              "sm80": Prefer(55, 45, _many_rows_an_expert, f"tokens x top_k >= {MANY_ROWS_AN_EXPERT} x experts",
+                             Basis("convention: sm90's rule, not measured on sm80")),
+              "sm90": Prefer(55, 45, _many_rows_an_expert, f"tokens x top_k >= {MANY_ROWS_AN_EXPERT} x experts", Basis(
+                  "ahead of the stored-format kernel at 1024 rows an expert (4096 tokens) of both models and both "
+                  "formats, behind it at 128 (Mixtral, 512 tokens) and 32 (Qwen3-30B-A3B, 512 tokens)",
+                  _quant_rows(("mixtral-8x7b", 4096, 8, 2, 4096, 14336, 8, "int4-g128"),
+                              ("mixtral-8x7b", 512, 8, 2, 4096, 14336, 8, "fp8-block128"),
+                              ("qwen3-30b-a3b", 4096, 128, 8, 2048, 768, 128, "fp8-block128"),
+                              ("qwen3-30b-a3b", 512, 128, 8, 2048, 768, 128, "int4-g128"))))},
     impl={"moe": "opmap.kernels.moe.dequant_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
           "warm_up": "opmap.kernels.moe.dequant_moe:warm_up"},
     reqs=_QUANT_REQS, checks=_QUANT_CHECKS + (Check("int4 or block-fp8 experts", _quantised, "weight_dtype"),),
