@@ -16,9 +16,8 @@ from opmap.kernels.gemm.splitk import counters, sm_count
 INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # config= keys: the tile (0: the plan's choice); BLOCK_K (and, where the kernel says so, BLOCK_N)
 # must divide the scale's span.
-# SUB: K tiles a loop iteration (1, 2 or 4). Each tile's scale is a plain load (a value of 1 to 4
-# bytes a row: no cp.async, so Triton's pipeline leaves it in the loop), and each iteration waits
-# out its latency once: SUB tiles an iteration share that wait.
+# SUB: K tiles a loop iteration (1, 2 or 4), their scales loaded first (where the plan takes 2:
+# docs/dense.md, Decisions).
 # FOLD: where the scale meets the weight. 0: after the MMA (each K tile's fp32 product times its
 # scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
 # codes times the scale rounded once to x's dtype, as a dequantised weight is; the MMA accumulates
