@@ -396,3 +396,21 @@ def test_experts_declared_quantised_take_no_dense_memory():
     d.quantize_experts_("int4", 16, zero_point=True)
     for k in (f"{layer}.w13", f"{layer}.w2_scale", f"{layer}.w2_zero", f"{layer}.router"):
         assert torch.equal(m.params[k], d.params[k]), k
+
+
+def test_int4_moe_on_the_dequantising_route(tmp_path, single_thread):
+    """The routed experts of a GPTQ MoE checkpoint on the many-token route (`dequant-triton`, forced:
+    the CPU ranks it below triton): greedy tokens still match HF, and the profile's quantised-path
+    lines name the route as a dequantise-then-16-bit path."""
+    from opmap.harness.profile import quant_lines
+
+    cfg = PRESETS["tiny-qwen3moe"]
+    hf = save_checkpoint(cfg, str(tmp_path), seed=5, tokenizer=word_tokenizer(cfg.vocab))
+    _to_int4_checkpoint(hf, str(tmp_path), "gptq", 16, True)
+    llm = LLM(str(tmp_path), max_num_batched_tokens=48, max_num_seqs=4, backends={"moe": "dequant-triton"})
+    assert {r.backend.name for ops in llm.runner.ops.values() for r in ops.rows if r.key == "moe"} == {"dequant-triton"}
+    prompts = random_prompts(cfg.vocab, (5, 33), seed=11)
+    for p, o in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))):
+        assert o.error is None and o.token_ids == hf_greedy(hf, p, 8)
+    lines = [ln for ln in quant_lines(llm) if "routed experts" in ln]
+    assert lines and all("`dequant-triton`" in ln and "dequantise then fp32 grouped GEMM" in ln for ln in lines), lines

@@ -506,3 +506,28 @@ def test_the_commit_of_an_archived_tree(tmp_path, monkeypatch):
     f.write_text("$Format:%H$\n")
     monkeypatch.delenv("OPMAP_COMMIT")
     assert output.git_commit() == output._git_head()
+
+
+def test_report_names_the_quantised_expert_routes():
+    """The report's quantised-paths answer names, for a MoE model, the MoE backend of int4 and
+    block-fp8 experts at decode, at a prefill step and at a call with MANY_ROWS_AN_EXPERT rows an
+    expert, and flags the dequantise-then-16-bit route where (and only where) it is chosen; a dense
+    model gets no MoE line."""
+    from opmap.engine.opset import planned_maps
+    from opmap.harness import report
+    from opmap.model.presets import get_preset
+
+    def quant_answer(name):
+        cfg = get_preset(name)
+        qs = report.questions(cfg, "sm90", planned_maps(cfg, "sm90"))
+        return [line for q in qs if "quantised" in q["question"] for line in q["answer"]]
+
+    for name, many in (("mixtral-8x7b", 1024), ("qwen3-30b-a3b", 4096)):
+        moe = [line for line in quant_answer(name) if line.startswith("MoE")]
+        assert len(moe) == 6, moe
+        for wd in ("int4", "fp8-block"):
+            mine = [line for line in moe if f"with {wd} experts" in line]
+            assert [("dequant-triton" in line, "dequantise then bf16 grouped GEMM" in line) for line in mine] == \
+                [(False, False), (False, False), (True, True)], mine
+            assert f"a call of {many} tokens" in mine[2] and "`triton`" in mine[0] and "`triton`" in mine[1]
+    assert not any(line.startswith("MoE") for line in quant_answer("llama3-8b"))

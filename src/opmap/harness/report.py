@@ -162,6 +162,8 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
         for wd in formats:
             lines.append(f"mixed {lb} with {wd} weights{' (this checkpoint)' * (wd == own)}, by the step's rows: "
                          f"{_by_rows(as_format(g, wd))}")
+    if cfg.is_moe:
+        lines += _quantised_experts(find, _try)
     kv8, e8 = _try("attention", ds.replace(kv_dtype="fp8"))
     lines.append(f"decode attention with fp8 KV: {_name(kv8, e8)}")
     lines.append("which kernel symbols actually run (a dequantise kernel then a bf16 GEMM = fallback) needs a "
@@ -171,6 +173,28 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
 
 
 QUANT_FORMATS = ("fp8", "int8", "int4")  # the weight-only formats the report asks the selector about
+EXPERT_FORMATS = ("int4", "fp8-block")  # the formats routed experts are served in as stored
+
+
+def _quantised_experts(find, try_) -> list:
+    """The MoE backend for the routed experts in each quantised format: at decode, at a prefill step
+    (its token count unknown when planned) and at a call of as many tokens as give each expert
+    MANY_ROWS_AN_EXPERT rows, with a dequantise-then-16-bit route named as such."""
+    from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
+
+    out = []
+    (_, dec), (_, pre) = find("decode", "moe")[0], find("prefill", "moe")[0]
+    many = -(-MANY_ROWS_AN_EXPERT * pre.num_experts // pre.top_k)
+    for wd in EXPERT_FORMATS:
+        group = int4_group(pre.hidden, INT4_GROUP) if wd == "int4" else 128
+        for what, spec in (("decode", dec), ("a prefill step", pre), (f"a call of {many} tokens", pre.replace(tokens=many))):
+            ch, err = try_("moe", spec.replace(weight_dtype=wd, group_size=group))
+            line = f"MoE ({what}) with {wd} experts: {_name(ch, err)}"
+            if ch is not None and ch.name == "dequant-triton":
+                line += (f" -> dequantise then {spec.dtype} grouped GEMM: one pass writes every expert's weights in "
+                         f"{spec.dtype} per call (from {MANY_ROWS_AN_EXPERT} rows an expert)")
+            out.append(line)
+    return out
 
 
 def _by_rows(g) -> str:

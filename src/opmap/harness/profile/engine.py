@@ -275,10 +275,13 @@ def quant_lines(llm) -> list:
             if c.op == "moe":
                 by.setdefault(c.backend.name, []).append(c.spec.phase)
         for name, phases in by.items():
-            line = (f"{eq[0]} routed experts, {', '.join(dict.fromkeys(phases))}: MoE runs `{name}` on them as "
-                    "stored")
+            line = (f"{eq[0]} routed experts, {', '.join(dict.fromkeys(phases))}: MoE runs `{name}`"
+                    + (" on them as stored" if name != "dequant-triton" else ""))
             if name == "reference":
                 line += " -> fallback: every expert dequantised for an fp32 loop on every call"
+            elif name == "dequant-triton":
+                line += (f" -> dequantise then {dn} grouped GEMM: one pass writes every expert's weights in {dn} "
+                         "per call (the many-rows-an-expert route, docs/moe.md)")
             out.append(line)
     deq = r.model.dequantised
     if deq:
