@@ -679,3 +679,41 @@ def test_block_wise_fp8_missing_scales_and_unquantised_projections_are_named(tmp
     save_file({k: v for k, v in state.items() if k != kvb}, f)
     with pytest.raises(InputError, match="fp8 without a scale"):
         LLM(str(tmp_path / "ds"))
+
+
+def test_many_token_steps_take_the_op_set_planned_at_many_tokens(single_thread):
+    """Quantised routed experts: steps of at least many_tokens_of(cfg) rows (MANY_ROWS_AN_EXPERT rows an
+    expert on average) run op sets planned at that count, whose MoE slot the selector gives the
+    dequantising route on sm90 while the sets of fewer or unknown rows keep the stored-format kernel;
+    a long prompt's prefill takes it. Dense models and 16-bit experts plan no such set."""
+    from opmap.core.select import select
+    from opmap.model.step import many_tokens_of
+
+    cfg = PRESETS["tiny-qwen3moe"]
+    many = many_tokens_of(cfg)
+    llm = LLM("tiny-qwen3moe", max_num_seqs=2, max_num_batched_tokens=many + 64, max_model_len=many + 128,
+              quantize="int4")
+    run = llm.runner
+    assert run.many_tokens == many and sorted(run.many_token_ops) == ["mixed", "prefill"]  # no graphs on the CPU
+    assert all(ops.m == many for ops in run.many_token_ops.values())
+    assert run.eager_ops("prefill", many) is run.many_token_ops["prefill"]
+    assert run.eager_ops("mixed", many + 5) is run.many_token_ops["mixed"]
+    assert run.eager_ops("prefill", many - 1) is run.ops["prefill"]
+    assert run.eager_ops("mixed", many - 1) is run.mixed_rows[128]
+
+    def moe_on_sm90(ops):
+        spec = next(c.spec for _, _, c in ops.choices if c.op == "moe")
+        return select("moe", spec.replace(arch="sm90"), runtime=False).backend.name
+
+    assert moe_on_sm90(run.many_token_ops["prefill"]) == "dequant-triton"
+    assert moe_on_sm90(run.ops["prefill"]) == moe_on_sm90(run.mixed_rows[128]) == "triton"
+    used = []
+    real = run.eager_ops
+    run.eager_ops = lambda phase, tokens: used.append((phase, tokens)) or real(phase, tokens)
+    out = llm.generate([[9] * (many + 8)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert out[0].error is None and len(out[0].token_ids) == 2
+    assert ("prefill", many + 8) in used
+    dense = LLM("tiny-llama3", max_num_seqs=2, max_num_batched_tokens=256, max_model_len=512, quantize="int4")
+    assert dense.runner.many_token_ops == {} and dense.runner.many_tokens is None
+    plain = LLM("tiny-qwen3moe", max_num_seqs=2, max_num_batched_tokens=many + 64, max_model_len=many + 128)
+    assert plain.runner.many_token_ops == {}

@@ -28,7 +28,7 @@ import torch
 
 from opmap.core.contract import InputError, dtype_name, trusted_values
 from opmap.core.hw import local_arch
-from opmap.model.step import QUANTISED_MIXED_ROWS, mixed_rows_of
+from opmap.model.step import QUANTISED_MIXED_ROWS, many_tokens_of, mixed_rows_of
 from opmap.ops.rope.reference import cos_sin_cache
 from opmap.core.select import BackendError
 from opmap.engine.capture import Capture
@@ -156,6 +156,15 @@ class ModelRunner:
             except BackendError as e:
                 self.prefill_graphs_off = str(e).splitlines()[0]
                 log.warning("prefill CUDA graphs off: %s", self.prefill_graphs_off)
+        # Quantised routed experts: steps of at least many_tokens rows run op sets planned at that
+        # count, where the MoE selection can take its many-rows-an-expert route (ops/moe/backends.py);
+        # {} when the experts are not quantised or no step can be that long.
+        self.many_tokens = many_tokens_of(cfg) if self.model.expert_quant else None
+        self.many_token_ops = {}
+        if self.many_tokens is not None and self.many_tokens <= self.max_tokens:
+            self.many_token_ops = {p: opset(p, False, self.many_tokens) for p in ("prefill", "mixed")}
+            if self.padded_ops is not self.ops["prefill"]:
+                self.many_token_ops["padded"] = opset("prefill", True, self.many_tokens)
         try:
             self.decode_ops = {b: opset("decode", self.use_graphs, b) for b in self.buckets}
         except BackendError as e:
@@ -168,7 +177,8 @@ class ModelRunner:
             log.warning("decode CUDA graphs off: %s", self.graphs_off_reason)
             self.decode_ops = {b: opset("decode", False, b) for b in self.buckets}
         self.choice_lines = log_choices([self.ops["prefill"], self.padded_ops, self.ops["mixed"],
-                                         *self.mixed_rows.values(), *self.decode_ops.values()])
+                                         *self.mixed_rows.values(), *self.many_token_ops.values(),
+                                         *self.decode_ops.values()])
         self._alloc_meta(cfg.max_position)
         # The decode workspaces before the KV plan, so that it counts them as this engine's own:
         # allocated after it, 1.08 GiB of them (20 batch buckets at 256 sequences) took more than
@@ -368,7 +378,7 @@ class ModelRunner:
             else:
                 out, residual = self._padded_rows(tb)
             n = len(rows)
-            return self.model.head(self.padded_ops, out[:n], residual[:n]) if n else None
+            return self.model.head(self.padded_ops_of(tb), out[:n], residual[:n]) if n else None
         T, B, width, rows, longest = self._fill(items)
         ops = self.eager_ops(batch.phase, T)
         st = self._step(T, B, width, False, len(rows), longest=longest)
@@ -379,6 +389,8 @@ class ModelRunner:
 
     def eager_ops(self, phase: str, tokens: int) -> OpSet:
         """The op set of an eager (not replayed) step of ``tokens`` rows in ``phase``."""
+        if self.many_token_ops and tokens >= self.many_tokens:
+            return self.many_token_ops["prefill" if phase == "prefill" else "mixed"]
         if phase == "prefill":
             return self.ops["prefill"]
         m = mixed_rows_of(tokens) if self.mixed_rows else None
@@ -408,8 +420,14 @@ class ModelRunner:
         the bucket (every length fits in it: MLA's chunk plan reads them)."""
         S = self.prefill_slots(tb)
         st = self._step(tb, S, None, False, S, longest=(tb, tb))
-        out, residual = self.model.layers(self.padded_ops, st, self.kv)
+        out, residual = self.model.layers(self.padded_ops_of(tb), st, self.kv)
         return out[st.logits_idx], residual[st.logits_idx]
+
+    def padded_ops_of(self, tb: int) -> OpSet:
+        """The op set of a padded prefill step of bucket ``tb``: planned at many_tokens from there."""
+        if "padded" in self.many_token_ops and tb >= self.many_tokens:
+            return self.many_token_ops["padded"]
+        return self.padded_ops
 
     # ---- KV sizing and CUDA graphs ------------------------------------------------------------
     def _length_asked(self) -> int:
@@ -439,7 +457,8 @@ class ModelRunner:
             self.seq_lens[:1].fill_(T)
             self.cu[:2].copy_(torch.tensor([0, T], dtype=torch.int32))
             self.logits_idx[:1].fill_(T - 1)
-            self.model.forward(self.ops["prefill"], self._step(T, 1, pages, False, 1, longest=(T, T)), kv)
+            # the op set a prefill of T rows runs (its scratch, e.g. dequantised experts, counted)
+            self.model.forward(self.eager_ops("prefill", T), self._step(T, 1, pages, False, 1, longest=(T, T)), kv)
         torch.cuda.synchronize()
         act = torch.cuda.max_memory_allocated() - before  # the warm-up's own activation peak
         del kv
@@ -467,7 +486,7 @@ class ModelRunner:
         layer = next(i for i in range(c.layers) if f"{i}.w13" in P)
         t0 = time.perf_counter()
         # the prefill and mixed op sets: one call per distinct backend entry
-        for warm_up in {ops.moe_warm_up for ops in self.ops.values()} - {None}:
+        for warm_up in {ops.moe_warm_up for ops in [*self.ops.values(), *self.many_token_ops.values()]} - {None}:
             with torch.inference_mode():
                 n = warm_up(P[f"{layer}.w13"], P[f"{layer}.w2"], c.top_k, self.max_tokens, dtype=self.dtype,
                             router=c.router, renormalize=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
@@ -488,7 +507,7 @@ class ModelRunner:
         self.graphs, self.prefill_graphs, self.capture = {}, {}, None
         self.kv = self.model = None
         self.workspace = {}
-        self.ops, self.decode_ops, self.padded_ops = {}, {}, None
+        self.ops, self.decode_ops, self.padded_ops, self.many_token_ops = {}, {}, None, {}
         for name in ("input_ids", "positions", "slots", "seq_lens", "cu", "logits_idx", "block_tables",
                      "h_i64", "h_i32", "h_idx", "h_bt", "h_i64_np", "h_i32_np", "h_idx_np", "h_bt_np", "_copied"):
             setattr(self, name, None)

@@ -28,6 +28,7 @@ from opmap.core.select import BackendError, Choice, select
 from opmap.model.presets import ModelConfig
 from opmap.ops.gemm.backends import MANY_ROWS
 from opmap.ops.gemm.quant import int4_group
+from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,15 @@ def mixed_rows_of(tokens: int) -> Optional[int]:
         return MANY_ROWS
     m = 1 << max(0, tokens - 1).bit_length()
     return m if m < MANY_ROWS else None
+
+
+def many_tokens_of(cfg: ModelConfig) -> Optional[int]:
+    """The fewest tokens a step needs for each routed expert to meet MANY_ROWS_AN_EXPERT rows on
+    average (ops/moe/backends.py: from there the MoE selection of quantised experts may dequantise
+    them once per call); None for a dense model."""
+    if not cfg.is_moe:
+        return None
+    return -(-MANY_ROWS_AN_EXPERT * cfg.num_experts // cfg.top_k)
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,

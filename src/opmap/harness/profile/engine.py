@@ -312,9 +312,10 @@ def graph_backends(res: dict, llm) -> None:
 
 def _choices(runner):
     """(label, Choice) of every op set of the runner: padded prefill (graph-replayed where
-    captured), prefill, mixed (and, with quantised weights, those planned per row count), each decode
-    bucket."""
-    extra = [getattr(runner, "padded_ops", None), *runner.ops.values(), *getattr(runner, "mixed_rows", {}).values()]
+    captured), prefill, mixed (and, with quantised weights, those planned per row count; with
+    quantised experts, those of many-token steps), each decode bucket."""
+    extra = [getattr(runner, "padded_ops", None), *runner.ops.values(), *getattr(runner, "mixed_rows", {}).values(),
+             *getattr(runner, "many_token_ops", {}).values()]
     for ops in [*(o for o in extra if o is not None), *runner.decode_ops.values()]:
         for label, _, c in ops.choices:
             yield label, c
