@@ -289,3 +289,15 @@ def test_graph_replayed_phases_name_their_chosen_backends():
     assert ph["prefill"]["backends"] == {"GEMM": {"cublas-range"}, "attention": {"triton (graph)"}}
     assert ph["decode"]["backends"] == {"attention": {"triton (graph)"}}
     assert ph["mixed"]["backends"] == {}  # mixed steps run eagerly: nothing to fill in
+    # padded buckets from many_tokens run their own op set: both sets' choices are named
+    many = NS(choices=[choice("moe", "prefill", "dequant-triton")])
+    padded = NS(choices=[choice("moe", "prefill", "triton")])
+    runner = NS(graphs={}, prefill_graphs={128: None, 1024: None}, padded_ops=padded, ops={}, decode_ops={},
+                padded_ops_of=lambda tb: many if tb >= 1024 else padded)
+    res = {"phases": {"prefill": {"by_category": {"MoE": 9.0}, "backends": {}}}}
+    graph_backends(res, NS(runner=runner, sampler=NS(choices=[])))
+    assert res["phases"]["prefill"]["backends"] == {"MoE": {"triton (graph)", "dequant-triton (graph)"}}
+    runner.prefill_graphs = {128: None}  # no bucket that long captured: the stored-format kernel only
+    res = {"phases": {"prefill": {"by_category": {"MoE": 9.0}, "backends": {}}}}
+    graph_backends(res, NS(runner=runner, sampler=NS(choices=[])))
+    assert res["phases"]["prefill"]["backends"] == {"MoE": {"triton (graph)"}}

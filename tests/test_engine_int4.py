@@ -398,7 +398,7 @@ def test_experts_declared_quantised_take_no_dense_memory():
         assert torch.equal(m.params[k], d.params[k]), k
 
 
-def test_int4_moe_on_the_dequantising_route(tmp_path, single_thread):
+def test_int4_moe_forced_onto_the_dequantising_route(tmp_path, single_thread):
     """The routed experts of a GPTQ MoE checkpoint on the many-token route (`dequant-triton`, forced:
     the CPU ranks it below triton): greedy tokens still match HF, and the profile's quantised-path
     lines name the route as a dequantise-then-16-bit path."""

@@ -717,3 +717,20 @@ def test_many_token_steps_take_the_op_set_planned_at_many_tokens(single_thread):
     assert dense.runner.many_token_ops == {} and dense.runner.many_tokens is None
     plain = LLM("tiny-qwen3moe", max_num_seqs=2, max_num_batched_tokens=many + 64, max_model_len=many + 128)
     assert plain.runner.many_token_ops == {}
+
+
+def test_padded_buckets_from_many_tokens_take_the_many_token_set():
+    """A padded prefill bucket from many_tokens runs the many-token op set planned for graphs, or the
+    eager one where that set could not be planned (prefill graphs off); shorter buckets, and
+    engines with no many-token sets, run the padded op set."""
+    from types import SimpleNamespace as NS
+
+    from opmap.engine.runner import ModelRunner
+
+    pre, padded, graphed = object(), object(), object()
+    r = NS(many_token_ops={"prefill": pre, "mixed": object()}, many_tokens=1024, padded_ops=padded)
+    assert ModelRunner.padded_ops_of(r, 2048) is pre and ModelRunner.padded_ops_of(r, 1024) is pre
+    assert ModelRunner.padded_ops_of(r, 1023) is padded
+    r.many_token_ops["padded"] = graphed
+    assert ModelRunner.padded_ops_of(r, 1024) is graphed and ModelRunner.padded_ops_of(r, 512) is padded
+    assert ModelRunner.padded_ops_of(NS(many_token_ops={}, many_tokens=None, padded_ops=padded), 4096) is padded

@@ -172,3 +172,36 @@ def test_dequant_cublas_names_a_group_of_no_whole_words():
     x, p, s, z = _case(2, 16, 64, 16, False)
     with pytest.raises(InputError, match="w_scale"):
         dequant_cublas.linear(x, p, None, torch.ones(16, 16), None)
+
+
+def test_plan_folds_splits_and_stages():
+    """scaled_tiles.plan's choices, stated here rather than read back from it: int4 keeps the scale
+    after the MMA below 64-row tiles and folds it (two K tiles an iteration) from there; block fp8
+    folds at every M; int4 at M <= 32 with few N tiles splits at least DEEP_SPLIT ways at two
+    stages, a shape the ordinary rule splits deeper keeps its split; a SPLIT given by config gets
+    the stages of its tiling."""
+    from opmap.kernels.gemm import scaled_tiles as T
+    p = lambda M, N, K, fp8=False: T.plan(M, N, K, 128, 132, 128 if fp8 else 256, fp8, interp=False)  # noqa: E731
+    assert (p(1, 28672, 4096)["FOLD"], p(32, 28672, 4096)["FOLD"], p(64, 28672, 4096)["FOLD"]) == (0, 0, 1)
+    assert (p(64, 28672, 4096)["SUB"], p(1, 28672, 4096)["SUB"], p(1024, 4096, 4096)["SUB"]) == (2, 1, 1)
+    assert all(p(m, 4096, 14336, True)["FOLD"] == 1 for m in (1, 16, 64, 1024))
+    down = p(1, 4096, 14336)
+    assert (down["SPLIT"], down["num_stages"]) == (T.DEEP_SPLIT, 2)
+    assert p(1, 1024, 8192)["SPLIT"] == 16  # 16 N tiles: the ordinary rule's deeper split
+    assert p(1, 28672, 4096)["SPLIT"] == 1 and p(64, 4096, 14336)["SPLIT"] != T.DEEP_SPLIT
+    assert p(1, 4096, 14336, True)["SPLIT"] != T.DEEP_SPLIT  # block fp8: no deep split
+
+
+
+@pytest.mark.parametrize("N,K,G,zp,split", [(40, 448, 64, True, 0), (96, 256, 64, False, 3), (33, 1024, 16, True, 0),
+                                            (130, 512, 128, False, 2), (1, 128, 128, True, 1)])
+def test_gemv_matches_reference(N, K, G, zp, split):
+    """config GEMV=1: the CUDA-core kernel at M = 1 (codes as eight planes, fp32 products, one
+    reduction at the end), with bias, zero points, K splits, odd N; refused at M > 1, naming config."""
+    x, p, s, z = _case(1, N, K, G, zp, torch.float16, seed=N + K)
+    b = torch.randn(N).half()
+    y = w4a16.linear(x, p, b, s, z, config={"GEMV": 1, "SPLIT": split})
+    assert_close(y, _ref(x, p, s, z, b), torch.float16, scale=2.0, what=f"GEMV N={N} K={K} G={G} split={split}")
+    assert w4a16.describe(1, N, K, "cpu", G, config={"GEMV": 1}).startswith("CUDA-core GEMV")
+    with pytest.raises(InputError, match="config"):
+        w4a16.linear(torch.cat([x, x]), p, None, s, z, config={"GEMV": 1})

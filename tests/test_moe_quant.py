@@ -156,14 +156,17 @@ def test_dequant_route_takes_16_bit_experts_and_warms_up():
     assert torch.equal(dequant_moe.moe(x, logits, w13, w2, 2), tm.moe(x, logits, w13, w2, 2))
     w = _experts(E, H, I, "int4", 32)
     q = {n: t for n, t in w.items() if n not in ("w13", "w2")}
-    assert dequant_moe.warm_up(w["w13"], w["w2"], 2, 4, dtype=torch.float16, **q) >= 1
+    from opmap.kernels.moe.grouped_gemm import token_counts
+    # the 16-bit experts' tuning keys (not the quantised ones'): what the route runs
+    assert dequant_moe.warm_up(w["w13"], w["w2"], 2, 4, dtype=torch.float16, **q) == len(token_counts(4, 2, E, False))
     with pytest.raises(InputError, match="w2_scale"):
         dequant_moe.moe(x, logits, w["w13"], w["w2"], 2, w13_scale=q["w13_scale"])
 
 
 @pytest.mark.parametrize("arch,tokens,E,k,phase,wd,want", [
     ("sm90", 1024, 8, 2, "prefill", "int4", "dequant-triton"), ("sm90", 4096, 8, 2, "mixed", "fp8-block", "dequant-triton"),
-    ("sm90", 4096, 128, 8, "prefill", "int4", "dequant-triton"), ("sm80", 2048, 8, 2, "prefill", "fp8-block", "dequant-triton"),
+    ("sm90", 4096, 128, 8, "prefill", "int4", "dequant-triton"), ("sm80", 2048, 8, 2, "prefill", "int4", "dequant-triton"),
+    ("sm80", 2048, 8, 2, "prefill", "fp8-block", "reference"),
     ("sm90", 1023, 8, 2, "prefill", "int4", "triton"), ("sm90", 4095, 128, 8, "prefill", "fp8-block", "triton"),
     ("sm90", 512, 128, 8, "prefill", "int4", "triton"), ("sm90", None, 8, 2, "prefill", "int4", "triton"),
     ("sm90", None, 8, 2, "mixed", "int4", "triton"), ("sm90", 64, 8, 2, "decode", "int4", "triton"),
@@ -180,3 +183,21 @@ def test_the_many_token_route_is_selected_where_it_serves(arch, tokens, E, k, ph
     if wd == "bf16":
         assert any("int4 / block-fp8" in r for r in
                    opmap.core.registry.get("moe", "dequant-triton").validate(spec))
+
+
+def test_scratch_release_drops_only_the_streams_named():
+    """dequant_cublas.release: an engine that closes drops the scratch of its own streams; other
+    streams' (another engine's captured graphs) stay."""
+    from opmap.kernels.gemm import dequant_cublas as dq
+    dev = torch.device("cpu")
+    saved = dict(dq._SCRATCH)
+    try:
+        dq._SCRATCH.clear()
+        a = dq.scratch(10, torch.float16, dev, 0)
+        dq._SCRATCH[(dev, torch.float16, 7, 1)] = torch.empty(4)  # another stream's
+        assert dq.scratch(5, torch.float16, dev, 0) is a  # grown once, reused
+        dq.release(dev, [0])
+        assert list(dq._SCRATCH) == [(dev, torch.float16, 7, 1)]
+    finally:
+        dq._SCRATCH.clear()
+        dq._SCRATCH.update(saved)

@@ -36,6 +36,7 @@ from opmap.engine.config import EngineConfig
 from opmap.engine.kv_plan import MemFigures, plan_pages
 from opmap.engine.model import Step
 from opmap.engine.model_mla import build_model
+from opmap.kernels.gemm import dequant_cublas
 from opmap.ops.gemm.quant import INT4_GROUP
 from opmap.engine.opset import OpSet, engine_dtype, engine_settings, log_choices, quantised_expert_format
 from opmap.engine.scheduler import Batch
@@ -161,7 +162,7 @@ class ModelRunner:
         # {} when the experts are not quantised or no step can be that long.
         self.many_tokens = many_tokens_of(cfg) if self.model.expert_quant else None
         self.many_token_ops = {}
-        if self.many_tokens is not None and self.many_tokens <= self.max_tokens:
+        if self.many_tokens is not None and self.many_tokens <= ecfg.max_num_batched_tokens:
             self.many_token_ops = {p: opset(p, False, self.many_tokens) for p in ("prefill", "mixed")}
             if self.padded_ops is not self.ops["prefill"]:
                 self.many_token_ops["padded"] = opset("prefill", True, self.many_tokens)
@@ -424,9 +425,10 @@ class ModelRunner:
         return out[st.logits_idx], residual[st.logits_idx]
 
     def padded_ops_of(self, tb: int) -> OpSet:
-        """The op set of a padded prefill step of bucket ``tb``: planned at many_tokens from there."""
-        if "padded" in self.many_token_ops and tb >= self.many_tokens:
-            return self.many_token_ops["padded"]
+        """The op set of a padded prefill step of bucket ``tb``: planned at many_tokens from there (the
+        eager one where the graph set could not be planned)."""
+        if self.many_token_ops and tb >= self.many_tokens:
+            return self.many_token_ops.get("padded", self.many_token_ops["prefill"])
         return self.padded_ops
 
     # ---- KV sizing and CUDA graphs ------------------------------------------------------------
@@ -460,13 +462,17 @@ class ModelRunner:
             # the op set a prefill of T rows runs (its scratch, e.g. dequantised experts, counted)
             self.model.forward(self.eager_ops("prefill", T), self._step(T, 1, pages, False, 1, longest=(T, T)), kv)
         torch.cuda.synchronize()
-        act = torch.cuda.max_memory_allocated() - before  # the warm-up's own activation peak
+        # what the warm-up left allocated (scratch its kernels keep, e.g. dequantised experts): in
+        # ``own`` below, so not in the activation peak as well
+        persist = max(torch.cuda.memory_allocated() - before, 0)
+        act = torch.cuda.max_memory_allocated() - before - persist  # the warm-up's own activation peak
         del kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         alloc = torch.cuda.memory_allocated()
-        # the prefill graphs' pool: up to one more activation peak beside the eager steps' memory
-        pool = act if self.use_graphs and self.ecfg.prefill_graph_tokens else 0
+        # the graphs' pool: up to one more activation peak beside the eager steps' memory for prefill
+        # graphs, and the kept scratch again for any graphs (their capture stream grows its own)
+        pool = (act if self.use_graphs and self.ecfg.prefill_graph_tokens else 0) + (persist if self.use_graphs else 0)
         m = MemFigures(total=total, free=free, reserved=torch.cuda.memory_reserved(), allocated=alloc,
                        own=max(alloc - self._alloc0, 0), act_peak=act, graph_pool=pool)
         useful = self.max_seqs * -(-self._length_asked() // self.page)
@@ -502,6 +508,10 @@ class ModelRunner:
         buffers; the caller (``LLM.close``) runs the garbage collector and empties the CUDA cache."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # the dequantisation scratch this engine's streams grew
+            streams = [torch.cuda.current_stream(self.device).cuda_stream]
+            streams += [self.capture.stream.cuda_stream] if self.capture is not None else []
+            dequant_cublas.release(self.device, streams)
         if self.capture is not None:
             self.capture.close([g for g, *_ in [*self.graphs.values(), *self.prefill_graphs.values()]])
         self.graphs, self.prefill_graphs, self.capture = {}, {}, None

@@ -31,6 +31,7 @@ from opmap.model import presets
 from opmap.model.hf import resolve_model
 from opmap.model.step import QUANTISED_MIXED_ROWS
 from opmap.ops.gemm.quant import INT4_GROUP, int4_group
+from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
 
 
 def _row_dict(phase: str, r) -> dict:
@@ -180,8 +181,6 @@ def _quantised_experts(find, try_) -> list:
     """The MoE backend for the routed experts in each quantised format: at decode, at a prefill step
     (its token count unknown when planned) and at a call of as many tokens as give each expert
     MANY_ROWS_AN_EXPERT rows, with a dequantise-then-16-bit route named as such."""
-    from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
-
     out = []
     (_, dec), (_, pre) = find("decode", "moe")[0], find("prefill", "moe")[0]
     many = -(-MANY_ROWS_AN_EXPERT * pre.num_experts // pre.top_k)

@@ -299,15 +299,20 @@ def graph_backends(res: dict, llm) -> None:
     """A replayed CUDA graph has no operator ranges, so its kernels carry no backend: name the
     backend the runner's op set chose for each such category, marked "(graph)"."""
     r = llm.runner
-    replayed = {"decode": bool(r.graphs), "prefill": bool(r.prefill_graphs)}
-    chosen = phase_backends(llm)
+    # the op sets whose steps were captured: each decode bucket's, and the padded prefill buckets'
+    # (those from many_tokens on run their own set)
+    sets = {"decode": [r.decode_ops[b] for b in r.graphs if b in r.decode_ops], "prefill": []}
+    if r.prefill_graphs:
+        padded_of = getattr(r, "padded_ops_of", None)
+        sets["prefill"] = list({id(o): o for o in (padded_of(tb) if padded_of else r.padded_ops
+                                                 for tb in r.prefill_graphs)}.values())
     for name, p in res["phases"].items():
-        if not replayed.get(name):
-            continue
-        for (op, phase), be in chosen.items():
-            cat = OP_CATEGORY.get(op)
-            if phase == name and cat and p["by_category"].get(cat) and not p["backends"].get(cat):
-                p["backends"].setdefault(cat, set()).add(f"{be} (graph)")
+        named = {cat for cat, names in p["backends"].items() if names}  # by their ranges: left as they are
+        for ops in sets.get(name, []):
+            for _, _, c in ops.choices:
+                cat = OP_CATEGORY.get(c.op)
+                if cat and p["by_category"].get(cat) and cat not in named:
+                    p["backends"].setdefault(cat, set()).add(f"{c.backend.name} (graph)")
 
 
 def _choices(runner):

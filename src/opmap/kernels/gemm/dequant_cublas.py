@@ -86,6 +86,13 @@ def scratch(n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> 
     return buf
 
 
+def release(device: torch.device, streams) -> None:
+    """Drop the scratch buffers of ``streams`` (raw CUDA stream handles) on ``device``: an engine that
+    closes gives back what its steps and graphs grew (another engine's next call regrows its own)."""
+    for key in [k for k in _SCRATCH if k[0] == device and k[2] in set(streams)]:
+        del _SCRATCH[key]
+
+
 def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``wq * scale[:, None]`` rounded once to ``dtype``, [N, K], in the shared scratch buffer (the
     next call on this stream overwrites it)."""

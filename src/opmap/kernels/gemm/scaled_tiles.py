@@ -21,8 +21,10 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # FOLD: where the scale meets the weight. 0: after the MMA (each K tile's fp32 product times its
 # scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
 # codes times the scale rounded once to x's dtype, as a dequantised weight is; the MMA accumulates
-# in place across K tiles). -1: the plan's.
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1}
+# in place across K tiles). Not given: the plan's.
+# GEMV (int4, M = 1): 1 runs the CUDA-core kernel (w4a16._w4a16_gemv_kernel) instead of the MMA one.
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1,
+          "GEMV": 0}
 
 
 def config_of(config) -> dict:
@@ -35,6 +37,7 @@ def config_of(config) -> dict:
     expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
     expect(cfg["SUB"] in (0, 1, 2, 4), "config", f"SUB={cfg['SUB']}", "1, 2 or 4 K tiles a loop iteration")
     expect(cfg["FOLD"] in (-1, 0, 1), "config", f"FOLD={cfg['FOLD']}", "0 (scale after the MMA) or 1 (before)")
+    expect(cfg["GEMV"] in (0, 1), "config", f"GEMV={cfg['GEMV']}", "0 or 1 (int4's CUDA-core kernel at M = 1)")
     return cfg
 
 
@@ -49,6 +52,7 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
       stages (docs/dense.md, Decisions: int4's deep K splits).
     - FOLD (the scale on the weight before the MMA): block fp8 at every M; int4 from 64-row tiles,
       with SUB 2 at M <= 64 (docs/dense.md, Decisions: where the scale meets the weight).
+    int4 at M <= 32 with fewer N tiles than half the SMs takes at least DEEP_SPLIT splits.
     The interpreter runs SUB 1 at one stage."""
     bm = max(16, triton.next_power_of_2(M)) if M <= 64 else 64
     bn = 64 if bm <= 32 else 128
@@ -61,14 +65,14 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     if M <= 64 and tiles < 2 * sms:
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // (4 * bk)))
     int4 = not bn_in_span
-    if int4 and bm <= 32 and 2 * tiles < sms and K // (4 * bk) >= DEEP_SPLIT:
+    if int4 and bm <= 32 and 2 * tiles < sms and split < DEEP_SPLIT <= K // (4 * bk):
         split, deep = DEEP_SPLIT, True
     fold = 1 if not int4 or bm == 64 else 0
     sub = 2 if int4 and bm == 64 and M <= 64 else 1
     if interp:
         sub = 1
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
-            "SUB": sub, "FOLD": fold, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
+            "SUB": sub, "FOLD": fold, "GEMV": 0, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
 
 
 DEEP_SPLIT = 8  # int4's K splits where few N tiles leave SMs idle at decode M (docs/dense.md, Decisions)
@@ -85,12 +89,21 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
     span: ``what`` names it) and K_PER_SPLIT, a whole number of K tiles (rounding it up can leave
     the last splits empty: SPLIT is recounted)."""
     p = plan(M, N, K, span, sm_count(device), bk_top, bn_in_span)
-    if cfg["SUB"] and not cfg["num_stages"] and not INTERP:
-        p["num_stages"] = stages(p["BLOCK_M"], cfg["SUB"])
+    if (cfg["SUB"] or cfg["SPLIT"]) and not cfg["num_stages"] and not INTERP:  # the stages of the tiling asked for
+        p["num_stages"] = stages(p["BLOCK_M"], cfg["SUB"] or p["SUB"])
     for key in ("num_warps", "num_stages", "SPLIT", "SUB") + (() if bn_in_span else ("BLOCK_N",)):
         p[key] = cfg[key] or p[key]
     if cfg["FOLD"] >= 0:
         p["FOLD"] = cfg["FOLD"]
+    p["GEMV"] = cfg["GEMV"]
+    if p["GEMV"] and not INTERP:
+        # its own tile: 128 channels over 8 warps (64 over 4 spilled in the sm90 build), and K splits
+        # for about four programs an SM (each keeps >= 4 K tiles)
+        p["BLOCK_N"] = cfg["BLOCK_N"] or 128
+        p["num_warps"] = cfg["num_warps"] or (8 if p["BLOCK_N"] >= 128 else 4)
+        p["num_stages"] = cfg["num_stages"] or 3
+        tiles = triton.cdiv(N, p["BLOCK_N"])
+        p["SPLIT"] = cfg["SPLIT"] or max(1, min(triton.cdiv(4 * sm_count(device), tiles), K // (4 * p["BLOCK_K"])))
     if cfg["BLOCK_N"] and not cfg["num_warps"]:  # the plan's warps for the tile asked for (see plan)
         p["num_warps"] = 8 if cfg["BLOCK_N"] == 128 else 4
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
@@ -114,6 +127,9 @@ def output(x: torch.Tensor, M: int, N: int, K: int, bias) -> tuple:
 
 
 def text(p: dict) -> str:
+    if p.get("GEMV"):
+        return (f"CUDA-core GEMV, BLOCK_N {p['BLOCK_N']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K "
+                f"split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
     return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']} x {p['SUB']} a step, "
             f"scale {'before' if p['FOLD'] else 'after'} the MMA, "
             f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")

@@ -106,6 +106,54 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
            BLOCK_N, BLOCK_M)
 
 
+@triton.jit
+def _plane(part, v, x_ptrs, j: tl.constexpr):
+    """part + plane j's codes (fp32) times x's elements 8 i + j, elementwise."""
+    xj = tl.load(x_ptrs + j).to(tl.float32)
+    return part + v.to(tl.float32) * xj[None, :]
+
+
+@triton.jit
+def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_wn, stride_sn,
+                       stride_om, K_PER_SPLIT, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """One row of x (M = 1) on CUDA cores, no MMA and no shared memory for the weight: each K tile's
+    codes, taken as eight planes (code j of every word meets x's element 8 i + j), are multiplied by
+    x and summed elementwise in fp32 into a [BLOCK_N, BLOCK_K / 8] partial (the group scale on each
+    tile's sum), reduced along K once at the end. The config GEMV=1 of triton-w4a16."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    n_mask = offs_n < N
+    k0 = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k0 + K_PER_SPLIT, K)
+    rows = offs_n.to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
+    x_ptrs = x_ptr + k0 + 8 * offs_w  # x's elements 8 i of the tile; plane j adds j
+    xdt = x_ptr.dtype.element_ty
+    part = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    for k in range(k0, k_end, BLOCK_K):
+        s, z = _group_of(s_ptr, z_ptr, rows, stride_sn, k, True, n_mask, G, HAS_ZERO, SYM_ZERO, BLOCK_N)
+        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)  # K is a whole number of tiles: no K mask
+        o0, o1, o2, o3, o4, o5, o6, o7 = nibbles.planes(words, z, xdt, ASM)  # in [-15, 15]: exact
+        t = _plane(tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32), o0, x_ptrs, 0)
+        t = _plane(t, o1, x_ptrs, 1)
+        t = _plane(t, o2, x_ptrs, 2)
+        t = _plane(t, o3, x_ptrs, 3)
+        t = _plane(t, o4, x_ptrs, 4)
+        t = _plane(t, o5, x_ptrs, 5)
+        t = _plane(t, o6, x_ptrs, 6)
+        t = _plane(t, o7, x_ptrs, 7)
+        part += t * s[:, None]
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    acc = tl.sum(part, axis=1)[:, None]  # [BLOCK_N, 1]
+    finish(acc, b_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, tl.arange(0, 1), M, N, stride_om, 0, pid_k, HAS_BIAS, SPLIT,
+           BLOCK_N, 1)
+
+
 CONFIG = scaled_tiles.CONFIG  # config= keys (scaled_tiles.config_of); BLOCK_K divides the group
 
 
@@ -129,6 +177,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     expect(G % 16 == 0, "w_scale", f"shape {tuple(w_scale.shape)} (group size {G})",
            "a group size that is a multiple of 16 (the MMA's K)")
     p = _planned(M, N, K, G, x.device, config)
+    if p["GEMV"]:
+        expect(M == 1, "config", f"GEMV=1 with M={M}", "M = 1 (the CUDA-core kernel takes one row of x)")
+        p["BLOCK_M"] = 1
+        ws, cnt = scaled_tiles.workspace(p, M, N, out)
+        _w4a16_gemv_kernel[scaled_tiles.grid(p, M, N)](
+            x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
+            M, N, K, w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], G=G, HAS_ZERO=w_zero is not None,
+            HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO, ASM=not scaled_tiles.INTERP,
+            BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"], num_warps=p["num_warps"], num_stages=p["num_stages"])
+        return out
     ws, cnt = scaled_tiles.workspace(p, M, N, out)
     _w4a16_kernel[scaled_tiles.grid(p, M, N)](
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,

@@ -9,8 +9,9 @@ weight bytes are what the step costs. At prefill an expert meets hundreds of row
 the per-tile scale repeat for each row tile, and the quantised kernel's smaller row tiles lower its
 MMA rate; one pass over the weights (their stored bytes read, the 16-bit ones written once) costs a
 fixed time that the rows share (docs/moe.md, Decisions: the many-token route for quantised experts).
-The model keeps its experts quantised; the price is two layers' worth of 16-bit expert weights of
-scratch, reused by every layer (stream order keeps a layer's GEMMs before the next dequantisation).
+The model keeps its experts quantised; the price is one layer's experts in 16 bits (gate/up and down)
+of scratch per stream, reused by every layer (stream order keeps a layer's GEMMs before the next
+dequantisation); a CUDA graph captured on another stream holds a copy of its own.
 """
 from __future__ import annotations
 

@@ -60,7 +60,15 @@ def _span(spec):
 _QUANT = ("int4", "fp8-block")
 _QUANT_REQS = tuple(r for r in _COMMON_REQS if r.field != "weight_dtype") + (
     Req("weight_dtype", _FLOAT + _QUANT, "experts in x.dtype, int4 (group scales) or block fp8"),)
+def _fp8_experts_arch(spec):
+    # e4m3 needs sm89's conversion instructions: Triton compiles no fp8e4nv on sm80
+    if spec.weight_dtype == "fp8-block" and spec.arch == "sm80":
+        return "block-fp8 experts on sm80 (Triton's e4m3 loads need sm89 or newer)"
+    return None
+
+
 _QUANT_CHECKS = _COMMON_CHECKS + (Check("group / block a multiple of 16", _span, "group_size"),)
+_TRITON_QUANT_CHECKS = _QUANT_CHECKS + (Check("block fp8 needs sm89+", _fp8_experts_arch, "arch"),)
 
 
 def _grouped_mm_cuda_dtype(spec):
@@ -135,7 +143,7 @@ registry.register(Backend(
                          _rows(tuple(CASES), "opmap-triton", "torch-grouped-mm", "torch-loop"))},
     impl={"moe": "opmap.kernels.moe.triton_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
           "warm_up": "opmap.kernels.moe.triton_moe:warm_up"},
-    reqs=_QUANT_REQS, checks=_QUANT_CHECKS,
+    reqs=_QUANT_REQS, checks=_TRITON_QUANT_CHECKS,
     available=registry.triton_available,
     notes="routing and the device-side align by expert padded to the row tile (one launch at decode sizes: "
           "<= 64 tokens, no group-limited routing; two above), grouped GEMM gate/up with fused SiLU*mul, "
@@ -146,8 +154,9 @@ registry.register(Backend(
 # Rows an expert meets (tokens x top_k / experts) from which the quantised experts are dequantised
 # once per call (dequant-triton) rather than converted tile by tile in the grouped GEMM: the pass
 # costs the same whatever the rows, the conversion repeats per row tile (docs/moe.md, Decisions: the
-# many-token route). Counted in rows an expert, not tokens: Mixtral's 8 experts cross over near
-# 1000 tokens, Qwen3-30B-A3B's 128 near 4000. Unknown token counts keep the stored-format kernel.
+# many-token route). Counted in rows an expert, not tokens: the measured crossovers of Mixtral's 8
+# experts and Qwen3-30B-A3B's 128 fall at about the same rows an expert (about 200), so the threshold
+# is 1024 tokens for the one and 4096 for the other. Unknown token counts keep the stored-format kernel.
 MANY_ROWS_AN_EXPERT = 256
 H100_MOE = "h100-80gb-hbm3/moe"
 QUANT_CASE = "model={},T={},E={},k={},H={},I={},hit={},w={},dtype=bf16"
@@ -177,15 +186,15 @@ registry.register(Backend(
               "sm80": Prefer(55, 45, _many_rows_an_expert, f"tokens x top_k >= {MANY_ROWS_AN_EXPERT} x experts",
                              Basis("convention: sm90's rule, not measured on sm80")),
               "sm90": Prefer(55, 45, _many_rows_an_expert, f"tokens x top_k >= {MANY_ROWS_AN_EXPERT} x experts", Basis(
-                  "ahead of the stored-format kernel at 1024 rows an expert (4096 tokens) of both models and both "
-                  "formats, behind it at 128 (Mixtral, 512 tokens) and 32 (Qwen3-30B-A3B, 512 tokens)",
+                  "ahead of the stored-format kernel at 4096 tokens (1024 rows an expert in Mixtral, 256 in "
+                  "Qwen3-30B-A3B) in both formats, behind it at 512 tokens (128 and 32 rows an expert)",
                   _quant_rows(("mixtral-8x7b", 4096, 8, 2, 4096, 14336, 8, "int4-g128"),
                               ("mixtral-8x7b", 512, 8, 2, 4096, 14336, 8, "fp8-block128"),
                               ("qwen3-30b-a3b", 4096, 128, 8, 2048, 768, 128, "fp8-block128"),
                               ("qwen3-30b-a3b", 512, 128, 8, 2048, 768, 128, "int4-g128"))))},
     impl={"moe": "opmap.kernels.moe.dequant_moe:moe", "route": "opmap.kernels.moe.route_triton:route",
           "warm_up": "opmap.kernels.moe.dequant_moe:warm_up"},
-    reqs=_QUANT_REQS, checks=_QUANT_CHECKS + (Check("int4 or block-fp8 experts", _quantised, "weight_dtype"),),
+    reqs=_QUANT_REQS, checks=_TRITON_QUANT_CHECKS + (Check("int4 or block-fp8 experts", _quantised, "weight_dtype"),),
     available=registry.triton_available,
     notes="int4 / block-fp8 experts dequantised by one Triton pass each into reused 16-bit scratch "
           "(gate/up and down), then the triton backend's routing and grouped GEMMs on them",

@@ -104,13 +104,14 @@ def _dequant_cublas(inp):
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
-          "num_stages": "s", "FOLD": "fold"}
+          "num_stages": "s", "FOLD": "fold", "GEMV": "gemv"}
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
 # iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
 # every M, the scale on the weight before the MMA (FOLD)
 SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(FOLD=1, SUB=2),
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
+GEMV_VARIANTS = [dict(GEMV=1), dict(GEMV=1, BLOCK_N=256), dict(GEMV=1, SPLIT=8)]
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
@@ -169,6 +170,9 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
                        describe=describe(M, N, K, config=c))
               for c in (SCALED_VARIANTS if M <= 64 else SCALED_VARIANTS_MANY_ROWS)]
+    if fmt == "int4" and M == 1:  # the CUDA-core kernel (config GEMV)
+        provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
+                           describe=describe(M, N, K, config=c)) for c in GEMV_VARIANTS]
     if fmt == "int4":  # fp32 group scales: 4-byte loads that Triton's pipeline can copy ahead (fp16: not)
         provs += [Provider(f"opmap-{backend}[{_tag(c)},scale=fp32]", _ours(backend, True, c, torch.float32),
                            backend=("gemm", backend), describe=describe(M, N, K, config=c))
