@@ -185,10 +185,11 @@ def test_bad_input_names_the_argument(name, bad, arg):
 
 def test_declarations_and_selection():
     names = {b.name for b in registry.backends("moe")}
-    assert {"reference", "torch-loop", "torch-grouped-mm", "triton"} <= names
+    assert {"reference", "torch-loop", "torch-grouped-mm", "triton", "dequant-triton"} <= names
     for b in registry.backends("moe"):
         # warm_up: where a backend tunes kernels per token count (the engine runs it at start-up)
-        assert set(b.impl) == ({"moe", "route", "warm_up"} if b.name == "triton" else {"moe", "route"})
+        ours = b.name in ("triton", "dequant-triton")
+        assert set(b.impl) == ({"moe", "route", "warm_up"} if ours else {"moe", "route"})
     cpu = select("moe", MoESpec(arch="cpu", dtype="fp32", weight_dtype="fp32"), runtime=False)
     assert cpu.name == "reference"
     gm = registry.get("moe", "torch-grouped-mm")
