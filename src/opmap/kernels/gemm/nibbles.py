@@ -67,26 +67,3 @@ def unpack(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
         shifts = 4 * tl.arange(0, 8)
         return (((words[:, :, None] >> shifts[None, None, :]) & 0xF) - zero[:, :, None]).to(DT)
 
-
-@triton.jit
-def planes(words, zero, DT: tl.constexpr, ASM: tl.constexpr):
-    """``words`` int32 [A, B] and ``zero`` -> eight [A, B] tensors in DT, plane j holding code j of
-    each word minus the zero: ``unpack``'s conversion without the interleave, for a kernel that
-    meets each plane with x's elements 8 i + j (w4a16.py's GEMV)."""
-    zero = tl.broadcast_to(zero, words.shape)
-    if ASM and DT == tl.bfloat16:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            ASM_BF16, _OUT, [words, zero], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    elif ASM and DT == tl.float16:
-        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
-            ASM_F16, _OUT, [words, zero], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-    else:
-        o0 = ((words & 0xF) - zero).to(DT)
-        o1 = (((words >> 4) & 0xF) - zero).to(DT)
-        o2 = (((words >> 8) & 0xF) - zero).to(DT)
-        o3 = (((words >> 12) & 0xF) - zero).to(DT)
-        o4 = (((words >> 16) & 0xF) - zero).to(DT)
-        o5 = (((words >> 20) & 0xF) - zero).to(DT)
-        o6 = (((words >> 24) & 0xF) - zero).to(DT)
-        o7 = (((words >> 28) & 0xF) - zero).to(DT)
-    return o0, o1, o2, o3, o4, o5, o6, o7

@@ -106,11 +106,41 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
            BLOCK_N, BLOCK_M)
 
 
+# lop3.b32 d, word, mask, 2^23's bits, (a & b) | c: code at of a word into fp32's mantissa in one
+# instruction (ptxas split the same expression written in Triton into two)
+_LOP0, _LOP1, _LOP2, _LOP3, _LOP4 = (tl.constexpr(f"lop3.b32 $0, $1, {0xF << (4 * a)}, 1258291200, 0xea;")
+                                     for a in range(5))
+
+
 @triton.jit
-def _plane(part, v, x_ptrs, j: tl.constexpr):
-    """part + plane j's codes (fp32) times x's elements 8 i + j, elementwise."""
-    xj = tl.load(x_ptrs + j).to(tl.float32)
-    return part + v.to(tl.float32) * xj[None, :]
+def _in_mantissa(word, at: tl.constexpr, ASM: tl.constexpr):
+    """The bits of (word & 0xF << 4 at) | 2^23's as fp32: 2^23 + code * 16^at."""
+    if ASM:
+        if at == 0:
+            b = tl.inline_asm_elementwise(_LOP0, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+        elif at == 1:
+            b = tl.inline_asm_elementwise(_LOP1, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+        elif at == 2:
+            b = tl.inline_asm_elementwise(_LOP2, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+        elif at == 3:
+            b = tl.inline_asm_elementwise(_LOP3, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            b = tl.inline_asm_elementwise(_LOP4, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b = (word & (0xF << (4 * at))) | 0x4B000000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _plane(t, word, zf, x_ptrs, j: tl.constexpr, at: tl.constexpr, ASM: tl.constexpr):
+    """t + plane j's codes minus the zero, times x's elements 8 i + j, in fp32. The code sits at bits
+    4 at .. 4 at + 3 of ``word`` (at <= 4: inside fp32's 23-bit mantissa): OR'd into the mantissa of
+    2^23 (one LOP3 with the mask) it makes 2^23 + code * 16^at exactly, one subtract of 2^23 + zero * 16^at leaves (code - zero) * 16^at,
+    and x's elements scaled by 16^-at (exact) undo the power: three instructions a code."""
+    p: tl.constexpr = float(16 ** at)
+    v = _in_mantissa(word, at, ASM) - (8388608.0 + zf * p)
+    xj = tl.load(x_ptrs + j).to(tl.float32) * (1.0 / p)
+    return t + v * xj[None, :]
 
 
 @triton.jit
@@ -119,9 +149,10 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr
                        SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     """One row of x (M = 1) on CUDA cores, no MMA and no shared memory for the weight: each K tile's
-    codes, taken as eight planes (code j of every word meets x's element 8 i + j), are multiplied by
-    x and summed elementwise in fp32 into a [BLOCK_N, BLOCK_K / 8] partial (the group scale on each
-    tile's sum), reduced along K once at the end. The config GEMV=1 of triton-w4a16."""
+    codes, taken as eight planes (code j of every word meets x's element 8 i + j), are turned into
+    fp32 in place (``_plane``), multiplied by x and summed elementwise in fp32 into a
+    [BLOCK_N, BLOCK_K / 8] partial (the group scale on each tile's sum), reduced along K once at the
+    end. The config GEMV=1 of triton-w4a16."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(2)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,20 +163,22 @@ def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr
     rows = offs_n.to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
     x_ptrs = x_ptr + k0 + 8 * offs_w  # x's elements 8 i of the tile; plane j adds j
-    xdt = x_ptr.dtype.element_ty
     part = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         s, z = _group_of(s_ptr, z_ptr, rows, stride_sn, k, True, n_mask, G, HAS_ZERO, SYM_ZERO, BLOCK_N)
-        words = tl.load(w_ptrs, mask=n_mask[:, None], other=0)  # K is a whole number of tiles: no K mask
-        o0, o1, o2, o3, o4, o5, o6, o7 = nibbles.planes(words, z, xdt, ASM)  # in [-15, 15]: exact
-        t = _plane(tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32), o0, x_ptrs, 0)
-        t = _plane(t, o1, x_ptrs, 1)
-        t = _plane(t, o2, x_ptrs, 2)
-        t = _plane(t, o3, x_ptrs, 3)
-        t = _plane(t, o4, x_ptrs, 4)
-        t = _plane(t, o5, x_ptrs, 5)
-        t = _plane(t, o6, x_ptrs, 6)
-        t = _plane(t, o7, x_ptrs, 7)
+        zf = z.to(tl.float32)  # [BLOCK_N, 1]
+        w = tl.load(w_ptrs, mask=n_mask[:, None], other=0)  # K is a whole number of tiles: no K mask
+        # fp32's mantissa holds bits 0..22: codes 0..4 in place, codes 5..7 moved down to positions
+        # 2..4 (bits 8..19; what the shift brings in above is masked off)
+        hi = w >> 12
+        t = _plane(tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32), w, zf, x_ptrs, 0, 0, ASM)
+        t = _plane(t, w, zf, x_ptrs, 1, 1, ASM)
+        t = _plane(t, w, zf, x_ptrs, 2, 2, ASM)
+        t = _plane(t, w, zf, x_ptrs, 3, 3, ASM)
+        t = _plane(t, w, zf, x_ptrs, 4, 4, ASM)
+        t = _plane(t, hi, zf, x_ptrs, 5, 2, ASM)
+        t = _plane(t, hi, zf, x_ptrs, 6, 3, ASM)
+        t = _plane(t, hi, zf, x_ptrs, 7, 4, ASM)
         part += t * s[:, None]
         w_ptrs += BLOCK_K // 8
         x_ptrs += BLOCK_K

@@ -111,7 +111,7 @@ _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "
 SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(FOLD=1, SUB=2),
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
-GEMV_VARIANTS = [dict(GEMV=1), dict(GEMV=1, BLOCK_N=256), dict(GEMV=1, SPLIT=8)]
+GEMV_VARIANTS = [dict(GEMV=1), dict(GEMV=1, BLOCK_N=64), dict(GEMV=1, SPLIT=8)]
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
