@@ -26,7 +26,7 @@ SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "Compu
             "MemoryWorkloadAnalysis")
 SHOW = [("gpu__time_duration.sum", "us", 1e-3), ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "SM %", 1),
         ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "mem %", 1),
-        ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "DRAM %", 1),
+        ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "DRAM %", 1),
         ("launch__registers_per_thread", "regs", 1), ("launch__shared_mem_per_block", "smem/blk", 1),
         ("sm__warps_active.avg.pct_of_peak_sustained_active", "occupancy %", 1),
         ("launch__grid_size", "grid", 1), ("launch__block_size", "block", 1)]
