@@ -226,3 +226,41 @@ def test_steps_neither_synchronise_nor_compile(name, engine_kw, lengths):
         assert n <= 2 * llm.stats.steps[phase], (phase, site, n, dict(llm.stats.steps))
     llm.close()
     free_gpu()
+
+
+def test_quantised_experts_take_the_many_token_route_in_long_steps():
+    """int4 routed experts (Qwen3-30B-A3B's widths, 16 experts so that many_tokens is 512): prefill
+    steps from many_tokens run dequant-triton, eagerly and replayed from their padded graphs, with
+    the same tokens both ways; shorter steps keep triton; closing the engine gives the dequantisation
+    scratch of its streams back."""
+    from opmap.engine.llm import LLM
+    from opmap.engine.params import SamplingParams
+    from opmap.kernels.gemm import dequant_cublas
+    from opmap.model.step import many_tokens_of
+
+    cfg = dataclasses.replace(PRESETS["qwen3-30b-a3b"], layers=2, num_experts=16)
+    many = many_tokens_of(cfg)
+    assert many == 512
+    prompts = random_prompts(cfg.vocab, (700, 40, 600))
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs = []
+    for eager in (True, False):
+        llm = LLM(cfg, quantize="int4", max_num_seqs=4, max_num_batched_tokens=1024, max_model_len=2048,
+                  enforce_eager=eager, num_pages=256, seed=1)
+        r = llm.runner
+        assert r.many_tokens == many and set(r.many_token_ops) >= {"prefill", "mixed"}
+        names = {k: next(c.backend.name for _, _, c in ops.choices if c.op == "moe") for k, ops in r.many_token_ops.items()}
+        assert set(names.values()) == {"dequant-triton"}, names
+        assert next(c.backend.name for _, _, c in r.ops["prefill"].choices if c.op == "moe") == "triton"
+        if not eager:
+            assert any(tb >= many for tb in r.prefill_graphs), r.prefill_graphs
+        outs = llm.generate(prompts, sp)
+        assert all(o.error is None and len(o.token_ids) == 8 for o in outs), [o.error for o in outs]
+        runs.append([o.token_ids for o in outs])
+        dev = r.device
+        assert any(k[0] == dev for k in dequant_cublas._SCRATCH)
+        llm.close()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        assert not any(k[0] == dev and k[2] == stream for k in dequant_cublas._SCRATCH)
+    assert runs[0] == runs[1]
+    free_gpu()
