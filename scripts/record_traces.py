@@ -4,7 +4,7 @@ layers; with and without with_stack=True, which adds the nn.Module frames, and w
 record_shapes), HF Mixtral-, Qwen3-MoE- and DeepSeek-V2-Lite-shaped models (MoE; MLA), batch 4 with
 sampled decoding, an HF Llama forward under torch.compile and generate with a static cache (its
 decode forward compiled with mode="reduce-overhead"), a FlashInfer decode loop, opmap's own engine (dense and
-MLA), and,
+MLA), an HF Gemma-2 generate on the CPU (a host-only trace), and,
 where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
 is a test fixture of ``opmap profile --trace``.
 
@@ -119,6 +119,26 @@ def hf_generate(model, path: str, prompt: int = 128, new: int = 6, stack: bool =
     torch.cuda.empty_cache()
 
 
+def hf_gemma2_cpu(path: str) -> None:
+    """HF Gemma-2 (2 small layers) ``generate`` on the CPU, greedy, 6 new tokens, with the module
+    frames: a host-only trace, whose steps end where the host reads the stop check's value (no
+    device-to-host copies)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=256)
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            model.generate(ids, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    prof.export_chrome_trace(path[:-3])
+    _save(path[:-3], path)
+
+
 def hf_compile(path: str) -> None:
     model = _llama("sdpa")
     fwd = torch.compile(model.forward)
@@ -205,6 +225,7 @@ RECORDERS = {
     "hf-mixtral-sdpa-b4-sampled": lambda p: hf_generate(_mixtral(), p, batch=4, sample=True),
     "hf-deepseekv2-eager-stack": lambda p: hf_generate(_deepseek_v2("eager"), p, stack=True),
     "hf-deepseekv2-sdpa": lambda p: hf_generate(_deepseek_v2("sdpa"), p),
+    "hf-gemma2-cpu": hf_gemma2_cpu,
     "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
     "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),
 }

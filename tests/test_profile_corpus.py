@@ -24,7 +24,7 @@ OURS = {"flashinfer-decode": (True, False, False), "hf-llama-compile": (True, Fa
         "opmap-llama": (True, False, False), "hf-llama-flex": (True, False, False),
         "hf-llama-compile-static": (True, False, False), "hf-llama-sdpa-b4-sampled": (True, False, False),
         "hf-mixtral-sdpa-b4-sampled": (True, True, False), "hf-deepseekv2-eager-stack": (True, True, False),
-        "hf-deepseekv2-sdpa": (True, True, False)}
+        "hf-deepseekv2-sdpa": (True, True, False), "hf-gemma2-cpu": (True, False, False)}
 # HF generate runs: one prefill step (the prompt) and the decode steps after it
 HF_GENERATE = sorted(n for n in OURS if n.startswith("hf-") and n != "hf-llama-compile")
 THEIRS = {"traceMap__1_h100_1000isl_10osl_32con.pt.trace": (True, False, True),
@@ -130,7 +130,9 @@ def test_hf_generate_has_one_prefill_then_decode(name):
     """The prompt's step is prefill and the five after it decode, on every HF generate recording:
     FlexAttention and the MoE decode paths included, whose prefill costs about what a decode step
     does (the LM head runs on the last token only), so the step's busy time cannot tell it; the
-    grids of its per-layer kernels can (blocks over the prompt's rows)."""
+    grids of its per-layer kernels can (blocks over the prompt's rows). The CPU recording (host
+    operators only, no device-to-host copy) ends its steps where the host reads the stop check's
+    value (attribute.readback)."""
     res = _res(DATA / f"{name}.json.gz")
     assert {ph: p["steps"] for ph, p in res["phases"].items()} == {"prefill": 1, "decode": 5}
 
@@ -197,3 +199,17 @@ def test_compiled_generate_without_graphs_is_said():
     dec = res["phases"]["decode"]
     assert dec["graph_ms"] == 0 and "Inductor" in dec["libraries"]["norm"]
     assert any(d.startswith("decode: the GPU is idle") and "CUDA graphs not captured" in d for d in res["diagnosis"])
+
+
+def test_host_reads_end_steps_only_on_host_only_traces():
+    """A host operator that reads a tensor's value (item(), bool(tensor)) is a readback only where
+    the trace's "kernels" are host operators: GPU traces hold such operators too, but their steps
+    are split at the device-to-host copies among their kernels, which these names never match."""
+    from types import SimpleNamespace as K
+
+    from opmap.harness.profile import attribute
+    assert all(attribute.readback(K(name=n)) for n in ("aten::is_nonzero", "aten::item", "aten::_local_scalar_dense",
+                                                       "Memcpy DtoH (Device -> Pinned)"))
+    assert not any(attribute.readback(K(name=n)) for n in ("aten::argmax", "aten::copy_", "Memcpy HtoD (Pinned -> Device)"))
+    gpu = trace.load(str(DATA / "hf-llama-sdpa.json.gz"))
+    assert gpu.kind != "chrome-cpu" and not any(k.name in attribute._HOST_READS for k in gpu.kernels)

@@ -158,8 +158,15 @@ def _segments(kernels: list, attrs: list) -> None:
                     _set(attrs, i, "attention")
 
 
+# the top-level host operators that read a tensor's value into Python: item(), bool(tensor)
+_HOST_READS = frozenset(("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero"))
+
+
 def readback(k) -> bool:
-    return "DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name
+    """A copy of a result to the host; on a host-only trace (its "kernels" are host operators) the
+    host reading a tensor's value, item() or a stop check, where a GPU run would copy it back."""
+    return ("DtoH" in k.name or "Device -> Pageable" in k.name or "Device -> Pinned" in k.name
+            or k.name in _HOST_READS)
 
 
 def chooses(k) -> bool:
