@@ -257,7 +257,7 @@ def test_quantised_experts_take_the_many_token_route_in_long_steps():
         outs = llm.generate(prompts, sp)
         assert all(o.error is None and len(o.token_ids) == 8 for o in outs), [o.error for o in outs]
         runs.append([o.token_ids for o in outs])
-        dev = r.device
+        dev = torch.device("cuda", torch.cuda.current_device())  # the scratch keys' device (indexed)
         assert any(k[0] == dev for k in dequant_cublas._SCRATCH)
         llm.close()
         stream = torch.cuda.current_stream(dev).cuda_stream

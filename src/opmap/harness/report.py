@@ -31,7 +31,7 @@ from opmap.model import presets
 from opmap.model.hf import resolve_model
 from opmap.model.step import QUANTISED_MIXED_ROWS
 from opmap.ops.gemm.quant import INT4_GROUP, int4_group
-from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
+from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT, QUANT_EXPERTS, many_tokens
 
 
 def _row_dict(phase: str, r) -> dict:
@@ -174,7 +174,6 @@ def questions(cfg: presets.ModelConfig, arch: str, maps: dict) -> list[dict]:
 
 
 QUANT_FORMATS = ("fp8", "int8", "int4")  # the weight-only formats the report asks the selector about
-EXPERT_FORMATS = ("int4", "fp8-block")  # the formats routed experts are served in as stored
 
 
 def _quantised_experts(find, try_) -> list:
@@ -183,8 +182,8 @@ def _quantised_experts(find, try_) -> list:
     MANY_ROWS_AN_EXPERT rows, with a dequantise-then-16-bit route named as such."""
     out = []
     (_, dec), (_, pre) = find("decode", "moe")[0], find("prefill", "moe")[0]
-    many = -(-MANY_ROWS_AN_EXPERT * pre.num_experts // pre.top_k)
-    for wd in EXPERT_FORMATS:
+    many = many_tokens(pre.num_experts, pre.top_k)
+    for wd in QUANT_EXPERTS:
         group = int4_group(pre.hidden, INT4_GROUP) if wd == "int4" else 128
         for what, spec in (("decode", dec), ("a prefill step", pre), (f"a call of {many} tokens", pre.replace(tokens=many))):
             ch, err = try_("moe", spec.replace(weight_dtype=wd, group_size=group))

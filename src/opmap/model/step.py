@@ -28,7 +28,7 @@ from opmap.core.select import BackendError, Choice, select
 from opmap.model.presets import ModelConfig
 from opmap.ops.gemm.backends import MANY_ROWS
 from opmap.ops.gemm.quant import int4_group
-from opmap.ops.moe.backends import MANY_ROWS_AN_EXPERT
+from opmap.ops.moe.backends import many_tokens
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ def many_tokens_of(cfg: ModelConfig) -> Optional[int]:
     them once per call); None for a dense model."""
     if not cfg.is_moe:
         return None
-    return -(-MANY_ROWS_AN_EXPERT * cfg.num_experts // cfg.top_k)
+    return many_tokens(cfg.num_experts, cfg.top_k)
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,

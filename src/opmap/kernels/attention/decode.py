@@ -20,7 +20,7 @@ from opmap.kernels import pdl
 from opmap.kernels.attention import splitkv
 from opmap.kernels.attention.common import check_attention, kernel_config, prepare_scales, sm_count
 from opmap.kernels.attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_factor, scaled_f16
-from opmap.kernels.attention.merge import softmax_step, split_sum
+from opmap.kernels.attention.merge import softmax_step
 from opmap.kernels.attention.splitkv import DecodeWorkspace, make_workspace  # noqa: F401  (re-exported)
 from opmap.kernels.attention.tiles import _kv_scales, _pages, _plan, _tanh
 from opmap.kernels.gemm.splitk import counters
@@ -119,14 +119,9 @@ def _merge_last(cnt_ptr, b, kvh, n, row, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s
     tl.debug_barrier()  # every thread's partial is written before the counter moves
     cnt = cnt_ptr + b * tl.num_programs(1) + kvh
     if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n - 1:
-        dv = tl.arange(0, DV)
         for g in tl.static_range(GROUP):
-            h = kvh * GROUP + g
-            acc, m, tot = split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
-                                    dv < DV, S_P, BLOCK_S, True, True)
-            tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
-            if RETURN_LSE:
-                tl.store(lse_ptr + row * (GROUP * tl.num_programs(1)) + h, (m + tl.log2(tot)) * 0.6931471805599453)
+            splitkv.merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, kvh * GROUP + g, row, n, GROUP * tl.num_programs(1),
+                               s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh, DV, RETURN_LSE, S_P, BLOCK_S, True)
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
@@ -194,7 +189,7 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
     p = splitkv.plan(workspace, out, B, hq, dv, hk, page, block_tables, q.device)
     merge = bool(cfg["MERGE"]) and p.splits > 1
     cnt = counters(B * hk, q.device) if merge else seq_lens  # never touched without MERGE
-    s_p = triton.next_power_of_2(p.po.shape[2])  # as splitkv.combine tiles the partials
+    s_p, block_s = splitkv.merge_tiles(p, dv)  # as splitkv.combine tiles the partials
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
@@ -207,8 +202,8 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], MERGE=int(merge), S_P=s_p if merge else 1,
-        BLOCK_S=max(1, min(s_p, 4096 // triton.next_power_of_2(dv))) if merge else 1, **dots,
+        PREFETCH=cfg["PREFETCH"], MERGE=int(merge), S_P=s_p if merge else 1, BLOCK_S=block_s if merge else 1,
+        **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
     if not merge:
         splitkv.combine(p, out, lse, seq_lens, cu, window=window, block_n=cfg["BLOCK_N"], return_lse=return_lse,

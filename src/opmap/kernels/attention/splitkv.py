@@ -151,13 +151,31 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
     enter(PDL)
     if skip:
         return
+    merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, h, row, n, tl.num_programs(1), s_ob, s_oh, s_pob, s_poh, s_pos,
+               s_plb, s_plh, DV, RETURN_LSE, S_P, BLOCK_S, False)
+
+
+@triton.jit
+def merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, h, row, n, hq, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
+               DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr,
+               CG: tl.constexpr):
+    """Head h of sequence b: its n split partials merged by LSE (merge.split_sum) into output row
+    ``row`` (and the LSE, natural log, of ``hq`` heads a row); CG: the partials read from L2, where
+    other programs of the same kernel wrote them (the decode kernel's in-kernel merge)."""
     dv = tl.arange(0, DV)
     # Every split holds >= 1 key: tot >= 1.
     acc, m, tot = split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
-                            dv < DV, S_P, BLOCK_S, True)
+                            dv < DV, S_P, BLOCK_S, True, CG)
     tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
-        tl.store(lse_ptr + row * tl.num_programs(1) + h, (m + tl.log2(tot)) * 0.6931471805599453)
+        tl.store(lse_ptr + row * hq + h, (m + tl.log2(tot)) * 0.6931471805599453)
+
+
+def merge_tiles(p: Plan, dv: int) -> tuple:
+    """(S_P, BLOCK_S) of merging a plan's partials: sized by the partial buffers' most splits (the
+    workspace's), not this batch's, so that one binary serves every batch size."""
+    s_p = triton.next_power_of_2(p.po.shape[2])
+    return s_p, max(1, min(s_p, 4096 // triton.next_power_of_2(dv)))
 
 
 def combine(p: Plan, out, lse, seq_lens, cu, *, window, block_n: int, return_lse: bool, q_from_cu: bool):
@@ -166,12 +184,9 @@ def combine(p: Plan, out, lse, seq_lens, cu, *, window, block_n: int, return_lse
     if p.splits <= 1:
         return
     B, hq, dv = seq_lens.shape[0], out.shape[1], out.shape[2]
-    # sized by the partial buffers' most splits (the workspace's), not this batch's: one binary
-    # for every batch size
-    s_p = triton.next_power_of_2(p.po.shape[2])
+    s_p, block_s = merge_tiles(p, dv)
     _combine_kernel[(B, hq)](out, lse, p.po, p.pl, seq_lens, cu, int(window or 0), p.split_tokens, p.splits,
                              p.min_chunk, out.stride(0), out.stride(1), p.po.stride(0), p.po.stride(1),
                              p.po.stride(2), p.pl.stride(0), p.pl.stride(1), DV=dv, BLOCK_N=block_n,
                              HAS_WINDOW=window is not None, RETURN_LSE=return_lse, Q_FROM_CU=q_from_cu, S_P=s_p,
-                             BLOCK_S=max(1, min(s_p, 4096 // triton.next_power_of_2(dv))), num_warps=4,
-                             **pdl.launch(out.device))
+                             BLOCK_S=block_s, num_warps=4, **pdl.launch(out.device))

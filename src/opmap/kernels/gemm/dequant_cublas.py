@@ -88,7 +88,10 @@ def scratch(n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> 
 
 def release(device: torch.device, streams) -> None:
     """Drop the scratch buffers of ``streams`` (raw CUDA stream handles) on ``device``: an engine that
-    closes gives back what its steps and graphs grew (another engine's next call regrows its own)."""
+    closes gives back what its steps and graphs grew (another engine's next call regrows its own).
+    The keys hold the tensors' devices, which carry an index: "cuda" means the current one."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     for key in [k for k in _SCRATCH if k[0] == device and k[2] in set(streams)]:
         del _SCRATCH[key]
 

@@ -91,7 +91,9 @@ CONFIG = scaled_tiles.CONFIG  # config= keys (scaled_tiles.config_of); BLOCK_N a
 
 
 def _planned(M, N, K, b, device, config) -> dict:
-    return scaled_tiles.planned(M, N, K, b, device, scaled_tiles.config_of(config), 128, True, "the block edge")
+    cfg = scaled_tiles.config_of(config)
+    expect(not cfg["GEMV"], "config", "GEMV=1", "no GEMV key: block fp8 has no CUDA-core kernel (int4's)")
+    return scaled_tiles.planned(M, N, K, b, device, cfg, 128, True, "the block edge")
 
 
 def describe(M: int, N: int, K: int, device, b: int, config=None) -> str:

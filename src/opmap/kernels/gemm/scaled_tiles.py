@@ -22,7 +22,8 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
 # codes times the scale rounded once to x's dtype, as a dequantised weight is; the MMA accumulates
 # in place across K tiles). Not given: the plan's.
-# GEMV (int4, M = 1): 1 runs the CUDA-core kernel (w4a16._w4a16_gemv_kernel) instead of the MMA one.
+# GEMV (int4, M = 1): 1 runs the CUDA-core kernel (w4a16._w4a16_gemv_kernel) instead of the MMA one;
+# its tile is w4a16's (block fp8 has no such kernel and refuses the key).
 CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1,
           "GEMV": 0}
 
@@ -71,7 +72,7 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     sub = 2 if int4 and bm == 64 and M <= 64 else 1
     if interp:
         sub = 1
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": 8 if bn == 128 else 4,
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps_for(bn),
             "SUB": sub, "FOLD": fold, "GEMV": 0, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
 
 
@@ -96,20 +97,24 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
     if cfg["FOLD"] >= 0:
         p["FOLD"] = cfg["FOLD"]
     p["GEMV"] = cfg["GEMV"]
-    if p["GEMV"] and not INTERP:
-        # its own tile: 128 channels over 8 warps (64 over 4 spilled in the sm90 build), and K splits
-        # for about four programs an SM (each keeps >= 4 K tiles)
-        p["BLOCK_N"] = cfg["BLOCK_N"] or 128
-        p["num_warps"] = cfg["num_warps"] or (8 if p["BLOCK_N"] >= 128 else 4)
-        p["num_stages"] = cfg["num_stages"] or 3
-        tiles = triton.cdiv(N, p["BLOCK_N"])
-        p["SPLIT"] = cfg["SPLIT"] or max(1, min(triton.cdiv(4 * sm_count(device), tiles), K // (4 * p["BLOCK_K"])))
     if cfg["BLOCK_N"] and not cfg["num_warps"]:  # the plan's warps for the tile asked for (see plan)
-        p["num_warps"] = 8 if cfg["BLOCK_N"] == 128 else 4
+        p["num_warps"] = warps_for(cfg["BLOCK_N"])
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
         if cfg[key]:
             expect(span % cfg[key] == 0, "config", f"{key}={cfg[key]}", f"a divisor of {what} {span}")
             p[key] = cfg[key]
+    return split_k(p, K)
+
+
+def warps_for(bn: int) -> int:
+    """Warps of a tile of ``bn`` channels: 8 from 128 (with 4 the 128 x 64 accumulator and the
+    converted weight spill), else 4."""
+    return 8 if bn >= 128 else 4
+
+
+def split_k(p: dict, K: int) -> dict:
+    """K_PER_SPLIT of the plan's SPLIT, a whole number of K tiles; rounding it up can leave the last
+    splits empty, so SPLIT is recounted."""
     per = triton.cdiv(triton.cdiv(K, p["BLOCK_K"]), p["SPLIT"]) * p["BLOCK_K"]
     p["K_PER_SPLIT"], p["SPLIT"] = per, triton.cdiv(K, per)
     return p

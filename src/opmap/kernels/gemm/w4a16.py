@@ -25,7 +25,7 @@ import triton.language as tl
 
 from opmap.core.contract import expect
 from opmap.kernels.gemm import nibbles, scaled_tiles
-from opmap.kernels.gemm.splitk import finish
+from opmap.kernels.gemm.splitk import finish, sm_count
 from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
 
@@ -191,7 +191,21 @@ CONFIG = scaled_tiles.CONFIG  # config= keys (scaled_tiles.config_of); BLOCK_K d
 
 
 def _planned(M, N, K, G, device, config) -> dict:
-    return scaled_tiles.planned(M, N, K, G, device, scaled_tiles.config_of(config), 256, False, "the group size")
+    cfg = scaled_tiles.config_of(config)
+    p = scaled_tiles.planned(M, N, K, G, device, cfg, 256, False, "the group size")
+    if not p["GEMV"]:
+        return p
+    expect(M == 1, "config", f"GEMV=1 with M={M}", "M = 1 (the CUDA-core kernel takes one row of x)")
+    p["BLOCK_M"] = 1
+    if not scaled_tiles.INTERP:
+        # its own tile: 128 channels over 8 warps (64 over 4 spilled in the sm90 build), and K splits
+        # for about four programs an SM (each keeps >= 4 K tiles)
+        p["BLOCK_N"] = cfg["BLOCK_N"] or 128
+        p["num_warps"] = cfg["num_warps"] or scaled_tiles.warps_for(p["BLOCK_N"])
+        p["num_stages"] = cfg["num_stages"] or 3
+        tiles = triton.cdiv(N, p["BLOCK_N"])
+        p["SPLIT"] = cfg["SPLIT"] or max(1, min(triton.cdiv(4 * sm_count(device), tiles), K // (4 * p["BLOCK_K"])))
+    return scaled_tiles.split_k(p, K)
 
 
 def describe(M: int, N: int, K: int, device, G: int, config=None) -> str:
@@ -211,8 +225,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
            "a group size that is a multiple of 16 (the MMA's K)")
     p = _planned(M, N, K, G, x.device, config)
     if p["GEMV"]:
-        expect(M == 1, "config", f"GEMV=1 with M={M}", "M = 1 (the CUDA-core kernel takes one row of x)")
-        p["BLOCK_M"] = 1
         ws, cnt = scaled_tiles.workspace(p, M, N, out)
         _w4a16_gemv_kernel[scaled_tiles.grid(p, M, N)](
             x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,

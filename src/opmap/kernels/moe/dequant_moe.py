@@ -23,7 +23,6 @@ from opmap.kernels.gemm.dequant_cublas import block_into, int4_into, scratch
 from opmap.kernels.moe import triton_moe
 from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import INT4_PACKED
-from opmap.ops.moe.routing import check_moe_args
 
 
 def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], dtype: torch.dtype,
@@ -51,8 +50,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
         w13_zero=None, w2_zero=None) -> torch.Tensor:
     """``moe``'s contract (docs/OPS_API.md); experts in x's dtype go straight to triton_moe."""
-    check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias,
-                   w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+    triton_moe.check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant)
     if w13_scale is not None:
         w13 = dequantize_experts(w13, w13_scale, w13_zero, x.dtype, 0)
         w2 = dequantize_experts(w2, w2_scale, w2_zero, x.dtype, 1)

@@ -77,11 +77,8 @@ def _signature(x, router_logits, w13, w2, top_k, router, n_group, topk_group, sc
     return key
 
 
-def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
-        router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
-        routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
-        w13_zero=None, w2_zero=None) -> torch.Tensor:
-    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+def check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant: dict) -> None:
+    """check_moe_args, skipped for an argument signature that passed it before."""
     sig = _signature(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant)
     if sig is None or sig not in _CHECKED:
         check_moe_args(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, **quant)
@@ -89,6 +86,14 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
             if len(_CHECKED) > 4096:  # bounded: shapes vary with the token count
                 _CHECKED.clear()
             _CHECKED.add(sig)
+
+
+def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
+        router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
+        routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
+        w13_zero=None, w2_zero=None) -> torch.Tensor:
+    quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
+    check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant)
     # check_moe_args already checked the routing arguments: launch without checking them again.
     T = x.shape[0]
     if fusable(T, n_group, w13.shape[0]):

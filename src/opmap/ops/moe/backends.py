@@ -52,14 +52,14 @@ _COMMON_REQS = (
 
 def _span(spec):
     g = spec.group_size
-    if spec.weight_dtype in _QUANT and (not g or g % 16 or (spec.weight_dtype == "fp8-block" and g & (g - 1))):
+    if spec.weight_dtype in QUANT_EXPERTS and (not g or g % 16 or (spec.weight_dtype == "fp8-block" and g & (g - 1))):
         return f"group_size={g} (a multiple of 16; for block fp8 a power of two: a K tile inside one span)"
     return None
 
 
-_QUANT = ("int4", "fp8-block")
+QUANT_EXPERTS = ("int4", "fp8-block")  # the formats routed experts are served in as stored
 _QUANT_REQS = tuple(r for r in _COMMON_REQS if r.field != "weight_dtype") + (
-    Req("weight_dtype", _FLOAT + _QUANT, "experts in x.dtype, int4 (group scales) or block fp8"),)
+    Req("weight_dtype", _FLOAT + QUANT_EXPERTS, "experts in x.dtype, int4 (group scales) or block fp8"),)
 def _fp8_experts_arch(spec):
     # e4m3 needs sm89's conversion instructions: Triton compiles no fp8e4nv on sm80
     if spec.weight_dtype == "fp8-block" and spec.arch == "sm80":
@@ -162,8 +162,13 @@ H100_MOE = "h100-80gb-hbm3/moe"
 QUANT_CASE = "model={},T={},E={},k={},H={},I={},hit={},w={},dtype=bf16"
 
 
+def many_tokens(num_experts: int, top_k: int) -> int:
+    """The fewest tokens a call needs for each expert to meet MANY_ROWS_AN_EXPERT rows on average."""
+    return -(-MANY_ROWS_AN_EXPERT * num_experts // top_k)
+
+
 def _many_rows_an_expert(spec):
-    return spec.tokens is not None and spec.tokens * spec.top_k >= MANY_ROWS_AN_EXPERT * spec.num_experts
+    return spec.tokens is not None and spec.tokens >= many_tokens(spec.num_experts, spec.top_k)
 
 
 def _quant_rows(*cases) -> tuple:
@@ -172,7 +177,7 @@ def _quant_rows(*cases) -> tuple:
 
 
 def _quantised(spec):
-    if spec.weight_dtype not in _QUANT:
+    if spec.weight_dtype not in QUANT_EXPERTS:
         return f"weight_dtype={spec.weight_dtype} (this route dequantises int4 / block-fp8 experts; " \
                "16-bit ones go to triton)"
     return None
