@@ -53,7 +53,9 @@ def _many_rows(spec):
 _SAME_ACT = Check("act_dtype == dtype", _act_is_dtype, "act_dtype")
 
 
-def _fp8_cast_arch(spec):
+def fp8_cast_arch(spec):
+    """fp8 weights (per channel or per block) refused on sm80, whose fp8 casts are not native: the
+    dequantising routes' check, the MoE's too."""
     if spec.weight_dtype in ("fp8", "fp8-block") and spec.arch == "sm80":
         return "fp8 weights on sm80 (the dequantisation casts fp8 natively: sm89+)"
     return None
@@ -213,7 +215,7 @@ registry.register(Backend(
     reqs=[Req("dtype", ("bf16", "fp16", "fp32")),
           Req("weight_dtype", ("fp8", "int8", "int4", "fp8-block"), "weight-only fp8-e4m3 / int8 / int4 / block fp8"),
           Req("m", lambda m: m is None or m >= MANY_ROWS, "M >= 128 (prefill: one dequantisation serves many rows)")],
-    checks=[_SAME_ACT, Check("fp8 needs sm89+", _fp8_cast_arch, "arch")],
+    checks=[_SAME_ACT, Check("fp8 needs sm89+", fp8_cast_arch, "arch")],
     available=registry.triton_available,
     notes="weight-only fp8/int8/int4 for many rows: one Triton pass dequantises the weight into a reused "
           "bf16 scratch buffer, then cuBLAS",

@@ -15,6 +15,7 @@ from typing import Optional
 
 from opmap.core import registry
 from opmap.core.registry import Backend, Basis, Check, Evidence, Prefer, Req
+from opmap.ops.gemm.backends import fp8_cast_arch
 
 _ROUTE = "opmap.ops.moe.routing:route"
 _FLOAT = ("fp32", "fp16", "bf16")
@@ -60,15 +61,8 @@ def _span(spec):
 QUANT_EXPERTS = ("int4", "fp8-block")  # the formats routed experts are served in as stored
 _QUANT_REQS = tuple(r for r in _COMMON_REQS if r.field != "weight_dtype") + (
     Req("weight_dtype", _FLOAT + QUANT_EXPERTS, "experts in x.dtype, int4 (group scales) or block fp8"),)
-def _fp8_experts_arch(spec):
-    # e4m3 needs sm89's conversion instructions: Triton compiles no fp8e4nv on sm80
-    if spec.weight_dtype == "fp8-block" and spec.arch == "sm80":
-        return "block-fp8 experts on sm80 (Triton's e4m3 loads need sm89 or newer)"
-    return None
-
-
 _QUANT_CHECKS = _COMMON_CHECKS + (Check("group / block a multiple of 16", _span, "group_size"),)
-_TRITON_QUANT_CHECKS = _QUANT_CHECKS + (Check("block fp8 needs sm89+", _fp8_experts_arch, "arch"),)
+_TRITON_QUANT_CHECKS = _QUANT_CHECKS + (Check("block fp8 needs sm89+", fp8_cast_arch, "arch"),)
 
 
 def _grouped_mm_cuda_dtype(spec):
