@@ -108,24 +108,14 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, 
 
 # lop3.b32 d, word, mask, 2^23's bits, (a & b) | c: code at of a word into fp32's mantissa in one
 # instruction (ptxas split the same expression written in Triton into two)
-_LOP0, _LOP1, _LOP2, _LOP3, _LOP4 = (tl.constexpr(f"lop3.b32 $0, $1, {0xF << (4 * a)}, 1258291200, 0xea;")
-                                     for a in range(5))
+_LOP = tl.constexpr(tuple(f"lop3.b32 $0, $1, {0xF << (4 * a)}, 1258291200, 0xea;" for a in range(5)))
 
 
 @triton.jit
 def _in_mantissa(word, at: tl.constexpr, ASM: tl.constexpr):
     """The bits of (word & 0xF << 4 at) | 2^23's as fp32: 2^23 + code * 16^at."""
     if ASM:
-        if at == 0:
-            b = tl.inline_asm_elementwise(_LOP0, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
-        elif at == 1:
-            b = tl.inline_asm_elementwise(_LOP1, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
-        elif at == 2:
-            b = tl.inline_asm_elementwise(_LOP2, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
-        elif at == 3:
-            b = tl.inline_asm_elementwise(_LOP3, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            b = tl.inline_asm_elementwise(_LOP4, "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
+        b = tl.inline_asm_elementwise(_LOP[at], "=r,r", [word], dtype=tl.int32, is_pure=True, pack=1)
     else:
         b = (word & (0xF << (4 * at))) | 0x4B000000
     return b.to(tl.float32, bitcast=True)
