@@ -12,6 +12,8 @@ ahead of it (docs/dense.md, Decisions, the many-rows row), the dequantisation's 
 being spread over the rows."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -86,6 +88,12 @@ def scratch(n: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> 
     return buf
 
 
+def scratch_view(shape: tuple, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
+    """The first elements of ``scratch`` as a contiguous tensor of ``shape``."""
+    n = math.prod(shape)
+    return scratch(n, dtype, device, slot)[:n].view(shape)
+
+
 def release(device: torch.device, streams) -> None:
     """Drop the scratch buffers of ``streams`` (raw CUDA stream handles) on ``device``: an engine that
     closes gives back what its steps and graphs grew (another engine's next call regrows its own).
@@ -100,7 +108,7 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     """``wq * scale[:, None]`` rounded once to ``dtype``, [N, K], in the shared scratch buffer (the
     next call on this stream overwrites it)."""
     N, K = wq.shape
-    out = scratch(N * K, dtype, wq.device)[:N * K].view(N, K)
+    out = scratch_view((N, K), dtype, wq.device)
     if N and K:
         _dequant_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K))](
             wq, scale, out, N, K, wq.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
@@ -136,13 +144,13 @@ def dequantize_int4(w: torch.Tensor, scale: torch.Tensor, zero, dtype: torch.dty
     """int4 ``w`` [N, K / 8] with its group scales and zero codes as [N, K] ``dtype`` in the shared
     scratch buffer (the next call on this stream overwrites it)."""
     N, K = w.shape[0], w.shape[1] * 8
-    return int4_into(w, scale, zero, scratch(N * K, dtype, w.device)[:N * K].view(N, K))
+    return int4_into(w, scale, zero, scratch_view((N, K), dtype, w.device))
 
 
 def dequantize_block(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Block-wise fp8 ``w`` [N, K] times its scale per block as [N, K] ``dtype`` in the shared scratch."""
     N, K = w.shape
-    return block_into(w, scale, scratch(N * K, dtype, w.device)[:N * K].view(N, K))
+    return block_into(w, scale, scratch_view((N, K), dtype, w.device))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from opmap.kernels.gemm.dequant_cublas import block_into, int4_into, scratch
+from opmap.kernels.gemm.dequant_cublas import block_into, int4_into, scratch_view
 from opmap.kernels.moe import triton_moe
 from opmap.ops.gemm.quant import block_of
 from opmap.ops.gemm.validate import INT4_PACKED
@@ -31,7 +31,7 @@ def dequantize_experts(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torc
     ``slot`` (overwritten by the next call of that slot on this stream)."""
     E, N = w.shape[:2]
     K = w.shape[2] * 8 if w.dtype == INT4_PACKED else w.shape[2]
-    out = scratch(E * N * K, dtype, w.device, slot)[:E * N * K].view(E, N, K)
+    out = scratch_view((E, N, K), dtype, w.device, slot)
     if w.dtype == INT4_PACKED:
         # One scale (and zero) row per weight row: the experts' rows stack into one matrix.
         int4_into(w.reshape(E * N, -1), scale.reshape(E * N, -1), None if zero is None else zero.reshape(E * N, -1),
