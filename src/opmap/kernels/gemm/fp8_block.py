@@ -28,7 +28,6 @@ from opmap.ops.gemm.validate import check_linear
 def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: tl.constexpr, FOLD: tl.constexpr):
     """acc + the K tile at input channel k (w_ptrs, x_ptrs) times its block scale ``s`` (tiles at
     or past k_end: none); FOLD: the scale on the weight before the MMA (scaled_tiles.CONFIG)."""
-    xdt = x_ptrs.dtype.element_ty
     live = k < k_end
     if EVEN_K:
         w = tl.load(w_ptrs, mask=n_mask[:, None] & live, other=0.0)
@@ -37,11 +36,7 @@ def _tile(acc, w_ptrs, x_ptrs, s, k, k_end, K, offs_k, n_mask, m_mask, EVEN_K: t
         k_mask = ((k + offs_k) < K) & live
         w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-    prec: tl.constexpr = "ieee" if xdt == tl.float32 else "tf32"
-    if FOLD:
-        return tl.dot((w.to(tl.float32) * s).to(xdt), xt, acc, input_precision=prec)
-    part = tl.dot(w.to(xdt), xt, input_precision=prec)
-    return acc + part * s
+    return scaled_tiles.scaled_dot(acc, w, xt, s, FOLD)
 
 
 @triton.jit(do_not_specialize=["M"])

@@ -8,6 +8,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
@@ -26,6 +27,17 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # its tile is w4a16's (block fp8 has no such kernel and refuses the key).
 CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1,
           "GEMV": 0}
+
+
+@triton.jit
+def scaled_dot(acc, w, xt, s, FOLD: tl.constexpr):
+    """acc + (w times its scale ``s``, broadcast over w) @ xt: with FOLD the scale on the weight,
+    rounded once to x's dtype, and the MMA accumulating in place; else on the tile's fp32 product."""
+    xdt = xt.dtype
+    prec: tl.constexpr = "ieee" if xdt == tl.float32 else "tf32"
+    if FOLD:
+        return tl.dot((w.to(tl.float32) * s).to(xdt), xt, acc, input_precision=prec)
+    return acc + tl.dot(w.to(xdt), xt, input_precision=prec) * s
 
 
 def config_of(config) -> dict:

@@ -49,14 +49,10 @@ def _tile(acc, w_ptrs, x_ptrs, s, z, live, n_mask, m_mask, ASM: tl.constexpr, FO
     """acc + the K tile at (w_ptrs, x_ptrs) times its group scales ``s`` (``live``: inside the split);
     FOLD: the scales on the weight before the MMA (scaled_tiles.CONFIG), else on the tile's product."""
     xdt = x_ptrs.dtype.element_ty
-    prec: tl.constexpr = "ieee" if xdt == tl.float32 else "tf32"
     words = tl.load(w_ptrs, mask=n_mask[:, None] & live, other=0)
     xt = tl.load(x_ptrs, mask=m_mask[None, :] & live, other=0.0)
     wv = tl.reshape(nibbles.unpack(words, z, xdt, ASM), [BLOCK_N, BLOCK_K])  # in [-15, 15]: exact
-    if FOLD:
-        return tl.dot((wv.to(tl.float32) * s[:, None]).to(xdt), xt, acc, input_precision=prec)
-    part = tl.dot(wv, xt, input_precision=prec)
-    return acc + part * s[:, None]
+    return scaled_tiles.scaled_dot(acc, wv, xt, s[:, None], FOLD)
 
 
 @triton.jit(do_not_specialize=["M"])
