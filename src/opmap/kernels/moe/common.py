@@ -1,6 +1,7 @@
-"""What the MoE routing kernels share (align.py, route_align.py, route_triton.py, grouped_gemm.py): the
-@triton.jit steps of the align by expert (each expert's segment of the sorted pairs, its padding and
-its blocks' expert ids) and the host arithmetic of their launches (plain-int powers of two, the
+"""What the MoE routing kernels share (align.py, route_align.py, route_triton.py, grouped_gemm.py,
+one_token.py): the routing of a tile of tokens (route_rows), the @triton.jit steps of the align by
+expert (each expert's segment of the sorted pairs, its padding and its blocks' expert ids) and the
+host arithmetic of their launches (plain-int powers of two, the
 padded capacity, one int32 allocation for the align's outputs)."""
 from __future__ import annotations
 
@@ -9,6 +10,45 @@ from functools import lru_cache
 import torch
 import triton
 import triton.language as tl
+
+NEG = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def route_rows(logits_ptr, bias_ptr, t, row_ok, E, stride_l, routed_scaling, TOP_K: tl.constexpr,
+               K_POW2: tl.constexpr, E_POW2: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
+               RENORM: tl.constexpr):
+    """route_triton's math for the token rows ``t`` ([rows, 1], ``row_ok`` where a row is a token),
+    along the tile's axis 1: softmax or sigmoid, bias for the choice, top-k by repeated arg-max with
+    the lowest index first among equal scores, weights from the unbiased scores, renormalisation,
+    routed scaling. -> (weights [rows, K_POW2] fp32, ids [rows, K_POW2] int32, the slot index
+    [1, K_POW2]); slots from TOP_K hold zeros."""
+    idx = tl.arange(0, E_POW2)[None, :]
+    ok = idx < E
+    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + idx, mask=row_ok & ok, other=NEG).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        m = tl.max(x, axis=1)
+        m = tl.where(m == NEG, 0.0, m)  # padding rows (t >= T): all -inf, keep them NaN-free
+        p = tl.exp(x - m[:, None])
+        scores = p / tl.maximum(tl.sum(p, axis=1), 1e-38)[:, None]
+    scores = tl.where(ok, scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, NEG)
+    kidx = tl.arange(0, K_POW2)[None, :]
+    ws = tl.zeros([t.shape[0], K_POW2], dtype=tl.float32)
+    ids = tl.zeros([t.shape[0], K_POW2], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        i = tl.minimum(tl.argmax(choice, axis=1), E - 1)[:, None]  # in [0, E) even for NaN logits
+        ws = tl.where(kidx == j, tl.sum(tl.where(idx == i, scores, 0.0), axis=1)[:, None], ws)
+        ids = tl.where(kidx == j, i.to(tl.int32), ids)
+        choice = tl.where(idx == i, NEG, choice)
+    if RENORM:
+        ws = ws / (tl.sum(ws, axis=1)[:, None] + 1e-20)
+    return ws * routed_scaling, ids, kidx
 
 
 @triton.jit

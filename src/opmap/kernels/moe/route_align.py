@@ -18,15 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.kernels.moe.common import align_plan, next_pow2, outputs, pad_segment, segment
+from opmap.kernels.moe.common import align_plan, next_pow2, outputs, pad_segment, route_rows, segment
 
 MAX_TOKENS = 64
 # The [T, E] routing tile each program holds, padded to powers of two, at most this many scores:
 # compiled for sm90 on the CPU, 2048 (T 16 x E 128, T 32 x E 64) at 8 warps takes 175-182
 # registers without stack; 4096 took 255 registers, and spilled at T 64 x E 64 (104 bytes).
 MAX_TILE = 2048
-NEG = tl.constexpr(float("-inf"))
-
 
 def _tile(T: int, E: int) -> tuple:
     t, e = max(2, next_pow2(T)), max(16, next_pow2(E))
@@ -45,33 +43,9 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
     e = tl.program_id(0)
     # ---- routing of every token (route_triton's math, one row per token) ----
     t = tl.arange(0, T_POW2)[:, None]
-    idx = tl.arange(0, E_POW2)[None, :]
     row_ok = t < T
-    ok = idx < E
-    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + idx, mask=row_ok & ok, other=NEG).to(tl.float32)
-    if SIGMOID:
-        scores = 1.0 / (1.0 + tl.exp(-x))
-    else:
-        m = tl.max(x, axis=1)
-        m = tl.where(m == NEG, 0.0, m)  # padding rows (t >= T): all -inf, keep them NaN-free
-        p = tl.exp(x - m[:, None])
-        scores = p / tl.maximum(tl.sum(p, axis=1), 1e-38)[:, None]
-    scores = tl.where(ok, scores, 0.0)
-    choice = scores
-    if HAS_BIAS:
-        choice = choice + tl.load(bias_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-    choice = tl.where(ok, choice, NEG)
-    kidx = tl.arange(0, K_POW2)[None, :]
-    ws = tl.zeros([T_POW2, K_POW2], dtype=tl.float32)
-    ids = tl.zeros([T_POW2, K_POW2], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        i = tl.minimum(tl.argmax(choice, axis=1), E - 1)[:, None]  # in [0, E) even for NaN logits
-        ws = tl.where(kidx == j, tl.sum(tl.where(idx == i, scores, 0.0), axis=1)[:, None], ws)
-        ids = tl.where(kidx == j, i.to(tl.int32), ids)
-        choice = tl.where(idx == i, NEG, choice)
-    if RENORM:
-        ws = ws / (tl.sum(ws, axis=1)[:, None] + 1e-20)
-    ws = ws * routed_scaling
+    ws, ids, kidx = route_rows(logits_ptr, bias_ptr, t, row_ok, E, stride_l, routed_scaling, TOP_K, K_POW2, E_POW2,
+                               SIGMOID, HAS_BIAS, RENORM)
     pair_ok = row_ok & (kidx < TOP_K)
     pair = t * TOP_K + kidx  # pair index p = t * k + j, as align.py numbers them
     if e == 0:
