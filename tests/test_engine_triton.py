@@ -47,9 +47,11 @@ def test_triton_path_matches_hf(name, single_thread):
     chosen = {c.op: c.backend.name for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
               for _, _, c in ops.choices}
     assert chosen["attention"] in ("triton", "mla-triton") and chosen["rmsnorm"] == "triton"
-    # GQA models run RoPE and the KV append as one launch (kv_append entry rope_append); MLA not.
-    fused = [ops.rope_append is not None for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]]
-    assert all(fused) if not cfg.is_mla else not any(fused)
+    # GQA models run RoPE and the KV append as one launch (kv_append entry rope_append); MLA models
+    # the latent norm, RoPE and the latent append (entry norm_rope_append_mla).
+    sets = [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]
+    assert all((ops.rope_append is not None) != cfg.is_mla for ops in sets)
+    assert all((ops.norm_rope_append is not None) == cfg.is_mla and ops.rope is None for ops in sets)
     # Qwen3's q/k norms ride in the same launch when the norm is Triton too.
     assert all(ops.qk_norm_in_rope_append == cfg.qk_norm for ops in llm.runner.decode_ops.values()) or cfg.is_mla
     # 40 > budget 32: a chunked prefill; 3 decoding rows pad to bucket 4 (a row of slot -1, length 0)
@@ -59,10 +61,13 @@ def test_triton_path_matches_hf(name, single_thread):
         assert o.error is None and o.token_ids == hf_greedy(hf, p, 5)
 
 
-def test_rope_append_fusion_can_be_turned_off(single_thread):
-    """EngineConfig.fuse_rope_append False: RoPE and the KV append as two launches of the same
-    Triton backends; the same tokens."""
-    cfg = dataclasses.replace(PRESETS["tiny-llama3"], head_dim=32)
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-deepseek"])
+def test_rope_append_fusion_can_be_turned_off(name, single_thread):
+    """EngineConfig.fuse_rope_append False: RoPE and the KV append (MLA: and the latent norm) as
+    separate launches of the same Triton backends; the same tokens."""
+    cfg = PRESETS[name]
+    cfg = cfg if cfg.is_mla else dataclasses.replace(cfg, head_dim=32)
+    fused_label = "kv_a norm + RoPE + latent KV append (one launch)" if cfg.is_mla else "RoPE + KV append (one launch)"
     hf = make_hf_model(cfg, seed=5)
     prompts = random_prompts(cfg.vocab, (9, 20), seed=2)
     toks = {}
@@ -70,9 +75,10 @@ def test_rope_append_fusion_can_be_turned_off(single_thread):
         llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=2,
                   backends=forced(cfg), fuse_rope_append=fuse)
         for ops in llm.runner.decode_ops.values():
-            assert (ops.rope_append is not None) == fuse and (ops.rope is None) == fuse
+            one = ops.norm_rope_append if cfg.is_mla else ops.rope_append
+            assert (one is not None) == fuse and (ops.rope is None) == fuse
             labels = [label for label, _, _ in ops.choices]
-            assert ("RoPE + KV append (one launch)" in labels) == fuse and ("RoPE" in labels) == (not fuse)
+            assert (fused_label in labels) == fuse and ("RoPE" in labels) == (not fuse)
         toks[fuse] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))]
         llm.close()
     assert toks[True] == toks[False] == [hf_greedy(hf, p, 4) for p in prompts]

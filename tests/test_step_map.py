@@ -176,6 +176,26 @@ def test_qwen3_qk_norm_rides_in_the_fused_launch_or_runs_on_its_own():
     assert [r.label for r in maps["decode"]][2:4] == ["q/k norm", "RoPE + KV append (one launch)"]
 
 
+def test_mla_latent_norm_rope_and_append_in_one_launch_where_one_provider_serves_them():
+    for name, arch in (("deepseek-v2-lite", "sm90"), ("deepseek-v3", "sm90"), ("tiny-deepseek", "cpu")):
+        cfg = PRESETS[name]
+        for ph, rows in planned_maps(cfg, arch).items():
+            row = next(r for r in rows if r.key == "norm_rope_append")
+            # on the CPU the three chose the references, whose entry composes the reference ops
+            assert row.entry == "norm_rope_append_mla"
+            assert row.backend.name == ("mla-triton" if arch == "sm90" else "mla-reference")
+            assert [f.key for f in row.folded] == ["latent_norm", "rope", "kv_append"]
+            assert not {"latent_norm", "rope", "kv_append"} & {r.key for r in rows}
+            keys = [r.key for r in rows]
+            assert keys.index("kv_a") < keys.index("norm_rope_append") < keys.index("attention")
+        apart = [r.key for r in planned_maps(cfg, arch, EngineConfig(fuse_rope_append=False))["decode"]]
+        assert apart[apart.index("kv_a") + 1:apart.index("attention")] == ["latent_norm", "rope", "kv_append"]
+    # the norm on another provider (the reference) keeps the three launches apart; GQA models never fuse it
+    maps = planned_maps(PRESETS["deepseek-v2-lite"], "sm90", EngineConfig(backends={"rmsnorm": "reference"}))
+    assert "norm_rope_append" not in [r.key for r in maps["decode"]]
+    assert all("norm_rope_append" not in [r.key for r in rows] for rows in planned_maps(PRESETS["llama3-8b"], "sm90").values())
+
+
 def test_moe_rows_router_and_shared_experts():
     for name, cfg in PRESETS.items():
         if not cfg.is_moe:

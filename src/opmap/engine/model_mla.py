@@ -83,10 +83,14 @@ class MLAModel(DecoderModel):
             q = ops.gemm["q"](h, P[f"{i}.q"]).view(T, H, Dn + Dr)
         q_nope, q_pe = q[..., :Dn], q[..., Dn:]
         kva = ops.gemm["kv_a"](h, P[f"{i}.kv_a"])
-        ckv = ops.latent_norm(kva[:, :R], P[f"{i}.kv_a_norm"], 1e-6)  # HF: the layer's default eps
-        k_pe = kva[:, R:].view(T, 1, Dr)
-        ops.rope(q_pe, k_pe, st.positions, self.cos_sin, c.rope_style)
-        ops.kv_append(ckv, k_pe.view(T, Dr), cache, st.slot_mapping)
+        if ops.norm_rope_append is not None:  # the three below in one launch (model.step)
+            ops.norm_rope_append(q_pe, kva, P[f"{i}.kv_a_norm"], 1e-6, st.positions, self.cos_sin, c.rope_style,
+                                 cache, st.slot_mapping)
+        else:
+            ckv = ops.latent_norm(kva[:, :R], P[f"{i}.kv_a_norm"], 1e-6)  # HF: the layer's default eps
+            k_pe = kva[:, R:].view(T, 1, Dr)
+            ops.rope(q_pe, k_pe, st.positions, self.cos_sin, c.rope_style)
+            ops.kv_append(ckv, k_pe.view(T, Dr), cache, st.slot_mapping)
         if st.is_decode:
             q_abs = torch.bmm(q_nope.transpose(0, 1), P[f"{i}.w_kc"]).transpose(0, 1).contiguous()
             kw = {"workspace": st.workspace} if st.workspace is not None else {}

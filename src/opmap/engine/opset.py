@@ -28,7 +28,7 @@ log = logging.getLogger("opmap.engine")
 
 # The callables a model may use besides ops.gemm; a slot the step map of a model lacks stays None.
 CALLABLES = ("rmsnorm", "add_rmsnorm", "q_a_norm", "latent_norm", "qk_norm", "rope", "kv_append", "rope_append",
-             "attention", "moe", "shared_act", "act")
+             "norm_rope_append", "attention", "moe", "shared_act", "act")
 PLANNED_PHASES = ("prefill", "decode", "mixed")
 
 

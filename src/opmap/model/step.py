@@ -7,7 +7,7 @@ pass, each (key, label, op, spec, entry): the key is where the engine's op set k
 ``step_map`` is both, as the report lists a step. ``resolve`` puts each slot to the selector and
 makes the decisions that depend on its answers: RoPE and the KV append in one launch where both
 chose one backend that has a ``rope_append`` entry, Qwen3's q/k norm inside it where the norm chose
-that backend too. The engine's op sets (``opmap.engine.opset``), ``opmap report``, ``opmap check
+that backend too; MLA's latent norm, RoPE and latent append as one launch likewise. The engine's op sets (``opmap.engine.opset``), ``opmap report``, ``opmap check
 --model`` and ``opmap bench --model`` all read these, so the rows the report prints are the calls
 the engine makes.
 
@@ -226,7 +226,26 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
             if strict:
                 raise
             rows.append(Resolved(s, None, None, str(e)))
-    return _fuse_rope_append(rows) if fuse_rope_append else rows
+    return _fuse_mla_norm_rope_append(_fuse_rope_append(rows)) if fuse_rope_append else rows
+
+
+def _fuse_mla_norm_rope_append(rows: list[Resolved]) -> list[Resolved]:
+    """MLA: the latent norm, RoPE and the latent append as one launch where the append's backend has
+    the ``norm_rope_append_mla`` entry and the norm and the rope chose backends of its provider
+    (whose row helpers that entry uses: the same values as the three launches)."""
+    by = {r.key: r for r in rows}
+    norm, rope, app = by.get("latent_norm"), by.get("rope"), by.get("kv_append")
+    if any(r is None or r.choice is None for r in (norm, rope, app)) or app.entry != "append_mla":
+        return rows
+    b = app.choice.backend
+    if "norm_rope_append_mla" not in b.impl or {norm.backend.provider, rope.backend.provider} != {b.provider}:
+        return rows
+    folded = (norm, rope, app)
+    fused = Resolved(Slot("norm_rope_append", "kv_a norm + RoPE + latent KV append (one launch)", "kv_append",
+                          app.spec, "norm_rope_append_mla"), app.choice, b, folded=folded)
+    at = next(i for i, r in enumerate(rows) if r is norm)
+    gone = {id(r) for r in folded}
+    return [r for r in rows[:at] if id(r) not in gone] + [fused] + [r for r in rows[at:] if id(r) not in gone]
 
 
 def _fuse_rope_append(rows: list[Resolved]) -> list[Resolved]:

@@ -1,5 +1,8 @@
 """Latent KV append in Triton: ``append_mla(ckv[T, R], kpe[T, Dr], cache[P, page, R + Dr],
-slot_mapping[T], kv_scale=None)`` (contract in reference.py).
+slot_mapping[T], kv_scale=None)`` (contract in reference.py), and ``norm_rope_append_mla``: the
+latent RMSNorm, the RoPE of q_pe and kpe, and that append in one launch (an MLA layer ran them as
+three launches, plus nothing between them: each costs its launch latency at decode). It uses the
+norm's and the rope's own row helpers, so its values are theirs.
 
 One program per token writes its [ckv, kpe] row at ``slot_mapping[t]``; slot -1 (CUDA-graph
 padding) and, when values were not checkable (graph capture), any slot past the cache are
@@ -12,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from opmap.ops.mla.validate import check_append, scale_alias
+from opmap.kernels.norm.triton_norm import norm_rows
+from opmap.kernels.rope.triton_rope import pair_index, rotate_heads, rotate_pairs
+from opmap.ops.mla.validate import check_append, check_norm_rope_append, scale_alias
 
 
 @triton.jit
@@ -54,3 +59,68 @@ def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> N
         cache.shape[0] * cache.shape[1], ckv.stride(0), kpe.stride(0), cache.stride(1),
         BLOCK_R=triton.next_power_of_2(R), BLOCK_DR=triton.next_power_of_2(kpe.shape[1]), FP8=fp8,
         SCALE_FROM_PTR=from_ptr, num_warps=4)
+
+
+@triton.jit
+def _fp8_of(x, FP8: tl.constexpr, ks):
+    if FP8:
+        return tl.clamp(tl.math.div_rn(x.to(tl.float32), ks), -448.0, 448.0)
+    return x
+
+
+@triton.jit
+def _norm_rope_append_kernel(Q, KVA, W, POS, CS, CACHE, SLOTS, SCALE_PTR, kv_scale, eps, HQ, R, HALF, NSLOTS, s_qt,
+                             s_qh, s_kva, s_row, IS_NEOX: tl.constexpr, BLOCK_QH: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
+                             SCALE_FROM_PTR: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(POS + t).to(tl.int64)
+    dh = tl.arange(0, BLOCK_HALF)
+    cs_row = CS + pos * (2 * HALF)
+    c = tl.load(cs_row + dh, mask=dh < HALF, other=0.0)[None, :]
+    s = tl.load(cs_row + HALF + dh, mask=dh < HALF, other=0.0)[None, :]
+    for h0 in range(0, HQ, BLOCK_QH):  # q_pe of every head, in place (rope's helper: its bits)
+        rotate_heads(Q + t * s_qt, s_qh, h0, HQ, c, s, HALF, IS_NEOX, BLOCK_QH, BLOCK_HALF)
+    # kpe in place and, from the same registers, into the cache row (as rope_append does for k)
+    i1, i2 = pair_index(dh[None, :], HALF, IS_NEOX)
+    okr = dh[None, :] < HALF
+    row = KVA + t * s_kva
+    y1, y2 = rotate_pairs(row + R, i1, i2, okr, c, s)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if (slot >= 0) & (slot < NSLOTS):
+        if FP8:
+            if SCALE_FROM_PTR:
+                ks = tl.load(SCALE_PTR)
+            else:
+                ks = kv_scale
+        else:
+            ks = 1.0
+        dt = KVA.dtype.element_ty
+        offs = tl.arange(0, BLOCK_R)[None, :]
+        v = tl.load(row + offs, mask=offs < R, other=0.0).to(tl.float32)
+        w = tl.load(W + offs, mask=offs < R, other=0.0).to(tl.float32)
+        ckv = norm_rows(v, w, R, eps, dt).to(dt)  # the norm's rounding, then the cache's
+        dst = CACHE + slot * s_row
+        ct = CACHE.dtype.element_ty
+        tl.store(dst + offs, _fp8_of(ckv, FP8, ks).to(ct), mask=offs < R)
+        tl.store(dst + R + i1, _fp8_of(y1, FP8, ks).to(ct), mask=okr)
+        tl.store(dst + R + i2, _fp8_of(y2, FP8, ks).to(ct), mask=okr)
+
+
+def norm_rope_append_mla(q_pe, kva, norm_weight, eps, positions, cos_sin, style, cache, slot_mapping,
+                         kv_scale=None) -> None:
+    """reference.norm_rope_append_mla in one launch, one program a token."""
+    T, R, Dr = check_norm_rope_append(q_pe, kva, norm_weight, eps, positions, cos_sin, style, cache, slot_mapping,
+                                      kv_scale)
+    if T == 0:
+        return
+    HQ, half = q_pe.shape[1], Dr // 2
+    block_half = triton.next_power_of_2(half)
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    from_ptr = fp8 and isinstance(kv_scale, torch.Tensor)
+    _norm_rope_append_kernel[(T,)](
+        q_pe, kva, norm_weight, positions, cos_sin, cache, slot_mapping, kv_scale if from_ptr else slot_mapping,
+        float(kv_scale) if fp8 and not from_ptr else 1.0, float(eps), HQ, R, half, cache.shape[0] * cache.shape[1],
+        q_pe.stride(0), q_pe.stride(1), kva.stride(0), cache.stride(1), IS_NEOX=style == "neox",
+        BLOCK_QH=max(1, min(triton.next_power_of_2(HQ), 2048 // block_half)), BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_HALF=block_half, FP8=fp8, SCALE_FROM_PTR=from_ptr, num_warps=4)

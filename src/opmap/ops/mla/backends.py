@@ -250,7 +250,7 @@ _APPEND_KIND = Req("kind", ("mla",), "kind = mla")
 registry.register(Backend(
     op="kv_append", name="mla-reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
-    impl=_impl("ops.mla.reference", ("append_mla",)),
+    impl=_impl("ops.mla.reference", ("append_mla", "norm_rope_append_mla")),
     reqs=(_APPEND_KIND, ONE_KV, Req("cuda_graph", (False,), "eager only (boolean indexing)")),
     notes="index_put of [ckv, kpe] rows; fp8 stores value / scale clamped to +-448",
 ))
@@ -258,9 +258,10 @@ registry.register(Backend(
 registry.register(Backend(
     op="kv_append", name="mla-triton", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm90": 50},
-    impl=_impl("kernels.mla.append", ("append_mla",)),
+    impl=_impl("kernels.mla.append", ("append_mla", "norm_rope_append_mla")),
     reqs=(_APPEND_KIND, ONE_KV,
           Req("kv_dtype", ("fp32", "fp16", "bf16", "fp8"), "KV bf16 / fp16 / fp32 / fp8-e4m3 + scale")),
     available=registry.triton_available,
-    notes="one program per token; slot -1 = skip (CUDA-graph padding)",
+    notes="one program per token; slot -1 = skip (CUDA-graph padding); norm_rope_append_mla: the latent "
+          "RMSNorm, the RoPE of q_pe and kpe and the append in one launch",
 ))

@@ -39,8 +39,10 @@ from typing import Optional, Union
 
 import torch
 
-from opmap.ops.mla.validate import (check_append, check_decode, check_prefill, check_sparse_indices,
-                       scale_alias, scale_value)
+from opmap.ops.norm.reference import rmsnorm_rows
+from opmap.ops.rope.reference import rope
+from opmap.ops.mla.validate import (check_append, check_decode, check_norm_rope_append, check_prefill,
+                                    check_sparse_indices, scale_alias, scale_value)
 
 FP8_MAX = 448.0
 
@@ -77,6 +79,18 @@ def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> N
     rows = torch.cat([ckv, kpe], dim=-1)[keep]
     flat = cache.view(-1, cache.shape[-1])
     flat[slots] = quantize(rows, cache.dtype, kv_scale)
+
+
+def norm_rope_append_mla(q_pe, kva, norm_weight, eps, positions, cos_sin, style, cache, slot_mapping,
+                         kv_scale=None) -> None:
+    """The latent step of an MLA layer before attention, as one entry: ckv = RMSNorm of kva's first R
+    columns (HF numerics), q_pe and kva's last Dr columns (kpe) rotated in place, then the row
+    [ckv, kpe] appended at ``slot_mapping`` (append_mla). R = the cache's width - Dr."""
+    _, R, _ = check_norm_rope_append(q_pe, kva, norm_weight, eps, positions, cos_sin, style, cache, slot_mapping,
+                                     kv_scale)
+    ckv = rmsnorm_rows(kva[:, :R], norm_weight, eps)
+    rope(q_pe, kva[:, None, R:], positions, cos_sin, style)
+    append_mla(ckv, kva[:, R:], cache, slot_mapping, kv_scale)
 
 
 def gather_tokens(cache, block_tables, b: int, positions: torch.Tensor) -> torch.Tensor:

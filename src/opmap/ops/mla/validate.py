@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from opmap.ops.norm.validate import check_norm  # the families' own checks, so errors read alike
+from opmap.ops.rope.validate import check_rope
 from opmap.core.contract import (InputError, expect, expect_same_device, expect_tensor, value_check_passed,
                          value_check_seen, values_wanted)
 
@@ -65,6 +67,24 @@ def check_append(ckv, kpe, cache, slot_mapping, kv_scale) -> None:
         expect(lo >= -1 and hi < n, "slot_mapping", f"values in [{lo}, {hi}]",
                f"-1 (skip) or a slot in [0, {n}) = pages x page size")
         value_check_passed("mla-slots", slot_mapping, n)
+
+
+def check_norm_rope_append(q_pe, kva, norm_weight, eps, positions, cos_sin, style, cache, slot_mapping,
+                           kv_scale) -> tuple:
+    """``norm_rope_append_mla``'s arguments: those of rmsnorm (the latent half of kva), rope (q_pe
+    and kva's rope half, rotated over their whole width) and append_mla. Returns (T, R, Dr)."""
+    expect_tensor("kva", kva, dtype=FLOATS, ndim=2, last_dim_contiguous=True)
+    expect_tensor("q_pe", q_pe, dtype=(kva.dtype,), ndim=3, last_dim_contiguous=True)
+    T, width = kva.shape
+    Dr = q_pe.shape[2]
+    R = width - Dr
+    expect(R > 0 and q_pe.shape[0] == T, "kva", f"shape {tuple(kva.shape)}",
+           f"({q_pe.shape[0]}, R + {Dr}): the latent rank then q_pe's rope width, one row a token of q_pe")
+    check_norm(kva[:, :R], norm_weight, eps)
+    r = check_rope(q_pe, kva[:, None, R:], positions, cos_sin, style)
+    expect(r == Dr, "cos_sin", f"rotary dim {r}", f"{Dr}, the rope width of q_pe (MLA rotates all of it)")
+    check_append(kva[:, :R], kva[:, R:], cache, slot_mapping, kv_scale)
+    return T, R, Dr
 
 
 def check_tables(seq_lens, block_tables, B: int, cache) -> None:
