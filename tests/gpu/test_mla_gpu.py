@@ -428,3 +428,33 @@ def test_tma_decode_bf16(H, cfg):
     graph.replay()
     want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
     _agree(out[0], want[0], what="replay")
+
+
+@pytest.mark.parametrize("T,H", [(1, 16), (1, 128), (37, 16)])
+def test_norm_rope_append_equals_the_three_launches_bf16(T, H):
+    """norm_rope_append_mla on the GPU in bf16 (DeepSeek widths: R 512, Dr 64, yarn-free cos/sin)
+    against the latent norm, rope and append launches it replaces: q_pe, kpe and the cache rows
+    bitwise equal, or (a compiler summing the norm's squares in another order) within one bf16
+    rounding of the norm's output."""
+    from opmap.core.tolerance import assert_close
+
+    R, Dr, page = 512, 64, 64
+    g = torch.Generator(device="cuda").manual_seed(T * H)
+    q = torch.randn(T, H, 128 + Dr, device="cuda", generator=g).to(torch.bfloat16)
+    kva = torch.randn(T, R + Dr, device="cuda", generator=g).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(R, device="cuda", generator=g)).to(torch.bfloat16)
+    pos = torch.randint(0, 4000, (T,), device="cuda", generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, Dr, 2, device="cuda").float() / Dr))
+    ang = torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], 1).contiguous()
+    cache = torch.zeros(8, page, R + Dr, device="cuda", dtype=torch.bfloat16)
+    slots = torch.randperm(8 * page, device="cuda", generator=g)[:T].to(torch.int32)
+    q2, kva2, cache2 = q.clone(), kva.clone(), cache.clone()
+    registry.get("kv_append", "mla-triton")("norm_rope_append_mla", q[..., 128:], kva, w, 1e-6, pos, cs, "gptj",
+                                            cache, slots)
+    ckv = registry.get("rmsnorm", "triton")("rmsnorm", kva2[:, :R], w, 1e-6)
+    registry.get("rope", "triton")("rope", q2[..., 128:], kva2[:, None, R:], pos, cs, "gptj")
+    registry.get("kv_append", "mla-triton")("append_mla", ckv, kva2[:, R:], cache2, slots)
+    assert torch.equal(q, q2) and torch.equal(kva[:, R:], kva2[:, R:])
+    assert torch.equal(cache[..., R:], cache2[..., R:])
+    assert_close(cache[..., :R].float(), cache2[..., :R].float(), torch.bfloat16, what="latent rows")
