@@ -193,6 +193,33 @@ def _append(device, name, fp8):
     return run
 
 
+def _norm_rope_append(device, name):
+    """norm_rope_append_mla against the reference entry (norm, rope, append): q_pe, kpe and the
+    cache rows, a padding slot among them."""
+    def run():
+        s = _shape(device)
+        R, Dr, dt = s["R"], s["Dr"], s["dt"]
+        g = torch.Generator().manual_seed(82)
+        q = torch.randn(9, 16, 32 + Dr, generator=g).to(device, dt)
+        kva = torch.randn(9, R + Dr, generator=g).to(device, dt)
+        w = (1 + 0.1 * torch.randn(R, generator=g)).to(device, dt)
+        pos = torch.randint(0, 500, (9,), generator=g).to(device)
+        inv = 1.0 / (10000 ** (torch.arange(0, Dr, 2).float() / Dr))
+        cs = torch.cat([(torch.arange(512).float()[:, None] * inv).cos(),
+                        (torch.arange(512).float()[:, None] * inv).sin()], 1).to(device).contiguous()
+        slots = torch.tensor([0, 5, -1, 17, 33, 2, 40, 47, 9], dtype=torch.int32, device=device)
+        cache = torch.zeros(3, s["page"], R + Dr, device=device, dtype=dt)
+        q2, kva2, cache2 = q.clone(), kva.clone(), cache.clone()
+        ref.norm_rope_append_mla(q2[..., 32:], kva2, w, 1e-6, pos, cs, "gptj", cache2, slots)
+        registry.get("kv_append", name)("norm_rope_append_mla", q[..., 32:], kva, w, 1e-6, pos, cs, "gptj", cache,
+                                        slots)
+        e = compare(cache.float(), cache2.float(), dt)
+        ok = e.ok and torch.equal(q, q2) and torch.equal(kva[:, R:], kva2[:, R:])
+        return Outcome(ok, str(e) if ok else f"q_pe / kpe / cache differ from the reference ({e})")
+
+    return run
+
+
 def _runnable(op, spec):
     return [b.name for b in registry.backends(op)
             if b.name != "mla-reference" and b.name.startswith("mla-") and not b.validate(spec, runtime=True)]
@@ -248,4 +275,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         for fp8 in (False, True):
             out.append(CheckCase("gqa-mla" if not fp8 else "quant", "kv_append", name,
                                  f"append_mla,kv={'fp8' if fp8 else dts}", _append(device, name, fp8), tags=TAGS))
+        if "norm_rope_append_mla" in registry.get("kv_append", name).impl:
+            out.append(CheckCase("gqa-mla", "kv_append", name, f"norm_rope_append_mla (one launch),kv={dts}",
+                                 _norm_rope_append(device, name), tags=TAGS))
     return out
