@@ -63,8 +63,10 @@ def _route_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, inter_ptr, w_ptr
     pu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
         k_ok = (k + offs_k) < H
-        xv = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         m = n_ok[:, None] & k_ok[None, :]
+        # x in the weight tile's layout (each thread its own copy, from L1): no trip through shared
+        # memory and its barriers, which a [BLOCK_K] vector broadcast over the rows takes
+        xv = tl.load(x_ptr + k + offs_k[None, :] + 0 * offs_n[:, None], mask=m, other=0.0).to(tl.float32)
         pg += tl.load(g_ptrs + k, mask=m, other=0.0).to(tl.float32) * xv
         pu += tl.load(u_ptrs + k, mask=m, other=0.0).to(tl.float32) * xv
     g = tl.sum(pg, axis=1)
@@ -87,8 +89,9 @@ def _down_kernel(inter_ptr, w2_ptr, w_ptr, ids_ptr, o_ptr, ws_ptr, cnt_ptr, M, H
     part = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, I, BLOCK_K):
         k_ok = (k + offs_k) < I
-        hv = tl.load(inter_ptr + j * I + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        part += tl.load(w_ptrs + k, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * hv
+        m = n_ok[:, None] & k_ok[None, :]
+        hv = tl.load(inter_ptr + j * I + k + offs_k[None, :] + 0 * offs_n[:, None], mask=m, other=0.0).to(tl.float32)
+        part += tl.load(w_ptrs + k, mask=m, other=0.0).to(tl.float32) * hv
     acc = (tl.sum(part, axis=1) * weight)[:, None]  # [BLOCK_N, 1]; M: 1, the token's one row
     finish(acc, o_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, tl.arange(0, 1), M, H, 0, 0, j, False, TOP_K, BLOCK_N, 1)
 
