@@ -210,7 +210,6 @@ registry.register(Backend(
     op="moe", name="triton-gemv", provider="opmap-triton", version=registry.triton_version,
     # Below triton until a baseline row shows it ahead at one token.
     priority={"cpu": registry.TRITON_CPU_PRIORITY - 2, "sm80": 40, "sm90": 40},
-    basis={"sm90": Basis("not timed: below triton until a baseline row at one token shows it ahead")},
     impl={"moe": "opmap.kernels.moe.one_token:moe", "route": "opmap.kernels.moe.route_triton:route"},
     reqs=_COMMON_REQS, checks=_COMMON_CHECKS + (Check("one token", _one_token, "tokens"),),
     available=registry.triton_available,
