@@ -27,14 +27,18 @@ def _act_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, H, GELU: tl.constexpr, BLO
     mask = offs < H
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + H + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * stride_o + offs, (act_of(g, GELU) * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def act_of(g, GELU: tl.constexpr):
+    """SiLU or GELU-tanh of fp32 ``g`` (also the gated GEMM's epilogue: triton_gemm, GATED)."""
     if GELU:
         # tanh(z) = 1 - 2 / (1 + exp(2z)): exact in the limits (exp -> inf gives 1), and
         # needs no libdevice, so it also runs in the interpreter.
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
-    else:
-        a = g / (1.0 + tl.exp(-g))
-    tl.store(o_ptr + row * stride_o + offs, (a * u).to(o_ptr.dtype.element_ty), mask=mask)
+        return 0.5 * g * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+    return g / (1.0 + tl.exp(-g))
 
 
 def _launch(x: torch.Tensor, out, gelu: bool) -> torch.Tensor:

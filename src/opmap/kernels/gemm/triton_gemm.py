@@ -30,6 +30,7 @@ import triton.language as tl
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
 from opmap.kernels import pdl
+from opmap.kernels.activation.triton_act import act_of, gelu_tanh_mul, silu_mul
 from opmap.kernels.gemm.splitk import counters, sm_count
 from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
 from opmap.ops.gemm.validate import check_linear
@@ -40,7 +41,8 @@ W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                  K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                 GATED: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -58,55 +60,86 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + (k0 + offs_k)[:, None]
     xdt = x_ptr.dtype.element_ty
+    # GATED (1 SiLU, 2 GELU-tanh): the weight is [gate; up] ([2N, K]); each program takes N-rows
+    # tile of both halves (up rows N further on) and stores act(gate) * up, as the activation
+    # kernel computes it from the two rounded GEMM outputs.
+    up_off = N.to(tl.int64) * stride_wn if GATED else 0
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None]
         else:
             k_mask = (k + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        if W_KIND == 3:
-            # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
-            # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
-            u = w.to(tl.int16) & 0xFF
-            wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
-            wv = (wv * 256.0).to(xdt)
-        else:
-            wv = w.to(xdt)
-        acc = tl.dot(wv, xt, acc, input_precision=PREC)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+        acc = tl.dot(_weight_tile(w_ptrs, w_mask, W_KIND, xdt), xt, acc, input_precision=PREC)
+        if GATED:
+            acc_u = tl.dot(_weight_tile(w_ptrs + up_off, w_mask, W_KIND, xdt), xt, acc_u, input_precision=PREC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
-        _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
+        _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS,
+                GATED)
     else:
-        # Partials [SPLIT, M, N] fp32. The program that finishes a tile last (a counter per
-        # tile) sums its partials in split order, so the result does not depend on which split
-        # ends last, then applies scale and bias once and resets the counter for the next call.
+        # Partials [SPLIT, M, N] fp32 (gated: the up half's after them, [2, SPLIT, M, N]). The
+        # program that finishes a tile last (a counter per tile) sums its partials in split order,
+        # so the result does not depend on which split ends last, then applies scale and bias once
+        # and resets the counter for the next call.
         part = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         mn = M.to(tl.int64) * N
         tl.store(part + pid_k * mn, acc, mask=mask)
+        if GATED:
+            tl.store(part + (SPLIT + pid_k) * mn, acc_u, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         tile = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(tile, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in range(SPLIT):  # .cg: the other splits' partials are in L2, never in this SM's L1
                 acc += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
-            _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS)
+                if GATED:
+                    acc_u += tl.load(part + (SPLIT + s) * mn, mask=mask, other=0.0, cache_modifier=".cg")
+            _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE,
+                    HAS_BIAS, GATED)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def _epilogue(acc, s_ptr, b_ptr, o_ptr, offs_n, offs_m, n_mask, mask, stride_om,
-              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _weight_tile(w_ptrs, w_mask, W_KIND: tl.constexpr, xdt: tl.constexpr):
+    w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+    if W_KIND == 3:
+        # e4m3fn bits -> fp16 bits: shifting exponent+mantissa left by 7 gives the value
+        # times 2^-8 (subnormals included); the sign moves from bit 7 to bit 15.
+        u = w.to(tl.int16) & 0xFF
+        wv = (((u & 0x7F) << 7) | ((u & 0x80) << 8)).to(tl.float16, bitcast=True)
+        return (wv * 256.0).to(xdt)
+    return w.to(xdt)
+
+
+@triton.jit
+def _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE: tl.constexpr,
+            HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    if GATED:
+        dt = o_ptr.dtype.element_ty
+        g = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS).to(dt).to(tl.float32)
+        u = _scaled(acc_u, s_ptr, b_ptr, N + offs_n, n_mask, HAS_SCALE, HAS_BIAS).to(dt).to(tl.float32)
+        acc = act_of(g, GATED == 2) * u
+    else:
+        acc = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS)
+    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+    return acc
 
 
 # (BLOCK_K, warps, stages). 4 warps: a 64-row weight tile is one Hopper warpgroup MMA; deep
@@ -133,7 +166,8 @@ def _prune(configs, named_args, **kw):
     bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
     meant = set(_SMALL_BN128 if bn == 128 else _SMALL_BN64) | set(_LARGE)
     mine = [c for c in configs if (c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in meant]
-    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (bn * wb + bm * xb) <= SMEM_BUDGET]
+    halves = 2 if kw.get("GATED") else 1  # a gated call streams a gate and an up tile a step
+    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (halves * bn * wb + bm * xb) <= SMEM_BUDGET]
     return fit or mine[:1]
 
 
@@ -171,7 +205,7 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K"],
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "GATED"],
             prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
@@ -241,12 +275,29 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     return d
 
 
+ACTS = {"silu": 1, "gelu_tanh": 2}  # linear_act's act -> the kernel's GATED
+
+
+def linear_act(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, act: str = "silu",
+               config=None, _plan: dict | None = None) -> torch.Tensor:
+    """``act(x @ w[:I].T) * (x @ w[I:].T)`` for a gate/up weight ``w`` [2I, K] (gate rows first) in
+    one launch: each program takes the same rows of both halves and stores the gated product, as
+    the activation kernel computes it from the two outputs rounded to x's dtype (the same values
+    as linear then silu_mul / gelu_tanh_mul, up to the GEMM's summation order). -> [M, I]."""
+    expect(act in ACTS, "act", repr(act), f"one of {sorted(ACTS)}")
+    return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _gated=ACTS[act])
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None,
-           _plan: dict | None = None) -> torch.Tensor:
+           _plan: dict | None = None, _gated: int = 0) -> torch.Tensor:
     """``config``: the tile of this kernel (CONFIG's keys); none autotunes BLOCK_K / warps / stages
     on a GPU. ``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or
-    {"W_KIND": W_FP8_BITS} (tests and benchmarks). ``w_zero``: linear's contract; int4 only, named here."""
+    {"W_KIND": W_FP8_BITS} (tests and benchmarks). ``w_zero``: linear's contract; int4 only, named here.
+    ``_gated``: linear_act's (the kernel's GATED)."""
     M, N, K = check_linear(x, w, bias, w_scale, w_zero)
+    if _gated:
+        expect(N % 2 == 0, "w", f"shape {tuple(w.shape)}", "an even number of rows: the gate half, then the up half")
+        N //= 2
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -254,6 +305,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     if K == 0:
         out.zero_()
         if bias is not None:
+            if _gated:
+                b = bias.to(x.dtype).expand(M, 2 * N).contiguous()
+                return (silu_mul if _gated == 1 else gelu_tanh_mul)(b)
             out += bias.to(x.dtype)
         return out
     p = plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype)
@@ -272,9 +326,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
-                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, **pdl.launch(x.device))
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, GATED=_gated,
+                  **pdl.launch(x.device))
     if split > 1:
-        ws = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        ws = torch.empty(((2 if _gated else 1) * split, M, N), dtype=torch.float32, device=x.device)
         cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
     else:
         ws = cnt = dummy  # never read with one split

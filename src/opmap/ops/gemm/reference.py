@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from opmap.core.contract import expect
+from opmap.ops.activation.reference import gelu_tanh_mul, silu_mul
 from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4
 from opmap.ops.gemm.validate import INT4_PACKED, check_linear
 
@@ -24,3 +26,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def linear_act(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, act: str = "silu"):
+    """The gate/up GEMM then its gated activation (``w`` [2I, K], gate rows first): linear, rounded
+    to x's dtype, then silu_mul / gelu_tanh_mul. -> [M, I]."""
+    expect(act in ("silu", "gelu_tanh"), "act", repr(act), "one of ['gelu_tanh', 'silu']")
+    expect(w.shape[0] % 2 == 0, "w", f"shape {tuple(w.shape)}", "an even number of rows: the gate half, then the up half")
+    return (silu_mul if act == "silu" else gelu_tanh_mul)(linear(x, w, bias, w_scale, w_zero))
