@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from opmap.core import hw, registry
 from opmap.core.specs import GemmSpec
 from opmap.harness.bench.base import BenchCase, Provider
+from opmap.kernels.activation.triton_act import silu_mul
 from opmap.kernels.gemm import act_quant, fp8_block, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
 from opmap.ops.gemm import quant
 from opmap.peers.gemm import gemlite_peer
@@ -272,4 +273,32 @@ def cases(quick: bool) -> list[BenchCase]:
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
-    return out + _act_quant_cases(arch)
+    return out + _act_quant_cases(arch) + _gated_cases(arch)
+
+
+def _gated_cases(arch) -> list[BenchCase]:
+    """Llama-3-8B's gate/up at decode M: the GEMM with its SiLU * mul in the epilogue (linear_act,
+    one launch) beside the GEMM then the activation kernel (two launches: what the engine runs) and
+    cuBLAS then the activation kernel."""
+    K, N = SHAPES[0]
+    out = []
+    for M in (1, 16, 32):
+        def fused(inp):
+            fn = registry.get("gemm", "triton-decode").fn("linear_act")
+            return lambda: fn(inp["x"], inp["w"])
+
+        def apart(inp):
+            fn = registry.get("gemm", "triton-decode").fn("linear")
+            return lambda: silu_mul(fn(inp["x"], inp["w"]))
+
+        nbytes = N * K * 2 + M * K * 2 + M * N // 2 * 2
+        out.append(BenchCase(
+            op="gemm.gated", case=f"M={M},N={N},K={K},act=silu,dtype=bf16", flops=2.0 * M * N * K, bytes=float(nbytes),
+            setup=_setup(M, N, K, None),
+            providers=[Provider("opmap-triton[linear_act, one launch]", fused, backend=("gemm", "triton-decode")),
+                       Provider("opmap-triton[linear, then silu_mul]", apart),
+                       Provider("cublas, then silu_mul", lambda inp: (lambda: silu_mul(F.linear(inp["x"], inp["w"]))))],
+            bound="memory", graph=True,
+            spec=GemmSpec(arch=arch, phase="decode", m=M, n=N, k=K, dtype="bf16", weight_dtype="bf16"),
+            tags=("gemm",)))
+    return out
