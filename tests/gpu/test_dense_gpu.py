@@ -468,3 +468,26 @@ def test_decode_layer_ops_capture_in_one_cuda_graph():
     assert_close(rs, r_ref)
     assert_close(qkv_out, qkv_ref)
     assert cosine(out, out_ref) > 0.9999
+
+
+@pytest.mark.parametrize("M,I,K,fmt", [(1, 14336, 4096, None), (16, 14336, 4096, None), (32, 1409, 4096, None),
+                                       (1, 14336, 4096, "fp8")])
+def test_linear_act_bf16_equals_the_gemm_then_the_activation(M, I, K, fmt):
+    """The gated epilogue on the GPU (autotuned tiles, K splits at M = 1) against the GEMM then the
+    activation kernel (the same rounding steps; the summation order may differ with the tile) and
+    the fp32 reference, then captured in a CUDA graph and replayed on a new x."""
+    g = torch.Generator(device=DEV).manual_seed(M + I)
+    x = torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16)
+    w = (torch.randn(2 * I, K, device=DEV, generator=g) / K ** 0.5).to(torch.bfloat16)
+    s = None
+    if fmt:
+        w, s = quant.quantize_weight(w.float(), fmt)
+    y = triton_gemm.linear_act(x, w, None, s)
+    assert_close(y, triton_act.silu_mul(triton_gemm.linear(x, w, None, s)), torch.bfloat16, scale=2.0)
+    assert_close(y, gemm_ref.linear_act(x, w, None, s), torch.bfloat16, scale=2.0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_gemm.linear_act(x, w, None, s)
+    x.copy_(torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16))
+    graph.replay()
+    assert_close(out, gemm_ref.linear_act(x, w, None, s), torch.bfloat16, scale=2.0)
