@@ -45,3 +45,17 @@ def test_providers_agree_on_tiny_inputs():
     assert_close(o[0], o[1])
     f8 = bm._setup(1, 16, 64, True, dt=torch.float16)("cpu")
     assert f8["cache"].dtype == torch.float8_e4m3fn and f8["kv_scale"].shape == (1,)
+
+
+def test_norm_rope_append_rows_agree_on_the_cache_they_write():
+    case = bm._norm_rope_append_case(3, 4)
+    rows = {}
+    for p in case.providers:
+        inp = bm._norm_rope_append_setup(3, 4)("cpu")
+        for k in ("q", "kva"):
+            inp[k] = inp[k].to(torch.float16)
+        inp["w"], inp["cache"] = inp["w"].to(torch.float16), inp["cache"].to(torch.float16)
+        p.make(inp)()
+        rows[p.name] = (inp["cache"].clone(), inp["q"].clone())
+    (c1, q1), (c2, q2) = rows.values()
+    assert torch.equal(q1, q2) and torch.equal(c1, c2) and c1.abs().sum() > 0

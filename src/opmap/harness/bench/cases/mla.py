@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from opmap.core import registry
-from opmap.core.specs import AttentionSpec
+from opmap.core.specs import AttentionSpec, KVAppendSpec
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.peers.mla import flashinfer as fi
 from opmap.peers.mla.sdpa import mqa_latent
@@ -199,8 +199,60 @@ def _prefill_case(H, new, prefix):
                      spec=_spec(H, False, phase="prefill"), tags=("mla",))
 
 
+def _norm_rope_append_setup(T, H):
+    def setup(dev):
+        g = torch.Generator(device=dev).manual_seed(T)
+        inv = 1.0 / (10000 ** (torch.arange(0, DR, 2, device=dev).float() / DR))
+        ang = torch.arange(8192, device=dev).float()[:, None] * inv[None, :]
+        return dict(q=torch.randn(T, H, 128 + DR, device=dev, generator=g).to(torch.bfloat16),
+                    kva=torch.randn(T, R + DR, device=dev, generator=g).to(torch.bfloat16),
+                    w=torch.ones(R, device=dev, dtype=torch.bfloat16),
+                    pos=torch.randint(0, 8192, (T,), device=dev, generator=g),
+                    cs=torch.cat([ang.cos(), ang.sin()], 1).contiguous(),
+                    cache=torch.zeros(-(-T // PAGE) + 1, PAGE, R + DR, device=dev, dtype=torch.bfloat16),
+                    slots=torch.arange(T, device=dev, dtype=torch.int32))
+
+    return setup
+
+
+def _norm_rope_append(fused):
+    def make(inp):
+        q_pe, kva, w, pos, cs, cache, slots = (inp["q"][..., 128:], inp["kva"], inp["w"], inp["pos"], inp["cs"],
+                                               inp["cache"], inp["slots"])
+        b = registry.get("kv_append", "mla-triton")
+        if fused:
+            one = b.fn("norm_rope_append_mla")
+            return lambda: one(q_pe, kva, w, 1e-6, pos, cs, "gptj", cache, slots)
+        norm, rope, app = registry.get("rmsnorm", "triton").fn("rmsnorm"), registry.get("rope", "triton").fn("rope"), \
+            b.fn("append_mla")
+
+        def three():
+            ckv = norm(kva[:, :R], w, 1e-6)
+            rope(q_pe, kva[:, None, R:], pos, cs, "gptj")
+            app(ckv, kva[:, R:], cache, slots)
+
+        return three
+
+    return make
+
+
+def _norm_rope_append_case(T, H):
+    """An MLA layer's step between its kv_a projection and its attention: one launch beside the
+    three the engine ran (latent norm, RoPE, append)."""
+    nbytes = T * (2 * 2 * H * DR + 2 * (R + DR) + 2 * (R + DR) + 16)
+    flops = T * (4 * R + 3 * DR * (H + 1))  # the norm's 4 a channel; 6 a rotated pair
+    return BenchCase("kv_append", f"norm+rope+append_mla,T={T},h={H},R={R},Dr={DR},page={PAGE},kv_dtype=bf16",
+                     float(flops), nbytes, _norm_rope_append_setup(T, H),
+                     [Provider("opmap-triton[norm_rope_append_mla, one launch]", _norm_rope_append(True),
+                               backend=("kv_append", "mla-triton")),
+                      Provider("three launches: norm, rope, append_mla", _norm_rope_append(False))],
+                     bound="memory", graph=True,
+                     spec=KVAppendSpec(arch="sm90", kind="mla", num_kv_heads=1, head_dim=R + DR, page_size=PAGE,
+                                       kv_dtype="bf16"))
+
+
 def cases(quick: bool) -> list[BenchCase]:
-    out = []
+    out = [_norm_rope_append_case(T, 16) for T in (1, 64)]
     grid = ([(64, 4096), (1, 32768)] if quick else
             [(B, ctx) for B in (1, 16, 64, 128) for ctx in (1024, 4096, 16384, 32768)])
     for H in (16, 128):
