@@ -45,7 +45,16 @@ def test_one_token_matches_the_reference(E, k, H, I, dtype, kw):
     # its route entry picks the experts torch's routing picks
     w_ref, ids_ref = routing.route(logits, k, **kw)
     w, ids = registry.get("moe", "triton-gemv").fn("route")(logits, k, **kw)
-    assert torch.equal(ids.sort().values, ids_ref.to(ids.dtype).sort().values)
+    order, order_ref = ids.argsort(-1), ids_ref.argsort(-1)
+    assert torch.equal(ids.gather(-1, order), ids_ref.to(ids.dtype).gather(-1, order_ref))
+    assert_close(w.gather(-1, order), w_ref.gather(-1, order_ref), torch.float32)
+
+
+def test_a_strided_score_bias_routes_as_a_contiguous_one():
+    x, logits, w13, w2 = _case(16, 32, 16, torch.float32, seed=11)
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(2))[::2]  # stride 2
+    kw = dict(router="sigmoid", score_bias=bias)
+    assert_close(one_token.moe(x, logits, w13, w2, 3, **kw), reference.moe(x, logits, w13, w2, 3, **kw), torch.float32)
 
 
 def test_tiles_from_config_give_the_same_result():

@@ -190,9 +190,14 @@ def test_mla_latent_norm_rope_and_append_in_one_launch_where_one_provider_serves
             assert keys.index("kv_a") < keys.index("norm_rope_append") < keys.index("attention")
         apart = [r.key for r in planned_maps(cfg, arch, EngineConfig(fuse_rope_append=False))["decode"]]
         assert apart[apart.index("kv_a") + 1:apart.index("attention")] == ["latent_norm", "rope", "kv_append"]
-    # the norm on another provider (the reference) keeps the three launches apart; GQA models never fuse it
+    # a norm the fused entry does not reproduce keeps the three launches apart: the reference beside
+    # the Triton append, torch's rms_norm beside the reference append (the same provider, another rounding)
     maps = planned_maps(PRESETS["deepseek-v2-lite"], "sm90", EngineConfig(backends={"rmsnorm": "reference"}))
     assert "norm_rope_append" not in [r.key for r in maps["decode"]]
+    maps = planned_maps(PRESETS["tiny-deepseek"], "cpu", EngineConfig(backends={"rmsnorm": "torch-rms_norm"}))
+    keys = [r.key for r in maps["decode"]]
+    assert "norm_rope_append" not in keys and "latent_norm" in keys
+    assert next(r for r in maps["decode"] if r.key == "latent_norm").backend.name == "torch-rms_norm"
     assert all("norm_rope_append" not in [r.key for r in rows] for rows in planned_maps(PRESETS["llama3-8b"], "sm90").values())
 
 

@@ -229,16 +229,22 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
     return _fuse_mla_norm_rope_append(_fuse_rope_append(rows)) if fuse_rope_append else rows
 
 
+# The latent append backend whose norm_rope_append_mla entry computes what these (rmsnorm, rope)
+# backends compute: the Triton entry uses their kernels' row helpers, the reference composes the
+# references. Any other norm or rope (a forced torch-rms_norm rounds elsewhere) keeps its own launch.
+MLA_FUSED = {"mla-triton": ("triton", "triton"), "mla-reference": ("reference", "reference")}
+
+
 def _fuse_mla_norm_rope_append(rows: list[Resolved]) -> list[Resolved]:
     """MLA: the latent norm, RoPE and the latent append as one launch where the append's backend has
-    the ``norm_rope_append_mla`` entry and the norm and the rope chose backends of its provider
-    (whose row helpers that entry uses: the same values as the three launches)."""
+    the ``norm_rope_append_mla`` entry and the norm and the rope chose the backends it reproduces
+    (MLA_FUSED: the same values as the three launches)."""
     by = {r.key: r for r in rows}
     norm, rope, app = by.get("latent_norm"), by.get("rope"), by.get("kv_append")
     if any(r is None or r.choice is None for r in (norm, rope, app)) or app.entry != "append_mla":
         return rows
     b = app.choice.backend
-    if "norm_rope_append_mla" not in b.impl or {norm.backend.provider, rope.backend.provider} != {b.provider}:
+    if "norm_rope_append_mla" not in b.impl or MLA_FUSED.get(b.name) != (norm.backend.name, rope.backend.name):
         return rows
     folded = (norm, rope, app)
     fused = Resolved(Slot("norm_rope_append", "kv_a norm + RoPE + latent KV append (one launch)", "kv_append",

@@ -341,6 +341,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
     elif fixed is not None:
         bk, nw, ns = fixed
+        if _gated:  # two weight tiles a stage: as _prune, the stages shared memory holds
+            fit = SMEM_BUDGET // (bk * (2 * bn * w.element_size() + bm * x.element_size()))
+            expect(not cfg["num_stages"] or cfg["num_stages"] <= fit, "config", f"num_stages={cfg['num_stages']}",
+                   f"at most {fit} stages for a gated call of BLOCK_K {bk} (two weight tiles a stage)")
+            ns = max(1, min(ns, fit))
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)

@@ -2,7 +2,9 @@
 slot_mapping[T], kv_scale=None)`` (contract in reference.py), and ``norm_rope_append_mla``: the
 latent RMSNorm, the RoPE of q_pe and kpe, and that append in one launch (an MLA layer ran them as
 three launches, plus nothing between them: each costs its launch latency at decode). It uses the
-norm's and the rope's own row helpers, so its values are theirs.
+norm's and the rope's own row helpers: q_pe and kpe are theirs bit for bit; the latent row's sum of
+squares runs over another layout than the norm kernel's, so on a GPU it may differ by one rounding
+of the normalised value (bitwise equal in the interpreter).
 
 One program per token writes its [ckv, kpe] row at ``slot_mapping[t]``; slot -1 (CUDA-graph
 padding) and, when values were not checkable (graph capture), any slot past the cache are

@@ -138,6 +138,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     p = plan(H, I, top_k, config)
     x = x if x.stride(-1) == 1 else x.contiguous()
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    if score_bias is not None:
+        score_bias = score_bias.contiguous()  # the kernel reads it at unit stride
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     out = torch.empty(1, H, dtype=x.dtype, device=x.device)
