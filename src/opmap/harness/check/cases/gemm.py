@@ -187,6 +187,18 @@ def _block_cases(arch, device, cpu) -> list:
     return out
 
 
+def _gated_parity(backend, device, M, I, K, dtype, fmt, bias, act):
+    """linear_act (the gate/up GEMM with its gated activation in the epilogue) against the
+    reference entry (linear, rounded, then the activation), default tile."""
+    def run():
+        x, w, b, s = _inputs(device, M, 2 * I, K, dtype, fmt, bias, M + I + K)
+        out = registry.get("gemm", backend).fn("linear_act")(x, w, b, s, act=act, config=DEFAULT_TILES[backend])
+        e = compare(out, reference.linear_act(x, w, b, s, act=act), dtype, scale=2.0)
+        return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
+
+    return run
+
+
 def _ok(name, arch, **spec):
     return not registry.get("gemm", name).validate(GemmSpec(arch=arch, **spec), runtime=True)
 
@@ -219,6 +231,18 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dt, weight_dtype=wd):
                     out.append(CheckCase("boundaries", "gemm", name, f"{label},M={M},N={N},K={K},w={wd},dtype={dt}",
                                          _parity(name, device, M, N, K, d, fmt, bias=True), quick=q))
+    # The gated epilogue (linear_act): decode rows, an N half off the tile, K splits, per-channel weights
+    gated = [(1, 48, 256, None, False, "silu"), (3, 65, 200, None, True, "gelu_tanh"), (17, 40, 96, "int8", True, "silu"),
+             (1, 70, 256, "fp8", False, "silu")] if cpu else \
+        [(1, 14336, 4096, None, False, "silu"), (16, 14336, 4096, None, True, "silu"), (1, 14336, 4096, "fp8", False, "silu"),
+         (48, 1409, 4112, None, True, "gelu_tanh")]
+    for dt in dtypes:
+        for M, I, K, fmt, bias, act in gated:
+            name = "triton-wo" if fmt else "triton-decode"
+            wd = fmt or dt
+            if _ok(name, arch, m=M, n=2 * I, k=K, dtype=dt, weight_dtype=wd):
+                out.append(CheckCase("parity", "gemm", name, f"linear_act ({act}),M={M},I={I},K={K},w={wd},dtype={dt}",
+                                     _gated_parity(name, device, M, I, K, _DT[dt], fmt, bias, act), quick=M == 1))
     # Quantisation gates, figures reported.
     qdt = torch.float16 if cpu else torch.bfloat16
     qname = "fp16" if cpu else "bf16"
