@@ -7,9 +7,9 @@ pass, each (key, label, op, spec, entry): the key is where the engine's op set k
 ``step_map`` is both, as the report lists a step. ``resolve`` puts each slot to the selector and
 makes the decisions that depend on its answers: RoPE and the KV append in one launch where both
 chose one backend that has a ``rope_append`` entry, Qwen3's q/k norm inside it where the norm chose
-that backend too; MLA's latent norm, RoPE and latent append as one launch likewise. The engine's op sets (``opmap.engine.opset``), ``opmap report``, ``opmap check
---model`` and ``opmap bench --model`` all read these, so the rows the report prints are the calls
-the engine makes.
+that backend too; MLA's latent norm, RoPE and latent append as one launch likewise. The engine's op
+sets (``opmap.engine.opset``), ``opmap report``, ``opmap check --model`` and ``opmap bench --model``
+all read these, so the rows the report prints are the calls the engine makes.
 
 The slots are in the order of their first call in a forward pass (a model with dense first layers
 runs its dense MLP before its MoE layers); a callable used at several places of a layer (the
@@ -247,10 +247,14 @@ def _fuse_mla_norm_rope_append(rows: list[Resolved]) -> list[Resolved]:
     if "norm_rope_append_mla" not in b.impl or MLA_FUSED.get(b.name) != (norm.backend.name, rope.backend.name):
         return rows
     folded = (norm, rope, app)
-    fused = Resolved(Slot("norm_rope_append", "kv_a norm + RoPE + latent KV append (one launch)", "kv_append",
-                          app.spec, "norm_rope_append_mla"), app.choice, b, folded=folded)
-    at = next(i for i, r in enumerate(rows) if r is norm)
-    gone = {id(r) for r in folded}
+    return _splice(rows, Resolved(Slot("norm_rope_append", "kv_a norm + RoPE + latent KV append (one launch)",
+                                       "kv_append", app.spec, "norm_rope_append_mla"), app.choice, b, folded=folded))
+
+
+def _splice(rows: list[Resolved], fused: Resolved) -> list[Resolved]:
+    """``rows`` with ``fused`` where its first folded row was and its folded rows gone."""
+    gone = {id(r) for r in fused.folded}
+    at = next(i for i, r in enumerate(rows) if r is fused.folded[0])
     return [r for r in rows[:at] if id(r) not in gone] + [fused] + [r for r in rows[at:] if id(r) not in gone]
 
 
@@ -265,10 +269,8 @@ def _fuse_rope_append(rows: list[Resolved]) -> list[Resolved]:
     folded = ((qk,) if qk is not None and qk.choice is not None and qk.choice.backend.name == b.name else ())
     folded += (rope, app)
     label = ("q/k norm + " if folded[0] is qk else "") + "RoPE + KV append (one launch)"
-    fused = Resolved(Slot("rope_append", label, "kv_append", app.spec, "rope_append"), app.choice, b, folded=folded)
-    gone = {id(r) for r in folded}
-    at = next(i for i, r in enumerate(rows) if r is folded[0])
-    return [r for r in rows[:at] if id(r) not in gone] + [fused] + [r for r in rows[at:] if id(r) not in gone]
+    return _splice(rows, Resolved(Slot("rope_append", label, "kv_append", app.spec, "rope_append"), app.choice, b,
+                                  folded=folded))
 
 
 def _scaling(cfg: ModelConfig) -> str:

@@ -158,6 +158,12 @@ def _configs(small_m: bool):
 SMEM_BUDGET = 200 * 1024  # below the 227 KiB of sm90 / 163 KiB of sm80 is checked by Triton
 
 
+def stage_bytes(bk: int, bn: int, bm: int, wb: int, xb: int, gated) -> int:
+    """Shared memory of one pipeline stage: the weight tile (two for a gated call: gate and up)
+    and the x tile."""
+    return bk * ((2 if gated else 1) * bn * wb + bm * xb)
+
+
 def _prune(configs, named_args, **kw):
     """Keep the configs meant for this tile width, and drop those whose pipelined tiles cannot
     fit in shared memory: compiling them only to fail costs seconds each."""
@@ -166,8 +172,8 @@ def _prune(configs, named_args, **kw):
     bm, bn = kw["BLOCK_M"], kw["BLOCK_N"]
     meant = set(_SMALL_BN128 if bn == 128 else _SMALL_BN64) | set(_LARGE)
     mine = [c for c in configs if (c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in meant]
-    halves = 2 if kw.get("GATED") else 1  # a gated call streams a gate and an up tile a step
-    fit = [c for c in mine if c.num_stages * c.kwargs["BLOCK_K"] * (halves * bn * wb + bm * xb) <= SMEM_BUDGET]
+    fit = [c for c in mine if c.num_stages * stage_bytes(c.kwargs["BLOCK_K"], bn, bm, wb, xb, kw.get("GATED"))
+           <= SMEM_BUDGET]
     return fit or mine[:1]
 
 
@@ -342,7 +348,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     elif fixed is not None:
         bk, nw, ns = fixed
         if _gated:  # two weight tiles a stage: as _prune, the stages shared memory holds
-            fit = SMEM_BUDGET // (bk * (2 * bn * w.element_size() + bm * x.element_size()))
+            fit = SMEM_BUDGET // stage_bytes(bk, bn, bm, w.element_size(), x.element_size(), True)
             expect(not cfg["num_stages"] or cfg["num_stages"] <= fit, "config", f"num_stages={cfg['num_stages']}",
                    f"at most {fit} stages for a gated call of BLOCK_K {bk} (two weight tiles a stage)")
             ns = max(1, min(ns, fit))

@@ -23,6 +23,25 @@ from opmap.ops.mla.validate import check_append, check_norm_rope_append, scale_a
 
 
 @triton.jit
+def _scale(SCALE_PTR, kv_scale, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr):
+    """The fp8 cache's scale (from its tensor or the float argument); 1.0 for a 16-bit cache."""
+    if FP8:
+        if SCALE_FROM_PTR:
+            return tl.load(SCALE_PTR)
+        return kv_scale
+    return 1.0
+
+
+@triton.jit
+def _fp8_of(x, FP8: tl.constexpr, ks):
+    """What an fp8 cache stores for x: a correctly rounded division (not x * (1/s)), so that the
+    stored bytes equal torch's, clamped to +-448; x as is for a 16-bit cache."""
+    if FP8:
+        return tl.clamp(tl.math.div_rn(x.to(tl.float32), ks), -448.0, 448.0)
+    return x
+
+
+@triton.jit
 def _mla_append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOTS, s_ckv, s_kpe, s_row,
                    BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr, FP8: tl.constexpr,
                    SCALE_FROM_PTR: tl.constexpr):
@@ -34,14 +53,9 @@ def _mla_append_kernel(CKV, KPE, CACHE, SLOTS, SCALE_PTR, kv_scale, R, DR, NSLOT
     offs_d = tl.arange(0, BLOCK_DR)
     ckv = tl.load(CKV + t * s_ckv + offs_r, mask=offs_r < R, other=0.0)
     kpe = tl.load(KPE + t * s_kpe + offs_d, mask=offs_d < DR, other=0.0)
-    if FP8:
-        if SCALE_FROM_PTR:
-            ks = tl.load(SCALE_PTR)
-        else:
-            ks = kv_scale
-        # a correctly rounded division (not x * (1/s)), so that the stored bytes equal torch's
-        ckv = tl.clamp(tl.math.div_rn(ckv.to(tl.float32), ks), -448.0, 448.0)
-        kpe = tl.clamp(tl.math.div_rn(kpe.to(tl.float32), ks), -448.0, 448.0)
+    ks = _scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
+    ckv = _fp8_of(ckv, FP8, ks)
+    kpe = _fp8_of(kpe, FP8, ks)
     dst = CACHE + slot * s_row
     tl.store(dst + offs_r, ckv.to(CACHE.dtype.element_ty), mask=offs_r < R)
     tl.store(dst + R + offs_d, kpe.to(CACHE.dtype.element_ty), mask=offs_d < DR)
@@ -63,11 +77,6 @@ def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> N
         SCALE_FROM_PTR=from_ptr, num_warps=4)
 
 
-@triton.jit
-def _fp8_of(x, FP8: tl.constexpr, ks):
-    if FP8:
-        return tl.clamp(tl.math.div_rn(x.to(tl.float32), ks), -448.0, 448.0)
-    return x
 
 
 @triton.jit
@@ -90,13 +99,7 @@ def _norm_rope_append_kernel(Q, KVA, W, POS, CS, CACHE, SLOTS, SCALE_PTR, kv_sca
     y1, y2 = rotate_pairs(row + R, i1, i2, okr, c, s)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if (slot >= 0) & (slot < NSLOTS):
-        if FP8:
-            if SCALE_FROM_PTR:
-                ks = tl.load(SCALE_PTR)
-            else:
-                ks = kv_scale
-        else:
-            ks = 1.0
+        ks = _scale(SCALE_PTR, kv_scale, FP8, SCALE_FROM_PTR)
         dt = KVA.dtype.element_ty
         offs = tl.arange(0, BLOCK_R)[None, :]
         v = tl.load(row + offs, mask=offs < R, other=0.0).to(tl.float32)

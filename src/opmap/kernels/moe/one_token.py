@@ -19,6 +19,7 @@ instead of two. 16-bit experts only (quantised experts take triton).
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -26,6 +27,8 @@ import triton
 import triton.language as tl
 
 from opmap.core.contract import expect
+from opmap.core.tiles import tile_config
+from opmap.kernels.activation.triton_act import act_of
 from opmap.kernels.gemm.splitk import counters, finish
 from opmap.kernels.moe.common import next_pow2, route_rows
 from opmap.kernels.moe.route_triton import launch as route_launch
@@ -71,7 +74,7 @@ def _route_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, inter_ptr, w_ptr
         pu += tl.load(u_ptrs + k, mask=m, other=0.0).to(tl.float32) * xv
     g = tl.sum(pg, axis=1)
     u = tl.sum(pu, axis=1)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = act_of(g, False) * u
     tl.store(inter_ptr + j * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -96,28 +99,27 @@ def _down_kernel(inter_ptr, w2_ptr, w_ptr, ids_ptr, o_ptr, ws_ptr, cnt_ptr, M, H
     finish(acc, o_ptr, o_ptr, ws_ptr, cnt_ptr, offs_n, tl.arange(0, 1), M, H, 0, 0, j, False, TOP_K, BLOCK_N, 1)
 
 
-def plan(H: int, I: int, top_k: int, config=None) -> dict:
+def plan(H: int, I: int, config=None) -> dict:
     """The tiles of a call: ``config``'s keys (CONFIG) over the plan's. BLOCK_K 256 (8 elements of
     16 bits a thread on 4 warps, each step's row a 512-byte run), BLOCK_N 16 for gate/up (two
     [16, 256] fp32 partials: 64 registers a thread) and 16 for down; smaller where the matrix is."""
-    cfg = dict(CONFIG)
-    if config is not None:
-        unknown = sorted(set(config) - set(CONFIG))
-        expect(not unknown, "config", f"keys {unknown}", f"keys among {sorted(CONFIG)}")
-        cfg.update(config)
-    for key in ("BLOCK_N", "BLOCK_K", "DOWN_BLOCK_N"):
-        v, low = cfg[key], 16 if key == "BLOCK_K" else 1
-        expect(isinstance(v, int) and (v == 0 or (low <= v <= 1024 and v & (v - 1) == 0)), "config", f"{key}={v}",
-               f"0 (the plan's) or a power of two from {low} to 1024")
+    if config is None:
+        return _planned(H, I)  # the decode path: once a shape
+    cfg = tile_config(CONFIG, config)
+    expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256, 512, 1024), "config", f"BLOCK_K={cfg['BLOCK_K']}",
+           "0 (the plan's) or a power of two from 16 to 1024")
     expect(cfg["num_warps"] in (0, 1, 2, 4, 8), "config", f"num_warps={cfg['num_warps']}", "1, 2, 4 or 8")
-    bk = cfg["BLOCK_K"] or min(256, max(16, next_pow2(min(H, I))))
-    return {"BLOCK_N": cfg["BLOCK_N"] or min(16, max(1, next_pow2(I))),
-            "DOWN_BLOCK_N": cfg["DOWN_BLOCK_N"] or min(16, max(1, next_pow2(H))),
-            "BLOCK_K": bk, "num_warps": cfg["num_warps"] or 4}
+    return {key: cfg[key] or v for key, v in _planned(H, I).items()}
+
+
+@lru_cache(maxsize=64)
+def _planned(H: int, I: int) -> dict:
+    return {"BLOCK_N": min(16, next_pow2(I)), "DOWN_BLOCK_N": min(16, next_pow2(H)),
+            "BLOCK_K": min(256, max(16, next_pow2(min(H, I)))), "num_warps": 4}
 
 
 def describe(H: int, I: int, top_k: int, config=None) -> str:
-    p = plan(H, I, top_k, config)
+    p = plan(H, I, config)
     return (f"one token: routing + gate/up on {top_k} x {triton.cdiv(I, p['BLOCK_N'])} programs of "
             f"{p['BLOCK_N']} channels, down on {triton.cdiv(H, p['DOWN_BLOCK_N'])} x {top_k} programs of "
             f"{p['DOWN_BLOCK_N']}, BLOCK_K {p['BLOCK_K']}, {p['num_warps']} warps")
@@ -135,8 +137,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
     expect(all(v is None for v in quant.values()), "w13_scale", "quantised experts",
            "experts in x's dtype (int4 / block-fp8 experts: backend triton)")
     I = two_i // 2
-    p = plan(H, I, top_k, config)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    p = plan(H, I, config)  # x: stride 1 along H, as check_moe_args requires
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     if score_bias is not None:
         score_bias = score_bias.contiguous()  # the kernel reads it at unit stride

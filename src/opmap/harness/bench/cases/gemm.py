@@ -281,16 +281,17 @@ def _gated_cases(arch) -> list[BenchCase]:
     one launch) beside the GEMM then the activation kernel (two launches: what the engine runs) and
     cuBLAS then the activation kernel."""
     K, N = SHAPES[0]
+
+    def fused(inp):
+        fn = registry.get("gemm", "triton-decode").fn("linear_act")
+        return lambda: fn(inp["x"], inp["w"])
+
+    def apart(inp):
+        fn = registry.get("gemm", "triton-decode").fn("linear")
+        return lambda: silu_mul(fn(inp["x"], inp["w"]))
+
     out = []
     for M in (1, 16, 32):
-        def fused(inp):
-            fn = registry.get("gemm", "triton-decode").fn("linear_act")
-            return lambda: fn(inp["x"], inp["w"])
-
-        def apart(inp):
-            fn = registry.get("gemm", "triton-decode").fn("linear")
-            return lambda: silu_mul(fn(inp["x"], inp["w"]))
-
         nbytes = N * K * 2 + M * K * 2 + M * N // 2 * 2
         out.append(BenchCase(
             op="gemm.gated", case=f"M={M},N={N},K={K},act=silu,dtype=bf16", flops=2.0 * M * N * K, bytes=float(nbytes),

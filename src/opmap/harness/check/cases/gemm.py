@@ -52,11 +52,17 @@ def _linear(backend):
     return functools.partial(fn, config=DEFAULT_TILES[backend]) if backend in DEFAULT_TILES else fn
 
 
-def _parity(backend, device, M, N, K, dtype, fmt, bias=False):
+def _parity(backend, device, M, N, K, dtype, fmt, bias=False, act=None):
+    """``act``: the gated entry linear_act (w [N, K] the gate rows then the up rows) against the
+    reference's, else linear."""
     def run():
-        x, w, b, s = _inputs(device, M, N, K, dtype, fmt, bias, M + N + K)
-        out = _linear(backend)(x, w, b, s)
-        e = compare(out, reference.linear(x, w, b, s), dtype, scale=2.0)
+        x, w, b, s = _inputs(device, M, N, K, dtype, fmt, bias, M + N // 2 + K if act else M + N + K)
+        if act:
+            fn = registry.get("gemm", backend).fn("linear_act")
+            out, want = fn(x, w, b, s, act=act, config=DEFAULT_TILES[backend]), reference.linear_act(x, w, b, s, act=act)
+        else:
+            out, want = _linear(backend)(x, w, b, s), reference.linear(x, w, b, s)
+        e = compare(out, want, dtype, scale=2.0)
         return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
 
     return run
@@ -187,18 +193,6 @@ def _block_cases(arch, device, cpu) -> list:
     return out
 
 
-def _gated_parity(backend, device, M, I, K, dtype, fmt, bias, act):
-    """linear_act (the gate/up GEMM with its gated activation in the epilogue) against the
-    reference entry (linear, rounded, then the activation), default tile."""
-    def run():
-        x, w, b, s = _inputs(device, M, 2 * I, K, dtype, fmt, bias, M + I + K)
-        out = registry.get("gemm", backend).fn("linear_act")(x, w, b, s, act=act, config=DEFAULT_TILES[backend])
-        e = compare(out, reference.linear_act(x, w, b, s, act=act), dtype, scale=2.0)
-        return Outcome(e.ok, str(e), e.worst_ratio, 1.0)
-
-    return run
-
-
 def _ok(name, arch, **spec):
     return not registry.get("gemm", name).validate(GemmSpec(arch=arch, **spec), runtime=True)
 
@@ -242,7 +236,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
             wd = fmt or dt
             if _ok(name, arch, m=M, n=2 * I, k=K, dtype=dt, weight_dtype=wd):
                 out.append(CheckCase("parity", "gemm", name, f"linear_act ({act}),M={M},I={I},K={K},w={wd},dtype={dt}",
-                                     _gated_parity(name, device, M, I, K, _DT[dt], fmt, bias, act), quick=M == 1))
+                                     _parity(name, device, M, 2 * I, K, _DT[dt], fmt, bias, act), quick=M == 1))
     # Quantisation gates, figures reported.
     qdt = torch.float16 if cpu else torch.bfloat16
     qname = "fp16" if cpu else "bf16"
