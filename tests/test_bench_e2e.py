@@ -63,6 +63,23 @@ def test_kv_bytes_and_step_floor_figures(monkeypatch):
     assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096]"
     _L.ecfg.max_prefill_tokens_with_decodes = 512  # and a cap on prompt tokens beside decodes
     assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096,prefill-cap=512]"
+    _L.e2e_settings = {"fuse_gated": False}  # an EngineConfig field set with --engine
+    assert e2e._engine_name(_L) == "opmap-engine[prefill-graphs=4096,prefill-cap=512,fuse_gated=false]"
+
+
+def test_engine_settings_parse_into_engine_config_fields():
+    import argparse
+
+    from opmap.harness.bench.cases import e2e
+
+    assert e2e.engine_setting("fuse_gated=false") == ("fuse_gated", False)
+    assert e2e.engine_setting("max_num_batched_tokens=4096") == ("max_num_batched_tokens", 4096)
+    assert e2e.engine_setting("gpu_memory_fraction=0.5") == ("gpu_memory_fraction", 0.5)
+    assert e2e.engine_setting("kv_cache_dtype=fp8") == ("kv_cache_dtype", "fp8")
+    assert e2e.engine_setting("page_size=none") == ("page_size", None)
+    for bad in ("fuse_gatd=false", "fuse_gated"):
+        with pytest.raises(argparse.ArgumentTypeError, match="EngineConfig field .*fuse_gated"):
+            e2e.engine_setting(bad)
 
 
 def test_quantised_engine_cases_and_floor(single_thread):
@@ -183,10 +200,11 @@ def test_models_run_in_children_and_a_dead_child_keeps_its_rows(monkeypatch):
 
     monkeypatch.setattr(e2e.subprocess, "call", call)
     out, skipped = e2e.records(quick=False, models=["llama3-8b", "deepseek-v2-lite"], kinds=["1", "32"], hf=False,
-                               prefill_graph_tokens=1024, isolate=True, done=lambda o, s: seen.append((len(o), len(s))))
+                               prefill_graph_tokens=1024, isolate=True, done=lambda o, s: seen.append((len(o), len(s))),
+                               engine_kw={"fuse_gated": False})
     assert [c[c.index("--model") + 1] for c in calls] == ["llama3-8b", "deepseek-v2-lite"]
     assert calls[0][calls[0].index("--model") + 2:] == ["--case", "1", "--case", "32", "--no-hf",
-                                                         "--prefill-graph-tokens", "1024"]
+                                                         "--prefill-graph-tokens", "1024", "--engine", "fuse_gated=false"]
     assert out == [{"model": "llama3-8b"}, {"model": "deepseek-v2-lite"}] and seen == [(1, 0), (2, 1)]
     assert skipped[0]["case"] == "model=deepseek-v2-lite" and "status -9" in skipped[0]["reason"]
 

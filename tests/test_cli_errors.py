@@ -170,6 +170,10 @@ def test_report_plans_for_another_gpu_from_its_baselines(tmp_path, capsys):
     assert att["backend"] == "triton" and att["expected"]["file"] == "h200/attention.json"
     assert att["expected"]["op"] == "attention.decode" and att["expected"]["commit"]
     assert dec["QKV proj"]["backend"] == "triton-decode" and dec["QKV proj"]["expected"]["case"].startswith("M=1,")
+    # the fused gate/up row is timed by the gated bench's rows (gemm.gated), never by linear's
+    gu = dec["gate/up proj + SiLU * mul (one launch)"]
+    assert gu["backend"] == "triton-decode" and gu["entry"] == "linear_act"
+    assert gu["expected"] is None or gu["expected"]["op"] == "gemm.gated"
     pre = {r["label"]: r for r in doc["operators"]["prefill"]}
     assert pre["QKV proj"]["backend"] == "cublas" and pre["QKV proj"]["expected"]["provider"] == "cublas"
     md = (tmp_path / "p" / "report.md").read_text()

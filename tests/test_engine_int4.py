@@ -174,7 +174,7 @@ def _run_and_compare(path, hf, cfg, packed: set):
     for ops in [*r.ops.values(), *r.decode_ops.values()]:  # the selector was asked for int4 there only
         for label, _, c in ops.choices:
             if c.op == "gemm":
-                q = label in ("QKV proj", "O proj", "gate/up proj", "down proj")
+                q = label.split(" + ")[0] in ("QKV proj", "O proj", "gate/up proj", "down proj")  # fused rows too
                 assert (c.spec.weight_dtype == "int4") == q, (label, c.spec.weight_dtype)
     prompts = random_prompts(cfg.vocab, (3, 21, 60), seed=7)
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))

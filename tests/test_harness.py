@@ -79,7 +79,7 @@ def test_model_filter_keeps_selected_backends_and_references(fake_family):
     # On a GPU arch the MLA model's attention reference is kept although Triton is chosen.
     ds = runner.model_targets("tiny-deepseek", "sm90")
     assert ("attention", "mla-reference") in ds.pairs and ("kv_append", "mla-reference") in ds.pairs
-    chosen = {(op, ch.name) for _, op, _, ch, _ in t.choices if ch}
+    chosen = {(op, ch.name) for _, op, _, ch, *_ in t.choices if ch}
     assert chosen <= t.pairs
     keep = lambda c: runner.keep(c, t)  # noqa: E731
     assert keep(_case("parity", "rmsnorm", "reference"))
@@ -461,26 +461,33 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
     from opmap.harness.check.cases.model_shapes import cases as shape_cases
     from opmap.model.presets import PRESETS
 
-    ops = set()
-    for name in ("tiny-qwen3moe", "tiny-llama3"):
+    ops, made_all = set(), []
+    for name in ("tiny-qwen3moe", "tiny-llama3", "tiny-qwen2moe"):
         cfg = PRESETS[name]
         choices = []
-        # the separate RoPE and append launches: the standalone RoPE gets its case too
-        for ph, m in planned_maps(cfg, "cpu", EngineConfig(fuse_rope_append=False)).items():
+        # the separate RoPE and append launches: the standalone RoPE gets its case too; tiny-llama3's
+        # gate/up GEMM and its activation apart (the activation's case); of tiny-qwen2moe only its
+        # fused shared-expert gate/up row, checked through the linear_act entry
+        fuse = EngineConfig(fuse_rope_append=False, fuse_gated=name == "tiny-qwen2moe")
+        for ph, m in planned_maps(cfg, "cpu", fuse).items():
             for r in m:
+                if name == "tiny-qwen2moe" and r.entry != "linear_act":
+                    continue
                 for b in ("triton", "triton-decode"):
                     try:
-                        choices.append((ph, r.op, r.label, sel.select(r.op, r.spec, backend=b), None))
+                        choices.append((ph, r.op, r.label, sel.select(r.op, r.spec, backend=b), None, r.entry))
                         break
                     except sel.BackendError:
                         continue
         made = shape_cases(cfg, choices, "cpu")
+        made_all += made
         ops |= {c.op for c in made}
         assert all(f"model={cfg.name}" in c.case for c in made)
         for c in made:
             o = c.run()
             assert o.passed, (c.case, o.figure)
     assert {"rmsnorm", "gemm", "rope", "attention", "moe", "activation", "sampling"} <= ops, ops
+    assert any("shared gate/up proj + shared SiLU * mul (one launch)" in c.case for c in made_all)
     # with the selector's own choices on a CPU (the references) there is none, and the check says so
     targets = runner.model_targets("tiny-qwen3moe")
     assert shape_cases(targets.cfg, targets.choices, "cpu") == []

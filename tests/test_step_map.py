@@ -130,7 +130,7 @@ def _spec(maps: dict, key: str, phase: str = "decode"):
 def test_gemma_runs_gelu_tanh_with_soft_cap_and_windows():
     for name in ("gemma2-9b", "tiny-gemma2", "gemma3-4b"):
         cfg = PRESETS[name]
-        maps = planned_maps(cfg, "sm90")
+        maps = planned_maps(cfg, "sm90", EngineConfig(fuse_gated=False))  # the activation's own row
         for ph in PHASES:
             assert "GELU-tanh * mul" in _labels(maps, ph) and "SiLU * mul" not in _labels(maps, ph)
             assert _spec(maps, "act", ph).kind == "gelu_tanh_mul"
@@ -206,7 +206,7 @@ def test_moe_rows_router_and_shared_experts():
         if not cfg.is_moe:
             continue
         for arch in ("sm90", "cpu"):
-            maps = planned_maps(cfg, arch)
+            maps = planned_maps(cfg, arch, EngineConfig(fuse_gated=False))  # each GEMM and activation its own row
             for ph in PHASES:
                 keys = [r.key for r in maps[ph]]
                 assert keys[keys.index("router") + 1] == "moe" and _spec(maps, "router", ph).n == cfg.num_experts
@@ -251,3 +251,64 @@ def test_decode_without_a_capturable_backend_is_planned_eager():
     runs eagerly (ModelRunner) and the planned map says so instead of listing no backend."""
     maps = planned_maps(PRESETS["phi3-mini"], "sm90")
     assert not _spec(maps, "attention").cuda_graph and all(r.error is None for r in maps["decode"])
+
+
+def test_gate_up_and_its_activation_in_one_launch_where_the_gemm_has_the_gated_entry():
+    """The decode GEMM backends (triton-decode, triton-wo) and the reference carry linear_act: the
+    gate/up row takes the activation where the activation chose the backend it reproduces; prefill's
+    cuBLAS, the Gluon weight-only kernels and int4's kernel have no such entry, so two launches stay."""
+    for name, arch, act in (("llama3-8b", "sm90", "SiLU * mul"), ("gemma2-9b", "sm90", "GELU-tanh * mul"),
+                            ("tiny-llama3", "cpu", "SiLU * mul"), ("qwen3-30b-a3b", "sm90", None)):
+        cfg = PRESETS[name]
+        maps = planned_maps(cfg, arch)
+        for ph, rows in maps.items():
+            keys = [r.key for r in rows]
+            if act is None:  # an MoE model without dense layers or shared experts: nothing to fuse
+                assert not {"gate_up_act", "act", "shared_gate_up_act", "shared_act"} & set(keys)
+                continue
+            fused = ph == "decode" or arch == "cpu"  # sm90 prefill and mixed steps run cuBLAS
+            assert ("gate_up_act" in keys) == fused and ("act" in keys) != fused, (name, ph)
+            if fused:
+                row = next(r for r in rows if r.key == "gate_up_act")
+                assert (row.op, row.entry, row.label) == ("gemm", "linear_act", f"gate/up proj + {act} (one launch)")
+                assert [f.key for f in row.folded] == ["gate_up", "act"]
+                assert row.backend.name == ("triton-decode" if arch == "sm90" else "reference")
+                assert keys.index("gate_up_act") + 1 == keys.index("down")
+        apart = [r.key for r in planned_maps(cfg, arch, EngineConfig(fuse_gated=False))["decode"]]
+        assert "gate_up_act" not in apart and (act is None or apart[apart.index("gate_up"):][:3] == ["gate_up", "act", "down"])
+    # the shared expert's gate/up and SiLU likewise (DeepSeek-V2-Lite: after its dense first layer's)
+    for name, arch in (("deepseek-v2-lite", "sm90"), ("qwen1.5-moe-a2.7b", "sm90"), ("tiny-qwen2moe", "cpu")):
+        cfg = PRESETS[name]
+        keys = [r.key for r in planned_maps(cfg, arch)["decode"]]
+        assert "shared_gate_up_act" in keys and not {"shared_gate_up", "shared_act"} & set(keys)
+        assert keys.index("shared_gate_up_act") + 1 == keys.index("shared_down")
+        assert ("gate_up_act" in keys) == bool(cfg.first_dense_layers)
+        apart = [r.key for r in planned_maps(cfg, arch, EngineConfig(fuse_gated=False))["decode"]]
+        assert "shared_gate_up_act" not in apart and "shared_act" in apart
+    # an activation the epilogue does not reproduce (torch-eager rounds elsewhere) keeps its launch
+    maps = planned_maps(PRESETS["llama3-8b"], "sm90", EngineConfig(backends={"activation": "torch-eager"}))
+    assert "gate_up_act" not in [r.key for r in maps["decode"]]
+    # weights whose decode kernel has no gated entry: fp8 on the Gluon kernel, int4 on triton-w4a16
+    for fmt in ("fp8", "int4"):
+        keys = [r.key for r in planned_maps(PRESETS["llama3-8b"], "sm90", EngineConfig(quantize=fmt))["decode"]]
+        assert "gate_up_act" not in keys and "act" in keys, fmt
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-gemma2", "tiny-qwen2moe"])
+def test_the_gated_launch_gives_the_tokens_of_the_two(name, single_thread):
+    """On the CPU the fused row is the reference's linear_act (the GEMM's and the activation's
+    references composed): the same greedy tokens with the fusion and without, and the op set binds
+    the model's activation (Gemma's GELU-tanh) to the fused callable."""
+    cfg = PRESETS[name]
+    toks = {}
+    for fuse in (True, False):
+        llm = LLM(cfg, max_num_batched_tokens=32, max_num_seqs=2, fuse_gated=fuse)
+        for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()]:
+            key, act = ("shared_gate_up_act", ops.shared_act) if cfg.is_moe else ("gate_up_act", ops.act)
+            assert (key in ops.gemm) == fuse and (act is None) == fuse
+            if fuse:
+                assert ops.gemm[key].keywords == {"act": "gelu_tanh" if cfg.activation == "gelu_tanh" else "silu"}
+        toks[fuse] = [o.token_ids for o in llm.generate([[1, 2, 3, 4, 5], [7, 8, 9]],
+                                                        SamplingParams(max_tokens=4, temperature=0.0))]
+        llm.close()
+    assert toks[True] == toks[False]

@@ -491,3 +491,49 @@ def test_linear_act_bf16_equals_the_gemm_then_the_activation(M, I, K, fmt):
     x.copy_(torch.randn(M, K, device=DEV, generator=g).to(torch.bfloat16))
     graph.replay()
     assert_close(out, gemm_ref.linear_act(x, w, None, s), torch.bfloat16, scale=2.0)
+
+
+@pytest.mark.parametrize("M,H,K,N2,act,fmt", [(1, 4096, 4096, 6144, None, None), (1, 4096, 14336, 28672, "silu", None),
+                                            (16, 4096, 4096, 6144, None, None), (32, 4096, 14336, 28672, "silu", None),
+                                            (1, 4096, 4096, 6144, None, "fp8"), (5, 1001, 4112, 2 * 1409, "silu", None)])
+def test_norm_epilogues_bf16_equal_the_reference_and_replay_in_a_graph(M, H, K, N2, act, fmt):
+    """linear_add_norm (O / down shapes: the residual add and h * g in the epilogue, a sum of squares
+    per tile) then linear_normed (QKV / gate-up: the row scale in the epilogue, gated or not) on the
+    GPU with autotuned tiles and K splits, against the reference entries and against the three
+    launches they replace; then captured in one CUDA graph and replayed on new x and residual."""
+    g = torch.Generator(device=DEV).manual_seed(M + H + K)
+    rnd = lambda *shape: torch.randn(*shape, device=DEV, generator=g)
+    x, res, nw = rnd(M, K).to(torch.bfloat16), rnd(M, H).to(torch.bfloat16), (1 + 0.1 * rnd(H)).to(torch.bfloat16)
+    w, w2 = (rnd(H, K) / K ** 0.5).to(torch.bfloat16), (rnd(N2, H) / H ** 0.5).to(torch.bfloat16)
+    s = s2 = None
+    if fmt:
+        (w, s), (w2, s2) = quant.quantize_weight(w.float(), fmt), quant.quantize_weight(w2.float(), fmt)
+
+    def pair(x, r):
+        xg, ss = triton_gemm.linear_add_norm(x, w, None, s, residual=r, norm_weight=nw)
+        return r, triton_gemm.linear_normed(xg, w2, None, s2, ss=ss, eps=1e-5, act=act)
+
+    def want(x, r):
+        xg, ss = gemm_ref.linear_add_norm(x, w, None, s, residual=r, norm_weight=nw)
+        return r, gemm_ref.linear_normed(xg, w2, None, s2, ss=ss, eps=1e-5, act=act)
+
+    def apart(x, r):
+        h = norm_ref.add_rmsnorm(gemm_ref.linear(x, w, None, s), r, nw, 1e-5)
+        return r, (gemm_ref.linear_act(h, w2, None, s2, act=act) if act else gemm_ref.linear(h, w2, None, s2))
+
+    (r_got, got), (r_want, exp) = pair(x, res.clone()), want(x, res.clone())
+    assert_close(r_got, r_want, torch.bfloat16, scale=2.0)  # the autotuner restores the residual it tries on
+    assert_close(got, exp, torch.bfloat16, scale=4.0)
+    assert_close(pair(x, res.clone())[1], apart(x, res.clone())[1], torch.bfloat16, scale=8.0)
+    r_in = res.clone()
+    pair(x, r_in.clone())  # compiled and tuned before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, out = pair(x, r_in)
+    x.copy_(rnd(M, K).to(torch.bfloat16))
+    fresh = rnd(M, H).to(torch.bfloat16)
+    r_in.copy_(fresh)
+    graph.replay()
+    r_exp, exp = want(x, fresh.clone())
+    assert_close(r_in, r_exp, torch.bfloat16, scale=2.0)
+    assert_close(out, exp, torch.bfloat16, scale=4.0)

@@ -50,6 +50,10 @@ class EngineConfig:
     # kv_append ops chose one backend that has that entry (opmap.model.step.resolve); False: two
     # launches, whatever the backends (the fused and separate paths give the same tokens).
     fuse_rope_append: bool = True
+    # The dense MLP's gate/up GEMM with SiLU / GELU-tanh * mul in its epilogue (one launch) where the
+    # GEMM's backend has that entry (decode rows: triton-decode, triton-wo) and the activation chose
+    # the backend it reproduces (opmap.model.step.GATED_FUSED); False: the GEMM, then the activation.
+    fuse_gated: bool = True
     trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
     # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
     # device); see LLM.step. False: lockstep (read every step's tokens before the next).

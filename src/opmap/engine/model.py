@@ -426,14 +426,20 @@ class DecoderModel:
                           routed_scaling=c.routed_scaling, score_bias=P.get(f"{i}.router_bias"),
                           **self.expert_scales(i))
             if c.shared_experts:
-                s = ops.gemm["shared_down"](ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"])),
-                                            P[f"{i}.shared_down"])
+                if "shared_gate_up_act" in ops.gemm:  # its activation in the gate/up GEMM's epilogue
+                    a = ops.gemm["shared_gate_up_act"](h, P[f"{i}.shared_gate_up"])
+                else:
+                    a = ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"]))
+                s = ops.gemm["shared_down"](a, P[f"{i}.shared_down"])
                 if c.shared_gate:  # Qwen2-MoE: sigmoid(h @ w_gate) [T, 1] scales the shared expert
                     s = torch.sigmoid(ops.gemm["shared_gate"](h, P[f"{i}.shared_gate"])) * s
                 out = out + s
             return out
-        gu = self.linear(ops, "gate_up", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias"))
-        return self.linear(ops, "down", f"{i}.down", ops.act(gu), P.get(f"{i}.down_bias"))
+        if "gate_up_act" in ops.gemm:  # the gated activation in the gate/up GEMM's epilogue
+            a = self.linear(ops, "gate_up_act", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias"))
+        else:
+            a = ops.act(self.linear(ops, "gate_up", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias")))
+        return self.linear(ops, "down", f"{i}.down", a, P.get(f"{i}.down_bias"))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def set_kv_dtype(self, kv: Optional[str]) -> None:

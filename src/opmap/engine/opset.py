@@ -12,6 +12,7 @@ engine's defaults, resolved as the runner resolves its op sets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Optional
 
@@ -21,7 +22,7 @@ from opmap.api.dispatch import entry_of
 from opmap.engine.config import EngineConfig
 from opmap.model.hf import quantised_experts
 from opmap.model.presets import ModelConfig
-from opmap.model.step import StepSettings, resolve, step_map, step_slots
+from opmap.model.step import GATED_ACTS, StepSettings, resolve, step_map, step_slots
 from opmap.ops.gemm.quant import INT4_GROUP
 
 log = logging.getLogger("opmap.engine")
@@ -34,9 +35,10 @@ PLANNED_PHASES = ("prefill", "decode", "mixed")
 
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, settings: StepSettings, forced: Optional[dict] = None,
-                 trace: bool = False, fuse_rope_append: bool = True):
+                 trace: bool = False, fuse_rope_append: bool = True, fuse_gated: bool = True):
         self.phase, self.m, self.cuda_graph, self.trace = phase, settings.m, settings.cuda_graph, trace
-        self.rows = resolve(step_slots(cfg, phase, settings), forced, fuse_rope_append=fuse_rope_append)
+        self.rows = resolve(step_slots(cfg, phase, settings), forced, fuse_rope_append=fuse_rope_append,
+                            fuse_gated=fuse_gated)
         self.choices: list = []  # (label, entry, Choice), in step-map order
         self.gemm: dict = {}
         for name in CALLABLES:
@@ -59,6 +61,8 @@ class OpSet:
     def _use(self, r):
         self.choices.append((r.label, r.entry, r.choice))
         fn = entry_of(r.choice, r.entry)[1]  # the callable a user's opmap.<op> call runs for this spec
+        if r.entry == "linear_act":  # the fused gate/up GEMM: its activation is the folded slot's
+            fn = functools.partial(fn, act=GATED_ACTS[r.folded[1].entry])
         return _ranged(fn, f"opmap::{r.op}::{r.label}::{r.backend.name}") if self.trace else fn
 
     def summary(self) -> list:
@@ -119,7 +123,7 @@ def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = Non
 
     def rows(phase, graph, m):
         return resolve(step_map(cfg, phase, dataclasses.replace(base, cuda_graph=graph, m=m)), ecfg.backends,
-                       fuse_rope_append=ecfg.fuse_rope_append, strict=False)
+                       fuse_rope_append=ecfg.fuse_rope_append, fuse_gated=ecfg.fuse_gated, strict=False)
 
     out = {}
     for ph in phases:

@@ -43,8 +43,11 @@ def _case(case: str) -> dict:
     return out
 
 
-def _bench_op(op: str, spec) -> str:
-    """The bench's op name for a registry op and spec (attention rows are per phase and kind)."""
+def _bench_op(op: str, spec, entry: Optional[str] = None) -> str:
+    """The bench's op name for a registry op and spec (attention rows are per phase and kind; the
+    gated GEMM's, entry linear_act, are gemm.gated)."""
+    if entry == "linear_act":
+        return "gemm.gated"
     if op == "attention":
         kind = "mla_" if getattr(spec, "kind", "") == "mla" else ""
         if kind and getattr(spec, "sparse", False):
@@ -75,11 +78,12 @@ def _features(op: str, spec, rows: int) -> tuple[dict, dict]:
     return {}, {}
 
 
-def expected(op: str, spec, backend: str, rows: list, tokens: int = 1) -> Optional[dict]:
+def expected(op: str, spec, backend: str, rows: list, tokens: int = 1, entry: Optional[str] = None) -> Optional[dict]:
     """The measured row of ``backend`` nearest to ``spec`` at ``tokens`` rows (None when the
-    baselines have none). A peer's rows carry no registry name, so they match by provider."""
+    baselines have none); ``entry``: the backend function the step calls, where its rows are
+    another bench op's (``_bench_op``). A peer's rows carry no registry name, so they match by provider."""
     want = f"{op}/{backend}"
-    name = _bench_op(op, spec)
+    name = _bench_op(op, spec, entry)
     mine = [r for r in rows if r["op"] == name and "[" not in r["provider"]
             and (r.get("backend") == want or (r.get("backend") is None and r["provider"] == backend))]
     if not mine:

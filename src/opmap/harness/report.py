@@ -328,7 +328,7 @@ def build(model: str, run_check: bool = True, run_bench: bool = True, full: bool
         for row, r in zip(doc["operators"][ph], m):
             # the LM head runs on the rows that sample: one per sequence of the end-to-end case
             n = 1 if r.key == "lm_head" else tokens
-            row["expected"] = (plan.expected(r.op, r.spec, row["backend"], rows, n)
+            row["expected"] = (plan.expected(r.op, r.spec, row["backend"], rows, n, r.entry)
                                if row["backend"] and rows else None)
             if row["backend"] and rows:
                 row["scaled"] = plan.scaled(r.op, r.spec, row["expected"], n)

@@ -7,7 +7,8 @@ pass, each (key, label, op, spec, entry): the key is where the engine's op set k
 ``step_map`` is both, as the report lists a step. ``resolve`` puts each slot to the selector and
 makes the decisions that depend on its answers: RoPE and the KV append in one launch where both
 chose one backend that has a ``rope_append`` entry, Qwen3's q/k norm inside it where the norm chose
-that backend too; MLA's latent norm, RoPE and latent append as one launch likewise. The engine's op
+that backend too; MLA's latent norm, RoPE and latent append as one launch likewise; the gate/up
+GEMM with its gated activation in the epilogue where the GEMM's backend has that entry. The engine's op
 sets (``opmap.engine.opset``), ``opmap report``, ``opmap check --model`` and ``opmap bench --model``
 all read these, so the rows the report prints are the calls the engine makes.
 
@@ -209,13 +210,16 @@ def many_tokens_of(cfg: ModelConfig) -> Optional[int]:
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,
-            fuse_rope_append: bool = True, strict: bool = True) -> list[Resolved]:
+            fuse_rope_append: bool = True, strict: bool = True, fuse_gated: bool = True) -> list[Resolved]:
     """Each slot with the selector's choice (``forced``: op -> backend name; ``runtime``: as
     ``select``'s, by default whether the slots' arch is this device's). ``strict``: a slot no
     backend can serve raises BackendError, else its row carries the error. ``fuse_rope_append``
     (EngineConfig.fuse_rope_append): RoPE and the GQA KV append as one launch where they chose one
     backend with a ``rope_append`` entry (the rope selection has then checked that backend's RoPE
-    requirements); Qwen3's q/k norm rides in it where the norm chose that backend's name too."""
+    requirements); Qwen3's q/k norm rides in it where the norm chose that backend's name too.
+    ``fuse_gated`` (EngineConfig.fuse_gated): the gate/up GEMM and its gated activation as one
+    launch (``linear_act``) where the GEMM's backend has that entry and the activation chose the
+    backend whose values it reproduces (GATED_FUSED)."""
     forced = forced or {}
     rows = []
     for s in slots:
@@ -226,7 +230,34 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
             if strict:
                 raise
             rows.append(Resolved(s, None, None, str(e)))
-    return _fuse_mla_norm_rope_append(_fuse_rope_append(rows)) if fuse_rope_append else rows
+    if fuse_rope_append:
+        rows = _fuse_mla_norm_rope_append(_fuse_rope_append(rows))
+    return _fuse_gated(rows) if fuse_gated else rows
+
+
+# The activation backend whose values a GEMM backend's linear_act entry reproduces: the Triton
+# epilogue computes the activation kernel's act_of on the two rounded outputs; the reference
+# composes the references. Any other activation (torch-eager rounds elsewhere) keeps its launch.
+GATED_FUSED = {"triton-decode": "triton", "triton-wo": "triton", "reference": "reference"}
+GATED_ACTS = {"silu_mul": "silu", "gelu_tanh_mul": "gelu_tanh"}
+
+
+def _fuse_gated(rows: list[Resolved]) -> list[Resolved]:
+    """A gated MLP's gate/up GEMM with its SiLU / GELU-tanh * mul in the epilogue, the dense MLP's
+    and the shared expert's: one launch each (keys ``gate_up_act``, ``shared_gate_up_act``; the gemm
+    entry ``linear_act``) where the GEMM's backend has the entry and the activation chose the backend
+    GATED_FUSED names for it."""
+    for gemm, act in (("gate_up", "act"), ("shared_gate_up", "shared_act")):
+        by = {r.key: r for r in rows}
+        gu, a = by.get(gemm), by.get(act)
+        if gu is None or a is None or gu.choice is None or a.choice is None or a.entry not in GATED_ACTS:
+            continue
+        b = gu.choice.backend
+        if "linear_act" not in b.impl or GATED_FUSED.get(b.name) != a.backend.name:
+            continue
+        rows = _splice(rows, Resolved(Slot(f"{gemm}_act", f"{gu.label} + {a.label} (one launch)", "gemm", gu.spec,
+                                           "linear_act"), gu.choice, b, folded=(gu, a)))
+    return rows
 
 
 # The latent append backend whose norm_rope_append_mla entry computes what these (rmsnorm, rope)

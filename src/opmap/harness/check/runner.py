@@ -79,7 +79,7 @@ class Targets:
 
     pairs: set  # (op, backend name): chosen in prefill or decode, plus every op's reference
     ops: set
-    choices: list  # (phase, op, label, Choice or None, error or None)
+    choices: list  # (phase, op, label, Choice or None, error or None, entry the step calls)
     cfg: presets.ModelConfig
 
 
@@ -101,7 +101,7 @@ def model_targets(model: str, arch: Optional[str] = None) -> Targets:
                          if b.name == "reference" or b.name.endswith("-reference"))
             if r.choice is not None:
                 pairs.add((r.op, r.backend.name))
-            choices.append((phase, r.op, r.label, r.choice, r.error))
+            choices.append((phase, r.op, r.label, r.choice, r.error, r.entry))
     return Targets(pairs, ops, choices, cfg)
 
 
@@ -315,7 +315,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
             engine_log.removeFilter(once)
     results = list(errors) + ran
     if targets is not None:
-        for phase, op, label, ch, err in targets.choices:
+        for phase, op, label, ch, err, *_ in targets.choices:
             if err is not None:
                 results.append(Result("parity", op, "-", f"select {label} [{phase}]", False,
                                       "no backend: " + short_error(err), family="select"))
@@ -334,7 +334,7 @@ def check(model=None, backends=None, ops=None, sections=None, quick=True, device
         notes.append("families without check cases: " + ", ".join(missing))
     extra = {"device": device, "quick": quick, "model": model, "notes": notes,
              "selection": [{"phase": p, "op": op, "label": lb, "backend": ch.name if ch else None,
-                            "why": ch.why() if ch else err} for p, op, lb, ch, err in
+                            "why": ch.why() if ch else err} for p, op, lb, ch, err, *_ in
                            (targets.choices if targets else [])]}
     if sources is not None:
         extra["sanitizer_sources"] = sources

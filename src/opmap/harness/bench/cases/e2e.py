@@ -15,6 +15,7 @@ them; ``python -m opmap.harness.bench.cases.e2e [--quick] [--out DIR]`` writes a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -87,10 +88,35 @@ def _engine_name(llm) -> str:
     tags += [f"prefill-graphs={graphs}"] if graphs != EngineConfig.prefill_graph_tokens else []
     cap = llm.ecfg.max_prefill_tokens_with_decodes
     tags += [f"prefill-cap={cap}"] if cap is not None else []
+    tags += [f"{k}={_show(v)}" for k, v in sorted(getattr(llm, "e2e_settings", {}).items())]
     return "opmap-engine" + (f"[{','.join(tags)}]" if tags else "")
 
 
-def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None, prefill_cap=None):
+def _show(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def engine_setting(text: str) -> tuple:
+    """``--engine KEY=VALUE``: an EngineConfig field and its value (true / false / none / an int / a
+    float / a string); a field EngineConfig lacks is refused naming the fields."""
+    key, sep, raw = text.partition("=")
+    fields = [f.name for f in dataclasses.fields(EngineConfig)]
+    if not sep or key not in fields:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE with KEY an EngineConfig field "
+                                         f"({', '.join(fields)})")
+    low = raw.lower()
+    if low in ("true", "false", "none"):
+        return key, {"true": True, "false": False, "none": None}[low]
+    for kind in (int, float):
+        try:
+            return key, kind(raw)
+        except ValueError:
+            pass
+    return key, raw
+
+
+def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_graph_tokens=None, prefill_cap=None,
+            engine_kw=None):
     # the whole engine, for its rows only (importing this module loads none of it)
     from opmap.engine.llm import LLM
     base, quant, kv = split_model(model)
@@ -99,8 +125,9 @@ def _engine(model, cases_of_model, ceil, out, skipped, lockstep=False, prefill_g
               max_num_batched_tokens=step_budget(cases_of_model), max_model_len=min(4096, cfg.max_position),
               gpu_memory_fraction=0.9,  # HF runs after, alone
               async_decode=not lockstep, quantize=quant, kv_cache_dtype=kv,
-              max_prefill_tokens_with_decodes=prefill_cap,
+              max_prefill_tokens_with_decodes=prefill_cap, **(engine_kw or {}),
               **({} if prefill_graph_tokens is None else {"prefill_graph_tokens": prefill_graph_tokens}))
+    llm.e2e_settings = dict(engine_kw or {})  # the row's provider name tags them
     try:
         _engine_cases(llm, model, cfg, cases_of_model, ceil, out, skipped)
     finally:
@@ -339,7 +366,7 @@ def _hf_static(model, cases_of_model, ceil, out, skipped):
 
 def records(quick: bool = True, progress: bool = True, models=None, done=None, kinds=None,
             hf: bool = True, lockstep: bool = False, prefill_graph_tokens=None, isolate: bool = False,
-            prefill_cap=None) -> tuple:
+            prefill_cap=None, engine_kw=None) -> tuple:
     """(records, skipped) of the end-to-end cases; needs a GPU. ``models`` keeps only those
     presets; ``done(out, skipped)`` is called after each provider of each model, so a caller can
     save what is finished before a long run is cut off (a compiled HF peer of an MoE model takes
@@ -358,13 +385,14 @@ def records(quick: bool = True, progress: bool = True, models=None, done=None, k
         argv += ([] if hf else ["--no-hf"]) + (["--lockstep"] if lockstep else [])
         argv += [] if prefill_graph_tokens is None else ["--prefill-graph-tokens", str(prefill_graph_tokens)]
         argv += [] if prefill_cap is None else ["--max-prefill-tokens-with-decodes", str(prefill_cap)]
+        argv += [x for k, v in (engine_kw or {}).items() for x in ("--engine", f"{k}={_show(v)}")]
         return in_children(todo_models, argv, done)
     ceil = hw.ceilings(measure=True)
     out, skipped = [], []
     for model in todo_models:
         mine = [c for c in todo if c[0] == model]
         engine = functools.partial(_engine, lockstep=lockstep, prefill_graph_tokens=prefill_graph_tokens,
-                                   prefill_cap=prefill_cap)
+                                   prefill_cap=prefill_cap, engine_kw=engine_kw)
         sides = (("opmap-engine", engine), ("hf-transformers-eager", _hf),
                  ("hf-transformers-static-compile", _hf_static))
         for who, fn in sides if hf else sides[:1]:
@@ -442,6 +470,9 @@ def main(argv=None) -> int:
                     help="the engine's prefill CUDA-graph token limit (default: the engine's; rows tagged when not)")
     ap.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
                     help="the engine's cap on prompt tokens in a step with decodes (rows tagged prefill-cap=N)")
+    ap.add_argument("--engine", action="append", type=engine_setting, default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig field for the engine's rows (repeatable; rows tagged KEY=VALUE), "
+                         "e.g. fuse_gated=false")
     ap.add_argument("--one-process", action="store_true",
                     help="every model in this process (default: each in a child process of its own)")
     ap.add_argument("--keep-others", action="store_true",
@@ -455,7 +486,7 @@ def main(argv=None) -> int:
 
         write_part(*records(quick=a.quick, models=a.model, done=write_part, kinds=a.case, hf=not a.no_hf,
                             lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens,
-                            prefill_cap=a.max_prefill_tokens_with_decodes))
+                            prefill_cap=a.max_prefill_tokens_with_decodes, engine_kw=dict(a.engine)))
         return 0
 
     def doc_of(recs, skipped):
@@ -470,7 +501,7 @@ def main(argv=None) -> int:
 
     recs, skipped = records(quick=a.quick, models=a.model, done=save_partial, kinds=a.case, hf=not a.no_hf,
                             lockstep=a.lockstep, prefill_graph_tokens=a.prefill_graph_tokens, isolate=not a.one_process,
-                            prefill_cap=a.max_prefill_tokens_with_decodes)
+                            prefill_cap=a.max_prefill_tokens_with_decodes, engine_kw=dict(a.engine))
     doc = doc_of(recs, skipped)
     for r in recs:
         print(f"{r['case']:<55} {r['provider']:<22} TTFT {r['ttft_ms']:.1f} ms  TPOT {r['tpot_ms']:.2f} ms  "

@@ -273,13 +273,13 @@ def cases(quick: bool) -> list[BenchCase]:
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
-    return out + _act_quant_cases(arch) + _gated_cases(arch)
+    return out + _act_quant_cases(arch) + _gated_cases(arch) + _norm_cases(arch)
 
 
 def _gated_cases(arch) -> list[BenchCase]:
     """Llama-3-8B's gate/up at decode M: the GEMM with its SiLU * mul in the epilogue (linear_act,
-    one launch) beside the GEMM then the activation kernel (two launches: what the engine runs) and
-    cuBLAS then the activation kernel."""
+    one launch: what the engine's decode runs, EngineConfig.fuse_gated) beside the GEMM then the
+    activation kernel (two launches) and cuBLAS then the activation kernel."""
     K, N = SHAPES[0]
 
     def fused(inp):
@@ -296,10 +296,55 @@ def _gated_cases(arch) -> list[BenchCase]:
         out.append(BenchCase(
             op="gemm.gated", case=f"M={M},N={N},K={K},act=silu,dtype=bf16", flops=2.0 * M * N * K, bytes=float(nbytes),
             setup=_setup(M, N, K, None),
-            providers=[Provider("opmap-triton[linear_act, one launch]", fused, backend=("gemm", "triton-decode")),
-                       Provider("opmap-triton[linear, then silu_mul]", apart),
+            providers=[Provider("opmap-triton", fused, backend=("gemm", "triton-decode")),
+                       Provider("opmap-triton linear, then silu_mul", apart),
                        Provider("cublas, then silu_mul", lambda inp: (lambda: silu_mul(F.linear(inp["x"], inp["w"]))))],
             bound="memory", graph=True,
             spec=GemmSpec(arch=arch, phase="decode", m=M, n=N, k=K, dtype="bf16", weight_dtype="bf16"),
+            tags=("gemm",)))
+    return out
+
+
+def _norm_cases(arch) -> list[BenchCase]:
+    """Llama-3-8B's O projection, the add + RMSNorm after it and the QKV projection at decode M (the
+    same pattern as down, the next layer's input norm and QKV): the residual add and the norm split
+    between the two GEMMs' epilogues (linear_add_norm, linear_normed: two launches) beside the three
+    launches the engine runs without it, Triton's GEMMs and cuBLAS's."""
+    H, NQ = 4096, 6144
+    ref = registry.get("rmsnorm", "triton")
+
+    def setup(M):
+        def make(device):
+            g = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)
+            return dict(x=g(M, H), wo=g(H, H) / H ** 0.5, wq=g(NQ, H) / H ** 0.5, r=g(M, H), nw=1 + 0.1 * g(H))
+        return make
+
+    def fused(inp):
+        be = registry.get("gemm", "triton-decode")
+        first, second = be.fn("linear_add_norm"), be.fn("linear_normed")
+
+        def run():
+            xg, ss = first(inp["x"], inp["wo"], residual=inp["r"], norm_weight=inp["nw"])
+            return second(xg, inp["wq"], ss=ss, eps=1e-5)
+        return run
+
+    def apart(gemm):
+        def make(inp):
+            add_norm = ref.fn("add_rmsnorm")
+            return lambda: gemm(add_norm(gemm(inp["x"], inp["wo"]), inp["r"], inp["nw"], 1e-5), inp["wq"])
+        return make
+
+    out = []
+    for M in (1, 16, 32):
+        nbytes = (H * H + NQ * H) * 2 + M * (3 * H + NQ) * 2 * 2
+        out.append(BenchCase(
+            op="gemm.norm", case=f"M={M},H={H},N={NQ},dtype=bf16", flops=2.0 * M * H * (H + NQ), bytes=float(nbytes),
+            setup=setup(M),
+            providers=[Provider("opmap-triton", fused, backend=("gemm", "triton-decode")),
+                       Provider("opmap-triton linear, add_rmsnorm, linear",
+                                apart(registry.get("gemm", "triton-decode").fn("linear"))),
+                       Provider("cublas, add_rmsnorm, cublas", apart(F.linear))],
+            bound="memory", graph=True,
+            spec=GemmSpec(arch=arch, phase="decode", m=M, n=H, k=H, dtype="bf16", weight_dtype="bf16"),
             tags=("gemm",)))
     return out

@@ -26,8 +26,9 @@ def _t(shape, dt, dev, seed, scale=1.0):
     return (torch.randn(shape, generator=_gen(seed)) * scale).to(dev, dt)
 
 
-def _inputs(op, spec, cfg, dev, phase):
-    """(entry, kwargs builder) of one operator at its spec's shapes, or None where not covered."""
+def _inputs(op, spec, cfg, dev, phase, entry=None):
+    """(entry, kwargs builder) of one operator at its spec's shapes, or None where not covered;
+    ``entry``: the function the step calls, where it is not the op's plain one (linear_act)."""
     dt = _DT.get(getattr(spec, "dtype", "bf16"), torch.bfloat16)
     R = ROWS[phase]
     if op == "rmsnorm":
@@ -42,6 +43,10 @@ def _inputs(op, spec, cfg, dev, phase):
         if spec.weight_dtype != spec.dtype:
             return None  # quantised weights: the quantisation gates check those
         m = spec.m or R
+        if entry == "linear_act":  # the gate/up GEMM with the model's gated activation in its epilogue
+            act = "gelu_tanh" if cfg.activation == "gelu_tanh" else "silu"
+            return entry, lambda: dict(x=_t((m, spec.k), dt, dev, 5), w=_t((spec.n, spec.k), dt, dev, 6, spec.k ** -0.5),
+                                       bias=_t((spec.n,), dt, dev, 7) if spec.bias else None, act=act)
         return "linear", lambda: dict(x=_t((m, spec.k), dt, dev, 5), w=_t((spec.n, spec.k), dt, dev, 6, spec.k ** -0.5),
                                       bias=_t((spec.n,), dt, dev, 7) if spec.bias else None)
     if op == "rope":
@@ -110,18 +115,19 @@ def _case(op, backend, entry, build, dt):
 def cases(cfg, choices, device: str) -> list:
     """One case per distinct (op, spec, backend) of the model's step maps whose backend is not a
     reference, a spec that differs only in its phase counted once (e.g. the LM head at one row in
-    prefill and decode). ``choices``: (phase, op, label, Choice or None, error) as
+    prefill and decode). ``choices``: (phase, op, label, Choice or None, error[, entry]) as
     runner.model_targets gives."""
     out, seen = [], set()
-    for phase, op, label, ch, _ in choices:
+    for phase, op, label, ch, _, *entry in choices:
         if ch is None or "reference" in ch.name:
             continue
+        entry = entry[0] if entry else None
         spec = ch.spec if op == "attention" else ch.spec.replace(phase="decode")  # attention's entry is its phase
-        key = (op, spec, ch.name, getattr(ch.spec, "m", None) or ROWS[phase])  # the rows its inputs get
+        key = (op, spec, ch.name, getattr(ch.spec, "m", None) or ROWS[phase], entry)  # the rows its inputs get
         if key in seen:
             continue
         seen.add(key)
-        made = _inputs(op, ch.spec, cfg, device, phase)
+        made = _inputs(op, ch.spec, cfg, device, phase, entry)
         if made is None or made[0] not in registry.get(op, ch.name).impl:
             continue
         entry, build = made
