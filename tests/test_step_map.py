@@ -312,3 +312,53 @@ def test_the_gated_launch_gives_the_tokens_of_the_two(name, single_thread):
                                                         SamplingParams(max_tokens=4, temperature=0.0))]
         llm.close()
     assert toks[True] == toks[False]
+
+
+def test_adds_and_norms_between_blocks_in_the_gemms_around_them_when_asked():
+    """EngineConfig.fuse_norm: in a dense model whose decode GEMMs all have the entries, O and down
+    take the add + RMSNorm (linear_add_norm), QKV, gate/up and the LM head its row scale
+    (linear_normed), the first norm leaves its scale to QKV (norm_parts); the add + RMSNorm row is
+    gone. MoE, MLA and Gemma's sandwich norms keep theirs, as do prefill steps on cuBLAS."""
+    on = EngineConfig(fuse_norm=True)
+    for name, arch in (("llama3-8b", "sm90"), ("tiny-llama3", "cpu"), ("qwen3-8b", "sm90")):
+        maps = planned_maps(PRESETS[name], arch, on)
+        for ph, rows in maps.items():
+            entries = {r.key: r.entry for r in rows}
+            fused = ph == "decode" or arch == "cpu"
+            assert ("add_rmsnorm" not in entries) == fused, (name, ph)
+            if not fused:
+                continue
+            assert entries["o"] == entries["down"] == "linear_add_norm" and entries["rmsnorm"] == "norm_parts"
+            assert entries["qkv"] == entries["gate_up_act"] == entries["lm_head"] == "linear_normed"
+            o = next(r for r in rows if r.key == "o")
+            assert o.label == "O proj + add + RMSNorm (one launch)" and [f.key for f in o.folded] == ["o", "add_rmsnorm"]
+        assert "add_rmsnorm" in [r.key for r in planned_maps(PRESETS[name], arch)["decode"]]  # off by default
+    for name in ("qwen3-30b-a3b", "deepseek-v2-lite", "gemma2-9b", "mixtral-8x7b"):
+        assert "add_rmsnorm" in [r.key for r in planned_maps(PRESETS[name], "sm90", on)["decode"]], name
+    # weights whose decode GEMM lacks the entries (fp8 on the Gluon kernel) keep the launches apart
+    keys = [r.key for r in planned_maps(PRESETS["llama3-8b"], "sm90", EngineConfig(fuse_norm=True, quantize="fp8"))["decode"]]
+    assert "add_rmsnorm" in keys
+    # without the gated fusion the gate/up GEMM still takes the row scale, its activation apart
+    rows = planned_maps(PRESETS["llama3-8b"], "sm90", EngineConfig(fuse_norm=True, fuse_gated=False))["decode"]
+    assert {r.key: r.entry for r in rows}["gate_up"] == "linear_normed" and "act" in [r.key for r in rows]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama3", "tiny-qwen3"])
+def test_the_norms_in_the_gemms_give_hfs_tokens(name, single_thread):
+    """On the CPU (the reference entries, fp32) the split norm gives HF's greedy tokens, and the
+    tokens of the engine without it."""
+    from opmap.model.hf import make_hf_model
+    from opmap.engine.weights import StateDictSource
+    from test_engine_util import hf_greedy, random_prompts
+
+    cfg = PRESETS[name]
+    hf = make_hf_model(cfg, seed=4)
+    prompts = random_prompts(cfg.vocab, (6, 19), seed=3)
+    toks = {}
+    for fuse in (True, False):
+        llm = LLM(cfg, source=StateDictSource(hf.state_dict()), max_num_batched_tokens=32, max_num_seqs=2,
+                  fuse_norm=fuse)
+        assert all(ops.norm_in_gemms == fuse for ops in [*llm.runner.ops.values(), *llm.runner.decode_ops.values()])
+        toks[fuse] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))]
+        llm.close()
+    assert toks[True] == toks[False] == [hf_greedy(hf, p, 5) for p in prompts]
