@@ -458,3 +458,34 @@ def test_norm_rope_append_equals_the_three_launches_bf16(T, H):
     assert torch.equal(q, q2) and torch.equal(kva[:, R:], kva2[:, R:])
     assert torch.equal(cache[..., R:], cache2[..., R:])
     assert_close(cache[..., :R].float(), cache2[..., :R].float(), torch.bfloat16, what="latent rows")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, "tensor"])
+def test_fp8_latent_append_of_16_bit_rows_equals_the_reference(scale):
+    """Both MLA append kernels with bf16 rows into an fp8 latent cache (the dtypes that once left
+    their fp8 helper with two return types, which no GPU build accepts): the stored bytes are the
+    reference's (a correctly rounded row / scale, clamped)."""
+    R, Dr, page, T = 512, 64, 64, 5
+    g = torch.Generator(device="cuda").manual_seed(7)
+    kva = (3 * torch.randn(T, R + Dr, device="cuda", generator=g)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(R, device="cuda", generator=g)).to(torch.bfloat16)
+    pos = torch.randint(0, 4000, (T,), device="cuda", generator=g)
+    inv = 1.0 / (10000 ** (torch.arange(0, Dr, 2, device="cuda").float() / Dr))
+    ang = torch.arange(4096, device="cuda").float()[:, None] * inv[None, :]
+    cs = torch.cat([ang.cos(), ang.sin()], 1).contiguous()
+    q = torch.randn(T, 16, Dr, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.randperm(4 * page, device="cuda", generator=g)[:T].to(torch.int32)
+    s = torch.tensor([0.25], device="cuda") if scale == "tensor" else scale  # a float, or [1] fp32 on the device
+    tri, want = registry.get("kv_append", "mla-triton"), registry.get("kv_append", "mla-reference")
+    for entry, args in (("append_mla", lambda kv, qq: (kv[:, :R], kv[:, R:])),
+                        ("norm_rope_append_mla", lambda kv, qq: (qq, kv, w, 1e-6, pos, cs, "gptj"))):
+        caches = [torch.zeros(4, page, R + Dr, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+        for be, cache in zip((tri, want), caches):
+            be(entry, *args(kva.clone(), q.clone()), cache, slots, s)
+        got, exp = caches
+        if entry == "append_mla":
+            assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8))
+        else:  # the latent's norm may round its bf16 output once differently: one fp8 step at most
+            assert torch.equal(got[..., R:].view(torch.uint8), exp[..., R:].view(torch.uint8))
+            a, b = got[..., :R].float(), exp[..., :R].float()
+            assert bool(((a - b).abs() <= 0.125 * b.abs() + 2.0 ** -9).all())

@@ -36,9 +36,10 @@ def _scale(SCALE_PTR, kv_scale, FP8: tl.constexpr, SCALE_FROM_PTR: tl.constexpr)
 def _fp8_of(x, FP8: tl.constexpr, ks):
     """What an fp8 cache stores for x: a correctly rounded division (not x * (1/s)), so that the
     stored bytes equal torch's, clamped to +-448; x as is for a 16-bit cache."""
-    if FP8:
-        return tl.clamp(tl.math.div_rn(x.to(tl.float32), ks), -448.0, 448.0)
-    return x
+    y = x
+    if FP8:  # one return: Triton types every return of a function, so two of fp32 and bf16 do not compile
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), ks), -448.0, 448.0)
+    return y
 
 
 @triton.jit

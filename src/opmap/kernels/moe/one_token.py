@@ -61,7 +61,7 @@ def _route_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, inter_ptr, w_ptr
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
+    u_ptrs = g_ptrs + (offs_n[:, None] * 0 + I).to(tl.int64) * stride_wn  # I may be a constant (1)
     pg = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     pu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
@@ -78,7 +78,8 @@ def _route_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, inter_ptr, w_ptr
     tl.store(inter_ptr + j * I + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+# M is always 1 here: Triton would make it a constant, and splitk.finish takes it as a tensor
+@triton.jit(do_not_specialize=["M"])
 def _down_kernel(inter_ptr, w2_ptr, w_ptr, ids_ptr, o_ptr, ws_ptr, cnt_ptr, M, H, I, stride_we, stride_wn,
                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
