@@ -129,7 +129,8 @@ def _plane(t, word, zf, x_ptrs, j: tl.constexpr, at: tl.constexpr, ASM: tl.const
     return t + v * xj[None, :]
 
 
-@triton.jit
+# M is always 1 here: Triton would make it a constant, and splitk.finish takes it as a tensor
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_wn, stride_sn,
                        stride_om, K_PER_SPLIT, G: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr,
                        SPLIT: tl.constexpr, SYM_ZERO: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
