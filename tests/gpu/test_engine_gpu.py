@@ -113,19 +113,6 @@ def test_llama3_8b_bf16_within_bf16_noise_of_fp32_oracle(record_property):
                    max_num_batched_tokens=1024, max_model_len=2048, num_pages=4 * 2048 // page)
 
 
-@torch.no_grad()
-def test_llama3_8b_with_the_norms_in_the_gemms_within_bf16_noise_of_fp32_oracle(record_property):
-    """EngineConfig.fuse_norm (the add + RMSNorm between blocks split between the GEMMs around it,
-    its row scale rounded at another point than HF's): the same criterion as the default path, on
-    8 of Llama-3-8B's layers at full width."""
-    from opmap.core.hw import local_arch
-
-    cfg = dataclasses.replace(PRESETS["llama3-8b"], layers=8)
-    page = cfg.default_page_size(local_arch())
-    oracle_parity(cfg, record_property, (128, 517), 32, max_num_seqs=4, max_num_batched_tokens=1024,
-                  max_model_len=2048, num_pages=4 * 2048 // page, fuse_norm=True)
-
-
 def test_profile_attributes_gpu_kernels_to_operators():
     from opmap.harness import profile as P
     from opmap.engine.llm import LLM

@@ -54,12 +54,6 @@ class EngineConfig:
     # GEMM's backend has that entry (decode rows: triton-decode, triton-wo) and the activation chose
     # the backend it reproduces (opmap.model.step.GATED_FUSED); False: the GEMM, then the activation.
     fuse_gated: bool = True
-    # The residual add and RMSNorm between blocks split between the GEMMs around them (the O / down
-    # projection adds and multiplies by the norm's weight, the next projection applies the row's
-    # rsqrt(mean + eps): opmap.model.step._fuse_norm) in a dense model where every one of those GEMMs'
-    # backends has the entry. Off by default: the row scale is rounded at another point than HF's,
-    # and the gemm.norm and e2e rows decide whether the launches it saves are worth that.
-    fuse_norm: bool = False
     trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
     # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
     # device); see LLM.step. False: lockstep (read every step's tokens before the next).

@@ -41,32 +41,6 @@ class Step:
     max_seq_len: Optional[int] = None
 
 
-@dataclass
-class Normed:
-    """An RMSNorm's output whose row scale the next GEMM applies (OpSet.norm_in_gemms): ``x`` =
-    h * the norm's weight, ``ss`` its rows' sums of h^2 (partials summed by the GEMM)."""
-
-    x: torch.Tensor
-    ss: torch.Tensor
-    eps: float
-
-    def __getitem__(self, rows) -> "Normed":
-        return Normed(self.x[rows], self.ss[rows], self.eps)
-
-    shape = property(lambda self: self.x.shape)
-
-
-@dataclass
-class Deferred:
-    """A block's last GEMM (O, down) not yet run: ``add_norm`` runs it with the residual add and the
-    next RMSNorm's weight in its epilogue."""
-
-    key: str
-    name: str
-    x: torch.Tensor
-    bias: Optional[torch.Tensor]
-
-
 class DecoderModel:
     """GQA decoder (Llama family); MoE layers for Mixtral / Qwen3-MoE."""
 
@@ -260,34 +234,18 @@ class DecoderModel:
         names = self.quant_names() + (["lm_head"] if "lm_head.scale" in self.params else [])
         return self._bytes_per_param(names, ".") or 1.0
 
-    def linear(self, ops, key: str, name: str, x, bias: Optional[torch.Tensor] = None, **kw):
+    def linear(self, ops, key: str, name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
         """``ops.gemm[key]`` on weight ``name`` with what its format keeps beside it: a scale,
         int4 zero codes, and an act-order checkpoint's channel order (x's columns permuted into the
-        weight's group order). ``x`` Normed: the GEMM applies its row scale (linear_normed's ss,
-        eps); ``kw``: the entry's own (linear_add_norm's residual and norm weight)."""
+        weight's group order)."""
         P = self.params
-        if isinstance(x, Normed):
-            x, kw = x.x, {**kw, "ss": x.ss, "eps": x.eps}
         perm = P.get(f"{name}.perm")
         if perm is not None:
             x = x[:, perm]
         zero = P.get(f"{name}.zero")
         if zero is not None:
-            return ops.gemm[key](x, P[name], bias, P[f"{name}.scale"], zero, **kw)
-        return ops.gemm[key](x, P[name], bias, P.get(f"{name}.scale"), **kw)
-
-    def block_out(self, ops, key: str, name: str, x: torch.Tensor, bias: Optional[torch.Tensor] = None):
-        """A block's last GEMM: run now, or Deferred to the add + RMSNorm after it where the op set
-        puts those in its epilogue."""
-        return Deferred(key, name, x, bias) if ops.norm_in_gemms else self.linear(ops, key, name, x, bias)
-
-    def add_norm(self, ops, out, residual: torch.Tensor, weight: torch.Tensor):
-        """``residual += out``, then RMSNorm: add_rmsnorm, or (``out`` Deferred) the GEMM that makes
-        ``out`` does the add and the weight and returns the row sums the next GEMM scales by."""
-        if isinstance(out, Deferred):
-            xg, ss = self.linear(ops, out.key, out.name, out.x, out.bias, residual=residual, norm_weight=weight)
-            return Normed(xg, ss, self.cfg.rms_eps)
-        return ops.add_rmsnorm(out, residual, weight, self.cfg.rms_eps)
+            return ops.gemm[key](x, P[name], bias, P[f"{name}.scale"], zero)
+        return ops.gemm[key](x, P[name], bias, P.get(f"{name}.scale"))
 
     def load(self, source) -> list:
         """Fill every parameter from an HF-named source; returns source names left unused. An fp8
@@ -385,9 +343,6 @@ class DecoderModel:
     def forward(self, ops, st: Step, kv: list) -> torch.Tensor:
         """Logits (fp32) of the rows ``st.logits_idx`` (all rows when None)."""
         out, residual = self.layers(ops, st, kv)
-        if isinstance(out, Deferred):  # every row through the last down projection, then the sampled ones
-            h = self.add_norm(ops, out, residual, self.params["norm"])
-            return self.lm_head(ops, h if st.logits_idx is None else h[st.logits_idx])
         if st.logits_idx is not None:
             out, residual = out[st.logits_idx], residual[st.logits_idx]
         return self.head(ops, out, residual)
@@ -398,30 +353,21 @@ class DecoderModel:
         P, c = self.params, self.cfg
         eps = c.rms_eps
         residual = P["embed"][st.input_ids]  # a fresh tensor: add_rmsnorm may update it in place
-        if ops.norm_in_gemms:  # the first QKV projection applies this norm's row scale too
-            h = Normed(*ops.rmsnorm(residual, P["0.in_norm"]), eps)
-        else:
-            h = ops.rmsnorm(residual, P["0.in_norm"], eps)
+        h = ops.rmsnorm(residual, P["0.in_norm"], eps)
         out = None
         for i in range(c.layers):
             if i > 0:
-                h = self.add_norm(ops, out, residual, P[f"{i}.in_norm"])
+                h = ops.add_rmsnorm(out, residual, P[f"{i}.in_norm"], eps)
             a = self.attention(ops, st, kv[i], i, h)
-            h = self.add_norm(ops, a, residual, P[f"{i}.post_norm"])
+            h = ops.add_rmsnorm(a, residual, P[f"{i}.post_norm"], eps)
             out = self.mlp(ops, i, h)
         return out, residual
 
     def head(self, ops, out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the rows given: the last residual add, the final norm and the LM head."""
-        return self.lm_head(ops, self.add_norm(ops, out, residual, self.params["norm"]))
-
-    def lm_head(self, ops, h) -> torch.Tensor:
-        """fp32 logits of the final norm's rows (``h`` Normed: the GEMM applies its row scale)."""
-        kw = {}
-        if isinstance(h, Normed):
-            h, kw = h.x, {"ss": h.ss, "eps": h.eps}
+        h = ops.add_rmsnorm(out, residual, self.params["norm"], self.cfg.rms_eps)
         logits = ops.gemm["lm_head"](h, self.params.get("lm_head", self.params["embed"]), None,
-                                     self.params.get("lm_head.scale"), **kw)
+                                     self.params.get("lm_head.scale"))
         return logits.float()
 
     def attention(self, ops, st: Step, kv, i: int, h: torch.Tensor) -> torch.Tensor:
@@ -452,7 +398,7 @@ class DecoderModel:
         else:
             o = ops.attention(q, k_cache, v_cache, st.cu_seqlens_q, st.seq_lens, st.block_tables,
                               scale=self.scale, **win)
-        return self.block_out(ops, "o", f"{i}.o", o.reshape(T, qd), P.get(f"{i}.o_bias"))
+        return self.linear(ops, "o", f"{i}.o", o.reshape(T, qd), P.get(f"{i}.o_bias"))
 
     def cos_sin_of(self, i: int) -> torch.Tensor:
         """The RoPE cache of layer i: Gemma-3's sliding layers have their own base."""
@@ -493,7 +439,7 @@ class DecoderModel:
             a = self.linear(ops, "gate_up_act", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias"))
         else:
             a = ops.act(self.linear(ops, "gate_up", f"{i}.gate_up", h, P.get(f"{i}.gate_up_bias")))
-        return self.block_out(ops, "down", f"{i}.down", a, P.get(f"{i}.down_bias"))
+        return self.linear(ops, "down", f"{i}.down", a, P.get(f"{i}.down_bias"))
 
     # ---- KV cache ---------------------------------------------------------------------------
     def set_kv_dtype(self, kv: Optional[str]) -> None:

@@ -22,7 +22,7 @@ from opmap.api.dispatch import entry_of
 from opmap.engine.config import EngineConfig
 from opmap.model.hf import quantised_experts
 from opmap.model.presets import ModelConfig
-from opmap.model.step import GATED_ACTS, StepSettings, norm_fusable, resolve, step_map, step_slots
+from opmap.model.step import GATED_ACTS, StepSettings, resolve, step_map, step_slots
 from opmap.ops.gemm.quant import INT4_GROUP
 
 log = logging.getLogger("opmap.engine")
@@ -35,13 +35,10 @@ PLANNED_PHASES = ("prefill", "decode", "mixed")
 
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, settings: StepSettings, forced: Optional[dict] = None,
-                 trace: bool = False, fuse_rope_append: bool = True, fuse_gated: bool = True,
-                 fuse_norm: bool = False):
+                 trace: bool = False, fuse_rope_append: bool = True, fuse_gated: bool = True):
         self.phase, self.m, self.cuda_graph, self.trace = phase, settings.m, settings.cuda_graph, trace
         self.rows = resolve(step_slots(cfg, phase, settings), forced, fuse_rope_append=fuse_rope_append,
-                            fuse_gated=fuse_gated, fuse_norm=fuse_norm and norm_fusable(cfg))
-        # the adds and norms between blocks in the GEMMs around them (model.step._fuse_norm)
-        self.norm_in_gemms = any(r.entry == "linear_add_norm" for r in self.rows)
+                            fuse_gated=fuse_gated)
         self.choices: list = []  # (label, entry, Choice), in step-map order
         self.gemm: dict = {}
         for name in CALLABLES:
@@ -64,9 +61,8 @@ class OpSet:
     def _use(self, r):
         self.choices.append((r.label, r.entry, r.choice))
         fn = entry_of(r.choice, r.entry)[1]  # the callable a user's opmap.<op> call runs for this spec
-        act = next((f.entry for f in r.folded if f.op == "activation"), None)
-        if act is not None:  # the fused gate/up GEMM: its activation is the folded slot's
-            fn = functools.partial(fn, act=GATED_ACTS[act])
+        if r.entry == "linear_act":  # the fused gate/up GEMM: its activation is the folded slot's
+            fn = functools.partial(fn, act=GATED_ACTS[r.folded[1].entry])
         return _ranged(fn, f"opmap::{r.op}::{r.label}::{r.backend.name}") if self.trace else fn
 
     def summary(self) -> list:
@@ -127,8 +123,7 @@ def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = Non
 
     def rows(phase, graph, m):
         return resolve(step_map(cfg, phase, dataclasses.replace(base, cuda_graph=graph, m=m)), ecfg.backends,
-                       fuse_rope_append=ecfg.fuse_rope_append, fuse_gated=ecfg.fuse_gated,
-                       fuse_norm=ecfg.fuse_norm and norm_fusable(cfg), strict=False)
+                       fuse_rope_append=ecfg.fuse_rope_append, fuse_gated=ecfg.fuse_gated, strict=False)
 
     out = {}
     for ph in phases:

@@ -210,8 +210,7 @@ def many_tokens_of(cfg: ModelConfig) -> Optional[int]:
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,
-            fuse_rope_append: bool = True, strict: bool = True, fuse_gated: bool = True,
-            fuse_norm: bool = False) -> list[Resolved]:
+            fuse_rope_append: bool = True, strict: bool = True, fuse_gated: bool = True) -> list[Resolved]:
     """Each slot with the selector's choice (``forced``: op -> backend name; ``runtime``: as
     ``select``'s, by default whether the slots' arch is this device's). ``strict``: a slot no
     backend can serve raises BackendError, else its row carries the error. ``fuse_rope_append``
@@ -220,9 +219,7 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
     requirements); Qwen3's q/k norm rides in it where the norm chose that backend's name too.
     ``fuse_gated`` (EngineConfig.fuse_gated): the gate/up GEMM and its gated activation as one
     launch (``linear_act``) where the GEMM's backend has that entry and the activation chose the
-    backend it reproduces (GATED_FUSED). ``fuse_norm`` (EngineConfig.fuse_norm, for a model
-    ``norm_fusable`` admits): the residual adds and RMSNorms between blocks split between the GEMMs
-    around them where every one of those GEMMs' backends has the entry it needs (``_fuse_norm``)."""
+    backend whose values it reproduces (GATED_FUSED)."""
     forced = forced or {}
     rows = []
     for s in slots:
@@ -235,45 +232,7 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
             rows.append(Resolved(s, None, None, str(e)))
     if fuse_rope_append:
         rows = _fuse_mla_norm_rope_append(_fuse_rope_append(rows))
-    rows = _fuse_gated(rows) if fuse_gated else rows
-    return _fuse_norm(rows) if fuse_norm else rows
-
-
-def norm_fusable(cfg: ModelConfig) -> bool:
-    """Whether each add + RMSNorm of the model sits between GEMMs only: a dense model without
-    Gemma's norms around its blocks (an MoE layer's norm feeds the router and the experts; MLA's
-    input norm two projections and its latent norm no GEMM)."""
-    return not (cfg.is_moe or cfg.is_mla or cfg.sandwich_norms)
-
-
-NORM_PRODUCERS = ("o", "down")  # a block's last GEMM: linear_add_norm
-
-
-def _fuse_norm(rows: list[Resolved]) -> list[Resolved]:
-    """The add + RMSNorm between blocks in the GEMMs around it: the O and down projections add the
-    residual and multiply by the norm's weight in their epilogue and write each row's sum of
-    squares (linear_add_norm); QKV, gate/up and the LM head scale their products by the row's
-    rsqrt(mean + eps) (linear_normed); the first layer's input norm leaves its row scale to QKV
-    too (norm_parts). All or none: each of those rows' backends must have its entry."""
-    by = {r.key: r for r in rows}
-    gu = "gate_up_act" if "gate_up_act" in by else "gate_up"
-    need = {**{k: "linear_add_norm" for k in NORM_PRODUCERS}, **{k: "linear_normed" for k in ("qkv", gu, "lm_head")},
-            "rmsnorm": "norm_parts"}
-    if "add_rmsnorm" not in by or any(k not in by or by[k].choice is None or e not in by[k].choice.backend.impl
-                                      for k, e in need.items()):
-        return rows
-    add = by["add_rmsnorm"]
-    labels = {"o": "O proj + add + RMSNorm (one launch)", "down": "down proj + add + RMSNorm (one launch)",
-              "rmsnorm": "RMSNorm, its row scale left to QKV proj"}
-
-    def moved(r):  # the row on its new entry, its label saying what it now computes
-        if r.key not in need:
-            return r
-        label = labels.get(r.key, f"{r.label}, the RMSNorm's row scale in its epilogue")
-        folded = (r.folded or (r,)) + (add,) if r.key in NORM_PRODUCERS else r.folded
-        return Resolved(Slot(r.key, label, r.op, r.spec, need[r.key]), r.choice, r.choice.backend, folded=folded)
-
-    return [moved(r) for r in rows if r is not add]
+    return _fuse_gated(rows) if fuse_gated else rows
 
 
 # The activation backend whose values a GEMM backend's linear_act entry reproduces: the Triton

@@ -36,10 +36,9 @@ def norm_rows(v, w, H, eps, dt: tl.constexpr):
 
 # R (rows: the step's tokens) varies per step: not specialized (see attention decode._decode_kernel)
 @triton.jit(do_not_specialize=["R"])
-def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ss_ptr, stride_x, stride_r, stride_o, R, H, eps,
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, stride_x, stride_r, stride_o, R, H, eps,
                     HAS_RES: tl.constexpr, ONE_PASS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False, PARTS: tl.constexpr = False):
-    """PARTS (norm_parts): x * w rounded, and each row's sum of x^2 into ss, instead of the norm."""
+                    PDL: tl.constexpr = False):
     enter(PDL)
     dt = o_ptr.dtype.element_ty
     if ONE_PASS:
@@ -56,11 +55,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ss_ptr, stride_x, stride_r, stri
             tl.store(rp, s, mask=mask)
             v = s.to(tl.float32)
         w = tl.load(w_ptr + offs, mask=offs < H, other=0.0).to(tl.float32)
-        if PARTS:
-            tl.store(ss_ptr + rows, tl.sum(v * v, axis=1), mask=rows < R)
-            y = v * w[None, :]
-        else:
-            y = norm_rows(v, w[None, :], H, eps, dt)
+        y = norm_rows(v, w[None, :], H, eps, dt)
         tl.store(o_ptr + rows[:, None] * stride_o + offs[None, :], y.to(dt), mask=mask)
     else:
         row = tl.program_id(0).to(tl.int64)
@@ -78,8 +73,6 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ss_ptr, stride_x, stride_r, stri
                 v = s.to(tl.float32)
             acc += v * v
         rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / H + eps)
-        if PARTS:
-            tl.store(ss_ptr + row, tl.sum(acc, axis=0))
         # Pass 2 re-reads what pass 1 stored (the summed residual): make those stores visible.
         tl.debug_barrier()
         for start in range(0, H, BLOCK):
@@ -90,10 +83,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ss_ptr, stride_x, stride_r, stri
             else:
                 v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if PARTS:
-                y = v * w
-            else:
-                y = (v * rstd).to(dt).to(tl.float32) * w
+            y = (v * rstd).to(dt).to(tl.float32) * w
             tl.store(o_row + offs, y.to(dt), mask=mask)
 
 
@@ -152,7 +142,7 @@ def _rows(t: torch.Tensor, arg: str, may_copy: bool) -> torch.Tensor:
         raise InputError(arg, f"strides {t.stride()}", "leading dims that flatten to one row stride") from None
 
 
-def _launch(x, weight, eps, residual, out, ss=None):
+def _launch(x, weight, eps, residual, out):
     H = check_norm(x, weight, eps, residual=residual, out=out)
     x2 = _rows(x, "x", may_copy=residual is None)
     r2 = _rows(residual, "residual", may_copy=False) if residual is not None else x2
@@ -166,25 +156,15 @@ def _launch(x, weight, eps, residual, out, ss=None):
     block = triton.next_power_of_2(H) if one_pass else CHUNK
     rows, num_warps = _packing(block, R) if one_pass else (1, 8)
     _rmsnorm_kernel[(triton.cdiv(R, rows),)](
-        x2, r2, weight, o2, ss if ss is not None else o2, x2.stride(0), r2.stride(0), o2.stride(0), R, H, float(eps),
+        x2, r2, weight, o2, x2.stride(0), r2.stride(0), o2.stride(0), R, H, float(eps),
         HAS_RES=residual is not None, ONE_PASS=one_pass, ROWS=rows, BLOCK=block, num_warps=num_warps,
-        PARTS=ss is not None, **pdl.launch(x2.device))
+        **pdl.launch(x2.device))
     return out
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out=None) -> torch.Tensor:
     """out = rmsnorm(x) * weight; ``out`` may be x itself (in place)."""
     return _launch(x, weight, eps, None, out)
-
-
-def norm_parts(x: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """RMSNorm's parts for a GEMM that applies its row scale (gemm's linear_normed): ``(x * weight``
-    rounded to x's dtype, ``ss`` [R, 1] fp32 each row's sum of x^2); the reference's contract."""
-    check_norm(x, weight, 0.0)
-    xr = _rows(x, "x", may_copy=True)
-    ss = torch.empty((xr.shape[0], 1), dtype=torch.float32, device=x.device)
-    out = _launch(xr, weight, 0.0, None, None, ss)
-    return out.view(x.shape), ss
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,

@@ -13,7 +13,7 @@ registry.register(Backend(
     op="rmsnorm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
     impl={"rmsnorm": "opmap.ops.norm.reference:rmsnorm", "add_rmsnorm": "opmap.ops.norm.reference:add_rmsnorm",
-          "qk_rmsnorm": "opmap.ops.norm.reference:qk_rmsnorm", "norm_parts": "opmap.ops.norm.reference:norm_parts"},
+          "qk_rmsnorm": "opmap.ops.norm.reference:qk_rmsnorm"},
     reqs=[Req("dtype", _FLOAT)],
     notes="plain PyTorch, fp32 math, HF LlamaRMSNorm numerics (cast to x.dtype before the weight multiply)",
 ))
@@ -27,7 +27,7 @@ registry.register(Backend(
                                for r, h, a in ((8192, 8192, 0), (1, 4096, 1))
                                for p in ("opmap-triton", "torch-rms_norm")))},
     impl={"rmsnorm": "opmap.kernels.norm.triton_norm:rmsnorm", "add_rmsnorm": "opmap.kernels.norm.triton_norm:add_rmsnorm",
-          "qk_rmsnorm": "opmap.kernels.norm.triton_norm:qk_rmsnorm", "norm_parts": "opmap.kernels.norm.triton_norm:norm_parts"},
+          "qk_rmsnorm": "opmap.kernels.norm.triton_norm:qk_rmsnorm"},
     reqs=[Req("dtype", _FLOAT)],
     available=registry.triton_available,
     notes="one program per row (rows <= 8192 held in registers; wider rows in two passes); "

@@ -36,15 +36,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     return rmsnorm(residual, weight, eps, out=out)
 
 
-def norm_parts(x: torch.Tensor, weight: torch.Tensor) -> tuple:
-    """RMSNorm without its row scale, for a GEMM that applies it in its epilogue (gemm's
-    linear_normed): ``(x * weight`` rounded to x's dtype, ``ss`` [R, 1] fp32: each row's sum of x^2),
-    over x's last dimension (leading dimensions flattened to R rows)."""
-    check_norm(x, weight, 0.0)
-    xf = x.reshape(-1, x.shape[-1]).float()
-    return (x.float() * weight.float()).to(x.dtype), xf.pow(2).sum(1, keepdim=True)
-
-
 def qk_rmsnorm(qk: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, num_q_heads: int,
                eps: float = 1e-6) -> torch.Tensor:
     """Per-head RMSNorm of q and k in place (Qwen3's q_norm / k_norm): ``qk`` is [T, Hq + Hk, D]

@@ -43,17 +43,6 @@ def _parity(backend, device, rows, H, dtype, fused, row_stride=None):
     return run
 
 
-def _parts_parity(backend, device, rows, H, dtype, row_stride=None):
-    """norm_parts (x * w and each row's sum of squares, the row scale left to the next GEMM)."""
-    def run():
-        x, w, _ = _data(device, rows, H, dtype, seed=rows * 5 + H, row_stride=row_stride)
-        (xw, ss), (xw_ref, ss_ref) = registry.get("rmsnorm", backend)("norm_parts", x, w), reference.norm_parts(x, w)
-        e, es = compare(xw, xw_ref, dtype), compare(ss, ss_ref, torch.float32, scale=float(H))
-        return Outcome(e.ok and es.ok, f"{e}; sums of squares {es}", max(e.worst_ratio, es.worst_ratio), 1.0)
-
-    return run
-
-
 def _qk_parity(backend, device, T, hq, hk, d, dtype):
     """qk_rmsnorm in place on the [T, hq + hk, d] view of a qkv row against two reference norms;
     the v columns (NaN here) must be neither read into q/k nor written."""
@@ -126,13 +115,6 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                 for label, rows, H, stride in bnd:
                     out.append(CheckCase("boundaries", "rmsnorm", name, f"{entry},{label},dtype={dt}",
                                          _parity(name, device, rows, H, d, fused, stride)))
-        for dt in dtypes:
-            if "norm_parts" not in b.impl or b.validate(NormSpec(arch=arch, dtype=dt), runtime=True):
-                continue
-            for label, rows, H, stride in (("rows=1,H=4096", 1, 4096, None), ("rows=5,H=257,stride=300", 5, 257, 300),
-                                           ("wide row (two passes),rows=2,H=20001", 2, 20001, None)):
-                out.append(CheckCase("parity", "rmsnorm", name, f"norm_parts,{label},dtype={dt}",
-                                     _parts_parity(name, device, rows, H, _DT[dt], stride), quick=rows == 1))
         for dt in dtypes:
             if b.validate(NormSpec(arch=arch, dtype=dt), runtime=True):
                 continue
