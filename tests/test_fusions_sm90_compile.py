@@ -1,9 +1,8 @@
 """The launch-fusing kernels compile for sm90 as a GPU's JIT would specialise them, on this CPU-only
 machine (Triton's AOT path and its bundled ptxas): integer arguments the JIT turns into constants at
 1 (the M of the one-token MoE and of the int4 GEMV, which is always 1; a width of 1), 16-bit activations with an fp8 latent cache (each MLA append
-kernel, whose fp8 helper once returned two types), and the GEMM's gated and norm epilogues (NORM 1 /
-2) at the planner's decode tiles, with the registers and the copy pipeline of the plain GEMM and no
-spills. The interpreter compiles none of this: a kernel that fails here fails on its first GPU call.
+kernel, whose fp8 helper once returned two types), and the GEMM's gated epilogue at the planner's
+decode tiles (two warpgroup MMAs a K step, the copy pipeline kept), none spilling. The interpreter compiles none of this: a kernel that fails here fails on its first GPU call.
 Runs in a subprocess because the interpreter replaces @triton.jit here."""
 from sm90_compile import needs_ptxas, run
 
@@ -14,7 +13,7 @@ from opmap.kernels.moe import one_token as OT
 
 res = {}
 DIV = {"x_ptr", "w_ptr", "s_ptr", "b_ptr", "o_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn",
-       "stride_om", "K_PER_SPLIT", "r_ptr", "g_ptr", "ss_ptr", "stride_rm", "n_ss"}
+       "stride_om", "K_PER_SPLIT"}
 
 def build(name, fn, sig, ce, warps, stages=3):
     s = {n: ("constexpr" if n in ce else sig[n]) for n in fn.arg_names}
@@ -49,18 +48,14 @@ for scale_ptr in (False, True):
           HQ="i32", R="i32", HALF="i32", NSLOTS="i32", s_qt="i32", s_qh="i32", s_kva="i32", s_row="i32"),
           dict(IS_NEOX=True, BLOCK_QH=64, BLOCK_R=512, BLOCK_HALF=32, FP8=True, SCALE_FROM_PTR=scale_ptr), 4)
 gs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32",
-          M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", K_PER_SPLIT="i32",
-          r_ptr="*bf16", g_ptr="*bf16", ss_ptr="*fp32", stride_rm="i32", n_ss="i32", eps="fp32")
-base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0, NORM=0, SS_BLOCK=1)
-# Llama-3-8B's O / QKV (one split) and down (K splits) at M = 1, and 32-row tiles
-for M, N, K in ((1, 4096, 4096), (1, 4096, 14336), (32, 6144, 4096)):
-    p = TG.plan(M, N, K, 132, interp=False)
+          M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", K_PER_SPLIT="i32")
+base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0)
+# the gated epilogue at the planner's decode tiles: Llama-3-8B's gate/up at M = 1 and 32
+for M in (1, 32):
+    p = TG.plan(M, 14336, 4096, 132, interp=False)
     bk, w, st = TG.DEFAULT[(p["small"], p["BLOCK_N"])]
-    t = dict(base, SPLIT=p["SPLIT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=bk)
-    build(f"plain-{M}-{K}", TG._gemm_kernel, gs, t, w, st)
-    build(f"add-norm-{M}-{K}", TG._gemm_kernel, gs, dict(t, NORM=1), w, st)
-    build(f"normed-{M}-{K}", TG._gemm_kernel, gs, dict(t, NORM=2, SS_BLOCK=64), w, st)
-    build(f"normed-gated-{M}-{K}", TG._gemm_kernel, gs, dict(t, NORM=2, SS_BLOCK=64, GATED=1, BLOCK_K=128), w, st)
+    t = dict(base, SPLIT=p["SPLIT"], BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], BLOCK_K=min(bk, 128))
+    build(f"gated-{M}", TG._gemm_kernel, gs, dict(t, GATED=1), w, st)
 build("gated-N1", TG._gemm_kernel, gs, dict(base, SPLIT=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GATED=1, N=1), 4)
 print("RESULT " + json.dumps(res))
 '''
@@ -74,10 +69,6 @@ def test_fused_kernels_compile_for_sm90_as_the_jit_specialises_them():
     assert not failed, failed
     for name, u in res.items():
         assert u["stack"] == 0 and u["local"] == 0, (name, u)  # no spills
-    for tile in ("1-4096", "1-14336", "32-4096"):
-        plain = res[f"plain-{tile}"]
-        for kind in ("add-norm", "normed"):
-            u = res[f"{kind}-{tile}"]
-            # the epilogue costs no registers the main loop needs, and keeps its copy pipeline
-            assert u["reg"] <= plain["reg"] + 8 and u["async"] == plain["async"] and u["waits"] == plain["waits"], (kind, tile, u, plain)
-        assert res[f"normed-gated-{tile}"]["wgmma"] == 2
+    for M in (1, 32):
+        u = res[f"gated-{M}"]
+        assert u["wgmma"] == 2 and u["async"] > 0 and u["waits"], (M, u)

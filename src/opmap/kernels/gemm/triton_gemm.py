@@ -33,16 +33,16 @@ from opmap.kernels import pdl
 from opmap.kernels.activation.triton_act import act_of, gelu_tanh_mul, silu_mul
 from opmap.kernels.gemm.splitk import counters, sm_count
 from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
-from opmap.ops.gemm.validate import check_linear, check_norm_epilogue, check_normed
+from opmap.ops.gemm.validate import check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 K_PER_SPLIT, r_ptr, g_ptr, ss_ptr, stride_rm, n_ss, eps, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 GATED: tl.constexpr = 0, NORM: tl.constexpr = 0, SS_BLOCK: tl.constexpr = 1):
+                 GATED: tl.constexpr = 0):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -82,7 +82,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
         _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS,
-                GATED, r_ptr, g_ptr, ss_ptr, stride_rm, n_ss, eps, pid_n, M, K, NORM, SS_BLOCK)
+                GATED)
     else:
         # Partials [SPLIT, M, N] fp32 (gated: the up half's after them, [2, SPLIT, M, N]). The
         # program that finishes a tile last (a counter per tile) sums its partials in split order,
@@ -103,7 +103,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
                 if GATED:
                     acc_u += tl.load(part + (SPLIT + s) * mn, mask=mask, other=0.0, cache_modifier=".cg")
             _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE,
-                    HAS_BIAS, GATED, r_ptr, g_ptr, ss_ptr, stride_rm, n_ss, eps, pid_n, M, K, NORM, SS_BLOCK)
+                    HAS_BIAS, GATED)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -121,37 +121,16 @@ def _weight_tile(w_ptrs, w_mask, W_KIND: tl.constexpr, xdt: tl.constexpr):
 
 @triton.jit
 def _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE: tl.constexpr,
-            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, r_ptr, g_ptr, ss_ptr, stride_rm, n_ss, eps, pid_n, M, K,
-            NORM: tl.constexpr, SS_BLOCK: tl.constexpr):
-    """The epilogue. NORM 2 (linear_normed): the products times each row's rsqrt(mean(h^2) + eps)
-    from the producer's partial sums of squares ``ss`` [M, n_ss], before scale and bias. NORM 1
-    (linear_add_norm): h = out + residual rounded, stored into the residual; h * g stored as the
-    output and each row's sum of h^2 over this tile into ss[:, pid_n]."""
-    dt = o_ptr.dtype.element_ty
-    if NORM == 2:
-        t = tl.arange(0, SS_BLOCK)
-        part = tl.load(ss_ptr + offs_m[None, :].to(tl.int64) * n_ss + t[:, None],
-                       mask=(t[:, None] < n_ss) & (offs_m[None, :] < M), other=0.0)
-        rstd = tl.rsqrt(tl.sum(part, axis=0) / K + eps)[None, :]
-        acc = acc * rstd
-        acc_u = acc_u * rstd
+            HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
     if GATED:
+        dt = o_ptr.dtype.element_ty
         g = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS).to(dt).to(tl.float32)
         u = _scaled(acc_u, s_ptr, b_ptr, N + offs_n, n_mask, HAS_SCALE, HAS_BIAS).to(dt).to(tl.float32)
         acc = act_of(g, GATED == 2) * u
     else:
         acc = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS)
-    if NORM == 1:
-        # as add_rmsnorm: the sum rounded to the residual's dtype, its square summed in fp32
-        r_ptrs = r_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None]
-        h = (acc.to(dt).to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-        tl.store(r_ptrs, h, mask=mask)
-        hf = h.to(tl.float32)
-        tl.store(ss_ptr + offs_m.to(tl.int64) * n_ss + pid_n, tl.sum(tl.where(mask, hf * hf, 0.0), axis=0),
-                 mask=offs_m < M)
-        acc = hf * tl.load(g_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(o_ptrs, acc.to(dt), mask=mask)
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -232,9 +211,8 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "GATED", "NORM"],
-            # linear_add_norm updates the residual in place: each config tried starts from the same one
-            prune_configs_by={"early_config_prune": _prune}, restore_value=["r_ptr"])(_gemm_kernel)
+            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "GATED"],
+            prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 
 
@@ -316,54 +294,28 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero
     return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _gated=ACTS[act])
 
 
-def linear_add_norm(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *,
-                    residual: torch.Tensor, norm_weight: torch.Tensor, config=None, _plan: dict | None = None) -> tuple:
-    """A block's last GEMM with the residual add and the elementwise half of the next RMSNorm in
-    its epilogue (the reference's contract, opmap.ops.gemm.reference.linear_add_norm): ``residual``
-    += the output, rounded, in place; -> (``xg`` = h * norm_weight [M, N], ``ss`` [M, N tiles] fp32:
-    each tile's sum of h^2). Each output element has one writer (the program, or the last split,
-    that finishes its tile), so the residual is updated where it is read."""
-    return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _norm=(residual, norm_weight))
-
-
-def linear_normed(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, ss: torch.Tensor,
-                  eps: float, act=None, config=None, _plan: dict | None = None) -> torch.Tensor:
-    """The GEMM after linear_add_norm: the product of ``x`` (its xg) times each row's
-    ``rsqrt(sum(ss) / K + eps)`` in the epilogue, before scale and bias; ``act``: the gated
-    activation after it, as linear_act."""
-    if act is not None:
-        expect(act in ACTS, "act", repr(act), f"one of {sorted(ACTS)} or None")
-    return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _gated=ACTS[act] if act else 0,
-                  _rstd=(ss, eps))
-
-
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None,
-           _plan: dict | None = None, _gated: int = 0, _norm=None, _rstd=None):
+           _plan: dict | None = None, _gated: int = 0) -> torch.Tensor:
     """``config``: the tile of this kernel (CONFIG's keys); none autotunes BLOCK_K / warps / stages
     on a GPU. ``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or
     {"W_KIND": W_FP8_BITS} (tests and benchmarks). ``w_zero``: linear's contract; int4 only, named here.
-    ``_gated``: linear_act's (the kernel's GATED); ``_norm`` (residual, norm weight): linear_add_norm's,
-    which returns (out, ss); ``_rstd`` (ss, eps): linear_normed's."""
+    ``_gated``: linear_act's (the kernel's GATED)."""
     M, N, K = check_linear(x, w, bias, w_scale, w_zero)
-    if _norm is not None:
-        check_norm_epilogue(x, w, *_norm)
-    if _rstd is not None:
-        check_normed(x, *_rstd)
     if _gated:
         expect(N % 2 == 0, "w", f"shape {tuple(w.shape)}", "an even number of rows: the gate half, then the up half")
         N //= 2
     cfg = config_of(config)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0 or K == 0:
-        if K == 0 and M and N:
-            out.zero_()
-            if bias is not None:
-                if _gated:
-                    b = bias.to(x.dtype).expand(M, 2 * N).contiguous()
-                    out = (silu_mul if _gated == 1 else gelu_tanh_mul)(b)
-                else:
-                    out += bias.to(x.dtype)
-        return _add_norm(out, *_norm) if _norm is not None else out
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            if _gated:
+                b = bias.to(x.dtype).expand(M, 2 * N).contiguous()
+                return (silu_mul if _gated == 1 else gelu_tanh_mul)(b)
+            out += bias.to(x.dtype)
+        return out
     p = plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
     if "BLOCK_K" in p and cfg["BLOCK_K"]:
@@ -379,16 +331,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     k_per_split = triton.cdiv(triton.cdiv(K, kq), split) * kq
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
-    norm = dict(r_ptr=dummy, g_ptr=dummy, ss_ptr=dummy, stride_rm=0, n_ss=1, eps=0.0)
-    if _norm is not None:  # one partial sum of squares per N tile
-        norm.update(r_ptr=_norm[0], g_ptr=_norm[1], stride_rm=_norm[0].stride(0), n_ss=triton.cdiv(N, bn))
-        norm["ss_ptr"] = ss = torch.empty((M, norm["n_ss"]), dtype=torch.float32, device=x.device)
-    elif _rstd is not None:
-        norm.update(ss_ptr=_rstd[0], n_ss=_rstd[0].shape[1], eps=float(_rstd[1]))
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, GATED=_gated,
-                  NORM=1 if _norm is not None else 2 if _rstd is not None else 0,
-                  SS_BLOCK=triton.next_power_of_2(norm["n_ss"]) if _rstd is not None else 1, **pdl.launch(x.device))
+                  **pdl.launch(x.device))
     if split > 1:
         ws = torch.empty(((2 if _gated else 1) * split, M, N), dtype=torch.float32, device=x.device)
         cnt = counters(triton.cdiv(N, bn) * triton.cdiv(M, bm), x.device)
@@ -396,7 +341,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         ws = cnt = dummy  # never read with one split
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
-            M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, *norm.values())
+            M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split)
     fixed = None if fixed_k else _fixed_tile(cfg, p["small"], bn)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)
@@ -410,11 +355,4 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=bk, num_warps=nw, num_stages=ns, **common)
     else:
         _tuned(p["small"])[grid](*args, EVEN_K=even, **common)
-    return (out, ss) if _norm is not None else out
-
-
-def _add_norm(y: torch.Tensor, residual: torch.Tensor, g: torch.Tensor) -> tuple:
-    """linear_add_norm's epilogue in PyTorch, for the shapes no tile runs (M, N or K zero)."""
-    residual.copy_((residual.float() + y.float()).to(residual.dtype))
-    hf = residual.float()
-    return (hf * g.float()).to(y.dtype), hf.pow(2).sum(1, keepdim=True)
+    return out

@@ -60,15 +60,10 @@ def fp8_cast_arch(spec):
         return "fp8 weights on sm80 (the dequantisation casts fp8 natively: sm89+)"
     return None
 
-# _gemm_kernel's entries: the plain GEMM, and the epilogues that take a neighbour's launch in
-# (the gated activation; the residual add and the next RMSNorm, linear_add_norm then linear_normed).
-TRITON_GEMM_ENTRIES = {e: f"opmap.kernels.gemm.triton_gemm:{e}"
-                       for e in ("linear", "linear_act", "linear_add_norm", "linear_normed")}
-
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
-    impl={e: f"opmap.ops.gemm.reference:{e}" for e in ("linear", "linear_act", "linear_add_norm", "linear_normed")},
+    impl={"linear": "opmap.ops.gemm.reference:linear", "linear_act": "opmap.ops.gemm.reference:linear_act"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "fp8-block"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
@@ -93,20 +88,19 @@ registry.register(Backend(
                                    _rows(64, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")
                                    + _rows(64, GATE_UP, "bf16", ("opmap-triton", "triton-decode"), "cublas")
                                    + _rows(32, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")))},
-    impl=TRITON_GEMM_ENTRIES,
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
     available=registry.triton_available,
     notes="small-M GEMM: many narrow N tiles (split-K when N is small) so that every SM streams weight; "
-          "linear_act: a gate/up GEMM with its gated activation in the epilogue (both halves' rows a program); "
-          "linear_add_norm / linear_normed: the residual add and the next RMSNorm split between two GEMMs' epilogues",
+          "linear_act: a gate/up GEMM with its gated activation in the epilogue (both halves' rows a program)",
 ))
 
 registry.register(Backend(
     op="gemm", name="triton-wo", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl=TRITON_GEMM_ENTRIES,
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
     checks=[_SAME_ACT],
     available=registry.triton_available,

@@ -56,23 +56,3 @@ def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False,
         expect_tensor("bias", bias, dtype=(x.dtype, torch.float32), shape=(N,), contiguous=True)
     expect_same_device(x=x, w=w, bias=bias, w_scale=w_scale, w_zero=w_zero)
     return M, N, K
-
-
-def check_norm_epilogue(x, w, residual, norm_weight) -> None:
-    """linear_add_norm's own arguments: ``residual`` [M, N] in x's dtype (updated in place; its
-    rows may be strided), ``norm_weight`` [N] in a float dtype, all on x's device."""
-    M, N = x.shape[0], w.shape[0]
-    expect_tensor("residual", residual, dtype=x.dtype, shape=(M, N), last_dim_contiguous=True)
-    expect_tensor("norm_weight", norm_weight, dtype=ACT_DTYPES, shape=(N,), contiguous=True)
-    expect_same_device(x=x, residual=residual, norm_weight=norm_weight)
-
-
-def check_normed(x, ss, eps) -> None:
-    """linear_normed's own arguments: ``ss`` [M, T >= 1] fp32 (linear_add_norm's sums of squares),
-    ``eps`` a non-negative float."""
-    expect_tensor("ss", ss, dtype=torch.float32, ndim=2, contiguous=True)
-    expect(ss.shape[0] == x.shape[0] and ss.shape[1] >= 1, "ss", f"shape {tuple(ss.shape)}",
-           f"shape ({x.shape[0]}, T >= 1): a row of partial sums of squares per row of x")
-    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool) and eps >= 0, "eps", repr(eps),
-           "a float >= 0")
-    expect_same_device(x=x, ss=ss)

@@ -273,7 +273,7 @@ def cases(quick: bool) -> list[BenchCase]:
                     spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
                                   dtype="bf16", weight_dtype=wd),
                     tags=("gemm",)))
-    return out + _act_quant_cases(arch) + _gated_cases(arch) + _norm_cases(arch)
+    return out + _act_quant_cases(arch) + _gated_cases(arch)
 
 
 def _gated_cases(arch) -> list[BenchCase]:
@@ -304,47 +304,3 @@ def _gated_cases(arch) -> list[BenchCase]:
             tags=("gemm",)))
     return out
 
-
-def _norm_cases(arch) -> list[BenchCase]:
-    """Llama-3-8B's O projection, the add + RMSNorm after it and the QKV projection at decode M (the
-    same pattern as down, the next layer's input norm and QKV): the residual add and the norm split
-    between the two GEMMs' epilogues (linear_add_norm, linear_normed: two launches) beside the three
-    launches the engine runs without it, Triton's GEMMs and cuBLAS's."""
-    H, NQ = 4096, 6144
-    ref = registry.get("rmsnorm", "triton")
-
-    def setup(M):
-        def make(device):
-            g = lambda *shape: torch.randn(*shape, device=device, dtype=torch.bfloat16)
-            return dict(x=g(M, H), wo=g(H, H) / H ** 0.5, wq=g(NQ, H) / H ** 0.5, r=g(M, H), nw=1 + 0.1 * g(H))
-        return make
-
-    def fused(inp):
-        be = registry.get("gemm", "triton-decode")
-        first, second = be.fn("linear_add_norm"), be.fn("linear_normed")
-
-        def run():
-            xg, ss = first(inp["x"], inp["wo"], residual=inp["r"], norm_weight=inp["nw"])
-            return second(xg, inp["wq"], ss=ss, eps=1e-5)
-        return run
-
-    def apart(gemm):
-        def make(inp):
-            add_norm = ref.fn("add_rmsnorm")
-            return lambda: gemm(add_norm(gemm(inp["x"], inp["wo"]), inp["r"], inp["nw"], 1e-5), inp["wq"])
-        return make
-
-    out = []
-    for M in (1, 16, 32):
-        nbytes = (H * H + NQ * H) * 2 + M * (3 * H + NQ) * 2 * 2
-        out.append(BenchCase(
-            op="gemm.norm", case=f"M={M},H={H},N={NQ},dtype=bf16", flops=2.0 * M * H * (H + NQ), bytes=float(nbytes),
-            setup=setup(M),
-            providers=[Provider("opmap-triton", fused, backend=("gemm", "triton-decode")),
-                       Provider("opmap-triton linear, add_rmsnorm, linear",
-                                apart(registry.get("gemm", "triton-decode").fn("linear"))),
-                       Provider("cublas, add_rmsnorm, cublas", apart(F.linear))],
-            bound="memory", graph=True,
-            spec=GemmSpec(arch=arch, phase="decode", m=M, n=H, k=H, dtype="bf16", weight_dtype="bf16"),
-            tags=("gemm",)))
-    return out

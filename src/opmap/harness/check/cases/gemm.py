@@ -68,33 +68,6 @@ def _parity(backend, device, M, N, K, dtype, fmt, bias=False, act=None):
     return run
 
 
-def _norm_pair(backend, device, M, H, K, N2, dtype, fmt, bias, act):
-    """linear_add_norm ([M, K] -> H, with a residual and the next norm's weight) then linear_normed
-    (H -> N2, gated where ``act``) against the reference entries: the updated residual, xg and the
-    consumer's output."""
-    def run():
-        x, w, b, s = _inputs(device, M, H, K, dtype, fmt, bias, M + H + K + N2)
-        _, w2, b2, s2 = _inputs(device, M, N2, H, dtype, fmt, bias, M + 2 * H + N2)
-        g = torch.Generator(device="cpu").manual_seed(M + H)
-        res = torch.randn(M, H, generator=g).to(device=device, dtype=dtype)
-        nw = (1 + 0.1 * torch.randn(H, generator=g)).to(device=device, dtype=dtype)
-        be = registry.get("gemm", backend)
-        tile = DEFAULT_TILES.get(backend)
-        kw = {"config": tile} if tile else {}
-        r_out, r_ref = res.clone(), res.clone()
-        xg, ss = be.fn("linear_add_norm")(x, w, b, s, residual=r_out, norm_weight=nw, **kw)
-        xg_ref, ss_ref = reference.linear_add_norm(x, w, b, s, residual=r_ref, norm_weight=nw)
-        out = be.fn("linear_normed")(xg, w2, b2, s2, ss=ss, eps=1e-5, act=act, **kw)
-        want = reference.linear_normed(xg_ref, w2, b2, s2, ss=ss_ref, eps=1e-5, act=act)
-        errs = [compare(r_out, r_ref, dtype, scale=2.0), compare(xg, xg_ref, dtype, scale=2.0),
-                compare(out, want, dtype, scale=4.0)]
-        worst = max(errs, key=lambda e: e.worst_ratio)
-        return Outcome(all(e.ok for e in errs), "; ".join(f"{n} {e}" for n, e in zip(("residual", "xg", "out"), errs)),
-                       worst.worst_ratio, 1.0)
-
-    return run
-
-
 def _cosine(backend, device, fmt, M, N, K, dtype):
     def run():
         cos = quality.output_cosine(_linear(backend), fmt.replace("-act", ""), M, N, K, dtype, device)
@@ -264,21 +237,6 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
             if _ok(name, arch, m=M, n=2 * I, k=K, dtype=dt, weight_dtype=wd):
                 out.append(CheckCase("parity", "gemm", name, f"linear_act ({act}),M={M},I={I},K={K},w={wd},dtype={dt}",
                                      _parity(name, device, M, 2 * I, K, _DT[dt], fmt, bias, act), quick=M == 1))
-    # The residual add and the next RMSNorm in two epilogues (linear_add_norm, then linear_normed,
-    # plain and gated): decode rows, widths off the tile, K splits on the GPU's Llama shapes, int8 / fp8
-    pairs = [(1, 80, 96, 56, None, False, None), (3, 72, 64, 96, "int8", True, "silu"),
-             (17, 48, 40, 64, None, True, None)] if cpu else \
-        [(1, 4096, 4096, 6144, None, False, None), (1, 4096, 14336, 28672, None, False, "silu"),
-         (32, 4096, 4096, 6144, None, True, None), (1, 4096, 4096, 6144, "fp8", False, None),
-         (48, 1001, 4112, 2 * 1409, None, True, "gelu_tanh")]
-    for dt in dtypes:
-        for M, H, K, N2, fmt, bias, act in pairs:
-            name = "triton-wo" if fmt else "triton-decode"
-            wd = fmt or dt
-            if _ok(name, arch, m=M, n=H, k=K, dtype=dt, weight_dtype=wd):
-                out.append(CheckCase("parity", "gemm", name, f"linear_add_norm then linear_normed"
-                                     f"{f' ({act})' if act else ''},M={M},H={H},K={K},N={N2},w={wd},dtype={dt}",
-                                     _norm_pair(name, device, M, H, K, N2, _DT[dt], fmt, bias, act), quick=M == 1))
     # Quantisation gates, figures reported.
     qdt = torch.float16 if cpu else torch.bfloat16
     qname = "fp16" if cpu else "bf16"
