@@ -63,7 +63,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
     # GATED (1 SiLU, 2 GELU-tanh): the weight is [gate; up] ([2N, K]); each program takes N-rows
     # tile of both halves (up rows N further on) and stores act(gate) * up, as the activation
     # kernel computes it from the two rounded GEMM outputs.
-    up_off = (offs_n[:, None] * 0 + N).to(tl.int64) * stride_wn if GATED else 0  # N may be a constant (1)
+    up_off = tl.cast(N, tl.int64) * stride_wn if GATED else 0  # tl.cast: N may be a constant (1)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(k0, k_end, BLOCK_K):

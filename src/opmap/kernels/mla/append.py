@@ -78,8 +78,6 @@ def append_mla(ckv, kpe, cache, slot_mapping, kv_scale=None, *, scale=None) -> N
         SCALE_FROM_PTR=from_ptr, num_warps=4)
 
 
-
-
 @triton.jit
 def _norm_rope_append_kernel(Q, KVA, W, POS, CS, CACHE, SLOTS, SCALE_PTR, kv_scale, eps, HQ, R, HALF, NSLOTS, s_qt,
                              s_qh, s_kva, s_row, IS_NEOX: tl.constexpr, BLOCK_QH: tl.constexpr,

@@ -61,7 +61,7 @@ def _route_gate_up_kernel(x_ptr, logits_ptr, bias_ptr, w13_ptr, inter_ptr, w_ptr
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w13_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + (offs_n[:, None] * 0 + I).to(tl.int64) * stride_wn  # I may be a constant (1)
+    u_ptrs = g_ptrs + tl.cast(I, tl.int64) * stride_wn  # tl.cast: I may be a constant (1)
     pg = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     pu = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, H, BLOCK_K):
