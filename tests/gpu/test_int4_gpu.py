@@ -10,7 +10,7 @@ from opmap.core.hw import local_arch
 from opmap.core.select import select
 from opmap.core.specs import GemmSpec
 from opmap.core.tolerance import assert_close
-from opmap.kernels.gemm import w4a16
+from opmap.kernels.gemm import w4a16, w4a16_gluon
 from opmap.ops.gemm.quant import dequantize_int4, quantize_int4
 from opmap.kernels.gemm import dequant_cublas
 
@@ -102,3 +102,39 @@ def test_gemv_bf16(N, K, zp, cfg):
     x, p, s, z = _case(1, N, K, 128, zp, seed=N + zp)
     assert_close(w4a16.linear(x, p, None, s, z, config=cfg), _ref(x, p, s, z), BF16, scale=2.0,
                  what=f"GEMV {cfg} N={N} K={K} zp={zp}")
+
+
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (6144, 4096), (32001, 4096), (100, 256)])
+@pytest.mark.parametrize("zp", [False, True])
+def test_gluon_w4a16_bf16(M, N, K, zp):
+    """gluon-w4a16 (mma.sync, the weight words loaded straight into the A fragments) against the fp32
+    reference: M over the 8-row tile's edge, odd N, a K of two tiles (no split) and the plan's splits."""
+    if N == 32001:
+        N = 32000 + 1
+    x, p, s, z = _case(M, N, K, 128, zp, seed=M * 7 + N + zp)
+    assert_close(w4a16_gluon.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0,
+                 what=f"gluon-w4a16 M={M} N={N} K={K} zp={zp}")
+
+
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"per_sm": 8}, {"per_sm": 1}])
+def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg):
+    """Its tunings, fp16 activations, a group of 256 (two K tiles a group), a bias, and a CUDA graph
+    of a split call replayed with new inputs."""
+    M, N, K = 3, 4096 + 48, 14336
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
+    p, s, z = quantize_int4(w, 256, True)
+    s = s.half()
+    x = torch.randn(M, K, device="cuda", generator=g).half()
+    b = torch.randn(N, device="cuda", generator=g).half()
+    ref = lambda: (x.float() @ dequantize_int4(p, s, z).t() + b.float()).half()  # noqa: E731
+    assert_close(w4a16_gluon.linear(x, p, b, s, z, config=cfg), ref(), torch.float16, scale=2.0, what=f"{cfg}")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w4a16_gluon.linear(x, p, b, s, z, config=cfg)
+    for seed in range(2):
+        x.copy_(torch.randn(M, K, device="cuda", generator=g).half())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, ref(), torch.float16, scale=2.0, what=f"{cfg} replay {seed}")

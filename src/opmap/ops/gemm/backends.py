@@ -1,7 +1,8 @@
 """Backend registrations of the gemm family (entry "linear"; weights bf16/fp16/fp32, weight-only
 fp8-e4m3 / int8 with per-output-channel scales, or int4 with group scales). One kernel, one
 backend: the weight-only kernels are triton-wo (Triton, any M), gluon-wo (Gluon mma.sync, M <= 32,
-sm89+), gluon-wo-wgmma (Gluon warpgroup MMAs, 32 < M <= 64, sm90), triton-w4a16 (int4, any M) and,
+sm89+), gluon-wo-wgmma (Gluon warpgroup MMAs, 32 < M <= 64, sm90), triton-w4a16 (int4, any M), gluon-w4a16
+(int4, Gluon mma.sync, M <= 16) and,
 for many rows, dequant-cublas and scaled-mm; the selector picks among them by the spec's M (GemmSpec.m: the engine plans its decode
 steps per batch bucket, so each bucket's M is known)."""
 import os
@@ -177,6 +178,26 @@ registry.register(Backend(
     available=_gluon_available,
     notes="weight-only fp8/int8 in Gluon (_wo_kernel) on mma.sync, sm89+: 16-byte async copies of the weight "
           "tile, fragments converted exactly in registers; bf16 / fp16 activations, 16-byte aligned rows",
+))
+
+def _group128(spec):
+    g = spec.group_size or spec.k
+    return f"group_size={g} not a multiple of 128 (a K tile of 128 inside one group)" if g % 128 else None
+
+
+registry.register(Backend(
+    op="gemm", name="gluon-w4a16", provider="opmap-triton", version=registry.triton_version,
+    # Below triton-w4a16 (50) until a baseline row shows it ahead.
+    priority={"sm80": 45, "sm89": 45, "sm90": 45, "sm100": 45},
+    impl={"linear": "opmap.kernels.gemm.w4a16_gluon:linear"},
+    reqs=[Req("dtype", ("bf16", "fp16"), "bf16 / fp16 activations"),
+          Req("weight_dtype", ("int4",), "int4 weight-only (W4A16: GPTQ, AWQ, compressed-tensors pack-quantized)"),
+          Req("m", lambda m: m is not None and m <= 16, "M known and <= 16 (decode; triton-w4a16 serves any M)")],
+    checks=[_SAME_ACT, Check("group size a multiple of 128", _group128, "group_size")],
+    available=_gluon_available,
+    notes="int4 weight-only in Gluon (_w4a16_mma_kernel) on mma.sync: the packed words loaded straight into "
+          "the A fragment's registers and split into codes in place (no shared memory), the group scale on "
+          "each K tile's fp32 product; M <= 16, bf16 / fp16 activations",
 ))
 
 registry.register(Backend(

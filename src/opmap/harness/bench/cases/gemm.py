@@ -38,7 +38,7 @@ from opmap.core import hw, registry
 from opmap.core.specs import GemmSpec
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.kernels.activation.triton_act import silu_mul
-from opmap.kernels.gemm import act_quant, fp8_block, scaled_mm, triton_gemm, w4a16, wo_gluon, wo_wgmma
+from opmap.kernels.gemm import act_quant, fp8_block, scaled_mm, triton_gemm, w4a16, w4a16_gluon, wo_gluon, wo_wgmma
 from opmap.ops.gemm import quant
 from opmap.peers.gemm import gemlite_peer
 from opmap.ops.gemm.quant import quantize_weight
@@ -113,6 +113,7 @@ SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
 GEMV_VARIANTS = [dict(GEMV=1), dict(GEMV=1, BLOCK_N=64), dict(GEMV=1, SPLIT=8)]
+GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8)]  # gluon-w4a16's config=
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
@@ -174,6 +175,11 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     if fmt == "int4" and M == 1:  # the CUDA-core kernel (config GEMV)
         provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
                            describe=describe(M, N, K, config=c)) for c in GEMV_VARIANTS]
+    if fmt == "int4" and M <= w4a16_gluon.MAX_M:  # the Gluon mma.sync kernel and its tunings
+        provs += [Provider("opmap-gluon-w4a16" + (f"[{_tag(c)}]" if c else ""), _ours("gluon-w4a16", True, c or None),
+                           backend=("gemm", "gluon-w4a16"),
+                           describe=_described(w4a16_gluon.describe, M, N, K, config=c or None))
+                  for c in [{}] + GLUON_INT4_VARIANTS]
     if fmt == "int4":  # fp32 group scales: 4-byte loads that Triton's pipeline can copy ahead (fp16: not)
         provs += [Provider(f"opmap-{backend}[{_tag(c)},scale=fp32]", _ours(backend, True, c, torch.float32),
                            backend=("gemm", backend), describe=describe(M, N, K, config=c))
