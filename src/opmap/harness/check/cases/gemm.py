@@ -140,7 +140,7 @@ def _int4_cases(arch, device, cpu) -> list:
         [(1, 28672, 4096, 128), (16, 4096, 14336, 128), (64, 6144, 4096, 128), (1, 32001, 4096, 128),
          (1024, 4096, 4096, 128), (3, 4096, 4096, 32)]
     out = []
-    for name in ("triton-w4a16", "dequant-cublas"):
+    for name in ("triton-w4a16", "gluon-w4a16", "dequant-cublas"):
         for M, N, K, G in shapes:
             for zp in (False, True):
                 if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=G):
