@@ -81,6 +81,8 @@ LOADS_BEFORE_WAIT = {
         "decode_fp8.py's), which reads them",
     "opmap.kernels.gemm.wo_gluon._wo_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
+    "opmap.kernels.gemm.w4a16_gluon._w4a16_mma_kernel":
+        "the first K tile's weight words: weights, which no kernel of a step writes",
     "opmap.kernels.gemm.wo_wgmma._wo_wgmma_kernel":
         "the weight tiles of the first stages (async copies): weights, which no kernel of a step writes",
 }

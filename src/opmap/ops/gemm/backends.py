@@ -187,8 +187,8 @@ def _group128(spec):
 
 registry.register(Backend(
     op="gemm", name="gluon-w4a16", provider="opmap-triton", version=registry.triton_version,
-    # Below triton-w4a16 (50) until a baseline row shows it ahead.
     priority={"sm80": 45, "sm89": 45, "sm90": 45, "sm100": 45},
+    basis={"sm90": Basis("convention: a new kernel stays below the one it would replace (triton-w4a16) until a gemm.w4a16 baseline row shows it ahead")},
     impl={"linear": "opmap.kernels.gemm.w4a16_gluon:linear"},
     reqs=[Req("dtype", ("bf16", "fp16"), "bf16 / fp16 activations"),
           Req("weight_dtype", ("int4",), "int4 weight-only (W4A16: GPTQ, AWQ, compressed-tensors pack-quantized)"),
