@@ -1,9 +1,10 @@
 """gluon-w4a16 compiles for sm90 on this CPU-only machine (Gluon's AOT path and Triton's bundled
 ptxas) at the tiles its plan and its config give, and the build is what the kernel's docstring
 claims: the packed words reach the MMA without shared memory (none beyond the split-K tail's
-barrier word, no shared store in the K loop), each word's codes come from the LOP3 / packed-subtract
-path of kernels/gemm/nibbles.py (no int-to-float code by code), and the K loop spends about a
-quarter of the Triton CUDA-core GEMV's instructions a word. The GPU tests run it for values."""
+barrier word, no shared load, store or barrier in the K loop), each word's codes come from the LOP3 /
+packed-subtract path of kernels/gemm/nibbles.py (no int-to-float code by code), and the K loop stays
+near its count of instructions a word (about 31 at 8 rows, 41 at 16), so that a change that adds work
+a code shows here. The GPU tests run it for values."""
 from sm90_compile import needs_ptxas, run
 
 SCRIPT = r'''
@@ -46,4 +47,4 @@ def test_gluon_w4a16_builds_keep_the_weight_out_of_shared_memory():
         packed = sum(v for op, v in loop.items() if op.startswith(("HADD2", "HFMA2")))
         assert packed >= 32, f"{name}: no packed conversion: {loop}"
         assert not any(op.startswith(("I2F", "I2FP")) for op in loop), f"{name}: converts code by code: {loop}"
-        assert r["per_word"] <= 36, f"{name}: {r['per_word']:.1f} instructions a word: {loop}"
+        assert r["per_word"] <= 44, f"{name}: {r['per_word']:.1f} instructions a word: {loop}"
