@@ -69,7 +69,7 @@ def test_bench_providers_run_tiny_on_cpu():
     # fp16: the Triton interpreter mishandles bf16 (the GPU run uses bf16).
     inp = bench_moe._setup(5, 4, 2, 32, 16, 1, torch.float16)("cpu")
     outs = {}
-    for p in bench_moe.providers(prefill=True, tokens=5):
+    for p in bench_moe.providers(prefill=True):
         if "graph" in p.name:
             continue  # CUDA graphs need a GPU
         outs[p.name] = p.make(inp)()
@@ -77,9 +77,3 @@ def test_bench_providers_run_tiny_on_cpu():
     ref = outs["torch-loop"]
     for name in ("opmap-triton", "torch-grouped-mm"):
         torch.testing.assert_close(outs[name], ref, atol=2e-3, rtol=2e-3)
-
-
-def test_one_token_cases_time_the_one_token_backend():
-    names = [p.name for p in bench_moe.providers(prefill=False, tokens=1)]
-    assert "opmap-triton-gemv+graph" in names
-    assert "opmap-triton-gemv+graph" not in [p.name for p in bench_moe.providers(prefill=False, tokens=64)]

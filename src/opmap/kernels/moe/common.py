@@ -1,5 +1,5 @@
-"""What the MoE routing kernels share (align.py, route_align.py, route_triton.py, grouped_gemm.py,
-one_token.py): the routing of a tile of tokens (route_rows), the @triton.jit steps of the align by
+"""What the MoE routing kernels share (align.py, route_align.py, route_triton.py, grouped_gemm.py):
+the routing of a tile of tokens (route_rows), the @triton.jit steps of the align by
 expert (each expert's segment of the sorted pairs, its padding and its blocks' expert ids) and the
 host arithmetic of their launches (plain-int powers of two, the
 padded capacity, one int32 allocation for the align's outputs)."""

@@ -199,21 +199,3 @@ registry.register(Backend(
           "(gate/up and down), then the triton backend's routing and grouped GEMMs on them",
 ))
 
-
-def _one_token(spec):
-    if spec.tokens != 1:
-        return f"tokens={spec.tokens} (this backend serves one token: decode at batch 1)"
-    return None
-
-
-registry.register(Backend(
-    op="moe", name="triton-gemv", provider="opmap-triton", version=registry.triton_version,
-    # Below triton until a baseline row shows it ahead at one token.
-    priority={"cpu": registry.TRITON_CPU_PRIORITY - 2, "sm80": 40, "sm90": 40},
-    impl={"moe": "opmap.kernels.moe.one_token:moe", "route": "opmap.kernels.moe.route_triton:route"},
-    reqs=_COMMON_REQS, checks=_COMMON_CHECKS + (Check("one token", _one_token, "tokens"),),
-    available=registry.triton_available,
-    notes="one token in two launches on CUDA cores: routing + gate/up + SiLU*mul (every program routes the "
-          "token itself), then down with the routing weight, the slots summed through split-K tile counters; "
-          "16-bit experts",
-))

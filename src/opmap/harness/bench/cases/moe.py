@@ -113,10 +113,8 @@ def _dense_same_flops(inp):
     return run
 
 
-def providers(prefill: bool, tokens: int) -> list[Provider]:
+def providers(prefill: bool) -> list[Provider]:
     extra = [Provider("cublas-dense-same-flops", _dense_same_flops)] if prefill else []
-    if tokens == 1:  # the one-token kernels (backend triton-gemv), graph-replayed as the engine runs them
-        extra.append(Provider("opmap-triton-gemv+graph", _graphed("triton-gemv"), backend=("moe", "triton-gemv")))
     return extra + [
         Provider("opmap-triton", _call("triton"), backend=("moe", "triton")),
         Provider("opmap-triton+graph", _graphed("triton"), backend=("moe", "triton")),
@@ -140,7 +138,7 @@ def cases(quick: bool) -> list[BenchCase]:
             if T in TOKENS:
                 out.append(BenchCase(
                     op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
-                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64, T),
+                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64),
                     bound="compute" if flops / nbytes > 200 else "memory",
                     spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
                                  dtype="bf16", weight_dtype="bf16", tokens=T),
