@@ -85,8 +85,10 @@ def test_dequant_cublas_int4(M):
 
 def test_selection_on_this_gpu():
     arch = local_arch()
-    dec = select("gemm", GemmSpec(arch=arch, phase="decode", m=1, n=4096, k=4096, weight_dtype="int4", group_size=128))
-    assert dec.backend.name == "triton-w4a16"
+    for m, want in ((1, "gluon-w4a16" if arch == "sm90" else "triton-w4a16"), (16, "triton-w4a16")):
+        dec = select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=4096, k=4096, weight_dtype="int4",
+                                      group_size=128))
+        assert dec.backend.name == want, (m, dec.backend.name)
     x, p, s, z = _case(1, 4096, 4096, 128, True)
     assert_close(opmap.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what="opmap.linear")
 

@@ -6,9 +6,8 @@ word along K, a scale per group of G input channels, uint8 zero codes or the sym
 bf16 / fp16 x, G a multiple of 128.
 
 At decode M the packed weight is the traffic: the kernel is built to keep weight bytes in flight and
-to convert each word once, in the thread that feeds it to the MMA (the Triton MMA kernel, w4a16.py,
-passes the tile through shared memory on its way to the MMA; its CUDA-core GEMV spends three
-instructions a code on fp32 products):
+to convert each word once, in the thread that feeds it to the MMA (the Triton kernel, w4a16.py,
+passes the converted tile through shared memory on its way to the MMA):
 - out^T = W x^T: the weight is mma.sync's A operand (16 output channels a fragment), x^T the B
   operand (the tokens, padded to 8 or 16).
 - The packed words go from global memory straight into registers in the A fragment's own layout:
@@ -19,9 +18,10 @@ instructions a code on fp32 products):
   (the sm90 compile test checks that the build has no shared memory).
 - A K tile is 128 codes inside one group: its fp32 product times the group's scale joins the
   accumulator, as the Triton kernel does (the codes reach the MMA exactly).
-- Every load runs ahead of its use: the weight words two K tiles ahead (each warp keeps two tiles
-  of weight in flight while it converts a third), x, the scales and the zeros one tile ahead. The
-  first weight loads go out before the PDL wait (the weight does not depend on the previous kernel).
+- At 8 rows every load runs ahead of its use: the weight words two K tiles ahead (each warp keeps
+  two tiles of weight in flight while it converts a third), x, the scales and the zeros one tile
+  ahead. At 16 rows the weight words run one tile ahead. The first weight loads go out before the
+  PDL wait (the weight does not depend on the previous kernel).
 - x is read as the B fragment straight from global memory (every program of a K range reads the
   same few hundred bytes: cache hits).
 - Split K when the N tiles leave SMs idle; the family's counters sum the partials in split order.
@@ -76,6 +76,15 @@ def _group(s_ptrs, z_ptrs, g, s_ok, z_ok, HAS_ZERO: gl.constexpr, SYM_ZERO: gl.c
     return s, z
 
 
+@gluon.jit
+def _tile(acc, w, z, xt, s, A: gl.constexpr, MMA: gl.constexpr):
+    """acc + the K tile's product (its words ``w`` with their zero codes ``z``, x's B fragment ``xt``)
+    times its group scales ``s``."""
+    a = gl.convert_layout(_codes(w, gl.broadcast(z, w)[0], xt.dtype), A)  # the same layout: no data moves
+    part = mma_v2(a, xt, gl.zeros(acc.shape, gl.float32, MMA))
+    return acc + part * s[:, None]
+
+
 @gluon.jit(do_not_specialize=["M"])
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_sn, s_om,
                       K_PER_SPLIT, G: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
@@ -109,31 +118,44 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     x_ptrs = x_ptr + rm.to(gl.int64)[None, :] * s_xm + (k0 + rk)[:, None]
     m_ok = (rm < M)[None, :]
 
-    # K is a whole number of tiles (G divides K, BK divides G): no K mask inside a split. Every load
-    # runs ahead of its use: the weight words two tiles (DRAM latency), x and the group's scale and
-    # zero one tile (their first touch of a row's scales is a DRAM read too)
-    w0 = gl.load(w_ptrs, mask=n_ok, other=0)
-    w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k0 + BK < k_end), other=0)
-    enter(PDL)
-    xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
-    s, z = _group(s_ptrs, z_ptrs, k0 // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
+    # K is a whole number of tiles (G divides K, BK divides G): no K mask inside a split.
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    for k in range(k0, k_end, BK):
-        more = k + BK < k_end
-        w2 = gl.load(w_ptrs + 2 * WORDS, mask=n_ok & (k + 2 * BK < k_end), other=0)
-        x_next = gl.load(x_ptrs + BK, mask=m_ok & more, other=0.0)
-        s_next, z_next = _group(s_ptrs, z_ptrs, (k + BK) // G, (sn < N) & more, (rn < N) & more, HAS_ZERO, SYM_ZERO,
-                                BLOCK_N, A_WORDS)
-        a = gl.convert_layout(_codes(w0, gl.broadcast(z, w0)[0], xdt), A)  # the same layout: no data moves
-        part = mma_v2(a, xt, gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA))
-        acc += part * s[:, None]
-        w0 = w1
-        w1 = w2
-        xt = x_next
-        s = s_next
-        z = z_next
-        w_ptrs += WORDS
-        x_ptrs += BK
+    if BLOCK_M == 8:
+        # Every load runs ahead of its use: the weight words two tiles (DRAM latency), x and the
+        # group's scale and zero one tile (a row's first scale is a DRAM read too)
+        w0 = gl.load(w_ptrs, mask=n_ok, other=0)
+        w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k0 + BK < k_end), other=0)
+        enter(PDL)
+        xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
+        s, z = _group(s_ptrs, z_ptrs, k0 // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
+        for k in range(k0, k_end, BK):
+            more = k + BK < k_end
+            w2 = gl.load(w_ptrs + 2 * WORDS, mask=n_ok & (k + 2 * BK < k_end), other=0)
+            x_next = gl.load(x_ptrs + BK, mask=m_ok & more, other=0.0)
+            s_next, z_next = _group(s_ptrs, z_ptrs, (k + BK) // G, (sn < N) & more, (rn < N) & more, HAS_ZERO,
+                                    SYM_ZERO, BLOCK_N, A_WORDS)
+            acc = _tile(acc, w0, z, xt, s, A, MMA)
+            w0 = w1
+            w1 = w2
+            xt = x_next
+            s = s_next
+            z = z_next
+            w_ptrs += WORDS
+            x_ptrs += BK
+    else:
+        # 16 rows: the x tile and the accumulator take twice the registers, and loads that far
+        # ahead cost more occupancy than they hide (docs/dense.md, Decisions): the weight words one
+        # tile ahead, x and the group's scale and zero in their own iteration
+        w0 = gl.load(w_ptrs, mask=n_ok, other=0)
+        enter(PDL)
+        for k in range(k0, k_end, BK):
+            w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k + BK < k_end), other=0)
+            xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
+            s, z = _group(s_ptrs, z_ptrs, k // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
+            acc = _tile(acc, w0, z, xt, s, A, MMA)
+            w0 = w1
+            w_ptrs += WORDS
+            x_ptrs += BK
     wo_common.finish(acc, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, s_om, n0, m0, pid_n, pid_m, pid_k, False,
                      HAS_BIAS, SPLIT, BLOCK_N, BLOCK_M, MMA)
 
