@@ -1,6 +1,7 @@
 """The launch-fusing kernels compile for sm90 as a GPU's JIT would specialise them, on this CPU-only
 machine (Triton's AOT path and its bundled ptxas): integer arguments the JIT turns into constants at
-1 (the M of the int4 GEMV, which is always 1; a width of 1), 16-bit activations with an fp8 latent cache (each MLA append
+1 (a width of 1; the M of a one-row call, which the kernels handing M to splitk.finish keep a
+runtime int), 16-bit activations with an fp8 latent cache (each MLA append
 kernel, whose fp8 helper once returned two types), and the GEMM's gated epilogue at the planner's
 decode tiles (two warpgroup MMAs a K step, the copy pipeline kept), none spilling. The interpreter compiles none of this: a kernel that fails here fails on its first GPU call.
 Runs in a subprocess because the interpreter replaces @triton.jit here."""
@@ -23,14 +24,10 @@ def build(name, fn, sig, ce, warps, stages=3):
         res[name] = {"error": f"{type(e).__name__}: {str(e)[-300:]}"}
 
 from opmap.kernels.gemm import fp8_block as FB, w4a16 as W
-# kernels whose M is 1 in a whole class of calls and goes to splitk.finish as a tensor
-res["M_kept"] = [k.fn.__name__ for k in (W._w4a16_gemv_kernel, W._w4a16_kernel, TG._gemm_kernel)
+# kernels whose M is 1 in a whole class of calls (decode) and goes to splitk.finish as a tensor (the
+# GEMM's to its own split-K end, which takes M.to alike)
+res["M_kept"] = [k.fn.__name__ for k in (W._w4a16_kernel, FB._fp8_block_kernel, TG._gemm_kernel)
                  if "M" not in k.do_not_specialize]
-for split in (1, 4):
-    build(f"int4-gemv-split{split}", W._w4a16_gemv_kernel, dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8",
-          b_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32", M="i32", N="i32", K="i32", stride_wn="i32",
-          stride_sn="i32", stride_om="i32", K_PER_SPLIT="i32"), dict(G=128, HAS_ZERO=False, HAS_BIAS=False, SPLIT=split,
-          SYM_ZERO=8, ASM=True, BLOCK_N=32, BLOCK_K=256), 4, 1)
 for scale_ptr in (False, True):
     build(f"mla-append-fp8-{scale_ptr}", AP._mla_append_kernel, dict(CKV="*bf16", KPE="*bf16", CACHE="*fp8e4nv",
           SLOTS="*i32", SCALE_PTR="*fp32", kv_scale="fp32", R="i32", DR="i32", NSLOTS="i32", s_ckv="i32", s_kpe="i32",

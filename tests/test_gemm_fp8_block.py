@@ -85,10 +85,3 @@ def test_sub_tiles_an_iteration(sub, split, fold):
     assert_close(out, _ref(x, wq, s, rounded=bool(fold)), torch.float16, scale=2.0,
                  what=f"SUB={sub} SPLIT={split} FOLD={fold}")
     assert ("scale before the MMA" in fp8_block.describe(5, 48, 400, "cpu", 32, config={"FOLD": fold})) == bool(fold)
-
-
-def test_gemv_config_is_int4s_only():
-    """config GEMV names int4's CUDA-core kernel: block fp8 has none and refuses the key."""
-    x, wq, s = _case(1, 48, 128, 32, seed=3)
-    with pytest.raises(InputError, match="config"):
-        fp8_block.linear(x, wq, None, s, config={"GEMV": 1})

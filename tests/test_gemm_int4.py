@@ -190,18 +190,3 @@ def test_plan_folds_splits_and_stages():
     assert p(1, 1024, 8192)["SPLIT"] == 16  # 16 N tiles: the ordinary rule's deeper split
     assert p(1, 28672, 4096)["SPLIT"] == 1 and p(64, 4096, 14336)["SPLIT"] != T.DEEP_SPLIT
     assert p(1, 4096, 14336, True)["SPLIT"] != T.DEEP_SPLIT  # block fp8: no deep split
-
-
-
-@pytest.mark.parametrize("N,K,G,zp,split", [(40, 448, 64, True, 0), (96, 256, 64, False, 3), (33, 1024, 16, True, 0),
-                                            (130, 512, 128, False, 2), (1, 128, 128, True, 1)])
-def test_gemv_matches_reference(N, K, G, zp, split):
-    """config GEMV=1: the CUDA-core kernel at M = 1 (codes as eight planes, fp32 products, one
-    reduction at the end), with bias, zero points, K splits, odd N; refused at M > 1, naming config."""
-    x, p, s, z = _case(1, N, K, G, zp, torch.float16, seed=N + K)
-    b = torch.randn(N).half()
-    y = w4a16.linear(x, p, b, s, z, config={"GEMV": 1, "SPLIT": split})
-    assert_close(y, _ref(x, p, s, z, b), torch.float16, scale=2.0, what=f"GEMV N={N} K={K} G={G} split={split}")
-    assert w4a16.describe(1, N, K, "cpu", G, config={"GEMV": 1}).startswith("CUDA-core GEMV")
-    with pytest.raises(InputError, match="config"):
-        w4a16.linear(torch.cat([x, x]), p, None, s, z, config={"GEMV": 1})

@@ -44,11 +44,6 @@ for M, fold in [(1, 0), (64, 0), (1, 1), (64, 1), (1024, 0), (1024, 1)]:
     ce = dict(BLOCK=128, HAS_BIAS=False, SPLIT=p["SPLIT"], EVEN_K=True, SUB=p["SUB"], FOLD=fold, BLOCK_M=p["BLOCK_M"],
               BLOCK_N=p["BLOCK_N"], BLOCK_K=p["BLOCK_K"])
     build(f"fp8-block-m{M}" + ("-fold" if fold else ""), F._fp8_block_kernel, fsig, ce, p["num_warps"], p["num_stages"])
-# the CUDA-core GEMV (config GEMV=1) at its own tile: no shared memory for the weight
-vsig = {k: v for k, v in wsig.items() if k != "stride_xm"}
-for bn, warps in ((128, 8), (64, 4)):
-    ce = dict(G=128, HAS_ZERO=True, HAS_BIAS=False, SPLIT=2, SYM_ZERO=8, ASM=True, BLOCK_N=bn, BLOCK_K=128)
-    build(f"w4a16-gemv-bn{bn}", W._w4a16_gemv_kernel, vsig, ce, warps, 3)
 gsig = {"a_ptr": "*bf16", "w_ptr": "*i32", "out_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ptr": "*i32",
         "block_expert_ptr": "*i32", "total_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "n_pairs": "i32", "N": "i32",
         "K": "i32", "a_row_div": "i32", "rows_bucket": "i32", "stride_am": "i32", "stride_we": "i32", "stride_wn": "i32",
@@ -74,7 +69,7 @@ def test_quantised_weight_kernels_compile_for_sm90_without_spills():
     dense = ["w4a16-m1-bf16", "w4a16-m16-fp16", "w4a16-m64-bf16", "w4a16-m1-bf16-sub4", "w4a16-m1-bf16-sub2",
              "w4a16-m1-bf16-fold", "w4a16-m64-bf16-fold", "w4a16-m1024-bf16-fold", "w4a16-m1024-bf16",
              "fp8-block-m1", "fp8-block-m64", "fp8-block-m1-fold", "fp8-block-m64-fold", "fp8-block-m1024",
-             "fp8-block-m1024-fold", "w4a16-gemv-bn128", "w4a16-gemv-bn64"]
+             "fp8-block-m1024-fold"]
     assert all(n in res for n in dense), sorted(res)
     for q in (1, 2):
         for bm in (16, 64):
@@ -82,19 +77,14 @@ def test_quantised_weight_kernels_compile_for_sm90_without_spills():
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"
-        if "gemv" in name:  # CUDA cores: the weight never passes through shared memory (a row's scale
-            # and zero, 1-2 bytes, may be handed between threads there)
-            sts = {k: v for k, v in r["loop"].items() if k.startswith("STS")}
-            assert set(sts) <= {"STS.U16", "STS.U8", "STS"} and sum(sts.values()) <= 2 and r["wgmma"] == 0, f"{name}: {r}"
-            continue
         assert r["async"] >= 4, f"{name}: no cp.async pipeline: {r}"
-    for name in [n for n in res if (n.startswith("w4a16") and "gemv" not in n) or n.startswith("moe-q1")]:
+    for name in [n for n in res if n.startswith(("w4a16", "moe-q1"))]:
         loop = res[name]["loop"]
         # nibbles.py: a LOP3 makes two values, a packed subtract (bf16: an FMA) finishes them
         packed = sum(v for k, v in loop.items() if k.startswith("HADD2") or k.startswith("HFMA2"))
         assert packed >= 16, f"{name}: no packed conversion: {loop}"
         assert not any(k.startswith(("I2F.BF16", "I2F.F16")) for k in loop), f"{name}: converts code by code: {loop}"
         assert "STS.U16" not in loop, f"{name}: stores the tile code by code: {loop}"
-    for name in [n for n in res if (n.startswith("w4a16") and "gemv" not in n) or n.startswith("fp8-block")]:
+    for name in [n for n in res if n.startswith(("w4a16", "fp8-block"))]:
         assert res[name]["wgmma"] >= 1, f"{name}: no warpgroup MMA: {res[name]}"
 

@@ -1,5 +1,5 @@
 """The engine on a GPU: eager and CUDA-graph steps (decode, padded prefill) give identical tokens
-(dense, MoE, MLA);
+(dense, MoE, MLA, dense with int4 weights);
 a bf16 Llama-3-8B-shaped random model stays within bf16 noise of an fp32 oracle (HF on the same
 weights in fp32, teacher-forced), with HF's own bf16 error as the measure of that noise; KV
 sizing with another engine still alive; the profiler attributes GPU kernels to operators."""
@@ -15,8 +15,9 @@ from oracle_util import free_gpu, oracle_parity, random_prompts
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name,layers", [("llama3-8b", 2), ("qwen3-30b-a3b", 2), ("deepseek-v2-lite", 2)])
-def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
+@pytest.mark.parametrize("name,layers,quantize", [("llama3-8b", 2, None), ("qwen3-30b-a3b", 2, None),
+                                                  ("deepseek-v2-lite", 2, None), ("llama3-8b", 2, "int4")])
+def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers, quantize):
     from opmap.engine.llm import LLM
     from opmap.engine.params import SamplingParams
 
@@ -30,7 +31,7 @@ def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
         # A fixed page count (enough for all 5 at once): this test is about graphs, not the memory
         # plan, and a fraction of total memory failed when other jobs shared the GPU.
         llm = LLM(cfg, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024, enforce_eager=eager,
-                  num_pages=512, seed=1)
+                  num_pages=512, seed=1, **({"quantize": quantize} if quantize else {}))
         if not eager:
             r = llm.runner
             assert r.graphs and not r.graph_errors, (r.graphs_off_reason, r.graph_errors)
@@ -46,6 +47,8 @@ def test_eager_and_cuda_graph_steps_give_identical_tokens(name, layers):
         llm.close()
     assert runs[True][1] == runs[False][1], "eager and graph decode chose different backends"
     assert runs[True][0] == runs[False][0]
+    if quantize == "int4" and torch.cuda.get_device_capability() == (9, 0):  # the decode buckets (M <= 4)
+        assert {b for op, _, b in runs[True][1] if op == "gemm"} >= {"gluon-w4a16"}, runs[True][1]
 
 
 def test_graphs_keep_their_cublas_workspace_when_the_process_frees_others():

@@ -93,19 +93,6 @@ def test_selection_on_this_gpu():
     assert_close(opmap.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what="opmap.linear")
 
 
-@pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (32001, 4096)])
-@pytest.mark.parametrize("zp", [False, True])
-@pytest.mark.parametrize("cfg", [{"GEMV": 1}, {"GEMV": 1, "BLOCK_N": 64}, {"GEMV": 1, "SPLIT": 8}])
-def test_gemv_bf16(N, K, zp, cfg):
-    """config GEMV=1: the CUDA-core kernel at M = 1 (codes into fp32's mantissa by LOP3, fp32
-    products, the partials of its K splits summed by the family's counters) against the reference."""
-    if N == 32001:
-        N = 32000 + 1
-    x, p, s, z = _case(1, N, K, 128, zp, seed=N + zp)
-    assert_close(w4a16.linear(x, p, None, s, z, config=cfg), _ref(x, p, s, z), BF16, scale=2.0,
-                 what=f"GEMV {cfg} N={N} K={K} zp={zp}")
-
-
 @pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 16])
 @pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (6144, 4096), (32001, 4096), (100, 256)])
 @pytest.mark.parametrize("zp", [False, True])

@@ -23,10 +23,7 @@ INTERP = os.environ.get("TRITON_INTERPRET") == "1"  # no PTX (inline asm) there
 # scale, exact codes into the MMA; the accumulator leaves the MMA every tile). 1: before it (the
 # codes times the scale rounded once to x's dtype, as a dequantised weight is; the MMA accumulates
 # in place across K tiles). Not given: the plan's.
-# GEMV (int4, M = 1): 1 runs the CUDA-core kernel (w4a16._w4a16_gemv_kernel) instead of the MMA one;
-# its tile is w4a16's (block fp8 has no such kernel and refuses the key).
-CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1,
-          "GEMV": 0}
+CONFIG = {"BLOCK_N": 0, "BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "SPLIT": 0, "SUB": 0, "FOLD": -1}
 
 
 @triton.jit
@@ -50,7 +47,6 @@ def config_of(config) -> dict:
     expect(0 <= cfg["SPLIT"] <= 64, "config", f"SPLIT={cfg['SPLIT']}", "0 (planned) to 64")
     expect(cfg["SUB"] in (0, 1, 2, 4), "config", f"SUB={cfg['SUB']}", "1, 2 or 4 K tiles a loop iteration")
     expect(cfg["FOLD"] in (-1, 0, 1), "config", f"FOLD={cfg['FOLD']}", "0 (scale after the MMA) or 1 (before)")
-    expect(cfg["GEMV"] in (0, 1), "config", f"GEMV={cfg['GEMV']}", "0 or 1 (int4's CUDA-core kernel at M = 1)")
     return cfg
 
 
@@ -85,7 +81,7 @@ def plan(M: int, N: int, K: int, span: int, sms: int, bk_top: int, bn_in_span: b
     if interp:
         sub = 1
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "num_warps": warps_for(bn),
-            "SUB": sub, "FOLD": fold, "GEMV": 0, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
+            "SUB": sub, "FOLD": fold, "num_stages": 1 if interp else 2 if deep else stages(bm, sub)}
 
 
 DEEP_SPLIT = 8  # int4's K splits where few N tiles leave SMs idle at decode M (docs/dense.md, Decisions)
@@ -108,7 +104,6 @@ def planned(M, N, K, span, device, cfg, bk_top: int, bn_in_span: bool, what: str
         p[key] = cfg[key] or p[key]
     if cfg["FOLD"] >= 0:
         p["FOLD"] = cfg["FOLD"]
-    p["GEMV"] = cfg["GEMV"]
     if cfg["BLOCK_N"] and not cfg["num_warps"]:  # the plan's warps for the tile asked for (see plan)
         p["num_warps"] = warps_for(cfg["BLOCK_N"])
     for key in ("BLOCK_K",) + (("BLOCK_N",) if bn_in_span else ()):
@@ -144,9 +139,6 @@ def output(x: torch.Tensor, M: int, N: int, K: int, bias) -> tuple:
 
 
 def text(p: dict) -> str:
-    if p.get("GEMV"):
-        return (f"CUDA-core GEMV, BLOCK_N {p['BLOCK_N']}, BLOCK_K {p['BLOCK_K']}, {p['SPLIT']} K "
-                f"split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")
     return (f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, BLOCK_K {p['BLOCK_K']} x {p['SUB']} a step, "
             f"scale {'before' if p['FOLD'] else 'after'} the MMA, "
             f"{p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}, {p['num_warps']} warps, {p['num_stages']} stages")

@@ -105,14 +105,13 @@ def _dequant_cublas(inp):
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
-          "num_stages": "s", "FOLD": "fold", "GEMV": "gemv"}
+          "num_stages": "s", "FOLD": "fold"}
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
 # iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
 # every M, the scale on the weight before the MMA (FOLD)
 SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(FOLD=1, SUB=2),
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
-GEMV_VARIANTS = [dict(GEMV=1), dict(GEMV=1, BLOCK_N=64), dict(GEMV=1, SPLIT=8)]
 GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8)]  # gluon-w4a16's config=
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
@@ -172,9 +171,6 @@ def _scaled_case(arch, M, N, K, fmt) -> BenchCase:
     provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
                        describe=describe(M, N, K, config=c))
               for c in (SCALED_VARIANTS if M <= 64 else SCALED_VARIANTS_MANY_ROWS)]
-    if fmt == "int4" and M == 1:  # the CUDA-core kernel (config GEMV)
-        provs += [Provider(f"opmap-{backend}[{_tag(c)}]", _ours(backend, True, c), backend=("gemm", backend),
-                           describe=describe(M, N, K, config=c)) for c in GEMV_VARIANTS]
     if fmt == "int4" and M <= w4a16_gluon.MAX_M:  # the Gluon mma.sync kernel and its tunings
         provs += [Provider("opmap-gluon-w4a16" + (f"[{_tag(c)}]" if c else ""), _ours("gluon-w4a16", True, c or None),
                            backend=("gemm", "gluon-w4a16"),
