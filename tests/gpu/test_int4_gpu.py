@@ -85,7 +85,8 @@ def test_dequant_cublas_int4(M):
 
 def test_selection_on_this_gpu():
     arch = local_arch()
-    for m, want in ((1, "gluon-w4a16" if arch == "sm90" else "triton-w4a16"), (16, "triton-w4a16")):
+    for m, want in ((1, "gluon-w4a16" if arch == "sm90" else "triton-w4a16"),
+                    (16, "gluon-w4a16" if arch == "sm90" else "triton-w4a16"), (17, "triton-w4a16")):
         dec = select("gemm", GemmSpec(arch=arch, phase="decode", m=m, n=4096, k=4096, weight_dtype="int4",
                                       group_size=128))
         assert dec.backend.name == want, (m, dec.backend.name)

@@ -20,7 +20,7 @@ passes the converted tile through shared memory on its way to the MMA):
   accumulator, as the Triton kernel does (the codes reach the MMA exactly).
 - At 8 rows every load runs ahead of its use: the weight words two K tiles ahead (each warp keeps
   two tiles of weight in flight while it converts a third), x, the scales and the zeros one tile
-  ahead. At 16 rows the weight words run one tile ahead. The first weight loads go out before the
+  ahead. At 16 rows the weight words run one tile ahead. The first weight load goes out before the
   PDL wait (the weight does not depend on the previous kernel).
 - x is read as the B fragment straight from global memory (every program of a K range reads the
   same few hundred bytes: cache hits).
@@ -119,13 +119,13 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     m_ok = (rm < M)[None, :]
 
     # K is a whole number of tiles (G divides K, BK divides G): no K mask inside a split.
+    w0 = gl.load(w_ptrs, mask=n_ok, other=0)  # the weight does not depend on the previous kernel
+    enter(PDL)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     if BLOCK_M == 8:
         # Every load runs ahead of its use: the weight words two tiles (DRAM latency), x and the
         # group's scale and zero one tile (a row's first scale is a DRAM read too)
-        w0 = gl.load(w_ptrs, mask=n_ok, other=0)
         w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k0 + BK < k_end), other=0)
-        enter(PDL)
         xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
         s, z = _group(s_ptrs, z_ptrs, k0 // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
         for k in range(k0, k_end, BK):
@@ -146,8 +146,6 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
         # 16 rows: the x tile and the accumulator take twice the registers, and loads that far
         # ahead cost more occupancy than they hide (docs/dense.md, Decisions): the weight words one
         # tile ahead, x and the group's scale and zero in their own iteration
-        w0 = gl.load(w_ptrs, mask=n_ok, other=0)
-        enter(PDL)
         for k in range(k0, k_end, BK):
             w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k + BK < k_end), other=0)
             xt = gl.load(x_ptrs, mask=m_ok, other=0.0)

@@ -187,17 +187,14 @@ def _group128(spec):
 
 registry.register(Backend(
     op="gemm", name="gluon-w4a16", provider="opmap-triton", version=registry.triton_version,
-    # sm90: above triton-w4a16 (50) on its 8-row tile, behind it at 16 rows (docs/dense.md, Decisions);
-    # below it where nothing was measured.
-    priority={"sm80": 45, "sm89": 45, "sm100": 45,
-              "sm90": Prefer(52, 45, lambda s: s.m is not None and s.m <= 8, "M <= 8",
-                             Basis("ahead of triton-w4a16 at M = 1 on gate/up and down (M <= 8 runs the same 8-row "
-                                   "tile); behind it at M = 16",
-                                   _rows(1, GATE_UP, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16", base=H100)
-                                   + _rows(1, DOWN, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16",
-                                           base=H100)
-                                   + _rows(16, GATE_UP, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16",
-                                           base=H100)))},
+    # sm90: above triton-w4a16 (50) wherever it serves (docs/dense.md, Decisions); below it where
+    # nothing was measured.
+    priority={"sm80": 45, "sm89": 45, "sm90": 52, "sm100": 45},
+    basis={"sm90": Basis("ahead of triton-w4a16 at M = 1 and 16 on gate/up and down",
+                         _rows(1, GATE_UP, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16", base=H100)
+                         + _rows(1, DOWN, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16", base=H100)
+                         + _rows(16, GATE_UP, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16", base=H100)
+                         + _rows(16, DOWN, "int4-g128", "opmap-gluon-w4a16", "opmap-triton-w4a16", base=H100))},
     impl={"linear": "opmap.kernels.gemm.w4a16_gluon:linear"},
     reqs=[Req("dtype", ("bf16", "fp16"), "bf16 / fp16 activations"),
           Req("weight_dtype", ("int4",), "int4 weight-only (W4A16: GPTQ, AWQ, compressed-tensors pack-quantized)"),
