@@ -16,7 +16,7 @@ from opmap.kernels.gemm.w4a16_gluon import STAGED
 
 
 @gluon.jit
-def probe(p):
+def probe(p, SALT: gl.constexpr):  # SALT: a new build each run (static_print runs at compile time only)
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1], instr_shape=[16, 8])
     A_WORDS: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     sm = gl.allocate_shared_memory(gl.int32, [64, 16], STAGED)
@@ -53,7 +53,9 @@ for name, xdt, zero, M, cfg, split, bias in [
                            {"num_warps": p["WARPS"]}, div)
     loop = loop_ops(k)
     words = p["BLOCK_N"] * 16 / (p["WARPS"] * 32)  # a thread's words a K tile (one loop iteration)
+    copies = [l for l in k.asm["ptx"].splitlines() if "cp.async." in l and "shared.global" in l]
     res[name] = {**usage(k), "loop": loop, "per_word": sum(loop.values()) / words, "stages": p["STAGES"],
+                 "copies16": all(", 0x10" in l for l in copies) and bool(copies),
                  "tile_bytes": p["BLOCK_N"] * 64}
 
 # the staged weight's shared layout against the fragment reads and the async copies' writes (a probe
@@ -67,7 +69,7 @@ spec.loader.exec_module(mod)
 probe = mod.probe
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
-    compile_gluon_sm90(probe, {"p": "*i32"}, {}, {"num_warps": 4}, [0])
+    compile_gluon_sm90(probe, {"p": "*i32", "SALT": "constexpr"}, {"SALT": os.getpid()}, {"num_warps": 4}, [0])
 res["conflicts"] = [int(v) for v in buf.getvalue().split("CONFLICTS", 1)[1].split()[:2]]
 print("RESULT " + json.dumps(res))
 '''
@@ -84,6 +86,7 @@ def test_gluon_w4a16_builds_keep_the_weight_out_of_shared_memory():
         if r["stages"]:  # the packed words alone cross shared memory: 16-byte async copies in, fragment reads out
             assert r["tile_bytes"] * r["stages"] <= r["shared"] <= r["tile_bytes"] * r["stages"] + 16, f"{name}: {r}"
             assert loop.get("LDGSTS.E.BYPASS.128", 0) >= 2 and loop.get("LDS.64", 0) >= 4, f"{name}: {loop}"
+            assert r["copies16"], f"{name}: an async copy of under 16 bytes (the prologue's or the loop's)"
             assert not any(op.startswith("STS") for op in loop), f"{name}: {loop}"
         else:
             assert r["shared"] <= 16, f"{name}: the tile passes through shared memory: {r}"

@@ -109,12 +109,14 @@ def test_gluon_w4a16_bf16(M, N, K, zp, stages):
                  what=f"gluon-w4a16 M={M} N={N} K={K} zp={zp} STAGES={stages}")
 
 
+@pytest.mark.parametrize("M", [3, 16])
 @pytest.mark.parametrize("cfg", [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"per_sm": 8}, {"per_sm": 1}, {"STAGES": 2},
-                                 {"STAGES": 8, "per_sm": 1}, {"STAGES": 3, "BLOCK_N": 128}])
-def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg):
-    """Its tunings, fp16 activations, a group of 256 (two K tiles a group), a bias, and a CUDA graph
-    of a split call replayed with new inputs."""
-    M, N, K = 3, 4096 + 48, 14336
+                                 {"STAGES": 6}, {"STAGES": 8, "per_sm": 1}, {"STAGES": 3, "BLOCK_N": 128},
+                                 {"STAGES": 8, "BLOCK_N": 128}])
+def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg, M):
+    """Its tunings at both row tiles, fp16 activations, a group of 256 (two K tiles a group), a bias,
+    and a CUDA graph of a split call replayed with new inputs."""
+    N, K = 4096 + 48, 14336
     g = torch.Generator(device="cuda").manual_seed(5)
     w = torch.randn(N, K, device="cuda", generator=g) / K ** 0.5
     p, s, z = quantize_int4(w, 256, True)
@@ -131,3 +133,21 @@ def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg):
         graph.replay()
         torch.cuda.synchronize()
         assert_close(out, ref(), torch.float16, scale=2.0, what=f"{cfg} replay {seed}")
+
+
+@pytest.mark.parametrize("stages", [0, 4])
+def test_gluon_w4a16_reads_a_row_strided_weight(stages):
+    """A weight whose rows sit in a wider buffer (a view, row stride 4 words past K / 8): both forms read
+    it by its stride; a stride of an odd count of words is refused naming ``w``."""
+    from opmap.core.contract import InputError
+
+    M, N, K = 1, 1000, 4096
+    x, p, s, z = _case(M, N, K, 128, True, seed=11)
+    wide = torch.zeros(N, K // 8 + 4, dtype=p.dtype, device=p.device)
+    wide[:, : K // 8] = p
+    view = wide[:, : K // 8]
+    assert_close(w4a16_gluon.linear(x, view, None, s, z, config={"STAGES": stages}), _ref(x, p, s, z), BF16,
+                 scale=2.0, what=f"strided w, STAGES={stages}")
+    odd = torch.zeros(N, K // 8 + 1, dtype=p.dtype, device=p.device)[:, : K // 8]
+    with pytest.raises(InputError, match="w"):
+        w4a16_gluon.linear(x, odd, None, s, z, config={"STAGES": stages})

@@ -131,16 +131,18 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     if STAGES == 0:
         w0 = gl.load(w_ptrs, mask=n_ok, other=0)
     else:
-        w_end = gl.multiple_of(k_end // 8, WORDS)  # the split's end in words
+        w0_k = gl.multiple_of(k0 // 8, WORDS)  # the split's first and end word
+        w_end = gl.multiple_of(k_end // 8, WORDS)
         w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], STAGED)
         for i in gl.static_range(STAGES - 1):
-            wo_common.issue(w_smem.index(i), w_ptr, n0, gl.multiple_of(k0 // 8 + i * WORDS, WORDS), N, w_end, s_wn,
-                            BLOCK_N, WORDS, COPY_W, 4, True)
+            wo_common.issue(w_smem.index(i), w_ptr, n0, w0_k + i * WORDS, N, w_end, s_wn, BLOCK_N, WORDS, COPY_W, 4,
+                            True)
     enter(PDL)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
     if STAGES > 0:
         # the weight through shared memory, STAGES - 1 tiles in flight a program without holding
-        # registers; x, the scales and the zeros one tile ahead in registers
+        # registers; at 8 rows x, the scales and the zeros one tile ahead in registers, at 16 rows in
+        # their own iteration (as the register form, for its registers)
         xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
         s, z = _group(s_ptrs, z_ptrs, k0 // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
         it = 0
@@ -150,14 +152,19 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
             wo_common.issue(w_smem.index((it + STAGES - 1) % STAGES), w_ptr, n0,
                             gl.multiple_of(k // 8 + (STAGES - 1) * WORDS, WORDS), N, w_end, s_wn, BLOCK_N, WORDS,
                             COPY_W, 4, True)
-            more = k + BK < k_end
-            x_next = gl.load(x_ptrs + BK, mask=m_ok & more, other=0.0)
-            s_next, z_next = _group(s_ptrs, z_ptrs, (k + BK) // G, (sn < N) & more, (rn < N) & more, HAS_ZERO,
-                                    SYM_ZERO, BLOCK_N, A_WORDS)
-            acc = _tile(acc, w_smem.index(it % STAGES).load(A_WORDS), z, xt, s, A, MMA)
-            xt = x_next
-            s = s_next
-            z = z_next
+            if BLOCK_M == 8:
+                more = k + BK < k_end
+                x_next = gl.load(x_ptrs + BK, mask=m_ok & more, other=0.0)
+                s_next, z_next = _group(s_ptrs, z_ptrs, (k + BK) // G, (sn < N) & more, (rn < N) & more, HAS_ZERO,
+                                        SYM_ZERO, BLOCK_N, A_WORDS)
+                acc = _tile(acc, w_smem.index(it % STAGES).load(A_WORDS), z, xt, s, A, MMA)
+                xt = x_next
+                s = s_next
+                z = z_next
+            else:
+                xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
+                s, z = _group(s_ptrs, z_ptrs, k // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
+                acc = _tile(acc, w_smem.index(it % STAGES).load(A_WORDS), z, xt, s, A, MMA)
             x_ptrs += BK
             it += 1
         cp.wait_group(0)
@@ -209,7 +216,7 @@ def config_of(config) -> dict:
     if config is None:
         return dict(DEFAULTS)
     cfg = tile_config(CONFIG, config)
-    expect(cfg["BLOCK_N"] in (0, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "32, 64 or 128")
+    expect(cfg["BLOCK_N"] in (0, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "32, 64 or 128")  # 0: the plan's
     expect(0 <= cfg["per_sm"] <= 16, "config", f"per_sm={cfg['per_sm']}", "0 (planned) to 16")
     expect(cfg["STAGES"] in (0, 2, 3, 4, 6, 8), "config", f"STAGES={cfg['STAGES']}",
            "0 (the weight straight into registers) or 2, 3, 4, 6 or 8 K tiles through shared memory")
@@ -239,8 +246,10 @@ def describe(M: int, N: int, K: int, device, config=None) -> str:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
     """``config``: BLOCK_N, per_sm and STAGES (CONFIG) fix those of the plan."""
+    expect(isinstance(w, torch.Tensor) and w.dtype == torch.int32, "w",
+           f"dtype {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__,
+           "int32 words of eight 4-bit codes (W4A16)")
     M, N, K = check_linear(x, w, bias, w_scale, w_zero, int4=True)
-    expect(w.dtype == torch.int32, "w", f"dtype {w.dtype}", "int32 words of eight 4-bit codes (W4A16)")
     expect(x.dtype in (torch.bfloat16, torch.float16), "x", f"dtype {x.dtype}", "bf16 or fp16")
     expect(M <= MAX_M, "x", f"{M} rows", f"at most {MAX_M} rows (triton-w4a16 serves any M)")
     G = K // w_scale.shape[1] if K else BLOCK_K
@@ -256,7 +265,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     cfg = config_of(config)
     if cfg["STAGES"]:
         expect(w.stride(0) % 4 == 0 and w.data_ptr() % 16 == 0, "w", f"row stride {w.stride(0)}, address {w.data_ptr()}",
-               "rows 16-byte aligned for config STAGES (16-byte async copies): K a multiple of 32")
+               "rows 16-byte aligned for config STAGES (16-byte async copies): a row stride of a multiple of 4 words, "
+               "an address of 16 bytes")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if wo_common.nothing_to_multiply(M, N, K, bias, out):
         return out

@@ -19,7 +19,9 @@ def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False,
     Dense weights have x's dtype and no scale; fp8-e4m3 / int8 weights need ``w_scale[N]`` fp32;
     int4 weights (int32 ``w[N, K // 8]``, the layout of opmap.ops.gemm.quant) need
     ``w_scale[N, K // G]`` (a scale per group of G input channels, G dividing K) and take
-    ``w_zero`` uint8 codes of the same shape where the format is asymmetric; only where the
+    ``w_zero`` uint8 codes of the same shape where the format is asymmetric (0 to 16, as every int4
+    format stores them: the kernels' 16-bit conversion is exact below 128, and the values are not
+    checked here, which would synchronise every call; the loaders make them); only where the
     caller reads int4 (``int4``: the reference, triton-w4a16, dequant-cublas). fp8 weights with a
     scale per b x b block (``w_scale[ceil(N / b), ceil(K / b)]``, b a power of two from 16) where the
     caller reads block scales (``block``: the reference, triton-fp8-block, dequant-cublas).
