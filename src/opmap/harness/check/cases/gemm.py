@@ -154,9 +154,11 @@ def _int4_cases(arch, device, cpu) -> list:
     dims = dict(tokens=8, hidden=128, inter=128, vocab=512, layers=2) if cpu else \
         dict(tokens=64, hidden=1024, inter=2048, vocab=32000, layers=4)
     dim_s = ",".join(f"{k}={v}" for k, v in dims.items())
+    for name in ("triton-w4a16", "gluon-w4a16"):
+        if _ok(name, arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=128):
+            out.append(CheckCase("quant", "gemm", name, f"output cosine vs fp32,int4-g128,M={M},N={N},K={K},dtype={dn}",
+                                 _cosine(name, device, "int4", M, N, K, dt)))
     if _ok("triton-w4a16", arch, m=M, n=N, k=K, dtype=dn, weight_dtype="int4", group_size=128):
-        out.append(CheckCase("quant", "gemm", "triton-w4a16", f"output cosine vs fp32,int4-g128,M={M},N={N},K={K},dtype={dn}",
-                             _cosine("triton-w4a16", device, "int4", M, N, K, dt)))
         out.append(CheckCase("quant", "gemm", "triton-w4a16", f"stack next-token KL,int4-g128,{dim_s},dtype={dn}",
                              _kl("triton-w4a16", device, "int4", dt, dims)))
     return out
