@@ -57,6 +57,9 @@ def test_served_only_at_decode_m_and_groups_of_128():
     assert b.validate(GemmSpec(m=1, group_size=256, **spec)) == []
     assert any("M known and <= 16" in r for r in b.validate(GemmSpec(m=17, group_size=128, **spec)))
     assert any("group size" in r or "group_size" in r for r in b.validate(GemmSpec(m=1, group_size=64, **spec)))
+    # a layer whose input size the format's group does not divide has one group a row (quant.int4_group)
+    assert any("group size 200" in r for r in b.validate(GemmSpec(m=1, group_size=128, **dict(spec, k=200))))
+    assert b.validate(GemmSpec(m=1, group_size=128, **dict(spec, k=384))) == []
     assert b.validate(GemmSpec(m=1, group_size=128, **dict(spec, weight_dtype="fp8")))
     assert b.validate(GemmSpec(m=1, group_size=128, **dict(spec, dtype="fp32")))
     # above triton-w4a16 wherever it serves on sm90 (M = 1 and 16 measured ahead), below it elsewhere

@@ -9,6 +9,7 @@ import os
 
 from opmap.core import registry
 from opmap.core.registry import Backend, Basis, Check, Evidence, Prefer, Req
+from opmap.ops.gemm.quant import int4_group
 
 _FLOAT = ("fp32", "fp16", "bf16")
 
@@ -112,8 +113,8 @@ registry.register(Backend(
 
 
 def _group16(spec):
-    g = spec.group_size or spec.k
-    return f"group_size={g} not a multiple of 16 (a K tile inside one group)" if g % 16 else None
+    g = int4_group(spec.k, spec.group_size)  # the layer's own group (one a row where the format's does not divide k)
+    return f"group size {g} (k={spec.k}) not a multiple of 16 (a K tile inside one group)" if g % 16 else None
 
 
 registry.register(Backend(
@@ -181,8 +182,8 @@ registry.register(Backend(
 ))
 
 def _group128(spec):
-    g = spec.group_size or spec.k
-    return f"group_size={g} not a multiple of 128 (a K tile of 128 inside one group)" if g % 128 else None
+    g = int4_group(spec.k, spec.group_size)  # the layer's own group (one a row where the format's does not divide k)
+    return f"group size {g} (k={spec.k}) not a multiple of 128 (a K tile of 128 inside one group)" if g % 128 else None
 
 
 registry.register(Backend(
