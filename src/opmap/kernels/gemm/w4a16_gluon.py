@@ -89,6 +89,7 @@ def _tile(acc, w, z, xt, s, A: gl.constexpr, MMA: gl.constexpr):
     return acc + part * s[:, None]
 
 
+# M stays a runtime int (a call of one row would make it a constant): the split-K tail takes it as a tensor
 @gluon.jit(do_not_specialize=["M"])
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_sn, s_om,
                       K_PER_SPLIT, G: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
