@@ -19,6 +19,8 @@
 # OUTDIR/report-M, timed), flashinfer.
 # Packages the GPU machine lacks travel in .whl/ (scripts/pack_wheels.sh, scripts/flashinfer/pack.sh);
 # scripts/gpu_env.sh installs them.
+# PACK=1: OUTDIR ends as one archive, OUTDIR.tgz, in its place (a machine that hands back a few files
+# a call, as the device tool does, returns all of it; the steps' many logs would not all come back).
 set -uo pipefail
 out=${1:?usage: scripts/gpu.sh OUTDIR}
 mkdir -p "$out"
@@ -27,6 +29,9 @@ cd "$(dirname "$0")/.."
 STEPS=${STEPS:-"env tests check bench e2e"}
 MODELS=${MODELS:-"llama3-8b"}
 status=0
+if [ "${PACK:-}" = 1 ]; then
+  trap 'tar -czf "$out.tgz" -C "$out" . && rm -rf "$out"' EXIT
+fi
 step() { echo "== $1 ($(date -u +%T))"; }
 run_file() {
   local f=$1 n; n=$(basename "$f" .py)
