@@ -17,6 +17,7 @@ Providers, timed in the same run on the same inputs, each named after the backen
   fp8, then torch._scaled_mm on cuBLASLt).
 The ops ``gemm.w4a16`` and ``gemm.fp8_block`` time the formats whose scale changes along K (int4 with
 a scale per 128 input channels; fp8 with a scale per 128 x 128 block): our Triton kernel at every M,
+for int4 at M <= 16 our Gluon kernel (gluon-w4a16) and its tunings,
 cuBLAS on the weights kept in bf16, from M = 128 dequant-cublas, for int4 gemlite (a Triton low-bit GEMM
 library, on the same codes and scales) and for block fp8 scaled-mm-block (activations quantised per
 128-channel group, cuBLASLt's block-scaled fp8 GEMM).
