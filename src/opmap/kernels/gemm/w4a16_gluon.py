@@ -106,13 +106,7 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     # of 32 bytes an instruction) take the two wavefronts their 256 bytes need
     COPY_W: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
 
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    pid_k = gl.program_id(2)
-    n0 = pid_n * BLOCK_N
-    m0 = pid_m * BLOCK_M
-    k0 = pid_k * K_PER_SPLIT
-    k_end = gl.minimum(k0 + K_PER_SPLIT, K)
+    pid_n, pid_m, pid_k, n0, m0, k0, k_end = wo_common.origin(K, K_PER_SPLIT, BLOCK_N, BLOCK_M)
 
     rn = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A_WORDS))
     rw = gl.arange(0, WORDS, layout=gl.SliceLayout(0, A_WORDS))
@@ -227,7 +221,11 @@ def config_of(config) -> dict:
 def plan(M: int, N: int, K: int, sms: int, config=None) -> dict:
     """Tiles and K splits of a call: BLOCK_M 8 or 16, BLOCK_N 64 on four warps; K split until the
     programs number about ``per_sm`` an SM, each split keeping >= 4 K tiles."""
-    cfg = config_of(config)
+    return _plan(M, N, K, sms, config_of(config))
+
+
+def _plan(M: int, N: int, K: int, sms: int, cfg: dict) -> dict:
+    """``plan`` of a ``config_of``-checked ``cfg`` (the launcher checks its config once)."""
     bn = cfg["BLOCK_N"]
     bm = 8 if M <= 8 else 16
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
@@ -271,17 +269,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if wo_common.nothing_to_multiply(M, N, K, bias, out):
         return out
-    p = plan(M, N, K, sm_figures(x.device)[0], cfg)
-    grid = (triton.cdiv(N, p["BLOCK_N"]), triton.cdiv(M, p["BLOCK_M"]), p["SPLIT"])
-    if p["SPLIT"] > 1:
-        ws = torch.empty((p["SPLIT"], M, N), dtype=torch.float32, device=x.device)
-        cnt = wo_common.counters(grid[0] * grid[1], x.device)
-    else:
-        ws = cnt = out
+    p = _plan(M, N, K, sm_figures(x.device)[0], cfg)
+    k_per_split, split, grid, ws, cnt = wo_common.geometry(M, N, K, dict(p, BLOCK_K=BLOCK_K), out)
     _w4a16_mma_kernel[grid](
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
-        M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), p["K_PER_SPLIT"], G=G,
-        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=p["SPLIT"], SYM_ZERO=INT4_SYM_ZERO,
+        M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), k_per_split, G=G,
+        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=split, SYM_ZERO=INT4_SYM_ZERO,
         BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], WARPS=p["WARPS"], STAGES=p["STAGES"], num_warps=p["WARPS"],
         **pdl.launch(x.device))
     return out

@@ -63,6 +63,16 @@ def issue(buf, ptr, r0, k, R, k_end, s_r, BLOCK_R: gl.constexpr, BLOCK_K: gl.con
 
 
 @gluon.jit
+def origin(K, K_PER_SPLIT, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(pid_n, pid_m, pid_k, n0, m0, k0, k_end) of a program of a split-K grid (N tiles, M tiles, splits)."""
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    k0 = pid_k * K_PER_SPLIT
+    return pid_n, pid_m, pid_k, pid_n * BLOCK_N, pid_m * BLOCK_M, k0, gl.minimum(k0 + K_PER_SPLIT, K)
+
+
+@gluon.jit
 def finish(acc, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, s_om, n0, m0, pid_n, pid_m, pid_k,
            HAS_SCALE: gl.constexpr, HAS_BIAS: gl.constexpr, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr,
            BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):

@@ -80,13 +80,7 @@ def _wo_wgmma_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K
     W_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     X_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(1)
-    pid_k = gl.program_id(2)
-    n0 = pid_n * BLOCK_N
-    m0 = pid_m * BLOCK_M
-    k0 = pid_k * K_PER_SPLIT
-    k_end = gl.minimum(k0 + K_PER_SPLIT, K)
+    pid_n, pid_m, pid_k, n0, m0, k0, k_end = common.origin(K, K_PER_SPLIT, BLOCK_N, BLOCK_M)
     w_smem = gl.allocate_shared_memory(w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], W_SMEM)
     x_smem = gl.allocate_shared_memory(xdt, [STAGES, BLOCK_M, BLOCK_K], X_SMEM)
     # The weights do not depend on the previous kernel: their first copies overlap its tail.

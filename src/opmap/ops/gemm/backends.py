@@ -112,9 +112,17 @@ registry.register(Backend(
 ))
 
 
-def _group16(spec):
-    g = int4_group(spec.k, spec.group_size)  # the layer's own group (one a row where the format's does not divide k)
-    return f"group size {g} (k={spec.k}) not a multiple of 16 (a K tile inside one group)" if g % 16 else None
+def _group_multiple_of(tile: int, what: str):
+    """The check that a layer's own int4 group (one a row where the format's does not divide k) is a
+    multiple of ``tile``."""
+    def check(spec):
+        g = int4_group(spec.k, spec.group_size)
+        return f"group size {g} (k={spec.k}) not a multiple of {tile} ({what})" if g % tile else None
+
+    return check
+
+
+_group16 = _group_multiple_of(16, "a K tile inside one group")
 
 
 registry.register(Backend(
@@ -181,9 +189,7 @@ registry.register(Backend(
           "tile, fragments converted exactly in registers; bf16 / fp16 activations, 16-byte aligned rows",
 ))
 
-def _group128(spec):
-    g = int4_group(spec.k, spec.group_size)  # the layer's own group (one a row where the format's does not divide k)
-    return f"group size {g} (k={spec.k}) not a multiple of 128 (a K tile of 128 inside one group)" if g % 128 else None
+_group128 = _group_multiple_of(128, "a K tile of 128 inside one group")
 
 
 registry.register(Backend(
