@@ -94,25 +94,22 @@ def test_selection_on_this_gpu():
     assert_close(opmap.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what="opmap.linear")
 
 
-@pytest.mark.parametrize("stages", [0, 4])
 @pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 16])
 @pytest.mark.parametrize("N,K", [(28672, 4096), (4096, 14336), (6144, 4096), (32001, 4096), (100, 256)])
 @pytest.mark.parametrize("zp", [False, True])
-def test_gluon_w4a16_bf16(M, N, K, zp, stages):
-    """gluon-w4a16 (mma.sync, the weight words loaded straight into the A fragments, or through a
-    shared-memory pipeline with config STAGES) against the fp32 reference: M over the 8-row tile's
-    edge, odd N, a K of two tiles (fewer than the pipeline's stages; no split) and the plan's splits."""
+def test_gluon_w4a16_bf16(M, N, K, zp):
+    """gluon-w4a16 (mma.sync, the weight words loaded straight into the A fragments) against the fp32
+    reference: M over the 8-row tile's edge, odd N, a K of two tiles (no split) and the plan's splits."""
     if N == 32001:
         N = 32000 + 1
     x, p, s, z = _case(M, N, K, 128, zp, seed=M * 7 + N + zp)
-    assert_close(w4a16_gluon.linear(x, p, None, s, z, config={"STAGES": stages}), _ref(x, p, s, z), BF16, scale=2.0,
-                 what=f"gluon-w4a16 M={M} N={N} K={K} zp={zp} STAGES={stages}")
+    assert_close(w4a16_gluon.linear(x, p, None, s, z), _ref(x, p, s, z), BF16, scale=2.0,
+                 what=f"gluon-w4a16 M={M} N={N} K={K} zp={zp}")
 
 
 @pytest.mark.parametrize("M", [3, 16])
-@pytest.mark.parametrize("cfg", [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"per_sm": 8}, {"per_sm": 1}, {"STAGES": 2},
-                                 {"STAGES": 6}, {"STAGES": 8, "per_sm": 1}, {"STAGES": 3, "BLOCK_N": 128},
-                                 {"STAGES": 8, "BLOCK_N": 128}])
+@pytest.mark.parametrize("cfg", [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"per_sm": 8}, {"per_sm": 1},
+                                 {"BLOCK_N": 128, "per_sm": 8}])
 def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg, M):
     """Its tunings at both row tiles, fp16 activations, a group of 256 (two K tiles a group), a bias,
     and a CUDA graph of a split call replayed with new inputs."""
@@ -135,10 +132,9 @@ def test_gluon_w4a16_configs_fp16_group_256_bias_and_graph_replay(cfg, M):
         assert_close(out, ref(), torch.float16, scale=2.0, what=f"{cfg} replay {seed}")
 
 
-@pytest.mark.parametrize("stages", [0, 4])
-def test_gluon_w4a16_reads_a_row_strided_weight(stages):
-    """A weight whose rows sit in a wider buffer (a view, row stride 4 words past K / 8): both forms read
-    it by its stride; a stride of an odd count of words is refused naming ``w``."""
+def test_gluon_w4a16_reads_a_row_strided_weight():
+    """A weight whose rows sit in a wider buffer (a view, row stride 4 words past K / 8) is read by its
+    stride; a stride of an odd count of words is refused naming ``w``."""
     from opmap.core.contract import InputError
 
     M, N, K = 1, 1000, 4096
@@ -146,8 +142,7 @@ def test_gluon_w4a16_reads_a_row_strided_weight(stages):
     wide = torch.zeros(N, K // 8 + 4, dtype=p.dtype, device=p.device)
     wide[:, : K // 8] = p
     view = wide[:, : K // 8]
-    assert_close(w4a16_gluon.linear(x, view, None, s, z, config={"STAGES": stages}), _ref(x, p, s, z), BF16,
-                 scale=2.0, what=f"strided w, STAGES={stages}")
+    assert_close(w4a16_gluon.linear(x, view, None, s, z), _ref(x, p, s, z), BF16, scale=2.0, what="strided w")
     odd = torch.zeros(N, K // 8 + 1, dtype=p.dtype, device=p.device)[:, : K // 8]
     with pytest.raises(InputError, match="w"):
-        w4a16_gluon.linear(x, odd, None, s, z, config={"STAGES": stages})
+        w4a16_gluon.linear(x, odd, None, s, z)

@@ -32,7 +32,6 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from opmap.core.contract import expect
@@ -45,9 +44,6 @@ from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
 
 BLOCK_K = 128  # codes a K tile: four threads x two words x two chunks of the A fragment
-# config STAGES: the shared layout of a staged tile's words (rows of 16 words whose 32-byte halves swap
-# every other pair of rows; the sm90 compile test checks it against the fragment reads and the copies)
-STAGED = gl.constexpr(gl.SwizzledSharedLayout(vec=8, per_phase=2, max_phase=2, order=[1, 0]))
 MAX_M = 16
 
 
@@ -94,17 +90,13 @@ def _tile(acc, w, z, xt, s, A: gl.constexpr, MMA: gl.constexpr):
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_sn, s_om,
                       K_PER_SPLIT, G: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, SYM_ZERO: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      WARPS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                      WARPS: gl.constexpr, PDL: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     A_WORDS: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 16)
     B_X: gl.constexpr = gl.DotOperandLayout(1, MMA, 16)
     BK: gl.constexpr = 128
     WORDS: gl.constexpr = BK // 8
-    # STAGES: 16-byte async copies of a tile's words (four threads a row), into rows whose 32-byte
-    # halves swap every other pair of rows, so that the fragment reads (8 bytes a thread, eight rows
-    # of 32 bytes an instruction) take the two wavefronts their 256 bytes need
-    COPY_W: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])
 
     pid_n, pid_m, pid_k, n0, m0, k0, k_end = wo_common.origin(K, K_PER_SPLIT, BLOCK_N, BLOCK_M)
 
@@ -121,49 +113,12 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     m_ok = (rm < M)[None, :]
 
     # K is a whole number of tiles (G divides K, BK divides G), and so is K_PER_SPLIT: no K mask inside
-    # a split, and a tile's first word a multiple of WORDS (16-byte copies). The weight does
-    # not depend on the previous kernel: its first loads go out before the PDL wait.
-    if STAGES == 0:
-        w0 = gl.load(w_ptrs, mask=n_ok, other=0)
-    else:
-        w0_k = gl.multiple_of(k0 // 8, WORDS)  # the split's first and end word
-        w_end = gl.multiple_of(k_end // 8, WORDS)
-        w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], STAGED)
-        for i in gl.static_range(STAGES - 1):
-            wo_common.issue(w_smem.index(i), w_ptr, n0, w0_k + i * WORDS, N, w_end, s_wn, BLOCK_N, WORDS, COPY_W, 4,
-                            True)
+    # a split. The weight does not depend on the previous kernel: its first load goes out before the
+    # PDL wait.
+    w0 = gl.load(w_ptrs, mask=n_ok, other=0)
     enter(PDL)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
-    if STAGES > 0:
-        # the weight through shared memory, STAGES - 1 tiles in flight a program without holding
-        # registers; at 8 rows x, the scales and the zeros one tile ahead in registers, at 16 rows in
-        # their own iteration (as the register form, for its registers)
-        xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
-        s, z = _group(s_ptrs, z_ptrs, k0 // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
-        it = 0
-        for k in range(k0, k_end, BK):
-            cp.wait_group(STAGES - 2)
-            gl.thread_barrier()  # tile `it` landed for every thread; the slot refilled below was read
-            wo_common.issue(w_smem.index((it + STAGES - 1) % STAGES), w_ptr, n0,
-                            gl.multiple_of(k // 8 + (STAGES - 1) * WORDS, WORDS), N, w_end, s_wn, BLOCK_N, WORDS,
-                            COPY_W, 4, True)
-            if BLOCK_M == 8:
-                more = k + BK < k_end
-                x_next = gl.load(x_ptrs + BK, mask=m_ok & more, other=0.0)
-                s_next, z_next = _group(s_ptrs, z_ptrs, (k + BK) // G, (sn < N) & more, (rn < N) & more, HAS_ZERO,
-                                        SYM_ZERO, BLOCK_N, A_WORDS)
-                acc = _tile(acc, w_smem.index(it % STAGES).load(A_WORDS), z, xt, s, A, MMA)
-                xt = x_next
-                s = s_next
-                z = z_next
-            else:
-                xt = gl.load(x_ptrs, mask=m_ok, other=0.0)
-                s, z = _group(s_ptrs, z_ptrs, k // G, sn < N, rn < N, HAS_ZERO, SYM_ZERO, BLOCK_N, A_WORDS)
-                acc = _tile(acc, w_smem.index(it % STAGES).load(A_WORDS), z, xt, s, A, MMA)
-            x_ptrs += BK
-            it += 1
-        cp.wait_group(0)
-    elif BLOCK_M == 8:
+    if BLOCK_M == 8:
         # Every load runs ahead of its use: the weight words two tiles (DRAM latency), x and the
         # group's scale and zero one tile (a row's first scale is a DRAM read too)
         w1 = gl.load(w_ptrs + WORDS, mask=n_ok & (k0 + BK < k_end), other=0)
@@ -200,11 +155,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
 
 
 # config= keys (0: the plan's choice): output channels a program (16 a warp, up to four warps; 128 gives
-# each warp two fragments of rows), the programs an SM that K splits aim for, and STAGES: the weight
-# words through shared memory in a pipeline of that many K tiles (async copies: bytes in flight that
-# hold no registers) instead of straight into registers (the plan's)
-CONFIG = {"BLOCK_N": 0, "per_sm": 0, "STAGES": 0}
-DEFAULTS = {"BLOCK_N": 64, "per_sm": 4, "STAGES": 0}
+# each warp two fragments of rows) and the programs an SM that K splits aim for
+CONFIG = {"BLOCK_N": 0, "per_sm": 0}
+DEFAULTS = {"BLOCK_N": 64, "per_sm": 4}
 
 
 def config_of(config) -> dict:
@@ -213,8 +166,6 @@ def config_of(config) -> dict:
     cfg = tile_config(CONFIG, config)
     expect(cfg["BLOCK_N"] in (0, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "32, 64 or 128")  # 0: the plan's
     expect(0 <= cfg["per_sm"] <= 16, "config", f"per_sm={cfg['per_sm']}", "0 (planned) to 16")
-    expect(cfg["STAGES"] in (0, 2, 3, 4, 6, 8), "config", f"STAGES={cfg['STAGES']}",
-           "0 (the weight straight into registers) or 2, 3, 4, 6 or 8 K tiles through shared memory")
     return {k: cfg[k] or DEFAULTS[k] for k in DEFAULTS}
 
 
@@ -231,20 +182,17 @@ def _plan(M: int, N: int, K: int, sms: int, cfg: dict) -> dict:
     tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
     split = max(1, min(cfg["per_sm"] * sms // tiles, K // BLOCK_K // 4))
     per = triton.cdiv(K // BLOCK_K, split) * BLOCK_K
-    return dict(BLOCK_M=bm, BLOCK_N=bn, WARPS=min(4, bn // 16), K_PER_SPLIT=per, SPLIT=triton.cdiv(K, per),
-                STAGES=cfg["STAGES"])
+    return dict(BLOCK_M=bm, BLOCK_N=bn, WARPS=min(4, bn // 16), K_PER_SPLIT=per, SPLIT=triton.cdiv(K, per))
 
 
 def describe(M: int, N: int, K: int, device, config=None) -> str:
     p = plan(M, N, K, sm_figures(torch.device(device))[0], config)
-    path = (f"weight through shared memory, {p['STAGES']} stages" if p["STAGES"]
-            else "weight fragments from global memory")
-    return (f"Gluon mma.sync, {path}: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, "
+    return (f"Gluon mma.sync, weight fragments from global memory: BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, "
             f"BLOCK_K {BLOCK_K}, {p['SPLIT']} K split{'s' if p['SPLIT'] > 1 else ''}, {p['WARPS']} warps")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None) -> torch.Tensor:
-    """``config``: BLOCK_N, per_sm and STAGES (CONFIG) fix those of the plan."""
+    """``config``: BLOCK_N and per_sm (CONFIG) fix those of the plan."""
     expect(isinstance(w, torch.Tensor) and w.dtype == torch.int32, "w",
            f"dtype {w.dtype}" if isinstance(w, torch.Tensor) else type(w).__name__,
            "int32 words of eight 4-bit codes (W4A16)")
@@ -262,10 +210,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     expect(on_gpu, "x", f"device {x.device}{' under TRITON_INTERPRET=1' if wo_common.INTERPRETED else ''}",
            "a CUDA tensor, compiled (Gluon kernels do not run in the Triton interpreter)")
     cfg = config_of(config)
-    if cfg["STAGES"]:
-        expect(w.stride(0) % 4 == 0 and w.data_ptr() % 16 == 0, "w", f"row stride {w.stride(0)}, address {w.data_ptr()}",
-               "rows 16-byte aligned for config STAGES (16-byte async copies): a row stride of a multiple of 4 words, "
-               "an address of 16 bytes")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if wo_common.nothing_to_multiply(M, N, K, bias, out):
         return out
@@ -275,6 +219,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
         M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), k_per_split, G=G,
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=split, SYM_ZERO=INT4_SYM_ZERO,
-        BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], WARPS=p["WARPS"], STAGES=p["STAGES"], num_warps=p["WARPS"],
+        BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], WARPS=p["WARPS"], num_warps=p["WARPS"],
         **pdl.launch(x.device))
     return out

@@ -113,8 +113,8 @@ _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "
 SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(FOLD=1, SUB=2),
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
-# gluon-w4a16's config=: tiles, deeper K splits, the weight through shared memory (STAGES)
-GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8), dict(STAGES=4), dict(STAGES=8)]
+# gluon-w4a16's config=: tiles and deeper K splits
+GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8)]
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
