@@ -18,7 +18,7 @@ def comp(name, fn, sig, ce, opts, div):
 gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
         "cnt_ptr": "*i32", "M": "i32",
         "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
-        "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
+        "PF_BYTES": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
         "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
 for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
         ("gemm-bf16-m16", "*bf16", g.W_SAME, 16, 64, 1, g.DEFAULT[(True, 64)]),
@@ -33,6 +33,15 @@ for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
           "PREC": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     k = compile_sm90(g._gemm_kernel, s, ce, {"num_warps": nw, "num_stages": ns}, (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
     res[name] = dict(usage(k), atom=k.asm["ptx"].count("atom."), bar=k.asm["ptx"].count("bar.sync"))
+# L2_PF: the weight rows' bulk prefetch into L2, before the PDL wait (both halves' rows when gated)
+for gated in (0, 1):
+    ce = {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": 2, "EVEN_K": True, "PREC": "tf32",
+          "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "PDL": True, "GATED": gated, "L2_PF": True}
+    k = compile_sm90(g._gemm_kernel, dict(gsig, PDL="constexpr", GATED="constexpr", L2_PF="constexpr"), ce,
+                     {"num_warps": 4, "num_stages": 3}, (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
+    ptx = k.asm["ptx"]
+    res[f"l2pf-gated{gated}"] = dict(usage(k), prefetch=ptx.count("cp.async.bulk.prefetch.L2.global"),
+                                     before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"))
 for label, one, rows, blk, nw in (("one", True, 1, 8192, 16), ("rows8", True, 8, 128, 2), ("two", False, 1, n.CHUNK, 8)):
     comp(f"rmsnorm-add-{label}-pass", n._rmsnorm_kernel,
          {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32",
@@ -54,7 +63,10 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)
-    assert len(res) == 13
+    assert len(res) == 15
+    for gated in (0, 1):
+        r = res[f"l2pf-gated{gated}"]
+        assert r["prefetch"] == 1 + gated and r["before_wait"], r  # one per row (and half), before the wait
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"

@@ -106,7 +106,9 @@ def _dequant_cublas(inp):
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
-          "num_stages": "s", "FOLD": "fold"}
+          "num_stages": "s", "FOLD": "fold", "L2_PREFETCH": "l2pf"}
+# The weight rows into L2 at each program's start (kernels/prefetch.py), on the decode kernels that take it
+L2PF = dict(L2_PREFETCH=1)
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
 # iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
 # every M, the scale on the weight before the MMA (FOLD)
@@ -114,7 +116,7 @@ SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
 # gluon-w4a16's config=: tiles and deeper K splits
-GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8)]
+GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8), L2PF]
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
@@ -251,15 +253,16 @@ def cases(quick: bool) -> list[BenchCase]:
                 nbytes = wbytes + M * K * 2 + M * N * 2
                 flops = 2.0 * M * N * K
                 wd = fmt or "bf16"
+                name = "triton-wo" if fmt else "triton-decode"
+                provs = [Provider("opmap-triton", _ours(name, bool(fmt)), backend=("gemm", name),
+                                  describe=_described(triton_gemm.describe, M, N, K, quantised=bool(fmt)))]
+                if M <= 64:
+                    provs.append(Provider(f"opmap-triton[{_tag(L2PF)}]", _ours(name, bool(fmt), L2PF),
+                                          backend=("gemm", name)))
                 if fmt is None:
-                    provs = [Provider("opmap-triton", _ours("triton-decode", False), backend=("gemm", "triton-decode"),
-                                      describe=_described(triton_gemm.describe, M, N, K)),
-                             Provider("cublas", _cublas, backend=("gemm", "cublas"))]  # marked where selected
+                    provs.append(Provider("cublas", _cublas, backend=("gemm", "cublas")))  # marked where selected
                 else:
-                    provs = [Provider("opmap-triton", _ours("triton-wo", True), backend=("gemm", "triton-wo"),
-                                      describe=_described(triton_gemm.describe, M, N, K, quantised=True)),
-                             Provider("cublas-bf16-weights", _cublas),
-                             Provider("dequant+cublas", _dequant_cublas)]
+                    provs += [Provider("cublas-bf16-weights", _cublas), Provider("dequant+cublas", _dequant_cublas)]
                     if M <= wo_wgmma.MAX_M:
                         provs += _gluon_rows(M, N, K)
                     if M >= 128:  # its backend serves M >= 128 only
