@@ -10,6 +10,7 @@ import torch
 from opmap.harness.bench import report as bench_report
 from opmap.harness.bench import runner as bench_runner
 from opmap.harness.bench import timing
+from opmap.harness.bench.cases import gemm as bench_gemm
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.harness.check import runner
 from opmap.harness.check.base import CheckCase, Outcome, probe_errors
@@ -538,3 +539,56 @@ def test_report_names_the_quantised_expert_routes():
                 [(False, False), (False, False), (True, True)], mine
             assert f"a call of {many} tokens" in mine[2] and "`triton`" in mine[0] and "`triton`" in mine[1]
     assert not any(line.startswith("MoE") for line in quant_answer("llama3-8b"))
+
+
+def test_bench_of_a_model_times_its_own_gemm_and_norm_widths():
+    """`opmap bench --model` (and the report) time a model's own projections: Qwen3-30B-A3B's router,
+    QKV, O and LM head and its hidden 2048, not Llama-3-8B's widths the fixed grid has; Llama-3-8B keeps
+    the grid's M on gate/up and down and gains its QKV, O and LM head at a decode row and a prefill
+    chunk. An op none of whose cases is at the model's widths is named (``off_widths``), and only then."""
+    from opmap.harness.bench import runner as bench_runner
+
+    cases, errors = bench_runner.select_cases(model="qwen3-30b-a3b", quick=True)
+    assert errors == []
+    specs = bench_runner.model_facts("qwen3-30b-a3b")[0]
+    gemm = [c for c in cases if c.op == "gemm"]
+    assert {(c.spec.n, c.spec.k) for c in gemm} == {(s.n, s.k) for s in specs["gemm"]} \
+        == {(128, 2048), (5120, 2048), (2048, 4096), (151936, 2048)}
+    assert {c.spec.m for c in gemm} == set(bench_gemm.MS_MODEL_QUICK)
+    assert {c.spec.hidden for c in cases if c.op == "rmsnorm"} == {2048}
+    off = bench_runner.off_widths(cases, specs)
+    assert "gemm" not in off and "rmsnorm" not in off and "moe" not in off
+    assert "attention.decode" in off  # the grid's decode attention is at 32/8 heads, page 16
+
+    llama, _ = bench_runner.select_cases(model="llama3-8b", quick=True, ops=["gemm"])
+    shapes = {}
+    for c in llama:
+        if c.op == "gemm":
+            shapes.setdefault((c.spec.n, c.spec.k), set()).add(c.spec.m)
+    assert shapes[(28672, 4096)] == shapes[(4096, 14336)] == set(bench_gemm.MS)
+    assert shapes[(6144, 4096)] == shapes[(4096, 4096)] == shapes[(128256, 4096)] == set(bench_gemm.MS_MODEL_QUICK)
+    assert bench_runner.off_widths(llama, bench_runner.model_facts("llama3-8b")[0]) == []
+
+
+def test_model_gemm_cases_in_the_checkpoint_format():
+    """A quantised checkpoint's GEMM widths are timed in its own format (int4: the w4a16 op)."""
+    from opmap.core.specs import GemmSpec
+
+    out = bench_gemm.model_cases({"gemm": [GemmSpec(n=3000, k=2048, weight_dtype="int4"),
+                                           GemmSpec(n=3000, k=2048, weight_dtype="bf16")]}, quick=True)
+    assert {(c.op, c.spec.weight_dtype) for c in out} == {("gemm.w4a16", "int4"), ("gemm", "bf16")}
+    assert all(c.spec.n == 3000 and c.spec.k == 2048 for c in out)
+
+
+def test_bench_markdown_names_ops_off_the_model_widths_per_family():
+    from opmap.harness.bench import report as bench_report
+
+    env = {"gpu": "G", "arch": "sm90", "torch": "t", "triton": "t", "cuda": "c", "driver": "d", "commit": "x",
+           "date": "now", "command": "opmap bench --model m"}
+    rec = lambda op, fam: {"op": op, "case": "a=1", "family": fam, "provider": "p", "median_us": 1.0,  # noqa: E731
+                           "tbps": None, "tflops": None, "frac_of_ceiling": None}
+    doc = {"environment": env, "model": "m", "not_at_model_widths": ["attention.decode", "sampling"],
+           "results": [rec("attention.decode", "attention"), rec("gemm", "gemm")], "skipped": []}
+    fams = bench_report.split_by_family(doc)
+    assert "No case at m's own widths for attention.decode:" in bench_report.to_markdown(fams["attention"])
+    assert "own widths" not in bench_report.to_markdown(fams["gemm"])

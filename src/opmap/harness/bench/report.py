@@ -28,6 +28,9 @@ def to_markdown(doc: dict) -> str:
                 f"bf16 GEMM {c['bf16_tflops']} TFLOP/s.", ""]
     if doc.get("quick"):
         out += ["The quick grid (`--quick`).", ""]
+    if doc.get("not_at_model_widths"):
+        out += [f"No case at {doc.get('model')}'s own widths for {', '.join(doc['not_at_model_widths'])}: "
+                "their rows are at other models' widths.", ""]
     out += ["| op | case | provider | median us | TB/s | TFLOP/s | frac of ceiling | note |",
             "|---|---|---|---:|---:|---:|---:|---|"]
     f = lambda v, fmt: "" if v is None else format(v, fmt)  # noqa: E731
@@ -100,8 +103,13 @@ def split_by_family(doc: dict) -> dict:
     for key in ("results", "skipped"):
         for r in doc.get(key, []):
             fams.setdefault(r.get("family") or "other", {"results": [], "skipped": []})[key].append(r)
-    return {f: {**{k: v for k, v in doc.items() if k not in ("results", "skipped")}, "family": f, **parts}
-            for f, parts in fams.items()}
+    out = {f: {**{k: v for k, v in doc.items() if k not in ("results", "skipped")}, "family": f, **parts}
+           for f, parts in fams.items()}
+    for sub in out.values():  # a family's file names only its own ops off the model's widths
+        ops = {r["op"] for key in ("results", "skipped") for r in sub[key]}
+        if sub.get("not_at_model_widths"):
+            sub["not_at_model_widths"] = [o for o in sub["not_at_model_widths"] if o in ops]
+    return out
 
 
 def write(doc: dict, out_dir: str, png: bool = True) -> dict:

@@ -5,6 +5,7 @@ run only with ``--variants``. On a machine without a GPU it says so and writes n
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -40,6 +41,20 @@ def collect(quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]
                 errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
         except Exception as e:
             errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
+    return cases, errors
+
+
+def collect_model(model_specs: dict, quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]]:
+    """The cases at a model's own widths of the families that build them (a case module's
+    ``model_cases(model_specs, quick)``; the others have only their fixed grid)."""
+    cases, errors = [], []
+    for fam in families:
+        try:
+            build = getattr(importlib.import_module(f"opmap.harness.bench.cases.{fam}"), "model_cases", None)
+            if build is not None:
+                cases += [dataclasses.replace(c, family=family_of(c.op, fam)) for c in build(model_specs, quick)]
+        except Exception as e:
+            errors.append({"family": fam, "error": f"model cases: {type(e).__name__}: {e}"})
     return cases, errors
 
 
@@ -84,22 +99,31 @@ SHAPE_FIELDS = {"rmsnorm": ("hidden",), "rope": ("head_dim", "style"), "activati
                 "sampling": ("vocab",), "logits": ("vocab",), "grammar_mask": ("vocab",)}
 
 
+def _fits(c: BenchCase, model_specs: dict) -> bool:
+    """Whether the case's spec equals one of the model's on the op's SHAPE_FIELDS (or the op has no
+    widths to compare)."""
+    fields = SHAPE_FIELDS.get(op_root(c))
+    mine = model_specs.get(op_root(c))
+    if not fields or not mine or c.spec is None:
+        return True
+    return any(all(getattr(c.spec, f, None) == getattr(m, f, None) for f in fields if hasattr(m, f)) for m in mine)
+
+
 def at_model_widths(cases: list[BenchCase], model_specs: dict) -> list[BenchCase]:
     """The cases whose spec equals one of the model's (``{op: [spec]}`` of its op map) on the op's
     SHAPE_FIELDS: a Llama-3-8B report times RMSNorm at hidden 4096, not 8192. An op (e.g.
     attention.decode) with no case at the model's widths keeps all of its cases, so that the
-    report still has its rows."""
-    def fits(c: BenchCase) -> bool:
-        fields = SHAPE_FIELDS.get(op_root(c))
-        mine = model_specs.get(op_root(c))
-        if not fields or not mine or c.spec is None:
-            return True
-        return any(all(getattr(c.spec, f, None) == getattr(m, f, None) for f in fields if hasattr(m, f))
-                   for m in mine)
-
-    fit = [fits(c) for c in cases]
+    report still has its rows; ``off_widths`` names those ops."""
+    fit = [_fits(c, model_specs) for c in cases]
     matched = {c.op for c, f in zip(cases, fit) if f}
     return [c for c, f in zip(cases, fit) if f or c.op not in matched]
+
+
+def off_widths(cases: list[BenchCase], model_specs: dict) -> list[str]:
+    """The ops of ``cases`` none of whose cases is at the model's widths: their rows are another
+    model's shapes, and the bench output says so."""
+    ops = {c.op for c in cases}
+    return sorted(op for op in ops if not any(_fits(c, model_specs) for c in cases if c.op == op))
 
 
 def why_not(p: Provider, case: BenchCase) -> Optional[str]:
@@ -221,24 +245,36 @@ def without_variants(cases: list[BenchCase]) -> list[BenchCase]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def model_facts(model: str) -> tuple:
+    """({op: [spec]} of the model's step maps, as the report lists them; whether it is MLA; the
+    weight / KV formats it runs in)."""
+    # the engine's op sets and the model resolver load only when a model is asked about
+    from opmap.engine.opset import planned_maps
+    from opmap.model.hf import resolve_model
+
+    cfg = resolve_model(model)[0]
+    specs: dict = {}
+    for rows in planned_maps(cfg, hw.local_arch()).values():
+        for r in rows:
+            specs.setdefault(r.op, []).append(r.spec)
+    return specs, cfg.is_mla, model_formats(cfg)
+
+
 def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = None,
                  variants: bool = False) -> tuple:
     """(cases, load errors) that ``bench`` times with these arguments, in its order (the compile
     warm-up's workers rebuild the list from the same arguments)."""
     model_ops, mla, formats, model_specs = None, None, None, {}
     if model:
-        # the engine's op sets and the model resolver load only when a model is asked about
-        from opmap.engine.opset import planned_maps
-        from opmap.model.hf import resolve_model
-
-        cfg = resolve_model(model)[0]
-        for rows in planned_maps(cfg, hw.local_arch()).values():  # the engine's step maps, as the report lists them
-            for r in rows:
-                model_specs.setdefault(r.op, []).append(r.spec)
+        model_specs, mla, formats = model_facts(model)
         model_ops = set(model_specs)
-        mla = cfg.is_mla
-        formats = model_formats(cfg)
     cases, errors = collect(quick)
+    if model:
+        extra, more_errors = collect_model(model_specs, quick)
+        have = {(c.op, c.case) for c in cases}
+        cases += [c for c in extra if (c.op, c.case) not in have]
+        errors += more_errors
     cases = [c for c in cases if keep(c, ops, model_ops, mla) and in_formats(c, formats)]
     if model:
         cases = at_model_widths(cases, model_specs)
@@ -267,8 +303,11 @@ def bench(ops=None, model=None, quick=False, progress=True, partial: Optional[st
     results, skipped = [], []
     device = torch.device("cuda")
 
+    off = off_widths(cases, model_facts(model)[0]) if model else []
+
     def doc(**extra) -> dict:
         return {"environment": environment(ceil), "quick": quick, "model": model, "providers": providers,
+                "not_at_model_widths": off,
                 "variants": variants, "warm_up": warm,
                 "results": results,
                 "skipped": skipped, "load_errors": errors, **extra}

@@ -49,6 +49,7 @@ SHAPES = [(4096, 28672), (14336, 4096)]  # (K, N)
 MORE_SHAPES = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096), (4096, 128256), (4096, 151936)]
 MS = (1, 16, 32, 64, 256)
 MS_FULL = MS + (1024,)  # a prefill chunk: where a quantised path that dequantises once per call may win
+MS_MODEL_QUICK = (1, 256)  # a model's other widths in the quick grid: batch-1 decode and a prefill chunk
 RIDGE = 180.0  # FLOP per byte where an H200 turns from bandwidth- to compute-bound (bf16)
 
 
@@ -246,41 +247,61 @@ def cases(quick: bool) -> list[BenchCase]:
             # the formats whose scale changes along K time a prefill chunk in the quick grid too: the
             # route from M = 128 (their own kernel, dequant-cublas, scaled-mm-block) rests on it
             for M in (MS_FULL if fmt == "int4" or not quick else MS):
-                if fmt == "int4":
-                    out += [_scaled_case(arch, M, N, K, f) for f in SCALED]
-                    continue
-                wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
-                nbytes = wbytes + M * K * 2 + M * N * 2
-                flops = 2.0 * M * N * K
-                wd = fmt or "bf16"
-                name = "triton-wo" if fmt else "triton-decode"
-                provs = [Provider("opmap-triton", _ours(name, bool(fmt)), backend=("gemm", name),
-                                  describe=_described(triton_gemm.describe, M, N, K, quantised=bool(fmt)))]
-                if M <= 64:
-                    provs.append(Provider(f"opmap-triton[{_tag(L2PF)}]", _ours(name, bool(fmt), L2PF),
-                                          backend=("gemm", name)))
-                if fmt is None:
-                    provs.append(Provider("cublas", _cublas, backend=("gemm", "cublas")))  # marked where selected
-                else:
-                    provs += [Provider("cublas-bf16-weights", _cublas), Provider("dequant+cublas", _dequant_cublas)]
-                    if M <= wo_wgmma.MAX_M:
-                        provs += _gluon_rows(M, N, K)
-                    if M >= 128:  # its backend serves M >= 128 only
-                        provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
-                                              backend=("gemm", "dequant-cublas")))
-                    if fmt == "fp8":
-                        # the backend serves bf16 activations from M >= 128 (marked there when selected);
-                        # below, the row is timed as a peer
-                        provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89,
-                                              backend=("gemm", "scaled-mm") if M >= 128 else None))
-                out.append(BenchCase(
-                    op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
-                    setup=_setup(M, N, K, fmt), providers=provs,
-                    bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
-                    spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
-                                  dtype="bf16", weight_dtype=wd),
-                    tags=("gemm",)))
+                out += [_case(arch, M, N, K, f) for f in (SCALED if fmt == "int4" else (fmt,))]
     return out + _act_quant_cases(arch) + _gated_cases(arch)
+
+
+def model_cases(model_specs: dict, quick: bool) -> list[BenchCase]:
+    """The grid's cases at a model's own GEMM widths (``model_specs``: {op: [spec]} of its op map):
+    each distinct (N, K) in each weight format its GEMMs run, so that `opmap bench --model` and the
+    report time the model's projections (a router of 128 columns, an MLA down-projection of 576) and
+    not Llama's. The grid's M, or with ``quick`` (the report's) a decode row and a prefill chunk
+    (MS_MODEL_QUICK) where the fixed grid has no case of that width."""
+    arch = hw.local_arch()
+    out = []
+    specs = model_specs.get("gemm", [])
+    for K, N, wd in sorted({(s.k, s.n, s.weight_dtype) for s in specs if s.n and s.k}):
+        fmt = None if wd in ("bf16", "fp16", "fp32") else wd
+        grid = (K, N) in SHAPES or not quick
+        for M in (MS_FULL if fmt in SCALED and grid else MS if grid else MS_MODEL_QUICK):
+            out.append(_case(arch, M, N, K, fmt))
+    return out
+
+
+def _case(arch, M, N, K, fmt) -> BenchCase:
+    """One case of the grid: M x N x K with the weight in ``fmt`` (None: bf16)."""
+    if fmt in SCALED:
+        return _scaled_case(arch, M, N, K, fmt)
+    wbytes = N * K * (1 if fmt else 2) + (N * 4 if fmt else 0)
+    nbytes = wbytes + M * K * 2 + M * N * 2
+    flops = 2.0 * M * N * K
+    wd = fmt or "bf16"
+    name = "triton-wo" if fmt else "triton-decode"
+    provs = [Provider("opmap-triton", _ours(name, bool(fmt)), backend=("gemm", name),
+                      describe=_described(triton_gemm.describe, M, N, K, quantised=bool(fmt)))]
+    if M <= 64:
+        provs.append(Provider(f"opmap-triton[{_tag(L2PF)}]", _ours(name, bool(fmt), L2PF), backend=("gemm", name)))
+    if fmt is None:
+        provs.append(Provider("cublas", _cublas, backend=("gemm", "cublas")))  # marked where selected
+    else:
+        provs += [Provider("cublas-bf16-weights", _cublas), Provider("dequant+cublas", _dequant_cublas)]
+        if M <= wo_wgmma.MAX_M:
+            provs += _gluon_rows(M, N, K)
+        if M >= 128:  # its backend serves M >= 128 only
+            provs.append(Provider("opmap-dequant-cublas", _ours("dequant-cublas", True),
+                                  backend=("gemm", "dequant-cublas")))
+        if fmt == "fp8":
+            # the backend serves bf16 activations from M >= 128 (marked there when selected);
+            # below, the row is timed as a peer
+            provs.append(Provider("scaled-mm-fp8-act", _scaled_mm, available=_sm89,
+                                  backend=("gemm", "scaled-mm") if M >= 128 else None))
+    return BenchCase(
+        op="gemm", case=f"M={M},N={N},K={K},w={wd},dtype=bf16", flops=flops, bytes=float(nbytes),
+        setup=_setup(M, N, K, fmt), providers=provs,
+        bound="compute" if flops / nbytes > RIDGE else "memory", graph=True,
+        spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K,
+                      dtype="bf16", weight_dtype=wd),
+        tags=("gemm",))
 
 
 def _gated_cases(arch) -> list[BenchCase]:

@@ -66,20 +66,26 @@ def _torch(fused, compiled):
 
 
 def cases(quick: bool) -> list[BenchCase]:
-    arch = hw.local_arch()
-    out = []
-    for fused in (False, True):
-        for R, H in SHAPES:
-            decode = R <= 64
-            nbytes = (4 if fused else 2) * R * H * 2 + H * 2
-            out.append(BenchCase(
-                op="rmsnorm", case=f"R={R},H={H},fused_add={int(fused)},dtype=bf16",
-                flops=float((5 if fused else 4) * R * H), bytes=float(nbytes), setup=_setup(R, H, fused),
-                providers=[Provider("opmap-triton", _ours(fused), backend=("rmsnorm", "triton")),
-                           Provider("torch-rms_norm", _torch(fused, False)),
-                           Provider("torch-compile", _torch(fused, True))],
-                graph=decode,
-                spec=NormSpec(arch=arch, phase="decode" if decode else "prefill", hidden=H, dtype="bf16",
-                              fused_add=fused),
-                tags=("norm",)))
-    return out
+    return [_case(R, H, fused) for fused in (False, True) for R, H in SHAPES]
+
+
+def model_cases(model_specs: dict, quick: bool) -> list[BenchCase]:
+    """The grid's rows (R) at a model's own hidden sizes (``model_specs``: {op: [spec]} of its op map)."""
+    hidden = sorted({s.hidden for s in model_specs.get("rmsnorm", []) if getattr(s, "hidden", None)})
+    rows = sorted({R for R, _ in SHAPES})
+    return [_case(R, H, fused) for fused in (False, True) for H in hidden for R in rows]
+
+
+def _case(R: int, H: int, fused: bool) -> BenchCase:
+    decode = R <= 64
+    nbytes = (4 if fused else 2) * R * H * 2 + H * 2
+    return BenchCase(
+        op="rmsnorm", case=f"R={R},H={H},fused_add={int(fused)},dtype=bf16",
+        flops=float((5 if fused else 4) * R * H), bytes=float(nbytes), setup=_setup(R, H, fused),
+        providers=[Provider("opmap-triton", _ours(fused), backend=("rmsnorm", "triton")),
+                   Provider("torch-rms_norm", _torch(fused, False)),
+                   Provider("torch-compile", _torch(fused, True))],
+        graph=decode,
+        spec=NormSpec(arch=hw.local_arch(), phase="decode" if decode else "prefill", hidden=H, dtype="bf16",
+                      fused_add=fused),
+        tags=("norm",))
