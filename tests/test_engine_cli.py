@@ -6,6 +6,7 @@ import json
 import torch
 
 from opmap.harness import profile as P
+from opmap.harness.profile import engine as engine_view
 from opmap.cli.run import add_profile_parser, add_run_parser
 
 from test_engine_util import single_thread  # noqa: F401
@@ -301,3 +302,31 @@ def test_graph_replayed_phases_name_their_chosen_backends():
     res = {"phases": {"prefill": {"by_category": {"MoE": 9.0}, "backends": {}}}}
     graph_backends(res, NS(runner=runner, sampler=NS(choices=[])))
     assert res["phases"]["prefill"]["backends"] == {"MoE": {"triton (graph)"}}
+
+
+def test_kernel_list_splits_a_symbol_by_its_launch_grids():
+    """--kernels: a symbol launched with a few grids in a phase (one Triton GEMM kernel as QKV, O and
+    router) gets a line per grid under its own; a symbol of one grid, or of more than MAX_GRIDS
+    (prefill steps of many token counts), keeps its one line."""
+    def k(name, ts, dur, grid):
+        e = _x("kernel", name, ts, dur)
+        e["args"] = {"grid": grid}
+        return e
+
+    ev = [_x("user_annotation", "opmap::step::decode", 0, 1000)]
+    t = 10
+    for _ in range(2):  # two layers: QKV, O, router GEMMs, one norm grid
+        for grid, dur in (([80, 1, 1], 9), ([32, 1, 4], 8), ([2, 1, 2], 4)):
+            ev.append(k("_gemm_kernel", t, dur, grid))
+            t += dur + 1
+        ev.append(k("_rmsnorm_kernel", t, 2, [1, 1, 1]))
+        t += 3
+    ev.append(_x("user_annotation", "opmap::step::prefill", 2000, 1000))
+    for i in range(engine_view.MAX_GRIDS + 1):
+        ev.append(k("_prefill_tma_kernel", 2010 + 20 * i, 10, [i + 1, 8, 1]))
+    lines = P.format_kernels(P.analyse({"traceEvents": ev}), 10)
+    grid_lines = [x for x in lines if "grid [" in x]
+    assert len(grid_lines) == 3, lines
+    assert any("18.0 us/step" in x and "2.0 launches/step" in x and "grid [80, 1, 1]" in x for x in grid_lines)
+    assert any("grid [2, 1, 2]" in x and "4.00 us each" in x for x in grid_lines)
+    assert not any("_rmsnorm" in x or "[1, 8, 1]" in x for x in grid_lines)

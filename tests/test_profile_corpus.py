@@ -24,7 +24,8 @@ OURS = {"flashinfer-decode": (True, False, False), "hf-llama-compile": (True, Fa
         "opmap-llama": (True, False, False), "hf-llama-flex": (True, False, False),
         "hf-llama-compile-static": (True, False, False), "hf-llama-sdpa-b4-sampled": (True, False, False),
         "hf-mixtral-sdpa-b4-sampled": (True, True, False), "hf-deepseekv2-eager-stack": (True, True, False),
-        "hf-deepseekv2-sdpa": (True, True, False), "hf-gemma2-cpu": (True, False, False)}
+        "hf-deepseekv2-sdpa": (True, True, False), "hf-gemma2-cpu": (True, False, False),
+        "opmap-qwen3moe-b1-decode": (True, True, False)}
 # HF generate runs: one prefill step (the prompt) and the decode steps after it
 HF_GENERATE = sorted(n for n in OURS if n.startswith("hf-") and n != "hf-llama-compile")
 THEIRS = {"traceMap__1_h100_1000isl_10osl_32con.pt.trace": (True, False, True),

@@ -156,3 +156,17 @@ def test_symbols_of_the_fixtures(symbol, cat, lib):
 
     assert symbols.classify(symbol) == (cat, lib)
     assert any(symbol[:40] in k.name for n in DATA.glob("*.json.gz") for k in trace.load(str(n)).kernels[:4000])
+
+
+def test_opmap_pipelined_decode_reads_busy_not_idle():
+    """opmap's engine at batch 1 (Qwen3-30B-A3B, random weights, H100; `opmap profile --model
+    --save-trace`, cut to its last decode steps) launches each step's graph while the GPU still
+    runs the one before, so each step's range opens about a step before its kernels. The GPU is
+    busy nearly the whole time: no idle-GPU diagnosis, and the steps' idle time a few percent of
+    their wall time (from the ranges it read as almost half)."""
+    res = _res("opmap-qwen3moe-b1-decode")
+    dec = res["phases"]["decode"]
+    assert dec["steps"] >= 4 and set(res["phases"]) == {"decode"}
+    assert dec["idle_ms"] < 0.05 * (dec["idle_ms"] + dec["gpu_ms"])
+    assert not any("GPU is idle" in d for d in res["diagnosis"]), res["diagnosis"]
+    assert _top(res, "decode") == "MoE"

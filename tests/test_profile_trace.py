@@ -224,3 +224,25 @@ def test_a_host_only_trace_says_host_not_gpu(tmp_path):
     res = analyze.analyze(t)
     assert res["diagnosis"] and not any("GPU is idle" in d or "CUDA graph" in d for d in res["diagnosis"])
     assert any(": the host runs no operator" in d for d in res["diagnosis"])  # Python between ops, eager
+
+
+def test_step_walls_of_a_pipelined_engine_and_of_a_host_bound_one():
+    """A step's wall runs from where it starts (its range, or where the GPU finished the steps before
+    it) to the next step's start. An engine that opens each step's range a step early (one-step-ahead
+    decode) gets walls of one GPU step, not two, so its GPU reads as busy; one whose host leaves gaps
+    between steps keeps them as the steps' idle time."""
+    from types import SimpleNamespace as K
+
+    def step(ts, end, k0, k1):
+        return {"name": "opmap::step::decode", "ts": ts, "end": end, "kernels": [K(ts=k0, dur=k1 - k0)]}
+
+    # the host opens step i at 1000 i and returns at once; the GPU runs step i over [1000 i + 900, 1000 i + 1900)
+    ahead = [step(1000 * i, 1000 * i + 50, 1000 * i + 900, 1000 * i + 1900) for i in range(5)]
+    walls = analyze.step_walls(ahead)
+    assert walls[1:] == pytest.approx([1.0] * 4) and walls[0] == pytest.approx(1.9)
+    idle = sum(w - analyze.busy(s["kernels"]) / 1e3 for w, s in zip(walls[1:], ahead[1:]))
+    assert idle == pytest.approx(0.0)
+    # host-bound: each step's kernels take 0.3 ms of a 2 ms stretch
+    slow = [step(2000 * i, 2000 * i + 500, 2000 * i + 100, 2000 * i + 400) for i in range(4)]
+    walls = analyze.step_walls(slow)
+    assert walls[:3] == pytest.approx([2.0] * 3) and walls[3] == pytest.approx(0.5)

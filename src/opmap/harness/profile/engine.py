@@ -65,7 +65,8 @@ def analyse(trace: dict, moe: bool = True) -> dict:
     for s in steps:
         ph = phases.setdefault(s["name"].split("::")[2], {
             "steps": 0, "wall_us": 0.0, "busy_us": 0.0, "by_category": Counter(), "symbols": defaultdict(Counter),
-            "launches": Counter(), "host_ops": Counter(), "host_calls": Counter(), "host_api": Counter(),
+            "launches": Counter(), "grids": defaultdict(Counter), "grid_launches": defaultdict(Counter),
+            "host_ops": Counter(), "host_calls": Counter(), "host_api": Counter(),
             "host_api_calls": Counter(),
             "backends": defaultdict(set)})
         ph["steps"] += 1
@@ -91,6 +92,10 @@ def analyse(trace: dict, moe: bool = True) -> dict:
         ph["by_category"][cat] += t
         ph["symbols"][cat][sym[:90]] += t
         ph["launches"][sym[:90]] += 1
+        grid = (ev.get("args") or {}).get("grid") if on_gpu else None
+        if grid:  # one symbol, several GEMMs (QKV, O, router): their launch grids tell them apart
+            ph["grids"][sym[:90]][str(grid)] += t
+            ph["grid_launches"][sym[:90]][str(grid)] += 1
         if op:
             ph["backends"][cat].add(op[2])
     for ev in cpu_ops:  # host time inside each operator's range: validation, launch, Python
@@ -347,7 +352,18 @@ def format_kernels(res: dict, top: int = 20) -> list:
         for sym, t in times.most_common(top):
             k = p["launches"][sym]
             lines.append(f"  {t / n:9.1f} us/step {k / n:7.1f} launches/step {t / k:8.2f} us each  {sym}")
+            grids = p.get("grids", {}).get(sym, {})
+            if 1 < len(grids) <= MAX_GRIDS:  # a few launch shapes of one symbol: each its own line
+                for g, tg in grids.most_common():
+                    kg = p["grid_launches"][sym][g]
+                    lines.append(f"  {'':9} {tg / n:9.1f} us/step {kg / n:7.1f} launches/step {tg / kg:8.2f} us each"
+                                 f"  grid {g}")
     return lines
+
+
+# A symbol launched with more grids than this in a phase (prefill steps of many token counts) keeps
+# its one line; up to it, each grid (a decode step's QKV, O and router GEMMs) gets a line of its own.
+MAX_GRIDS = 6
 
 
 def format_host_ops(res: dict, top: int = 20) -> list:
