@@ -14,6 +14,7 @@ from opmap.core.contract import InputError
 from opmap.harness.profile import analyze
 from opmap.harness.profile import ours
 from opmap.harness.profile import symbols
+from opmap.harness.profile import steps as profile_steps
 from opmap.harness.profile import trace
 
 
@@ -238,11 +239,11 @@ def test_step_walls_of_a_pipelined_engine_and_of_a_host_bound_one():
 
     # the host opens step i at 1000 i and returns at once; the GPU runs step i over [1000 i + 900, 1000 i + 1900)
     ahead = [step(1000 * i, 1000 * i + 50, 1000 * i + 900, 1000 * i + 1900) for i in range(5)]
-    walls = analyze.step_walls(ahead)
+    walls = profile_steps.step_walls(ahead)
     assert walls[1:] == pytest.approx([1.0] * 4) and walls[0] == pytest.approx(1.9)
     idle = sum(w - analyze.busy(s["kernels"]) / 1e3 for w, s in zip(walls[1:], ahead[1:]))
     assert idle == pytest.approx(0.0)
     # host-bound: each step's kernels take 0.3 ms of a 2 ms stretch
     slow = [step(2000 * i, 2000 * i + 500, 2000 * i + 100, 2000 * i + 400) for i in range(4)]
-    walls = analyze.step_walls(slow)
+    walls = profile_steps.step_walls(slow)
     assert walls[:3] == pytest.approx([2.0] * 3) and walls[3] == pytest.approx(0.5)

@@ -29,32 +29,26 @@ from opmap.harness.output import environment, wide_console
 from opmap.harness.workpool import child_cmd, default_workers, run_queue
 
 
-def collect(quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]]:
+def collect(quick: bool, families=FAMILIES, model_specs: Optional[dict] = None) -> tuple[list[BenchCase], list[dict]]:
+    """Each family's cases (its module's ``cases(quick)``); with ``model_specs`` ({op: [spec]} of a
+    model's op map) instead those at the model's own widths, of the families that build them
+    (``model_cases(model_specs, quick)``; the others have only their fixed grid)."""
     cases, errors = [], []
     for fam in families:
         modname = f"opmap.harness.bench.cases.{fam}"
         try:
             mod = importlib.import_module(modname)
-            cases += [dataclasses.replace(c, family=family_of(c.op, fam)) for c in mod.cases(quick)]
+            if model_specs is None:
+                built = mod.cases(quick)
+            else:
+                built = mod.model_cases(model_specs, quick) if hasattr(mod, "model_cases") else []
+            cases += [dataclasses.replace(c, family=family_of(c.op, fam)) for c in built]
         except ModuleNotFoundError as e:
             if e.name != modname:
                 errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
         except Exception as e:
-            errors.append({"family": fam, "error": f"{type(e).__name__}: {e}"})
-    return cases, errors
-
-
-def collect_model(model_specs: dict, quick: bool, families=FAMILIES) -> tuple[list[BenchCase], list[dict]]:
-    """The cases at a model's own widths of the families that build them (a case module's
-    ``model_cases(model_specs, quick)``; the others have only their fixed grid)."""
-    cases, errors = [], []
-    for fam in families:
-        try:
-            build = getattr(importlib.import_module(f"opmap.harness.bench.cases.{fam}"), "model_cases", None)
-            if build is not None:
-                cases += [dataclasses.replace(c, family=family_of(c.op, fam)) for c in build(model_specs, quick)]
-        except Exception as e:
-            errors.append({"family": fam, "error": f"model cases: {type(e).__name__}: {e}"})
+            errors.append({"family": fam, "error": f"{'model cases: ' if model_specs is not None else ''}"
+                                                   f"{type(e).__name__}: {e}"})
     return cases, errors
 
 
@@ -271,7 +265,7 @@ def select_cases(ops=None, model=None, quick=False, providers: Optional[list] = 
         model_ops = set(model_specs)
     cases, errors = collect(quick)
     if model:
-        extra, more_errors = collect_model(model_specs, quick)
+        extra, more_errors = collect(quick, model_specs=model_specs)
         have = {(c.op, c.case) for c in cases}
         cases += [c for c in extra if (c.op, c.case) not in have]
         errors += more_errors

@@ -4,7 +4,6 @@ phase the GPU time per category (with its evidence and libraries), the time no e
 idle time, top kernels, the facts the diagnosis rules need, and the rules (``rules``)."""
 from __future__ import annotations
 
-import bisect
 
 import functools
 import re
@@ -111,44 +110,6 @@ def _same_layer(a, b) -> bool:
     return not fa or not fb or fa[-1] == fb[-1]
 
 
-def step_walls(steps: list, kernels=None, gpu: bool = True) -> list:
-    """Each step's wall time in ms: its stretch of the timeline, from where it starts (its range's
-    start, or where the GPU finished the work launched before the step's first kernel, whichever is
-    later) to where the next one starts (the last: its end). An engine that launches a step while
-    the GPU still runs the one before (one-step-ahead decode, async scheduling) opens each step's
-    range about a step early; measured from the range, each step would span two of them and half
-    the GPU's time would read as idle. ``kernels``: every kernel of the trace (those of no step
-    too: a step cut off at the trace's start, a warm-up); default the steps'. ``gpu`` False (a
-    host-only trace, whose ops nest and stand for kernels): from each step's start to its wall end,
-    as found."""
-    if not gpu:
-        return [(s.get("wall_end", s["end"]) - s["ts"]) / 1e3 for s in steps]
-    every = sorted(kernels if kernels is not None else [k for s in steps for k in s["kernels"]], key=lambda k: k.ts)
-    ts = [k.ts for k in every]
-    done, end = [], float("-inf")  # done[i]: the latest end among every[:i + 1]
-    for k in every:
-        end = max(end, k.ts + k.dur)
-        done.append(end)
-
-    def busy_before(t):
-        i = bisect.bisect_left(ts, t) - 1
-        return done[i] if i >= 0 else float("-inf")
-
-    order = sorted(range(len(steps)), key=lambda i: steps[i]["ts"])
-    starts = {}
-    for i in order:
-        s = steps[i]
-        first = min((k.ts for k in s["kernels"]), default=s["ts"])
-        starts[i] = max(s["ts"], min(busy_before(first), first))
-    out = [0.0] * len(steps)
-    for j, i in enumerate(order):
-        s = steps[i]
-        last = max([s.get("wall_end", s["end"])] + [k.ts + k.dur for k in s["kernels"]])
-        stop = starts[order[j + 1]] if j + 1 < len(order) else last
-        out[i] = max(stop - starts[i], 0.0) / 1e3
-    return out
-
-
 def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
     """The per-phase breakdown (times in ms) with ``unattributed`` (the fraction of busy time no
     evidence supports), ``evidence``, ``backends`` and ``diagnosis`` (``steps``: the trace's
@@ -160,8 +121,8 @@ def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
     libs: dict = defaultdict(Counter)
     evidence = Counter()
     total = 0.0
-    walls = step_walls(steps, trace.kernels, trace.kind != "chrome-cpu")
-    for s, wall in zip(steps, walls):
+    for s in steps:
+        wall = s["wall_ms"]
         ph, conf = label(s, median_busy, medians)
         p = phases.setdefault(ph, _new_phase())
         p["steps"] += 1

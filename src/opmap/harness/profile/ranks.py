@@ -48,7 +48,7 @@ def analyze_ranks(paths: list, progress: bool = False) -> dict:
         r = analyze(t, steps=steps)
         r["rank"] = i
         r["communication"] = communication(t)
-        r["step_ms"] = [round(((s.get("wall_end", s["end"])) - s["ts"]) / 1e3, 4) for s in steps]
+        r["step_ms"] = [round(s["wall_ms"], 4) for s in steps]
         r["busy_ms"] = [round(busy(s["kernels"]) / 1e3, 4) for s in steps]
         per.append(r)
     n = min(len(r["step_ms"]) for r in per) if per else 0

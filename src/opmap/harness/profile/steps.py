@@ -36,7 +36,16 @@ def is_step(name: str) -> bool:
 
 def steps_of(trace: Trace) -> list[dict]:
     """Engine steps: the step ranges where the engine emits them (kernels by the range open at
-    their launch), else bursts of GPU work split at host gaps. Each: name, kernels, ts, end."""
+    their launch), else bursts of GPU work split at host gaps. Each: name, kernels, ts, end and
+    wall_ms (``step_walls``)."""
+    steps = _found(trace)
+    for s, wall in zip(steps, step_walls(steps, trace.kernels, trace.kind != "chrome-cpu")):
+        s["wall_ms"] = wall
+    return steps
+
+
+def _found(trace: Trace) -> list[dict]:
+    """steps_of's steps before their walls."""
     ks = trace.kernels
     named = [r for r in trace.ranges if is_step(r[0])]
     if named and ks:
@@ -78,6 +87,44 @@ def steps_of(trace: Trace) -> list[dict]:
         cur.append(k)
     steps.append(cur)
     return _with_wall(steps)
+
+
+def step_walls(steps: list, kernels=None, gpu: bool = True) -> list:
+    """Each step's wall time in ms: its stretch of the timeline, from where it starts (its range's
+    start, or where the GPU finished the work launched before the step's first kernel, whichever is
+    later) to where the next one starts (the last: its end). An engine that launches a step while
+    the GPU still runs the one before (one-step-ahead decode, async scheduling) opens each step's
+    range about a step early; measured from the range, each step would span two of them and half
+    the GPU's time would read as idle. ``kernels``: every kernel of the trace (those of no step
+    too: a step cut off at the trace's start, a warm-up); default the steps'. ``gpu`` False (a
+    host-only trace, whose ops nest and stand for kernels): from each step's start to its wall end,
+    as found."""
+    if not gpu:
+        return [(s.get("wall_end", s["end"]) - s["ts"]) / 1e3 for s in steps]
+    every = sorted(kernels if kernels is not None else [k for s in steps for k in s["kernels"]], key=lambda k: k.ts)
+    ts = [k.ts for k in every]
+    done, end = [], float("-inf")  # done[i]: the latest end among every[:i + 1]
+    for k in every:
+        end = max(end, k.ts + k.dur)
+        done.append(end)
+
+    def busy_before(t):
+        i = bisect.bisect_left(ts, t) - 1
+        return done[i] if i >= 0 else float("-inf")
+
+    order = sorted(range(len(steps)), key=lambda i: steps[i]["ts"])
+    starts = {}
+    for i in order:
+        s = steps[i]
+        first = min((k.ts for k in s["kernels"]), default=s["ts"])
+        starts[i] = max(s["ts"], min(busy_before(first), first))
+    out = [0.0] * len(steps)
+    for j, i in enumerate(order):
+        s = steps[i]
+        last = max([s.get("wall_end", s["end"])] + [k.ts + k.dur for k in s["kernels"]])
+        stop = starts[order[j + 1]] if j + 1 < len(order) else last
+        out[i] = max(stop - starts[i], 0.0) / 1e3
+    return out
 
 
 def _with_wall(steps: list) -> list:
