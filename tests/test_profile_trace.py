@@ -247,3 +247,25 @@ def test_step_walls_of_a_pipelined_engine_and_of_a_host_bound_one():
     slow = [step(2000 * i, 2000 * i + 500, 2000 * i + 100, 2000 * i + 400) for i in range(4)]
     walls = profile_steps.step_walls(slow)
     assert walls[:3] == pytest.approx([2.0] * 3) and walls[3] == pytest.approx(0.5)
+
+
+def test_a_step_longer_than_the_median_is_prefill_only_if_its_launches_grew():
+    """Without a range or attention kernel to say the phase, a step well over the median step's busy
+    time reads as a prefill; where its launches' sizes are recorded (grids, or a host-only trace's
+    input shapes) and match the median step's, the extra time is not a prompt's rows (host jitter:
+    the last step of a sampled HF generate on the CPU read as a second prefill) and it stays decode.
+    A step whose sizes grew keeps the prefill label: from GRID_PREFILL times up with medium
+    confidence, below it from the busy time."""
+    def step(t0, dur, rows):
+        ks = [trace.Kernel(f"aten::op{i}", t0 + 10 * i, dur, launcher=f"aten::op{i}",
+                           shapes=((3, rows, 128), (128, 128))) for i in range(4)]
+        return {"name": None, "ts": t0, "end": t0 + 100, "kernels": ks}
+
+    decode = [step(1000 * i, 2.0, 1) for i in range(6)]
+    steps = decode + [step(9000, 2.6, 1), step(10000, 2.6, 4), step(11000, 2.6, 40)]
+    medians = profile_steps.grid_medians(steps)
+    median_busy = 8.0  # four launches of 2 us
+    assert profile_steps.label(steps[-3], median_busy, medians) == ("decode", "low")  # 1.3x the time, same sizes
+    assert profile_steps.label(steps[-2], median_busy, medians) == ("prefill", "low")  # 4x the rows
+    assert profile_steps.label(steps[-1], median_busy, medians) == ("prefill", "medium")  # 40x the rows
+    assert profile_steps.label(decode[0], median_busy, medians) == ("decode", "low")

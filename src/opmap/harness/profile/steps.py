@@ -188,14 +188,27 @@ def _launch_step(k, want: str, of_name: dict) -> tuple:
 GRID_PREFILL = 8.0
 
 
+def _size(k) -> int:
+    """How much work a launch covers: its thread blocks, or where the trace has no grid (a host-only
+    recording's ops) the elements of its launching op's first input, which grow with the rows as
+    the blocks do; 0 where neither is recorded."""
+    if k.grid:
+        return k.grid
+    first = next((d for d in k.shapes if isinstance(d, (list, tuple)) and d), None)
+    if first is None or not all(isinstance(v, int) and v > 0 for v in first):
+        return 0
+    return functools.reduce(lambda a, b: a * b, first, 1)
+
+
 def _grids(step: dict) -> dict:
-    """Kernel name -> the median grid (blocks) of its launches in the step, where recorded; kept
-    in the step (``grid_medians`` and ``grown`` both read it)."""
+    """Kernel name -> the median size (``_size``: grid, else input elements) of its launches in the
+    step, where recorded; kept in the step (``grid_medians`` and ``grown`` both read it)."""
     if "grids" not in step:
         seen: dict = {}
         for k in step["kernels"]:
-            if k.grid:
-                seen.setdefault(k.name, []).append(k.grid)
+            size = _size(k)
+            if size:
+                seen.setdefault(k.name, []).append(size)
         step["grids"] = {n: statistics.median(v) for n, v in seen.items()}
     return step["grids"]
 
@@ -212,14 +225,19 @@ def grid_medians(steps: list) -> dict:
     return {n: g for n, g in out.items() if g >= 2}
 
 
-def grown(step: dict, medians: dict) -> tuple[int, float]:
+def grown(step: dict, medians: dict, factor: float = GRID_PREFILL) -> tuple[int, float]:
     """(kernels, their share of the step's kernels that other steps ran too) whose grid here is at
-    least GRID_PREFILL times their run median: per-layer work (norms, RoPE, activations, copies)
+    least ``factor`` times their run median: per-layer work (norms, RoPE, activations, copies)
     grows with a prompt's rows; the LM head's and the sampler's do not (the last token only)."""
     g = _grids(step)
     common = [n for n in g if n in medians]
-    big = sum(g[n] >= GRID_PREFILL * medians[n] for n in common)
+    big = sum(g[n] >= factor * medians[n] for n in common)
     return big, big / len(common) if common else 0.0
+
+
+# Kernels whose sizes a step must share with the run's median step before the sizes, not its busy
+# time, say it covers no more rows (a host-only trace's busy time varies by a fifth step to step).
+SIZED_KERNELS = 3
 
 
 def label(step: dict, median_busy_us: float, medians: Optional[dict] = None) -> tuple[str, str]:
@@ -244,7 +262,12 @@ def label(step: dict, median_busy_us: float, medians: Optional[dict] = None) -> 
     big, share = grown(step, medians) if medians else (0, 0.0)
     if big >= 3 and share >= 0.1:
         return "prefill", "medium"
-    return ("prefill" if busy(step["kernels"]) >= 1.15 * median_busy_us else "decode"), "low"
+    if busy(step["kernels"]) < 1.15 * median_busy_us:
+        return "decode", "low"
+    # longer than the median step: a prompt's rows, unless its launches are the median step's sizes
+    sized = sum(n in (medians or {}) for n in _grids(step))
+    same = sized >= SIZED_KERNELS and grown(step, medians, 2.0)[0] == 0
+    return ("decode" if same else "prefill"), "low"
 
 
 def union(intervals) -> list:
