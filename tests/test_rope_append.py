@@ -130,3 +130,30 @@ def test_qk_norm_bad_weights_name_the_argument():
                      ([w, w, 1e-6], "qk_norm")):
         with pytest.raises(InputError, match=f"^{arg}"):
             rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=bad)
+
+
+@pytest.mark.parametrize("q_heads", [1, 3, 8, 64])
+@pytest.mark.parametrize("T,hq,hk,d,rot,cache_dtype,norm", [
+    (4, 8, 2, 64, 64, torch.float16, False), (4, 8, 2, 64, 64, torch.float16, True),
+    (1, 5, 1, 128, 128, FP8, True), (1, 5, 1, 128, 64, FP8, False),  # partial rotary: no q / k norms
+    (3, 8, 8, 64, 32, torch.float16, False)])
+def test_q_heads_split_gives_the_same_bits(q_heads, T, hq, hk, d, rot, cache_dtype, norm):
+    """config Q_HEADS n: a token's k / v in one program and its q heads n a program (a partial last
+    group where n does not divide the heads, n above the head count clamped) write what one program
+    a token writes, with and without the q / k norms, partial rotary, an fp8 cache and a skipped slot."""
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(T, hq, hk, d, rot, 16, torch.float16, cache_dtype, seed=q_heads)
+    g = torch.Generator().manual_seed(2)
+    kw = dict(qk_norm=((torch.rand(d, generator=g) + 0.5).half(), (torch.rand(d, generator=g) + 0.5).half(), 1e-6)
+              if norm else None, **sc)
+    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, **kw)
+    rope_append(*_views(qkv2, hq, hk), pos, cs, "neox", kc2, vc2, slots, config={"Q_HEADS": q_heads}, **kw)
+    for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("config", [{"Q_HEAD": 4}, {"Q_HEADS": -1}, {"Q_HEADS": 2.0}, [4]])
+def test_bad_q_heads_config_names_the_config(config):
+    qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(2, 4, 2, 64, 64, 16, torch.float32, torch.float32)
+    with pytest.raises(InputError, match="^config"):
+        rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, config=config)

@@ -459,9 +459,11 @@ def test_selected_on_this_gpu():
     (4096, 28, 4, 128, 128, 16, "neox", False),  # Qwen2.5-7B prefill
     (300, 16, 2, 256, 64, 32, "gptj", True),  # partial rotary, GPT-J, fp8 cache
 ])
-def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8):
+@pytest.mark.parametrize("config", [None, {"Q_HEADS": 3}, {"Q_HEADS": 8}])
+def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8, config):
     """The fused RoPE + KV append (one launch per layer in the engine) writes the same bits to q,
-    k and both caches as the rope kernel followed by the append kernel, in bf16 on the GPU."""
+    k and both caches as the rope kernel followed by the append kernel, in bf16 on the GPU, with a
+    token in one program or spread over several (config Q_HEADS)."""
     from opmap.kernels.attention.rope_append import rope_append
     from opmap.ops.rope import reference as RR
     from opmap.kernels.rope import triton_rope as TR
@@ -481,7 +483,7 @@ def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8
     views = lambda x: (x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:])  # noqa: E731
     q, k, v = views(qkv)
     q2, k2, v2 = views(qkv2)
-    rope_append(q, k, v, pos, cs, style, kc, vc, slots, **sc)
+    rope_append(q, k, v, pos, cs, style, kc, vc, slots, config=config, **sc)
     TR.rope(q2, k2, pos, cs, style)
     A.append(k2, v2, kc2, vc2, slots, **sc)
     torch.cuda.synchronize()
@@ -514,7 +516,7 @@ def test_qk_norm_rope_append_matches_three_launches(T):
     slots = torch.randperm(P_ * page, generator=g, device=DEV)[:T].to(torch.int32)
     kc = torch.zeros(P_, page, hk, d, device=DEV, dtype=BF)
     vc = torch.zeros_like(kc)
-    qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
+    qkv2, kc2, vc2, qkv0 = qkv.clone(), kc.clone(), vc.clone(), qkv.clone()
     views = lambda x: (x[:, :hq], x[:, hq:hq + hk], x[:, hq + hk:])  # noqa: E731
     q, k, v = views(qkv)
     q2, k2, v2 = views(qkv2)
@@ -526,6 +528,13 @@ def test_qk_norm_rope_append_matches_three_launches(T):
         assert_close(a, b, BF)
         assert (a == b).float().mean() > 0.99
     assert torch.equal(vc, vc2)
+    # Spread over programs (config Q_HEADS: k / v in one, 4 or 5 q heads in each other): the same
+    # bits as one program a token, the norms' row sums being each head's own either way.
+    for qh in (4, 5):
+        qkv3, kc3, vc3 = qkv0.clone(), torch.zeros_like(kc), torch.zeros_like(vc)
+        rope_append(*views(qkv3), pos, cs, "neox", kc3, vc3, slots, qk_norm=(w_q, w_k, 1e-6), config={"Q_HEADS": qh})
+        for a, b in ((qkv, qkv3), (kc, kc3), (vc, vc3)):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("split_tokens", [256, 512, 2048])

@@ -341,13 +341,13 @@ def _rope_append_setup(T):
     return setup
 
 
-def _rope_append(fused):
+def _rope_append(fused, config=None):
     def make(inp):
         b = registry.get("kv_append", "triton")
         rope, app, both = registry.get("rope", "triton").fn("rope"), b.fn("append"), b.fn("rope_append")
         q, k, v, pos, cs, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "pos", "cs", "kc", "vc", "slots"))
         if fused:
-            return lambda: both(q, k, v, pos, cs, "neox", kc, vc, slots)
+            return lambda: both(q, k, v, pos, cs, "neox", kc, vc, slots, config=config)
 
         def two():
             rope(q, k, pos, cs, "neox")
@@ -358,6 +358,10 @@ def _rope_append(fused):
     return make
 
 
+# config Q_HEADS of rope_append timed beside its default (one program a token): q heads a program.
+ROPE_APPEND_Q_HEADS = (4, 16)
+
+
 def _rope_append_case(T):
     # q and k read and written, v read, both cache rows written (bf16), positions and slots.
     nbytes = T * (2 * 2 * (HQ + HK) * D + 2 * HK * D + 2 * 2 * HK * D + 16)
@@ -365,7 +369,10 @@ def _rope_append_case(T):
                      _rope_append_setup(T),
                      [Provider("opmap-triton[rope_append, one launch]", _rope_append(True),
                                backend=("kv_append", "triton")),
-                      Provider("opmap-triton[rope, then append]", _rope_append(False))],
+                      Provider("opmap-triton[rope, then append]", _rope_append(False))]
+                     + [Provider(f"opmap-triton[rope_append, one launch, q_heads={n}]",
+                                 _rope_append(True, {"Q_HEADS": n}), backend=("kv_append", "triton"))
+                        for n in ROPE_APPEND_Q_HEADS],
                      bound="memory", graph=T <= 256,
                      spec=KVAppendSpec(arch="sm90", num_kv_heads=HK, head_dim=D, page_size=PAGE, kv_dtype="bf16"))
 
