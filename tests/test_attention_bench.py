@@ -101,3 +101,25 @@ def test_public_decode_rows_agree_with_the_workspace_row():
     assert_close(out, want, torch.float32)
     names = [p.name for p in BA._decode_case(64, 4096, False, quick=True).providers]
     assert "opmap-decode-call" in names and "opmap-custom-op" in names
+
+
+def test_rope_append_rows_write_the_same_bits():
+    """The RoPE + append case's rows (one launch with or without Qwen3's q / k norms, its Q_HEADS
+    variants, and the launches it replaces) write the same q, k and cache rows (interpreter, fp16)."""
+    for norm in (False, True):
+        case = BA._rope_append_case(3, 8, 2, 64, 16, norm)
+        base = BA._rope_append_setup(3, 8, 2, 64, 16, norm, dt=torch.float16)("cpu")
+        base["kc"].zero_()
+        base["vc"].zero_()
+        got = []
+        for p in case.providers:
+            inp = {k: v.clone() if torch.is_tensor(v) else v for k, v in base.items()}
+            hq, hk = inp["hq"], inp["hk"]
+            inp.update(q=inp["qkv"][:, :hq], k=inp["qkv"][:, hq:hq + hk], v=inp["qkv"][:, hq + hk:])
+            p.make(inp)()
+            got.append((p.name, inp["qkv"], inp["kc"], inp["vc"]))
+        assert [g[0] for g in got][1:] == [f"opmap-triton[{'qk_norm, ' if norm else ''}rope, then append]",
+                                           "opmap-triton[rope_append, one launch, q_heads=4]"]  # 16 >= the 8 heads
+        assert not torch.equal(got[0][1], base["qkv"])  # rotated in place
+        for name, *ts in got[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(ts, got[0][1:])), name

@@ -10,6 +10,7 @@ import torch
 from opmap.harness.bench import report as bench_report
 from opmap.harness.bench import runner as bench_runner
 from opmap.harness.bench import timing
+from opmap.harness.bench.cases import attention as bench_attention
 from opmap.harness.bench.cases import gemm as bench_gemm
 from opmap.harness.bench.base import BenchCase, Provider
 from opmap.harness.check import runner
@@ -558,7 +559,24 @@ def test_bench_of_a_model_times_its_own_gemm_and_norm_widths():
     assert {c.spec.hidden for c in cases if c.op == "rmsnorm"} == {2048}
     off = bench_runner.off_widths(cases, specs)
     assert "gemm" not in off and "rmsnorm" not in off and "moe" not in off
-    assert "attention.decode" in off  # the grid's decode attention is at 32/8 heads, page 16
+    # decode / prefill attention and the RoPE + append at its 32 / 4 heads and its page (the grid's
+    # are Llama's 32 / 8), the append with and without its q / k norms in the launch
+    assert "attention.decode" not in off and "attention.prefill" not in off and "kv_append" not in off
+    page = {s.page_size for s in specs["attention"]}
+    for op in ("attention.decode", "attention.prefill"):
+        mine = [c for c in cases if c.op == op]
+        assert mine and {(c.spec.num_heads, c.spec.num_kv_heads, c.spec.head_dim, c.spec.page_size)
+                         for c in mine} == {(32, 4, 128, p) for p in page}, [c.case for c in mine]
+    dec = [c for c in cases if c.op == "attention.decode"]
+    assert {c.case.split(",h=")[0] for c in dec} == {f"B={b},kv={n}" for b, n in bench_attention.MODEL_DECODE[True]}
+    assert all(c.spec.kv_dtype == "bf16" for c in dec)  # the model runs a bf16 cache: no fp8 rows
+    tuned, _ = bench_runner.select_cases(model="qwen3-30b-a3b", quick=True, variants=True,
+                                         ops=["attention", "kv_append"])
+    short = next(c for c in tuned if c.op == "attention.decode" and c.case.startswith("B=1,kv=512,"))
+    assert {"opmap-triton[chunk=64]", "opmap-triton[chunk=256]", "opmap-triton[merge=1]"} <= {p.name for p in short.providers}
+    app = [c.case.split(",T=")[0] for c in tuned if c.op == "kv_append" and "h=32/4" in c.case]
+    assert sorted(set(app)) == ["qk_norm+rope+append", "rope+append"]
+    assert [c.case for c in cases if c.op == "kv_append"] == [f"T=64,h=4,d=128,page={p},kv_dtype=bf16" for p in page]
 
     llama, _ = bench_runner.select_cases(model="llama3-8b", quick=True, ops=["gemm"])
     shapes = {}
@@ -568,6 +586,26 @@ def test_bench_of_a_model_times_its_own_gemm_and_norm_widths():
     assert shapes[(28672, 4096)] == shapes[(4096, 14336)] == set(bench_gemm.MS)
     assert shapes[(6144, 4096)] == shapes[(4096, 4096)] == shapes[(128256, 4096)] == set(bench_gemm.MS_MODEL_QUICK)
     assert bench_runner.off_widths(llama, bench_runner.model_facts("llama3-8b")[0]) == []
+
+
+def test_model_attention_cases_take_the_model_heads_and_leave_mla_to_its_family():
+    """attention.model_cases: each GQA geometry of the model (heads, KV heads, head dim, page) gets
+    decode, prefill and RoPE + append rows whose inputs have those shapes; MLA specs get none here."""
+    from opmap.core.specs import AttentionSpec
+
+    spec = AttentionSpec(arch="sm90", phase="decode", num_heads=12, num_kv_heads=2, head_dim=64, page_size=32)
+    mla = AttentionSpec(arch="sm90", phase="decode", kind="mla", num_heads=16, num_kv_heads=1, head_dim=576,
+                        head_dim_v=512, page_size=64)
+    out = bench_attention.model_cases({"attention": [spec, mla]}, quick=True)
+    assert out
+    for c in out:  # the plain append's case names its KV heads only
+        assert "d=64,page=32" in c.case and ("h=12/2," in c.case or c.case.startswith("T=64,h=2,")), c.case
+    dec = next(c for c in out if c.op == "attention.decode" and c.case.startswith("B=1,kv=512,"))
+    inp = dec.setup("cpu")
+    assert inp["q"].shape == (1, 12, 64) and inp["kc"].shape[1:] == (32, 2, 64) and inp["d"] == 64
+    rows = [c for c in out if c.op == "kv_append" and c.case.startswith("qk_norm+rope+append,T=1,")]
+    assert len(rows) == 1 and "norm" in rows[0].setup("cpu")
+    assert bench_attention.model_cases({"attention": [mla]}, quick=True) == []
 
 
 def test_model_gemm_cases_in_the_checkpoint_format():

@@ -39,24 +39,24 @@ SDPA = (("cudnn-sdpa", "CUDNN_ATTENTION"), ("torch-sdpa-flash", "FLASH_ATTENTION
 _FP8 = torch.float8_e4m3fn
 
 
-def _paged(B, L, hk, q_lens, hq, fp8, device, dt=torch.bfloat16, page=PAGE):
+def _paged(B, L, hk, q_lens, hq, fp8, device, dt=torch.bfloat16, page=PAGE, d=D):
     maxp = -(-L // page)
     P = B * maxp + 8
-    kc = torch.randn(P, page, hk, D, device=device, dtype=dt)
-    vc = torch.randn(P, page, hk, D, device=device, dtype=dt)
+    kc = torch.randn(P, page, hk, d, device=device, dtype=dt)
+    vc = torch.randn(P, page, hk, d, device=device, dtype=dt)
     inp = dict(page=page, bt=torch.randperm(P, device=device)[:B * maxp].view(B, maxp).to(torch.int32).contiguous(),
-               seq_lens=torch.full((B,), L, dtype=torch.int32, device=device), scale=D ** -0.5, L=L, hq=hq, hk=hk,
-               k_scale=None, v_scale=None)
+               seq_lens=torch.full((B,), L, dtype=torch.int32, device=device), scale=d ** -0.5, L=L, hq=hq, hk=hk,
+               d=d, k_scale=None, v_scale=None)
     if fp8:
         ks = kc.float().abs().amax(dim=(0, 1, 3)) / 448.0
         vs = vc.float().abs().amax(dim=(0, 1, 3)) / 448.0
-        kc = quantize_fp8(kc.view(-1, hk, D), ks).view(kc.shape)
-        vc = quantize_fp8(vc.view(-1, hk, D), vs).view(vc.shape)
+        kc = quantize_fp8(kc.view(-1, hk, d), ks).view(kc.shape)
+        vc = quantize_fp8(vc.view(-1, hk, d), vs).view(vc.shape)
         inp.update(k_scale=ks, v_scale=vs)
     T = sum(q_lens)
     cu = torch.zeros(B + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
-    inp.update(kc=kc, vc=vc, q=torch.randn(T, hq, D, device=device, dtype=dt), cu=cu.to(device))
+    inp.update(kc=kc, vc=vc, q=torch.randn(T, hq, d, device=device, dtype=dt), cu=cu.to(device))
     return inp
 
 
@@ -67,8 +67,8 @@ def _contiguous(inp, repeat=False):
         B, maxp = inp["bt"].shape
         L = inp["L"]
         pg = inp["page"]
-        k = inp["kc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], D)[:, :L].transpose(1, 2)
-        v = inp["vc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], D)[:, :L].transpose(1, 2)
+        k = inp["kc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], inp["d"])[:, :L].transpose(1, 2)
+        v = inp["vc"][inp["bt"].long()].view(B, maxp * pg, inp["hk"], inp["d"])[:, :L].transpose(1, 2)
         if repeat:
             g = inp["hq"] // inp["hk"]
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -112,7 +112,7 @@ def _ours(backend, phase, fixed=False, config=None, min_chunk=None, split_tokens
             kw["config"] = config
         if phase == "decode":
             B = inp["q"].shape[0]
-            ws = b.fn("make_workspace")(B, inp["hq"], D, device=inp["q"].device, batch_invariant=fixed,
+            ws = b.fn("make_workspace")(B, inp["hq"], inp["d"], device=inp["q"].device, batch_invariant=fixed,
                                         max_seq_len=inp["bt"].shape[1] * inp["page"], min_chunk=min_chunk,
                                         split_tokens=split_tokens)
             return lambda: fn(inp["q"], inp["kc"], inp["vc"], inp["seq_lens"], inp["bt"], workspace=ws, **kw)
@@ -138,7 +138,7 @@ def _sdpa(member, repeat=False, causal=False):
     def make(inp):
         k, v = _contiguous(inp, repeat)
         B = inp["bt"].shape[0]
-        q = inp["q"].view(B, -1, inp["hq"], D).transpose(1, 2).contiguous()  # [B, Hq, S_q, D]
+        q = inp["q"].view(B, -1, inp["hq"], inp["d"]).transpose(1, 2).contiguous()  # [B, Hq, S_q, D]
         gqa = k.shape[1] != q.shape[1]
         be = getattr(SDPBackend, member)
 
@@ -171,8 +171,8 @@ def _flex(inp):
 
     bm = create_block_mask(mask_mod, 1, None, T, P * pg, device=q.device)  # the plan: not timed
     Q = q.transpose(0, 1).unsqueeze(0)
-    K = kc.view(1, P * pg, kc.shape[2], D).transpose(1, 2)
-    V = vc.view(1, P * pg, kc.shape[2], D).transpose(1, 2)
+    K = kc.view(1, P * pg, kc.shape[2], inp["d"]).transpose(1, 2)
+    V = vc.view(1, P * pg, kc.shape[2], inp["d"]).transpose(1, 2)
     fn = flex._flex_fn(q.device.type)
     return lambda: fn(Q, K, V, block_mask=bm, scale=inp["scale"], enable_gqa=hq != kc.shape[2])
 
@@ -187,11 +187,11 @@ def _flashinfer(phase):
         if phase == "decode":
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(plan_workspace(str(q.device), "decode"), kv_layout="NHD",
                                                               use_tensor_cores=True)
-            w.plan(indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], pos_encoding_mode="NONE",
+            w.plan(indptr, indices, last, inp["hq"], inp["hk"], inp["d"], inp["page"], pos_encoding_mode="NONE",
                    q_data_type=q.dtype, kv_data_type=kc.dtype, sm_scale=inp["scale"])
         else:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(plan_workspace(str(q.device), "prefill"), kv_layout="NHD")
-            w.plan(inp["cu"], indptr, indices, last, inp["hq"], inp["hk"], D, inp["page"], causal=True,
+            w.plan(inp["cu"], indptr, indices, last, inp["hq"], inp["hk"], inp["d"], inp["page"], causal=True,
                    pos_encoding_mode="NONE", sm_scale=inp["scale"], q_data_type=q.dtype, kv_data_type=kc.dtype)
         return lambda: w.run(q, (kc, inp["vc"]))
 
@@ -202,31 +202,33 @@ def _fi_available():
     return registry.get("attention", "flashinfer").available()
 
 
-def _spec(phase, hk, fp8, graph, page=PAGE):
-    return AttentionSpec(arch="sm90", phase=phase, num_heads=HQ, num_kv_heads=hk, head_dim=D, page_size=page,
+def _spec(phase, hk, fp8, graph, page=PAGE, hq=HQ, d=D):
+    return AttentionSpec(arch="sm90", phase=phase, num_heads=hq, num_kv_heads=hk, head_dim=d, page_size=page,
                          kv_dtype="fp8" if fp8 else "bf16", cuda_graph=graph)
 
 
-def _decode_case(B, L, fp8, quick):
+def _decode_case(B, L, fp8, quick, hq=HQ, hk=HK, d=D, page=PAGE):
+    """``hq``, ``hk``, ``d``, ``page``: the heads, head dim and page (Llama-3-8B's at the engine's
+    default page unless a model's, see model_cases)."""
     elt = 1 if fp8 else 2
-    nbytes = 2 * B * L * HK * D * elt + 2 * B * HQ * D * 2
+    nbytes = 2 * B * L * hk * d * elt + 2 * B * hq * d * 2
     # the kernel the selector picks for this case (the split-plan rows below time its plans)
     default = "gluon-fp8" if fp8 else "triton"
     provs = [Provider(_row("triton"), _ours("triton", "decode"), backend=("attention", "triton"))]
-    if fp8:  # the Gluon kernel where it serves (fp8 at head dim 128), beside the Triton kernel on the same cache
+    if fp8 and d == 128:  # the Gluon kernel where it serves (fp8 at head dim 128), beside the Triton kernel on the same cache
         provs.append(Provider(_row("gluon-fp8"), _ours("gluon-fp8", "decode"), backend=("attention", "gluon-fp8")))
     # tile variants of the Triton kernel (timed with --variants only), in the quick grid too, on fp8 caches as well
     provs += [Provider(_row("triton", _tag(c)), _ours("triton", "decode", config=c), backend=("attention", "triton"))
               for c in VARIANTS["decode"]]
     if not quick:
         provs.append(Provider(_row(default, "fixed-split"), _ours(default, "decode", fixed=True), backend=("attention", default)))
-        if B * HK * (L // 256) < 132:
-            # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
-            # picks one of them by B x Hk: splitkv.auto_min_chunk): at B=1, kv=1152 the engine's
-            # decode ran 40 programs of 256 keys, far above the time its bytes need (docs/attention.md,
-            # Decisions: the 64-key minimum split).
-            provs.append(Provider(_row(default, "chunk=64"), _ours(default, "decode", min_chunk=64), backend=("attention", default)))
-            provs.append(Provider(_row(default, "chunk=256"), _ours(default, "decode", min_chunk=256), backend=("attention", default)))
+    if B * hk * (L // 256) < 132:
+        # Where 256-key splits leave most SMs idle, both minimum split lengths (the default
+        # picks one of them by B x Hk: splitkv.auto_min_chunk): at B=1, kv=1152 the engine's
+        # decode ran 40 programs of 256 keys, far above the time its bytes need (docs/attention.md,
+        # Decisions: the 64-key minimum split).
+        provs.append(Provider(_row(default, "chunk=64"), _ours(default, "decode", min_chunk=64), backend=("attention", default)))
+        provs.append(Provider(_row(default, "chunk=256"), _ours(default, "decode", min_chunk=256), backend=("attention", default)))
     if B == 1 and L >= 16384:
         # B=1 at long context: 8 KV heads x 32 splits are 256 programs, ~2 per SM, well below the
         # read ceiling whatever the tiles (docs/attention.md, What limits speed). More splits put more
@@ -245,17 +247,17 @@ def _decode_case(B, L, fp8, quick):
         if B * L <= 64 * 8192:  # its block mask is built over (tokens x whole cache): bounded here
             provs.append(Provider("torch-flex", _flex))
         provs.append(Provider("flashinfer", _flashinfer("decode"), available=_fi_available))
-    return BenchCase("attention.decode", f"B={B},kv={L},h={HQ}/{HK},d={D},page={PAGE},dtype={'fp8' if fp8 else 'bf16'}",
-                     4.0 * B * HQ * L * D, nbytes,
-                     lambda dev: _paged(B, L, HK, [1] * B, HQ, fp8, dev), provs, bound="memory", graph=True,
-                     spec=_spec("decode", HK, fp8, True))
+    return BenchCase("attention.decode", f"B={B},kv={L},h={hq}/{hk},d={d},page={page},dtype={'fp8' if fp8 else 'bf16'}",
+                     4.0 * B * hq * L * d, nbytes,
+                     lambda dev: _paged(B, L, hk, [1] * B, hq, fp8, dev, page=page, d=d), provs, bound="memory",
+                     graph=True, spec=_spec("decode", hk, fp8, True, page, hq, d))
 
 
-def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False):
+def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False, hq=HQ, d=D):
     """``fp8``: the same prefill on an e4m3 cache (scales per KV head), ours only (the peers read
     16-bit caches): the issue's bar is the bf16 row of the same shape."""
     pairs = B * S * (S + 1) / 2
-    nbytes = B * S * (HQ * 2 + hk * (1 if fp8 else 2)) * D * 2
+    nbytes = B * S * (hq * 2 + hk * (1 if fp8 else 2)) * d * 2
     provs = [Provider(_row("triton"), _ours("triton", "prefill"), backend=("attention", "triton"))]
     if not quick and not fp8:
         provs += [Provider(_row("triton", _tag(c)), _ours("triton", "prefill", config=c), backend=("attention", "triton"))
@@ -267,16 +269,16 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False):
                            backend=("attention", "triton-tma")) for c in VARIANTS["prefill_tma"]]
     if not fp8:
         provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
-        if hk != HQ:
+        if hk != hq:
             provs += [Provider(f"{n}[repeat-kv]", _sdpa(m, repeat=True, causal=True)) for n, m in SDPA
                       if n != "torch-sdpa-flash"]
         if page == PAGE:  # flex's block mask over 64-token pages adds nothing the page-16 rows lack
             provs.append(Provider("torch-flex", _flex))
         provs.append(Provider("flashinfer", _flashinfer("prefill"), available=_fi_available))
     return BenchCase("attention.prefill",
-                     f"B={B},S={S},h={HQ}/{hk},d={D},page={page},causal,dtype={'fp8' if fp8 else 'bf16'}",
-                     4.0 * HQ * D * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, HQ, fp8, dev, page=page),
-                     provs, bound="compute", spec=_spec("prefill", hk, fp8, False, page))
+                     f"B={B},S={S},h={hq}/{hk},d={d},page={page},causal,dtype={'fp8' if fp8 else 'bf16'}",
+                     4.0 * hq * d * pairs, nbytes, lambda dev: _paged(B, S, hk, [S] * B, hq, fp8, dev, page=page, d=d),
+                     provs, bound="compute", spec=_spec("prefill", hk, fp8, False, page, hq, d))
 
 
 def _mixed_case():
@@ -296,15 +298,16 @@ def _mixed_case():
                       Provider("torch-flex", _flex)], bound="compute", spec=_spec("mixed", HK, False, False))
 
 
-def _append_setup(T, fp8):
+def _append_setup(T, fp8, hk=HK, d=D, page=PAGE, dt=torch.bfloat16):
+    """``dt``: bf16 on the GPU; the CPU tests of these cases use fp16 (the interpreter mishandles bf16)."""
     def setup(dev):
-        P = T // PAGE + 64
-        dt = _FP8 if fp8 else torch.bfloat16
-        inp = dict(k=torch.randn(T, HK, D, device=dev, dtype=torch.bfloat16),
-                   v=torch.randn(T, HK, D, device=dev, dtype=torch.bfloat16),
-                   kc=torch.empty(P, PAGE, HK, D, device=dev, dtype=dt), vc=torch.empty(P, PAGE, HK, D, device=dev, dtype=dt),
-                   slots=torch.randperm(P * PAGE, device=dev)[:T].contiguous(),
-                   sc=dict(k_scale=torch.ones(HK, device=dev), v_scale=torch.ones(HK, device=dev)) if fp8 else {})
+        P = T // page + 64
+        cdt = _FP8 if fp8 else dt
+        inp = dict(k=torch.randn(T, hk, d, device=dev, dtype=dt),
+                   v=torch.randn(T, hk, d, device=dev, dtype=dt),
+                   kc=torch.empty(P, page, hk, d, device=dev, dtype=cdt), vc=torch.empty(P, page, hk, d, device=dev, dtype=cdt),
+                   slots=torch.randperm(P * page, device=dev)[:T].contiguous(),
+                   sc=dict(k_scale=torch.ones(hk, device=dev), v_scale=torch.ones(hk, device=dev)) if fp8 else {})
         return inp
 
     return setup
@@ -318,42 +321,50 @@ def _append(backend):
     return make
 
 
-def _append_case(T, fp8):
+def _append_case(T, fp8, hk=HK, d=D, page=PAGE):
     elt = 1 if fp8 else 2
-    nbytes = 2 * T * HK * D * (2 + elt) + T * 8
-    return BenchCase("kv_append", f"T={T},h={HK},d={D},page={PAGE},kv_dtype={'fp8' if fp8 else 'bf16'}", 0.0, nbytes,
-                     _append_setup(T, fp8),
+    nbytes = 2 * T * hk * d * (2 + elt) + T * 8
+    return BenchCase("kv_append", f"T={T},h={hk},d={d},page={page},kv_dtype={'fp8' if fp8 else 'bf16'}", 0.0, nbytes,
+                     _append_setup(T, fp8, hk, d, page),
                      [Provider("opmap-triton", _append("triton"), backend=("kv_append", "triton")),
                       Provider("torch-index-put", _append("reference"))],
                      bound="memory", graph=T <= 256,
-                     spec=KVAppendSpec(arch="sm90", num_kv_heads=HK, head_dim=D, page_size=PAGE,
+                     spec=KVAppendSpec(arch="sm90", num_kv_heads=hk, head_dim=d, page_size=page,
                                        kv_dtype="fp8" if fp8 else "bf16"))
 
 
-def _rope_append_setup(T):
+def _rope_append_setup(T, hq=HQ, hk=HK, d=D, page=PAGE, qk_norm=False, dt=torch.bfloat16):
     def setup(dev):
-        inp = _append_setup(T, False)(dev)
-        qkv = torch.randn(T, HQ + 2 * HK, D, device=dev, dtype=torch.bfloat16)
-        inp.update(q=qkv[:, :HQ], k=qkv[:, HQ:HQ + HK], v=qkv[:, HQ + HK:],
-                   pos=torch.randint(0, 8192, (T,), device=dev), cs=cos_sin_cache(D, 8192, 500000.0, device=dev))
+        inp = _append_setup(T, False, hk, d, page, dt)(dev)
+        qkv = torch.randn(T, hq + 2 * hk, d, device=dev, dtype=dt)
+        inp.update(qkv=qkv, hq=hq, hk=hk, q=qkv[:, :hq], k=qkv[:, hq:hq + hk], v=qkv[:, hq + hk:],
+                   pos=torch.randint(0, 8192, (T,), device=dev), cs=cos_sin_cache(d, 8192, 500000.0, device=dev))
+        if qk_norm:
+            inp["norm"] = (torch.rand(d, device=dev, dtype=dt) + 0.5, torch.rand(d, device=dev, dtype=dt) + 0.5, 1e-6)
         return inp
 
     return setup
 
 
 def _rope_append(fused, config=None):
+    """One launch (``fused``: rope_append, Qwen3's q / k norms in it where the case has them) or the
+    launches it replaces (qk_rmsnorm, rope, append)."""
     def make(inp):
         b = registry.get("kv_append", "triton")
         rope, app, both = registry.get("rope", "triton").fn("rope"), b.fn("append"), b.fn("rope_append")
         q, k, v, pos, cs, kc, vc, slots = (inp[n] for n in ("q", "k", "v", "pos", "cs", "kc", "vc", "slots"))
+        norm = inp.get("norm")
         if fused:
-            return lambda: both(q, k, v, pos, cs, "neox", kc, vc, slots, config=config)
+            return lambda: both(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=norm, config=config)
+        qk_rmsnorm = registry.get("rmsnorm", "triton").fn("qk_rmsnorm")
 
-        def two():
+        def launches():
+            if norm is not None:
+                qk_rmsnorm(inp["qkv"][:, :inp["hq"] + inp["hk"]], norm[0], norm[1], inp["hq"], norm[2])
             rope(q, k, pos, cs, "neox")
             app(k, v, kc, vc, slots)
 
-        return two
+        return launches
 
     return make
 
@@ -362,19 +373,22 @@ def _rope_append(fused, config=None):
 ROPE_APPEND_Q_HEADS = (4, 16)
 
 
-def _rope_append_case(T):
-    # q and k read and written, v read, both cache rows written (bf16), positions and slots.
-    nbytes = T * (2 * 2 * (HQ + HK) * D + 2 * HK * D + 2 * 2 * HK * D + 16)
-    return BenchCase("kv_append", f"rope+append,T={T},h={HQ}/{HK},d={D},page={PAGE},kv_dtype=bf16", 0.0, nbytes,
-                     _rope_append_setup(T),
+def _rope_append_case(T, hq=HQ, hk=HK, d=D, page=PAGE, qk_norm=False):
+    # q and k read and written (twice with the norms: normalised in place, then rotated), v read,
+    # both cache rows written (bf16), positions and slots.
+    nbytes = T * ((4 if qk_norm else 2) * 2 * (hq + hk) * d + 2 * hk * d + 2 * 2 * hk * d + 16)
+    what = "qk_norm+rope+append" if qk_norm else "rope+append"
+    apart = "qk_norm, rope, then append" if qk_norm else "rope, then append"
+    return BenchCase("kv_append", f"{what},T={T},h={hq}/{hk},d={d},page={page},kv_dtype=bf16", 0.0, nbytes,
+                     _rope_append_setup(T, hq, hk, d, page, qk_norm),
                      [Provider("opmap-triton[rope_append, one launch]", _rope_append(True),
                                backend=("kv_append", "triton")),
-                      Provider("opmap-triton[rope, then append]", _rope_append(False))]
+                      Provider(f"opmap-triton[{apart}]", _rope_append(False))]
                      + [Provider(f"opmap-triton[rope_append, one launch, q_heads={n}]",
                                  _rope_append(True, {"Q_HEADS": n}), backend=("kv_append", "triton"))
-                        for n in ROPE_APPEND_Q_HEADS],
+                        for n in ROPE_APPEND_Q_HEADS if n < hq],
                      bound="memory", graph=T <= 256,
-                     spec=KVAppendSpec(arch="sm90", num_kv_heads=HK, head_dim=D, page_size=PAGE, kv_dtype="bf16"))
+                     spec=KVAppendSpec(arch="sm90", num_kv_heads=hk, head_dim=d, page_size=page, kv_dtype="bf16"))
 
 
 def cases(quick: bool) -> list[BenchCase]:
@@ -402,3 +416,30 @@ def cases(quick: bool) -> list[BenchCase]:
     # The engine's per-layer RoPE + append at decode (T = batch) and at a prefill chunk.
     out += [_rope_append_case(T) for T in ((1, 64) if quick else (1, 64, 8192))]
     return out
+
+
+# A model's decode and prefill attention at its own heads (model_cases): decode at batch 1 over a
+# short and a long context and at batch 32, a prefill chunk; the full grid adds batches and contexts.
+MODEL_DECODE = {True: [(1, 512), (1, 4096), (32, 1024)],
+                False: [(B, L) for B in (1, 8, 32, 64) for L in (512, 2048, 8192, 32768)]}
+MODEL_PREFILL = {True: [(1, 2048)], False: [(1, 512), (1, 2048), (1, 8192), (4, 4096)]}
+
+
+def model_cases(model_specs: dict, quick: bool) -> list[BenchCase]:
+    """Decode, prefill and the RoPE + KV append at a model's own heads, head dim and page
+    (``model_specs``: {op: [spec]} of its op map; GQA / MHA / MQA: MLA's are mla.py's), so that
+    `opmap bench --model` times Qwen3-30B-A3B's 32 / 4 heads and not Llama-3-8B's 32 / 8. The RoPE +
+    append rows (tuning rows: --variants) are timed with and without Qwen3's q / k norms in the
+    launch (which of them a model runs is the report's step map); the plain append beside them."""
+    geoms = sorted({(s.num_heads, s.num_kv_heads, s.head_dim, s.page_size)
+                    for s in model_specs.get("attention", []) if getattr(s, "kind", "gqa") != "mla"})
+    out = []
+    for hq, hk, d, page in geoms:
+        out += [_decode_case(B, L, fp8, quick, hq, hk, d, page) for fp8 in (False, True)
+                for B, L in MODEL_DECODE[quick]]
+        out += [_prefill_case(B, S, hk, quick, page, hq=hq, d=d) for B, S in MODEL_PREFILL[quick]]
+        out += [_rope_append_case(T, hq, hk, d, page, norm) for norm in (False, True)
+                for T in ((1, 64) if quick else (1, 64, 8192))]
+        out += [_append_case(64, fp8, hk, d, page) for fp8 in (False, True)]
+    return out
+
