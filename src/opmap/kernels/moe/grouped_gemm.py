@@ -258,8 +258,15 @@ def _c(bn, bk, warps, stages, group_m):
 # 2x128x128 with 8) are left out.
 # GROUP_M=8 at decode too: the (rare) second block of an expert runs next to its first, so
 # the weight tiles it re-reads come from L2.
-_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8)],
-           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8)]}
+# The decode grid is (blocks x column tiles): at one token a block per routed expert, so 8 blocks
+# of 12 tiles of 64 columns for Qwen3-30B-A3B's gate/up, fewer programs than an H100 has SMs. Hence
+# 16-column gated tiles (4x the programs, each SM's share even), and for the down projection's
+# short K (768-1408) 256-deep tiles whose stages hold a program's whole K, and 128-column tiles
+# (fewer, longer programs): the tuner times them beside the others and keeps the fastest per key.
+_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8), _c(16, 128, 4, 4, 8),
+                  _c(16, 256, 4, 3, 8)],
+           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8), _c(64, 256, 4, 3, 8),
+                   _c(128, 64, 4, 4, 8)]}
 _BM64 = {True: [_c(64, 64, 4, 4, 8), _c(64, 128, 4, 3, 8)],
          False: [_c(128, 64, 4, 4, 8), _c(128, 128, 4, 3, 8)]}
 _BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
@@ -289,14 +296,15 @@ def _prune(configs, named_args, **kw):
         # a K tile inside one group / block; 8 warps on the prefill tiles, where the converted
         # weight tile beside the accumulators spills with 4 (ptxas, sm90); SUB K tiles an
         # iteration (QUANT_SUB: the tuner times each; 4 only on 32-column tiles, 64-column ones
-        # spill), with fewer stages as each holds SUB tiles
+        # spill, and so do 16-column ones at 4: 255 registers and 64 bytes of stack on sm90 with block
+        # fp8), with fewer stages as each holds SUB tiles
         span = kw["SPAN"]
         warps = 8 if bm >= 64 else 4
         out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], max(c.num_warps, warps),
                      st := max(2, c.num_stages - sub // 2), sub):
                     triton.Config(dict(c.kwargs, BK=bk, SUB=sub), num_warps=max(c.num_warps, warps), num_stages=st)
                     for c in out for sub in QUANT_SUB[bm >= 64]
-                    if sub <= 2 or c.kwargs["BN"] <= 32}.values())
+                    if sub <= 2 or c.kwargs["BN"] == 32}.values())
     return out
 
 
