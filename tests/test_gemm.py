@@ -369,9 +369,29 @@ def test_triton_config_tunes_the_tile_of_its_one_kernel():
     want = ref.linear(x, w, b, s)
     for cfg in (None, {"AUTOTUNE": 0}, {"BLOCK_K": 16}, {"BLOCK_K": 32, "num_warps": 8}):
         assert_close(tri.linear(x, w, b, s, config=cfg), want, scale=2.0, what=str(cfg))
-    for bad in ({"BLOCK_K": 512}, {"AUTOTUNE": 2}, {"GLUON": 0}, {"BLOCK_K": 48}):
+    for bad in ({"BLOCK_K": 512}, {"AUTOTUNE": 2}, {"GLUON": 0}, {"BLOCK_K": 48}, {"BLOCK_N": 48}, {"BLOCK_N": 256},
+                {"SPLIT": -1}):
         with pytest.raises(InputError, match="config"):
             tri.linear(x, w, b, s, config=bad)
+
+
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+@pytest.mark.parametrize("M,N,K", [(1, 128, 2048), (5, 33, 1000), (16, 200, 512)])
+def test_config_block_n_and_split_replace_the_plan_at_decode(fmt, M, N, K):
+    """config BLOCK_N / SPLIT (a router's narrow tiles and deep K splits) give the reference's result,
+    plain and gated (ragged N, K not a multiple of the splits' tile), and describe() names them; at
+    prefill M the planner's tile stays."""
+    x, w, b, s = _inputs(M, N, K, torch.float16, fmt, bias=True, seed=N)
+    want = ref.linear(x, w, b, s)
+    for cfg in ({"BLOCK_N": 16}, {"BLOCK_N": 32, "SPLIT": 8}, {"SPLIT": 3}, {"BLOCK_N": 16, "SPLIT": 16}):
+        assert_close(tri.linear(x, w, b, s, config=cfg), want, scale=2.0, what=str(cfg))
+        if N % 2 == 0:
+            got = tri.linear_act(x, w, b, s, config=cfg)
+            h = want.float()
+            assert_close(got, (torch.nn.functional.silu(h[:, :N // 2]) * h[:, N // 2:]), scale=4.0, what=str(cfg))
+    assert tri.describe(M, N, K, "cpu", quantised=fmt is not None, config={"BLOCK_N": 32, "SPLIT": 2}).startswith(
+        "BLOCK_N 32, BLOCK_M 16, 2 K splits")
+    assert tri.describe(128, N, K, "cpu", config={"BLOCK_N": 32, "SPLIT": 2}) == tri.describe(128, N, K, "cpu")
 
 
 @pytest.mark.parametrize("arch,m,n,k,want", [
@@ -440,3 +460,18 @@ def test_weight_only_wgmma_plan_one_warpgroup_a_program_and_two_on_the_lm_heads(
     assert p(64, 28672, 4096, {"BLOCK_N": 128})["BLOCK_N"] == 128
     assert p(64, 28672, 4096, {"STAGES": 3})["STAGES"] == 3
     assert p(5, 28672, 4096)["BLOCK_M"] == 64  # any M <= 64 runs one 64-token tile
+
+
+def test_bench_times_narrow_tiles_where_few_column_tiles_run():
+    """The narrow-tile / deep-split rows (config BLOCK_N, SPLIT) at decode M on a router's width,
+    not on Llama's wide projections nor at M = 64."""
+    from opmap.harness.bench.cases import gemm as bench
+    from opmap.core.specs import GemmSpec
+
+    narrow = {f"opmap-triton[{bench._tag(c)}]" for c in bench.NARROW_VARIANTS}
+    assert narrow == {"opmap-triton[split=8]", "opmap-triton[bn=32,split=8]", "opmap-triton[bn=16,split=8]"}
+    cases = bench.model_cases({"gemm": [GemmSpec(n=128, k=2048), GemmSpec(n=5120, k=2048)]}, quick=True)
+    rows = {(c.spec.m, c.spec.n): {p.name for p in c.providers} for c in cases}
+    assert narrow <= rows[(1, 128)]
+    assert not narrow & rows[(1, 5120)] and not narrow & rows[(256, 128)]
+    assert not any(narrow & {p.name for p in c.providers} for c in bench.cases(quick=True) if c.spec.n > 512)

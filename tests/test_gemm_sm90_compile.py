@@ -27,7 +27,10 @@ for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
         ("gemm-bf16-m64", "*bf16", g.W_SAME, 64, 128, 1, g.DEFAULT[(True, 128)]),
         ("gemm-int8-m64-8warps", "*i8", g.W_INT8, 64, 128, 1, (128, 8, 4)),
         ("gemm-bf16-m64-split", "*bf16", g.W_SAME, 64, 128, 9, g.DEFAULT[(True, 128)]),
-        ("gemm-fp8-m16-split", "*fp8e4nv", g.W_FP8, 16, 64, 4, g.DEFAULT[(True, 64)])]:
+        ("gemm-fp8-m16-split", "*fp8e4nv", g.W_FP8, 16, 64, 4, g.DEFAULT[(True, 64)]),
+        # config BLOCK_N 16 / 32 with a deep split (a router's few column tiles): too narrow for wgmma
+        ("narrow-bf16-m16-bn16-split", "*bf16", g.W_SAME, 16, 16, 8, g.DEFAULT[(True, 16)]),
+        ("narrow-fp8-m16-bn32-split", "*fp8e4nv", g.W_FP8, 16, 32, 8, g.DEFAULT[(True, 32)])]:
     s = dict(gsig, w_ptr=wdt)
     ce = {"W_KIND": kind, "HAS_SCALE": kind != g.W_SAME, "HAS_BIAS": True, "SPLIT": split, "EVEN_K": True,
           "PREC": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
@@ -63,7 +66,7 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)
-    assert len(res) == 15
+    assert len(res) == 17
     for gated in (0, 1):
         r = res[f"l2pf-gated{gated}"]
         assert r["prefetch"] == 1 + gated and r["before_wait"], r  # one per row (and half), before the wait
@@ -73,6 +76,8 @@ def test_kernels_compile_for_sm90_without_spills():
     for name in [n for n in res if n.startswith("gemm-")]:
         # weight tiles stream through a multi-stage cp.async pipeline into Hopper wgmma
         assert res[name]["async"] >= 4 and res[name]["wgmma"] >= 1, f"{name}: {res[name]}"
+    for name in [n for n in res if n.startswith("narrow-")]:
+        assert res[name]["async"] >= 4 and res[name]["atom"] == 2, f"{name}: {res[name]}"
     for name in [n for n in res if n.startswith("gemm-")]:
         # the split builds sum their partials in the tile's last program: one counter increment
         # and one reset, after a barrier that orders every thread's partial before the increment

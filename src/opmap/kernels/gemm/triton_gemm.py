@@ -190,12 +190,15 @@ def _prune(configs, named_args, **kw):
 
 _TUNED = {}
 # Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
-DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
+DEFAULT = {(True, 16): (256, 4, 3), (True, 32): (256, 4, 3), (True, 64): (256, 4, 3), (True, 128): (128, 4, 3),
+           (False, 128): (64, 4, 4)}
 # config= keys: BLOCK_K, num_warps, num_stages fix that part of the tile (0: the shape class's
 # default); AUTOTUNE=0 runs the default tile without autotuning (the check cases and tests that
 # sweep many shapes pass it to spare compile time; benchmarks and the engine autotune);
-# L2_PREFETCH=1 prefetches each program's weight rows into L2 at decode M (kernels/prefetch.py).
-CONFIG = {"BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "AUTOTUNE": 1, "L2_PREFETCH": 0}
+# L2_PREFETCH=1 prefetches each program's weight rows into L2 at decode M (kernels/prefetch.py);
+# BLOCK_N and SPLIT replace the planner's weight-row tile and K split at decode M (0: plan()'s), to
+# time narrower tiles and deeper splits where a few column tiles leave most SMs idle (a router).
+CONFIG = {"BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "AUTOTUNE": 1, "L2_PREFETCH": 0, "BLOCK_N": 0, "SPLIT": 0}
 
 
 def config_of(config) -> dict:
@@ -207,7 +210,16 @@ def config_of(config) -> dict:
            "16, 32, 64, 128 or 256 (K splits are multiples of 256)")
     expect(cfg["AUTOTUNE"] in (0, 1), "config", f"AUTOTUNE={cfg['AUTOTUNE']}", "0 or 1")
     expect(cfg["L2_PREFETCH"] in (0, 1), "config", f"L2_PREFETCH={cfg['L2_PREFETCH']}", "0 or 1")
+    expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
     return cfg
+
+
+def _planned(p: dict, cfg: dict) -> dict:
+    """plan()'s fields with config's BLOCK_N and SPLIT over them (decode M only: the prefill tile
+    stays the planner's)."""
+    if p["small"] and (cfg["BLOCK_N"] or cfg["SPLIT"]):
+        p = dict(p, BLOCK_N=cfg["BLOCK_N"] or p["BLOCK_N"], SPLIT=cfg["SPLIT"] or p["SPLIT"])
+    return p
 
 
 def _fixed_tile(cfg: dict, small: bool, bn: int):
@@ -233,7 +245,7 @@ def describe(M: int, N: int, K: int, device, quantised: bool = False, config=Non
     """The tiles and K splits a call of this shape runs, and the config the autotuner chose for
     its shape class when it has run on this device (benchmark rows name it in their note)."""
     dev = torch.device(device)
-    p = plan(M, N, K, sm_count(dev), quantised=quantised)
+    p = _planned(plan(M, N, K, sm_count(dev), quantised=quantised), config_of(config))
     kq = p.get("BLOCK_K", 256)
     split = triton.cdiv(K, triton.cdiv(triton.cdiv(K, kq), p["SPLIT"]) * kq)  # as linear() rounds it
     text = f"BLOCK_N {p['BLOCK_N']}, BLOCK_M {p['BLOCK_M']}, {split} K split{'s' if split > 1 else ''}"
@@ -329,7 +341,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
                 return (silu_mul if _gated == 1 else gelu_tanh_mul)(b)
             out += bias.to(x.dtype)
         return out
-    p = plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype)
+    p = _planned(plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype), cfg)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
     if "BLOCK_K" in p and cfg["BLOCK_K"]:
         p["BLOCK_K"] = cfg["BLOCK_K"]  # the interpreter's one fixed tile, as config asks

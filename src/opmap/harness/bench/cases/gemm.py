@@ -110,6 +110,11 @@ _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "
           "num_stages": "s", "FOLD": "fold", "L2_PREFETCH": "l2pf"}
 # The weight rows into L2 at each program's start (kernels/prefetch.py), on the decode kernels that take it
 L2PF = dict(L2_PREFETCH=1)
+# Narrow weight-row tiles and deep K splits (triton_gemm.CONFIG BLOCK_N / SPLIT) where a few column
+# tiles leave most SMs idle at decode (NARROW_N and below: a MoE router's 64-160 columns), against
+# the planner's, which keeps each split at 1024 or more of K
+NARROW_N = 512
+NARROW_VARIANTS = [dict(SPLIT=8), dict(BLOCK_N=32, SPLIT=8), dict(BLOCK_N=16, SPLIT=8)]
 # Tunings of the kernels whose scale changes along K (scaled_tiles.CONFIG), at decode M: K tiles an
 # iteration (SUB), and many short programs (deep K splits at two stages: a few K tiles each); at
 # every M, the scale on the weight before the MMA (FOLD)
@@ -281,6 +286,9 @@ def _case(arch, M, N, K, fmt) -> BenchCase:
                       describe=_described(triton_gemm.describe, M, N, K, quantised=bool(fmt)))]
     if M <= 64:
         provs.append(Provider(f"opmap-triton[{_tag(L2PF)}]", _ours(name, bool(fmt), L2PF), backend=("gemm", name)))
+    if M <= 16 and N <= NARROW_N:
+        provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours(name, bool(fmt), c), backend=("gemm", name))
+                  for c in NARROW_VARIANTS]
     if fmt is None:
         provs.append(Provider("cublas", _cublas, backend=("gemm", "cublas")))  # marked where selected
     else:
