@@ -59,3 +59,24 @@ def test_norm_rope_append_rows_agree_on_the_cache_they_write():
         rows[p.name] = (inp["cache"].clone(), inp["q"].clone())
     (c1, q1), (c2, q2) = rows.values()
     assert torch.equal(q1, q2) and torch.equal(c1, c2) and c1.abs().sum() > 0
+
+
+def test_short_context_split_rows_agree_and_model_cases_take_its_heads():
+    """Batch 1 over a short context: the minimum-split rows (split_min 64 / 128: more, shorter splits)
+    give the default's result; none beyond SHORT keys. model_cases: the model's MLA head count at
+    a chat-length context, nothing for a GQA model."""
+    from opmap.core.specs import AttentionSpec
+
+    dec = bm._decode_case(1, 16, 300, False, quick=True)
+    inp = bm._setup(1, 16, 300, False, dt=torch.float16)("cpu")
+    outs = {p.name: p.make(inp)() for p in dec.providers if p.name.startswith("opmap-")}
+    assert {"opmap-tma[min=64]", "opmap-tma[min=128]"} <= set(outs)
+    for name in ("opmap-tma[min=64]", "opmap-tma[min=128]"):
+        assert_close(outs[name], outs["opmap-tma"], what=name)
+    long = bm._decode_case(1, 16, bm.SHORT + 1, False, quick=True)
+    assert not any("min=64" in p.name for p in long.providers)
+    mla = AttentionSpec(kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64)
+    got = bm.model_cases({"attention": [mla]}, quick=True)
+    assert {c.case.split(",h=")[0] for c in got} == {f"B={b},kv={n}" for b, n in bm.MODEL_DECODE[True]}
+    assert all(",h=16," in c.case for c in got)
+    assert bm.model_cases({"attention": [AttentionSpec(num_heads=32, num_kv_heads=8)]}, quick=True) == []

@@ -42,6 +42,8 @@ VARIANTS = {"mla-tma": {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2),
             "mla-triton": {16: [], 128: [dict(BLOCK_H=64, num_warps=8, num_stages=1)]}}
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
+# Batch-1 contexts up to SHORT keys get rows at these minimum split lengths beside the default's.
+SHORT, SHORT_SPLIT_MIN = 4096, (64, 128)
 
 
 def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
@@ -137,6 +139,11 @@ def _decode_case(B, H, ctx, fp8, quick):
         default = "mla-gluon-fp8" if fp8 else "mla-tma"  # the selector's under CUDA graphs on sm90
         provs.append(Provider(_row(default, extra="splits=256,min=128"),
                               _ours(default, num_splits=256, split_min=128), backend=("attention", default)))
+        if ctx <= SHORT:
+            # a short context at batch 1 (a chat turn): the default's 256-key minimum split runs a few
+            # programs of a few tiles each; shorter minimum splits put more of them in flight
+            provs += [Provider(_row(default, extra=f"min={n}"), _ours(default, split_min=n),
+                               backend=("attention", default)) for n in SHORT_SPLIT_MIN]
     if not fp8:
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
@@ -266,3 +273,19 @@ def cases(quick: bool) -> list[BenchCase]:
     for H, new, prefix in ([(16, 4096, 0)] if quick else [(16, 4096, 0), (128, 4096, 0), (128, 1024, 3072)]):
         out.append(_prefill_case(H, new, prefix))
     return out
+
+
+# A model's MLA decode at its own head count (model_cases): batch 1 at a short and a long context
+# and batch 32; the full grid's batches and contexts otherwise.
+MODEL_DECODE = {True: [(1, 1024), (1, 4096), (32, 1024)],
+                False: [(B, ctx) for B in (1, 16, 32, 64) for ctx in (1024, 4096, 16384, 32768)]}
+
+
+def model_cases(model_specs: dict, quick: bool) -> list[BenchCase]:
+    """MLA decode at a model's own head count (``model_specs``: {op: [spec]} of its op map), so that
+    `opmap bench --model deepseek-v2-lite` times its 16 heads at batch 1 over a chat-length context,
+    not only the fixed grid's batch 64 / 4096 and batch 1 / 32768."""
+    heads = sorted({s.num_heads for s in model_specs.get("attention", []) if getattr(s, "kind", None) == "mla"})
+    return [_decode_case(B, H, ctx, fp8, quick) for H in heads for fp8 in (False, True)
+            for B, ctx in MODEL_DECODE[quick]]
+
