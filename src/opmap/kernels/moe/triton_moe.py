@@ -104,7 +104,8 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
         w13_zero=None, w2_zero=None, config=None) -> torch.Tensor:
     """``config={"ROUTE_WARPS": n}``: the warps of the one-launch routing at decode sizes (1, 2, 4
-    or 8; 0: its default), for tuning."""
+    or 8; 0: its default), for tuning: the same experts, the weights up to the fp32 order of the
+    softmax sums."""
     quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
     cfg = CONFIG if config is None else config_of(config)
     check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant)
