@@ -54,6 +54,9 @@ def test_triton_path_matches_hf(name, single_thread):
     assert all((ops.norm_rope_append is not None) == cfg.is_mla and ops.rope is None for ops in sets)
     # Qwen3's q/k norms ride in the same launch when the norm is Triton too.
     assert all(ops.qk_norm_in_rope_append == cfg.qk_norm for ops in llm.runner.decode_ops.values()) or cfg.is_mla
+    # DeepSeek's shared expert sums the routed output in its down GEMM (linear_add); a gated one
+    # (Qwen2-MoE) keeps its add
+    assert all(("shared_down_add" in ops.gemm) == bool(cfg.shared_experts and not cfg.shared_gate) for ops in sets)
     # 40 > budget 32: a chunked prefill; 3 decoding rows pad to bucket 4 (a row of slot -1, length 0)
     prompts = random_prompts(cfg.vocab, (5, 40, 17), seed=9)
     outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))

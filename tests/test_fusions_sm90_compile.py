@@ -12,8 +12,8 @@ from opmap.kernels.gemm import triton_gemm as TG
 from opmap.kernels.mla import append as AP
 
 res = {}
-DIV = {"x_ptr", "w_ptr", "s_ptr", "b_ptr", "o_ptr", "ws_ptr", "cnt_ptr", "N", "K", "stride_xm", "stride_wn",
-       "stride_om", "K_PER_SPLIT"}
+DIV = {"x_ptr", "w_ptr", "s_ptr", "b_ptr", "o_ptr", "ws_ptr", "cnt_ptr", "a_ptr", "N", "K", "stride_xm", "stride_wn",
+       "stride_om", "stride_am", "K_PER_SPLIT"}
 
 def build(name, fn, sig, ce, warps, stages=3):
     s = {n: ("constexpr" if n in ce else sig[n]) for n in fn.arg_names}
@@ -37,9 +37,10 @@ for scale_ptr in (False, True):
           HQ="i32", R="i32", HALF="i32", NSLOTS="i32", s_qt="i32", s_qh="i32", s_kva="i32", s_row="i32"),
           dict(IS_NEOX=True, BLOCK_QH=64, BLOCK_R=512, BLOCK_HALF=32, FP8=True, SCALE_FROM_PTR=scale_ptr), 4)
 gs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32",
-          M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", K_PER_SPLIT="i32",
-          PF_BYTES="i32")
-base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0, L2_PF=False)
+          a_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_am="i32",
+          K_PER_SPLIT="i32", PF_BYTES="i32")
+base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0, L2_PF=False,
+            HAS_ADD=False)
 # the gated epilogue at the planner's decode tiles: Llama-3-8B's gate/up at M = 1 and 32
 for M in (1, 32):
     p = TG.plan(M, 14336, 4096, 132, interp=False)

@@ -475,3 +475,56 @@ def test_bench_times_narrow_tiles_where_few_column_tiles_run():
     assert narrow <= rows[(1, 128)]
     assert not narrow & rows[(1, 5120)] and not narrow & rows[(256, 128)]
     assert not any(narrow & {p.name for p in c.providers} for c in bench.cases(quick=True) if c.spec.n > 512)
+
+
+@pytest.mark.parametrize("fmt,M,N,K,split", [(f, *c) for f in (None, "fp8", "int8") for c in
+                                             ((1, 64, 256, None), (5, 70, 200, 3), (16, 128, 512, 2))]
+                         + [(None, 3, 40, 0, None)])
+def test_linear_add_sums_the_addend_before_the_one_rounding(fmt, M, N, K, split):
+    """linear_add: add + x @ w.T (+ bias) rounded once (the reference's fp32 sum), in the Triton
+    epilogue after a K split too, and on cuBLAS (addmm; dense weights, no bias); K = 0 gives add (+ bias)."""
+    from opmap.peers.gemm import torch_peer
+
+    x, w, b, s = _inputs(M, N, K, torch.float16, fmt, bias=True, seed=M + N)
+    add = torch.randn(M, N).half()
+    want = ref.linear_add(x, w, add, b, s)
+    assert torch.equal(want, (ref._linear32(x, w, b, s, None) + add.float()).half())
+    got = tri.linear_add(x, w, add, b, s, _plan={"SPLIT": split} if split else None)
+    assert_close(got, want, scale=2.0)
+    if fmt is None and K:
+        xf, wf, af = x.float(), w.float(), add.float()
+        assert_close(torch_peer.linear_add(xf, wf, af), ref.linear_add(xf, wf, af), scale=2.0)
+
+
+def test_linear_add_refuses_a_bad_addend():
+    from opmap.peers.gemm import torch_peer
+
+    x, w, b, s = _inputs(3, 40, 64, torch.float16, None, bias=True, seed=1)
+    for bad in (torch.randn(3, 41).half(), torch.randn(3, 40), torch.randn(40, 3).half().t()):
+        for fn in (tri.linear_add, ref.linear_add, torch_peer.linear_add):
+            with pytest.raises(InputError, match="^add"):
+                fn(x, w, bad)
+    with pytest.raises(InputError, match="^bias"):
+        torch_peer.linear_add(x, w, torch.randn(3, 40).half(), b)
+
+
+def test_bench_add_rows_compute_the_same_sum():
+    """The linear_add bench case (DeepSeek-V2-Lite's shared down width): its rows, one launch and
+    the GEMM then an add, on a tiny CPU instance in fp16 (the interpreter mishandles bf16), agree;
+    opmap-triton only at decode M, where its backend serves."""
+    from opmap.harness.bench.cases import gemm as bench
+
+    cases = [c for c in bench.cases(quick=True) if c.op == "gemm.add"]
+    assert {c.spec.m for c in cases} == {1, 16, 64, 256}
+    for c in cases:
+        assert ("opmap-triton" in {p.name for p in c.providers}) == (c.spec.m <= 64)
+        assert (c.spec.n, c.spec.k) == (bench.ADD_SHAPE[1], bench.ADD_SHAPE[0])
+    case = next(c for c in cases if c.spec.m == 1)
+    inp = {k: v[:, :96].half().contiguous() if k != "w" else v[:40, :96].half().contiguous()
+           for k, v in bench._setup(3, 40, 96, None)("cpu").items()}
+    inp["add"] = torch.randn(3, 40).half()
+    outs = {p.name: p.make(dict(inp, x=inp["x"].float(), w=inp["w"].float(), add=inp["add"].float())
+                           if p.name.startswith("cublas") else inp)() for p in case.providers}
+    want = ref.linear_add(inp["x"], inp["w"], inp["add"]).float()
+    for name, o in outs.items():
+        assert_close(o.float(), want, torch.float16, scale=2.0, what=name)  # two roundings where apart

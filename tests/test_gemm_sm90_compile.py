@@ -16,10 +16,11 @@ def comp(name, fn, sig, ce, opts, div):
     res[name] = usage(compile_sm90(fn, sig, ce, opts, div))
 
 gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
-        "cnt_ptr": "*i32", "M": "i32",
-        "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "K_PER_SPLIT": "i32",
+        "cnt_ptr": "*i32", "a_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+        "stride_om": "i32", "stride_am": "i32", "K_PER_SPLIT": "i32",
         "PF_BYTES": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
         "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+GDIV = [i for i, n in enumerate(gsig) if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "K_PER_SPLIT")]
 for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
         ("gemm-bf16-m16", "*bf16", g.W_SAME, 16, 64, 1, g.DEFAULT[(True, 64)]),
         ("gemm-fp8-m32", "*fp8e4nv", g.W_FP8, 32, 64, 1, (256, 4, 4)),
@@ -34,14 +35,20 @@ for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
     s = dict(gsig, w_ptr=wdt)
     ce = {"W_KIND": kind, "HAS_SCALE": kind != g.W_SAME, "HAS_BIAS": True, "SPLIT": split, "EVEN_K": True,
           "PREC": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    k = compile_sm90(g._gemm_kernel, s, ce, {"num_warps": nw, "num_stages": ns}, (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
+    k = compile_sm90(g._gemm_kernel, s, ce, {"num_warps": nw, "num_stages": ns}, GDIV)
     res[name] = dict(usage(k), atom=k.asm["ptx"].count("atom."), bar=k.asm["ptx"].count("bar.sync"))
+# linear_add: the addend's load in the epilogue, plain and after a split's sum
+for split in (1, 4):
+    ce = {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": split, "EVEN_K": True, "PREC": "tf32",
+          "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_ADD": True}
+    k = compile_sm90(g._gemm_kernel, dict(gsig, HAS_ADD="constexpr"), ce, {"num_warps": 4, "num_stages": 3}, GDIV)
+    res[f"add-split{split}"] = usage(k)
 # L2_PF: the weight rows' bulk prefetch into L2, before the PDL wait (both halves' rows when gated)
 for gated in (0, 1):
     ce = {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": 2, "EVEN_K": True, "PREC": "tf32",
           "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "PDL": True, "GATED": gated, "L2_PF": True}
     k = compile_sm90(g._gemm_kernel, dict(gsig, PDL="constexpr", GATED="constexpr", L2_PF="constexpr"), ce,
-                     {"num_warps": 4, "num_stages": 3}, (0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
+                     {"num_warps": 4, "num_stages": 3}, GDIV)
     ptx = k.asm["ptx"]
     res[f"l2pf-gated{gated}"] = dict(usage(k), prefetch=ptx.count("cp.async.bulk.prefetch.L2.global"),
                                      before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"))
@@ -66,7 +73,7 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)
-    assert len(res) == 17
+    assert len(res) == 19
     for gated in (0, 1):
         r = res[f"l2pf-gated{gated}"]
         assert r["prefetch"] == 1 + gated and r["before_wait"], r  # one per row (and half), before the wait

@@ -38,8 +38,8 @@ res["qk_norm"] = comp(n._qk_norm_kernel, {"x_ptr": "*bf16", "wq_ptr": "*bf16", "
     "stride_h": "i32", "R": "i32", "NH": "i32", "HQ": "i32", "D": "i32", "eps": "fp32", "ROWS": "constexpr",
     "BLOCK": "constexpr"}, {"ROWS": 8, "BLOCK": 128})
 gemm_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
-    "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32",
-    "K_PER_SPLIT": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
+    "cnt_ptr": "*i32", "a_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+    "stride_om": "i32", "stride_am": "i32", "K_PER_SPLIT": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
     "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
 for name, split in (("gemm", 1), ("gemm-split", 3)):
     res[name] = comp(g._gemm_kernel, gemm_sig, {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": split,

@@ -206,7 +206,8 @@ def test_moe_rows_router_and_shared_experts():
         if not cfg.is_moe:
             continue
         for arch in ("sm90", "cpu"):
-            maps = planned_maps(cfg, arch, EngineConfig(fuse_gated=False))  # each GEMM and activation its own row
+            # each GEMM and activation its own row
+            maps = planned_maps(cfg, arch, EngineConfig(fuse_gated=False, fuse_shared_add=False))
             for ph in PHASES:
                 keys = [r.key for r in maps[ph]]
                 assert keys[keys.index("router") + 1] == "moe" and _spec(maps, "router", ph).n == cfg.num_experts
@@ -217,6 +218,28 @@ def test_moe_rows_router_and_shared_experts():
                 # a model with dense first layers runs their MLP before its MoE layers
                 assert ("gate_up" in keys) == bool(cfg.first_dense_layers)
                 assert "gate_up" not in keys or keys.index("gate_up") < keys.index("router")
+
+
+def test_shared_down_takes_the_routed_sum_where_its_backend_can():
+    """fuse_shared_add: a shared expert's down GEMM sums the routed experts' output (linear_add) on
+    every backend that has the entry (cuBLAS's addmm, the Triton epilogue, the reference), the plain
+    row folded into it; not where a sigmoid gate scales the shared output (Qwen2-MoE), not when off,
+    not for a model without shared experts."""
+    for name, cfg in PRESETS.items():
+        if not cfg.is_moe:
+            continue
+        for arch in ("sm90", "cpu"):
+            on, off = planned_maps(cfg, arch), planned_maps(cfg, arch, EngineConfig(fuse_shared_add=False))
+            for ph in PHASES:
+                keys = [r.key for r in on[ph]]
+                assert "shared_down_add" not in [r.key for r in off[ph]]
+                if not cfg.shared_experts or cfg.shared_gate:
+                    assert "shared_down_add" not in keys and ("shared_down" in keys) == bool(cfg.shared_experts)
+                    continue
+                row = next(r for r in on[ph] if r.key == "shared_down_add")
+                assert "shared_down" not in keys and row.entry == "linear_add" and row.folded[0].key == "shared_down"
+                assert "linear_add" in row.backend.impl and row.label.endswith("(one launch)"), row.label
+                assert keys.index("moe") < keys.index("shared_down_add") < keys.index("lm_head")
 
 
 def test_quantised_checkpoint_weights_and_lm_head_rows():
@@ -281,7 +304,8 @@ def test_gate_up_and_its_activation_in_one_launch_where_the_gemm_has_the_gated_e
         cfg = PRESETS[name]
         keys = [r.key for r in planned_maps(cfg, arch)["decode"]]
         assert "shared_gate_up_act" in keys and not {"shared_gate_up", "shared_act"} & set(keys)
-        assert keys.index("shared_gate_up_act") + 1 == keys.index("shared_down")
+        down = "shared_down" if cfg.shared_gate else "shared_down_add"  # the gated shared output keeps its add
+        assert keys.index("shared_gate_up_act") + 1 == keys.index(down)
         assert ("gate_up_act" in keys) == bool(cfg.first_dense_layers)
         apart = [r.key for r in planned_maps(cfg, arch, EngineConfig(fuse_gated=False))["decode"]]
         assert "shared_gate_up_act" not in apart and "shared_act" in apart

@@ -201,6 +201,28 @@ def test_l2_prefetch_leaves_the_output_bitwise_equal(M, N, K, split, fmt, gated)
         assert torch.equal(out, fn(x, w, None, s, config=DEFAULT_TILE, _plan=plan)), seed
 
 
+@pytest.mark.parametrize("M,N,K,split", [(1, 2048, 2816, 0), (3, 2049, 2816, 3), (64, 2048, 2816, 0), (16, 130, 4096, 4)])
+@pytest.mark.parametrize("fmt", [None, "fp8"])
+def test_linear_add_rounds_the_sum_once(M, N, K, split, fmt):
+    """linear_add (DeepSeek's shared down with the routed output as addend): triton-decode's epilogue
+    (split K too) and cuBLAS's addmm give the reference's add + x @ w.T rounded once, in bf16; under a
+    CUDA graph replayed with a new addend the Triton call follows it."""
+    x, w, b, s, _ = _lin_inputs(M, N, K, fmt, bias=False)
+    add = torch.randn(M, N, device=DEV, dtype=BF16)
+    want = gemm_ref.linear_add(x, w, add, None, s)
+    got = triton_gemm.linear_add(x, w, add, None, s, _plan={"SPLIT": split} if split else None)
+    assert_close(got, want)
+    if fmt is None:
+        assert_close(registry.get("gemm", "cublas").fn("linear_add")(x, w, add), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_gemm.linear_add(x, w, add, None, s)
+    add.copy_(torch.randn(M, N, device=DEV, dtype=BF16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, gemm_ref.linear_add(x, w, add, None, s))
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 100, 4112), (5, 4097, 4096), (16, 6144, 4096), (32, 1000, 2048),
                                    (32, 28672, 4096), (8, 32001, 1040),
                                    # the warpgroup-MMA kernel (wo_wgmma.py) on sm90

@@ -54,6 +54,10 @@ class EngineConfig:
     # GEMM's backend has that entry (decode rows: triton-decode, triton-wo) and the activation chose
     # the backend it reproduces (opmap.model.step.GATED_FUSED); False: the GEMM, then the activation.
     fuse_gated: bool = True
+    # A MoE layer's shared expert: its down GEMM sums the routed experts' output into its fp32
+    # result (gemm entry linear_add, one rounding) where its backend has that entry, instead of a
+    # separate add of the two rounded outputs; False: the GEMM, then the add.
+    fuse_shared_add: bool = True
     trace_ops: bool = False  # a profiler range + NVTX range around every operator call (opmap profile)
     # Launch decode step n+1 before reading step n's tokens back (the input ids go device to
     # device); see LLM.step. False: lockstep (read every step's tokens before the next).

@@ -430,6 +430,8 @@ class DecoderModel:
                     a = ops.gemm["shared_gate_up_act"](h, P[f"{i}.shared_gate_up"])
                 else:
                     a = ops.shared_act(ops.gemm["shared_gate_up"](h, P[f"{i}.shared_gate_up"]))
+                if "shared_down_add" in ops.gemm:  # the routed experts' sum in the down GEMM's epilogue
+                    return ops.gemm["shared_down_add"](a, P[f"{i}.shared_down"], out)
                 s = ops.gemm["shared_down"](a, P[f"{i}.shared_down"])
                 if c.shared_gate:  # Qwen2-MoE: sigmoid(h @ w_gate) [T, 1] scales the shared expert
                     s = torch.sigmoid(ops.gemm["shared_gate"](h, P[f"{i}.shared_gate"])) * s

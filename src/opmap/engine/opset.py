@@ -35,10 +35,11 @@ PLANNED_PHASES = ("prefill", "decode", "mixed")
 
 class OpSet:
     def __init__(self, cfg: ModelConfig, phase: str, settings: StepSettings, forced: Optional[dict] = None,
-                 trace: bool = False, fuse_rope_append: bool = True, fuse_gated: bool = True):
+                 trace: bool = False, fuse_rope_append: bool = True, fuse_gated: bool = True,
+                 fuse_shared_add: bool = True):
         self.phase, self.m, self.cuda_graph, self.trace = phase, settings.m, settings.cuda_graph, trace
         self.rows = resolve(step_slots(cfg, phase, settings), forced, fuse_rope_append=fuse_rope_append,
-                            fuse_gated=fuse_gated)
+                            fuse_gated=fuse_gated, fuse_shared_add=fuse_shared_add)
         self.choices: list = []  # (label, entry, Choice), in step-map order
         self.gemm: dict = {}
         for name in CALLABLES:
@@ -123,7 +124,8 @@ def planned_maps(cfg: ModelConfig, arch: str, ecfg: Optional[EngineConfig] = Non
 
     def rows(phase, graph, m):
         return resolve(step_map(cfg, phase, dataclasses.replace(base, cuda_graph=graph, m=m)), ecfg.backends,
-                       fuse_rope_append=ecfg.fuse_rope_append, fuse_gated=ecfg.fuse_gated, strict=False)
+                       fuse_rope_append=ecfg.fuse_rope_append, fuse_gated=ecfg.fuse_gated,
+                       fuse_shared_add=ecfg.fuse_shared_add, strict=False)
 
     out = {}
     for ph in phases:

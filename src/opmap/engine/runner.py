@@ -142,7 +142,7 @@ class ModelRunner:
         def opset(phase: str, graph: bool, m: Optional[int]) -> OpSet:
             return OpSet(cfg, phase, dataclasses.replace(settings, cuda_graph=graph, m=m),
                          ecfg.backends, ecfg.trace_ops, ecfg.fuse_rope_append,
-                         ecfg.fuse_gated)
+                         ecfg.fuse_gated, ecfg.fuse_shared_add)
 
         self.ops = {p: opset(p, False, None) for p in ("prefill", "mixed")}
         # Quantised weights: eager mixed steps also take op sets planned at their row count

@@ -210,7 +210,8 @@ def many_tokens_of(cfg: ModelConfig) -> Optional[int]:
 
 
 def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[bool] = None,
-            fuse_rope_append: bool = True, strict: bool = True, fuse_gated: bool = True) -> list[Resolved]:
+            fuse_rope_append: bool = True, strict: bool = True, fuse_gated: bool = True,
+            fuse_shared_add: bool = True) -> list[Resolved]:
     """Each slot with the selector's choice (``forced``: op -> backend name; ``runtime``: as
     ``select``'s, by default whether the slots' arch is this device's). ``strict``: a slot no
     backend can serve raises BackendError, else its row carries the error. ``fuse_rope_append``
@@ -219,7 +220,9 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
     requirements); Qwen3's q/k norm rides in it where the norm chose that backend's name too.
     ``fuse_gated`` (EngineConfig.fuse_gated): the gate/up GEMM and its gated activation as one
     launch (``linear_act``) where the GEMM's backend has that entry and the activation chose the
-    backend whose values it reproduces (GATED_FUSED)."""
+    backend whose values it reproduces (GATED_FUSED). ``fuse_shared_add``
+    (EngineConfig.fuse_shared_add): a shared expert's down GEMM sums the routed experts' output into
+    its result (``linear_add``) where its backend has that entry."""
     forced = forced or {}
     rows = []
     for s in slots:
@@ -232,7 +235,20 @@ def resolve(slots: list[Slot], forced: Optional[dict] = None, runtime: Optional[
             rows.append(Resolved(s, None, None, str(e)))
     if fuse_rope_append:
         rows = _fuse_mla_norm_rope_append(_fuse_rope_append(rows))
-    return _fuse_gated(rows) if fuse_gated else rows
+    rows = _fuse_gated(rows) if fuse_gated else rows
+    return _fuse_shared_add(rows) if fuse_shared_add else rows
+
+
+def _fuse_shared_add(rows: list[Resolved]) -> list[Resolved]:
+    """The shared expert's down GEMM with the routed experts' output as its addend (key
+    ``shared_down_add``, the gemm entry ``linear_add``: the sum rounded once, in the GEMM's epilogue)
+    where its backend has the entry and no sigmoid gate scales the shared output first (Qwen2-MoE)."""
+    by = {r.key: r for r in rows}
+    down = by.get("shared_down")
+    if down is None or down.choice is None or "shared_gate" in by or "linear_add" not in down.choice.backend.impl:
+        return rows
+    return _splice(rows, Resolved(Slot("shared_down_add", f"{down.label} + routed experts' sum (one launch)", "gemm",
+                                       down.spec, "linear_add"), down.choice, down.choice.backend, folded=(down,)))
 
 
 # The activation backend whose values a GEMM backend's linear_act entry reproduces: the Triton

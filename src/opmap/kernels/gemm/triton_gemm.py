@@ -34,16 +34,16 @@ from opmap.kernels.activation.triton_act import act_of, gelu_tanh_mul, silu_mul
 from opmap.kernels.gemm.splitk import counters, sm_count
 from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
 from opmap.kernels.prefetch import rows_to_l2
-from opmap.ops.gemm.validate import check_linear
+from opmap.ops.gemm.validate import check_addend, check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
-def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 K_PER_SPLIT, PF_BYTES, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, a_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_om, stride_am, K_PER_SPLIT, PF_BYTES, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 GATED: tl.constexpr = 0, L2_PF: tl.constexpr = False):
+                 GATED: tl.constexpr = 0, L2_PF: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -92,8 +92,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
         x_ptrs += BLOCK_K
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT == 1:
-        _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE, HAS_BIAS,
-                GATED)
+        _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, a_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, stride_am,
+                HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
     else:
         # Partials [SPLIT, M, N] fp32 (gated: the up half's after them, [2, SPLIT, M, N]). The
         # program that finishes a tile last (a counter per tile) sums its partials in split order,
@@ -113,8 +113,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, st
                 acc += tl.load(part + s * mn, mask=mask, other=0.0, cache_modifier=".cg")
                 if GATED:
                     acc_u += tl.load(part + (SPLIT + s) * mn, mask=mask, other=0.0, cache_modifier=".cg")
-            _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE,
-                    HAS_BIAS, GATED)
+            _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, a_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, stride_am,
+                    HAS_SCALE, HAS_BIAS, GATED, HAS_ADD)
             tl.atomic_xchg(tile, 0, sem="relaxed", scope="gpu")
 
 
@@ -131,8 +131,8 @@ def _weight_tile(w_ptrs, w_mask, W_KIND: tl.constexpr, xdt: tl.constexpr):
 
 
 @triton.jit
-def _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, HAS_SCALE: tl.constexpr,
-            HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+def _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, a_ptr, offs_n, offs_m, N, n_mask, mask, stride_om, stride_am,
+            HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_ADD: tl.constexpr):
     if GATED:
         dt = o_ptr.dtype.element_ty
         g = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS).to(dt).to(tl.float32)
@@ -140,6 +140,9 @@ def _finish(acc, acc_u, s_ptr, b_ptr, o_ptr, offs_n, offs_m, N, n_mask, mask, st
         acc = act_of(g, GATED == 2) * u
     else:
         acc = _scaled(acc, s_ptr, b_ptr, offs_n, n_mask, HAS_SCALE, HAS_BIAS)
+    if HAS_ADD:  # linear_add: the addend joins the fp32 result, one rounding for the sum
+        acc += tl.load(a_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_n[:, None], mask=mask,
+                       other=0.0).to(tl.float32)
     o_ptrs = o_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
@@ -319,13 +322,23 @@ def linear_act(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero
     return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _gated=ACTS[act])
 
 
+def linear_add(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor, bias=None, w_scale=None, w_zero=None, *,
+               config=None, _plan: dict | None = None) -> torch.Tensor:
+    """``add + x @ w.T (+ bias)`` in one launch: the addend ([M, N], x's dtype; a residual, or the
+    routed experts' sum beside a shared expert) joins the fp32 result in the epilogue and the sum is
+    rounded once, as cuBLAS's addmm does it. -> [M, N]."""
+    return linear(x, w, bias, w_scale, w_zero, config=config, _plan=_plan, _add=add)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, config=None,
-           _plan: dict | None = None, _gated: int = 0) -> torch.Tensor:
+           _plan: dict | None = None, _gated: int = 0, _add=None) -> torch.Tensor:
     """``config``: the tile of this kernel (CONFIG's keys); none autotunes BLOCK_K / warps / stages
     on a GPU. ``_plan`` (internal) overrides fields of ``plan()``, e.g. {"SPLIT": 3} or
     {"W_KIND": W_FP8_BITS} (tests and benchmarks). ``w_zero``: linear's contract; int4 only, named here.
-    ``_gated``: linear_act's (the kernel's GATED)."""
+    ``_gated``: linear_act's (the kernel's GATED); ``_add``: linear_add's addend."""
     M, N, K = check_linear(x, w, bias, w_scale, w_zero)
+    if _add is not None:
+        check_addend(_add, x, N)
     if _gated:
         expect(N % 2 == 0, "w", f"shape {tuple(w.shape)}", "an even number of rows: the gate half, then the up half")
         N //= 2
@@ -339,7 +352,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
             if _gated:
                 b = bias.to(x.dtype).expand(M, 2 * N).contiguous()
                 return (silu_mul if _gated == 1 else gelu_tanh_mul)(b)
+            if _add is not None:
+                return (_add.float() + bias.float()).to(x.dtype)
             out += bias.to(x.dtype)
+        if _add is not None:
+            out.copy_(_add)
         return out
     p = _planned(plan(M, N, K, sm_count(x.device), quantised=w.dtype != x.dtype), cfg)
     p.update(_plan or {})  # tests and benchmarks override fields (split, W_KIND)
@@ -357,6 +374,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     split = triton.cdiv(K, k_per_split)  # rounding K_PER_SPLIT up can leave the last splits empty
     even = K % kq == 0
     common = dict(W_KIND=kind, HAS_SCALE=w_scale is not None, HAS_BIAS=bias is not None, SPLIT=split,
+                  HAS_ADD=_add is not None,
                   PREC="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn, GATED=_gated,
                   **pdl.launch(x.device))
     if split > 1:
@@ -369,7 +387,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         if cfg["L2_PREFETCH"] and p["small"] and not _INTERP else 0
     common["L2_PF"] = pf > 0
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
-            M, N, K, x.stride(0), w.stride(0), out.stride(0), k_per_split, pf)
+            _add if _add is not None else dummy, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+            _add.stride(0) if _add is not None else 0, k_per_split, pf)
     fixed = None if fixed_k else _fixed_tile(cfg, p["small"], bn)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)

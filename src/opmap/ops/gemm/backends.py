@@ -65,7 +65,8 @@ def fp8_cast_arch(spec):
 registry.register(Backend(
     op="gemm", name="reference", provider="torch", version=registry.torch_version,
     priority=dict(registry.REFERENCE_PRIORITY), basis=registry.REFERENCE_BASIS,
-    impl={"linear": "opmap.ops.gemm.reference:linear", "linear_act": "opmap.ops.gemm.reference:linear_act"},
+    impl={"linear": "opmap.ops.gemm.reference:linear", "linear_act": "opmap.ops.gemm.reference:linear_act",
+          "linear_add": "opmap.ops.gemm.reference:linear_add"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp32", "fp16", "bf16", "fp8", "int8", "int4", "fp8-block"))],
     checks=[_SAME_ACT],
     notes="plain PyTorch fp32 matmul on the dequantised weight",
@@ -74,10 +75,10 @@ registry.register(Backend(
 registry.register(Backend(
     op="gemm", name="cublas", provider="cublas", version=registry.torch_version,
     priority={"cpu": 20, "sm80": 40, "sm89": 40, "sm90": 40, "sm100": 40},
-    impl={"linear": "opmap.peers.gemm.torch_peer:linear"},
+    impl={"linear": "opmap.peers.gemm.torch_peer:linear", "linear_add": "opmap.peers.gemm.torch_peer:linear_add"},
     reqs=[Req("dtype", _FLOAT)],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
-    notes="torch.nn.functional.linear (cuBLAS on a GPU, the CPU BLAS on a CPU)",
+    notes="torch.nn.functional.linear (cuBLAS on a GPU, the CPU BLAS on a CPU); linear_add: addmm (beta 1)",
 ))
 
 registry.register(Backend(
@@ -90,19 +91,22 @@ registry.register(Backend(
                                    _rows(64, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")
                                    + _rows(64, GATE_UP, "bf16", ("opmap-triton", "triton-decode"), "cublas")
                                    + _rows(32, QKV, "bf16", ("opmap-triton", "triton-decode"), "cublas")))},
-    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act"},
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act",
+          "linear_add": "opmap.kernels.gemm.triton_gemm:linear_add"},
     reqs=[Req("dtype", _FLOAT),
           Req("m", lambda m: m is not None and m <= 64, "M <= 64 (decode; larger M goes to cuBLAS)")],
     checks=[Check("weight_dtype == dtype", _dense, "weight_dtype"), _SAME_ACT],
     available=registry.triton_available,
     notes="small-M GEMM: many narrow N tiles (split-K when N is small) so that every SM streams weight; "
-          "linear_act: a gate/up GEMM with its gated activation in the epilogue (both halves' rows a program)",
+          "linear_act: a gate/up GEMM with its gated activation in the epilogue (both halves' rows a program); "
+          "linear_add: an addend summed into the fp32 result in the epilogue",
 ))
 
 registry.register(Backend(
     op="gemm", name="triton-wo", provider="opmap-triton", version=registry.triton_version,
     priority={"cpu": registry.TRITON_CPU_PRIORITY, "sm80": 50, "sm89": 50, "sm90": 50},
-    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act"},
+    impl={"linear": "opmap.kernels.gemm.triton_gemm:linear", "linear_act": "opmap.kernels.gemm.triton_gemm:linear_act",
+          "linear_add": "opmap.kernels.gemm.triton_gemm:linear_add"},
     reqs=[Req("dtype", _FLOAT), Req("weight_dtype", ("fp8", "int8"), "weight-only fp8-e4m3 / int8")],
     checks=[_SAME_ACT],
     available=registry.triton_available,

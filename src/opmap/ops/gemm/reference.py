@@ -9,10 +9,23 @@ import torch
 from opmap.core.contract import expect
 from opmap.ops.activation.reference import gelu_tanh_mul, silu_mul
 from opmap.ops.gemm.quant import dequantize_fp8_block, dequantize_int4
-from opmap.ops.gemm.validate import INT4_PACKED, check_linear
+from opmap.ops.gemm.validate import INT4_PACKED, check_addend, check_linear
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None) -> torch.Tensor:
+    return _linear32(x, w, bias, w_scale, w_zero).to(x.dtype)
+
+
+def linear_add(x: torch.Tensor, w: torch.Tensor, add: torch.Tensor, bias=None, w_scale=None,
+               w_zero=None) -> torch.Tensor:
+    """``add + x @ w.T (+ bias)`` rounded once to x's dtype (a residual or another branch's output
+    summed into the GEMM's fp32 result): [M, N]."""
+    y = _linear32(x, w, bias, w_scale, w_zero)
+    check_addend(add, x, y.shape[1])
+    return (y + add.float()).to(x.dtype)
+
+
+def _linear32(x, w, bias, w_scale, w_zero) -> torch.Tensor:
     check_linear(x, w, bias, w_scale, w_zero, int4=True, block=True)
     if w.dtype == INT4_PACKED:
         wf = dequantize_int4(w, w_scale, w_zero)
@@ -25,7 +38,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     y = x.float() @ wf.t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y
 
 
 def linear_act(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=None, *, act: str = "silu"):

@@ -58,3 +58,10 @@ def check_linear(x, w, bias=None, w_scale=None, w_zero=None, int4: bool = False,
         expect_tensor("bias", bias, dtype=(x.dtype, torch.float32), shape=(N,), contiguous=True)
     expect_same_device(x=x, w=w, bias=bias, w_scale=w_scale, w_zero=w_zero)
     return M, N, K
+
+
+def check_addend(add, x, N: int) -> None:
+    """linear_add's ``add``: [M, N] in x's dtype on x's device, rows contiguous."""
+    expect_tensor("add", add, dtype=(x.dtype,), shape=(x.shape[0], N), last_dim_contiguous=True)
+    expect_same_device(x=x, add=add)
+

@@ -253,7 +253,7 @@ def cases(quick: bool) -> list[BenchCase]:
             # route from M = 128 (their own kernel, dequant-cublas, scaled-mm-block) rests on it
             for M in (MS_FULL if fmt == "int4" or not quick else MS):
                 out += [_case(arch, M, N, K, f) for f in (SCALED if fmt == "int4" else (fmt,))]
-    return out + _act_quant_cases(arch) + _gated_cases(arch)
+    return out + _act_quant_cases(arch) + _gated_cases(arch) + _add_cases(arch)
 
 
 def model_cases(model_specs: dict, quick: bool) -> list[BenchCase]:
@@ -337,6 +337,57 @@ def _gated_cases(arch) -> list[BenchCase]:
                        Provider("cublas, then silu_mul", lambda inp: (lambda: silu_mul(F.linear(inp["x"], inp["w"]))))],
             bound="memory", graph=True,
             spec=GemmSpec(arch=arch, phase="decode", m=M, n=N, k=K, dtype="bf16", weight_dtype="bf16"),
+            tags=("gemm",)))
+    return out
+
+
+# DeepSeek-V2-Lite's shared expert down projection (two shared experts of 1408: K 2816), where the
+# engine sums the routed experts' output into the GEMM (EngineConfig.fuse_shared_add)
+ADD_SHAPE = (2816, 2048)
+
+
+def _add_setup(M, N, K):
+    base = _setup(M, N, K, None)
+
+    def setup(device):
+        inp = base(device)
+        inp["add"] = torch.randn(M, N, device=device, dtype=inp["x"].dtype)
+        return inp
+
+    return setup
+
+
+def _add_cases(arch) -> list[BenchCase]:
+    """The shared expert's down GEMM with the routed output as its addend (linear_add, one launch:
+    triton-decode's epilogue at decode M, cuBLAS's addmm) beside the GEMM then a torch add (two
+    launches, what the engine ran before)."""
+    K, N = ADD_SHAPE
+
+    def ours(name):
+        def make(inp):
+            fn = registry.get("gemm", name).fn("linear_add")
+            return lambda: fn(inp["x"], inp["w"], inp["add"])
+        return make
+
+    def apart(name):
+        def make(inp):
+            fn = registry.get("gemm", name).fn("linear")
+            return lambda: fn(inp["x"], inp["w"]) + inp["add"]
+        return make
+
+    out = []
+    for M in (1, 16, 64, 256):
+        nbytes = N * K * 2 + M * K * 2 + 2 * M * N * 2
+        provs = [Provider("cublas", ours("cublas"), backend=("gemm", "cublas")),
+                 Provider("cublas, then add", apart("cublas"))]
+        if M <= 64:
+            provs = [Provider("opmap-triton", ours("triton-decode"), backend=("gemm", "triton-decode")),
+                     Provider("opmap-triton linear, then add", apart("triton-decode"))] + provs
+        out.append(BenchCase(
+            op="gemm.add", case=f"M={M},N={N},K={K},add=1,dtype=bf16", flops=2.0 * M * N * K, bytes=float(nbytes),
+            setup=_add_setup(M, N, K), providers=provs, bound="memory" if M <= 64 else "compute", graph=True,
+            spec=GemmSpec(arch=arch, phase="decode" if M <= 64 else "prefill", m=M, n=N, k=K, dtype="bf16",
+                          weight_dtype="bf16"),
             tags=("gemm",)))
     return out
 
