@@ -111,6 +111,10 @@ def _store_row(ptr, x, scale_ptr, h, HK, mask, FP8: tl.constexpr):
 
 
 DEFAULTS = {"Q_HEADS": 0}
+# Up to DECODE_TOKENS tokens a call (decode steps) a token is spread over programs of DECODE_Q_HEADS q
+# heads each (docs/attention.md, Decisions: RoPE + append's q heads a program at decode); above,
+# one program a token.
+DECODE_TOKENS, DECODE_Q_HEADS = 64, 4
 
 
 def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mapping, k_scale=None,
@@ -120,9 +124,11 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
     eps)``: Qwen3's per-head RMSNorm of q and k first (``qk_rmsnorm``), in the same launch.
     ``config={"Q_HEADS": n}``: n > 0 spreads a token over programs, one for k and v and one for each
     n q heads (a decode step's few tokens as several short programs instead of one long one); 0,
-    one program a token."""
+    one program a token; by default DECODE_Q_HEADS up to DECODE_TOKENS tokens, else 0."""
     cfg = tile_config(DEFAULTS, config)
     r = check_rope(q, k, positions, cos_sin, style)
+    if config is None or "Q_HEADS" not in config:
+        cfg["Q_HEADS"] = DECODE_Q_HEADS if q.shape[0] <= DECODE_TOKENS else 0
     norm = V.check_qk_norm_arg(qk_norm, q)
     _, _, hk, d, dv = A.check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T, HQ, _ = q.shape

@@ -291,8 +291,12 @@ def plan(M: int, N: int, K: int, sms: int, interp: bool = _INTERP, quantised: bo
     # Split K only when the N tiles leave most SMs idle (fewer than a quarter of them): at 64 and
     # 96 tiles no split beat split 1 on the H200 (docs/dense.md, Decisions).
     if small and tiles < sms // SPLIT_BELOW:
-        # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split.
+        # Enough programs for two per SM, but keep >= 4 K-blocks of 256 per split; where that
+        # leaves fewer programs than a quarter of the SMs (a MoE router's 1-3 tiles), splits of one
+        # K-block up to that quarter (docs/dense.md, Decisions: the router's deep K split).
         split = max(1, min(triton.cdiv(2 * sms, tiles), K // 1024))
+        if tiles * split < sms // SPLIT_BELOW:
+            split = max(split, min(triton.cdiv(sms // SPLIT_BELOW, tiles), K // 256))
     elif small and quantised and bm <= 32 and tiles < 4 * sms:
         # A weight-only program streams its weights at about half a bf16 program's byte rate and
         # is latency-bound (docs/dense.md), so more programs in flight help: 4 splits below one

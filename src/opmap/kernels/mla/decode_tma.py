@@ -69,8 +69,13 @@ def per_sm(cfg: dict, rank: int = 512, rope_dim: int = 64) -> int:
     return 2 if cfg["num_warps"] <= 4 and 2 * cfg["num_stages"] * stage <= 224 * 1024 else 1
 
 
+# Fewest keys a split: two 32-key tiles, so that a short context at batch 1 still spreads over many
+# programs (docs/mla.md, Decisions: the TMA decode's 64-key minimum split).
+SPLIT_MIN = 64
+
+
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *, num_splits: Optional[int] = None,
-                   split_min: int = 256, config: Optional[dict] = None) -> Workspace:
+                   split_min: int = SPLIT_MIN, config: Optional[dict] = None) -> Workspace:
     """Split-KV buffers for this kernel's decodes of up to ``max_batch`` sequences, the splits
     planned for the programs of ``config`` (default: this kernel's tiles)."""
     c = decode_config(num_heads, config)

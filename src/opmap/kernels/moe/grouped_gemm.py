@@ -258,15 +258,10 @@ def _c(bn, bk, warps, stages, group_m):
 # 2x128x128 with 8) are left out.
 # GROUP_M=8 at decode too: the (rare) second block of an expert runs next to its first, so
 # the weight tiles it re-reads come from L2.
-# The decode grid is (blocks x column tiles): at one token a block per routed expert, so 8 blocks
-# of 12 tiles of 64 columns for Qwen3-30B-A3B's gate/up, fewer programs than an H100 has SMs. Hence
-# 16-column gated tiles (4x the programs, each SM's share even), and for the down projection's
-# short K (768-1408) 256-deep tiles whose stages hold a program's whole K, and 128-column tiles
-# (fewer, longer programs): the tuner times them beside the others and keeps the fastest per key.
-_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8), _c(16, 128, 4, 4, 8),
-                  _c(16, 256, 4, 3, 8)],
-           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8), _c(64, 256, 4, 3, 8),
-                   _c(128, 64, 4, 4, 8)]}
+# The down projection's short K (768-1408) at one token also takes 128-column tiles (fewer, longer
+# programs; docs/moe.md, Decisions: the decode tiles at one token).
+_DECODE = {True: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 3, 8), _c(32, 256, 4, 3, 8)],
+           False: [_c(32, 128, 4, 4, 8), _c(64, 128, 4, 4, 8), _c(16, 256, 4, 3, 8), _c(128, 128, 4, 3, 8)]}
 _BM64 = {True: [_c(64, 64, 4, 4, 8), _c(64, 128, 4, 3, 8)],
          False: [_c(128, 64, 4, 4, 8), _c(128, 128, 4, 3, 8)]}
 _BM128 = {True: [_c(64, 64, 8, 3, 8), _c(64, 64, 8, 4, 8)],
