@@ -38,8 +38,8 @@ for scale_ptr in (False, True):
           dict(IS_NEOX=True, BLOCK_QH=64, BLOCK_R=512, BLOCK_HALF=32, FP8=True, SCALE_FROM_PTR=scale_ptr), 4)
 gs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*bf16", b_ptr="*bf16", o_ptr="*bf16", ws_ptr="*fp32", cnt_ptr="*i32",
           a_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_am="i32",
-          K_PER_SPLIT="i32", PF_BYTES="i32")
-base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0, L2_PF=False,
+          K_PER_SPLIT="i32")
+base = dict(W_KIND=0, HAS_SCALE=False, HAS_BIAS=False, EVEN_K=True, PREC="tf32", PDL=True, GATED=0,
             HAS_ADD=False)
 # the gated epilogue at the planner's decode tiles: Llama-3-8B's gate/up at M = 1 and 32
 for M in (1, 32):

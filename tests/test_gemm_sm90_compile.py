@@ -18,7 +18,7 @@ def comp(name, fn, sig, ce, opts, div):
 gsig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16", "o_ptr": "*bf16", "ws_ptr": "*fp32",
         "cnt_ptr": "*i32", "a_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
         "stride_om": "i32", "stride_am": "i32", "K_PER_SPLIT": "i32",
-        "PF_BYTES": "i32", "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
+        "W_KIND": "constexpr", "HAS_SCALE": "constexpr", "HAS_BIAS": "constexpr", "SPLIT": "constexpr",
         "EVEN_K": "constexpr", "PREC": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
 GDIV = [i for i, n in enumerate(gsig) if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K", "K_PER_SPLIT")]
 for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
@@ -43,15 +43,6 @@ for split in (1, 4):
           "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "HAS_ADD": True}
     k = compile_sm90(g._gemm_kernel, dict(gsig, HAS_ADD="constexpr"), ce, {"num_warps": 4, "num_stages": 3}, GDIV)
     res[f"add-split{split}"] = usage(k)
-# L2_PF: the weight rows' bulk prefetch into L2, before the PDL wait (both halves' rows when gated)
-for gated in (0, 1):
-    ce = {"W_KIND": g.W_SAME, "HAS_SCALE": False, "HAS_BIAS": False, "SPLIT": 2, "EVEN_K": True, "PREC": "tf32",
-          "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256, "PDL": True, "GATED": gated, "L2_PF": True}
-    k = compile_sm90(g._gemm_kernel, dict(gsig, PDL="constexpr", GATED="constexpr", L2_PF="constexpr"), ce,
-                     {"num_warps": 4, "num_stages": 3}, GDIV)
-    ptx = k.asm["ptx"]
-    res[f"l2pf-gated{gated}"] = dict(usage(k), prefetch=ptx.count("cp.async.bulk.prefetch.L2.global"),
-                                     before_wait=ptx.find("cp.async.bulk.prefetch") < ptx.find("griddepcontrol.wait"))
 for label, one, rows, blk, nw in (("one", True, 1, 8192, 16), ("rows8", True, 8, 128, 2), ("two", False, 1, n.CHUNK, 8)):
     comp(f"rmsnorm-add-{label}-pass", n._rmsnorm_kernel,
          {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "o_ptr": "*bf16", "stride_x": "i32", "stride_r": "i32",
@@ -73,10 +64,7 @@ print("RESULT " + json.dumps(res))
 @needs_ptxas
 def test_kernels_compile_for_sm90_without_spills():
     res = run(SCRIPT)
-    assert len(res) == 19
-    for gated in (0, 1):
-        r = res[f"l2pf-gated{gated}"]
-        assert r["prefetch"] == 1 + gated and r["before_wait"], r  # one per row (and half), before the wait
+    assert len(res) == 17
     for name, r in res.items():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"

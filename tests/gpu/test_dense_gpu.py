@@ -170,37 +170,6 @@ def test_linear_bf16(M, N, K, fmt):
         assert cosine(out, exp) >= gate
 
 
-@pytest.mark.parametrize("M,N,K,split", [(1, 28672, 4096, 1), (1, 128, 2048, 4), (3, 5121, 2048, 2), (16, 4096, 14336, 0),
-                                         (64, 1000, 4095, 0)])
-@pytest.mark.parametrize("fmt", [None, "fp8"])
-@pytest.mark.parametrize("gated", [False, True])
-def test_l2_prefetch_leaves_the_output_bitwise_equal(M, N, K, split, fmt, gated):
-    """config L2_PREFETCH=1 (each program's weight rows into L2 first, kernels/prefetch.py) changes no
-    value: bitwise the output of the same tile without it, for plain and gated calls, split K, odd
-    N and K (a K whose rows are not 16-byte aligned: no prefetch), weight rows in a wider buffer,
-    and under a CUDA graph replayed with new inputs."""
-    x, w, b, s, _ = _lin_inputs(M, N, K, fmt, bias=M == 3)
-    fn = triton_gemm.linear_act if gated else triton_gemm.linear
-    if gated and N % 2:
-        w, s = w[:-1], (s[:-1] if s is not None else None)
-    plan = {"SPLIT": split} if split else None
-    pf = dict(DEFAULT_TILE, L2_PREFETCH=1)
-    assert torch.equal(fn(x, w, b if not gated else None, s, config=pf, _plan=plan),
-                       fn(x, w, b if not gated else None, s, config=DEFAULT_TILE, _plan=plan))
-    wide = torch.zeros(w.shape[0], w.shape[1] + 64, dtype=w.dtype, device=w.device)
-    wide[:, : w.shape[1]] = w
-    view = wide[:, : w.shape[1]]
-    assert torch.equal(fn(x, view, None, s, config=pf, _plan=plan), fn(x, w, None, s, config=DEFAULT_TILE, _plan=plan))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(x, w, None, s, config=pf, _plan=plan)
-    for seed in range(2):
-        x.copy_(torch.randn(x.shape, device=x.device, generator=torch.Generator(device=x.device).manual_seed(seed)))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, fn(x, w, None, s, config=DEFAULT_TILE, _plan=plan)), seed
-
-
 @pytest.mark.parametrize("M,N,K,split", [(1, 2048, 2816, 0), (3, 2049, 2816, 3), (64, 2048, 2816, 0), (16, 130, 4096, 4)])
 @pytest.mark.parametrize("fmt", [None, "fp8"])
 def test_linear_add_rounds_the_sum_once(M, N, K, split, fmt):

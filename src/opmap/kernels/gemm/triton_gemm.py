@@ -29,21 +29,20 @@ import triton.language as tl
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
-from opmap.kernels import pdl, prefetch
+from opmap.kernels import pdl
 from opmap.kernels.activation.triton_act import act_of, gelu_tanh_mul, silu_mul
 from opmap.kernels.gemm.splitk import counters, sm_count
 from opmap.kernels.pdl import gdc_launch_dependents, gdc_wait
-from opmap.kernels.prefetch import rows_to_l2
 from opmap.ops.gemm.validate import check_addend, check_linear
 
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 W_SAME, W_INT8, W_FP8, W_FP8_BITS = 0, 1, 2, 3
 @triton.jit(do_not_specialize=["M"])
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, a_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_om, stride_am, K_PER_SPLIT, PF_BYTES, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 stride_om, stride_am, K_PER_SPLIT, W_KIND: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                 GATED: tl.constexpr = 0, L2_PF: tl.constexpr = False, HAS_ADD: tl.constexpr = False):
+                 GATED: tl.constexpr = 0, HAS_ADD: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -54,16 +53,6 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, a_ptr, M, N
     m_mask = offs_m < M
     k0 = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k0 + K_PER_SPLIT, K)
-    if L2_PF:
-        # The split's weight rows (both halves when gated) into L2 before the PDL wait: the weight
-        # does not depend on the predecessor (kernels/prefetch.py)
-        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nb = tl.minimum(PF_BYTES, (k_end - k0) * ELT // 16 * 16)
-        if nb > 0:
-            rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k0
-            rows_to_l2(rows, nb)
-            if GATED:
-                rows_to_l2(rows + tl.cast(N, tl.int64) * stride_wn, nb)
     if PDL:
         # Wait for x; the dependents are released only after the wait (see pdl.enter).
         gdc_wait()
@@ -198,10 +187,9 @@ DEFAULT = {(True, 16): (256, 4, 3), (True, 32): (256, 4, 3), (True, 64): (256, 4
 # config= keys: BLOCK_K, num_warps, num_stages fix that part of the tile (0: the shape class's
 # default); AUTOTUNE=0 runs the default tile without autotuning (the check cases and tests that
 # sweep many shapes pass it to spare compile time; benchmarks and the engine autotune);
-# L2_PREFETCH=1 prefetches each program's weight rows into L2 at decode M (kernels/prefetch.py);
 # BLOCK_N and SPLIT replace the planner's weight-row tile and K split at decode M (0: plan()'s), to
 # time narrower tiles and deeper splits where a few column tiles leave most SMs idle (a router).
-CONFIG = {"BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "AUTOTUNE": 1, "L2_PREFETCH": 0, "BLOCK_N": 0, "SPLIT": 0}
+CONFIG = {"BLOCK_K": 0, "num_warps": 0, "num_stages": 0, "AUTOTUNE": 1, "BLOCK_N": 0, "SPLIT": 0}
 
 
 def config_of(config) -> dict:
@@ -212,7 +200,6 @@ def config_of(config) -> dict:
     expect(cfg["BLOCK_K"] in (0, 16, 32, 64, 128, 256), "config", f"BLOCK_K={cfg['BLOCK_K']}",
            "16, 32, 64, 128 or 256 (K splits are multiples of 256)")
     expect(cfg["AUTOTUNE"] in (0, 1), "config", f"AUTOTUNE={cfg['AUTOTUNE']}", "0 or 1")
-    expect(cfg["L2_PREFETCH"] in (0, 1), "config", f"L2_PREFETCH={cfg['L2_PREFETCH']}", "0 or 1")
     expect(cfg["BLOCK_N"] in (0, 16, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "16, 32, 64 or 128")
     return cfg
 
@@ -387,12 +374,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
     else:
         ws = cnt = dummy  # never read with one split
     grid = (triton.cdiv(N, bn), triton.cdiv(M, bm), split)
-    pf = prefetch.row_bytes(wk, N * (2 if _gated else 1), k_per_split, split) \
-        if cfg["L2_PREFETCH"] and p["small"] and not _INTERP else 0
-    common["L2_PF"] = pf > 0
     args = (x, wk, w_scale if w_scale is not None else dummy, bias if bias is not None else dummy, out, ws, cnt,
             _add if _add is not None else dummy, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-            _add.stride(0) if _add is not None else 0, k_per_split, pf)
+            _add.stride(0) if _add is not None else 0, k_per_split)
     fixed = None if fixed_k else _fixed_tile(cfg, p["small"], bn)
     if fixed_k:
         _gemm_kernel[grid](*args, EVEN_K=even, BLOCK_K=p["BLOCK_K"], num_warps=4, **common)

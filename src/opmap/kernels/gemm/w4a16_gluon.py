@@ -36,11 +36,10 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
-from opmap.kernels import pdl, prefetch
+from opmap.kernels import pdl
 from opmap.kernels.gemm import wo_common
 from opmap.kernels.gemm.nibbles import ASM_BF16, ASM_F16
 from opmap.kernels.gluon_util import enter, sm_figures
-from opmap.kernels.prefetch import rows_to_l2_gluon
 from opmap.ops.gemm.quant import INT4_SYM_ZERO
 from opmap.ops.gemm.validate import check_linear
 
@@ -89,9 +88,9 @@ def _tile(acc, w, z, xt, s, A: gl.constexpr, MMA: gl.constexpr):
 # M stays a runtime int (a call of one row would make it a constant): the split-K tail takes it as a tensor
 @gluon.jit(do_not_specialize=["M"])
 def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr, M, N, K, s_xm, s_wn, s_sn, s_om,
-                      K_PER_SPLIT, PF_BYTES, G: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
+                      K_PER_SPLIT, G: gl.constexpr, HAS_ZERO: gl.constexpr, HAS_BIAS: gl.constexpr,
                       SPLIT: gl.constexpr, SYM_ZERO: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      WARPS: gl.constexpr, PDL: gl.constexpr, L2_PF: gl.constexpr):
+                      WARPS: gl.constexpr, PDL: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8])
     A_WORDS: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     A: gl.constexpr = gl.DotOperandLayout(0, MMA, 16)
@@ -114,13 +113,8 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
     m_ok = (rm < M)[None, :]
 
     # K is a whole number of tiles (G divides K, BK divides G), and so is K_PER_SPLIT: no K mask inside
-    # a split. The weight does not depend on the previous kernel: its prefetch into L2 and its first
-    # load go out before the PDL wait.
-    if L2_PF:
-        nb = gl.minimum(PF_BYTES, (k_end - k0) // 2)  # a multiple of 64 bytes (whole K tiles)
-        ROWS: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        pr = gl.minimum(n0 + gl.arange(0, BLOCK_N, layout=ROWS), N - 1)
-        rows_to_l2_gluon(w_ptr + pr.to(gl.int64) * s_wn + k0 // 8, nb)
+    # a split. The weight does not depend on the previous kernel: its first load goes out before the
+    # PDL wait.
     w0 = gl.load(w_ptrs, mask=n_ok, other=0)
     enter(PDL)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, MMA)
@@ -161,10 +155,9 @@ def _w4a16_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, o_ptr, ws_ptr, cnt_ptr,
 
 
 # config= keys (0: the plan's choice): output channels a program (16 a warp, up to four warps; 128 gives
-# each warp two fragments of rows) and the programs an SM that K splits aim for; L2_PREFETCH (taken as
-# given, 0 or 1): each program's weight rows into L2 at its start (kernels/prefetch.py)
-CONFIG = {"BLOCK_N": 0, "per_sm": 0, "L2_PREFETCH": 0}
-DEFAULTS = {"BLOCK_N": 64, "per_sm": 4, "L2_PREFETCH": 0}
+# each warp two fragments of rows) and the programs an SM that K splits aim for
+CONFIG = {"BLOCK_N": 0, "per_sm": 0}
+DEFAULTS = {"BLOCK_N": 64, "per_sm": 4}
 
 
 def config_of(config) -> dict:
@@ -173,8 +166,7 @@ def config_of(config) -> dict:
     cfg = tile_config(CONFIG, config)
     expect(cfg["BLOCK_N"] in (0, 32, 64, 128), "config", f"BLOCK_N={cfg['BLOCK_N']}", "32, 64 or 128")  # 0: the plan's
     expect(0 <= cfg["per_sm"] <= 16, "config", f"per_sm={cfg['per_sm']}", "0 (planned) to 16")
-    expect(cfg["L2_PREFETCH"] in (0, 1), "config", f"L2_PREFETCH={cfg['L2_PREFETCH']}", "0 or 1")
-    return dict({k: cfg[k] or DEFAULTS[k] for k in DEFAULTS}, L2_PREFETCH=cfg["L2_PREFETCH"])
+    return {k: cfg[k] or DEFAULTS[k] for k in DEFAULTS}
 
 
 def plan(M: int, N: int, K: int, sms: int, config=None) -> dict:
@@ -223,11 +215,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias=None, w_scale=None, w_zero=Non
         return out
     p = _plan(M, N, K, sm_figures(x.device)[0], cfg)
     k_per_split, split, grid, ws, cnt = wo_common.geometry(M, N, K, dict(p, BLOCK_K=BLOCK_K), out)
-    pf = prefetch.row_bytes(w, N, k_per_split, split, 8) if cfg["L2_PREFETCH"] else 0
     _w4a16_mma_kernel[grid](
         x, w, w_scale, w_zero if w_zero is not None else w_scale, bias if bias is not None else out, out, ws, cnt,
-        M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), k_per_split, pf, G=G,
+        M, N, K, x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0), k_per_split, G=G,
         HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None, SPLIT=split, SYM_ZERO=INT4_SYM_ZERO,
-        BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], WARPS=p["WARPS"], L2_PF=pf > 0, num_warps=p["WARPS"],
+        BLOCK_M=p["BLOCK_M"], BLOCK_N=p["BLOCK_N"], WARPS=p["WARPS"], num_warps=p["WARPS"],
         **pdl.launch(x.device))
     return out

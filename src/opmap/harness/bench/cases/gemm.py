@@ -107,9 +107,7 @@ def _dequant_cublas(inp):
 WO_VARIANTS = [dict(STAGES=2), dict(STAGES=3), dict(BLOCK_K=128), dict(per_sm=8)]
 WGMMA_VARIANTS = [dict(BLOCK_N=64), dict(BLOCK_N=128), dict(STAGES=3), dict(per_sm=2)]
 _SHORT = {"BLOCK_N": "bn", "BLOCK_K": "bk", "STAGES": "s", "per_sm": "per_sm", "SUB": "sub", "SPLIT": "split",
-          "num_stages": "s", "FOLD": "fold", "L2_PREFETCH": "l2pf"}
-# The weight rows into L2 at each program's start (kernels/prefetch.py), on the decode kernels that take it
-L2PF = dict(L2_PREFETCH=1)
+          "num_stages": "s", "FOLD": "fold"}
 # Narrow weight-row tiles and deep K splits (triton_gemm.CONFIG BLOCK_N / SPLIT) where a few column
 # tiles leave most SMs idle at decode (NARROW_N and below: a MoE router's 64-160 columns), against
 # the planner's, which keeps each split at 1024 or more of K
@@ -122,7 +120,7 @@ SCALED_VARIANTS = [dict(SUB=2), dict(SPLIT=8, num_stages=2), dict(FOLD=1), dict(
                    dict(FOLD=1, SPLIT=8, num_stages=2)]
 SCALED_VARIANTS_MANY_ROWS = [dict(FOLD=1)]
 # gluon-w4a16's config=: tiles and deeper K splits
-GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8), L2PF]
+GLUON_INT4_VARIANTS = [dict(BLOCK_N=32), dict(BLOCK_N=128), dict(per_sm=8)]
 SCALED_VARIANTS_FP32_SCALE = [dict(FOLD=1), dict(FOLD=1, SPLIT=8, num_stages=2)]
 # (provider, backend, describe, variants) of the Gluon weight-only kernels, by whether M is above 32
 GLUON = {False: ("opmap-gluon-wo", "gluon-wo", wo_gluon.describe, WO_VARIANTS),
@@ -284,8 +282,6 @@ def _case(arch, M, N, K, fmt) -> BenchCase:
     name = "triton-wo" if fmt else "triton-decode"
     provs = [Provider("opmap-triton", _ours(name, bool(fmt)), backend=("gemm", name),
                       describe=_described(triton_gemm.describe, M, N, K, quantised=bool(fmt)))]
-    if M <= 64:
-        provs.append(Provider(f"opmap-triton[{_tag(L2PF)}]", _ours(name, bool(fmt), L2PF), backend=("gemm", name)))
     if M <= 16 and N <= NARROW_N:
         provs += [Provider(f"opmap-triton[{_tag(c)}]", _ours(name, bool(fmt), c), backend=("gemm", name))
                   for c in NARROW_VARIANTS]
