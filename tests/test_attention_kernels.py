@@ -294,30 +294,3 @@ def test_fp8_prefill_converted_once(case, monkeypatch):
     assert not P._convert_once(q, pc.k_cache, pc.v_cache, pc.block_tables, q.shape[0], True)  # mixed steps
     monkeypatch.setattr(P, "CONVERT_MAX_BYTES", 1)
     assert not P._convert_once(q, pc.k_cache, pc.v_cache, pc.block_tables, q.shape[0], False)
-
-
-@pytest.mark.parametrize("case", DECODE, ids=[c[0] for c in DECODE])
-def test_decode_merges_its_splits_in_kernel(case):
-    """config MERGE=1: the split that finishes a (sequence, KV head) last merges the partials in the
-    decode kernel (no combine launch): bitwise the combine's output and LSE (the same merge in the
-    same order), twice in a row (the counters reset), and in a mixed batch (rows from cu_seqlens)."""
-    _, seq, page, hq, hk, d, dt, win, cap, fp8, ws = case
-    pc = make_paged(seq, hk, d, page, dtype=dt, fp8=fp8, shared=True, poison=True)
-    q, _ = make_query([1] * len(seq), hq, d, dtype=dt)
-    w = D.make_workspace(len(seq), hq, d, device="cpu", **ws) if ws is not None else None
-    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, return_lse=True, workspace=w, **pc.kw)
-    base = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, **kw)
-    for _ in range(2):
-        got = D.decode(q, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, config=dict(MERGE=1), **kw)
-        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1])
-    # a mixed batch's decode part: rows from cu_seqlens, the first sequence (3 query tokens) not decode's
-    qm, cu = make_query([3] + [1] * (len(seq) - 1), hq, d, dtype=dt)
-    runs = []
-    for c in (None, dict(MERGE=1)):
-        out = torch.zeros(qm.shape[0], hq, d, dtype=dt)
-        lse = torch.zeros(qm.shape[0], hq)
-        D.launch_decode(qm, pc.k_cache, pc.v_cache, pc.seq_lens, pc.block_tables, out, lse, scale=d ** -0.5,
-                        window=win, soft_cap=cap, return_lse=True, workspace=w, config=c, cu_seqlens_q=cu, **pc.kw)
-        runs.append((out, lse))
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
-    assert not runs[1][0][:3].any()  # the prefilling sequence's rows: untouched

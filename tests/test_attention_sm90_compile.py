@@ -22,7 +22,7 @@ for n in ["s_qt", "s_qh", "s_ot", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp"
 for n in ["GROUP", "D", "DV", "PAGE", "BLOCK_M", "BLOCK_N", "CAUSAL", "HAS_WINDOW", "HAS_CAP", "FP8", "RETURN_LSE", "IEEE", "SKIP_SINGLE", "PREFETCH"]:
     psig[n] = "constexpr"
 dsig = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "o_ptr": "*bf16", "lse_ptr": "*fp32", "po_ptr": "*fp32", "pl_ptr": "*fp32",
-        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32", "cnt_ptr": "*i32",
+        "sl_ptr": "*i32", "bt_ptr": "*i32", "ks_ptr": "*fp32", "vs_ptr": "*fp32", "cu_ptr": "*i32",
         "scale": "fp32", "soft_cap": "fp32", "window": "i32", "split_tokens": "i32", "max_splits": "i32", "min_chunk": "i32"}
 for n in ["s_qb", "s_qh", "s_ob", "s_oh", "s_bt", "s_kp", "s_ks", "s_kh", "s_vp", "s_vs", "s_vh", "s_pob", "s_poh", "s_pos", "s_plb", "s_plh"]:
     dsig[n] = "i32"
@@ -53,14 +53,6 @@ for d in (128, 256):
             s = dict(dsig, kc_ptr="*fp8e4nv" if fp8 else "*bf16", vc_ptr="*fp8e4nv" if fp8 else "*bf16")
             out[f"decode-d{d}-fp8{int(fp8)}-pf{pf}"] = comp(Dm._decode_kernel, s, ce,
                                                           {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
-# the in-kernel merge of the split partials (config MERGE=1), d128 bf16
-cfg = _default_config("decode", 128, 4, torch.device("cuda"))
-ce = dict(GROUP=4, D=128, DV=128, PAGE=16, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], HAS_WINDOW=False, HAS_CAP=False,
-          FP8=False, RETURN_LSE=True, IEEE=False, Q_FROM_CU=False, PREFETCH=1, F16=False, ASM=False, MERGE=1, S_P=32,
-          BLOCK_S=32)
-out["decode-d128-merge-pf1"] = comp(Dm._decode_kernel, dict(dsig, MERGE="constexpr", S_P="constexpr",
-                                                             BLOCK_S="constexpr"), ce,
-                                    {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
 print("RESULT " + json.dumps(out))
 '''
 
@@ -68,7 +60,7 @@ print("RESULT " + json.dumps(out))
 @needs_ptxas
 def test_attention_kernels_compile_pipelined_for_sm90():
     res = run(SCRIPT)
-    assert len(res) == 14
+    assert len(res) == 13
     for name, r in res.items():
         assert r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"

@@ -143,16 +143,12 @@ def _rand_step(B, max_pages, num_pages, page, g, lens=None):
     return lens.int(), bt
 
 
-@pytest.mark.parametrize("name,fixed,fp8,merge", [("triton", False, False, 0), ("triton", True, False, 0),
-                                                  ("triton", False, True, 0), ("gluon-fp8", False, True, 0),
-                                                  ("gluon-fp8", True, True, 0), ("triton", False, False, 1),
-                                                  ("triton", False, True, 1)],
-                         ids=["auto-split", "fixed-split", "auto-split-fp8", "gluon-fp8", "gluon-fp8-fixed-split",
-                              "auto-split-merge", "auto-split-fp8-merge"])
-def test_decode_cuda_graph_replan(name, fixed, fp8, merge):
+@pytest.mark.parametrize("name,fixed,fp8", [("triton", False, False), ("triton", True, False), ("triton", False, True),
+                                            ("gluon-fp8", False, True), ("gluon-fp8", True, True)],
+                         ids=["auto-split", "fixed-split", "auto-split-fp8", "gluon-fp8", "gluon-fp8-fixed-split"])
+def test_decode_cuda_graph_replan(name, fixed, fp8):
     """Capture once, then rewrite lengths / block tables / queries in place and replay: each result
-    is checked against the reference (split counts change with the lengths, on the device). merge:
-    config MERGE=1, the partials merged in the decode kernel through the tile counters."""
+    is checked against the reference (split counts change with the lengths, on the device)."""
     B, hq, hk, d, page, max_pages, num_pages = 8, 32, 8, 128, 16, 512, 4096
     g = torch.Generator().manual_seed(7)
     kc = torch.randn(num_pages, page, hk, d, generator=g).to(DEV, BF)
@@ -167,8 +163,7 @@ def test_decode_cuda_graph_replan(name, fixed, fp8, merge):
     q_buf = torch.randn(B, hq, d, generator=g).to(DEV, BF)
     be = _be(name)
     ws = be("make_workspace", B, hq, d, device=DEV, batch_invariant=fixed, max_seq_len=max_pages * page)
-    cfg = {"config": {"MERGE": 1}} if merge else {}
-    run = lambda: be("decode", q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws, **sc, **cfg)  # noqa
+    run = lambda: be("decode", q_buf, kc, vc, sl_buf, bt_buf, scale=d ** -0.5, return_lse=True, workspace=ws, **sc)  # noqa
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

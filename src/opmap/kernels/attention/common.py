@@ -68,16 +68,15 @@ def _default_config(kind: str, head_dim: int, group: int, device: torch.device, 
     # sm90 TTGIR of both kernels); carried ids give it a real num_stages-deep pipeline (num = 2 at 3
     # stages). 0 keeps the in-iteration load: the same kernel, its loads issued in another order.
     # Decode turns it off for large grids (decode.decode_config). The TMA prefill always carries
-    # its page ids (prefill_tma._page_of): no switch. MERGE (decode): 1 merges the split partials in
-    # the decode kernel (its last split a sequence and KV head) instead of a combine launch.
+    # its page ids (prefill_tma._page_of): no switch.
     pf = {} if kind == "prefill_tma" else {"PREFETCH": 1}
     if interpreted(device):
         if kind == "decode":
-            return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, MERGE=0, **pf)
+            return dict(BLOCK_H=max(16, gp), BLOCK_N=16, num_warps=4, num_stages=1, **pf)
         return dict(BLOCK_M=max(32, gp), BLOCK_N=16, num_warps=4, num_stages=1, **pf)
     if kind == "decode":
         bn = 64 if head_dim <= 128 else 32
-        return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, MERGE=0, **pf)
+        return dict(BLOCK_H=max(16, gp), BLOCK_N=bn, num_warps=4, num_stages=3, **pf)
     if ieee:
         return dict(BLOCK_M=max(32, gp), BLOCK_N=32, num_warps=4, num_stages=2, **pf)
     if head_dim <= 128:

@@ -23,7 +23,6 @@ from opmap.kernels.attention.fp8 import absmax, dot_flags, e4m3_to_f16, f16_fact
 from opmap.kernels.attention.merge import softmax_step
 from opmap.kernels.attention.splitkv import DecodeWorkspace, make_workspace  # noqa: F401  (re-exported)
 from opmap.kernels.attention.tiles import _kv_scales, _pages, _plan, _tanh
-from opmap.kernels.gemm.splitk import counters
 from opmap.kernels.pdl import enter
 
 
@@ -32,19 +31,16 @@ from opmap.kernels.pdl import enter
 # integer that is 1 or a multiple of 16; tests/test_engine_triton.py checks the engine's steps).
 @triton.jit(do_not_specialize=["max_splits", "min_chunk"])
 def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, bt_ptr, ks_ptr, vs_ptr, cu_ptr,
-                   cnt_ptr, scale, soft_cap, window, split_tokens, max_splits, min_chunk,
+                   scale, soft_cap, window, split_tokens, max_splits, min_chunk,
                    s_qb, s_qh, s_ob, s_oh, s_bt, s_kp, s_ks, s_kh, s_vp, s_vs, s_vh,
                    s_pob, s_poh, s_pos, s_plb, s_plh,
                    GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_CAP: tl.constexpr, FP8: tl.constexpr, RETURN_LSE: tl.constexpr, IEEE: tl.constexpr,
-                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1, MERGE: tl.constexpr = 0,
-                   S_P: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
+                   Q_FROM_CU: tl.constexpr, PREFETCH: tl.constexpr = 1,
                    PDL: tl.constexpr = False, F16: tl.constexpr = False, ASM: tl.constexpr = False):
     """F16 (fp8 caches with 16-bit queries): fp16 dots, q divided by ``fp8.f16_factor``; ASM: the
-    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter). MERGE: the split
-    that finishes a (sequence, KV head) last merges its splits' partials (``_merge_last``), so no
-    combine launch follows (S_P, BLOCK_S: the combine's tiling of the partials)."""
+    tiles converted by ``fp8.e4m3_to_f16`` (a GPU), else cast (the interpreter)."""
     enter(PDL)
     skip, b, kvh, sp, row, start0, end, n, head, row_ok = _split_of(
         sl_ptr, cu_ptr, window, split_tokens, max_splits, min_chunk, GROUP, BLOCK_H, BLOCK_N, HAS_WINDOW, Q_FROM_CU)
@@ -103,26 +99,6 @@ def _decode_kernel(q_ptr, kc_ptr, vc_ptr, o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr
     o_ok = row_ok[:, None]
     _store_split(out, lse2, n, row, b, sp, head, row_ok, o_off, po_off, o_ok, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob,
                  s_pob, s_pos, s_plb, s_plh, GROUP, RETURN_LSE)
-    if MERGE:
-        if n > 1:
-            _merge_last(cnt_ptr, b, kvh, n, row, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s_oh, s_pob, s_poh, s_pos,
-                        s_plb, s_plh, GROUP, DV, RETURN_LSE, S_P, BLOCK_S)
-
-
-@triton.jit
-def _merge_last(cnt_ptr, b, kvh, n, row, o_ptr, lse_ptr, po_ptr, pl_ptr, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb,
-                s_plh, GROUP: tl.constexpr, DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr,
-                BLOCK_S: tl.constexpr):
-    """After a split stored its partials: the (sequence, KV head)'s counter moves, and the split
-    that finds the others done merges the GROUP heads' partials by LSE (merge.split_sum, as
-    splitkv._combine_kernel does), writes the output and resets the counter for the next call."""
-    tl.debug_barrier()  # every thread's partial is written before the counter moves
-    cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n - 1:
-        for g in tl.static_range(GROUP):
-            splitkv.merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, kvh * GROUP + g, row, n, GROUP * tl.num_programs(1),
-                               s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh, DV, RETURN_LSE, S_P, BLOCK_S, True)
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -187,14 +163,11 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         return
     cfg = decode_config(d, hq // hk, B, hk, q.device, config)
     p = splitkv.plan(workspace, out, B, hq, dv, hk, page, block_tables, q.device)
-    merge = bool(cfg["MERGE"]) and p.splits > 1
-    cnt = counters(B * hk, q.device) if merge else seq_lens  # never touched without MERGE
-    s_p, block_s = splitkv.merge_tiles(p, dv)  # as splitkv.combine tiles the partials
     ks, vs = prepare_scales(k_cache, k_scale, v_scale)
     cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens
     dots = dot_flags(k_cache.dtype, q)  # fp8 caches (attention/fp8.py)
     _decode_kernel[(B, hk, p.splits)](
-        q, k_cache, v_cache, out, lse, p.po, p.pl, seq_lens, block_tables, ks, vs, cu, cnt,
+        q, k_cache, v_cache, out, lse, p.po, p.pl, seq_lens, block_tables, ks, vs, cu,
         float(scale), float(soft_cap or 1.0), int(window or 0), p.split_tokens, p.splits, p.min_chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -202,12 +175,10 @@ def launch_decode(q, k_cache, v_cache, seq_lens, block_tables, out, lse, *, scal
         GROUP=hq // hk, D=d, DV=dv, PAGE=page, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"],
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, FP8=k_cache.dtype == torch.float8_e4m3fn,
         RETURN_LSE=return_lse, IEEE=q.dtype == torch.float32, Q_FROM_CU=cu_seqlens_q is not None,
-        PREFETCH=cfg["PREFETCH"], MERGE=int(merge), S_P=s_p if merge else 1, BLOCK_S=block_s if merge else 1,
-        **dots,
+        PREFETCH=cfg["PREFETCH"], **dots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl.launch(q.device))
-    if not merge:
-        splitkv.combine(p, out, lse, seq_lens, cu, window=window, block_n=cfg["BLOCK_N"], return_lse=return_lse,
-                        q_from_cu=cu_seqlens_q is not None)
+    splitkv.combine(p, out, lse, seq_lens, cu, window=window, block_n=cfg["BLOCK_N"], return_lse=return_lse,
+                    q_from_cu=cu_seqlens_q is not None)
 
 
 def decode(q, k_cache, v_cache, seq_lens, block_tables, *, scale: float, window=None, soft_cap=None,

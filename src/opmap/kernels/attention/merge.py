@@ -35,25 +35,20 @@ def softmax_step(s, m_i, l_i, AX: tl.constexpr, SAFE: tl.constexpr = False):
 
 
 @triton.jit
-def split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.constexpr, EXP2: tl.constexpr,
-              CG: tl.constexpr = False):
+def split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.constexpr, EXP2: tl.constexpr):
     """(acc, m, tot) over the n splits of one row: partial j at ``po + j * s_pos + offs``, its LSE
     at ``pl + j`` (log2 domain with EXP2, else natural log); the merged output is acc / tot and
     its LSE m + log(tot). All LSEs are read at once (their max, then every weight directly) and
     the partials in [BLOCK_S, len(offs)] tiles: no chain of dependent loads, where an online merge
-    waited out one load per split. m is 0 when every split is empty (all weights then 0). CG: the
-    loads go to L2 (.cg), for partials other programs of the same kernel wrote (this SM's L1 is not
-    coherent with theirs)."""
-    CACHE: tl.constexpr = ".cg" if CG else ""
+    waited out one load per split. m is 0 when every split is empty (all weights then 0)."""
     js = tl.arange(0, S_P)
-    lse = tl.load(pl + js, mask=js < n, other=float("-inf"), cache_modifier=CACHE)
+    lse = tl.load(pl + js, mask=js < n, other=float("-inf"))
     # The first tile of partials and its LSEs are loaded beside all LSEs, before their max is
     # known: up to BLOCK_S splits cost one round trip to memory, not two.
     s1 = tl.arange(0, BLOCK_S)
     m1 = s1 < n
-    l1 = tl.load(pl + s1, mask=m1, other=float("-inf"), cache_modifier=CACHE)
-    o1 = tl.load(po + s1[:, None] * s_pos + offs[None, :], mask=m1[:, None] & mask[None, :], other=0.0,
-                 cache_modifier=CACHE)
+    l1 = tl.load(pl + s1, mask=m1, other=float("-inf"))
+    o1 = tl.load(po + s1[:, None] * s_pos + offs[None, :], mask=m1[:, None] & mask[None, :], other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     tot = tl.sum(_exp(lse - m, EXP2), 0)
@@ -61,9 +56,8 @@ def split_sum(pl, po, s_pos, n, offs, mask, S_P: tl.constexpr, BLOCK_S: tl.const
     for s0 in range(BLOCK_S, n, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         ms = ss < n
-        w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf"), cache_modifier=CACHE) - m, EXP2)
-        o = tl.load(po + ss[:, None] * s_pos + offs[None, :], mask=ms[:, None] & mask[None, :], other=0.0,
-                    cache_modifier=CACHE)
+        w = _exp(tl.load(pl + ss, mask=ms, other=float("-inf")) - m, EXP2)
+        o = tl.load(po + ss[:, None] * s_pos + offs[None, :], mask=ms[:, None] & mask[None, :], other=0.0)
         acc += tl.sum(o * w[:, None], 0)
     return acc, m, tot
 

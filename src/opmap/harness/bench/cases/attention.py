@@ -82,9 +82,8 @@ def _contiguous(inp, repeat=False):
 # decode (the Triton kernel, 16-bit and fp8 caches): page-id prefetch where the default turns it off
 # (large grids), one stage (K/V straight to registers), one stage with 128-key tiles on 8 warps, and
 # no prefetch where the default has it. The Gluon fp8 kernel takes no tiles (its layouts fix them).
-# MERGE=1: the split partials merged by the last split in the decode kernel, no combine launch.
 VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, BLOCK_N=128, num_warps=8),
-                       dict(PREFETCH=0), dict(MERGE=1)],
+                       dict(PREFETCH=0)],
             "prefill": [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_M=64, num_warps=4), dict(BLOCK_N=32, num_warps=4),
                         dict(PREFETCH=0)],
             # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
@@ -93,8 +92,7 @@ VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, 
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
-             "MERGE": "merge"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
