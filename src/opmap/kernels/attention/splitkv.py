@@ -152,20 +152,18 @@ def _combine_kernel(o_ptr, lse_ptr, po_ptr, pl_ptr, sl_ptr, cu_ptr, window, spli
     if skip:
         return
     merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, h, row, n, tl.num_programs(1), s_ob, s_oh, s_pob, s_poh, s_pos,
-               s_plb, s_plh, DV, RETURN_LSE, S_P, BLOCK_S, False)
+               s_plb, s_plh, DV, RETURN_LSE, S_P, BLOCK_S)
 
 
 @triton.jit
 def merge_head(o_ptr, lse_ptr, po_ptr, pl_ptr, b, h, row, n, hq, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
-               DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr,
-               CG: tl.constexpr):
+               DV: tl.constexpr, RETURN_LSE: tl.constexpr, S_P: tl.constexpr, BLOCK_S: tl.constexpr):
     """Head h of sequence b: its n split partials merged by LSE (merge.split_sum) into output row
-    ``row`` (and the LSE, natural log, of ``hq`` heads a row); CG: the partials read from L2, where
-    other programs of the same kernel wrote them (the decode kernel's in-kernel merge)."""
+    ``row`` (and the LSE, natural log, of ``hq`` heads a row)."""
     dv = tl.arange(0, DV)
     # Every split holds >= 1 key: tot >= 1.
     acc, m, tot = split_sum(pl_ptr + b * s_plb + h * s_plh, po_ptr + b * s_pob + h * s_poh, s_pos, n, dv,
-                            dv < DV, S_P, BLOCK_S, True, CG)
+                            dv < DV, S_P, BLOCK_S, True)
     tl.store(o_ptr + row * s_ob + h * s_oh + dv, (acc / tot).to(o_ptr.dtype.element_ty))
     if RETURN_LSE:
         tl.store(lse_ptr + row * hq + h, (m + tl.log2(tot)) * 0.6931471805599453)
