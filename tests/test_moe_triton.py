@@ -328,21 +328,3 @@ def test_moe_routes_in_one_launch_where_the_fused_kernel_serves(monkeypatch):
     x65, l65 = torch.randn(65, H, generator=g), torch.randn(65, E, generator=g)
     assert_close(triton_moe.moe(x65, l65, w13, w2, k), reference.moe(x65, l65, w13, w2, k), torch.float32)
     assert calls == ["route_launch"]
-
-
-@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (5, 64, 6), (16, 128, 8)])
-def test_route_warps_config_changes_no_bit(T, E, k):
-    """config ROUTE_WARPS (the one-launch routing's warps) gives the default's output (the interpreter
-    runs one thread, so bit for bit here; on the GPU the routing weights may differ in the fp32 order
-    of the softmax sums: tests/gpu); a value outside 0, 1, 2, 4, 8 or an unknown key is refused."""
-    from opmap.core.contract import InputError
-
-    w13, w2 = _weights(E, 32, 16, torch.float16, seed=T)
-    x = torch.randn(T, 32).to(torch.float16)
-    logits = torch.randn(T, E)
-    want = triton_moe.moe(x, logits, w13, w2, k)
-    for n in (1, 2, 8):
-        assert torch.equal(triton_moe.moe(x, logits, w13, w2, k, config={"ROUTE_WARPS": n}), want)
-    for bad in ({"ROUTE_WARPS": 3}, {"WARPS": 1}, {"ROUTE_WARPS": -1}):
-        with pytest.raises(InputError, match="^config"):
-            triton_moe.moe(x, logits, w13, w2, k, config=bad)

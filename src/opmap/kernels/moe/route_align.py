@@ -66,12 +66,10 @@ def _route_align_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, sorted_ptr, block_
 
 
 def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormalize: bool, routed_scaling: float,
-                score_bias, num_experts: int, bm: int, num_warps: int = 0):
+                score_bias, num_experts: int, bm: int):
     """-> (topk_weights [T, k] fp32, topk_ids [T, k] int32, sorted_ids, block_expert, total) as
     route_triton.launch followed by align.align, in one launch; arguments already checked
-    (triton_moe.moe runs check_moe_args) and ``fusable(T, n_group)`` true. ``num_warps``: the
-    program's warps (0: 8 for tiles of 1024 scores or more, else 4); fewer warps make the top-k's
-    arg-max rounds warp shuffles instead of shared-memory reductions."""
+    (triton_moe.moe runs check_moe_args) and ``fusable(T, n_group)`` true."""
     T, E = router_logits.shape
     dev = router_logits.device
     n = T * top_k
@@ -87,5 +85,5 @@ def route_align(router_logits: torch.Tensor, top_k: int, router: str, renormaliz
         logits, bias, w, ids, sorted_ids, block_expert, total, T, E, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, K_POW2=max(2, next_pow2(top_k)), E_POW2=max(e_tile, e_pow2), T_POW2=t_pow2,
         SIGMOID=router != "softmax", HAS_BIAS=score_bias is not None, RENORM=bool(renormalize), BM=bm,
-        num_warps=num_warps or (8 if tile >= 1024 else 4))
+        num_warps=8 if tile >= 1024 else 4)
     return w, ids, sorted_ids, block_expert, total

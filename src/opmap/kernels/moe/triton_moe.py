@@ -15,8 +15,6 @@ from typing import Optional
 
 import torch
 
-from opmap.core.contract import expect
-from opmap.core.tiles import tile_config
 from opmap.kernels.moe.align import align
 from opmap.kernels.moe.grouped_gemm import combine, grouped_gemm, pick_bm, token_counts
 from opmap.kernels.moe.route_align import fusable, route_align
@@ -90,24 +88,11 @@ def check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, sc
             _CHECKED.add(sig)
 
 
-CONFIG = {"ROUTE_WARPS": 0}
-
-
-def config_of(config) -> dict:
-    cfg = tile_config(CONFIG, config)
-    expect(cfg["ROUTE_WARPS"] in (0, 1, 2, 4, 8), "config", f"ROUTE_WARPS={cfg['ROUTE_WARPS']}", "0, 1, 2, 4 or 8")
-    return cfg
-
-
 def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, *,
         router: str = "softmax", renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
         routed_scaling: float = 1.0, score_bias: Optional[torch.Tensor] = None, w13_scale=None, w2_scale=None,
-        w13_zero=None, w2_zero=None, config=None) -> torch.Tensor:
-    """``config={"ROUTE_WARPS": n}``: the warps of the one-launch routing at decode sizes (1, 2, 4
-    or 8; 0: its default), for tuning: the same experts, the weights up to the fp32 order of the
-    softmax sums."""
+        w13_zero=None, w2_zero=None) -> torch.Tensor:
     quant = dict(w13_scale=w13_scale, w2_scale=w2_scale, w13_zero=w13_zero, w2_zero=w2_zero)
-    cfg = CONFIG if config is None else config_of(config)
     check_once(x, router_logits, w13, w2, top_k, router, n_group, topk_group, score_bias, quant)
     # check_moe_args already checked the routing arguments: launch without checking them again.
     T = x.shape[0]
@@ -115,7 +100,7 @@ def moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: tor
         # Decode: routing and align in one launch (route_align.py).
         bm = pick_bm(T * top_k, w13.shape[0], w13_scale is not None)
         weights, _, *aligned = route_align(router_logits, top_k, router, renormalize, routed_scaling, score_bias,
-                                           w13.shape[0], bm, cfg["ROUTE_WARPS"])
+                                           w13.shape[0], bm)
         return _aligned(x, weights, w13, w2, top_k, bm, *aligned, quant=quant)
     weights, ids = route_launch(router_logits, top_k, router, renormalize, n_group, topk_group,
                                 routed_scaling, score_bias)

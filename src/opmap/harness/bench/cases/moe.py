@@ -55,13 +55,12 @@ def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
     return setup
 
 
-def _call(backend: str, quantised: bool = False, config=None):
+def _call(backend: str, quantised: bool = False):
     def make(inp):
         fn = registry.get("moe", backend).fn("moe")
-        kw = {} if config is None else {"config": config}
         if quantised:
-            return lambda: fn(inp["x"], inp["logits"], inp["q13"], inp["q2"], inp["k"], **inp["scales"], **kw)
-        return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"], **kw)
+            return lambda: fn(inp["x"], inp["logits"], inp["q13"], inp["q2"], inp["k"], **inp["scales"])
+        return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"])
 
     return make
 
@@ -80,10 +79,10 @@ def _quantised_setup(T, E, k, H, I, seed, fmt):
     return setup
 
 
-def _graphed(backend: str, quantised: bool = False, config=None):
+def _graphed(backend: str, quantised: bool = False):
     """A provider that captures the op in its own CUDA graph and times the replay."""
     def make(inp):
-        call = _call(backend, quantised, config)(inp)
+        call = _call(backend, quantised)(inp)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -114,15 +113,8 @@ def _dense_same_flops(inp):
     return run
 
 
-# The one-launch routing's warps (triton_moe.CONFIG ROUTE_WARPS) timed beside its default at decode:
-# fewer warps turn the top-k's arg-max rounds into warp shuffles.
-ROUTE_WARPS = (1, 2)
-
-
 def providers(prefill: bool) -> list[Provider]:
-    extra = [Provider("cublas-dense-same-flops", _dense_same_flops)] if prefill else [
-        Provider(f"opmap-triton+graph[route_warps={n}]", _graphed("triton", config={"ROUTE_WARPS": n}),
-                 backend=("moe", "triton")) for n in ROUTE_WARPS]
+    extra = [Provider("cublas-dense-same-flops", _dense_same_flops)] if prefill else []
     return extra + [
         Provider("opmap-triton", _call("triton"), backend=("moe", "triton")),
         Provider("opmap-triton+graph", _graphed("triton"), backend=("moe", "triton")),
