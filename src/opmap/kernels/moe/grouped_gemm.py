@@ -290,16 +290,17 @@ def _prune(configs, named_args, **kw):
     if kw.get("QUANT", 0):
         # a K tile inside one group / block; 8 warps on the prefill tiles, where the converted
         # weight tile beside the accumulators spills with 4 (ptxas, sm90); SUB K tiles an
-        # iteration (QUANT_SUB: the tuner times each; 4 only on 32-column tiles, 64-column ones
-        # spill, and so do 16-column ones at 4: 255 registers and 64 bytes of stack on sm90 with block
-        # fp8), with fewer stages as each holds SUB tiles
+        # iteration (QUANT_SUB: the tuner times each; 4 only on 32-column tiles and narrower,
+        # 64-column ones spill), with fewer stages as each holds SUB tiles; the 128-column decode
+        # tile is the 16-bit down projection's (measured there only)
         span = kw["SPAN"]
+        out = [c for c in out if bm >= 64 or c.kwargs["BN"] <= 64]
         warps = 8 if bm >= 64 else 4
         out = list({(bk := _bk_in_span(c.kwargs["BK"], span), c.kwargs["BN"], max(c.num_warps, warps),
                      st := max(2, c.num_stages - sub // 2), sub):
                     triton.Config(dict(c.kwargs, BK=bk, SUB=sub), num_warps=max(c.num_warps, warps), num_stages=st)
                     for c in out for sub in QUANT_SUB[bm >= 64]
-                    if sub <= 2 or c.kwargs["BN"] == 32}.values())
+                    if sub <= 2 or c.kwargs["BN"] <= 32}.values())
     return out
 
 
