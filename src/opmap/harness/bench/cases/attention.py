@@ -367,8 +367,9 @@ def _rope_append(fused, config=None):
     return make
 
 
-# config Q_HEADS of rope_append timed beside its default (one program a token): q heads a program.
-ROPE_APPEND_Q_HEADS = (4, 16)
+# config Q_HEADS of rope_append timed beside its default (4 q heads a program up to 64 tokens, else
+# one program a token): q heads a program, 0 being one program a token.
+ROPE_APPEND_Q_HEADS = (0, 16)
 
 
 def _rope_append_case(T, hq=HQ, hk=HK, d=D, page=PAGE, qk_norm=False):
