@@ -528,3 +528,14 @@ def test_bench_add_rows_compute_the_same_sum():
     want = ref.linear_add(inp["x"], inp["w"], inp["add"]).float()
     for name, o in outs.items():
         assert_close(o.float(), want, torch.float16, scale=2.0, what=name)  # two roundings where apart
+
+
+def test_planner_splits_k_deeper_only_where_few_programs_run():
+    """Below a quarter of the SMs busy at the 1024-deep K splits (a router's 1-3 column tiles), K
+    splits of one 256-deep block up to that quarter; projections with enough programs keep their plan."""
+    plan = lambda n, k, m=1: tri.plan(m, n, k, 132, interp=False)["SPLIT"]  # noqa: E731
+    assert plan(128, 2048) == 8  # Qwen3-30B-A3B's router: 2 tiles x 8 splits, was 2 x 2
+    assert plan(64, 2048) == 8 and plan(160, 5120) == 11  # DeepSeek-V2-Lite's and a 160-expert router
+    assert plan(2048, 4096) == 4 and plan(5120, 2048) == 1 and plan(28672, 4096) == 1  # O, QKV, gate/up
+    assert plan(128, 512) == 2  # a short K: one 256-deep block a split at most
+    assert plan(128, 2048, m=128) == 1  # prefill rows: no split

@@ -490,6 +490,15 @@ def test_cases_at_the_models_own_shapes(monkeypatch):
             assert o.passed, (c.case, o.figure)
     assert {"rmsnorm", "gemm", "rope", "attention", "moe", "activation", "sampling"} <= ops, ops
     assert any("shared gate/up proj + shared SiLU * mul (one launch)" in c.case for c in made_all)
+    # DeepSeek's shared down GEMM with the routed output as addend: checked through linear_add
+    cfg = PRESETS["tiny-deepseek"]
+    rows = [(ph, r) for ph, m in planned_maps(cfg, "cpu").items() for r in m if r.entry == "linear_add"]
+    assert {ph for ph, _ in rows} == {"prefill", "decode", "mixed"}
+    added = shape_cases(cfg, [(ph, r.op, r.label, sel.select(r.op, r.spec, backend=b), None, r.entry)
+                              for ph, r in rows for b in ("triton-decode", "cublas") if (b == "cublas") != (ph == "decode")],
+                        "cpu")
+    assert {c.backend for c in added} == {"triton-decode", "cublas"}
+    assert added and all("routed experts' sum (one launch)" in c.case and c.run().passed for c in added)
     # with the selector's own choices on a CPU (the references) there is none, and the check says so
     targets = runner.model_targets("tiny-qwen3moe")
     assert shape_cases(targets.cfg, targets.choices, "cpu") == []

@@ -62,19 +62,20 @@ def test_norm_rope_append_rows_agree_on_the_cache_they_write():
 
 
 def test_short_context_split_rows_agree_and_model_cases_take_its_heads():
-    """Batch 1 over a short context: the minimum-split rows (split_min 64 / 128: more, shorter splits)
-    give the default's result; none beyond SHORT keys. model_cases: the model's MLA head count at
+    """Batch 1 over a short context: the minimum-split rows (split_min 32 / 128 / 256 beside the TMA
+    kernel's own 64) give the default's result; none beyond SHORT keys. model_cases: the model's MLA head count at
     a chat-length context, nothing for a GQA model."""
     from opmap.core.specs import AttentionSpec
 
     dec = bm._decode_case(1, 16, 300, False, quick=True)
     inp = bm._setup(1, 16, 300, False, dt=torch.float16)("cpu")
     outs = {p.name: p.make(inp)() for p in dec.providers if p.name.startswith("opmap-")}
-    assert {"opmap-tma[min=64]", "opmap-tma[min=128]"} <= set(outs)
-    for name in ("opmap-tma[min=64]", "opmap-tma[min=128]"):
+    rows = {f"opmap-tma[min={n}]" for n in (32, 128, 256)}  # not 64: the TMA kernel's own minimum
+    assert rows <= set(outs) and "opmap-tma[min=64]" not in outs
+    for name in rows:
         assert_close(outs[name], outs["opmap-tma"], what=name)
     long = bm._decode_case(1, 16, bm.SHORT + 1, False, quick=True)
-    assert not any("min=64" in p.name for p in long.providers)
+    assert not any("min=256" in p.name for p in long.providers)
     mla = AttentionSpec(kind="mla", num_heads=16, num_kv_heads=1, head_dim=576, head_dim_v=512, page_size=64)
     got = bm.model_cases({"attention": [mla]}, quick=True)
     assert {c.case.split(",h=")[0] for c in got} == {f"B={b},kv={n}" for b, n in bm.MODEL_DECODE[True]}

@@ -38,6 +38,7 @@ def _views(qkv, hq, hk):
     return qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
 
 
+@pytest.mark.parametrize("q_heads", [None, 0])  # the default (decode sizes: 4 q heads a program), one program a token
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("T,hq,hk,d,rot,page,dtype,cache_dtype", [
     (5, 8, 2, 64, 64, 16, torch.float32, torch.float32),
@@ -45,13 +46,13 @@ def _views(qkv, hq, hk):
     (3, 8, 1, 64, 32, 16, torch.float16, FP8),  # MQA, fp8 cache
     (1, 4, 2, 128, 128, 16, torch.float32, torch.float32),
 ])
-def test_fused_equals_the_two_launches(style, T, hq, hk, d, rot, page, dtype, cache_dtype):
+def test_fused_equals_the_two_launches(style, T, hq, hk, d, rot, page, dtype, cache_dtype, q_heads):
     qkv, q, k, v, pos, cs, kc, vc, slots, sc = _case(T, hq, hk, d, rot, page, dtype, cache_dtype)
     qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
     q2, k2, v2 = _views(qkv2, hq, hk)
     qkv3, kc3, vc3 = qkv.clone(), kc.clone(), vc.clone()
     q3, k3, v3 = _views(qkv3, hq, hk)
-    rope_append(q, k, v, pos, cs, style, kc, vc, slots, **sc)
+    rope_append(q, k, v, pos, cs, style, kc, vc, slots, config=None if q_heads is None else {"Q_HEADS": q_heads}, **sc)
     TR.rope(q2, k2, pos, cs, style)
     A.append(k2, v2, kc2, vc2, slots, **sc)
     for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
@@ -96,9 +97,10 @@ def test_bad_input_names_the_argument(bad, arg):
         rope_append(q, k, v, pos, cs, style, kc, vc, slots)
 
 
+@pytest.mark.parametrize("q_heads", [None, 0])
 @pytest.mark.parametrize("T,hq,hk,d,dtype", [(5, 8, 2, 64, torch.float32), (17, 4, 4, 128, torch.float16),
                                              (1, 8, 1, 64, torch.float16)])
-def test_qk_norm_fused_equals_three_launches(T, hq, hk, d, dtype):
+def test_qk_norm_fused_equals_three_launches(T, hq, hk, d, dtype, q_heads):
     """qk_norm=(w_q, w_k, eps): Qwen3's per-head norms, RoPE and the append in one launch, equal to
     qk_rmsnorm, rope and append one after another (bitwise on the interpreter; the GPU test allows
     one rounding step, the norms' row sums may take another reduction order there)."""
@@ -111,7 +113,8 @@ def test_qk_norm_fused_equals_three_launches(T, hq, hk, d, dtype):
     q2, k2, v2 = _views(qkv2, hq, hk)
     qkv3, kc3, vc3 = qkv.clone(), kc.clone(), vc.clone()
     q3, k3, v3 = _views(qkv3, hq, hk)
-    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=(w_q, w_k, 1e-6))
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, qk_norm=(w_q, w_k, 1e-6),
+                config=None if q_heads is None else {"Q_HEADS": q_heads})
     TN.qk_rmsnorm(qkv2[:, :hq + hk], w_q, w_k, hq, 1e-6)
     TR.rope(q2, k2, pos, cs, "neox")
     A.append(k2, v2, kc2, vc2, slots)
@@ -146,7 +149,7 @@ def test_q_heads_split_gives_the_same_bits(q_heads, T, hq, hk, d, rot, cache_dty
     kw = dict(qk_norm=((torch.rand(d, generator=g) + 0.5).half(), (torch.rand(d, generator=g) + 0.5).half(), 1e-6)
               if norm else None, **sc)
     qkv2, kc2, vc2 = qkv.clone(), kc.clone(), vc.clone()
-    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, **kw)
+    rope_append(q, k, v, pos, cs, "neox", kc, vc, slots, config={"Q_HEADS": 0}, **kw)
     rope_append(*_views(qkv2, hq, hk), pos, cs, "neox", kc2, vc2, slots, config={"Q_HEADS": q_heads}, **kw)
     for a, b in ((qkv, qkv2), (kc, kc2), (vc, vc2)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -454,7 +454,7 @@ def test_selected_on_this_gpu():
     (4096, 28, 4, 128, 128, 16, "neox", False),  # Qwen2.5-7B prefill
     (300, 16, 2, 256, 64, 32, "gptj", True),  # partial rotary, GPT-J, fp8 cache
 ])
-@pytest.mark.parametrize("config", [None, {"Q_HEADS": 3}, {"Q_HEADS": 8}])
+@pytest.mark.parametrize("config", [None, {"Q_HEADS": 0}, {"Q_HEADS": 3}, {"Q_HEADS": 8}])
 def test_rope_append_equals_rope_then_append(T, hq, hk, d, rot, page, style, fp8, config):
     """The fused RoPE + KV append (one launch per layer in the engine) writes the same bits to q,
     k and both caches as the rope kernel followed by the append kernel, in bf16 on the GPU, with a
@@ -528,6 +528,10 @@ def test_qk_norm_rope_append_matches_three_launches(T):
     for qh in (4, 5):
         qkv3, kc3, vc3 = qkv0.clone(), torch.zeros_like(kc), torch.zeros_like(vc)
         rope_append(*views(qkv3), pos, cs, "neox", kc3, vc3, slots, qk_norm=(w_q, w_k, 1e-6), config={"Q_HEADS": qh})
+        qkv4, kc4, vc4 = qkv0.clone(), torch.zeros_like(kc), torch.zeros_like(vc)
+        rope_append(*views(qkv4), pos, cs, "neox", kc4, vc4, slots, qk_norm=(w_q, w_k, 1e-6), config={"Q_HEADS": 0})
+        for a, b in ((qkv4, qkv3), (kc4, kc3), (vc4, vc3)):
+            assert torch.equal(a, b)
         for a, b in ((qkv, qkv3), (kc, kc3), (vc, vc3)):
             assert torch.equal(a, b)
 

@@ -226,7 +226,7 @@ def _tuned(small_m: bool):
     reuse the choice."""
     if small_m not in _TUNED:
         _TUNED[small_m] = triton.autotune(
-            _configs(small_m), key=["N", "K", "BLOCK_M", "SPLIT", "W_KIND", "EVEN_K", "GATED"],
+            _configs(small_m), key=["N", "K", "BLOCK_M", "BLOCK_N", "SPLIT", "W_KIND", "EVEN_K", "GATED", "HAS_ADD"],
             prune_configs_by={"early_config_prune": _prune})(_gemm_kernel)
     return _TUNED[small_m]
 

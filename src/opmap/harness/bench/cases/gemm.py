@@ -356,7 +356,7 @@ def _add_setup(M, N, K):
 def _add_cases(arch) -> list[BenchCase]:
     """The shared expert's down GEMM with the routed output as its addend (linear_add, one launch:
     triton-decode's epilogue at decode M, cuBLAS's addmm) beside the GEMM then a torch add (two
-    launches, what the engine ran before)."""
+    launches: EngineConfig.fuse_shared_add=False)."""
     K, N = ADD_SHAPE
 
     def ours(name):

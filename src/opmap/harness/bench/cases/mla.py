@@ -28,6 +28,7 @@ import torch
 from opmap.core import registry
 from opmap.core.specs import AttentionSpec, KVAppendSpec
 from opmap.harness.bench.base import BenchCase, Provider
+from opmap.kernels.mla import decode_tma
 from opmap.peers.mla import flashinfer as fi
 from opmap.peers.mla.sdpa import mqa_latent
 
@@ -42,8 +43,9 @@ VARIANTS = {"mla-tma": {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2),
             "mla-triton": {16: [], 128: [dict(BLOCK_H=64, num_warps=8, num_stages=1)]}}
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
-# Batch-1 contexts up to SHORT keys get rows at these minimum split lengths beside the default's.
-SHORT, SHORT_SPLIT_MIN = 4096, (64, 128)
+# Batch-1 contexts up to SHORT keys get rows at these minimum split lengths beside the default's
+# (each backend's own: decode_tma.SPLIT_MIN, 256 on the others).
+SHORT, SHORT_SPLIT_MIN = 4096, (32, 64, 128, 256)
 
 
 def _setup(B, H, ctx, fp8, k=0, dt=torch.bfloat16):
@@ -142,8 +144,9 @@ def _decode_case(B, H, ctx, fp8, quick):
         if ctx <= SHORT:
             # a short context at batch 1 (a chat turn): the default's 256-key minimum split runs a few
             # programs of a few tiles each; shorter minimum splits put more of them in flight
+            own = decode_tma.SPLIT_MIN if default == "mla-tma" else 256
             provs += [Provider(_row(default, extra=f"min={n}"), _ours(default, split_min=n),
-                               backend=("attention", default)) for n in SHORT_SPLIT_MIN]
+                               backend=("attention", default)) for n in SHORT_SPLIT_MIN if n != own]
     if not fp8:
         provs.append(Provider("torch-sdpa (contiguous latent)", _sdpa_contiguous))
         provs.append(Provider("flashinfer", _flashinfer, available=_flashinfer_available))
