@@ -30,8 +30,8 @@ for name, wdt, kind, bm, bn, split, (bk, nw, ns) in [
         ("gemm-bf16-m64-split", "*bf16", g.W_SAME, 64, 128, 9, g.DEFAULT[(True, 128)]),
         ("gemm-fp8-m16-split", "*fp8e4nv", g.W_FP8, 16, 64, 4, g.DEFAULT[(True, 64)]),
         # config BLOCK_N 16 / 32 with a deep split (a router's few column tiles): too narrow for wgmma
-        ("narrow-bf16-m16-bn16-split", "*bf16", g.W_SAME, 16, 16, 8, g.DEFAULT[(True, 16)]),
-        ("narrow-fp8-m16-bn32-split", "*fp8e4nv", g.W_FP8, 16, 32, 8, g.DEFAULT[(True, 32)])]:
+        ("narrow-bf16-m16-bn16-split", "*bf16", g.W_SAME, 16, 16, 8, g.DEFAULT[(True, 64)]),
+        ("narrow-fp8-m16-bn32-split", "*fp8e4nv", g.W_FP8, 16, 32, 8, g.DEFAULT[(True, 64)])]:
     s = dict(gsig, w_ptr=wdt)
     ce = {"W_KIND": kind, "HAS_SCALE": kind != g.W_SAME, "HAS_BIAS": True, "SPLIT": split, "EVEN_K": True,
           "PREC": "tf32", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}

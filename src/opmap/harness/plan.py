@@ -43,13 +43,14 @@ def _case(case: str) -> dict:
     return out
 
 
+FUSED_GEMM_ROWS = {"linear_act": "gemm.gated", "linear_add": "gemm.add"}  # gemm entry -> its bench op
+
+
 def _bench_op(op: str, spec, entry: Optional[str] = None) -> str:
     """The bench's op name for a registry op and spec (attention rows are per phase and kind; the
     gated GEMM's, entry linear_act, are gemm.gated; the GEMM with an addend, linear_add, gemm.add)."""
-    if entry == "linear_act":
-        return "gemm.gated"
-    if entry == "linear_add":
-        return "gemm.add"
+    if entry in FUSED_GEMM_ROWS:
+        return FUSED_GEMM_ROWS[entry]
     if op == "attention":
         kind = "mla_" if getattr(spec, "kind", "") == "mla" else ""
         if kind and getattr(spec, "sparse", False):

@@ -110,7 +110,6 @@ def _store_row(ptr, x, scale_ptr, h, HK, mask, FP8: tl.constexpr):
     tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
-DEFAULTS = {"Q_HEADS": 0}
 # Up to DECODE_TOKENS tokens a call (decode steps) a token is spread over programs of DECODE_Q_HEADS q
 # heads each (docs/attention.md, Decisions: RoPE + append's q heads a program at decode); above,
 # one program a token.
@@ -125,10 +124,9 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
     ``config={"Q_HEADS": n}``: n > 0 spreads a token over programs, one for k and v and one for each
     n q heads (a decode step's few tokens as several short programs instead of one long one); 0,
     one program a token; by default DECODE_Q_HEADS up to DECODE_TOKENS tokens, else 0."""
-    cfg = tile_config(DEFAULTS, config)
+    default = {"Q_HEADS": DECODE_Q_HEADS if q.shape[0] <= DECODE_TOKENS else 0}
+    qh = (default if config is None else tile_config(default, config))["Q_HEADS"]
     r = check_rope(q, k, positions, cos_sin, style)
-    if config is None or "Q_HEADS" not in config:
-        cfg["Q_HEADS"] = DECODE_Q_HEADS if q.shape[0] <= DECODE_TOKENS else 0
     norm = V.check_qk_norm_arg(qk_norm, q)
     _, _, hk, d, dv = A.check_append(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     T, HQ, _ = q.shape
@@ -136,11 +134,11 @@ def rope_append(q, k, v, positions, cos_sin, style, k_cache, v_cache, slot_mappi
         return None
     half = r // 2
     block_half = triton.next_power_of_2(half)
-    block_qh = max(1, min(triton.next_power_of_2(cfg["Q_HEADS"] or HQ), 2048 // block_half))
+    qh = min(qh, HQ)
+    block_qh = max(1, min(triton.next_power_of_2(qh or HQ), 2048 // block_half))
     fp8 = k_cache.dtype == V.FP8
     block_d = triton.next_power_of_2(d)
     w_q, w_k, eps = norm if norm is not None else (q, q, 0.0)
-    qh = min(cfg["Q_HEADS"], HQ)
     _rope_kv_append_kernel[(T, 1 + triton.cdiv(HQ, qh) if qh else 1)](
         q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, k_scale if fp8 else k_cache,
         v_scale if fp8 else v_cache, w_q, w_k, eps, q.stride(0), q.stride(1), k.stride(0), v.stride(0), HQ, half,

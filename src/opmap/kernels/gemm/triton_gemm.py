@@ -181,9 +181,9 @@ def _prune(configs, named_args, **kw):
 
 
 _TUNED = {}
-# Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16.
-DEFAULT = {(True, 16): (256, 4, 3), (True, 32): (256, 4, 3), (True, 64): (256, 4, 3), (True, 128): (128, 4, 3),
-           (False, 128): (64, 4, 4)}
+# Default (BLOCK_K, warps, stages) by (small M, BLOCK_N); each fits shared memory for bf16. Narrower
+# tiles (config BLOCK_N 16 / 32) take the 64-row tile's.
+DEFAULT = {(True, 64): (256, 4, 3), (True, 128): (128, 4, 3), (False, 128): (64, 4, 4)}
 # config= keys: BLOCK_K, num_warps, num_stages fix that part of the tile (0: the shape class's
 # default); AUTOTUNE=0 runs the default tile without autotuning (the check cases and tests that
 # sweep many shapes pass it to spare compile time; benchmarks and the engine autotune);
@@ -216,7 +216,7 @@ def _fixed_tile(cfg: dict, small: bool, bn: int):
     """(BLOCK_K, warps, stages) when config fixes any of them or turns autotuning off, else None."""
     if cfg["AUTOTUNE"] and not (cfg["BLOCK_K"] or cfg["num_warps"] or cfg["num_stages"]):
         return None
-    bk, nw, ns = DEFAULT[(small, bn)]
+    bk, nw, ns = DEFAULT[(small, max(bn, 64))]
     return cfg["BLOCK_K"] or bk, cfg["num_warps"] or nw, cfg["num_stages"] or ns
 
 

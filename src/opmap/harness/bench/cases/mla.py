@@ -23,12 +23,13 @@ FlashInfer's MLA when importable (plan outside the timing).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from opmap.core import registry
 from opmap.core.specs import AttentionSpec, KVAppendSpec
 from opmap.harness.bench.base import BenchCase, Provider
-from opmap.kernels.mla import decode_tma
 from opmap.peers.mla import flashinfer as fi
 from opmap.peers.mla.sdpa import mqa_latent
 
@@ -44,7 +45,7 @@ VARIANTS = {"mla-tma": {16: [dict(BLOCK_N=64, num_stages=2), dict(num_stages=2),
 PREFILL_VARIANTS = [dict(BLOCK_M=64, num_stages=2), dict(BLOCK_N=32), dict(BLOCK_M=64, num_stages=3)]
 _FP8 = torch.float8_e4m3fn
 # Batch-1 contexts up to SHORT keys get rows at these minimum split lengths beside the default's
-# (each backend's own: decode_tma.SPLIT_MIN, 256 on the others).
+# (each backend's own make_workspace default).
 SHORT, SHORT_SPLIT_MIN = 4096, (32, 64, 128, 256)
 
 
@@ -142,9 +143,10 @@ def _decode_case(B, H, ctx, fp8, quick):
         provs.append(Provider(_row(default, extra="splits=256,min=128"),
                               _ours(default, num_splits=256, split_min=128), backend=("attention", default)))
         if ctx <= SHORT:
-            # a short context at batch 1 (a chat turn): the default's 256-key minimum split runs a few
-            # programs of a few tiles each; shorter minimum splits put more of them in flight
-            own = decode_tma.SPLIT_MIN if default == "mla-tma" else 256
+            # a short context at batch 1 (a chat turn): the minimum split length sets how many
+            # programs of a few tiles each run; the backend's own is its default row
+            own = inspect.signature(registry.get("attention", default).fn("make_workspace")).parameters[
+                "split_min"].default
             provs += [Provider(_row(default, extra=f"min={n}"), _ours(default, split_min=n),
                                backend=("attention", default)) for n in SHORT_SPLIT_MIN if n != own]
     if not fp8:

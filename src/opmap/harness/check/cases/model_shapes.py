@@ -43,15 +43,16 @@ def _inputs(op, spec, cfg, dev, phase, entry=None):
         if spec.weight_dtype != spec.dtype:
             return None  # quantised weights: the quantisation gates check those
         m = spec.m or R
-        # linear_act: the gate/up GEMM with the model's gated activation ("silu" / "gelu_tanh") in its
-        # epilogue; linear_add: the shared expert's down GEMM with the routed experts' output as addend
-        extra = {"act": cfg.activation} if entry == "linear_act" else {}
-        if entry == "linear_add":
-            extra = {"add": lambda: _t((m, spec.n), dt, dev, 11)}  # built with the other inputs
-        return entry if extra else "linear", lambda: dict(
-            x=_t((m, spec.k), dt, dev, 5), w=_t((spec.n, spec.k), dt, dev, 6, spec.k ** -0.5),
-            bias=_t((spec.n,), dt, dev, 7) if spec.bias else None, **{k: (v() if callable(v) else v)
-                                                                      for k, v in extra.items()})
+        def build():
+            a = dict(x=_t((m, spec.k), dt, dev, 5), w=_t((spec.n, spec.k), dt, dev, 6, spec.k ** -0.5),
+                     bias=_t((spec.n,), dt, dev, 7) if spec.bias else None)
+            if entry == "linear_act":  # the gate/up GEMM with the model's gated activation in its epilogue
+                a["act"] = cfg.activation
+            elif entry == "linear_add":  # the shared expert's down GEMM with the routed output as addend
+                a["add"] = _t((m, spec.n), dt, dev, 11)
+            return a
+
+        return (entry if entry in ("linear_act", "linear_add") else "linear"), build
     if op == "rope":
         D, heads, kv = spec.head_dim, cfg.heads, (1 if cfg.is_mla else cfg.kv_heads)
         return "rope", lambda: dict(q=_t((R, heads, D), dt, dev, 8), k=_t((R, kv, D), dt, dev, 9),
