@@ -269,3 +269,18 @@ def test_a_step_longer_than_the_median_is_prefill_only_if_its_launches_grew():
     assert profile_steps.label(steps[-2], median_busy, medians) == ("prefill", "low")  # 4x the rows
     assert profile_steps.label(steps[-1], median_busy, medians) == ("prefill", "medium")  # 40x the rows
     assert profile_steps.label(decode[0], median_busy, medians) == ("decode", "low")
+
+
+def test_kernels_another_thread_launched_during_a_step_join_it():
+    """A kernel launched with no step range open on its thread (autograd's backward, a pipeline's
+    second stream) belongs to the step whose range was open when it was launched; one launched
+    before any step range (a warm-up still draining) or with no launch time stays out."""
+    rng = ("ProfilerStep#1", 1000.0, 1000.0)
+    ours = trace.Kernel("ampere_sgemm", 1100.0, 100.0, ranges=("ProfilerStep#1",), launched=1050.0)
+    other = trace.Kernel("ampere_sgemm_bwd", 1150.0, 300.0, launched=1120.0)  # another thread, mid-step
+    early = trace.Kernel("warmup_kernel", 1010.0, 50.0, launched=900.0)  # launched before the range
+    unknown = trace.Kernel("no_correlation", 1200.0, 50.0)
+    after = trace.Kernel("next_thing", 2100.0, 10.0, launched=2050.0)  # after the range closed
+    t = trace.Trace([early, ours, other, unknown, after], ranges=[rng], kind="chrome")
+    (s,) = profile_steps.steps_of(t)
+    assert [k.name for k in s["kernels"]] == ["ampere_sgemm", "ampere_sgemm_bwd"]

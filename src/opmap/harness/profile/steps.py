@@ -62,10 +62,13 @@ def _found(trace: Trace) -> list[dict]:
                     or next((r for r in reversed(k.ranges) if is_step(r)), None))
             if want is not None:
                 by_name.setdefault(_launch_step(k, want, of_name), []).append(k)
-            elif trace.kind == "chrome-cpu":
-                # an op of another thread (gloo's collectives): the step range its time falls in
-                i = bisect.bisect_right(starts, k.ts) - 1
-                if i >= 0 and k.ts <= named[i][1] + named[i][2]:
+            elif trace.kind == "chrome-cpu" or k.launched is not None:
+                # launched by another thread while a step range was open (gloo's collectives on the
+                # host; autograd's backward or a pipeline's second stream on the GPU): that step. Work
+                # launched before any step's range (a warm-up still draining) stays out.
+                t = k.ts if trace.kind == "chrome-cpu" else k.launched
+                i = bisect.bisect_right(starts, t) - 1
+                if i >= 0 and t <= named[i][1] + named[i][2]:
                     by_name.setdefault(named[i], []).append(k)
         steps = []
         for (name, ts, dur), kk in sorted(by_name.items(), key=lambda x: x[0][1]):
