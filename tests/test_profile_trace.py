@@ -284,3 +284,20 @@ def test_kernels_another_thread_launched_during_a_step_join_it():
     t = trace.Trace([early, ours, other, unknown, after], ranges=[rng], kind="chrome")
     (s,) = profile_steps.steps_of(t)
     assert [k.name for k in s["kernels"]] == ["ampere_sgemm", "ampere_sgemm_bwd"]
+
+
+def test_a_training_steps_loss_and_optimizer_are_no_sampler():
+    """The stretch after the LM head is a sampler stage where it reads tokens back or draws them; in
+    a training step it ends where autograd's backward begins, so the loss, the backward nodes and the
+    optimizer (whose scalar reads look like a token read-back) are not sampling. The same stretch
+    without a backward pass still is."""
+    from opmap.harness.profile import attribute
+
+    def op(name, t):
+        return trace.Kernel(name, t, 5.0, launcher=name)
+
+    infer = [op("aten::mm", 0), op("aten::softmax", 10), op("aten::multinomial", 20), op("aten::item", 30)]
+    assert [a.category for a in attribute.step(infer)][1:] == ["sampling"] * 3
+    train = [op("aten::mm", 0), op("aten::log_softmax", 10), op("aten::nll_loss", 20),
+             op("autograd::engine::evaluate_function: MmBackward0", 30), op("aten::mul_", 40), op("aten::item", 50)]
+    assert "sampling" not in [a.category for a in attribute.step(train)]

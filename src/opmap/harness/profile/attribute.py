@@ -174,13 +174,25 @@ def chooses(k) -> bool:
     return bool(_CHOOSE.search(f"{k.name} {k.launcher or ''}"))
 
 
+_BACKWARD = "autograd::engine::evaluate_function"  # the host op around each backward node's work
+
+
+def backward(k) -> bool:
+    """Work of autograd's backward pass: its node's op around the launch (or, in a host-only trace,
+    the op itself)."""
+    return _BACKWARD in k.name or _BACKWARD in (k.launcher or "") or any(_BACKWARD in r for r in k.ranges)
+
+
 def _sampler(kernels: list, attrs: list) -> None:
     """A step's kernels after its last GEMM (the LM head) are the sampler stage when that stretch
-    reads the tokens back or chooses one: those no stronger evidence named are sampling."""
-    last = next((i for i in range(len(kernels) - 1, -1, -1) if attrs[i].category == "GEMM"), None)
+    reads the tokens back or chooses one: those no stronger evidence named are sampling. A training
+    step's stretch ends where its backward pass begins: the loss and the optimizer are no sampler."""
+    last = next((i for i in range(len(kernels) - 1, -1, -1)
+                 if attrs[i].category == "GEMM" and not backward(kernels[i])), None)
     if last is None:
         return
-    tail = range(last + 1, len(kernels))
+    end = next((i for i in range(last + 1, len(kernels)) if backward(kernels[i])), len(kernels))
+    tail = range(last + 1, end)
     if not any(readback(kernels[i]) or chooses(kernels[i]) for i in tail):
         return
     for i in tail:
