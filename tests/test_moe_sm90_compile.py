@@ -41,3 +41,38 @@ def test_grouped_gemm_configs_compile_for_sm90_without_spills():
         assert r["stack"] == 0 and r["local"] == 0, f"{name} spills: {r}"
         assert r["shared"] <= 227 * 1024, f"{name} needs {r['shared']} bytes of shared memory"
         assert r["async"] >= 2, f"{name}: no cp.async pipeline: {r}"
+
+
+TMA_SCRIPT = r'''
+from opmap.kernels.moe import tma_moe as t
+
+res = {}
+variants = [{}, {"BM": 128}, {"FLATTEN": 0}, {"per_sm": 2, "num_stages": 2}, {"BN": 64}, {"BM": 128, "FLATTEN": 0}]
+for v in variants:
+    p = t.plan(4096 * 8, 128, v)
+    bm, bn, bk = p["BM"], p["BN"], p["BK"]
+    ce = dict(PRECISION="tf32", BM=bm, BN=bn, BK=bk, GROUP_M=8, PROGRAMS=132 * p["per_sm"], FLATTEN=bool(p["FLATTEN"]))
+    gate_up = {"xs_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{bn},{bk}]>",
+               "inter_desc": f"tensordesc<bf16[{bm},{bn}]>", "block_expert_ptr": "*i32", "total_ptr": "*i32",
+               "N": "i32", "K": "i32"}
+    down = {"inter_desc": f"tensordesc<bf16[{bm},{bk}]>", "w_desc": f"tensordesc<bf16[{bn},{bk}]>",
+            "y_ptr": "*bf16", "weights_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+            "total_ptr": "*i32", "n_pairs": "i32", "N": "i32", "K": "i32", "stride_y": "i32"}
+    for name, fn, sig in (("gate_up", t._gate_up_kernel, gate_up), ("down", t._down_kernel, down)):
+        k = compile_sm90(fn, dict(sig, **{c: "constexpr" for c in ce}), ce,
+                         {"num_warps": p["num_warps"], "num_stages": p["num_stages"]})
+        res[f"{name}-{v}"] = dict(usage(k), tma=k.asm["ptx"].count("cp.async.bulk.tensor"),
+                                  per_sm=p["per_sm"])
+print("RESULT " + json.dumps(res))
+'''
+
+
+@needs_ptxas
+def test_tma_route_kernels_compile_for_sm90_on_tma_and_wgmma_without_spills():
+    res = run(TMA_SCRIPT)
+    for name, r in res.items():
+        assert r["local"] == 0 and r["stack"] == 0, (name, r)
+        assert r["wgmma"] >= (2 if name.startswith("gate_up") else 1), (name, r)
+        assert r["tma"] >= 2, (name, r)  # the A and B tiles arrive by TMA
+        # the programs an SM the plan asks for fit its shared memory
+        assert r["shared"] * r["per_sm"] <= 227 * 1024, (name, r)

@@ -51,7 +51,7 @@ SHAPES = {  # name: (E, top_k, hidden, intermediate)
 
 @pytest.mark.parametrize("model", list(SHAPES))
 @pytest.mark.parametrize("T", [1, 17, 64, 1000])
-@pytest.mark.parametrize("backend", ["triton", "torch-grouped-mm", "torch-loop"])
+@pytest.mark.parametrize("backend", ["triton", "triton-tma", "torch-grouped-mm", "torch-loop"])
 def test_real_shapes_bf16(model, T, backend):
     E, k, H, I = SHAPES[model]
     w13, w2 = _weights(E, H, I)
@@ -94,22 +94,58 @@ def test_fused_routing_matches_torch_routing(T, E, k, kw):
     assert_close(w[same], w_ref[same], torch.float32, scale=2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "triton-tma"])
 @pytest.mark.parametrize("T", [64, 4096])
-def test_triton_all_tokens_on_one_expert_bf16(T):
+def test_all_tokens_on_one_expert_bf16(T, backend):
     E, k, H, I = 8, 2, 1024, 2048
     w13, w2 = _weights(E, H, I)
     x, logits = _inputs(T, H, E)
     logits[:, 5] += 100.0  # expert 5 in every token's top-2: one expert gets T rows
-    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
-    _check(out, x, logits, w13, w2, k, "triton one hot expert")
+    out = registry.get("moe", backend)("moe", x, logits, w13, w2, k)
+    _check(out, x, logits, w13, w2, k, f"{backend} one hot expert")
 
 
-def test_triton_fp16_odd_sizes():
-    E, k, H, I = 6, 3, 1000, 700  # neither a multiple of the tiles
+@pytest.mark.parametrize("backend,I", [("triton", 700), ("triton-tma", 712)])  # TMA: 16-byte rows
+def test_fp16_odd_sizes(backend, I):
+    E, k, H = 6, 3, 1000  # neither a multiple of the tiles
     w13, w2 = _weights(E, H, I, torch.float16)
     x, logits = _inputs(33, H, E, torch.float16)
-    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
-    _check(out, x, logits, w13, w2, k, "triton fp16 odd sizes")
+    out = registry.get("moe", backend)("moe", x, logits, w13, w2, k)
+    _check(out, x, logits, w13, w2, k, f"{backend} fp16 odd sizes")
+
+
+@pytest.mark.parametrize("config", [None, {"BM": 128}, {"FLATTEN": 0}, {"per_sm": 2, "num_stages": 2}, {"BN": 64}])
+def test_tma_route_configs_no_host_sync_and_cuda_graph_replay(config):
+    from opmap.kernels.moe.tma_moe import moe
+
+    E, k, H, I, T = 16, 4, 512, 256, 700
+    w13, w2 = _weights(E, H, I)
+    x, logits = _inputs(T, H, E)
+    moe(x, logits, w13, w2, k, config=config)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe(x, logits, w13, w2, k, config=config)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _check(out, x, logits, w13, w2, k, f"tma eager {config}")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        moe(x, logits, w13, w2, k, config=config)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, logits, w13, w2, k, config=config)
+    for seed in (5, 6):  # new routing each replay: the captured grid must cover any routing
+        x2, l2 = _inputs(T, H, E, seed=seed)
+        if seed == 6:
+            l2[:, 0] += 100.0
+        x.copy_(x2)
+        logits.copy_(l2)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, logits, w13, w2, k, f"tma graph replay seed={seed} {config}")
 
 
 def test_triton_no_host_sync_and_cuda_graph_replay():
@@ -144,13 +180,14 @@ def test_triton_no_host_sync_and_cuda_graph_replay():
         _check(out, x, logits, w13, w2, k, f"graph replay seed={seed}")
 
 
-def test_triton_int64_offsets():
+@pytest.mark.parametrize("backend", ["triton", "triton-tma"])
+def test_int64_offsets(backend):
     # x and the per-pair output hold more than 2**31 elements: row offsets must be int64.
     E, k, H, I = 4, 1, 8192, 32
     T = 2 ** 31 // H + 1024
     w13, w2 = _weights(E, H, I)
     x, logits = _inputs(T, H, E)
-    out = registry.get("moe", "triton")("moe", x, logits, w13, w2, k)
+    out = registry.get("moe", backend)("moe", x, logits, w13, w2, k)
     tail = slice(T - 2048, T)  # the rows past the int32 range
     want = reference.moe(x[tail].float(), logits[tail], w13.float(), w2.float(), k)
     assert_close(out[tail], want, torch.bfloat16, scale=2, what="rows past 2**31 elements")

@@ -199,3 +199,26 @@ registry.register(Backend(
           "(gate/up and down), then the triton backend's routing and grouped GEMMs on them",
 ))
 
+
+
+def _tma_rows(spec):
+    per16 = 4 if spec.dtype == "fp32" else 8
+    if spec.hidden % per16 or spec.intermediate % per16:
+        return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: TMA rows need multiples of {per16} "
+                f"elements for {spec.dtype} (16 bytes)")
+    return None
+
+
+registry.register(Backend(
+    op="moe", name="triton-tma", provider="opmap-triton", version=registry.triton_version,
+    # Below triton until a baseline row shows where it wins; the reference keeps the CPU.
+    priority={"cpu": registry.TRITON_CPU_PRIORITY - 2, "sm90": 45},
+    basis={"sm90": Basis("convention: below triton until its prefill rows are in the baseline")},
+    impl={"moe": "opmap.kernels.moe.tma_moe:moe", "route": "opmap.kernels.moe.route_triton:route"},
+    reqs=_COMMON_REQS, checks=_COMMON_CHECKS + (Check("hidden, intermediate: 16-byte TMA rows", _tma_rows, "hidden"),),
+    available=registry.triton_available,
+    notes="the many-token route: routing, the align by expert, the routed rows permuted once into contiguous "
+          "expert blocks, persistent grouped GEMMs whose tiles are TMA loads (gate/up with fused SiLU*mul, "
+          "stored by TMA in the same order; down with the routing weight, stored at each pair), fp32 combine; "
+          "no host sync",
+))

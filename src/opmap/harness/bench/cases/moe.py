@@ -55,11 +55,13 @@ def _setup(T, E, k, H, I, seed, dt=torch.bfloat16):
     return setup
 
 
-def _call(backend: str, quantised: bool = False):
+def _call(backend: str, quantised: bool = False, config=None):
     def make(inp):
         fn = registry.get("moe", backend).fn("moe")
         if quantised:
             return lambda: fn(inp["x"], inp["logits"], inp["q13"], inp["q2"], inp["k"], **inp["scales"])
+        if config is not None:  # a tuning variant of the backend's kernel
+            return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"], config=config)
         return lambda: fn(inp["x"], inp["logits"], inp["w13"], inp["w2"], inp["k"])
 
     return make
@@ -79,10 +81,10 @@ def _quantised_setup(T, E, k, H, I, seed, fmt):
     return setup
 
 
-def _graphed(backend: str, quantised: bool = False):
+def _graphed(backend: str, quantised: bool = False, config=None):
     """A provider that captures the op in its own CUDA graph and times the replay."""
     def make(inp):
-        call = _call(backend, quantised)(inp)
+        call = _call(backend, quantised, config)(inp)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -113,8 +115,21 @@ def _dense_same_flops(inp):
     return run
 
 
-def providers(prefill: bool) -> list[Provider]:
+# Tile variants of the TMA route's kernels (with --variants), as config dicts (kernels/moe/tma_moe.py)
+# beside the row tile the plan does not pick
+TMA_VARIANTS = {"flat=0": {"FLATTEN": 0}, "per_sm=2,s=2": {"per_sm": 2, "num_stages": 2}, "bn=64": {"BN": 64}}
+
+
+def providers(prefill: bool, other_bm: int = 0) -> list[Provider]:
+    """``other_bm``: the TMA route's row tile its plan does not pick for the case (a variant row)."""
     extra = [Provider("cublas-dense-same-flops", _dense_same_flops)] if prefill else []
+    if prefill:
+        # the many-token route: rows permuted once into contiguous expert blocks, TMA tiles
+        extra += [Provider("opmap-triton-tma", _call("triton-tma"), backend=("moe", "triton-tma")),
+                  Provider("opmap-triton-tma+graph", _graphed("triton-tma"), backend=("moe", "triton-tma"))]
+        variants = dict(TMA_VARIANTS, **({f"bm={other_bm}": {"BM": other_bm}} if other_bm else {}))
+        extra += [Provider(f"opmap-triton-tma[{tag}]+graph", _graphed("triton-tma", config=cfg),
+                           backend=("moe", "triton-tma")) for tag, cfg in variants.items()]
     return extra + [
         Provider("opmap-triton", _call("triton"), backend=("moe", "triton")),
         Provider("opmap-triton+graph", _graphed("triton"), backend=("moe", "triton")),
@@ -126,6 +141,8 @@ def providers(prefill: bool) -> list[Provider]:
 
 
 def cases(quick: bool) -> list[BenchCase]:
+    from opmap.kernels.moe.tma_moe import ROW_TILES, pick_bm  # the kernel module imports triton: on use
+
     arch = hw.local_arch()
     out = []
     for model, (E, k, H, I) in MODELS.items():
@@ -138,7 +155,8 @@ def cases(quick: bool) -> list[BenchCase]:
             if T in TOKENS:
                 out.append(BenchCase(
                     op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
-                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed), providers=providers(T > 64),
+                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed),
+                    providers=providers(T > 64, next(b for b in ROW_TILES if b != pick_bm(T * k, E))),
                     bound="compute" if flops / nbytes > 200 else "memory",
                     spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
                                  dtype="bf16", weight_dtype="bf16", tokens=T),
