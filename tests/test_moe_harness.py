@@ -4,6 +4,7 @@ import torch
 
 from opmap.harness.bench.cases import moe as bench_moe
 from opmap.harness.check.cases import moe as check_moe
+from opmap.kernels.moe.tma_moe import pick_bm
 
 
 def test_check_cases_pass_on_cpu():
@@ -30,7 +31,7 @@ def test_check_cases_pass_on_cpu():
 def test_bench_cases_figures():
     all_cases = bench_moe.cases(quick=True)
     cs = [c for c in all_cases if c.op == "moe"]
-    assert len(cs) == 6
+    assert len(cs) == 8
     quant = [c for c in all_cases if c.op == "moe.quant"]
     # each token count of QUANT_TOKENS (512 besides the dense op's) with int4 and with block-fp8 experts
     assert len(quant) == 16 and {c.spec.tokens for c in quant} == {1, 64, 512, 4096}
@@ -51,6 +52,12 @@ def test_bench_cases_figures():
         names = {p.name for p in c.providers}
         assert {"opmap-triton", "torch-loop", "torch-grouped-mm"} <= names
         assert ("cublas-dense-same-flops" in names) == (T > 64)
+        # the TMA route at prefill sizes, with a variant row at the row tile its plan does not pick
+        assert ("opmap-triton-tma+graph" in names) == (T > 64)
+        if T > 64:
+            other = 128 if pick_bm(T * k, E) == 64 else 64
+            assert f"opmap-triton-tma[bm={other}]+graph" in names
+            assert sum(n.startswith("opmap-triton-tma[bm=") for n in names) == 1
     # The hit count is that of the routing the setup draws.
     logits = bench_moe._logits(64, 128, 1064)
     assert bench_moe._experts_hit(logits, 8) == torch.unique(logits.topk(8, -1).indices).numel()

@@ -1,4 +1,4 @@
-"""MoE benchmark cases: Mixtral-8x7B and Qwen3-30B-A3B expert shapes at 1, 64 and 4096 tokens,
+"""MoE benchmark cases: Mixtral-8x7B and Qwen3-30B-A3B expert shapes at 1, 64, 512 and 4096 tokens,
 bf16, routing included in every provider's time.
 
 FLOPs count only the routed work: 2 * T * top_k * 3 * H * I (gate, up and down per pair).
@@ -33,8 +33,10 @@ MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
-TOKENS = (1, 64, 4096)
-QUANT_TOKENS = (1, 64, 512, 4096)  # 512: between the decode and the prefill route of quantised experts
+# 512: between the decode and the prefill routes (the quantised experts' dequantising route, the
+# TMA route of 16-bit ones)
+TOKENS = (1, 64, 512, 4096)
+QUANT_TOKENS = TOKENS
 
 
 def _logits(T: int, E: int, seed: int) -> torch.Tensor:
@@ -146,7 +148,7 @@ def cases(quick: bool) -> list[BenchCase]:
     arch = hw.local_arch()
     out = []
     for model, (E, k, H, I) in MODELS.items():
-        for T in QUANT_TOKENS:  # TOKENS among them
+        for T in QUANT_TOKENS:
             seed = 1000 + T
             hit = _experts_hit(_logits(T, E, seed), k)
             flops = 2.0 * T * k * 3 * H * I

@@ -105,9 +105,9 @@ def _bad_input(backend, device):
     return run
 
 
-def _graph_replay(device):
+def _graph_replay(device, backend="triton"):
     def run():
-        moe = triton_moe
+        moe = triton_moe if backend == "triton" else registry.get("moe", backend).fn("moe")
         x, logits, w13, w2 = _inputs(device, 48, 256, 128, 16, torch.bfloat16)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -139,7 +139,7 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     out = []
     out.append(CheckCase("parity", "moe", "reference", "vs HF MixtralSparseMoeBlock,T=19,H=64,I=96,E=8,k=2",
                          _vs_hf_mixtral(device), tags=("moe",)))
-    for name in ("triton", "torch-grouped-mm", "torch-loop"):
+    for name in ("triton", "triton-tma", "torch-grouped-mm", "torch-loop"):
         for dt in dtypes:
             spec = MoESpec(arch=arch, dtype=dt, weight_dtype=dt, hidden=48, intermediate=40)
             if not _runnable(name, spec):
@@ -180,14 +180,16 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
                                      _quantised(name, device, dtype=qdt, fmt=fmt, span=span, zp=zp, **kw),
                                      quick=kw["T"] < 100, tags=("moe",)))
     # Errors are raised before anything launches, so every registered backend is probed.
-    for name in ("reference", "triton", "dequant-triton", "torch-grouped-mm", "torch-loop"):
+    for name in ("reference", "triton", "triton-tma", "dequant-triton", "torch-grouped-mm", "torch-loop"):
         out.append(CheckCase("input", "moe", name, "top_k > E, hidden mismatch, wrong shapes",
                              _bad_input(name, device), tags=("moe",)))
-    if device == "cuda" and _runnable("triton", MoESpec(arch=arch)):
-        out.append(CheckCase("graph", "moe", "triton", "CUDA-graph replay with new routing,T=48,E=16,k=4",
-                             _graph_replay(device), device="cuda", tags=("moe",)))
+    if device == "cuda":
+        for name in ("triton", "triton-tma"):
+            if _runnable(name, MoESpec(arch=arch, hidden=256, intermediate=128)):
+                out.append(CheckCase("graph", "moe", name, "CUDA-graph replay with new routing,T=48,E=16,k=4",
+                                     _graph_replay(device, name), device="cuda", tags=("moe",)))
         real = MoESpec(arch=arch, num_experts=128, top_k=8, hidden=2048, intermediate=768)
-        for name in ("triton", "torch-grouped-mm", "torch-loop"):
+        for name in ("triton", "triton-tma", "torch-grouped-mm", "torch-loop"):
             if _runnable(name, real):
                 out.append(CheckCase("parity", "moe", name, "qwen3-30b-a3b shapes,T=64,dtype=bf16",
                                      _parity(name, device, 64, 2048, 768, 128, 8, torch.bfloat16, race_T=8),
