@@ -9,15 +9,9 @@ from opmap.core.contract import InputError
 from opmap.core.tolerance import assert_close
 from opmap.ops.moe import reference
 from opmap.ops.moe.reference import quantize_experts
+from test_moe_triton import _weights
 
 tma_moe = pytest.importorskip("opmap.kernels.moe.tma_moe")
-
-
-def _weights(E, H, I, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(dtype)
-    return w13, w2
 
 
 CASES = [
@@ -92,7 +86,7 @@ def test_the_backend_declares_the_rows_it_needs():
     assert b.validate(ok) == []
     bad = MoESpec(arch="sm90", phase="prefill", num_experts=8, top_k=2, hidden=2048, intermediate=1410,
                   dtype="bf16", weight_dtype="bf16", tokens=4096)
-    assert any("16 bytes" in r for r in b.validate(bad))
+    assert any("16-byte rows" in r for r in b.validate(bad))
     quant = MoESpec(arch="sm90", phase="prefill", num_experts=8, top_k=2, hidden=2048, intermediate=768,
                     dtype="bf16", weight_dtype="int4", group_size=128, tokens=4096)
     assert b.validate(quant)

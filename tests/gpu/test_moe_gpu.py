@@ -114,61 +114,40 @@ def test_fp16_odd_sizes(backend, I):
     _check(out, x, logits, w13, w2, k, f"{backend} fp16 odd sizes")
 
 
-@pytest.mark.parametrize("config", [None, {"BM": 128}, {"FLATTEN": 0}, {"per_sm": 2, "num_stages": 2}, {"BN": 64}])
-def test_tma_route_configs_no_host_sync_and_cuda_graph_replay(config):
-    from opmap.kernels.moe.tma_moe import moe
-
-    E, k, H, I, T = 16, 4, 512, 256, 700
-    w13, w2 = _weights(E, H, I)
-    x, logits = _inputs(T, H, E)
-    moe(x, logits, w13, w2, k, config=config)  # compile outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = moe(x, logits, w13, w2, k, config=config)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    _check(out, x, logits, w13, w2, k, f"tma eager {config}")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        moe(x, logits, w13, w2, k, config=config)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe(x, logits, w13, w2, k, config=config)
-    for seed in (5, 6):  # new routing each replay: the captured grid must cover any routing
-        x2, l2 = _inputs(T, H, E, seed=seed)
-        if seed == 6:
-            l2[:, 0] += 100.0
-        x.copy_(x2)
-        logits.copy_(l2)
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, x, logits, w13, w2, k, f"tma graph replay seed={seed} {config}")
-
-
-def test_triton_no_host_sync_and_cuda_graph_replay():
+def _triton_moe(x, logits, w13, w2, k, config=None):
     from opmap.kernels.moe.triton_moe import moe
 
-    E, k, H, I, T = 16, 4, 512, 256, 48
+    return moe(x, logits, w13, w2, k)
+
+
+def _tma_moe(x, logits, w13, w2, k, config=None):
+    from opmap.kernels.moe.tma_moe import moe
+
+    return moe(x, logits, w13, w2, k, config=config)
+
+
+@pytest.mark.parametrize("moe,T,config", [(_triton_moe, 48, None)] + [
+    (_tma_moe, 700, c) for c in (None, {"BM": 128}, {"FLATTEN": 0}, {"per_sm": 2, "num_stages": 2}, {"BN": 64})])
+def test_no_host_sync_and_cuda_graph_replay(moe, T, config):
+    E, k, H, I = 16, 4, 512, 256
     w13, w2 = _weights(E, H, I)
     x, logits = _inputs(T, H, E)
-    moe(x, logits, w13, w2, k)  # compile outside the checks
+    moe(x, logits, w13, w2, k, config)  # compile outside the checks
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        moe(x, logits, w13, w2, k)
+        out = moe(x, logits, w13, w2, k, config)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    _check(out, x, logits, w13, w2, k, f"eager {config}")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        moe(x, logits, w13, w2, k)
+        moe(x, logits, w13, w2, k, config)
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe(x, logits, w13, w2, k)
+        out = moe(x, logits, w13, w2, k, config)
     for seed in (5, 6):  # new routing each replay: the captured grid must cover any routing
         x2, l2 = _inputs(T, H, E, seed=seed)
         if seed == 6:
@@ -177,7 +156,7 @@ def test_triton_no_host_sync_and_cuda_graph_replay():
         logits.copy_(l2)
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, x, logits, w13, w2, k, f"graph replay seed={seed}")
+        _check(out, x, logits, w13, w2, k, f"graph replay seed={seed} {config}")
 
 
 @pytest.mark.parametrize("backend", ["triton", "triton-tma"])

@@ -73,13 +73,18 @@ def _grouped_mm_cuda_dtype(spec):
     return None
 
 
-def _grouped_mm_alignment(spec):
-    # Row strides of both operands must be multiples of 16 bytes (CPU and CUDA kernels alike).
+def _rows_of_16_bytes(spec, who: str):
+    """Why ``who`` cannot read the experts' rows (hidden and intermediate not in 16-byte rows), or None."""
     per16 = 4 if spec.dtype == "fp32" else 8
     if spec.hidden % per16 or spec.intermediate % per16:
-        return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: torch._grouped_mm needs "
-                f"both to be multiples of {per16} for {spec.dtype} (16-byte rows)")
+        return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: {who} needs both to be multiples "
+                f"of {per16} for {spec.dtype} (16-byte rows)")
     return None
+
+
+def _grouped_mm_alignment(spec):
+    # Row strides of both operands must be multiples of 16 bytes (CPU and CUDA kernels alike).
+    return _rows_of_16_bytes(spec, "torch._grouped_mm")
 
 
 def _grouped_mm_available() -> Optional[str]:
@@ -202,11 +207,7 @@ registry.register(Backend(
 
 
 def _tma_rows(spec):
-    per16 = 4 if spec.dtype == "fp32" else 8
-    if spec.hidden % per16 or spec.intermediate % per16:
-        return (f"hidden={spec.hidden}, intermediate={spec.intermediate}: TMA rows need multiples of {per16} "
-                f"elements for {spec.dtype} (16 bytes)")
-    return None
+    return _rows_of_16_bytes(spec, "TMA")
 
 
 registry.register(Backend(
