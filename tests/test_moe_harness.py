@@ -33,7 +33,7 @@ def test_bench_cases_figures():
     cs = [c for c in all_cases if c.op == "moe"]
     assert len(cs) == 8
     quant = [c for c in all_cases if c.op == "moe.quant"]
-    # each token count of QUANT_TOKENS (512 besides the dense op's) with int4 and with block-fp8 experts
+    # each token count of TOKENS with int4 and with block-fp8 experts
     assert len(quant) == 16 and {c.spec.tokens for c in quant} == {1, 64, 512, 4096}
     for c in quant:
         kv = dict(p.split("=") for p in c.case.split(","))

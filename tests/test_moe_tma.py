@@ -9,7 +9,7 @@ from opmap.core.contract import InputError
 from opmap.core.tolerance import assert_close
 from opmap.ops.moe import reference
 from opmap.ops.moe.reference import quantize_experts
-from test_moe_triton import _weights
+from test_moe_triton import _weights, routed_case
 
 tma_moe = pytest.importorskip("opmap.kernels.moe.tma_moe")
 
@@ -29,14 +29,7 @@ CASES = [
                          ids=[f"T{c[0]}-H{c[1]}-I{c[2]}-E{c[3]}-k{c[4]}-{str(c[5])[6:]}" for c in CASES])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_tma_route_matches_reference(T, H, I, E, k, dtype, kw, config):
-    kw = dict(kw)
-    if kw.pop("bias", False):
-        kw["score_bias"] = torch.randn(E) * 0.1
-    w13, w2 = _weights(E, H, I, dtype, seed=T)
-    x = torch.randn(T, H).to(dtype)
-    logits = torch.randn(T, E)
-    if E > k + 1:
-        logits[:, E - 1] = -1e4  # the last expert receives zero tokens
+    x, logits, w13, w2, kw = routed_case(T, H, I, E, k, dtype, kw)
     got = tma_moe.moe(x, logits, w13, w2, k, config=config, **kw)
     want = reference.moe(x.float(), logits, w13.float(), w2.float(), k, **kw)
     assert got.dtype == dtype and got.shape == (T, H)

@@ -48,6 +48,20 @@ def test_align_all_pairs_on_one_expert():
     _check_alignment(ids, 8, 16)
 
 
+def routed_case(T, H, I, E, k, dtype, kw):
+    """A case's inputs: (x, logits, w13, w2, routing kwargs); ``kw``'s ``bias`` becomes a score bias,
+    and where E > k + 1 the last expert receives zero tokens."""
+    kw = dict(kw)
+    if kw.pop("bias", False):
+        kw["score_bias"] = torch.randn(E) * 0.1
+    w13, w2 = _weights(E, H, I, dtype, seed=T)
+    x = torch.randn(T, H).to(dtype)
+    logits = torch.randn(T, E)
+    if E > k + 1:
+        logits[:, E - 1] = -1e4
+    return x, logits, w13, w2, kw
+
+
 CASES = [
     # T, H, I, E, top_k, dtype, routing kwargs
     (1, 32, 24, 8, 2, torch.float16, {}),
@@ -64,14 +78,7 @@ CASES = [
 # SiLU of a large negative fp16 input: exp(-x) overflows to inf, and x / (1 + inf) is the right 0
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 def test_triton_matches_reference(T, H, I, E, k, dtype, kw):
-    kw = dict(kw)
-    if kw.pop("bias", False):
-        kw["score_bias"] = torch.randn(E) * 0.1
-    w13, w2 = _weights(E, H, I, dtype, seed=T)
-    x = torch.randn(T, H).to(dtype)
-    logits = torch.randn(T, E)
-    if E > k + 1:
-        logits[:, E - 1] = -1e4  # the last expert receives zero tokens
+    x, logits, w13, w2, kw = routed_case(T, H, I, E, k, dtype, kw)
     got = triton_moe.moe(x, logits, w13, w2, k, **kw)
     want = reference.moe(x.float(), logits, w13.float(), w2.float(), k, **kw)
     assert got.dtype == dtype and got.shape == (T, H)

@@ -22,7 +22,6 @@ descriptors' bounds on both operands, so every stored value is exact to the K it
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -32,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
+from opmap.kernels.gluon_util import sm_figures
 from opmap.kernels.moe.align import align
 from opmap.kernels.moe.grouped_gemm import combine
 from opmap.kernels.moe.route_triton import launch as route_launch
@@ -135,7 +135,7 @@ def pick_bm(n_pairs: int, num_experts: int) -> int:
 
 
 def plan(n_pairs: int, num_experts: int, config=None) -> dict:
-    cfg = tile_config(CONFIG, config) if config else dict(CONFIG)
+    cfg = tile_config(CONFIG, config)
     bm = cfg["BM"] or pick_bm(n_pairs, num_experts)
     expect(bm in ROW_TILES, "config", f"BM={bm}", f"one of {ROW_TILES}")
     out = _defaults(bm)
@@ -150,11 +150,6 @@ def plan(n_pairs: int, num_experts: int, config=None) -> dict:
            f"num_warps={out['num_warps']}, num_stages={out['num_stages']}, per_sm={out['per_sm']}",
            "4 or 8 warps, 1-6 stages, 1-4 programs an SM")
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
@@ -194,7 +189,8 @@ def experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                                    BR=br, BH=bh, num_warps=4)
     inter = torch.empty(rows, I, dtype=x.dtype, device=x.device)
     bn, bk = p["BN"], p["BK"]
-    programs = _sms(x.device) * p["per_sm"]
+    # the interpreter's 4 programs walk several tiles each, as a GPU's do
+    programs = (sm_figures(x.device)[0] if x.device.type == "cuda" else 4) * p["per_sm"]
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     common = dict(PRECISION=precision, BM=bm, BN=bn, BK=bk, GROUP_M=8, FLATTEN=bool(p["FLATTEN"]),
                   num_warps=p["num_warps"], num_stages=p["num_stages"])

@@ -205,7 +205,6 @@ registry.register(Backend(
 ))
 
 
-
 def _tma_rows(spec):
     return _rows_of_16_bytes(spec, "TMA")
 

@@ -34,9 +34,8 @@ MODELS = {  # name: (experts, top_k, hidden, intermediate)
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
 # 512: between the decode and the prefill routes (the quantised experts' dequantising route, the
-# TMA route of 16-bit ones)
+# TMA route of 16-bit ones); the 16-bit op and the quantised one at each
 TOKENS = (1, 64, 512, 4096)
-QUANT_TOKENS = TOKENS
 
 
 def _logits(T: int, E: int, seed: int) -> torch.Tensor:
@@ -148,21 +147,20 @@ def cases(quick: bool) -> list[BenchCase]:
     arch = hw.local_arch()
     out = []
     for model, (E, k, H, I) in MODELS.items():
-        for T in QUANT_TOKENS:
+        for T in TOKENS:
             seed = 1000 + T
             hit = _experts_hit(_logits(T, E, seed), k)
             flops = 2.0 * T * k * 3 * H * I
             nbytes = hit * 3 * H * I * 2 + 2 * T * H * 2 + T * E * 4
             phase = "prefill" if T > 64 else "decode"
-            if T in TOKENS:
-                out.append(BenchCase(
-                    op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
-                    flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed),
-                    providers=providers(T > 64, next(b for b in ROW_TILES if b != pick_bm(T * k, E))),
-                    bound="compute" if flops / nbytes > 200 else "memory",
-                    spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
-                                 dtype="bf16", weight_dtype="bf16", tokens=T),
-                    tags=("moe",)))
+            out.append(BenchCase(
+                op="moe", case=f"model={model},T={T},E={E},k={k},H={H},I={I},hit={hit},dtype=bf16",
+                flops=flops, bytes=float(nbytes), setup=_setup(T, E, k, H, I, seed),
+                providers=providers(T > 64, next(b for b in ROW_TILES if b != pick_bm(T * k, E))),
+                bound="compute" if flops / nbytes > 200 else "memory",
+                spec=MoESpec(arch=arch, phase=phase, num_experts=E, top_k=k, hidden=H, intermediate=I,
+                             dtype="bf16", weight_dtype="bf16", tokens=T),
+                tags=("moe",)))
             for fmt, wbytes in (("int4", 0.5 + 2 / INT4_GROUP), ("fp8-block", 1 + 4 / 128 ** 2)):
                 qbytes = hit * 3 * H * I * wbytes + 2 * T * H * 2 + T * E * 4
                 tag = f"int4-g{INT4_GROUP}" if fmt == "int4" else "fp8-block128"
