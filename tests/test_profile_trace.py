@@ -271,6 +271,34 @@ def test_a_step_longer_than_the_median_is_prefill_only_if_its_launches_grew():
     assert profile_steps.label(decode[0], median_busy, medians) == ("decode", "low")
 
 
+def test_a_host_only_step_without_shapes_is_prefill_only_if_its_launches_differ_or_took_twice_the_time():
+    """With no sizes recorded, a step over the median busy time that ran the run's common launches
+    (the decode loop's set) in under twice the median time is a warm-up or host jitter (a later
+    generate call's decode step read as a prefill); one that launched a set of its own (an HF
+    prefill's mask and cache set-up) or took twice the time is a prefill. Without a set most
+    steps share, the busy time alone decides."""
+    def step(t0, dur, names):
+        ks = [trace.Kernel(n, t0 + 10 * i, dur, launcher=n) for i, n in enumerate(names)]
+        return {"name": None, "ts": t0, "end": t0 + 100, "kernels": ks}
+
+    loop = ["aten::linear", "aten::silu", "aten::linear", "aten::argmax"]
+    decode = [step(1000 * i, 2.0, loop) for i in range(6)]
+    jitter, slow = step(9000, 2.6, loop), step(10000, 4.4, loop)
+    prompt = step(11000, 2.6, ["aten::triu"] + loop)
+    steps = decode + [jitter, slow, prompt]
+    medians, common = profile_steps.grid_medians(steps), profile_steps.common_launches(steps)
+    assert common is not None and medians == {}
+    median_busy = 8.0  # four launches of 2 us
+    assert profile_steps.label(jitter, median_busy, medians, common) == ("decode", "low")
+    assert profile_steps.label(slow, median_busy, medians, common) == ("prefill", "low")
+    assert profile_steps.label(prompt, median_busy, medians, common) == ("prefill", "low")
+    assert profile_steps.label(decode[0], median_busy, medians, common) == ("decode", "low")
+    # no set of launches shared by more steps than any other: the busy time decides
+    alone = [step(0, 2.0, loop), step(1000, 2.0, ["aten::mm"] + loop), step(2000, 2.0, ["aten::bmm"] + loop)]
+    assert profile_steps.common_launches(alone) is None
+    assert profile_steps.label(jitter, median_busy, {}, None) == ("prefill", "low")
+
+
 def test_kernels_another_thread_launched_during_a_step_join_it():
     """A kernel launched with no step range open on its thread (autograd's backward, a pipeline's
     second stream) belongs to the step whose range was open when it was launched; one launched

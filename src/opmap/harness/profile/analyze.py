@@ -14,7 +14,7 @@ from opmap.harness.profile import attribute
 from opmap.harness.profile import ours
 from opmap.harness.profile import rules as diagnosis
 from opmap.harness.profile import symbols
-from opmap.harness.profile.steps import busy, grid_medians, label, measure, steps_of, union
+from opmap.harness.profile.steps import busy, common_launches, grid_medians, label, measure, steps_of, union
 from opmap.harness.profile.trace import Trace
 
 _OP_BACKEND = re.compile(r"^opmap::(\w+)::[^:]*::([\w.-]+)$")
@@ -117,13 +117,14 @@ def analyze(trace: Trace, top: int = 5, steps=None) -> dict:
     steps = steps_of(trace) if steps is None else steps
     median_busy = statistics.median([busy(s["kernels"]) for s in steps]) if len(steps) > 1 else 0.0
     medians = grid_medians(steps)
+    common = common_launches(steps)
     phases: dict = {}
     libs: dict = defaultdict(Counter)
     evidence = Counter()
     total = 0.0
     for s in steps:
         wall = s["wall_ms"]
-        ph, conf = label(s, median_busy, medians)
+        ph, conf = label(s, median_busy, medians, common)
         p = phases.setdefault(ph, _new_phase())
         p["steps"] += 1
         p["confidence"][conf] += 1

@@ -238,17 +238,44 @@ def grown(step: dict, medians: dict, factor: float = GRID_PREFILL) -> tuple[int,
     return big, big / len(common) if common else 0.0
 
 
+def _launches(step: dict) -> tuple:
+    """The step's launches as (kernel name, count) pairs, sorted; kept in the step."""
+    if "launches" not in step:
+        counts: dict = {}
+        for k in step["kernels"]:
+            counts[k.name] = counts.get(k.name, 0) + 1
+        step["launches"] = tuple(sorted(counts.items()))
+    return step["launches"]
+
+
+def common_launches(steps: list) -> Optional[tuple]:
+    """The launches (``_launches``) that more steps ran than any other set, where at least two
+    steps ran them: a decode loop repeats one set of launches, a prefill adds its own (a mask, a
+    cache's set-up)."""
+    counts: dict = {}
+    for s in steps:
+        counts[_launches(s)] = counts.get(_launches(s), 0) + 1
+    ranked = sorted(counts.values(), reverse=True)
+    if not ranked or ranked[0] < 2 or (len(ranked) > 1 and ranked[1] == ranked[0]):
+        return None
+    return max(counts, key=counts.get)
+
+
 # Kernels whose sizes a step must share with the run's median step before the sizes, not its busy
 # time, say it covers no more rows (a host-only trace's busy time varies by a fifth step to step).
 SIZED_KERNELS = 3
 
 
-def label(step: dict, median_busy_us: float, medians: Optional[dict] = None) -> tuple[str, str]:
+def label(step: dict, median_busy_us: float, medians: Optional[dict] = None,
+          common: Optional[tuple] = None) -> tuple[str, str]:
     """(phase, confidence) of a step: from its range name (high), from the attention kernels it
     ran (medium), from its kernels' grids against the same kernels' in the other steps (medium:
     ``medians`` from grid_medians; a prefill step's elementwise, norm and GEMM launches cover
     the prompt's rows), else from its GPU busy time against the run's median step (low: a
-    prefill step computes over the prompt, a decode step over one token per sequence)."""
+    prefill step computes over the prompt, a decode step over one token per sequence). A step
+    over the median busy time stays decode where its launches' sizes match the median step's,
+    or, with no sizes recorded, where it ran the run's ``common`` launches (common_launches) in
+    under twice the median time: warm-up and host jitter, not a prompt's rows."""
     name = step["name"] or ""
     m = re.match(r"^opmap::step::(\w+)$", name)
     if m:
@@ -269,7 +296,10 @@ def label(step: dict, median_busy_us: float, medians: Optional[dict] = None) -> 
         return "decode", "low"
     # longer than the median step: a prompt's rows, unless its launches are the median step's sizes
     sized = sum(n in (medians or {}) for n in _grids(step))
-    same = sized >= SIZED_KERNELS and grown(step, medians, 2.0)[0] == 0
+    if sized >= SIZED_KERNELS:
+        same = grown(step, medians, 2.0)[0] == 0
+    else:
+        same = common is not None and _launches(step) == common and busy(step["kernels"]) < 2 * median_busy_us
     return ("decode" if same else "prefill"), "low"
 
 
