@@ -1,11 +1,13 @@
-"""The TMA attention prefill on the GPU (kernels/attention/prefill_tma.py, the triton-tma backend), in
-its own file so that a kernel fault here cannot take the other attention GPU tests' process down
+"""The TMA attention prefills on the GPU (kernels/attention/prefill_tma.py, the triton-tma backend;
+kernels/attention/prefill_ws.py, the Gluon warp-specialised gluon-ws backend), in
+their own file so that a kernel fault here cannot take the other attention GPU tests' process down
 with it. Helpers and cases from test_attention_gpu."""
 import pytest
 
 from opmap.core import registry
 from opmap.kernels.attention import prefill as P
 from opmap.kernels.attention import prefill_tma as T
+from opmap.kernels.attention import prefill_ws as W
 from opmap.ops.attention import reference as R
 from opmap.harness.fixtures.attention import make_paged, make_query
 
@@ -66,3 +68,59 @@ def test_prefill_selected_backend_runs_its_kernel(monkeypatch, page, fp8, tma):
     ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
     _close(out, ref, scale=2.0 if fp8 else 1.0)
     _lse_ok(lse, ref_lse)
+
+
+WS_PREFILL = TMA_PREFILL + [
+    # pages smaller than a 128-key tile: several TMA boxes a tile, each a page of its own
+    ("b4-gqa-page16-edges", [15, 16, 17, 2049], [15, 16, 1, 2049], 16, 32, 8, 128, None, None, True),
+    ("b2-page32-d64-window", [1000, 33], [1000, 33], 32, 16, 16, 64, 200, None, True),
+    ("b1-group7-page64", [513], [513], 64, 28, 4, 128, None, None, True),
+]
+
+
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 64}, {"BLOCK_N": 64, "STAGES": 3}], ids=["default", "bn64", "bn64-s3"])
+@pytest.mark.parametrize("case", WS_PREFILL, ids=[c[0] for c in WS_PREFILL])
+def test_prefill_ws(case, config):
+    """The Gluon warp-specialised prefill (gluon-ws) in bf16 on real shapes, at each tile its bench
+    times: NaN in every slot past a length (the last tile's V rows there are zeroed before P @ V),
+    shared and shuffled pages; against the fp32 reference and the gather kernel (triton)."""
+    _, seq, ql, page, hq, hk, d, win, cap, causal = case
+    pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)
+    q, cu = make_query(ql, hq, d, dtype=BF, device=DEV)
+    kw = dict(scale=d ** -0.5, window=win, soft_cap=cap, causal=causal, return_lse=True)
+    out, lse = registry.get("attention", "gluon-ws")("prefill", q, pc.k_cache, pc.v_cache, cu, pc.seq_lens,
+                                                      pc.block_tables, config=config, **kw)
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, ref)
+    _lse_ok(lse, ref_lse)
+    plain, _ = P.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, plain.float(), what="warp-specialised vs gather kernel")
+
+
+def test_prefill_ws_page_ids_outside_the_cache_read_zeros_and_graph_replay_matches():
+    """A page id past the cache or negative reads zeros through the descriptor (never other memory);
+    the launch has no host sync, so it replays under a CUDA graph to the eager output after the
+    query and the cache change in place."""
+    import torch
+
+    pc = make_paged([300, 77], 8, 128, 64, dtype=BF, shared=True, poison=True, device=DEV)
+    q, cu = make_query([300, 77], 32, 128, dtype=BF, device=DEV)
+    args = (cu, pc.seq_lens, pc.block_tables)
+    for bad in (pc.k_cache.shape[0] + 5, -3):
+        bt = pc.block_tables.clone()
+        bt[1, :] = bad
+        out = W.prefill(q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, bt, scale=0.1)
+        assert torch.all(out[300:] == 0), bad
+        assert torch.isfinite(out[:300]).all()
+    fn = registry.get("attention", "gluon-ws").fn("prefill")
+    fn(q, pc.k_cache, pc.v_cache, *args, scale=0.1)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn(q, pc.k_cache, pc.v_cache, *args, scale=0.1)
+    q.copy_(torch.randn_like(q))
+    pc.k_cache.copy_(torch.randn_like(pc.k_cache))
+    g.replay()
+    torch.cuda.synchronize()
+    want = fn(q, pc.k_cache, pc.v_cache, *args, scale=0.1)
+    assert torch.equal(out, want)

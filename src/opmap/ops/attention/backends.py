@@ -109,7 +109,8 @@ def _gluon_available() -> Optional[str]:
 def _group_at_most(n):
     def fn(spec):
         if spec.num_heads // spec.num_kv_heads > n:
-            return f"{spec.num_heads // spec.num_kv_heads} query heads per KV head (at most {n}: one 16-row tile)"
+            return (f"{spec.num_heads // spec.num_kv_heads} query heads per KV head (at most {n}: a KV head's "
+                    "query heads share one tile of query rows)")
         return None
 
     return fn
@@ -163,6 +164,23 @@ register(Backend(
     notes=("varlen prefill whose K/V tiles are one TMA box each (one page id a tile, no per-row addresses); "
            "the cache's rows 16-byte aligned (an InputError otherwise); the interpreter runs it with small "
            "tiles (cpu: for tests, below triton)"),
+))
+
+register(Backend(
+    op="attention", name="gluon-ws", provider="opmap-triton", version=triton_version,
+    priority={"sm90": 45}, available=_gluon_available,
+    basis={"sm90": Basis("convention: below triton until its prefill rows are in the baseline")},
+    impl={"prefill": "opmap.kernels.attention.prefill_ws:prefill"},
+    reqs=(*TRITON_COMMON,
+          Req("phase", ("prefill",), "prefill (mixed steps: the gather kernel's, triton)"),
+          Req("page_size", (16, 32, 64, 128), "pages of 16 to 128 keys (whole TMA boxes of one page)"),
+          Req("dtype", ("fp16", "bf16")),
+          Req("head_dim", (64, 128), "head_dim 64 or 128 (the tiles its GPU tests cover)")),
+    checks=(KV_SAME, DV_SAME, Check("at most 128 query heads per KV head", _group_at_most(128), "num_heads")),
+    notes=("varlen prefill in Gluon with FlashAttention-3's structure: a producer warp issues the K/V TMA boxes "
+           "into a ring of stages behind mbarriers, two consumer warpgroups run warpgroup MMAs and overlap each "
+           "tile's softmax with the previous tile's P @ V; sm90 only; the cache's rows 16-byte aligned (an "
+           "InputError otherwise)"),
 ))
 
 register(Backend(

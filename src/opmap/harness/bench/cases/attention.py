@@ -11,7 +11,7 @@ GEMM ceiling.
 
 Providers: ours on the paged cache, one row per backend whose kernel can serve the case
 (``opmap-triton``: the gather prefill and the Triton decode; ``opmap-triton-tma``: the TMA prefill
-on pages of 64; ``opmap-gluon-fp8``: the Gluon decode on fp8 caches), decode under CUDA-graph replay
+on pages of 64; ``opmap-gluon-ws``: the Gluon warp-specialised prefill; ``opmap-gluon-fp8``: the Gluon decode on fp8 caches), decode under CUDA-graph replay
 with a persistent workspace; also the fixed-split batch-invariant mode in the full run; PyTorch SDPA with each CUDA backend
 on contiguous [B, H, S, D] K/V made from the same data outside the timing (enable_gqa; where a
 backend refuses unequal head counts the provider fails with the reason, and a "repeat-kv"
@@ -88,11 +88,14 @@ VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, 
                         dict(PREFETCH=0)],
             # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
             # 64-row query blocks (two programs per SM)
-            "prefill_tma": [dict(num_stages=2), dict(BLOCK_M=64, num_warps=4)]}
+            "prefill_tma": [dict(num_stages=2), dict(BLOCK_M=64, num_warps=4)],
+            # the Gluon warp-specialised prefill on 64-key tiles, at two and three stages
+            "prefill_ws": [dict(BLOCK_N=64), dict(BLOCK_N=64, STAGES=3)]}
 
 
 def _tag(cfg):
-    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf"}
+    short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
+             "STAGES": "s"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
@@ -265,6 +268,11 @@ def _prefill_case(B, S, hk, quick=True, page=PAGE, fp8=False, hq=HQ, d=D):
         provs.append(Provider(_row("triton-tma"), _ours("triton-tma", "prefill"), backend=("attention", "triton-tma")))
         provs += [Provider(_row("triton-tma", _tag(c)), _ours("triton-tma", "prefill", config=c),
                            backend=("attention", "triton-tma")) for c in VARIANTS["prefill_tma"]]
+    if page >= 16 and not fp8:
+        # the Gluon warp-specialised kernel (TMA boxes of one page each, so pages of 16 too)
+        provs.append(Provider(_row("gluon-ws"), _ours("gluon-ws", "prefill"), backend=("attention", "gluon-ws")))
+        provs += [Provider(_row("gluon-ws", _tag(c)), _ours("gluon-ws", "prefill", config=c),
+                           backend=("attention", "gluon-ws")) for c in VARIANTS["prefill_ws"]]
     if not fp8:
         provs += [Provider(name, _sdpa(member, causal=True)) for name, member in SDPA]
         if hk != hq:

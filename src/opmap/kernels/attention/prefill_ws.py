@@ -1,0 +1,306 @@
+"""Varlen paged prefill in Gluon with FlashAttention-3's Hopper structure: backend ``gluon-ws``.
+
+Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics and outputs as
+``prefill_tma._prefill_tma_kernel``; what differs is who waits for what:
+
+- a producer warp (its own partition, few registers) walks the program's key tiles and issues
+  the TMA copies of K and V into a ring of ``STAGES`` shared-memory stages, each stage guarded by
+  a "full" barrier (the copies' bytes) and an "empty" one (the consumers are done with it);
+  a tile of BLOCK_N keys is BLOCK_N / BOX boxes, BOX = min(BLOCK_N, page) rows of one page, so
+  pages of 16 and 32 keys are read by TMA too;
+- the consumers (two warpgroups, 64 query rows each) run the MMAs as warpgroup MMAs with Q and
+  the K / V tiles straight from shared memory, and overlap each tile's softmax with the previous
+  tile's P @ V: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, the wait lets only
+  S_t finish (warpgroup MMAs complete in order), and the exponentials of tile t run while the
+  tensor cores still multiply tile t-1.
+
+The triton-tma kernel leaves that ordering to Triton's pipeliner, which waits for each tile's
+MMAs before the next softmax (docs/attention.md holds its measured bound).
+
+Rows past a sequence's length in its last page may hold anything, NaN included: scores of those
+keys are masked, and before the tile's P @ V the consumers zero those rows of the V tile in
+shared memory (0 * NaN would poison the output). Page ids past the sequence are clamped to its
+last page; ids outside the cache read as zeros (the descriptor's bounds), never other memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from opmap.core.contract import expect
+from opmap.kernels.attention.common import check_attention
+from opmap.kernels.attention.tiles import _kv_range, _locate
+from opmap.kernels.attention.tma import SMEM_BUDGET, cache_problem
+from opmap.kernels.gluon_util import hopper
+
+# Tiles: FA3's for head dim <= 128 on sm90 (128 query rows over two consumer warpgroups, 128-key
+# tiles, two stages); CONFIG names what ``config=`` may set.
+DEFAULTS = {"BLOCK_N": 128, "STAGES": 2}
+CONFIG = {"BLOCK_N": (64, 128), "STAGES": (2, 3)}
+BLOCK_M = 128
+CONSUMER_WARPS = 8
+
+
+def tile_config(config, d: int) -> dict:
+    """The tiles of a launch: DEFAULTS updated by ``config`` (an InputError for a key or value
+    outside CONFIG, or stages that do not fit in shared memory at head dim ``d``)."""
+    cfg = dict(DEFAULTS)
+    for k, v in (config or {}).items():
+        expect(k in CONFIG, "config", f"key {k!r}", f"one of {sorted(CONFIG)}")
+        expect(v in CONFIG[k], "config", f"{k}={v!r}", f"{k} in {CONFIG[k]}")
+        cfg[k] = v
+    need = smem_bytes(cfg, d)
+    expect(need <= SMEM_BUDGET, "config", f"{cfg} at head_dim {d} needs {need} bytes of shared memory",
+           f"at most {SMEM_BUDGET} (fewer STAGES or a smaller BLOCK_N)")
+    return cfg
+
+
+def smem_bytes(cfg: dict, d: int) -> int:
+    """Shared memory of a launch: Q, and K + V per stage (16-bit), the barriers aside."""
+    return 2 * d * (BLOCK_M + 2 * cfg["STAGES"] * cfg["BLOCK_N"])
+
+
+def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What this kernel needs beyond the common attention contract: an InputError naming the
+    argument, before any launch."""
+    expect(q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype,
+           "k_cache", f"dtype {k_cache.dtype} with q {q.dtype}", "bf16/fp16 K/V of q's dtype")
+    d, page = q.shape[2], k_cache.shape[1]
+    expect(d in (64, 128) and v_cache.shape[3] == d, "q", f"head_dim {d} (values {v_cache.shape[3]})",
+           "head_dim 64 or 128, values of the same width")
+    # pages are powers of two (check_attention): from 16 keys on, a page holds whole key tiles or
+    # a tile holds whole pages, and a TMA box of min(page, BLOCK_N) rows stays inside one page
+    expect(page >= 16, "k_cache", f"page size {page}", "pages of 16 keys or more (one TMA box of a page)")
+    why = cache_problem(k_cache, v_cache)
+    expect(why is None, "k_cache", f"strides {tuple(k_cache.stride())} / {tuple(v_cache.stride())}", why)
+    expect(q.is_cuda and hopper(q.device), "q", f"device {q.device}", "a CUDA sm90 device (warpgroup MMAs, TMA)")
+
+
+@gluon.jit
+def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, kvh,
+              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the K and V boxes of every key tile of the program, STAGES tiles ahead of the MMAs."""
+    BOX_L: gl.constexpr = K_DESC.layout
+    D: gl.constexpr = K_DESC.block_type.shape[3]
+    bt_row = bt_ptr + b.to(gl.int64) * s_bt
+    last_page = gl.maximum(kv_hi - 1, 0) // PAGE
+    n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    for t in range(n):
+        s = t % STAGES
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(s), 2 * BLOCK_N * D * K_DESC.dtype.primitive_bitwidth // 8)
+        for i in gl.static_range(BLOCK_N // BOX):
+            j = kv_lo + t * BLOCK_N + i * BOX
+            page = gl.load(bt_row + gl.minimum(j // PAGE, last_page))
+            dst_k = k_smem.index(s).slice(i * BOX, BOX)._reinterpret(K_DESC.dtype, [1, BOX, 1, D], BOX_L)
+            dst_v = v_smem.index(s).slice(i * BOX, BOX)._reinterpret(V_DESC.dtype, [1, BOX, 1, D], BOX_L)
+            tma.async_copy_global_to_shared(K_DESC, [page, j % PAGE, kvh, 0], full.index(s), dst_k)
+            tma.async_copy_global_to_shared(V_DESC, [page, j % PAGE, kvh, 0], full.index(s), dst_v)
+
+
+@gluon.jit
+def _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL: gl.constexpr,
+            HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr):
+    """Raw scores of the tile at ``start`` to the exp2 domain, masked where the tile needs it."""
+    if HAS_CAP:
+        x = sc * (scale / soft_cap)
+        e = gl.exp(-2.0 * gl.abs(x))
+        th = (1.0 - e) / (1.0 + e)
+        sc = soft_cap * gl.where(x >= 0, th, -th) * 1.4426950408889634
+    else:
+        sc = sc * qk_scale
+    if start >= full_end:
+        j = start + cols
+        ok = (j < kv_hi)[None, :]
+        if CAUSAL:
+            ok = ok & (j[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            ok = ok & (j[None, :] > qpos[:, None] - window)
+        sc = gl.where(ok, sc, float("-inf"))
+    return sc
+
+
+@gluon.jit
+def _zero_tail(v_tile, keep, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """Zero the rows of a V tile from ``keep`` on (keys past the sequence: see the module docstring)."""
+    TL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
+    v = v_tile.load(TL)
+    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TL))
+    v_tile.store(gl.where((r < keep)[:, None], v, gl.zeros_like(v)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
+              kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, n_heads,
+              GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
+              RETURN_LSE: gl.constexpr):
+    NW: gl.constexpr = gl.num_warps()
+    BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(0, O_L, 2)
+    QL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
+    dt: gl.constexpr = q_ptr.dtype.element_ty
+
+    # Q: this program's BLOCK_Q tokens times the GROUP query heads of kv head kvh, token-major
+    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
+    tok = local * BLOCK_Q + r // GROUP
+    ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
+    t64 = (q0 + tok).to(gl.int64)
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, QL))
+    q = gl.load(q_ptr + (t64 * s_qt + (kvh * GROUP + r % GROUP) * s_qh)[:, None] + dq[None, :], mask=ok[:, None],
+                other=0.0)
+    q_smem.store(q)
+    fence_async_shared()
+    gl.thread_barrier()
+
+    rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    qpos = L - q_len + local * BLOCK_Q + rs // GROUP
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+    qk_scale = scale * 1.4426950408889634
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BLOCK_M, D], gl.float32, O_L)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    if n > 0:
+        # tile 0: its scores alone
+        mbarrier.wait(full.index(0), 0)
+        tok0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=[tok0])
+        sc = _scores(sc, kv_lo, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL, HAS_WINDOW,
+                     HAS_CAP)
+        m_i = gl.max(sc, 1)
+        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
+        p = gl.exp2(sc - m_ref[:, None])
+        l_i = gl.sum(p, 1)
+        if kv_lo + BLOCK_N > L:
+            _zero_tail(v_smem.index(0), L - kv_lo, BLOCK_N, D, NW)
+        p16 = gl.convert_layout(p.to(dt), P_L)
+        for t in range(1, n):
+            s = t % STAGES
+            prev = (t - 1) % STAGES
+            start = kv_lo + t * BLOCK_N
+            mbarrier.wait(full.index(s), (t // STAGES) & 1)
+            s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            # MMAs retire in order: this lets S_t finish while P_{t-1} V_{t-1} runs on
+            sc = warpgroup_mma_wait(1, deps=[s_tok])
+            sc = _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL,
+                         HAS_WINDOW, HAS_CAP)
+            m_new = gl.maximum(m_i, gl.max(sc, 1))
+            m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_ref)
+            p = gl.exp2(sc - m_ref[:, None])
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            mbarrier.arrive(empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            if start + BLOCK_N > L:
+                _zero_tail(v_smem.index(s), L - start, BLOCK_N, D, NW)
+            p16 = gl.convert_layout(p.to(dt), P_L)
+        last = (n - 1) % STAGES
+        o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        mbarrier.arrive(empty.index(last), count=1)
+
+    RO: gl.constexpr = gl.SliceLayout(1, O_L)
+    l_o = gl.convert_layout(l_i, RO)
+    inv = gl.where(l_o > 0, 1.0 / gl.where(l_o > 0, l_o, 1.0), 0.0)
+    ro = gl.arange(0, BLOCK_M, layout=RO)
+    tok_o = local * BLOCK_Q + ro // GROUP
+    ok_o = (ro < BLOCK_Q * GROUP) & (tok_o < q_len)
+    t64o = (q0 + tok_o).to(gl.int64)
+    head_o = kvh * GROUP + ro % GROUP
+    do = gl.arange(0, D, layout=gl.SliceLayout(0, O_L))
+    gl.store(o_ptr + (t64o * s_ot + head_o * s_oh)[:, None] + do[None, :],
+             (acc * inv[:, None]).to(o_ptr.dtype.element_ty), mask=ok_o[:, None])
+    if RETURN_LSE:
+        m_o = gl.convert_layout(m_i, RO)
+        lse = gl.where(l_o > 0, (m_o + gl.log2(gl.where(l_o > 0, l_o, 1.0))) * 0.6931471805599453, float("-inf"))
+        gl.store(lse_ptr + t64o * n_heads + head_o, lse, mask=ok_o)
+
+
+@gluon.jit(do_not_specialize=["B"])  # per step (prefill._prefill_kernel)
+def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt_ptr,
+                       scale, soft_cap, window, B, s_qt, s_qh, s_ot, s_oh, s_bt,
+                       GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                       HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr):
+    BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
+    D: gl.constexpr = K_DESC.block_type.shape[3]
+    BOX: gl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE
+    pid = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (last) query blocks first
+    kvh = gl.program_id(1)
+    b, q0, q_len, local = _locate(cu_ptr, B, pid, BLOCK_Q)
+    if local * BLOCK_Q < q_len:
+        L = gl.load(sl_ptr + b)
+        kv_lo, full_end, kv_hi = _kv_range(L, q_len, local, window, BLOCK_Q, BLOCK_N, CAUSAL, HAS_WINDOW)
+        TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        q_smem = gl.allocate_shared_memory(K_DESC.dtype, [BLOCK_M, D], TILE)
+        k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
+        v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        gl.warp_specialize([
+            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
+                         kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh,
+                         GROUP * gl.num_programs(1), GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW,
+                         HAS_CAP, RETURN_LSE)),
+            (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, kvh, PAGE,
+                         BLOCK_N, BOX, STAGES)),
+        ], [1], [24])
+
+
+def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box: int):
+    """[pages, page, kv_heads, D] Gluon descriptors whose box is ``box`` rows of one kv head in one page."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, box, 1, c.shape[3]], layout)
+                 for c in (k_cache, v_cache))
+
+
+def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, *, scale, causal, window,
+           soft_cap, return_lse):
+    """Launch on inputs ``check_inputs`` accepted, with ``cfg`` from tile_config."""
+    T, hq, _ = q.shape
+    B, hk, page = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
+    if T == 0 or B == 0:
+        return
+    group = hq // hk
+    bn = cfg["BLOCK_N"]
+    kd, vd = descriptors(k_cache, v_cache, min(bn, page))
+    _prefill_ws_kernel[(T // (BLOCK_M // group) + B, hk)](
+        q, kd, vd, out, lse, cu_seqlens_q, seq_lens, block_tables,
+        float(scale), float(soft_cap or 1.0), int(window or 0), B,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
+        HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
+        num_warps=CONSUMER_WARPS)
+
+
+def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
+            window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
+    """The entry of prefill.prefill's signature. ``config``: BLOCK_N (64, 128) and STAGES (2, 3)."""
+    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
+                                            k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
+    T, hq, _ = q.shape
+    expect(hq // hk <= BLOCK_M, "q", f"{hq // hk} query heads per kv head", f"at most {BLOCK_M}")
+    cfg = tile_config(config, d)
+    check_inputs(q, k_cache, v_cache)
+    out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
+    launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale, causal=causal,
+           window=window, soft_cap=soft_cap, return_lse=return_lse)
+    return (out, lse) if return_lse else out

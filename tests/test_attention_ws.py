@@ -1,0 +1,75 @@
+"""The Gluon warp-specialised prefill (kernels/attention/prefill_ws.py, the gluon-ws backend) on the
+CPU: what its entry refuses before any launch (an InputError naming the argument), its tiles and
+what the backend declares. Its numbers are the GPU tests' (tests/gpu/test_attention_tma_gpu.py):
+Gluon kernels do not run in the interpreter."""
+import pytest
+import torch
+
+from opmap.core import registry
+from opmap.core.contract import InputError
+from opmap.core.specs import AttentionSpec
+from opmap.harness.fixtures.attention import make_paged, make_query
+from opmap.kernels.attention import prefill_ws as W
+from opmap.kernels.attention.tma import SMEM_BUDGET
+
+BF = torch.bfloat16
+
+
+def _args(page=64, dtype=BF, d=128, fp8=False):
+    pc = make_paged([130, 9], 2, d, page, dtype=dtype, fp8=fp8)
+    q, cu = make_query([130, 9], 8, d, dtype=torch.float32 if dtype == torch.float32 else BF)
+    return (q, pc.k_cache, pc.v_cache, cu, pc.seq_lens, pc.block_tables), pc
+
+
+def test_tiles_come_from_config_and_must_fit():
+    assert W.tile_config(None, 128) == W.DEFAULTS
+    assert W.tile_config({"BLOCK_N": 64, "STAGES": 3}, 128) == {"BLOCK_N": 64, "STAGES": 3}
+    # 128-key tiles at three stages: Q and 3 x (K + V) of 32 KB each, over the budget at d = 128
+    assert W.smem_bytes({"BLOCK_N": 128, "STAGES": 3}, 128) > SMEM_BUDGET
+    with pytest.raises(InputError, match="config.*shared memory"):
+        W.tile_config({"STAGES": 3}, 128)
+    assert W.tile_config({"STAGES": 3}, 64)["STAGES"] == 3
+    with pytest.raises(InputError, match="config.*key 'BLOCK_M'"):
+        W.tile_config({"BLOCK_M": 64}, 128)
+    with pytest.raises(InputError, match="config.*BLOCK_N=32"):
+        W.tile_config({"BLOCK_N": 32}, 128)
+
+
+def test_entry_refuses_what_the_kernel_cannot_read():
+    args, pc = _args()
+    # valid inputs on the CPU: refused for the device, after every check of the tensors
+    with pytest.raises(InputError, match="q.*device cpu.*sm90"):
+        W.prefill(*args, scale=0.1)
+    a8, _ = _args(page=8)
+    with pytest.raises(InputError, match="k_cache.*page size 8"):
+        W.prefill(*a8, scale=0.1)
+    a32, _ = _args(d=32)
+    with pytest.raises(InputError, match="q.*head_dim 32"):
+        W.prefill(*a32, scale=0.1)
+    f8, p8 = _args(fp8=True)
+    with pytest.raises(InputError, match="k_cache.*bf16/fp16"):
+        W.prefill(*f8, scale=0.1, **p8.kw)
+    f32, _ = _args(dtype=torch.float32)
+    with pytest.raises(InputError, match="k_cache.*bf16/fp16"):
+        W.prefill(*f32, scale=0.1)
+    q, kc, vc, cu, sl, bt = args
+    shifted = torch.zeros(kc.numel() + 4, dtype=BF)[4:].view(kc.shape)  # contiguous, 8 bytes off 16
+    with pytest.raises(InputError, match="k_cache.*16-byte aligned"):
+        W.prefill(q, shifted, shifted, cu, sl, bt, scale=0.1)
+    with pytest.raises(InputError, match="config"):
+        W.prefill(*args, scale=0.1, config={"num_warps": 4})
+
+
+def test_backend_declares_prefill_on_sm90_only():
+    b = registry.get("attention", "gluon-ws")
+    assert set(b.impl) == {"prefill"}
+    sm90 = AttentionSpec(arch="sm90", phase="prefill", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                         dtype="bf16", kv_dtype="bf16")
+    assert not b.validate(sm90)
+    for bad, field in [(dict(phase="decode"), "phase"), (dict(phase="mixed"), "phase"), (dict(page_size=8), "page_size"),
+                       (dict(kv_dtype="fp8"), "kv_dtype"), (dict(head_dim=256), "head_dim"),
+                       (dict(dtype="fp32", kv_dtype="fp32"), "dtype"), (dict(arch="sm80"), "arch")]:
+        assert b.validate(sm90.replace(**bad)), bad
+    # runs nowhere in the interpreter (Gluon), and ranks below triton until its rows are measured
+    assert b.available() is not None
+    assert b.priority["sm90"] < registry.get("attention", "triton").priority["sm90"]
