@@ -84,23 +84,35 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 @gluon.jit
 def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, kvh,
               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the K and V boxes of every key tile of the program, STAGES tiles ahead of the MMAs."""
+    """Issue the K and V boxes of every key tile of the program, STAGES tiles ahead of the MMAs.
+
+    A stage [BLOCK_N, D] under the 128-byte swizzle is D / 64 column chunks one after another, each
+    [BLOCK_N, 64] (128-byte rows); a box is [BOX, 64] of one chunk: rows i * BOX of page i's box,
+    columns 64 h, at chunk h's offset plus i * BOX rows. The stage is seen as those boxes in that
+    order, so each copy lands where the MMAs' view of the stage expects its rows."""
     BOX_L: gl.constexpr = K_DESC.layout
-    D: gl.constexpr = K_DESC.block_type.shape[3]
+    W: gl.constexpr = K_DESC.block_type.shape[3]  # 64: one swizzle span of 16-bit elements
+    D: gl.constexpr = k_smem.type.shape[2]
+    NB: gl.constexpr = BLOCK_N // BOX
+    CH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    dt: gl.constexpr = K_DESC.dtype
     bt_row = bt_ptr + b.to(gl.int64) * s_bt
     last_page = gl.maximum(kv_hi - 1, 0) // PAGE
     n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
     for t in range(n):
         s = t % STAGES
         mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(full.index(s), 2 * BLOCK_N * D * K_DESC.dtype.primitive_bitwidth // 8)
-        for i in gl.static_range(BLOCK_N // BOX):
+        mbarrier.expect(full.index(s), 2 * BLOCK_N * D * dt.primitive_bitwidth // 8)
+        k_st = k_smem.index(s)._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
+        v_st = v_smem.index(s)._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
+        for i in gl.static_range(NB):
             j = kv_lo + t * BLOCK_N + i * BOX
             page = gl.load(bt_row + gl.minimum(j // PAGE, last_page))
-            dst_k = k_smem.index(s).slice(i * BOX, BOX)._reinterpret(K_DESC.dtype, [1, BOX, 1, D], BOX_L)
-            dst_v = v_smem.index(s).slice(i * BOX, BOX)._reinterpret(V_DESC.dtype, [1, BOX, 1, D], BOX_L)
-            tma.async_copy_global_to_shared(K_DESC, [page, j % PAGE, kvh, 0], full.index(s), dst_k)
-            tma.async_copy_global_to_shared(V_DESC, [page, j % PAGE, kvh, 0], full.index(s), dst_v)
+            for h in gl.static_range(D // W):
+                dst_k = k_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
+                dst_v = v_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
+                tma.async_copy_global_to_shared(K_DESC, [page, j % PAGE, kvh, h * W], full.index(s), dst_k)
+                tma.async_copy_global_to_shared(V_DESC, [page, j % PAGE, kvh, h * W], full.index(s), dst_v)
 
 
 @gluon.jit
@@ -235,9 +247,9 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
                        scale, soft_cap, window, B, s_qt, s_qh, s_ot, s_oh, s_bt,
                        GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                       HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr):
+                       HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr):
     BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
-    D: gl.constexpr = K_DESC.block_type.shape[3]
+    D: gl.constexpr = HEAD_DIM
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE
     pid = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (last) query blocks first
     kvh = gl.program_id(1)
@@ -264,10 +276,14 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
         ], [1], [24])
 
 
+SPAN = 64  # 16-bit elements in one 128-byte swizzle span: a box's width
+
+
 def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box: int):
-    """[pages, page, kv_heads, D] Gluon descriptors whose box is ``box`` rows of one kv head in one page."""
+    """[pages, page, kv_heads, D] Gluon descriptors whose box is ``box`` rows of one kv head in one
+    page, SPAN columns wide (a head of 128 is two boxes side by side)."""
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
-    return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, box, 1, c.shape[3]], layout)
+    return tuple(TensorDescriptor(c, list(c.shape), list(c.stride()), [1, box, 1, SPAN], layout)
                  for c in (k_cache, v_cache))
 
 
@@ -287,7 +303,7 @@ def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
-        num_warps=CONSUMER_WARPS)
+        HEAD_DIM=q.shape[2], num_warps=CONSUMER_WARPS)
 
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
