@@ -1,9 +1,9 @@
 """MLA on the GPU (bf16, DeepSeek shapes: R = 512, Dr = 64; 16 and 128 heads) against the fp32
 reference, each decode kernel through its backend (mla-triton: the pointer kernel; mla-tma: the TMA
-kernel; mla-gluon-fp8: the Gluon fp8 kernel): page sizes 1/16/64 with shuffled pages and lengths at
-page boundaries, 1 and 32k; fp8 cache (cosine >= 0.999 vs bf16); sparse top-k 2048; CUDA-graph
-replay after re-planning; chunked prefill with a cached prefix; append bit-exact vs torch; the SDPA
-peer."""
+kernel; mla-gluon-fp8: the Gluon fp8 kernel; mla-gluon-ws: the Gluon warp-specialised kernel): page
+sizes 1/16/64 with shuffled pages and lengths at page boundaries, 1 and 32k; fp8 cache (cosine >=
+0.999 vs bf16); sparse top-k 2048; CUDA-graph replay after re-planning; chunked prefill with a
+cached prefix; append bit-exact vs torch; the SDPA peer."""
 import pytest
 import torch
 
@@ -489,3 +489,57 @@ def test_fp8_latent_append_of_16_bit_rows_equals_the_reference(scale):
             assert torch.equal(got[..., R:].view(torch.uint8), exp[..., R:].view(torch.uint8))
             a, b = got[..., :R].float(), exp[..., :R].float()
             assert bool(((a - b).abs() <= 0.125 * b.abs() + 2.0 ** -9).all())
+
+
+@pytest.mark.parametrize("H", [64, 96, 128])
+@pytest.mark.parametrize("splits", [1, 8])
+def test_ws_decode_lengths_nan_past_lengths_and_bad_pages(H, splits):
+    """The Gluon warp-specialised decode (mla-gluon-ws) against the fp32 reference: lengths at tile
+    and page edges (63/64/65, 4096 + 3), empty and one-key sequences, a 32k context, a head count
+    that is not a multiple of its 64-head block, NaN in every cache row past a length (zeroed before
+    the value MMAs), one split and eight; a page id outside the cache reads as masked keys."""
+    lens = [0, 1, 63, 64, 65, 1000, 4096 + 3, 32768]
+    pc = _cache(lens, 64, 50 + H)
+    for b, n in enumerate(lens):
+        if n % 64:
+            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    qn, qp = _q(len(lens), H, _gen(51))
+    ws = _be("mla-gluon-ws")("make_workspace", len(lens), H, R, "cuda", num_splits=splits)
+    got = _be("mla-gluon-ws")("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,
+                              return_lse=True, workspace=ws)
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    assert torch.isfinite(got[0]).all()
+    _agree(got[0], want[0], what=f"H={H} splits={splits}")
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+    tables = pc.block_tables.clone()
+    tables[5, 3] = pc.cache.shape[0] + 7  # one page of the 1000-key sequence outside the cache
+    tables[5, 5] = -2
+    got = _be("mla-gluon-ws")("mla_decode", qn, qp, pc.cache, pc.seq_lens, tables, scale=SCALE, workspace=ws)
+    # the TMA kernel masks the keys of such pages too (docs/mla.md): the same answer, not the reference's
+    same = _be("mla-tma")("mla_decode", qn, qp, pc.cache, pc.seq_lens, tables, scale=SCALE)
+    assert torch.isfinite(got[5]).all()
+    _agree(got[5], same[5].float(), what="pages outside the cache")
+    _agree(got[:5], want[0][:5], what="the other sequences")
+
+
+def test_ws_decode_graph_replay_after_replanning():
+    """mla-gluon-ws captured once with its workspace, replayed after the lengths, page tables and
+    queries change (its launch reads nothing on the host)."""
+    H, B, page, maxp = 128, 4, 64, 80
+    P = B * maxp + 4
+    g = _gen(52)
+    cache = (torch.randn(P, page, R + DR, generator=g, device="cuda") * 0.5).to(BF)
+    qn, qp = _q(B, H, g)
+    seq_lens = torch.tensor([5, 64, 65, 700], dtype=torch.int32, device="cuda")
+    tables = torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp).to(torch.int32).contiguous()
+    ws = _be("mla-gluon-ws")("make_workspace", B, H, R, "cuda")
+    run = lambda: _be("mla-gluon-ws")("mla_decode", qn, qp, cache, seq_lens, tables, scale=SCALE,  # noqa: E731
+                                      workspace=ws)
+    graph, out = _captured(run)
+    for lens in ([5, 64, 65, 700], [4096, 1, 0, 5000], [3000, 2999, 64, 128]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        tables.copy_(torch.randperm(P, device="cuda")[:B * maxp].view(B, maxp))
+        qn.copy_(torch.randn(B, H, R, generator=g, device="cuda"))
+        graph.replay()
+        want = ref.mla_decode(qn, qp, cache, seq_lens, tables, scale=SCALE)
+        _agree(out, want, what=f"replay lens={lens}")

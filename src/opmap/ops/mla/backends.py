@@ -197,6 +197,39 @@ registry.register(Backend(
           "split the latent; 16-byte aligned rows (an InputError otherwise)",
 ))
 
+def _kv_16bit_as_q(spec):
+    if spec.kv_dtype != spec.dtype:
+        return f"kv_dtype={spec.kv_dtype} with dtype={spec.dtype} (a 16-bit cache of q's dtype; fp8: mla-gluon-fp8)"
+    return None
+
+
+def _heads_at_least(n):
+    def fn(spec):
+        if spec.num_heads < n:
+            return f"{spec.num_heads} heads (at least {n}: one {n}-head block is the MMAs' rows; fewer: mla-tma)"
+        return None
+
+    return fn
+
+
+registry.register(Backend(
+    op="attention", name="mla-gluon-ws", provider="opmap-triton", version=registry.triton_version,
+    priority={"sm90": 45},
+    basis={"sm90": Basis("convention: below mla-triton until its decode rows are in the baseline")},
+    impl=_impl("kernels.mla.decode_ws", ("mla_decode", "make_workspace")),
+    reqs=(MLA_KIND, ONE_KV, PAGED, NO_WINDOW, NO_CAP, DECODE_ONLY, DENSE, Q16, NOT_INVARIANT,
+          Req("page_size", lambda p: p % 64 == 0, "pages of 64 or more holding whole key tiles (multiples of 64)")),
+    checks=(Check("a 16-bit cache of q's dtype", _kv_16bit_as_q, "kv_dtype"),
+            Check("R = 512, Dr = 64", _deepseek_dims, "head_dim"),
+            Check("64 heads or more", _heads_at_least(64), "num_heads")),
+    available=_gluon_available,
+    notes="absorbed split-KV decode in Gluon with FlashMLA's structure: a producer warp issues each 64-key "
+          "tile's TMA boxes into a ring of stages behind mbarriers; two consumer warpgroups hold a 64-head "
+          "block's scores (split by keys) and output (split by latent columns) and overlap each tile's softmax "
+          "with the previous tile's value MMAs; sm90 only; a contiguous, 16-byte aligned cache (an InputError "
+          "otherwise)",
+))
+
 registry.register(Backend(
     op="attention", name="mla-sdpa", provider="torch-sdpa", version=registry.torch_version,
     priority={"cpu": 5, "sm80": 20, "sm90": 20},

@@ -14,7 +14,8 @@ GEMM ceiling; 16 heads are memory bound and report the fraction of the read ceil
 
 Providers, same inputs, same run: ours, one row per backend whose kernel can serve the case
 (``opmap-triton``: the pointer kernel, mla-triton; ``opmap-tma``: the TMA kernel, mla-tma;
-``opmap-gluon-fp8``: the Gluon fp8 kernel, mla-gluon-fp8), under CUDA-graph replay with a persistent
+``opmap-gluon-fp8``: the Gluon fp8 kernel, mla-gluon-fp8; ``opmap-gluon-ws``: the Gluon
+warp-specialised kernel, mla-gluon-ws, 16-bit caches from 64 heads), under CUDA-graph replay with a persistent
 workspace, with a few other tile configurations of a kernel under ``--variants`` so that one GPU run
 also tunes its defaults; PyTorch SDPA on
 the latent already gathered into contiguous memory (like "cuDNN on contiguous KV" for GQA: the
@@ -138,6 +139,8 @@ def _decode_case(B, H, ctx, fp8, quick):
              for b in ("mla-triton", "mla-tma", *(("mla-gluon-fp8",) if fp8 else ()))]
     provs += [Provider(_row(b, c), _ours(b, config=c), backend=("attention", b))
               for b in ("mla-tma", "mla-triton") for c in VARIANTS[b][H]]
+    if not fp8 and H >= 64:  # the Gluon warp-specialised kernel: 16-bit caches, 64-head blocks
+        provs.append(Provider(_row("mla-gluon-ws"), _ours("mla-gluon-ws"), backend=("attention", "mla-gluon-ws")))
     if B == 1:
         default = "mla-gluon-fp8" if fp8 else "mla-tma"  # the selector's under CUDA graphs on sm90
         provs.append(Provider(_row(default, extra="splits=256,min=128"),
