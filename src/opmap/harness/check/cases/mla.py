@@ -123,13 +123,13 @@ def _fp8_quality(device, name):
     return run
 
 
-def _graph_replay(name, fp8=False):
+def _graph_replay(name, fp8=False, H=None):
     def run():
         b = registry.get("attention", name)
-        s = _shape("cuda")
+        s = dict(_shape("cuda"), **({"H": H} if H else {}))
         B, page, maxp = 4, 64, 40
         P = B * maxp
-        pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B)
+        pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B, H=s["H"])
         cache = (torch.randn(P, page, s["R"] + s["Dr"], device="cuda") * 0.5).to(s["dt"])
         ks = None
         if fp8:
@@ -234,14 +234,18 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     spec = AttentionSpec(kind="mla", num_heads=s["H"], num_kv_heads=1, head_dim=s["R"] + s["Dr"],
                          head_dim_v=s["R"], page_size=s["page"], dtype=dts, kv_dtype=dts, arch=arch)
     shape = f"R={s['R']},Dr={s['Dr']},h={s['H']},dtype={dts}"
+    shape128 = f"R={s['R']},Dr={s['Dr']},h=128,dtype={dts}"
     out = [CheckCase("parity", "attention", "mla-reference", f"decode vs fp64 SDPA,{shape}", _ref_vs_sdpa(device),
                      tags=TAGS)]
     for name in _runnable("attention", spec):
         out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape}",
                              _decode(device, name, s["page"]), tags=TAGS))
-        if device == "cuda":
-            out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape},h=128",
-                                 _decode(device, name, s["page"], H=128), tags=TAGS, quick=False))
+    # 128 heads on the GPU: every backend serving them; in the quick run too for one that serves no
+    # fewer than 64 heads (its only decode case)
+    narrow = _runnable("attention", spec)
+    for name in _runnable("attention", spec.replace(num_heads=128)) if device == "cuda" else []:
+        out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape128}",
+                             _decode(device, name, s["page"], H=128), tags=TAGS, quick=name not in narrow))
     for name in _runnable("attention", spec.replace(page_size=1)):
         out.append(CheckCase("boundaries", "attention", name, "decode,page=1,lens at page edges",
                              _decode(device, name, 1), tags=TAGS, quick=False))
@@ -260,14 +264,20 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
         out.append(CheckCase("quant", "attention", name, f"decode fp8 cache,page={s['page']},{shape}",
                              _decode(device, name, s["page"], fp8=True), tags=TAGS))
         if device == "cuda":
-            out.append(CheckCase("quant", "attention", name, f"decode fp8 cache,page={s['page']},{shape},h=128",
+            out.append(CheckCase("quant", "attention", name, f"decode fp8 cache,page={s['page']},{shape128}",
                                  _decode(device, name, s["page"], H=128, fp8=True), tags=TAGS, quick=False))
     if device == "cuda":
         for kv in (dts, "fp8"):
-            for name in _runnable("attention", spec.replace(kv_dtype=kv, cuda_graph=True)):
+            graphed = spec.replace(kv_dtype=kv, cuda_graph=True)
+            narrow = _runnable("attention", graphed)
+            for name in narrow:
                 if "make_workspace" in registry.get("attention", name).impl:
                     out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=16,kv={kv}",
                                          _graph_replay(name, fp8=kv == "fp8"), device="cuda", tags=TAGS))
+            for name in _runnable("attention", graphed.replace(num_heads=128)):
+                if name not in narrow and "make_workspace" in registry.get("attention", name).impl:
+                    out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=128,kv={kv}",
+                                         _graph_replay(name, fp8=kv == "fp8", H=128), device="cuda", tags=TAGS))
     app = KVAppendSpec(kind="mla", num_kv_heads=1, head_dim=s["R"] + s["Dr"], page_size=s["page"],
                        dtype=dts, kv_dtype=dts, arch=arch)
     for name in [b.name for b in registry.backends("kv_append")
