@@ -58,15 +58,21 @@ def test_entry_refuses_what_the_kernel_cannot_read():
         W.prefill(q, shifted, shifted, cu, sl, bt, scale=0.1)
     with pytest.raises(InputError, match="config"):
         W.prefill(*args, scale=0.1, config={"num_warps": 4})
+    # the mixed step (chunks on this kernel, one-token rows on the Triton decode) checks the same
+    from opmap.kernels.attention.mixed import mixed_ws
+    with pytest.raises(InputError, match="q.*device cpu.*sm90"):
+        mixed_ws(*args, scale=0.1)
+    with pytest.raises(InputError, match="k_cache.*bf16/fp16"):
+        mixed_ws(*f32, scale=0.1)
 
 
-def test_backend_declares_prefill_on_sm90_only():
+def test_backend_declares_prefill_and_mixed_on_sm90_only():
     b = registry.get("attention", "gluon-ws")
-    assert set(b.impl) == {"prefill"}
+    assert set(b.impl) == {"prefill", "mixed", "make_workspace"}
     sm90 = AttentionSpec(arch="sm90", phase="prefill", num_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                          dtype="bf16", kv_dtype="bf16")
-    assert not b.validate(sm90)
-    for bad, field in [(dict(phase="decode"), "phase"), (dict(phase="mixed"), "phase"), (dict(page_size=8), "page_size"),
+    assert not b.validate(sm90) and not b.validate(sm90.replace(phase="mixed", cuda_graph=True))
+    for bad, field in [(dict(phase="decode"), "phase"), (dict(page_size=8), "page_size"),
                        (dict(kv_dtype="fp8"), "kv_dtype"), (dict(head_dim=256), "head_dim"),
                        (dict(dtype="fp32", kv_dtype="fp32"), "dtype"), (dict(arch="sm80"), "arch")]:
         assert b.validate(sm90.replace(**bad)), bad

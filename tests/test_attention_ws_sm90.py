@@ -19,7 +19,7 @@ for d, group, page, bn, st, feats in [(128, 4, 64, 128, 2, False), (128, 1, 16, 
     for n in ["s_qt", "s_qh", "s_ot", "s_oh", "s_bt"]:
         sig[n] = "i32"
     ce = dict(GROUP=group, PAGE=page, BLOCK_M=128, BLOCK_N=bn, STAGES=st, CAUSAL=True, HAS_WINDOW=feats,
-              HAS_CAP=feats, RETURN_LSE=feats, HEAD_DIM=d)
+              HAS_CAP=feats, RETURN_LSE=feats, HEAD_DIM=d, SKIP_SINGLE=feats)
     for n in ce:
         sig[n] = "constexpr"
     k = compile_gluon_sm90(t._prefill_ws_kernel, sig, ce, {"num_warps": t.CONSUMER_WARPS}, (0, 3, 4, 5, 6, 7))

@@ -12,6 +12,7 @@ from opmap.ops.attention import reference as R
 from opmap.harness.fixtures.attention import make_paged, make_query
 
 from test_attention_gpu import BF, DEV, _close, _lse_ok, _ref
+from test_attention_gpu import test_mixed_cuda_graph_replan as _mixed_replan
 
 pytestmark = pytest.mark.gpu
 
@@ -124,3 +125,9 @@ def test_prefill_ws_page_ids_outside_the_cache_read_zeros_and_graph_replay_match
     torch.cuda.synchronize()
     want = fn(q, pc.k_cache, pc.v_cache, *args, scale=0.1)
     assert torch.equal(out, want)
+
+
+def test_mixed_ws_cuda_graph_replan():
+    """gluon-ws's mixed step (its chunks on the warp-specialised prefill, the one-token rows on the
+    Triton decode): the mix changes between replays of one captured step (test_attention_gpu's case)."""
+    _mixed_replan("gluon-ws")

@@ -247,14 +247,18 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
                        scale, soft_cap, window, B, s_qt, s_qh, s_ot, s_oh, s_bt,
                        GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                       HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr):
+                       HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       SKIP_SINGLE: gl.constexpr):
     BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
     D: gl.constexpr = HEAD_DIM
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE
     pid = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (last) query blocks first
     kvh = gl.program_id(1)
     b, q0, q_len, local = _locate(cu_ptr, B, pid, BLOCK_Q)
-    if local * BLOCK_Q < q_len:
+    work = local * BLOCK_Q < q_len
+    if SKIP_SINGLE:  # mixed steps: the decode kernel serves the one-token sequences
+        work = work & (q_len != 1)
+    if work:
         L = gl.load(sl_ptr + b)
         kv_lo, full_end, kv_hi = _kv_range(L, q_len, local, window, BLOCK_Q, BLOCK_N, CAUSAL, HAS_WINDOW)
         TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -288,8 +292,9 @@ def descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, box: int):
 
 
 def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, *, scale, causal, window,
-           soft_cap, return_lse):
-    """Launch on inputs ``check_inputs`` accepted, with ``cfg`` from tile_config."""
+           soft_cap, return_lse, skip_single=False):
+    """Launch on inputs ``check_inputs`` accepted, with ``cfg`` from tile_config. ``skip_single``:
+    leave the one-token sequences to a decode kernel (mixed steps)."""
     T, hq, _ = q.shape
     B, hk, page = seq_lens.shape[0], k_cache.shape[2], k_cache.shape[1]
     if T == 0 or B == 0:
@@ -303,18 +308,28 @@ def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
-        HEAD_DIM=q.shape[2], num_warps=CONSUMER_WARPS)
+        HEAD_DIM=q.shape[2], SKIP_SINGLE=skip_single, num_warps=CONSUMER_WARPS)
+
+
+def checked_config(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, soft_cap, k_scale,
+                   v_scale, config) -> dict:
+    """Every check of the entry (the attention contract, then this kernel's): its tiles, or an
+    InputError naming the argument."""
+    check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap, k_scale, v_scale,
+                    cu_seqlens_q=cu_seqlens_q)
+    hq, hk, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    expect(hq // hk <= BLOCK_M, "q", f"{hq // hk} query heads per kv head", f"at most {BLOCK_M}")
+    cfg = tile_config(config, d)
+    check_inputs(q, k_cache, v_cache)
+    return cfg
 
 
 def prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, *, scale: float, causal: bool = True,
             window=None, soft_cap=None, k_scale=None, v_scale=None, return_lse: bool = False, config=None):
     """The entry of prefill.prefill's signature. ``config``: BLOCK_N (64, 128) and STAGES (2, 3)."""
-    P, page, hk, d, dv, B = check_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, window, soft_cap,
-                                            k_scale, v_scale, cu_seqlens_q=cu_seqlens_q)
-    T, hq, _ = q.shape
-    expect(hq // hk <= BLOCK_M, "q", f"{hq // hk} query heads per kv head", f"at most {BLOCK_M}")
-    cfg = tile_config(config, d)
-    check_inputs(q, k_cache, v_cache)
+    cfg = checked_config(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, soft_cap, k_scale,
+                         v_scale, config)
+    T, hq, dv = q.shape[0], q.shape[1], v_cache.shape[3]
     out = torch.empty(T, hq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, hq, dtype=torch.float32, device=q.device) if return_lse else out
     launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, cfg, scale=scale, causal=causal,

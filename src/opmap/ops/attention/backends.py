@@ -170,17 +170,20 @@ register(Backend(
     op="attention", name="gluon-ws", provider="opmap-triton", version=triton_version,
     priority={"sm90": 45}, available=_gluon_available,
     basis={"sm90": Basis("convention: below triton until its prefill rows are in the baseline")},
-    impl={"prefill": "opmap.kernels.attention.prefill_ws:prefill"},
+    impl={"prefill": "opmap.kernels.attention.prefill_ws:prefill", "mixed": "opmap.kernels.attention.mixed:mixed_ws",
+          "make_workspace": "opmap.kernels.attention.splitkv:make_workspace"},
     reqs=(*TRITON_COMMON,
-          Req("phase", ("prefill",), "prefill (mixed steps: the gather kernel's, triton)"),
+          Req("phase", ("prefill", "mixed"), "prefill, and mixed steps' chunks (their one-token rows: the Triton "
+              "decode)"),
           Req("page_size", (16, 32, 64, 128), "pages of 16 to 128 keys (whole TMA boxes of one page)"),
           Req("dtype", ("fp16", "bf16")),
           Req("head_dim", (64, 128), "head_dim 64 or 128 (the tiles its GPU tests cover)")),
     checks=(KV_SAME, DV_SAME, Check("at most 128 query heads per KV head", _group_at_most(128), "num_heads")),
     notes=("varlen prefill in Gluon with FlashAttention-3's structure: a producer warp issues the K/V TMA boxes "
            "into a ring of stages behind mbarriers, two consumer warpgroups run warpgroup MMAs and overlap each "
-           "tile's softmax with the previous tile's P @ V; sm90 only; the cache's rows 16-byte aligned (an "
-           "InputError otherwise)"),
+           "tile's softmax with the previous tile's P @ V; mixed: the chunks on it, the one-token rows on the "
+           "Triton decode (workspace from make_workspace, allocated before capture); sm90 only; the cache's rows "
+           "16-byte aligned (an InputError otherwise)"),
 ))
 
 register(Backend(
