@@ -83,7 +83,7 @@ WS_PREFILL = TMA_PREFILL + [
 @pytest.mark.parametrize("case", WS_PREFILL, ids=[c[0] for c in WS_PREFILL])
 def test_prefill_ws(case, config):
     """The Gluon warp-specialised prefill (gluon-ws) in bf16 on real shapes, at each tile its bench
-    times: NaN in every slot past a length (the last tile's V rows there are zeroed before P @ V),
+    times: NaN in every slot past a length (the box holding a length is read ending at it),
     shared and shuffled pages; against the fp32 reference and the gather kernel (triton)."""
     _, seq, ql, page, hq, hk, d, win, cap, causal = case
     pc = make_paged(seq, hk, d, page, dtype=BF, shared=True, poison=True, device=DEV)

@@ -496,8 +496,9 @@ def test_fp8_latent_append_of_16_bit_rows_equals_the_reference(scale):
 def test_ws_decode_lengths_nan_past_lengths_and_bad_pages(H, splits):
     """The Gluon warp-specialised decode (mla-gluon-ws) against the fp32 reference: lengths at tile
     and page edges (63/64/65, 4096 + 3), empty and one-key sequences, a 32k context, a head count
-    that is not a multiple of its 64-head block, NaN in every cache row past a length (zeroed before
-    the value MMAs), one split and eight; a page id outside the cache reads as masked keys."""
+    that is not a multiple of its 64-head block, NaN in every cache row past a length (a partial tile
+    is read ending at its split's end), one split and eight; a page id outside the cache reads as
+    masked keys."""
     lens = [0, 1, 63, 64, 65, 1000, 4096 + 3, 32768]
     pc = _cache(lens, 64, 50 + H)
     for b, n in enumerate(lens):

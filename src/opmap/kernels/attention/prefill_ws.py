@@ -17,10 +17,11 @@ Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics an
 The triton-tma kernel leaves that ordering to Triton's pipeliner, which waits for each tile's
 MMAs before the next softmax (docs/attention.md holds its measured bound).
 
-Rows past a sequence's length in its last page may hold anything, NaN included: scores of those
-keys are masked, and before the tile's P @ V the consumers zero those rows of the V tile in
-shared memory (0 * NaN would poison the output). Page ids past the sequence are clamped to its
-last page; ids outside the cache read as zeros (the descriptor's bounds), never other memory.
+Rows past a sequence's length in its last page may hold anything, NaN included (0 * NaN would
+poison the output), so no box reads them: the box that holds the length is read ending at it (its
+rows before the box are keys done already, masked; rows before the page read as zeros: a negative
+row is outside the descriptor), and a box past the length reads zeros. Page ids outside the cache
+read as zeros too (the descriptor's bounds), never other memory.
 """
 from __future__ import annotations
 
@@ -82,14 +83,17 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 @gluon.jit
-def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, kvh,
+def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh,
               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
     """Issue the K and V boxes of every key tile of the program, STAGES tiles ahead of the MMAs.
 
     A stage [BLOCK_N, D] under the 128-byte swizzle is D / 64 column chunks one after another, each
     [BLOCK_N, 64] (128-byte rows); a box is [BOX, 64] of one chunk: rows i * BOX of page i's box,
     columns 64 h, at chunk h's offset plus i * BOX rows. The stage is seen as those boxes in that
-    order, so each copy lands where the MMAs' view of the stage expects its rows."""
+    order, so each copy lands where the MMAs' view of the stage expects its rows.
+
+    No box reads a row past the sequence's length L (it may hold anything): the box holding L is
+    read ending at L (``_box_row``), a box past L reads zeros."""
     BOX_L: gl.constexpr = K_DESC.layout
     W: gl.constexpr = K_DESC.block_type.shape[3]  # 64: one swizzle span of 16-bit elements
     D: gl.constexpr = k_smem.type.shape[2]
@@ -97,7 +101,7 @@ def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_l
     CH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     dt: gl.constexpr = K_DESC.dtype
     bt_row = bt_ptr + b.to(gl.int64) * s_bt
-    last_page = gl.maximum(kv_hi - 1, 0) // PAGE
+    last_page = (L - 1) // PAGE  # L >= 1 in a program with work
     n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
     for t in range(n):
         s = t % STAGES
@@ -107,17 +111,39 @@ def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_l
         v_st = v_smem.index(s)._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
         for i in gl.static_range(NB):
             j = kv_lo + t * BLOCK_N + i * BOX
-            page = gl.load(bt_row + gl.minimum(j // PAGE, last_page))
+            pidx = gl.minimum(j // PAGE, last_page)
+            page = gl.load(bt_row + pidx)
+            row = _box_row(j, L, pidx, PAGE, BOX)
             for h in gl.static_range(D // W):
                 dst_k = k_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
                 dst_v = v_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
-                tma.async_copy_global_to_shared(K_DESC, [page, j % PAGE, kvh, h * W], full.index(s), dst_k)
-                tma.async_copy_global_to_shared(V_DESC, [page, j % PAGE, kvh, h * W], full.index(s), dst_v)
+                tma.async_copy_global_to_shared(K_DESC, [page, row, kvh, h * W], full.index(s), dst_k)
+                tma.async_copy_global_to_shared(V_DESC, [page, row, kvh, h * W], full.index(s), dst_v)
 
 
 @gluon.jit
-def _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL: gl.constexpr,
-            HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr):
+def _box_row(j, L, pidx, PAGE: gl.constexpr, BOX: gl.constexpr):
+    """The first page row a box of keys [j, j + BOX) reads: j's, if the box ends at or before L;
+    if L falls inside it, the box is read ending at L (its rows before j are keys done already,
+    masked by ``_positions``; rows before the page, a negative row, read as zeros); past L, a
+    row of -BOX: the whole box outside the descriptor, zeros."""
+    return gl.where(j + BOX <= L, j % PAGE, gl.where(j < L, L - BOX - pidx * PAGE, -BOX))
+
+
+@gluon.jit
+def _positions(start, cols, L, BOX: gl.constexpr):
+    """(key position, whether it is a key the tile adds) of each column of the tile at ``start``,
+    as _box_row laid the boxes out."""
+    j = start + cols
+    bs = j - cols % BOX  # the column's box
+    held = (bs < L) & (bs + BOX > L)  # the box that holds L, read ending at L
+    pos = gl.where(held, L - BOX + cols % BOX, j)
+    return pos, pos >= bs
+
+
+@gluon.jit
+def _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX: gl.constexpr,
+            CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr):
     """Raw scores of the tile at ``start`` to the exp2 domain, masked where the tile needs it."""
     if HAS_CAP:
         x = sc * (scale / soft_cap)
@@ -126,9 +152,9 @@ def _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, w
         sc = soft_cap * gl.where(x >= 0, th, -th) * 1.4426950408889634
     else:
         sc = sc * qk_scale
-    if start >= full_end:
-        j = start + cols
-        ok = (j < kv_hi)[None, :]
+    if start >= full_end:  # tiles below full_end lie inside L: plain positions, no mask
+        j, new_key = _positions(start, cols, L, BOX)
+        ok = ((j < kv_hi) & new_key)[None, :]
         if CAUSAL:
             ok = ok & (j[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -138,22 +164,11 @@ def _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, w
 
 
 @gluon.jit
-def _zero_tail(v_tile, keep, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
-    """Zero the rows of a V tile from ``keep`` on (keys past the sequence: see the module docstring)."""
-    TL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
-    v = v_tile.load(TL)
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TL))
-    v_tile.store(gl.where((r < keep)[:, None], v, gl.zeros_like(v)))
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
               kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, n_heads,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr,
-              RETURN_LSE: gl.constexpr):
+              STAGES: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr):
     NW: gl.constexpr = gl.num_warps()
     BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
@@ -188,14 +203,12 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
         mbarrier.wait(full.index(0), 0)
         tok0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma_wait(0, deps=[tok0])
-        sc = _scores(sc, kv_lo, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL, HAS_WINDOW,
-                     HAS_CAP)
+        sc = _scores(sc, kv_lo, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
+                     HAS_WINDOW, HAS_CAP)
         m_i = gl.max(sc, 1)
         m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = gl.exp2(sc - m_ref[:, None])
         l_i = gl.sum(p, 1)
-        if kv_lo + BLOCK_N > L:
-            _zero_tail(v_smem.index(0), L - kv_lo, BLOCK_N, D, NW)
         p16 = gl.convert_layout(p.to(dt), P_L)
         for t in range(1, n):
             s = t % STAGES
@@ -206,7 +219,7 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             # MMAs retire in order: this lets S_t finish while P_{t-1} V_{t-1} runs on
             sc = warpgroup_mma_wait(1, deps=[s_tok])
-            sc = _scores(sc, start, cols, qpos, full_end, kv_hi, qk_scale, scale, soft_cap, window, CAUSAL,
+            sc = _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
                          HAS_WINDOW, HAS_CAP)
             m_new = gl.maximum(m_i, gl.max(sc, 1))
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -217,8 +230,6 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             mbarrier.arrive(empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-            if start + BLOCK_N > L:
-                _zero_tail(v_smem.index(s), L - start, BLOCK_N, D, NW)
             p16 = gl.convert_layout(p.to(dt), P_L)
         last = (n - 1) % STAGES
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
@@ -273,9 +284,9 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
         gl.warp_specialize([
             (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
                          kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh,
-                         GROUP * gl.num_programs(1), GROUP, D, BLOCK_M, BLOCK_N, STAGES, CAUSAL, HAS_WINDOW,
+                         GROUP * gl.num_programs(1), GROUP, D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW,
                          HAS_CAP, RETURN_LSE)),
-            (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, kvh, PAGE,
+            (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
                          BLOCK_N, BOX, STAGES)),
         ], [1], [24])
 

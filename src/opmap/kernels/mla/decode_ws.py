@@ -19,8 +19,9 @@ and the long scoreboard (the latent tiles) the top stall (docs/mla.md). Here:
   (both warpgroups need all 64 keys of it), in two buffers so that P_t is written while P_{t-1} is
   read.
 
-Rows past a split's end in its last page may hold anything, NaN included: their scores are masked,
-and before the tile's value dots the consumers zero those latent rows in shared memory. A page id
+Rows past a sequence's length may hold anything, NaN included (0 * NaN would poison the output), so
+a split's partial last tile is read ending at the split's end, as the TMA kernel reads it: its rows
+before the tile are keys done already (masked), rows before the page read as zeros. A page id
 outside the cache (never in a valid table; a captured graph skips the host checks) reads zeros
 through the descriptor and its keys are masked, as in the other MLA kernels.
 
@@ -85,11 +86,12 @@ def check_inputs(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) 
 
 
 @gluon.jit
-def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, n, MAXP, NPAGES, PAGE: gl.constexpr,
+def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, end, n, MAXP, NPAGES, PAGE: gl.constexpr,
               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """Issue the boxes of the split's n tiles, STAGES tiles ahead of the MMAs. A latent stage
     [BLOCK_N, RANK] under the 128-byte swizzle is RANK / SPAN column chunks one after another, each
-    [BLOCK_N, SPAN]: box c lands in chunk c."""
+    [BLOCK_N, SPAN]: box c lands in chunk c. A partial last tile is read ending at the split's end
+    (``_tile_row``)."""
     CH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     BOX_L: gl.constexpr = KV_DESC.layout
     dt: gl.constexpr = KV_DESC.dtype
@@ -105,12 +107,30 @@ def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, n, MAXP, 
         raw = gl.load(bt_row + gl.minimum(pidx, MAXP - 1))
         ok = (pidx < MAXP) & (raw >= 0) & (raw < NPAGES)
         page = gl.where(ok, raw, NPAGES)  # past the descriptor's pages: zeros (masked by the consumers)
+        row = _tile_row(n0, end, pidx, PAGE, BLOCK_N)
         chunks = lat.index(s)._reinterpret(dt, [R // W, BLOCK_N, W], CH_L)
         for c in gl.static_range(R // W):
-            tma.async_copy_global_to_shared(KV_DESC, [page, n0 % PAGE, c * W], full.index(s),
+            tma.async_copy_global_to_shared(KV_DESC, [page, row, c * W], full.index(s),
                                             chunks.index(c)._reinterpret(dt, [1, BLOCK_N, W], BOX_L))
-        tma.async_copy_global_to_shared(PE_DESC, [page, n0 % PAGE, 0], full.index(s),
+        tma.async_copy_global_to_shared(PE_DESC, [page, row, 0], full.index(s),
                                         rope.index(s)._reinterpret(dt, [1, BLOCK_N, DR], BOX_L))
+
+
+@gluon.jit
+def _tile_row(n0, end, pidx, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The first page row the tile of keys [n0, n0 + BLOCK_N) reads: n0's, or, for a split's partial
+    last tile, the row that makes it end at ``end``: its rows before n0 are keys done already
+    (masked by the consumers), rows before the page (a negative row) read as zeros, and no row
+    past the end is read (past a sequence's length a row may hold anything, NaN included)."""
+    return gl.where(n0 + BLOCK_N <= end, n0 % PAGE, end - BLOCK_N - pidx * PAGE)
+
+
+@gluon.jit
+def _key_positions(n0, end, cols, BLOCK_N: gl.constexpr):
+    """(position, whether the tile adds it) of each key column of the tile at n0, as _tile_row laid
+    it out."""
+    pos = gl.where(n0 + BLOCK_N <= end, n0, end - BLOCK_N) + cols
+    return pos, pos >= n0
 
 
 @gluon.jit
@@ -118,20 +138,6 @@ def _chunks(buf, dt: gl.constexpr, ROWS: gl.constexpr, R: gl.constexpr, W: gl.co
     """A [ROWS, R] buffer under the 128-byte swizzle as its R / W column chunks [ROWS, W]."""
     return buf._reinterpret(dt, [R // W, ROWS, W], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                                                        rank=2))
-
-
-@gluon.jit
-def _zero_tail(lat_tile, keep, BLOCK_N: gl.constexpr, R: gl.constexpr, W: gl.constexpr, NW: gl.constexpr):
-    """Zero the latent rows of a tile from ``keep`` on (keys past the split's end: see the module
-    docstring), a column chunk at a time so that few registers are live beside the accumulator."""
-    TL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (W // 8), W // 8], [NW, 1], [1, 0])
-    ch = _chunks(lat_tile, lat_tile.dtype, BLOCK_N, R, W)
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, TL))
-    for c in gl.static_range(R // W):
-        v = ch.index(c).load(TL)
-        ch.index(c).store(gl.where((r < keep)[:, None], v, gl.zeros_like(v)))
-    fence_async_shared()
-    gl.thread_barrier()
 
 
 @gluon.jit
@@ -150,9 +156,11 @@ def _scores(q_smem, qp, lat_tile, rope_tile, s_zero):
 
 
 @gluon.jit
-def _masked(s, n0, end, ok, cols, qk_scale):
-    """Scores to the exp2 domain, -inf past the split's end or on a page outside the cache."""
-    return gl.where(((n0 + cols < end) & ok)[None, :], s * qk_scale, float("-inf"))
+def _masked(s, n0, end, ok, cols, qk_scale, BLOCK_N: gl.constexpr):
+    """Scores to the exp2 domain, -inf for keys past the split's end, keys done already (a partial
+    tile's rows before n0) and keys of a page outside the cache."""
+    pos, new_key = _key_positions(n0, end, cols, BLOCK_N)
+    return gl.where(((pos < end) & new_key & ok)[None, :], s * qk_scale, float("-inf"))
 
 
 @gluon.jit
@@ -196,10 +204,8 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
     s_zero = gl.zeros([BH, BLOCK_N], gl.float32, S_L)
     if n > 0:
         mbarrier.wait(full.index(0), 0)
-        if start + BLOCK_N > end:
-            _zero_tail(lat.index(0), end - start, BLOCK_N, R, W, NW)
         s = warpgroup_mma_wait(0, deps=[_scores(q_smem, qp, lat.index(0), rope.index(0), s_zero)])
-        s = _masked(s, start, end, _tile_ok(bt_row, start, MAXP, NPAGES, PAGE), cols, qk_scale)
+        s = _masked(s, start, end, _tile_ok(bt_row, start, MAXP, NPAGES, PAGE), cols, qk_scale, BLOCK_N)
         m_i = gl.max(s, 1)
         m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = gl.exp2(s - m_ref[:, None])
@@ -212,13 +218,11 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
             prev = (t - 1) % STAGES
             n0 = start + t * BLOCK_N
             mbarrier.wait(full.index(st), (t // STAGES) & 1)
-            if n0 + BLOCK_N > end:
-                _zero_tail(lat.index(st), end - n0, BLOCK_N, R, W, NW)
             s_tok = _scores(q_smem, qp, lat.index(st), rope.index(st), s_zero)
             o_tok = warpgroup_mma(p_smem.index((t - 1) % 2), lat.index(prev), acc, is_async=True)
             # MMAs retire in order: S_t finishes while P_{t-1} V_{t-1} runs on
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            s = _masked(s, n0, end, _tile_ok(bt_row, n0, MAXP, NPAGES, PAGE), cols, qk_scale)
+            s = _masked(s, n0, end, _tile_ok(bt_row, n0, MAXP, NPAGES, PAGE), cols, qk_scale, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_ref)
@@ -283,7 +287,7 @@ def _mla_ws_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE,
             (_consumer, (QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, b, hb, split, start, end,
                          n, H, bt_row, MAXP, NPAGES, qk_scale, s_qnb, s_qnh, s_qpb, s_qph, s_ob, s_oh, s_pob, s_poh,
                          s_pos, s_plb, s_plh, NUM_SPLITS, PAGE, BLOCK_N, STAGES)),
-            (_producer, (KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, n, MAXP, NPAGES, PAGE, BLOCK_N,
+            (_producer, (KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, end, n, MAXP, NPAGES, PAGE, BLOCK_N,
                          STAGES)),
         ], [1], [24])
 
