@@ -23,7 +23,10 @@ def _args(page=64, dtype=BF, d=128, fp8=False):
 
 def test_tiles_come_from_config_and_must_fit():
     assert W.tile_config(None, 128) == W.DEFAULTS
-    assert W.tile_config({"BLOCK_N": 64, "STAGES": 3}, 128) == {"BLOCK_N": 64, "STAGES": 3}
+    assert W.tile_config({"BLOCK_N": 64, "STAGES": 3}, 128) == {"BLOCK_N": 64, "STAGES": 3, "PINGPONG": 0}
+    assert W.tile_config({"PINGPONG": 1}, 128)["PINGPONG"] == 1
+    with pytest.raises(InputError, match="config.*PINGPONG=2"):
+        W.tile_config({"PINGPONG": 2}, 128)
     # 128-key tiles at three stages: Q and 3 x (K + V) of 32 KB each, over the budget at d = 128
     assert W.smem_bytes({"BLOCK_N": 128, "STAGES": 3}, 128) > SMEM_BUDGET
     with pytest.raises(InputError, match="config.*shared memory"):

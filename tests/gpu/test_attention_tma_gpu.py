@@ -79,7 +79,9 @@ WS_PREFILL = TMA_PREFILL + [
 ]
 
 
-@pytest.mark.parametrize("config", [None, {"BLOCK_N": 64}, {"BLOCK_N": 64, "STAGES": 3}], ids=["default", "bn64", "bn64-s3"])
+@pytest.mark.parametrize("config", [None, {"BLOCK_N": 64}, {"BLOCK_N": 64, "STAGES": 3}, {"PINGPONG": 1},
+                                    {"PINGPONG": 1, "BLOCK_N": 64, "STAGES": 3}],
+                         ids=["default", "bn64", "bn64-s3", "pingpong", "pingpong-bn64-s3"])
 @pytest.mark.parametrize("case", WS_PREFILL, ids=[c[0] for c in WS_PREFILL])
 def test_prefill_ws(case, config):
     """The Gluon warp-specialised prefill (gluon-ws) in bf16 on real shapes, at each tile its bench

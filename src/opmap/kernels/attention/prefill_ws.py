@@ -40,9 +40,11 @@ from opmap.kernels.attention.tma import SMEM_BUDGET, cache_problem
 from opmap.kernels.gluon_util import hopper
 
 # Tiles: FA3's for head dim <= 128 on sm90 (128 query rows over two consumer warpgroups, 128-key
-# tiles, two stages); CONFIG names what ``config=`` may set.
-DEFAULTS = {"BLOCK_N": 128, "STAGES": 2}
-CONFIG = {"BLOCK_N": (64, 128), "STAGES": (2, 3)}
+# tiles, two stages); CONFIG names what ``config=`` may set. PINGPONG 1: each consumer warpgroup a
+# partition of its own with half the rows, the two taking turns to issue their MMAs (FA3's
+# inter-warpgroup schedule: one's MMAs run while the other computes its softmax).
+DEFAULTS = {"BLOCK_N": 128, "STAGES": 2, "PINGPONG": 0}
+CONFIG = {"BLOCK_N": (64, 128), "STAGES": (2, 3), "PINGPONG": (0, 1)}
 BLOCK_M = 128
 CONSUMER_WARPS = 8
 
@@ -164,21 +166,40 @@ def _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap
 
 
 @gluon.jit
-def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
+def _turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: wait until the other consumer has issued its MMAs of event k - 1 (consumer 0 goes
+    first), so that one consumer's MMAs run while the other one computes its softmax."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (k + 1 + WG) & 1)
+
+
+@gluon.jit
+def _pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this consumer's MMAs of the event are issued; the other one's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L, kvh,
               kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, n_heads,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr):
+              HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """The program's query rows (all BLOCK_M of them; with PINGPONG, half of them: consumer WG's,
+    each consumer a warpgroup of its own partition, taking turns to issue their MMAs)."""
     NW: gl.constexpr = gl.num_warps()
     BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
+    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(0, O_L, 2)
     QL: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [NW, 1], [1, 0])
     dt: gl.constexpr = q_ptr.dtype.element_ty
+    q_smem = q_smem.index(WG)
 
     # Q: this program's BLOCK_Q tokens times the GROUP query heads of kv head kvh, token-major
-    r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
+    r = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, QL))
     tok = local * BLOCK_Q + r // GROUP
     ok = (r < BLOCK_Q * GROUP) & (tok < q_len)
     t64 = (q0 + tok).to(gl.int64)
@@ -189,19 +210,21 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
     fence_async_shared()
     gl.thread_barrier()
 
-    rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+    rs = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, S_L))
     qpos = L - q_len + local * BLOCK_Q + rs // GROUP
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
     qk_scale = scale * 1.4426950408889634
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, S_L))
-    acc = gl.zeros([BLOCK_M, D], gl.float32, O_L)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_L)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([ROWS, D], gl.float32, O_L)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, S_L)
     n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
     if n > 0:
-        # tile 0: its scores alone
+        # tile 0: its scores alone (event 0)
         mbarrier.wait(full.index(0), 0)
+        _turn(turn, 0, WG, PINGPONG)
         tok0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        _pass(turn, WG, PINGPONG)
         sc = warpgroup_mma_wait(0, deps=[tok0])
         sc = _scores(sc, kv_lo, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
                      HAS_WINDOW, HAS_CAP)
@@ -215,8 +238,10 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
             prev = (t - 1) % STAGES
             start = kv_lo + t * BLOCK_N
             mbarrier.wait(full.index(s), (t // STAGES) & 1)
+            _turn(turn, t, WG, PINGPONG)
             s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
+            _pass(turn, WG, PINGPONG)
             # MMAs retire in order: this lets S_t finish while P_{t-1} V_{t-1} runs on
             sc = warpgroup_mma_wait(1, deps=[s_tok])
             sc = _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
@@ -232,14 +257,16 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             p16 = gl.convert_layout(p.to(dt), P_L)
         last = (n - 1) % STAGES
+        _turn(turn, n, WG, PINGPONG)
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
+        _pass(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(last), count=1)
 
     RO: gl.constexpr = gl.SliceLayout(1, O_L)
     l_o = gl.convert_layout(l_i, RO)
     inv = gl.where(l_o > 0, 1.0 / gl.where(l_o > 0, l_o, 1.0), 0.0)
-    ro = gl.arange(0, BLOCK_M, layout=RO)
+    ro = WG * ROWS + gl.arange(0, ROWS, layout=RO)
     tok_o = local * BLOCK_Q + ro // GROUP
     ok_o = (ro < BLOCK_Q * GROUP) & (tok_o < q_len)
     t64o = (q0 + tok_o).to(gl.int64)
@@ -259,10 +286,11 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
                        GROUP: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
                        HAS_CAP: gl.constexpr, RETURN_LSE: gl.constexpr, HEAD_DIM: gl.constexpr,
-                       SKIP_SINGLE: gl.constexpr):
+                       SKIP_SINGLE: gl.constexpr, PINGPONG: gl.constexpr):
     BLOCK_Q: gl.constexpr = BLOCK_M // GROUP
     D: gl.constexpr = HEAD_DIM
     BOX: gl.constexpr = BLOCK_N if BLOCK_N < PAGE else PAGE
+    NC: gl.constexpr = 2 if PINGPONG else 1  # consumer partitions
     pid = gl.num_programs(0) - 1 - gl.program_id(0)  # the longest (last) query blocks first
     kvh = gl.program_id(1)
     b, q0, q_len, local = _locate(cu_ptr, B, pid, BLOCK_Q)
@@ -273,22 +301,37 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
         L = gl.load(sl_ptr + b)
         kv_lo, full_end, kv_hi = _kv_range(L, q_len, local, window, BLOCK_Q, BLOCK_N, CAUSAL, HAS_WINDOW)
         TILE: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        q_smem = gl.allocate_shared_memory(K_DESC.dtype, [BLOCK_M, D], TILE)
+        q_smem = gl.allocate_shared_memory(K_DESC.dtype, [NC, BLOCK_M // NC, D], TILE)
         k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
         v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        gl.warp_specialize([
-            (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, q0, q_len, local, L, kvh,
-                         kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh,
-                         GROUP * gl.num_programs(1), GROUP, D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW,
-                         HAS_CAP, RETURN_LSE)),
-            (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
-                         BLOCK_N, BOX, STAGES)),
-        ], [1], [24])
+            mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        hq = GROUP * gl.num_programs(1)
+        if PINGPONG:  # two consumer partitions of a warpgroup each (this one and a worker)
+            gl.warp_specialize([
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                             kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
+                             D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 0, True)),
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                             kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
+                             D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 1, True)),
+                (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
+                             BLOCK_N, BOX, STAGES)),
+            ], [4, 1], [240, 24])
+        else:  # one consumer partition of two warpgroups
+            gl.warp_specialize([
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                             kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
+                             D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 0, False)),
+                (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
+                             BLOCK_N, BOX, STAGES)),
+            ], [1], [24])
 
 
 SPAN = 64  # 16-bit elements in one 128-byte swizzle span: a box's width
@@ -319,7 +362,8 @@ def launch(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, lse, 
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=bn, STAGES=cfg["STAGES"], CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_CAP=soft_cap is not None, RETURN_LSE=return_lse,
-        HEAD_DIM=q.shape[2], SKIP_SINGLE=skip_single, num_warps=CONSUMER_WARPS)
+        HEAD_DIM=q.shape[2], SKIP_SINGLE=skip_single, PINGPONG=bool(cfg["PINGPONG"]),
+        num_warps=CONSUMER_WARPS // 2 if cfg["PINGPONG"] else CONSUMER_WARPS)
 
 
 def checked_config(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, window, soft_cap, k_scale,

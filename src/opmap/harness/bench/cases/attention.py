@@ -89,13 +89,14 @@ VARIANTS = {"decode": [dict(PREFETCH=1), dict(num_stages=1), dict(num_stages=1, 
             # the TMA kernel at two stages (its default three take 132 KB), and on one warpgroup with
             # 64-row query blocks (two programs per SM)
             "prefill_tma": [dict(num_stages=2), dict(BLOCK_M=64, num_warps=4)],
-            # the Gluon warp-specialised prefill on 64-key tiles, at two and three stages
-            "prefill_ws": [dict(BLOCK_N=64), dict(BLOCK_N=64, STAGES=3)]}
+            # the Gluon warp-specialised prefill on 64-key tiles, at two and three stages, and with its
+            # two consumer warpgroups in partitions of their own taking turns (ping-pong)
+            "prefill_ws": [dict(BLOCK_N=64), dict(BLOCK_N=64, STAGES=3), dict(PINGPONG=1)]}
 
 
 def _tag(cfg):
     short = {"BLOCK_M": "bm", "BLOCK_N": "bn", "BLOCK_H": "bh", "num_warps": "w", "num_stages": "s", "PREFETCH": "pf",
-             "STAGES": "s"}
+             "STAGES": "s", "PINGPONG": "pp"}
     return ",".join(f"{short[k]}={v}" for k, v in cfg.items())
 
 
