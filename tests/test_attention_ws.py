@@ -4,12 +4,15 @@ what the backend declares. Its numbers are the GPU tests' (tests/gpu/test_attent
 Gluon kernels do not run in the interpreter."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from opmap.core import registry
 from opmap.core.contract import InputError
 from opmap.core.specs import AttentionSpec
 from opmap.harness.fixtures.attention import make_paged, make_query
 from opmap.kernels.attention import prefill_ws as W
+from opmap.kernels.attention.tiles import _box_positions, _box_row
 from opmap.kernels.attention.tma import SMEM_BUDGET
 
 BF = torch.bfloat16
@@ -82,3 +85,50 @@ def test_backend_declares_prefill_and_mixed_on_sm90_only():
     # runs nowhere in the interpreter (Gluon), and ranks below triton until its rows are measured
     assert b.available() is not None
     assert b.priority["sm90"] < registry.get("attention", "triton").priority["sm90"]
+
+
+@triton.jit
+def _box_layout_kernel(out_ptr, L, START, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BOX: tl.constexpr):
+    """Per column of tile program_id(0) from START: its key position, whether the tile adds it, the
+    page index and the page row its box reads it from (tiles._box_row / _box_positions, as the
+    warp-specialised kernels call them)."""
+    t = tl.program_id(0)
+    start = START + t * BLOCK_N
+    cols = tl.arange(0, BLOCK_N)
+    pos, new = _box_positions(start, cols, L, BOX)
+    j = start + cols - cols % BOX  # the column's box
+    pidx = tl.minimum(j // PAGE, (L - 1) // PAGE)
+    row = _box_row(j, L, pidx, PAGE, BOX) + cols % BOX
+    base = out_ptr + t * 4 * BLOCK_N + cols
+    tl.store(base, pos)
+    tl.store(base + BLOCK_N, new.to(tl.int32))
+    tl.store(base + 2 * BLOCK_N, pidx)
+    tl.store(base + 3 * BLOCK_N, row)
+
+
+@pytest.mark.parametrize("page,block_n", [(16, 128), (32, 128), (64, 128), (128, 128), (16, 64), (64, 64),
+                                          (128, 64)])
+def test_boxes_never_read_past_the_length_and_add_each_key_once(page, block_n):
+    """Where the warp-specialised kernels' TMA boxes read (gluon-ws: boxes of min(page, BLOCK_N)
+    rows; mla-gluon-ws: one 64-key box a tile ending at a split's end), in the interpreter: over
+    every tile of a key range [start, hi) with hi <= L, no box reads a row at or past L (rows
+    outside the page read as zeros), each key below hi is added exactly once, and a column the
+    tile adds holds the row of its own key."""
+    box = min(page, block_n)
+    lens = sorted({1, 2, box - 1, box, box + 1, page - 1, page, page + 1, 2 * page + 3, block_n - 1, block_n,
+                   block_n + 1, 3 * block_n + box // 2, 300} - {0})
+    for L in lens:
+        for start in (0, block_n):
+            for hi in {L, L - 5, L - box}:
+                if hi <= start:
+                    continue
+                n = -(-(hi - start) // block_n)
+                out = torch.zeros(n, 4, block_n, dtype=torch.int32)
+                _box_layout_kernel[(n,)](out, L, start, PAGE=page, BLOCK_N=block_n, BOX=box)
+                pos, new, pidx, row = (out[:, i].flatten() for i in range(4))
+                inside = (row >= 0) & (row < page)
+                read = pidx * page + row
+                assert bool((read[inside] < L).all()), (L, start, hi)  # nothing past the length
+                added = new.bool() & (pos < hi)
+                assert sorted(pos[added].tolist()) == list(range(start, hi)), (L, start, hi)
+                assert bool((inside[added]).all() and (read[added] == pos[added]).all()), (L, start, hi)

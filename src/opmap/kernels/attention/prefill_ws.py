@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opmap.core.contract import expect
 from opmap.kernels.attention.common import check_attention
-from opmap.kernels.attention.tiles import _kv_range, _locate
+from opmap.kernels.attention.tiles import _box_positions, _box_row, _kv_range, _locate
 from opmap.kernels.attention.tma import SMEM_BUDGET, cache_problem
 from opmap.kernels.gluon_util import hopper
 
@@ -124,26 +124,6 @@ def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_l
 
 
 @gluon.jit
-def _box_row(j, L, pidx, PAGE: gl.constexpr, BOX: gl.constexpr):
-    """The first page row a box of keys [j, j + BOX) reads: j's, if the box ends at or before L;
-    if L falls inside it, the box is read ending at L (its rows before j are keys done already,
-    masked by ``_positions``; rows before the page, a negative row, read as zeros); past L, a
-    row of -BOX: the whole box outside the descriptor, zeros."""
-    return gl.where(j + BOX <= L, j % PAGE, gl.where(j < L, L - BOX - pidx * PAGE, -BOX))
-
-
-@gluon.jit
-def _positions(start, cols, L, BOX: gl.constexpr):
-    """(key position, whether it is a key the tile adds) of each column of the tile at ``start``,
-    as _box_row laid the boxes out."""
-    j = start + cols
-    bs = j - cols % BOX  # the column's box
-    held = (bs < L) & (bs + BOX > L)  # the box that holds L, read ending at L
-    pos = gl.where(held, L - BOX + cols % BOX, j)
-    return pos, pos >= bs
-
-
-@gluon.jit
 def _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX: gl.constexpr,
             CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, HAS_CAP: gl.constexpr):
     """Raw scores of the tile at ``start`` to the exp2 domain, masked where the tile needs it."""
@@ -155,7 +135,7 @@ def _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap
     else:
         sc = sc * qk_scale
     if start >= full_end:  # tiles below full_end lie inside L: plain positions, no mask
-        j, new_key = _positions(start, cols, L, BOX)
+        j, new_key = _box_positions(start, cols, L, BOX)
         ok = ((j < kv_hi) & new_key)[None, :]
         if CAUSAL:
             ok = ok & (j[None, :] <= qpos[:, None])
