@@ -12,7 +12,7 @@ from opmap.core.contract import InputError
 from opmap.core.specs import AttentionSpec
 from opmap.harness.fixtures.attention import make_paged, make_query
 from opmap.kernels.attention import prefill_ws as W
-from opmap.kernels.attention.tiles import _box_positions, _box_row
+from opmap.kernels.attention.tiles import box_positions, box_row
 from opmap.kernels.attention.tma import SMEM_BUDGET
 
 BF = torch.bfloat16
@@ -90,15 +90,15 @@ def test_backend_declares_prefill_and_mixed_on_sm90_only():
 @triton.jit
 def _box_layout_kernel(out_ptr, L, START, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BOX: tl.constexpr):
     """Per column of tile program_id(0) from START: its key position, whether the tile adds it, the
-    page index and the page row its box reads it from (tiles._box_row / _box_positions, as the
+    page index and the page row its box reads it from (tiles.box_row / box_positions, as the
     warp-specialised kernels call them)."""
     t = tl.program_id(0)
     start = START + t * BLOCK_N
     cols = tl.arange(0, BLOCK_N)
-    pos, new = _box_positions(start, cols, L, BOX)
+    pos, new = box_positions(start, cols, L, BOX)
     j = start + cols - cols % BOX  # the column's box
     pidx = tl.minimum(j // PAGE, (L - 1) // PAGE)
-    row = _box_row(j, L, pidx, PAGE, BOX) + cols % BOX
+    row = box_row(j, L, pidx, PAGE, BOX) + cols % BOX
     base = out_ptr + t * 4 * BLOCK_N + cols
     tl.store(base, pos)
     tl.store(base + BLOCK_N, new.to(tl.int32))

@@ -35,7 +35,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opmap.core.contract import expect
 from opmap.kernels.attention.common import check_attention
-from opmap.kernels.attention.tiles import _box_positions, _box_row, _kv_range, _locate
+from opmap.kernels.attention.tiles import box_positions, box_row, _kv_range, _locate
 from opmap.kernels.attention.tma import SMEM_BUDGET, cache_problem
 from opmap.kernels.gluon_util import hopper
 
@@ -95,7 +95,7 @@ def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_l
     order, so each copy lands where the MMAs' view of the stage expects its rows.
 
     No box reads a row past the sequence's length L (it may hold anything): the box holding L is
-    read ending at L (``_box_row``), a box past L reads zeros."""
+    read ending at L (``box_row``), a box past L reads zeros."""
     BOX_L: gl.constexpr = K_DESC.layout
     W: gl.constexpr = K_DESC.block_type.shape[3]  # 64: one swizzle span of 16-bit elements
     D: gl.constexpr = k_smem.type.shape[2]
@@ -115,7 +115,7 @@ def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_l
             j = kv_lo + t * BLOCK_N + i * BOX
             pidx = gl.minimum(j // PAGE, last_page)
             page = gl.load(bt_row + pidx)
-            row = _box_row(j, L, pidx, PAGE, BOX)
+            row = box_row(j, L, pidx, PAGE, BOX)
             for h in gl.static_range(D // W):
                 dst_k = k_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
                 dst_v = v_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
@@ -135,7 +135,7 @@ def _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap
     else:
         sc = sc * qk_scale
     if start >= full_end:  # tiles below full_end lie inside L: plain positions, no mask
-        j, new_key = _box_positions(start, cols, L, BOX)
+        j, new_key = box_positions(start, cols, L, BOX)
         ok = ((j < kv_hi) & new_key)[None, :]
         if CAUSAL:
             ok = ok & (j[None, :] <= qpos[:, None])

@@ -122,20 +122,20 @@ def _kv_range(L, q_len, local, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _box_row(j, L, pidx, PAGE: tl.constexpr, BOX: tl.constexpr):
+def box_row(j, L, pidx, PAGE: tl.constexpr, BOX: tl.constexpr):
     """The first page row that a TMA box of keys [j, j + BOX) (inside page index ``pidx``) reads,
     so that no row at or past the length L is read (it may hold anything, NaN included): j's row
     if the box ends at or before L; if L falls inside it, the row that makes the box end at L (its
-    rows before j are keys done already, masked by ``_box_positions``; rows before the page, a
+    rows before j are keys done already, masked by ``box_positions``; rows before the page, a
     negative row, read as zeros through the descriptor); past L, -BOX: the whole box outside the
     descriptor, zeros."""
     return tl.where(j + BOX <= L, j % PAGE, tl.where(j < L, L - BOX - pidx * PAGE, -BOX))
 
 
 @triton.jit
-def _box_positions(start, cols, L, BOX: tl.constexpr):
+def box_positions(start, cols, L, BOX: tl.constexpr):
     """(key position, whether the tile adds that key) of each column ``cols`` of the tile of keys
-    from ``start`` (a multiple of BOX), its boxes read as ``_box_row`` lays them out."""
+    from ``start`` (a multiple of BOX), its boxes read as ``box_row`` lays them out."""
     j = start + cols
     bs = j - cols % BOX  # the column's box
     held = (bs < L) & (bs + BOX > L)  # the box that holds L, read ending at L

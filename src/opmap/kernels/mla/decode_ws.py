@@ -41,7 +41,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from opmap.core.contract import expect
 from opmap.core.tiles import tile_config
-from opmap.kernels.attention.tiles import _box_positions, _box_row
+from opmap.kernels.attention.tiles import box_positions, box_row
 from opmap.kernels.gluon_util import hopper
 from opmap.kernels.mla import common
 from opmap.kernels.mla.common import Workspace, _split_range
@@ -92,7 +92,7 @@ def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, end, n, M
     """Issue the boxes of the split's n tiles, STAGES tiles ahead of the MMAs. A latent stage
     [BLOCK_N, RANK] under the 128-byte swizzle is RANK / SPAN column chunks one after another, each
     [BLOCK_N, SPAN]: box c lands in chunk c. A partial last tile is read ending at the split's end
-    (attention/tiles._box_row: past a sequence's length a row may hold anything, NaN included)."""
+    (attention/tiles.box_row: past a sequence's length a row may hold anything, NaN included)."""
     CH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     BOX_L: gl.constexpr = KV_DESC.layout
     dt: gl.constexpr = KV_DESC.dtype
@@ -108,7 +108,7 @@ def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, end, n, M
         raw = gl.load(bt_row + gl.minimum(pidx, MAXP - 1))
         ok = (pidx < MAXP) & (raw >= 0) & (raw < NPAGES)
         page = gl.where(ok, raw, NPAGES)  # past the descriptor's pages: zeros (masked by the consumers)
-        row = _box_row(n0, end, pidx, PAGE, BLOCK_N)  # a partial last tile read ending at the split's end
+        row = box_row(n0, end, pidx, PAGE, BLOCK_N)  # a partial last tile read ending at the split's end
         chunks = lat.index(s)._reinterpret(dt, [R // W, BLOCK_N, W], CH_L)
         for c in gl.static_range(R // W):
             tma.async_copy_global_to_shared(KV_DESC, [page, row, c * W], full.index(s),
@@ -143,7 +143,7 @@ def _scores(q_smem, qp, lat_tile, rope_tile, s_zero):
 def _masked(s, n0, end, ok, cols, qk_scale, BLOCK_N: gl.constexpr):
     """Scores to the exp2 domain, -inf for keys past the split's end, keys done already (a partial
     tile's rows before n0) and keys of a page outside the cache."""
-    pos, new_key = _box_positions(n0, cols, end, BLOCK_N)
+    pos, new_key = box_positions(n0, cols, end, BLOCK_N)
     return gl.where(((pos < end) & new_key & ok)[None, :], s * qk_scale, float("-inf"))
 
 
