@@ -4,9 +4,9 @@ Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics an
 ``prefill_tma._prefill_tma_kernel``; what differs is who waits for what:
 
 - a producer warp (its own partition, few registers) walks the program's key tiles and issues
-  the TMA copies of K and V into a ring of ``STAGES`` shared-memory stages, each stage guarded by
-  a "full" barrier (the copies' bytes) and an "empty" one (the consumers are done with it);
-  a tile of BLOCK_N keys is BLOCK_N / BOX boxes, BOX = min(BLOCK_N, page) rows of one page, so
+  the TMA copies of K and V into a ring of ``STAGES`` shared-memory stages, K and V each behind a
+  "full" barrier (the copies' bytes) and an "empty" one (the consumers are done with it: a K tile
+  once its scores are computed, a V tile a tile later, once its P @ V is); a tile of BLOCK_N keys is BLOCK_N / BOX boxes, BOX = min(BLOCK_N, page) rows of one page, so
   pages of 16 and 32 keys are read by TMA too;
 - the consumers (two warpgroups, 64 query rows each) run the MMAs as warpgroup MMAs with Q and
   the K / V tiles straight from shared memory, and overlap each tile's softmax with the previous
@@ -85,42 +85,63 @@ def check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 @gluon.jit
-def _producer(K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh,
-              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
-    """Issue the K and V boxes of every key tile of the program, STAGES tiles ahead of the MMAs.
+def _tile_pages(bt_row, start, last_page, ii, PAGE: gl.constexpr, BOX: gl.constexpr):
+    """The page ids of the boxes of the tile at ``start`` (``ii``: the box indices), clamped to the
+    sequence's last page: one vector load, issued a tile ahead of its copies."""
+    return gl.load(bt_row + gl.minimum((start + ii * BOX) // PAGE, last_page))
 
-    A stage [BLOCK_N, D] under the 128-byte swizzle is D / 64 column chunks one after another, each
-    [BLOCK_N, 64] (128-byte rows); a box is [BOX, 64] of one chunk: rows i * BOX of page i's box,
-    columns 64 h, at chunk h's offset plus i * BOX rows. The stage is seen as those boxes in that
-    order, so each copy lands where the MMAs' view of the stage expects its rows.
+
+@gluon.jit
+def _issue(DESC, dst, pages, ii, start, L, last_page, kvh, bar, PAGE: gl.constexpr, BOX: gl.constexpr,
+           NB: gl.constexpr, D: gl.constexpr, W: gl.constexpr, CH_L: gl.constexpr):
+    """The boxes of one tile of K or V into a stage ``dst`` [BLOCK_N, D]: under the 128-byte swizzle
+    the stage is D / W column chunks one after another, each [BLOCK_N, W]; box i of chunk h
+    ([BOX, W]: keys i * BOX of the tile, columns W h) lands at chunk h's offset plus i * BOX rows."""
+    BOX_L: gl.constexpr = DESC.layout
+    dt: gl.constexpr = DESC.dtype
+    st = dst._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
+    for i in gl.static_range(NB):
+        j = start + i * BOX
+        pidx = gl.minimum(j // PAGE, last_page)
+        page = gl.sum(gl.where(ii == i, pages, 0), axis=0)
+        row = box_row(j, L, pidx, PAGE, BOX)
+        for h in gl.static_range(D // W):
+            tma.async_copy_global_to_shared(DESC, [page, row, kvh, h * W], bar,
+                                            st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L))
+
+
+@gluon.jit
+def _producer(K_DESC, V_DESC, k_smem, v_smem, k_full, v_full, k_empty, v_empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L,
+              kvh, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr, STAGES: gl.constexpr):
+    """Issue the K and V boxes of every key tile of the program into the stage ring, K and V each
+    behind barriers of their own: a K tile is released once its scores are computed, a V tile once
+    its P @ V is, a tile later, so the copies of the next K tiles never wait for a V tile's use.
+    The page ids of a tile are loaded a tile ahead, before the wait for its stage.
 
     No box reads a row past the sequence's length L (it may hold anything): the box holding L is
     read ending at L (``box_row``), a box past L reads zeros."""
-    BOX_L: gl.constexpr = K_DESC.layout
     W: gl.constexpr = K_DESC.block_type.shape[3]  # 64: one swizzle span of 16-bit elements
     D: gl.constexpr = k_smem.type.shape[2]
     NB: gl.constexpr = BLOCK_N // BOX
     CH_L: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    dt: gl.constexpr = K_DESC.dtype
+    BYTES: gl.constexpr = BLOCK_N * D * K_DESC.dtype.primitive_bitwidth // 8
+    ii = gl.arange(0, NB, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
     bt_row = bt_ptr + b.to(gl.int64) * s_bt
     last_page = (L - 1) // PAGE  # L >= 1 in a program with work
     n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
+    pages = _tile_pages(bt_row, kv_lo, last_page, ii, PAGE, BOX)
     for t in range(n):
         s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(full.index(s), 2 * BLOCK_N * D * dt.primitive_bitwidth // 8)
-        k_st = k_smem.index(s)._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
-        v_st = v_smem.index(s)._reinterpret(dt, [D // W * NB, BOX, W], CH_L)
-        for i in gl.static_range(NB):
-            j = kv_lo + t * BLOCK_N + i * BOX
-            pidx = gl.minimum(j // PAGE, last_page)
-            page = gl.load(bt_row + pidx)
-            row = box_row(j, L, pidx, PAGE, BOX)
-            for h in gl.static_range(D // W):
-                dst_k = k_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
-                dst_v = v_st.index(h * NB + i)._reinterpret(dt, [1, BOX, 1, W], BOX_L)
-                tma.async_copy_global_to_shared(K_DESC, [page, row, kvh, h * W], full.index(s), dst_k)
-                tma.async_copy_global_to_shared(V_DESC, [page, row, kvh, h * W], full.index(s), dst_v)
+        ph = ((t // STAGES) & 1) ^ 1
+        start = kv_lo + t * BLOCK_N
+        cur = pages
+        pages = _tile_pages(bt_row, start + BLOCK_N, last_page, ii, PAGE, BOX)
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_full.index(s), BYTES)
+        _issue(K_DESC, k_smem.index(s), cur, ii, start, L, last_page, kvh, k_full.index(s), PAGE, BOX, NB, D, W, CH_L)
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_full.index(s), BYTES)
+        _issue(V_DESC, v_smem.index(s), cur, ii, start, L, last_page, kvh, v_full.index(s), PAGE, BOX, NB, D, W, CH_L)
 
 
 @gluon.jit
@@ -161,7 +182,8 @@ def _pass(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L, kvh,
+def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, q0, q_len,
+              local, L, kvh,
               kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, n_heads,
               GROUP: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, BOX: gl.constexpr, CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
@@ -201,11 +223,12 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, 
     n = gl.cdiv(kv_hi - kv_lo, BLOCK_N)
     if n > 0:
         # tile 0: its scores alone (event 0)
-        mbarrier.wait(full.index(0), 0)
+        mbarrier.wait(k_full.index(0), 0)
         _turn(turn, 0, WG, PINGPONG)
         tok0 = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         _pass(turn, WG, PINGPONG)
         sc = warpgroup_mma_wait(0, deps=[tok0])
+        mbarrier.arrive(k_empty.index(0), count=1)
         sc = _scores(sc, kv_lo, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
                      HAS_WINDOW, HAS_CAP)
         m_i = gl.max(sc, 1)
@@ -217,13 +240,15 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, 
             s = t % STAGES
             prev = (t - 1) % STAGES
             start = kv_lo + t * BLOCK_N
-            mbarrier.wait(full.index(s), (t // STAGES) & 1)
+            mbarrier.wait(k_full.index(s), (t // STAGES) & 1)
+            mbarrier.wait(v_full.index(prev), ((t - 1) // STAGES) & 1)
             _turn(turn, t, WG, PINGPONG)
             s_tok = warpgroup_mma(q_smem, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p16, v_smem.index(prev), acc, is_async=True)
             _pass(turn, WG, PINGPONG)
             # MMAs retire in order: this lets S_t finish while P_{t-1} V_{t-1} runs on
             sc = warpgroup_mma_wait(1, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(s), count=1)
             sc = _scores(sc, start, cols, qpos, full_end, kv_hi, L, qk_scale, scale, soft_cap, window, BOX, CAUSAL,
                          HAS_WINDOW, HAS_CAP)
             m_new = gl.maximum(m_i, gl.max(sc, 1))
@@ -233,15 +258,16 @@ def _consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, 
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(empty.index(prev), count=1)
+            mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             p16 = gl.convert_layout(p.to(dt), P_L)
         last = (n - 1) % STAGES
+        mbarrier.wait(v_full.index(last), ((n - 1) // STAGES) & 1)
         _turn(turn, n, WG, PINGPONG)
         o_tok = warpgroup_mma(p16, v_smem.index(last), acc, is_async=True)
         _pass(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(empty.index(last), count=1)
+        mbarrier.arrive(v_empty.index(last), count=1)
 
     RO: gl.constexpr = gl.SliceLayout(1, O_L)
     l_o = gl.convert_layout(l_i, RO)
@@ -284,33 +310,40 @@ def _prefill_ws_kernel(q_ptr, K_DESC, V_DESC, o_ptr, lse_ptr, cu_ptr, sl_ptr, bt
         q_smem = gl.allocate_shared_memory(K_DESC.dtype, [NC, BLOCK_M // NC, D], TILE)
         k_smem = gl.allocate_shared_memory(K_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
         v_smem = gl.allocate_shared_memory(V_DESC.dtype, [STAGES, BLOCK_N, D], TILE)
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
-            mbarrier.init(full.index(i), count=1)
-            mbarrier.init(empty.index(i), count=NC)  # every consumer releases a stage
+            mbarrier.init(k_full.index(i), count=1)
+            mbarrier.init(v_full.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=NC)  # every consumer releases a stage
+            mbarrier.init(v_empty.index(i), count=NC)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
         hq = GROUP * gl.num_programs(1)
         if PINGPONG:  # two consumer partitions of a warpgroup each (this one and a worker)
             gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, q0,
+                             q_len, local, L,
                              kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
                              D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 0, True)),
-                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, q0,
+                             q_len, local, L,
                              kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
                              D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 1, True)),
-                (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
-                             BLOCK_N, BOX, STAGES)),
+                (_producer, (K_DESC, V_DESC, k_smem, v_smem, k_full, v_full, k_empty, v_empty, bt_ptr, b, s_bt, kv_lo,
+                             kv_hi, L, kvh, PAGE, BLOCK_N, BOX, STAGES)),
             ], [4, 1], [240, 24])
         else:  # one consumer partition of two warpgroups
             gl.warp_specialize([
-                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, full, empty, turn, q0, q_len, local, L,
+                (_consumer, (q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_full, v_full, k_empty, v_empty, turn, q0,
+                             q_len, local, L,
                              kvh, kv_lo, full_end, kv_hi, scale, soft_cap, window, s_qt, s_qh, s_ot, s_oh, hq, GROUP,
                              D, BLOCK_M, BLOCK_N, STAGES, BOX, CAUSAL, HAS_WINDOW, HAS_CAP, RETURN_LSE, 0, False)),
-                (_producer, (K_DESC, V_DESC, k_smem, v_smem, full, empty, bt_ptr, b, s_bt, kv_lo, kv_hi, L, kvh, PAGE,
-                             BLOCK_N, BOX, STAGES)),
+                (_producer, (K_DESC, V_DESC, k_smem, v_smem, k_full, v_full, k_empty, v_empty, bt_ptr, b, s_bt, kv_lo,
+                             kv_hi, L, kvh, PAGE, BLOCK_N, BOX, STAGES)),
             ], [1], [24])
 
 

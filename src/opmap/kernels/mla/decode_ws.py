@@ -13,11 +13,12 @@ and the long scoreboard (the latent tiles) the top stall (docs/mla.md). Here:
 - the consumers (two warpgroups, 240 registers a thread) hold a 64-head block's scores [64, 64]
   split by keys between them and its output [64, 512] split by latent columns (256 each), as
   FlashMLA splits the value dots. q's latent part sits in shared memory, its RoPE part in
-  registers; each tile's scores S_t = q K_t^T are issued together with the previous tile's
-  O += P_{t-1} V_{t-1} (V is the latent part of the same tile), the wait lets only S_t finish, and
-  the softmax of tile t runs while the tensor cores multiply tile t-1. P goes through shared memory
-  (both warpgroups need all 64 keys of it), in two buffers so that P_t is written while P_{t-1} is
-  read.
+  registers. Each tile's O += P_{t-1} V_{t-1} (V is the latent part of tile t-1) is issued, then
+  its scores S_t = q K_t^T: the MMAs retire in order, so the first wait frees tile t-1's stage
+  while S_t still runs, and the producer's copy of tile t+1 has the rest of the tile to land (at
+  128 heads the decode sits near the ridge of the H100 / H200: a load the MMAs wait for costs as
+  much as the MMAs; the softmax of 64 x 64 scores is short beside them). P goes through shared
+  memory (both warpgroups need all 64 keys of it).
 
 Rows past a sequence's length may hold anything, NaN included (0 * NaN would poison the output), so
 a split's partial last tile is read ending at the split's end, as the TMA kernel reads it: its rows
@@ -26,7 +27,7 @@ outside the cache (never in a valid table; a captured graph skips the host check
 through the descriptor and its keys are masked, as in the other MLA kernels.
 
 The split plan, the workspace and the merge are common.py's; ``make_workspace`` plans for one program
-an SM (this kernel's shared memory: q, two stages and two P buffers, about 224 KB).
+an SM (this kernel's shared memory: q, two stages and the P buffer, about 216 KB).
 """
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ SPLIT_MIN = 64  # fewest keys a split (one tile)
 
 
 def smem_bytes() -> int:
-    """Shared memory a program: q's latent part, the stages (latent + RoPE) and two P buffers."""
-    return 2 * (BLOCK_H * RANK + STAGES * BLOCK_N * (RANK + ROPE) + 2 * BLOCK_H * BLOCK_N)
+    """Shared memory a program: q's latent part, the stages (latent + RoPE) and the P buffer."""
+    return 2 * (BLOCK_H * RANK + STAGES * BLOCK_N * (RANK + ROPE) + BLOCK_H * BLOCK_N)
 
 
 def make_workspace(max_batch: int, num_heads: int, rank: int, device, *, num_splits: Optional[int] = None,
@@ -99,16 +100,19 @@ def _producer(KV_DESC, PE_DESC, lat, rope, full, empty, bt_row, start, end, n, M
     W: gl.constexpr = KV_DESC.block_type.shape[2]
     R: gl.constexpr = lat.type.shape[2]
     DR: gl.constexpr = rope.type.shape[2]
+    raw_next = _page_id(bt_row, start, MAXP, PAGE)
     for t in range(n):
         s = t % STAGES
-        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
-        mbarrier.expect(full.index(s), BLOCK_N * (R + DR) * dt.primitive_bitwidth // 8)
         n0 = start + t * BLOCK_N
         pidx = n0 // PAGE
-        raw = gl.load(bt_row + gl.minimum(pidx, MAXP - 1))
+        # the page id was loaded a tile ahead, before the wait for the stage
+        raw = raw_next
+        raw_next = _page_id(bt_row, n0 + BLOCK_N, MAXP, PAGE)
         ok = (pidx < MAXP) & (raw >= 0) & (raw < NPAGES)
         page = gl.where(ok, raw, NPAGES)  # past the descriptor's pages: zeros (masked by the consumers)
         row = box_row(n0, end, pidx, PAGE, BLOCK_N)  # a partial last tile read ending at the split's end
+        mbarrier.wait(empty.index(s), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(full.index(s), BLOCK_N * (R + DR) * dt.primitive_bitwidth // 8)
         chunks = lat.index(s)._reinterpret(dt, [R // W, BLOCK_N, W], CH_L)
         for c in gl.static_range(R // W):
             tma.async_copy_global_to_shared(KV_DESC, [page, row, c * W], full.index(s),
@@ -125,11 +129,17 @@ def _chunks(buf, dt: gl.constexpr, ROWS: gl.constexpr, R: gl.constexpr, W: gl.co
 
 
 @gluon.jit
+def _page_id(bt_row, n0, MAXP, PAGE: gl.constexpr):
+    """The block-table entry of the tile at n0, its index clamped into the table (0 for a table of
+    no columns, which the host checks refuse but a captured graph does not check)."""
+    return gl.load(bt_row + gl.maximum(gl.minimum(n0 // PAGE, MAXP - 1), 0))
+
+
+@gluon.jit
 def _tile_ok(bt_row, n0, MAXP, NPAGES, PAGE: gl.constexpr):
     """Whether the tile at n0 reads a page of the sequence's table that lies inside the cache."""
-    pidx = n0 // PAGE
-    raw = gl.load(bt_row + gl.minimum(pidx, MAXP - 1))
-    return (pidx < MAXP) & (raw >= 0) & (raw < NPAGES)
+    raw = _page_id(bt_row, n0, MAXP, PAGE)
+    return (n0 // PAGE < MAXP) & (raw >= 0) & (raw < NPAGES)
 
 
 @gluon.jit
@@ -173,7 +183,7 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
     for c in gl.static_range(R // W):
         qch.index(c).store(gl.load(qrow + c * W + w[None, :], mask=hm, other=0.0))
     # loaded straight in the MMA operand's layout: a layout conversion would take 8 KB of shared
-    # memory beyond the program's 224 KB
+    # memory beyond the program's 216 KB
     QP_A: gl.constexpr = gl.DotOperandLayout(0, S_L, 2)
     hp = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, QP_A))
     dp = gl.arange(0, DR, layout=gl.SliceLayout(0, QP_A))
@@ -194,7 +204,7 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
         m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)
         p = gl.exp2(s - m_ref[:, None])
         l_i = gl.sum(p, 1)
-        p_smem.index(0).store(p.to(dt))
+        p_smem.store(p.to(dt))
         fence_async_shared()
         gl.thread_barrier()
         for t in range(1, n):
@@ -202,10 +212,14 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
             prev = (t - 1) % STAGES
             n0 = start + t * BLOCK_N
             mbarrier.wait(full.index(st), (t // STAGES) & 1)
+            # P_{t-1} V_{t-1} first, then S_t: the MMAs retire in order, so the wait for the
+            # first frees tile t-1's stage while S_t still runs, and the producer's copy of
+            # tile t+1 into it has the rest of this tile to land
+            o_tok = warpgroup_mma(p_smem, lat.index(prev), acc, is_async=True)
             s_tok = _scores(q_smem, qp, lat.index(st), rope.index(st), s_zero)
-            o_tok = warpgroup_mma(p_smem.index((t - 1) % 2), lat.index(prev), acc, is_async=True)
-            # MMAs retire in order: S_t finishes while P_{t-1} V_{t-1} runs on
-            s = warpgroup_mma_wait(1, deps=[s_tok])
+            acc = warpgroup_mma_wait(2, deps=[o_tok])
+            mbarrier.arrive(empty.index(prev), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
             s = _masked(s, n0, end, _tile_ok(bt_row, n0, MAXP, NPAGES, PAGE), cols, qk_scale, BLOCK_N)
             m_new = gl.maximum(m_i, gl.max(s, 1))
             m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -213,14 +227,12 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
             p = gl.exp2(s - m_ref[:, None])
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
-            p_smem.index(t % 2).store(p.to(dt))
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            mbarrier.arrive(empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+            p_smem.store(p.to(dt))  # P_{t-1}'s MMA is done: one buffer
             fence_async_shared()
             gl.thread_barrier()
         last = (n - 1) % STAGES
-        o_tok = warpgroup_mma(p_smem.index((n - 1) % 2), lat.index(last), acc, is_async=True)
+        o_tok = warpgroup_mma(p_smem, lat.index(last), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(empty.index(last), count=1)
 
@@ -259,7 +271,7 @@ def _mla_ws_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE,
         q_smem = gl.allocate_shared_memory(dt, [BH, R], TILE)
         lat = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, R], TILE)
         rope = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], TILE)
-        p_smem = gl.allocate_shared_memory(dt, [2, BH, BLOCK_N], TILE)
+        p_smem = gl.allocate_shared_memory(dt, [BH, BLOCK_N], TILE)
         full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
