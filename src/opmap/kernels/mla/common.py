@@ -97,6 +97,18 @@ def workspace(max_batch: int, num_heads: int, rank: int, device, num_splits: int
                      num_splits, split_min)
 
 
+def decode_outputs(q_nope: torch.Tensor, workspace, make_workspace):
+    """(out, lse, workspace) of a decode entry: its output [B, H, R] in q's dtype, its LSE [B, H] in
+    fp32, and the workspace given (checked) or one ``make_workspace(B, H, R, device)`` makes."""
+    B, H, R = q_nope.shape
+    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
+    if workspace is None:
+        workspace = make_workspace(B, H, R, q_nope.device)
+    check_workspace(workspace, B, H, R, q_nope.device)
+    return out, lse, workspace
+
+
 def check_workspace(ws: Workspace, B: int, H: int, R: int, device) -> None:
     expect(isinstance(ws, Workspace), "workspace", type(ws).__name__, "an MLA Workspace from make_workspace")
     expect(ws.max_batch >= B and ws.part_o.shape[1] == H and ws.part_o.shape[3] == R,

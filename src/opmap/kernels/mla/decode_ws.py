@@ -319,13 +319,8 @@ def mla_decode(q_nope, q_pe, cache, seq_lens, block_tables, *, scale: float, kv_
     tile_config({}, config)
     check_decode(q_nope, q_pe, cache, seq_lens, block_tables, kv_scale, scale)
     check_inputs(q_nope, q_pe, cache)
-    B, H, R = q_nope.shape
-    out = torch.empty(B, H, R, dtype=q_nope.dtype, device=q_nope.device)
-    lse = torch.empty(B, H, dtype=torch.float32, device=q_nope.device)
-    if workspace is None:
-        workspace = make_workspace(B, H, R, q_nope.device)
-    common.check_workspace(workspace, B, H, R, q_nope.device)
-    if B > 0:
+    out, lse, workspace = common.decode_outputs(q_nope, workspace, make_workspace)
+    if q_nope.shape[0] > 0:
         launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspace)
         common.merge(workspace, out, lse, seq_lens, 0, max(workspace.split_min, BLOCK_N), False)
     return (out, lse) if return_lse else out
