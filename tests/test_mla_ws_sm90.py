@@ -21,7 +21,7 @@ res = {}
 for splits in (1, 8):
     ce = dict(NUM_SPLITS=splits, PAGE=64, BH=t.BLOCK_H, R=t.RANK, DR=t.ROPE, BLOCK_N=t.BLOCK_N, STAGES=t.STAGES)
     s = dict(sig, **{x: "constexpr" for x in ce})
-    k = compile_gluon_sm90(t._mla_ws_kernel, s, ce, {"num_warps": t.CONSUMER_WARPS}, (0, 1, 4, 5, 6, 7, 8, 9))
+    k = compile_gluon_sm90(t._mla_decode_ws_kernel, s, ce, {"num_warps": t.CONSUMER_WARPS}, (0, 1, 4, 5, 6, 7, 8, 9))
     ptx = k.asm["ptx"]
     dst = [int(x) for x in re.findall(r"add\.s32\s+%r\d+, %r\d+, (\d+);\n(?:[^\n]*\n){0,6}?[^\n]*cp\.async\.bulk\.tensor", ptx)]
     res[splits] = {**usage(k), "plan": t.smem_bytes(),

@@ -256,7 +256,7 @@ def _consumer(QN, QP, O, LSE, PO, PLSE, q_smem, lat, rope, p_smem, full, empty, 
 
 
 @gluon.jit
-def _mla_ws_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE, sm_scale, H, MAXP, NPAGES,
+def _mla_decode_ws_kernel(QN, QP, KV_DESC, PE_DESC, SEQ_LENS, TABLES, O, LSE, PO, PLSE, sm_scale, H, MAXP, NPAGES,
                    SPLIT_MIN, s_qnb, s_qnh, s_qpb, s_qph, s_tb, s_ob, s_oh, s_pob, s_poh, s_pos, s_plb, s_plh,
                    NUM_SPLITS: gl.constexpr, PAGE: gl.constexpr, BH: gl.constexpr, R: gl.constexpr,
                    DR: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -305,7 +305,7 @@ def launch(q_nope, q_pe, cache, seq_lens, block_tables, scale, out, lse, workspa
     kv, pe = descriptors(cache, R, Dr)
     S = workspace.num_splits
     po, pl = workspace.part_o, workspace.part_lse
-    _mla_ws_kernel[(-(-H // BLOCK_H), S, B)](
+    _mla_decode_ws_kernel[(-(-H // BLOCK_H), S, B)](
         q_nope, q_pe, kv, pe, seq_lens, block_tables, out, lse, po, pl, float(scale), H, block_tables.shape[1],
         cache.shape[0], max(workspace.split_min, BLOCK_N), q_nope.stride(0), q_nope.stride(1), q_pe.stride(0),
         q_pe.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), po.stride(0), po.stride(1),
