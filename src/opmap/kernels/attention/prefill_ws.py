@@ -6,8 +6,9 @@ Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics an
 - a producer warp (its own partition, few registers) walks the program's key tiles and issues
   the TMA copies of K and V into a ring of ``STAGES`` shared-memory stages, K and V each behind a
   "full" barrier (the copies' bytes) and an "empty" one (the consumers are done with it: a K tile
-  once its scores are computed, a V tile a tile later, once its P @ V is); a tile of BLOCK_N keys is BLOCK_N / BOX boxes, BOX = min(BLOCK_N, page) rows of one page, so
-  pages of 16 and 32 keys are read by TMA too;
+  once its scores are computed, a V tile a tile later, once its P @ V is); a tile of BLOCK_N keys
+  is BLOCK_N / BOX boxes, BOX = min(BLOCK_N, page) rows of one page, so pages of 16 and 32 keys
+  are read by TMA too;
 - the consumers (two warpgroups, 64 query rows each) run the MMAs as warpgroup MMAs with Q and
   the K / V tiles straight from shared memory, and overlap each tile's softmax with the previous
   tile's P @ V: S_t = Q K_t^T and O += P_{t-1} V_{t-1} are issued together, the wait lets only
@@ -15,7 +16,8 @@ Same grid, sequence lookup, GQA packing, causal / window / soft-cap semantics an
   tensor cores still multiply tile t-1.
 
 The triton-tma kernel leaves that ordering to Triton's pipeliner, which waits for each tile's
-MMAs before the next softmax (docs/attention.md holds its measured bound).
+MMAs before the next softmax: in its Nsight Compute profile the MMAs and the softmax of the one
+block take turns (docs/attention.md, What limits speed).
 
 Rows past a sequence's length in its last page may hold anything, NaN included (0 * NaN would
 poison the output), so no box reads them: the box that holds the length is read ending at it (its
