@@ -4,7 +4,8 @@ layers; with and without with_stack=True, which adds the nn.Module frames, and w
 record_shapes), HF Mixtral-, Qwen3-MoE- and DeepSeek-V2-Lite-shaped models (MoE; MLA), batch 4 with
 sampled decoding, an HF Llama forward under torch.compile and generate with a static cache (its
 decode forward compiled with mode="reduce-overhead"), a FlashInfer decode loop, opmap's own engine (dense and
-MLA), an HF Gemma-2 generate on the CPU (a host-only trace), and,
+MLA), an HF Gemma-2 generate on the CPU (a host-only trace), three HF Llama generate calls on the
+CPU in one host-only trace without shapes, and,
 where Nsight Systems is installed, an SQLite export of the SDPA run. Small on purpose: each file
 is a test fixture of ``opmap profile --trace``.
 
@@ -139,6 +140,26 @@ def hf_gemma2_cpu(path: str) -> None:
     _save(path[:-3], path)
 
 
+def hf_llama_cpu_calls(path: str) -> None:
+    """HF Llama (2 small layers) on the CPU, three greedy ``generate`` calls of 32-token prompts, 8 new
+    tokens each, with the module frames, in one host-only trace without shapes: 24 steps, 3 of them
+    prefills; the decode steps of the later calls run the same launches as the first call's."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=1000)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 1000, (1, 32))
+    with torch.no_grad():
+        with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+            for _ in range(3):
+                model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    prof.export_chrome_trace(path[:-3])
+    _save(path[:-3], path)
+
+
 def hf_compile(path: str) -> None:
     model = _llama("sdpa")
     fwd = torch.compile(model.forward)
@@ -226,6 +247,7 @@ RECORDERS = {
     "hf-deepseekv2-eager-stack": lambda p: hf_generate(_deepseek_v2("eager"), p, stack=True),
     "hf-deepseekv2-sdpa": lambda p: hf_generate(_deepseek_v2("sdpa"), p),
     "hf-gemma2-cpu": hf_gemma2_cpu,
+    "hf-llama-cpu-calls": hf_llama_cpu_calls,
     "opmap-llama": lambda p: opmap_engine("tiny-llama3", p),
     "opmap-deepseek": lambda p: opmap_engine("tiny-deepseek", p),
 }

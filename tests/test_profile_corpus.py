@@ -26,9 +26,10 @@ OURS = {"flashinfer-decode": (True, False, False), "hf-llama-compile": (True, Fa
         "hf-llama-compile-static": (True, False, False), "hf-llama-sdpa-b4-sampled": (True, False, False),
         "hf-mixtral-sdpa-b4-sampled": (True, True, False), "hf-deepseekv2-eager-stack": (True, True, False),
         "hf-deepseekv2-sdpa": (True, True, False), "hf-gemma2-cpu": (True, False, False),
-        "opmap-qwen3moe-b1-decode": (True, True, False)}
-# HF generate runs: one prefill step (the prompt) and the decode steps after it
-HF_GENERATE = sorted(n for n in OURS if n.startswith("hf-") and n != "hf-llama-compile")
+        "opmap-qwen3moe-b1-decode": (True, True, False), "hf-llama-cpu-calls": (True, False, False)}
+# HF generate runs: one prefill step (the prompt) and the decode steps after it (hf-llama-cpu-calls
+# holds three generate calls: tests/test_profile_trace.py)
+HF_GENERATE = sorted(n for n in OURS if n.startswith("hf-") and n not in ("hf-llama-compile", "hf-llama-cpu-calls"))
 THEIRS = {"traceMap__1_h100_1000isl_10osl_32con.pt.trace": (True, False, True),
           "TraceLens__eager_trace": (True, True, True),
           "TraceLens__Qwen_Qwen1.5-0.5B-Chat__1016005": (True, False, False),

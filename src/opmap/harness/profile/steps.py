@@ -273,9 +273,10 @@ def label(step: dict, median_busy_us: float, medians: Optional[dict] = None,
     ``medians`` from grid_medians; a prefill step's elementwise, norm and GEMM launches cover
     the prompt's rows), else from its GPU busy time against the run's median step (low: a
     prefill step computes over the prompt, a decode step over one token per sequence). A step
-    over the median busy time stays decode where its launches' sizes match the median step's,
-    or, with no sizes recorded, where it ran the run's ``common`` launches (common_launches) in
-    under twice the median time: warm-up and host jitter, not a prompt's rows."""
+    over the median busy time stays decode where its launches' sizes match the median step's.
+    With no sizes recorded, the run's ``common`` launches (common_launches: the decode loop's)
+    decide first: a step that ran them is decode, one that ran more launches of its own (a
+    prompt's set-up) is prefill, whatever their host time."""
     name = step["name"] or ""
     m = re.match(r"^opmap::step::(\w+)$", name)
     if m:
@@ -292,14 +293,21 @@ def label(step: dict, median_busy_us: float, medians: Optional[dict] = None,
     big, share = grown(step, medians) if medians else (0, 0.0)
     if big >= 3 and share >= 0.1:
         return "prefill", "medium"
+    sized = sum(n in (medians or {}) for n in _grids(step))
+    if sized < SIZED_KERNELS and common is not None:
+        # No sizes: the launches say more than the time. A host op's time is wall time, which other
+        # processes on the CPU stretch (decode steps of one HF loop measured 0.3x to 6x their
+        # median under load); a prompt's step launches its own set-up (masks, the cache) beside
+        # the loop's ops. A prefill that launches exactly the loop's ops reads as decode here:
+        # record shapes to tell it apart.
+        if _launches(step) == common:
+            return "decode", "low"
+        if sum(c for _, c in _launches(step)) > sum(c for _, c in common):
+            return "prefill", "low"
     if busy(step["kernels"]) < 1.15 * median_busy_us:
         return "decode", "low"
     # longer than the median step: a prompt's rows, unless its launches are the median step's sizes
-    sized = sum(n in (medians or {}) for n in _grids(step))
-    if sized >= SIZED_KERNELS:
-        same = grown(step, medians, 2.0)[0] == 0
-    else:
-        same = common is not None and _launches(step) == common and busy(step["kernels"]) < 2 * median_busy_us
+    same = sized >= SIZED_KERNELS and grown(step, medians, 2.0)[0] == 0
     return ("decode" if same else "prefill"), "low"
 
 
