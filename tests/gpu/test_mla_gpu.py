@@ -52,6 +52,16 @@ def _cache(lens, page, seed, fp8=False):
                       gen=torch.Generator().manual_seed(seed), std=0.5)
 
 
+def _poisoned_cache(lens, seed):
+    """A bf16 cache of pages of 64 with NaN in every row of a sequence's last page past its length
+    (rows no kernel may read: 0 * NaN would poison the output)."""
+    pc = _cache(lens, 64, seed)
+    for b, n in enumerate(lens):
+        if n % 64:
+            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    return pc
+
+
 @pytest.mark.parametrize("H", [16, 128])
 @pytest.mark.parametrize("page", [1, 16, 64])
 def test_decode_bf16_pages(H, page):
@@ -410,10 +420,7 @@ def test_tma_decode_bf16(H, cfg):
     pages, a 32k context, an empty sequence; NaN in every row past a length (the tail tile must not
     read them); then a CUDA-graph replay after re-planning."""
     lens = [1, 63, 64, 65, 1000, 0, 4096 + 3, 32768]
-    pc = _cache(lens, 64, 40 + H)
-    for b, n in enumerate(lens):
-        if n % 64:
-            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    pc = _poisoned_cache(lens, 40 + H)
     qn, qp = _q(len(lens), H, _gen(41))
     ws = tma.make_workspace(len(lens), H, R, "cuda", config=cfg)
     run = lambda: tma.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,  # noqa: E731
@@ -502,10 +509,7 @@ def test_ws_decode_lengths_nan_past_lengths_and_bad_pages(H, splits):
     is read ending at its split's end), one split and eight; a page id outside the cache reads as
     masked keys."""
     lens = [0, 1, 63, 64, 65, 1000, 4096 + 3, 32768]
-    pc = _cache(lens, 64, 50 + H)
-    for b, n in enumerate(lens):
-        if n % 64:
-            pc.cache[int(pc.block_tables[b, n // 64]), n % 64:] = float("nan")
+    pc = _poisoned_cache(lens, 50 + H)
     qn, qp = _q(len(lens), H, _gen(51))
     ws = _be("mla-gluon-ws")("make_workspace", len(lens), H, R, "cuda", num_splits=splits)
     got = _be("mla-gluon-ws")("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,
