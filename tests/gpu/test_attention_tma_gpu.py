@@ -100,6 +100,24 @@ def test_prefill_ws(case, config):
     _close(out, plain.float(), what="warp-specialised vs gather kernel")
 
 
+@pytest.mark.parametrize("config", [None, {"PINGPONG": 1}], ids=["default", "pingpong"])
+def test_prefill_ws_fp16(config):
+    """fp16 queries and caches (the kernel's other 16-bit type; the cases above are bf16) on pages of
+    16, GQA, NaN in every slot past a length, a chunk, a one-token and a short prompt."""
+    import torch
+
+    seq, ql = [1000, 65, 17], [1000, 1, 17]
+    pc = make_paged(seq, 8, 128, 16, dtype=torch.float16, shared=True, poison=True, device=DEV)
+    q, cu = make_query(ql, 32, 128, dtype=torch.float16, device=DEV)
+    kw = dict(scale=128 ** -0.5, causal=True, return_lse=True)
+    out, lse = registry.get("attention", "gluon-ws")("prefill", q, pc.k_cache, pc.v_cache, cu, pc.seq_lens,
+                                                      pc.block_tables, config=config, **kw)
+    assert out.dtype == torch.float16
+    ref, ref_lse = _ref(R.prefill, q, pc, cu, pc.seq_lens, pc.block_tables, **kw)
+    _close(out, ref)
+    _lse_ok(lse, ref_lse)
+
+
 def test_prefill_ws_page_ids_outside_the_cache_read_zeros_and_graph_replay_matches():
     """A page id past the cache or negative reads zeros through the descriptor (never other memory);
     the launch has no host sync, so it replays under a CUDA graph to the eager output after the

@@ -241,6 +241,22 @@ def test_selected_on_this_gpu():
     assert _be("mla-tma").fn("mla_decode") is tma.mla_decode and _be("mla-gluon-fp8").fn("mla_decode") is G.mla_decode
 
 
+def test_ws_decode_fp16():
+    """mla-gluon-ws on fp16 queries and an fp16 cache (the other 16-bit type; the cases above are
+    bf16), 128 heads, lengths at tile edges and a split plan of eight."""
+    F16 = torch.float16
+    lens = [1, 63, 65, 1000, 4096 + 3]
+    pc = make_cache(lens, R, DR, 64, F16, device="cuda", gen=torch.Generator().manual_seed(53), std=0.5)
+    qn, qp = _q(len(lens), 128, _gen(53), F16)
+    ws = _be("mla-gluon-ws")("make_workspace", len(lens), 128, R, "cuda", num_splits=8)
+    got = _be("mla-gluon-ws")("mla_decode", qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE,
+                              return_lse=True, workspace=ws)
+    want = ref.mla_decode(qn, qp, pc.cache, pc.seq_lens, pc.block_tables, scale=SCALE, return_lse=True)
+    assert got[0].dtype == F16
+    _agree(got[0], want[0], what="fp16")
+    assert_close(got[1], want[1], dtype=BF, what="lse")
+
+
 @pytest.mark.parametrize("name,H", [("mla-triton", 16), ("mla-tma", 16), ("mla-gluon-ws", 128)])
 def test_decode_cuda_graph_replay_after_replanning(name, H):
     """Captured once with its workspace, replayed after the lengths, page tables and queries change
