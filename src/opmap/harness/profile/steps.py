@@ -8,6 +8,7 @@ import bisect
 import functools
 import re
 import statistics
+from collections import Counter
 from typing import Optional
 
 from opmap.harness.profile import attribute
@@ -241,10 +242,7 @@ def grown(step: dict, medians: dict, factor: float = GRID_PREFILL) -> tuple[int,
 def _launches(step: dict) -> tuple:
     """The step's launches as (kernel name, count) pairs, sorted; kept in the step."""
     if "launches" not in step:
-        counts: dict = {}
-        for k in step["kernels"]:
-            counts[k.name] = counts.get(k.name, 0) + 1
-        step["launches"] = tuple(sorted(counts.items()))
+        step["launches"] = tuple(sorted(Counter(k.name for k in step["kernels"]).items()))
     return step["launches"]
 
 
@@ -252,13 +250,10 @@ def common_launches(steps: list) -> Optional[tuple]:
     """The launches (``_launches``) that more steps ran than any other set, where at least two
     steps ran them: a decode loop repeats one set of launches, a prefill adds its own (a mask, a
     cache's set-up)."""
-    counts: dict = {}
-    for s in steps:
-        counts[_launches(s)] = counts.get(_launches(s), 0) + 1
-    ranked = sorted(counts.values(), reverse=True)
-    if not ranked or ranked[0] < 2 or (len(ranked) > 1 and ranked[1] == ranked[0]):
+    top = Counter(_launches(s) for s in steps).most_common(2)
+    if not top or top[0][1] < 2 or (len(top) > 1 and top[1][1] == top[0][1]):
         return None
-    return max(counts, key=counts.get)
+    return top[0][0]
 
 
 # Kernels whose sizes a step must share with the run's median step before the sizes, not its busy

@@ -129,7 +129,7 @@ def _graph_replay(name, fp8=False, H=None):
         s = dict(_shape("cuda"), **({"H": H} if H else {}))
         B, page, maxp = 4, 64, 40
         P = B * maxp
-        pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B, H=s["H"])
+        pc, qn, qp = _problem("cuda", s, 61, lens=[5] * B)
         cache = (torch.randn(P, page, s["R"] + s["Dr"], device="cuda") * 0.5).to(s["dt"])
         ks = None
         if fp8:
@@ -237,12 +237,12 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     shape128 = f"R={s['R']},Dr={s['Dr']},h=128,dtype={dts}"
     out = [CheckCase("parity", "attention", "mla-reference", f"decode vs fp64 SDPA,{shape}", _ref_vs_sdpa(device),
                      tags=TAGS)]
-    for name in _runnable("attention", spec):
+    narrow = _runnable("attention", spec)
+    for name in narrow:
         out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape}",
                              _decode(device, name, s["page"]), tags=TAGS))
     # 128 heads on the GPU: every backend serving them; in the quick run too for one that serves no
     # fewer than 64 heads (its only decode case)
-    narrow = _runnable("attention", spec)
     for name in _runnable("attention", spec.replace(num_heads=128)) if device == "cuda" else []:
         out.append(CheckCase("gqa-mla", "attention", name, f"decode,page={s['page']},{shape128}",
                              _decode(device, name, s["page"], H=128), tags=TAGS, quick=name not in narrow))
@@ -269,13 +269,13 @@ def cases(device: str, quick: bool) -> list[CheckCase]:
     if device == "cuda":
         for kv in (dts, "fp8"):
             graphed = spec.replace(kv_dtype=kv, cuda_graph=True)
-            narrow = _runnable("attention", graphed)
-            for name in narrow:
+            narrow_graphed = _runnable("attention", graphed)
+            for name in narrow_graphed:
                 if "make_workspace" in registry.get("attention", name).impl:
                     out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=16,kv={kv}",
                                          _graph_replay(name, fp8=kv == "fp8"), device="cuda", tags=TAGS))
             for name in _runnable("attention", graphed.replace(num_heads=128)):
-                if name not in narrow and "make_workspace" in registry.get("attention", name).impl:
+                if name not in narrow_graphed and "make_workspace" in registry.get("attention", name).impl:
                     out.append(CheckCase("graph", "attention", name, f"decode replay after re-planning,h=128,kv={kv}",
                                          _graph_replay(name, fp8=kv == "fp8", H=128), device="cuda", tags=TAGS))
     app = KVAppendSpec(kind="mla", num_kv_heads=1, head_dim=s["R"] + s["Dr"], page_size=s["page"],
